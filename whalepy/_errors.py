@@ -1,0 +1,36 @@
+"""Exceptions raised for user mistakes.
+
+Each one carries a message that names the cause (module path, annotation, device group, the numbers
+involved) and the fix, so a user never has to read a traceback from inside torch to learn what went
+wrong.
+"""
+
+from __future__ import annotations
+
+
+class WhalepyError(Exception):
+    """Base class for every error whalepy raises on purpose."""
+
+
+class AnnotationError(WhalepyError, ValueError):
+    """An annotation (replicate / split / stage / cluster) is contradictory, malformed or unusable."""
+
+
+class ClusterSpecError(WhalepyError, ValueError):
+    """A cluster description is incomplete or inconsistent."""
+
+
+class CaptureError(WhalepyError, RuntimeError):
+    """The model could not be traced into an FX graph."""
+
+
+class InfeasibleError(WhalepyError, RuntimeError):
+    """No plan fits the cluster; the message says which device group runs short and what to relax."""
+
+
+class PlanError(WhalepyError, ValueError):
+    """A plan is malformed, of an unknown version, or made for another model or cluster."""
+
+
+class LaunchError(WhalepyError, RuntimeError):
+    """The distributed launch does not match the plan (world size, device types, model)."""

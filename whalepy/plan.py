@@ -1,0 +1,428 @@
+"""The Plan: what the planner decides and the runtime lowers, as frozen, validated dataclasses.
+
+A plan lays the world's ranks out as a 3-D grid ``[stage][replica][tp]``. Each pipeline stage owns a
+``[dp][tp]`` block of global ranks, so stages may sit on different device types, and a data-parallel
+replica (one index along the dp axis, across all stages) may sit on a different device type from its
+neighbours and carry its own share of the global batch (Whale's hardware-aware balancing). Per block
+the plan records activation checkpointing and the memory tier of parameters and optimizer states; per
+stage the ZeRO stage. Everything the runtime needs is here; the predicted costs are for the user.
+
+Serialised as JSON with a ``"version"`` field; loading refuses versions it does not know.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from whalepy._errors import PlanError
+
+PLAN_VERSION = 1
+
+
+class Schedule(str, enum.Enum):
+    """Pipeline schedule; values match the names used in ``torch.distributed.pipelining``."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED_1F1B = "interleaved_1f1b"
+
+
+class Tier(str, enum.Enum):
+    """Where a block's model states live between uses (ZeRO-Infinity's tiers)."""
+
+    GPU = "gpu"
+    CPU = "cpu"
+    NVME = "nvme"
+
+
+class ZeroStage(enum.IntEnum):
+    """ZeRO stage (Rajbhandari et al., SC'20): 0 plain DP, 1 optimizer states, 2 + gradients, 3 + params."""
+
+    NONE = 0
+    OPTIMIZER = 1
+    GRADIENTS = 2
+    PARAMETERS = 3
+
+
+class TPStyle(str, enum.Enum):
+    """How one module's weights are split across a tensor-parallel group."""
+
+    COLWISE = "colwise"  # output features sharded; input replicated
+    ROWWISE = "rowwise"  # input features sharded; output all-reduced (or reduce-scattered)
+    VOCAB = "vocab"  # embedding table sharded along the vocabulary (rowwise over num_embeddings)
+    SEQUENCE = "sequence"  # norm / dropout run on sequence shards (sequence parallel)
+    REPLICATE = "replicate"  # kept whole on every TP rank
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TPRule:
+    """One module and the way tensor parallelism splits it, as found by the pattern pass."""
+
+    module: str
+    """Qualified module name, e.g. ``"transformer.h.3.mlp.c_fc"``."""
+    style: TPStyle
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "style", TPStyle(self.style))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BlockPlan:
+    """One partitioning unit (a transformer layer, the embeddings, the head) inside a stage."""
+
+    name: str
+    """Block name from the profile: the module path of a repeated block, or a synthetic name."""
+    checkpoint: bool = False
+    """Recompute this block's activations in backward instead of keeping them."""
+    param_tier: Tier = Tier.GPU
+    """Where parameters (and, under ZeRO-3, their shards) rest between uses."""
+    optimizer_tier: Tier = Tier.GPU
+    """Where optimizer states and fp32 master weights live."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "param_tier", Tier(self.param_tier))
+        object.__setattr__(self, "optimizer_tier", Tier(self.optimizer_tier))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageCost:
+    """Predicted per-step figures for one stage (the slowest replica of it)."""
+
+    compute_s: float = 0.0
+    """Forward + backward (+ recompute) time per micro-batch."""
+    comm_s: float = 0.0
+    """Tensor-parallel and point-to-point time per micro-batch that is not hidden."""
+    grad_sync_s: float = 0.0
+    """Data-parallel / ZeRO gradient synchronisation per step."""
+    offload_s: float = 0.0
+    """Exposed transfer time to and from CPU / NVMe per step."""
+    bubble_s: float = 0.0
+    """Idle time in the pipeline per step."""
+    memory_bytes: int = 0
+    """Peak memory per device."""
+    capacity_bytes: int = 0
+    """Usable memory per device."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StagePlan:
+    """A pipeline stage: consecutive blocks and the ``[dp][tp]`` grid of global ranks that run them."""
+
+    index: int
+    blocks: tuple[BlockPlan, ...]
+    ranks: tuple[tuple[int, ...], ...]
+    """``ranks[d][t]``: global rank of data-parallel replica ``d``, tensor-parallel shard ``t``."""
+    device_types: tuple[str, ...]
+    """Device type of each replica ``d`` (every rank of a TP group has the same type)."""
+    zero_stage: ZeroStage = ZeroStage.NONE
+    cost: StageCost = field(default_factory=StageCost)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "zero_stage", ZeroStage(self.zero_stage))
+        if not self.blocks:
+            raise PlanError(f"stage {self.index} has no blocks; every stage needs at least one")
+        widths = {len(row) for row in self.ranks}
+        if len(widths) != 1:
+            raise PlanError(f"stage {self.index}: TP groups of unequal size {sorted(widths)}")
+        if len(self.device_types) != len(self.ranks):
+            raise PlanError(
+                f"stage {self.index}: {len(self.device_types)} device types for "
+                f"{len(self.ranks)} data-parallel replicas"
+            )
+
+    @property
+    def dp_degree(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def tp_degree(self) -> int:
+        return len(self.ranks[0])
+
+    @property
+    def all_ranks(self) -> tuple[int, ...]:
+        return tuple(r for row in self.ranks for r in row)
+
+    @property
+    def block_names(self) -> tuple[str, ...]:
+        return tuple(b.name for b in self.blocks)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanCost:
+    """Predicted whole-step figures."""
+
+    step_time_s: float = 0.0
+    samples_per_s: float = 0.0
+    tokens_per_s: float = 0.0
+    model_tflops_per_gpu: float = 0.0
+    """Model FLOPs (6 * params * tokens style, no recompute) per second per GPU, in TFLOP/s."""
+    mfu: float = 0.0
+    """Model FLOPs utilisation against the peak of each GPU's type."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SolverReport:
+    """How the plan was found."""
+
+    solver: str = "none"
+    """``"highs"``, ``"cbc"``, ``"exhaustive"`` or ``"given"`` (a configuration the user fixed)."""
+    status: str = "unsolved"
+    objective: float = 0.0
+    mip_gap: float = 0.0
+    solve_time_s: float = 0.0
+    """Wall time of the whole search, model capture excluded."""
+    num_candidates: int = 0
+    """Outer configurations (degrees, micro-batches, schedule) considered."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Alternative:
+    """A configuration the planner considered and rejected, with the reason."""
+
+    description: str
+    step_time_s: float
+    """``math.inf`` if it did not fit."""
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Plan:
+    """A complete hybrid-parallel training plan for one model on one cluster."""
+
+    model_name: str
+    model_fingerprint: str
+    """Hash of the model's structure (module paths, parameter shapes); guards against loading a plan
+    made for another model."""
+    world_size: int
+    rank_device_types: tuple[str, ...]
+    """Device type of each global rank, from the cluster spec."""
+    global_batch: int
+    seq_len: int | None = None
+    num_microbatches: int = 1
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+    virtual_stages: int = 1
+    """Stages per rank; more than 1 only for the interleaved schedule."""
+    batch_shares: tuple[int, ...]
+    """Samples per step of each data-parallel replica; they sum to ``global_batch``."""
+    stages: tuple[StagePlan, ...]
+    tensor_parallel: tuple[TPRule, ...] = ()
+    """How TP splits each module, for every stage whose ``tp_degree`` is above 1."""
+    cost: PlanCost = field(default_factory=PlanCost)
+    solver: SolverReport = field(default_factory=SolverReport)
+    alternatives: tuple[Alternative, ...] = ()
+    notes: tuple[str, ...] = ()
+    """Decisions the user should know about (forced by annotations, relaxed constraints, ...)."""
+    version: int = PLAN_VERSION
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "schedule", Schedule(self.schedule))
+        self._validate()
+
+    def _validate(self) -> None:
+        if self.version != PLAN_VERSION:
+            raise PlanError(
+                f"plan version {self.version} is not supported by this whalepy (knows {PLAN_VERSION}); "
+                "re-run whalepy.plan() to make a plan for this version"
+            )
+        if not self.stages:
+            raise PlanError("a plan needs at least one stage")
+        if len(self.rank_device_types) != self.world_size:
+            raise PlanError(
+                f"rank_device_types has {len(self.rank_device_types)} entries, world_size is "
+                f"{self.world_size}"
+            )
+        dp = self.stages[0].dp_degree
+        for s in self.stages:
+            if s.dp_degree != dp:
+                raise PlanError(
+                    f"stage {s.index} has data-parallel degree {s.dp_degree}, stage 0 has {dp}; "
+                    "every stage must have the same number of replicas"
+                )
+        used = [r for s in self.stages for r in s.all_ranks]
+        if sorted(used) != list(range(self.world_size)):
+            raise PlanError(
+                f"stages use ranks {sorted(used)}, expected each of 0..{self.world_size - 1} exactly once"
+            )
+        for s in self.stages:
+            for d, row in enumerate(s.ranks):
+                types = {self.rank_device_types[r] for r in row}
+                if types != {s.device_types[d]}:
+                    raise PlanError(
+                        f"stage {s.index} replica {d}: ranks {row} have device types {sorted(types)}, "
+                        f"the plan says {s.device_types[d]!r}"
+                    )
+        if len(self.batch_shares) != dp:
+            raise PlanError(f"{len(self.batch_shares)} batch shares for {dp} data-parallel replicas")
+        if sum(self.batch_shares) != self.global_batch or min(self.batch_shares) < 1:
+            raise PlanError(
+                f"batch shares {list(self.batch_shares)} must be positive and sum to the global batch "
+                f"{self.global_batch}"
+            )
+        for share in self.batch_shares:
+            if share % self.num_microbatches:
+                raise PlanError(
+                    f"batch share {share} is not divisible by {self.num_microbatches} micro-batches; "
+                    "every replica splits its share into equal micro-batches"
+                )
+        if self.virtual_stages > 1 and self.schedule is not Schedule.INTERLEAVED_1F1B:
+            raise PlanError(f"virtual_stages={self.virtual_stages} needs the interleaved schedule")
+        names = [b.name for s in self.stages for b in s.blocks]
+        if len(set(names)) != len(names):
+            raise PlanError("a block appears in more than one stage")
+
+    # -- derived views -------------------------------------------------------------------------
+
+    @property
+    def pp_degree(self) -> int:
+        return len(self.stages)
+
+    @property
+    def dp_degree(self) -> int:
+        return self.stages[0].dp_degree
+
+    @property
+    def tp_degrees(self) -> tuple[int, ...]:
+        return tuple(s.tp_degree for s in self.stages)
+
+    @property
+    def is_uniform_batch(self) -> bool:
+        return len(set(self.batch_shares)) == 1
+
+    def stage_of_rank(self, rank: int) -> tuple[StagePlan, int, int]:
+        """Return ``(stage, replica index, tp index)`` of a global rank."""
+        for s in self.stages:
+            for d, row in enumerate(s.ranks):
+                if rank in row:
+                    return s, d, row.index(rank)
+        raise PlanError(f"rank {rank} is not in this plan (world size {self.world_size})")
+
+    def block_plan(self, name: str) -> BlockPlan:
+        for s in self.stages:
+            for b in s.blocks:
+                if b.name == name:
+                    return b
+        raise PlanError(f"block {name!r} is not in this plan")
+
+    # -- serialisation -------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_jsonable(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json() + "\n")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        version = data.get("version")
+        if version != PLAN_VERSION:
+            raise PlanError(
+                f"plan file has version {version!r}; this whalepy reads version {PLAN_VERSION}. "
+                "Re-create the plan with whalepy.plan() or `whalepy plan`."
+            )
+        try:
+            return _from_jsonable(cls, data)
+        except (KeyError, TypeError, ValueError) as e:
+            if isinstance(e, PlanError):
+                raise
+            raise PlanError(f"plan data is malformed: {e}") from e
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanError(f"plan is not valid JSON: {e}") from e
+        return cls.from_dict(data)
+
+    @classmethod
+    def load(cls, path: str | Path, *, model_fingerprint: str | None = None) -> Plan:
+        """Load a plan; with ``model_fingerprint`` refuse a plan made for a different model."""
+        p = Path(path)
+        if not p.exists():
+            raise PlanError(f"no plan file at {p}")
+        plan = cls.from_json(p.read_text())
+        if model_fingerprint is not None:
+            plan.check_model(model_fingerprint)
+        return plan
+
+    def check_model(self, model_fingerprint: str) -> None:
+        if model_fingerprint != self.model_fingerprint:
+            raise PlanError(
+                f"this plan was made for model {self.model_name!r} with fingerprint "
+                f"{self.model_fingerprint}, but the model given has fingerprint {model_fingerprint}; "
+                "its module paths or parameter shapes differ. Re-plan for this model."
+            )
+
+    def __str__(self) -> str:
+        from whalepy._plan_format import format_plan
+
+        return format_plan(self)
+
+    def summary(self) -> str:
+        return str(self)
+
+    def explain(self) -> str:
+        from whalepy._plan_format import format_explanation
+
+        return format_explanation(self)
+
+
+# -- JSON helpers ----------------------------------------------------------------------------------
+
+def _to_jsonable(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if isinstance(obj, (tuple, list)):
+        return [_to_jsonable(x) for x in obj]
+    if isinstance(obj, float) and math.isinf(obj):
+        return "inf"
+    return obj
+
+
+def _from_jsonable(cls: type, data: dict[str, Any]) -> Any:
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        kwargs[f.name] = _convert(hints[f.name], data[f.name])
+    unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise PlanError(f"{cls.__name__} has no field(s) {sorted(unknown)}")
+    return cls(**kwargs)
+
+
+def _convert(tp: Any, value: Any) -> Any:
+    import typing
+
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is tuple:
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_convert(args[0], v) for v in value)
+        return tuple(_convert(a, v) for a, v in zip(args, value))
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if value is None:
+            return None
+        non_none = [a for a in args if a is not type(None)]
+        return _convert(non_none[0], value)
+    if dataclasses.is_dataclass(tp):
+        return _from_jsonable(tp, value)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return tp(value)
+    if tp is float:
+        return math.inf if value == "inf" else float(value)
+    return value
