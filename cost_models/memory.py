@@ -1,0 +1,281 @@
+"""Memory per device: model states by ZeRO stage and tier, activations, pipeline in-flight micro-batches,
+and the exposed time of moving offloaded states. Formulas and sources are in docs/cost_model.md.
+
+Units are bytes (floats: per-device shares such as ``K * Psi / N_d`` need not be whole numbers).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from whalepy.plan import Schedule, Tier, ZeroStage
+
+HALF_PRECISION_BYTES = 2
+"""Bytes of one fp16/bf16 parameter or gradient in mixed-precision training."""
+
+ADAM_OPTIMIZER_BYTES_PER_PARAM = 12
+"""``K`` for mixed-precision Adam: fp32 master weight, momentum and variance, 4 bytes each
+(Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", SC'20)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelStateBytes:
+    """Model-state bytes one device holds, by kind on the GPU and by tier off it."""
+
+    params: float
+    """Half-precision parameters resident on the GPU (the local shard under ZeRO-3)."""
+    grads: float
+    """Half-precision gradients on the GPU."""
+    optimizer: float
+    """Optimizer states and fp32 master weights on the GPU."""
+    working_params: float = 0.0
+    """ZeRO-3 only: the largest block's gathered parameters, alive on the GPU while it runs."""
+    cpu: float = 0.0
+    """States offloaded to host memory."""
+    nvme: float = 0.0
+    """States offloaded to NVMe."""
+
+    @property
+    def gpu(self) -> float:
+        return self.params + self.grads + self.optimizer + self.working_params
+
+    @property
+    def total(self) -> float:
+        return self.gpu + self.cpu + self.nvme
+
+
+def estimate_model_state_bytes(
+    *,
+    num_params: float,
+    zero_stage: ZeroStage | int,
+    dp_degree: int,
+    param_tier: Tier | str = Tier.GPU,
+    optimizer_tier: Tier | str = Tier.GPU,
+    optimizer_bytes_per_param: float = ADAM_OPTIMIZER_BYTES_PER_PARAM,
+    working_param_bytes: float = 0.0,
+) -> ModelStateBytes:
+    """Model-state bytes per device for ``num_params`` (Psi) parameters and ``dp_degree`` (N_d) replicas.
+
+    Rajbhandari et al. (SC'20), with K = ``optimizer_bytes_per_param``: DP ``(2 + 2 + K) Psi``;
+    ZeRO-1 ``4 Psi + K Psi / N_d``; ZeRO-2 ``2 Psi + (2 + K) Psi / N_d``; ZeRO-3 ``(4 + K) Psi / N_d``.
+
+    ``optimizer_tier`` CPU or NVMe moves the optimizer part (fp32 master weights included) off the GPU,
+    as ZeRO-Offload (Ren et al., ATC'21) and ZeRO-Infinity (Rajbhandari et al., SC'21) do; gradients
+    are still counted on the GPU, which overstates GPU use by at most the gradient shard.
+    ``param_tier`` CPU or NVMe (ZeRO-3 only) moves the parameter shard off the GPU. Under ZeRO-3 a
+    block's parameters are gathered whole before it runs, wherever the shard rests, so
+    ``working_param_bytes`` (the largest block's half-precision parameters, times the blocks
+    prefetched at once) is added to the GPU.
+    """
+    zero_stage, param_tier, optimizer_tier = ZeroStage(zero_stage), Tier(param_tier), Tier(optimizer_tier)
+    if num_params < 0 or optimizer_bytes_per_param < 0 or working_param_bytes < 0:
+        raise ValueError(
+            f"num_params ({num_params}), optimizer_bytes_per_param ({optimizer_bytes_per_param}) and "
+            f"working_param_bytes ({working_param_bytes}) must be non-negative"
+        )
+    if dp_degree < 1:
+        raise ValueError(f"dp_degree must be at least 1, got {dp_degree}")
+    if zero_stage < ZeroStage.PARAMETERS:
+        if param_tier is not Tier.GPU:
+            raise ValueError(
+                f"param_tier={param_tier.value} needs ZeRO-3 (zero_stage=3), got zero_stage="
+                f"{int(zero_stage)}: below stage 3 every device uses all parameters in place; "
+                "set zero_stage=3 or keep param_tier=gpu"
+            )
+        if working_param_bytes:
+            raise ValueError(
+                f"working_param_bytes={working_param_bytes} only applies to ZeRO-3, which gathers "
+                f"parameters per block; got zero_stage={int(zero_stage)}"
+            )
+
+    psi, nd, k = num_params, dp_degree, optimizer_bytes_per_param
+    half = HALF_PRECISION_BYTES * psi
+    params = half / nd if zero_stage >= ZeroStage.PARAMETERS else half
+    grads = half / nd if zero_stage >= ZeroStage.GRADIENTS else half
+    optimizer = k * psi / nd if zero_stage >= ZeroStage.OPTIMIZER else k * psi
+
+    off = {Tier.CPU: 0.0, Tier.NVME: 0.0}
+    if param_tier is not Tier.GPU:
+        off[param_tier] += params
+        params = 0.0
+    if optimizer_tier is not Tier.GPU:
+        off[optimizer_tier] += optimizer
+        optimizer = 0.0
+    return ModelStateBytes(
+        params=params,
+        grads=grads,
+        optimizer=optimizer,
+        working_params=working_param_bytes,
+        cpu=off[Tier.CPU],
+        nvme=off[Tier.NVME],
+    )
+
+
+# -- activations ----------------------------------------------------------------------------------
+
+
+class Recompute(str, enum.Enum):
+    """Activation recomputation policy (Korthikanti et al., 2022)."""
+
+    NONE = "none"
+    SELECTIVE = "selective"
+    """Recompute only the attention core (QK^T, softmax, dropout, attention over V)."""
+    FULL = "full"
+    """Keep only each layer's input; recompute the whole layer in backward."""
+
+
+def estimate_transformer_activation_bytes(
+    *,
+    seq_len: int,
+    micro_batch: int,
+    hidden: int,
+    num_heads: int,
+    tp_degree: int = 1,
+    sequence_parallel: bool = False,
+    recompute: Recompute | str = Recompute.NONE,
+) -> float:
+    """Activation bytes one GPT-style transformer layer keeps for backward, per device, per micro-batch.
+
+    Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models" (MLSys'23),
+    with ``s, b, h, a, t`` = sequence, micro-batch, hidden, heads, TP degree (16-bit activations,
+    1-byte dropout masks, 4h MLP):
+
+    - no recompute: ``sbh(34 + 5as/h)``; with TP ``sbh(10 + 24/t + 5as/(ht))``; with TP and sequence
+      parallelism ``sbh/t (34 + 5as/h)``;
+    - selective recompute drops the attention-core term ``5as/(ht)``: ``sbh(10 + 24/t)``, or
+      ``34 sbh/t`` with sequence parallelism;
+    - full recompute keeps the layer input, ``2sbh``, sharded by ``t`` under sequence parallelism.
+    """
+    recompute = Recompute(recompute)
+    for name, value in (("seq_len", seq_len), ("micro_batch", micro_batch), ("hidden", hidden),
+                        ("num_heads", num_heads), ("tp_degree", tp_degree)):
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
+    s, b, h, a, t = seq_len, micro_batch, hidden, num_heads, tp_degree
+    sbh = s * b * h
+    if recompute is Recompute.FULL:
+        return 2 * sbh / (t if sequence_parallel else 1)
+    # Sequence parallelism shards the layer-norm and dropout activations (the "10") across TP ranks too.
+    linear_terms = 34 / t if sequence_parallel else 10 + 24 / t
+    attention_core = 5 * a * s / (h * t)
+    if recompute is Recompute.SELECTIVE:
+        return sbh * linear_terms
+    return sbh * (linear_terms + attention_core)
+
+
+def inflight_microbatches(
+    schedule: Schedule | str,
+    *,
+    stage_index: int,
+    num_stages: int,
+    num_microbatches: int,
+    virtual_stages: int = 1,
+) -> int:
+    """Most micro-batches whose activations stage ``stage_index`` holds at once.
+
+    - GPipe runs every forward before any backward: ``M``.
+    - 1F1B runs ``S - i - 1`` warm-up forwards, then one more before its first backward:
+      ``min(M, S - i)`` (PipeDream-Flush: Narayanan et al., "Memory-Efficient
+      Pipeline-Parallel DNN Training", ICML'21).
+    - Interleaved 1F1B (``v`` model chunks per rank) counts *chunk* activations, each about ``1/v`` of
+      the rank's blocks: warm-up ``2(S - i - 1) + (v - 1) S`` chunk forwards plus one, capped at
+      ``M v`` -- the warm-up of Megatron-LM's interleaved schedule and of torch.distributed.pipelining's
+      ``ScheduleInterleaved1F1B``. On stage 0 that is ``S + (S - 1)/v`` stages' worth of activations,
+      the ``(1 + (S-1)/(S v))`` factor of Narayanan et al. (SC'21) over plain 1F1B's ``S``.
+    """
+    schedule = Schedule(schedule)
+    s, i, m, v = num_stages, stage_index, num_microbatches, virtual_stages
+    if s < 1 or m < 1 or v < 1:
+        raise ValueError(f"num_stages ({s}), num_microbatches ({m}) and virtual_stages ({v}) must be >= 1")
+    if not 0 <= i < s:
+        raise ValueError(f"stage_index {i} is outside 0..{s - 1}")
+    if v > 1 and schedule is not Schedule.INTERLEAVED_1F1B:
+        raise ValueError(f"virtual_stages={v} needs the interleaved schedule, got {schedule.value}")
+    if schedule is Schedule.GPIPE:
+        return m
+    if schedule is Schedule.ONE_F_ONE_B:
+        return min(m, s - i)
+    if schedule is Schedule.INTERLEAVED_1F1B:
+        return min(m * v, 2 * (s - i - 1) + (v - 1) * s + 1)
+    raise ValueError(f"unhandled schedule {schedule!r}")  # pragma: no cover
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BlockActivations:
+    """Activation figures of one block for one micro-batch, from a profile."""
+
+    saved_bytes: float
+    """Bytes the block saves for backward when it is not checkpointed."""
+    input_bytes: float
+    """Bytes of the block's input, all a checkpointed block keeps."""
+    checkpoint: bool = False
+
+
+def estimate_stage_activation_bytes(
+    *,
+    blocks: Sequence[BlockActivations],
+    num_inflight: int,
+    virtual_stages: int = 1,
+) -> float:
+    """Peak activation bytes of one pipeline stage (one device).
+
+    Per micro-batch a stage keeps each block's ``saved_bytes``, or only its ``input_bytes`` when the
+    block is checkpointed (Chen et al., "Training Deep Nets with Sublinear Memory Cost", 2016). That is
+    multiplied by ``num_inflight`` (from :func:`inflight_microbatches`; with ``virtual_stages = v`` it
+    counts chunks, each holding ``1/v`` of the stage's blocks). While a checkpointed block runs its
+    backward its full activations are recomputed, one block at a time, so the largest such block's
+    ``saved_bytes`` is added once.
+    """
+    if num_inflight < 0 or virtual_stages < 1:
+        raise ValueError(
+            f"num_inflight ({num_inflight}) must be >= 0 and virtual_stages ({virtual_stages}) >= 1"
+        )
+    kept = sum(blk.input_bytes if blk.checkpoint else blk.saved_bytes for blk in blocks)
+    recompute_peak = max((blk.saved_bytes for blk in blocks if blk.checkpoint), default=0.0)
+    return num_inflight * kept / virtual_stages + recompute_peak
+
+
+# -- offload traffic ------------------------------------------------------------------------------
+
+
+def estimate_offload_time(
+    *,
+    bytes_to_move: float,
+    host_link_bandwidth: float,
+    nvme_read_bandwidth: float | None = None,
+    compute_time_s: float,
+    prefetch_depth: int = 1,
+) -> float:
+    """Exposed (not hidden) seconds of moving offloaded states to the GPU for one block, steady state.
+
+    ``bytes_to_move`` and ``compute_time_s`` are one block's transfer and compute (totals over a phase
+    work the same way, less the first fetch, which nothing hides). The path is PCIe (``bytes / host``),
+    preceded for NVMe-resident states by an NVMe read (``bytes / nvme``). ZeRO-Infinity (Rajbhandari et
+    al., SC'21) overlaps block i's compute, block i+1's CPU->GPU copy and block i+2's NVMe->CPU read:
+
+    - ``prefetch_depth`` 0: nothing overlaps, exposed = the whole serial transfer;
+    - depth at least the number of hops (1 from CPU, 2 from NVMe): the hops pipeline with compute and
+      each other, exposed = ``max(0, bytes / min(host, nvme) - compute)``;
+    - NVMe with depth 1: the two hops run back to back, overlapped with compute only.
+
+    Deeper prefetching does not hide more in steady state: the link is already busy with the other
+    blocks' transfers, so its throughput, not the buffer count, is the limit.
+    """
+    if bytes_to_move < 0 or compute_time_s < 0 or prefetch_depth < 0:
+        raise ValueError(
+            f"bytes_to_move ({bytes_to_move}), compute_time_s ({compute_time_s}) and prefetch_depth "
+            f"({prefetch_depth}) must be non-negative"
+        )
+    if host_link_bandwidth <= 0 or (nvme_read_bandwidth is not None and nvme_read_bandwidth <= 0):
+        raise ValueError(
+            f"bandwidths must be positive, got host {host_link_bandwidth} and nvme {nvme_read_bandwidth}"
+        )
+    hops = [bytes_to_move / host_link_bandwidth]
+    if nvme_read_bandwidth is not None:
+        hops.append(bytes_to_move / nvme_read_bandwidth)
+    if prefetch_depth == 0:
+        return sum(hops)
+    transfer = max(hops) if prefetch_depth >= len(hops) else sum(hops)
+    return max(0.0, transfer - compute_time_s)

@@ -1,0 +1,143 @@
+"""ModelProfile: what the planner knows about a model, per block, measured from its FX graph.
+
+``whalepy.profile(model, example_inputs)`` captures the model (no weights materialised; the meta
+device is fine), runs the analysis passes in ``whalepy.passes`` and summarises the graph into blocks:
+the units of pipeline partitioning (transformer layers, the embeddings, the head). Figures are for the
+example inputs' batch; the planner scales FLOPs and activation bytes linearly in the batch.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from whalepy.plan import TPRule
+
+
+class BlockKind(str, enum.Enum):
+    EMBEDDING = "embedding"
+    LAYER = "layer"  # one of a run of structurally identical blocks (transformer layers)
+    HEAD = "head"
+    OTHER = "other"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BlockAnnotations:
+    """The effective user annotations of a block (inherited from enclosing scopes)."""
+
+    split: int | None = None
+    """Tensor-parallel degree fixed by ``split(n)``; ``0`` means ``split()`` without a degree."""
+    replicate: int | None = None
+    """Data-parallel degree fixed by ``replicate(n)``; ``0`` means ``replicate()`` without a degree."""
+    stage: int | None = None
+    """Index of the ``stage()`` scope the block is in, numbered 0.. in model order."""
+    cluster_gpu: str | None = None
+    """GPU type the block is pinned to by ``cluster(gpu=...)``."""
+    cluster_group: str | None = None
+    """Cluster node-group name the block is pinned to by ``cluster(group=...)``."""
+    cluster_count: int | None = None
+    """Number of devices the pinned region uses, from ``cluster(count=...)``."""
+    cluster_nodes: int | None = None
+    """Number of nodes the pinned region uses, from ``cluster(nodes=...)``."""
+    sources: tuple[str, ...] = ()
+    """Human-readable origins, e.g. ``"split(4) on transformer.h.0.mlp"``, for error messages."""
+
+    @property
+    def is_empty(self) -> bool:
+        return (
+            self.split is None
+            and self.replicate is None
+            and self.stage is None
+            and self.cluster_gpu is None
+            and self.cluster_group is None
+            and self.cluster_count is None
+            and self.cluster_nodes is None
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BlockProfile:
+    """Cost-relevant figures of one partitioning unit, at the profile's batch size."""
+
+    name: str
+    """Module path of the block (``"transformer.h.3"``) or a synthetic name (``"embed"``, ``"head"``)."""
+    index: int
+    """Position in execution order, 0-based."""
+    kind: BlockKind
+    modules: tuple[str, ...]
+    """Top-level module paths the block covers (parameters of these belong to the block)."""
+    repeat_group: int | None = None
+    """Blocks with equal structure (same ops, shapes, parameter shapes) share an id; the planner ties them."""
+    num_params: int
+    param_bytes: int
+    fwd_flops: float
+    bwd_flops: float
+    bytes_moved: float
+    """Memory traffic of forward (inputs + outputs + weights of every op), bytes."""
+    activation_bytes: int
+    """Bytes saved for backward by the block's forward (no checkpointing)."""
+    input_bytes: int
+    """Bytes of the tensors flowing into the block (what a checkpointed block keeps, and the p2p size
+    when a stage boundary falls before it)."""
+    output_bytes: int
+    tp_rules: tuple[TPRule, ...] = ()
+    """How tensor parallelism would split this block's modules (empty: no TP pattern found)."""
+    tp_comm_bytes: int = 0
+    """Bytes all-reduced per forward when the block runs tensor-parallel (outputs of rowwise modules);
+    backward moves the same amount again."""
+    tp_degrees: tuple[int, ...] = (1,)
+    """TP degrees every sharded dimension of the block (heads, features, vocab) divides by."""
+    annotations: BlockAnnotations = field(default_factory=BlockAnnotations)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelProfile:
+    """Whole-model summary; ``print(profile)`` shows a table of blocks."""
+
+    model_name: str
+    fingerprint: str
+    """Stable hash of module paths and parameter shapes and dtypes."""
+    batch_size: int
+    seq_len: int | None
+    """Tokens per sample when the first input is ``[batch, seq]`` token ids, else None."""
+    total_params: int
+    param_bytes: int
+    blocks: tuple[BlockProfile, ...]
+    capture_method: str = "export"
+    """``"export"`` (torch.export, non-strict) or ``"symbolic_trace"`` (the fallback)."""
+    capture_time_s: float = 0.0
+    graph: Any = field(default=None, repr=False, compare=False)
+    """The analysed ``torch.fx.GraphModule`` (node.meta carries the ``whalepy.*`` keys)."""
+
+    @property
+    def fwd_flops(self) -> float:
+        return sum(b.fwd_flops for b in self.blocks)
+
+    @property
+    def bwd_flops(self) -> float:
+        return sum(b.bwd_flops for b in self.blocks)
+
+    @property
+    def train_flops(self) -> float:
+        """Forward + backward FLOPs of one training step at ``batch_size`` (no recomputation)."""
+        return self.fwd_flops + self.bwd_flops
+
+    def block(self, name: str) -> BlockProfile:
+        for b in self.blocks:
+            if b.name == name:
+                return b
+        raise KeyError(f"no block named {name!r}; blocks are {[b.name for b in self.blocks]}")
+
+    def __str__(self) -> str:
+        from whalepy._profile_format import format_profile
+
+        return format_profile(self)
+
+
+def profile(model: Any, example_inputs: Any, **kwargs: Any) -> ModelProfile:
+    """Capture ``model`` on ``example_inputs`` (a tuple of tensors, or a dict of keyword inputs) and
+    return its :class:`ModelProfile`. Weights are never materialised."""
+    from whalepy.passes.profile import build_profile
+
+    return build_profile(model, example_inputs, **kwargs)
