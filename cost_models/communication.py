@@ -18,6 +18,7 @@ import enum
 import math
 from dataclasses import dataclass
 
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Link:
     """One level of the interconnect as seen by a single rank."""

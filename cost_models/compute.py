@@ -56,6 +56,11 @@ class Precision(str, enum.Enum):
     FP32 = "fp32"
 
 
+def precision_bytes(precision: Precision | str) -> int:
+    """Bytes per element of activations and communicated tensors trained in ``precision``."""
+    return 4 if Precision(precision) is Precision.FP32 else 2
+
+
 def peak_flops(device: DeviceType, precision: Precision | str) -> float:
     """Datasheet peak FLOP/s of ``device`` for ``precision`` (fp16/bf16 tensor cores, or fp32)."""
     precision = Precision(precision)

@@ -157,7 +157,8 @@ def estimate_transformer_activation_bytes(
     sbh = s * b * h
     if recompute is Recompute.FULL:
         return 2 * sbh / (t if sequence_parallel else 1)
-    # Sequence parallelism shards the layer-norm and dropout activations (the "10") across TP ranks too.
+    # Plain TP replicates the layer norms' inputs/outputs and residual dropout masks (the "10") on every
+    # rank; sequence parallelism shards them along the sequence as well.
     linear_terms = 34 / t if sequence_parallel else 10 + 24 / t
     attention_core = 5 * a * s / (h * t)
     if recompute is Recompute.SELECTIVE:

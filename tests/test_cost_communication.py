@@ -42,7 +42,8 @@ def test_tree_formulas():
     a, bw = NIC.latency, NIC.bandwidth
     for p in (2, 5, 8, 100):
         depth = math.ceil(math.log2(p))
-        assert flat(Collective.ALL_REDUCE, N, p, NIC, Algorithm.TREE) == pytest.approx(2 * depth * (a + N / bw))
+        tree_ar = flat(Collective.ALL_REDUCE, N, p, NIC, Algorithm.TREE)
+        assert tree_ar == pytest.approx(2 * depth * (a + N / bw))
         assert flat(Collective.BROADCAST, N, p, NIC, "tree") == pytest.approx(depth * (a + N / bw))
 
 
@@ -68,7 +69,9 @@ def test_ring_all_reduce_is_reduce_scatter_plus_all_gather(p):
 
 @pytest.mark.parametrize("c", ALL)
 def test_one_rank_or_zero_bytes_costs_nothing(c):
-    assert flat(c, N, 1, NVLINK) == (0.0 if c is not Collective.SEND_RECV else NVLINK.latency + N / NVLINK.bandwidth)
+    # send/recv is point to point: the group size does not enter.
+    one_message = NVLINK.latency + N / NVLINK.bandwidth
+    assert flat(c, N, 1, NVLINK) == (one_message if c is Collective.SEND_RECV else 0.0)
     assert flat(c, 0, 8, NVLINK) == 0.0
     one_rank = CommGroup(ranks_per_node=1, num_nodes=1, intra=NVLINK, inter=NIC)
     if c is not Collective.SEND_RECV:
@@ -134,7 +137,8 @@ def test_hierarchical_all_reduce_formula():
     # r concurrent rings of n/r bytes each share the node NIC: per-rank bandwidth be / r.
     inter_ar = 2 * (m - 1) * (ae + (N / r) / (m * be / r))
     intra_ag = (r - 1) * (ai + N / (r * bi))
-    assert estimate_collective_time(Collective.ALL_REDUCE, N, group) == pytest.approx(intra_rs + inter_ar + intra_ag)
+    expected = intra_rs + inter_ar + intra_ag
+    assert estimate_collective_time(Collective.ALL_REDUCE, N, group) == pytest.approx(expected)
 
 
 def test_hierarchical_all_reduce_is_reduce_scatter_plus_all_gather():
@@ -151,10 +155,8 @@ def test_hierarchy_orders():
     for c in ALL:
         assert estimate_collective_time(c, N, two_nodes) > estimate_collective_time(c, N, one_big_node)
     # Adding nodes never speeds up an all-gather of the same total bytes.
-    times = [
-        estimate_collective_time(Collective.ALL_GATHER, N, CommGroup(ranks_per_node=8, num_nodes=m, intra=NVLINK, inter=NIC))
-        for m in (1, 2, 4, 8, 32)
-    ]
+    groups = [CommGroup(ranks_per_node=8, num_nodes=m, intra=NVLINK, inter=NIC) for m in (1, 2, 4, 8, 32)]
+    times = [estimate_collective_time(Collective.ALL_GATHER, N, g) for g in groups]
     assert times == sorted(times)
 
 
@@ -169,7 +171,8 @@ def test_hierarchical_all_to_all_is_network_bound():
     nvlink = (r - 1) * (NVLINK.latency + N / (p * NVLINK.bandwidth))
     assert network > nvlink
     assert estimate_collective_time(Collective.ALL_TO_ALL, N, group) == pytest.approx(network)
-    assert estimate_collective_time(Collective.ALL_TO_ALL, N, group) > flat(Collective.ALL_TO_ALL, N, p, NVLINK)
+    all_nvlink = flat(Collective.ALL_TO_ALL, N, p, NVLINK)
+    assert estimate_collective_time(Collective.ALL_TO_ALL, N, group) > all_nvlink
 
 
 def test_hierarchical_broadcast_and_send_recv():
@@ -188,6 +191,7 @@ def test_hierarchical_tree_applies_to_inter_phase():
         + 2 * math.ceil(math.log2(m)) * (shared.latency + (N / r) / shared.bandwidth)
         + flat(Collective.ALL_GATHER, N, r, NVLINK)
     )
-    assert estimate_collective_time(Collective.ALL_REDUCE, N, group, Algorithm.TREE) == pytest.approx(expected)
+    tree = estimate_collective_time(Collective.ALL_REDUCE, N, group, Algorithm.TREE)
+    assert tree == pytest.approx(expected)
     with pytest.raises(ValueError):
         estimate_collective_time(Collective.ALL_TO_ALL, N, group, Algorithm.TREE)

@@ -10,18 +10,55 @@ from whalepy._errors import (
     PlanError,
     WhalepyError,
 )
+from whalepy.cluster import ClusterSpec
 from whalepy.plan import Plan, Schedule, Tier, ZeroStage
+from whalepy.primitives import (
+    Cluster,
+    Replicate,
+    Split,
+    Stage,
+    annotate,
+    clear_annotations,
+    cluster,
+    replicate,
+    resolve_annotations,
+    split,
+    stage,
+)
+from whalepy.estimate import Estimate, ParallelConfig, estimate
+from whalepy.planner import homogeneous_baseline, plan, plan_from_profile
 from whalepy.profile import ModelProfile, profile
+from whalepy.runtime import ParallelModel, parallelize
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AnnotationError",
+    "Cluster",
+    "Replicate",
+    "Split",
+    "Stage",
+    "annotate",
+    "clear_annotations",
+    "estimate",
+    "homogeneous_baseline",
+    "parallelize",
+    "plan",
+    "plan_from_profile",
+    "cluster",
+    "replicate",
+    "resolve_annotations",
+    "split",
+    "stage",
     "CaptureError",
+    "ClusterSpec",
     "ClusterSpecError",
     "InfeasibleError",
     "LaunchError",
+    "Estimate",
     "ModelProfile",
+    "ParallelConfig",
+    "ParallelModel",
     "Plan",
     "PlanError",
     "Schedule",

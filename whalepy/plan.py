@@ -121,12 +121,21 @@ class StagePlan:
     device_types: tuple[str, ...]
     """Device type of each replica ``d`` (every rank of a TP group has the same type)."""
     zero_stage: ZeroStage = ZeroStage.NONE
+    chunk_sizes: tuple[int, ...] = ()
+    """Interleaved schedule only: blocks per virtual stage held by these ranks, in order. With ``v``
+    virtual stages over ``S`` ranks groups, chunk ``j`` of stage ``s`` is pipeline stage ``s + j*S``.
+    Empty means one chunk holding every block."""
     cost: StageCost = field(default_factory=StageCost)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "zero_stage", ZeroStage(self.zero_stage))
         if not self.blocks:
             raise PlanError(f"stage {self.index} has no blocks; every stage needs at least one")
+        if self.chunk_sizes and (sum(self.chunk_sizes) != len(self.blocks) or min(self.chunk_sizes) < 1):
+            raise PlanError(
+                f"stage {self.index}: chunk sizes {list(self.chunk_sizes)} must be positive and sum to its "
+                f"{len(self.blocks)} blocks"
+            )
         widths = {len(row) for row in self.ranks}
         if len(widths) != 1:
             raise PlanError(f"stage {self.index}: TP groups of unequal size {sorted(widths)}")
@@ -164,6 +173,9 @@ class PlanCost:
     """Model FLOPs (6 * params * tokens style, no recompute) per second per GPU, in TFLOP/s."""
     mfu: float = 0.0
     """Model FLOPs utilisation against the peak of each GPU's type."""
+    busy_by_device_type: tuple[tuple[str, float], ...] = ()
+    """``(device type, seconds)``: how long per step the busiest device of each type computes and
+    communicates (its slowest stage cell, all micro-batches, plus its tail); the rest it idles."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -272,6 +284,12 @@ class Plan:
                 )
         if self.virtual_stages > 1 and self.schedule is not Schedule.INTERLEAVED_1F1B:
             raise PlanError(f"virtual_stages={self.virtual_stages} needs the interleaved schedule")
+        for s in self.stages:
+            if self.virtual_stages > 1 and len(s.chunk_sizes) != self.virtual_stages:
+                raise PlanError(
+                    f"stage {s.index} has {len(s.chunk_sizes)} chunks, the plan has "
+                    f"virtual_stages={self.virtual_stages}; give chunk_sizes for every stage"
+                )
         names = [b.name for s in self.stages for b in s.blocks]
         if len(set(names)) != len(names):
             raise PlanError("a block appears in more than one stage")

@@ -104,6 +104,9 @@ class ModelProfile:
     total_params: int
     param_bytes: int
     blocks: tuple[BlockProfile, ...]
+    dtype: str = "float32"
+    """Floating dtype of most parameters, in which the byte figures were measured (``"bfloat16"``...).
+    The planner rescales activation and communication bytes to its training precision."""
     capture_method: str = "export"
     """``"export"`` (torch.export, non-strict) or ``"symbolic_trace"`` (the fallback)."""
     capture_time_s: float = 0.0

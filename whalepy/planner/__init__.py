@@ -1,1 +1,187 @@
-"""placeholder; filled by its owner."""
+"""``whalepy.plan``: the fastest hybrid-parallel plan that fits, found by an ILP over the cost model.
+
+Pipeline: profile (capture) -> enumerate outer candidates (:mod:`.search`) -> per candidate an ILP
+(:mod:`.ilp`, formulation in its docstring) or exhaustive enumeration (:mod:`.exhaustive`), both costed
+by :mod:`.costing` -> :class:`~whalepy.plan.Plan` (:mod:`.build`). See docs/planner.md.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from whalepy._errors import PlanError
+from whalepy.cluster import ClusterSpec
+from whalepy.plan import Plan, Schedule
+from whalepy.planner.build import build_alternatives, build_plan, raise_infeasible
+from whalepy.planner.search import run_search
+from whalepy.planner.space import Hardware
+from whalepy.profile import ModelProfile
+
+SOLVERS = ("highs", "cbc", "exhaustive")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannerOptions:
+    """Options of :func:`plan` (all keyword-only, validated)."""
+
+    solver: str = "highs"
+    """``"highs"`` (default; HiGHS in-process through highspy), ``"cbc"`` (pulp's bundled CBC; also the
+    fallback, noted in ``plan.notes``, when HiGHS is unavailable) or ``"exhaustive"`` (small instances)."""
+    time_limit_s: float = 60.0
+    """Wall-clock budget of the whole search."""
+    ilp_time_limit_s: float = 5.0
+    """Budget of one candidate's ILP (capped by what is left of ``time_limit_s``); an ILP stopped by
+    it keeps its best solution and reports its MIP gap."""
+    schedules: tuple[Schedule, ...] = (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED_1F1B)
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    allow_checkpointing: bool = True
+    allow_offload: bool = True
+    """Offload optimizer states (and, under ZeRO-3, parameters) to CPU, or NVMe where a group has it."""
+    max_tp: int | None = None
+    """Largest TP degree (default: GPUs per node; TP never leaves a node)."""
+    precision: str = "bf16"
+    progress: bool | Callable[[str], None] = False
+    """True: a line per phase on stderr; a callable receives the lines."""
+    top_k: int = 5
+    """Alternatives kept in ``plan.alternatives``."""
+    virtual_stages: tuple[int, ...] = (2,)
+    """Model chunks per rank tried for the interleaved schedule."""
+    max_microbatches: int | None = 256
+    homogeneous_baseline: bool = False
+    """Plan as if every GPU were the cluster's slowest type (uniform batch shares), then cost that plan
+    on the real cluster: the baseline hardware-aware planning is compared against."""
+    notes: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if self.solver not in SOLVERS:
+            raise PlanError(f"solver={self.solver!r}: choose one of {', '.join(SOLVERS)}")
+        if not self.time_limit_s > 0:
+            raise PlanError(f"time_limit_s must be positive, got {self.time_limit_s!r}")
+        try:
+            scheds = tuple(Schedule(s) for s in self.schedules)
+        except ValueError as e:
+            raise PlanError(f"unknown schedule in {self.schedules!r}: use "
+                            f"{', '.join(s.value for s in Schedule)}") from e
+        if not scheds:
+            raise PlanError("schedules is empty: give at least one of " + ", ".join(s.value for s in Schedule))
+        object.__setattr__(self, "schedules", scheds)
+        zs = tuple(int(z) for z in self.zero_stages)
+        if not zs or any(z not in (0, 1, 2, 3) for z in zs):
+            raise PlanError(f"zero_stages={self.zero_stages!r}: give a non-empty subset of 0, 1, 2, 3")
+        object.__setattr__(self, "zero_stages", zs)
+        if self.max_tp is not None and (self.max_tp < 1 or self.max_tp & (self.max_tp - 1)):
+            raise PlanError(f"max_tp={self.max_tp!r} must be a power of two >= 1")
+        if self.precision not in ("bf16", "fp16", "fp32"):
+            raise PlanError(f"precision={self.precision!r}: use bf16, fp16 or fp32")
+        if self.top_k < 0:
+            raise PlanError(f"top_k must be >= 0, got {self.top_k}")
+        if any(v < 1 for v in self.virtual_stages):
+            raise PlanError(f"virtual_stages must be >= 1, got {self.virtual_stages}")
+        if self.max_microbatches is not None and self.max_microbatches < 1:
+            raise PlanError(f"max_microbatches must be >= 1, got {self.max_microbatches}")
+
+
+def _progress_fn(opt: bool | Callable[[str], None]) -> Callable[[str], None]:
+    if callable(opt):
+        return opt
+    if not opt:
+        return lambda _msg: None
+    t0 = time.perf_counter()
+    return lambda msg: print(f"[whalepy {time.perf_counter() - t0:6.2f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def plan(model: Any, cluster: ClusterSpec, *, example_inputs: Any, global_batch: int, **options: Any) -> Plan:
+    """The fastest predicted plan for training ``model`` on ``cluster`` with ``global_batch`` samples per
+    step. ``options`` are the fields of :class:`PlannerOptions`. Raises
+    :class:`~whalepy.InfeasibleError` when nothing fits, saying what runs short and what to relax."""
+    opts = PlannerOptions(**options)
+    progress = _progress_fn(opts.progress)
+    progress("capturing the model")
+    from whalepy.profile import profile as build
+
+    prof = build(model, example_inputs)
+    progress(f"captured {len(prof.blocks)} blocks in {prof.capture_time_s:.2f} s ({prof.capture_method})")
+    return plan_from_profile(prof, cluster, global_batch=global_batch, **{**options, "progress": progress})
+
+
+def plan_from_profile(profile: ModelProfile, cluster: ClusterSpec, *, global_batch: int, **options: Any) -> Plan:
+    """:func:`plan` for a profile already made (by capture or :mod:`whalepy.planner.synthetic`)."""
+    opts = options if isinstance(options, PlannerOptions) else PlannerOptions(**options)
+    if not isinstance(global_batch, int) or global_batch < 1:
+        raise PlanError(f"global_batch must be a positive integer, got {global_batch!r}")
+    if opts.homogeneous_baseline:
+        return homogeneous_baseline(profile, cluster, global_batch=global_batch,
+                                    **{k: getattr(opts, k) for k in _fields() if k != "homogeneous_baseline"})
+    progress = _progress_fn(opts.progress)
+    hw = Hardware(cluster)
+    result = run_search(profile, hw, global_batch, opts, progress=progress)
+    if result.best is None:
+        raise_infeasible(result, opts, global_batch)
+    best = result.best
+    assert best is not None and result.best_result is not None and result.ctx is not None
+    notes = list(opts.notes) + result.notes + _annotation_notes(result)
+    alts = build_alternatives(result, best, opts.top_k, hw)
+    plan_ = build_plan(best, ctx=result.ctx, global_batch=global_batch, result=result,
+                       solver_name=result.solver_used, status=result.best_result.status,
+                       mip_gap=result.best_result.mip_gap, notes=notes, alternatives=alts)
+    progress(f"plan: {plan_.cost.step_time_s:.4g} s/step, {plan_.cost.samples_per_s:.4g} samples/s")
+    return plan_
+
+
+def _fields() -> list[str]:
+    import dataclasses
+
+    return [f.name for f in dataclasses.fields(PlannerOptions)]
+
+
+def _annotation_notes(result) -> list[str]:  # type: ignore[no-untyped-def]
+    cons = result.constraints
+    out = []
+    for kind, src in (cons.sources.items() if cons else []):
+        out.append(f"honoured {src} ({kind} annotation: a hard constraint)")
+    pruned = sum(1 for r in result.rejections if "lower bound" in r.reason)
+    if pruned:
+        out.append(f"{pruned} of {result.num_candidates} candidates pruned by the analytic lower bound")
+    return out
+
+
+def homogeneous_baseline(profile: ModelProfile, cluster: ClusterSpec, *, global_batch: int,
+                         **options: Any) -> Plan:
+    """The best plan that treats every GPU as the cluster's slowest type (uniform batch shares, block
+    partition balanced for identical devices), costed on the REAL cluster: what a
+    hardware-oblivious planner would run. Hardware-aware :func:`plan_from_profile` is never slower."""
+    from whalepy.planner.costing import CostContext
+    from whalepy.planner.search import evaluate_fixed
+
+    opts = PlannerOptions(**options)
+    hw = Hardware(cluster)
+    slow = min((g.device for g in hw.groups), key=lambda d: (d.peak_flops_16, d.memory_bytes))
+    small = min(g.device.memory_bytes for g in hw.groups)
+    slow = replace(slow, name=f"{slow.name}-baseline", memory_bytes=small)
+    fake = ClusterSpec(groups=tuple(replace(g, device=slow, gpu=slow.name) for g in cluster.groups),
+                       inter_group_bandwidth=cluster.inter_group_bandwidth,
+                       inter_group_latency=cluster.inter_group_latency, rank_map=cluster.rank_map,
+                       custom_devices=tuple(cluster.custom_devices) + (slow,))
+    fake_hw = Hardware(fake)
+    progress = _progress_fn(opts.progress)
+    result = run_search(profile, fake_hw, global_batch, opts, progress=progress, force_uniform=True)
+    if result.best is None:
+        raise_infeasible(result, opts, global_batch)
+    ev = result.best
+    assert ev is not None
+    cand = ev.coeffs.candidate
+    ctx = CostContext(profile, hw, precision=opts.precision)
+    ckpts = [list(st.checkpoints) for st in ev.stages]
+    real = evaluate_fixed(ctx, cand, ev.boundaries, ckpts, [st.option for st in ev.stages])
+    notes = [f"homogeneous baseline: planned as if all {hw.world_size} GPUs were {slow.name} with "
+             f"{small / 2**30:.0f} GiB, costed on the real cluster"]
+    return build_plan(real, ctx=ctx, global_batch=global_batch, result=result, solver_name=result.solver_used,
+                      status=result.best_result.status if result.best_result else "given", mip_gap=0.0,
+                      notes=notes)
+
+
+__all__ = ["PlannerOptions", "plan", "plan_from_profile", "homogeneous_baseline", "SOLVERS"]

@@ -1,0 +1,218 @@
+"""``build_profile``: capture a model, run the analysis passes, summarise the graph into blocks.
+
+Per block the figures are sums over the block's nodes (see ``grouping`` for which node belongs
+where, ``flops`` and ``memory`` for the per-node rules). Two rules decide the rest:
+
+- **Parameters.** Every parameter belongs to exactly one block: the first block, in execution
+  order, with a node that reads it. Tied weights (GPT-2's ``lm_head.weight`` is ``wte.weight``)
+  are one parameter, counted once, in the embedding block. A parameter no node reads goes to the
+  block listing its module (or an ancestor of it), else to the last block. So the blocks' counts
+  add up to ``sum(p.numel() for p in model.parameters())`` exactly.
+- **Block inputs and outputs.** ``input_bytes`` sums the distinct tensors a block reads from other
+  blocks or from the model's inputs (not parameters or buffers); ``output_bytes`` the distinct
+  tensors it produces that a later block or the graph output reads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from functools import partial
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from whalepy.passes.annotate import (
+    annotate_nodes,
+    lookup,
+    merge_block_annotations,
+    resolve_model_annotations,
+)
+from whalepy.passes.capture import capture
+from whalepy.passes.flops import count_flops
+from whalepy.passes.grouping import BlockSpec, assign_blocks
+from whalepy.passes.manager import Pass, run_passes
+from whalepy.passes.memory import count_bytes
+from whalepy.passes.shapes import mark_requires_grad, nbytes
+from whalepy.passes.tp_patterns import BlockTP, check_split_degrees, find_tp_patterns
+from whalepy.profile import BlockAnnotations, BlockKind, BlockProfile, ModelProfile
+
+
+def analysis_passes(
+    model: torch.nn.Module, annotations: Mapping[str, BlockAnnotations]
+) -> list[tuple[str, Pass]]:
+    """The passes ``build_profile`` runs, in order."""
+    return [
+        ("requires_grad", mark_requires_grad),
+        ("annotate", partial(annotate_nodes, annotations=annotations)),
+        ("flops", count_flops),
+        ("blocks", partial(assign_blocks, model=model)),
+        ("memory", count_bytes),
+        ("tp_patterns", find_tp_patterns),
+    ]
+
+
+def build_profile(
+    model: torch.nn.Module,
+    example_inputs: Any,
+    *,
+    model_name: str | None = None,
+    annotations: Mapping[str, BlockAnnotations] | None = None,
+    capture_method: str = "auto",
+) -> ModelProfile:
+    """Profile ``model`` on ``example_inputs`` (a tuple of tensors or a dict of keyword inputs).
+
+    ``annotations`` (module path -> effective annotations) defaults to those attached to the model
+    with ``whalepy.split`` & co. (``whalepy.primitives.resolve_annotations``). ``capture_method`` is
+    passed to :func:`whalepy.passes.capture.capture`. Raises ``CaptureError`` when the model cannot
+    be traced and ``AnnotationError`` for annotations the block structure cannot honour.
+    """
+    ann = dict(resolve_model_annotations(model) if annotations is None else annotations)
+    gm = capture(model, example_inputs, method=capture_method)
+    run_passes(gm, analysis_passes(model, ann))
+    specs: list[BlockSpec] = gm.meta["whalepy.blocks"]
+    tps: list[BlockTP] = gm.meta["whalepy.tp"]
+    sums = _block_sums(gm, len(specs))
+    params = _attribute_params(gm, model, specs)
+    boundaries = [s.name if s.kind is BlockKind.LAYER else f"{s.name} ({', '.join(s.modules)})"
+                  for s in specs]
+    blocks = []
+    for spec, tp, fig, (count, pbytes) in zip(specs, tps, sums, params, strict=True):
+        merged = merge_block_annotations(
+            spec.name, [(p, lookup(ann, p)) for p in (*spec.modules, *fig["paths"])],
+            boundaries)
+        degrees = check_split_degrees(spec.name, merged, tp, spec.modules)
+        blocks.append(BlockProfile(
+            name=spec.name, index=spec.index, kind=spec.kind, modules=spec.modules,
+            repeat_group=spec.repeat_group, num_params=count, param_bytes=pbytes,
+            fwd_flops=fig["fwd"], bwd_flops=fig["bwd"], bytes_moved=fig["bytes"],
+            activation_bytes=int(fig["saved"]), input_bytes=int(fig["in"]),
+            output_bytes=int(fig["out"]), tp_rules=tp.rules, tp_comm_bytes=int(tp.comm_bytes),
+            tp_degrees=degrees, annotations=merged,
+        ))
+    unique = list(model.parameters())
+    batch, seq = _batch_and_seq(gm)
+    return ModelProfile(
+        model_name=model_name or type(model).__name__,
+        fingerprint=model_fingerprint(model),
+        batch_size=batch,
+        seq_len=seq,
+        total_params=sum(p.numel() for p in unique),
+        param_bytes=sum(p.numel() * p.element_size() for p in unique),
+        dtype=_float_dtype_name(unique),
+        blocks=tuple(blocks),
+        capture_method=gm.meta["whalepy.capture_method"],
+        capture_time_s=float(gm.meta["whalepy.capture_time_s"]),
+        graph=gm,
+    )
+
+
+def _float_dtype_name(params: list[torch.nn.Parameter]) -> str:
+    """The floating dtype holding most parameters: what the captured activations were measured in."""
+    sizes: dict[torch.dtype, int] = {}
+    for p in params:
+        if p.is_floating_point():
+            sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+    if not sizes:
+        return "float32"
+    return str(max(sizes, key=sizes.__getitem__)).removeprefix("torch.")
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """Short sha256 of the sorted ``(parameter FQN, shape, dtype)`` and the module class names."""
+    h = hashlib.sha256()
+    for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
+    for path, m in model.named_modules():
+        h.update(f"{path}={type(m).__qualname__};".encode())
+    return h.hexdigest()[:16]
+
+
+def _block_sums(gm: fx.GraphModule, n: int) -> list[dict[str, Any]]:
+    sums = [{"fwd": 0.0, "bwd": 0.0, "bytes": 0.0, "saved": 0, "in": 0, "out": 0, "paths": {}}
+            for _ in range(n)]
+    read: list[set[fx.Node]] = [set() for _ in range(n)]
+    for node in gm.graph.nodes:
+        b = node.meta.get("whalepy.block")
+        if b is None:
+            continue
+        meta, s = node.meta, sums[b]
+        s["fwd"] += meta.get("whalepy.flops_fwd", 0.0)
+        s["bwd"] += meta.get("whalepy.flops_bwd", 0.0)
+        s["bytes"] += meta.get("whalepy.bytes", 0)
+        s["saved"] += meta.get("whalepy.saved_bytes", 0)
+        s["paths"][meta.get("whalepy.module_path", "")] = None
+        for a in node.all_input_nodes:
+            ab = a.meta.get("whalepy.block")
+            user_input = a.op == "placeholder" and "whalepy.input" in a.meta
+            external = (ab is not None and ab != b) or user_input
+            if external and a not in read[b]:
+                read[b].add(a)
+                s["in"] += nbytes(a.meta.get("val"))
+        if any(u.op == "output" or u.meta.get("whalepy.block", b) != b for u in node.users):
+            s["out"] += nbytes(meta.get("val"))
+    return sums
+
+
+def _attribute_params(
+    gm: fx.GraphModule, model: torch.nn.Module, specs: list[BlockSpec]
+) -> list[tuple[int, int]]:
+    """``(num_params, param_bytes)`` per block, each parameter in exactly one block (module doc)."""
+    first_use: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        fqn = node.meta.get("whalepy.param")
+        if fqn is None:
+            continue
+        blocks = [_use_block(u) for u in node.users]
+        blocks = [b for b in blocks if b is not None]
+        if blocks:
+            first_use[fqn] = min(blocks)
+    aliases: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    owners = {m: s.index for s in specs for m in s.modules}
+    out = [[0, 0] for _ in specs]
+    for p in model.parameters():
+        names = aliases[id(p)]
+        used = [first_use[f] for f in names if f in first_use]
+        if used:
+            b = min(used)
+        else:
+            b = next((owners[pre] for f in names for pre in _prefixes(f) if pre in owners),
+                     len(specs) - 1)
+        out[b][0] += p.numel()
+        out[b][1] += p.numel() * p.element_size()
+    return [(c, by) for c, by in out]
+
+
+def _use_block(node: fx.Node) -> int | None:
+    b = node.meta.get("whalepy.block")
+    if b is not None:
+        return b
+    found = [_use_block(u) for u in node.users]  # a get_attr read through a non-call node
+    found = [x for x in found if x is not None]
+    return min(found) if found else None
+
+
+def _prefixes(fqn: str) -> list[str]:
+    parts = fqn.split(".")
+    return [".".join(parts[:k]) for k in range(len(parts) - 1, 0, -1)]
+
+
+def _batch_and_seq(gm: fx.GraphModule) -> tuple[int, int | None]:
+    """Batch size from the first tensor input's dim 0; tokens per sample from the first integer
+    input shaped ``[batch, seq]``."""
+    batch, seq = None, None
+    for node in gm.graph.nodes:
+        if node.op != "placeholder" or "whalepy.input" not in node.meta:
+            continue
+        v = node.meta.get("val")
+        if not isinstance(v, torch.Tensor) or v.ndim == 0:
+            continue
+        if batch is None:
+            batch = int(v.shape[0])
+        if v.ndim == 2 and not v.is_floating_point() and not v.is_complex():
+            seq = int(v.shape[1])
+            break
+    return batch or 1, seq

@@ -1,0 +1,59 @@
+"""whalepy.estimate: validated configurations, the same costing as the planner."""
+
+from __future__ import annotations
+
+import pytest
+
+from whalepy._errors import PlanError
+from whalepy.estimate import ParallelConfig, estimate_from_profile
+from whalepy.planner import plan_from_profile
+from whalepy.planner.synthetic import gpt_profile, transformer_profile
+
+from planner_fixtures import a100
+
+
+def test_estimate_reproduces_the_plan() -> None:
+    prof = transformer_profile(num_layers=12, hidden=2048, seq_len=1024, vocab=32000, num_heads=16)
+    c = a100(2)
+    p = plan_from_profile(prof, c, global_batch=64, schedules=("1f1b",), allow_offload=False)
+    ck = tuple(sum(b.checkpoint for b in s.blocks) for s in p.stages)
+    cfg = ParallelConfig(dp=p.dp_degree, tp=p.tp_degrees[0], pp=p.pp_degree, num_microbatches=p.num_microbatches,
+                         schedule=p.schedule, zero_stage=int(p.stages[0].zero_stage), checkpoint=ck,
+                         boundaries=tuple(len(s.blocks) for s in p.stages))
+    if len({int(s.zero_stage) for s in p.stages}) == 1:
+        est = estimate_from_profile(prof, c, cfg, global_batch=64)
+        assert est.feasible
+        assert est.step_time_s == pytest.approx(p.cost.step_time_s, rel=1e-9)
+
+
+def test_estimate_reports_memory_shortfall() -> None:
+    est = estimate_from_profile(gpt_profile("gpt3-175b"), a100(2), dict(dp=16), global_batch=64)
+    assert not est.feasible
+    assert "short" in est.reason and "A100-80GB" in est.reason
+    assert "DOES NOT FIT" in str(est)
+
+
+def test_more_stages_more_bubble_and_checkpointing_costs_time() -> None:
+    prof = gpt_profile("gpt3-1.3b")
+    c = a100(1)
+    a = estimate_from_profile(prof, c, dict(dp=8, num_microbatches=4), global_batch=64)
+    b = estimate_from_profile(prof, c, dict(dp=8, num_microbatches=4, checkpoint=True), global_batch=64)
+    assert b.step_time_s > a.step_time_s
+    assert b.stages[0].memory_bytes < a.stages[0].memory_bytes
+    p1 = estimate_from_profile(prof, c, dict(dp=4, pp=2, num_microbatches=4), global_batch=64)
+    assert p1.bubble_s > 0 and a.bubble_s == 0
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(dp=3), "world size"),
+    (dict(dp=8, schedule="zigzag"), "schedule"),
+    (dict(dp=8, zero_stage=4), "zero_stage"),
+    (dict(dp=2, tp=4, pp=1, boundaries=(1, 2)), "boundaries"),
+    (dict(dp=8, num_microbatches=3), "micro-batches"),
+    (dict(dp=8, colour="red"), "unknown config"),
+    (dict(dp=1, tp=8, pp=1, checkpoint=(1, 2)), "checkpoint"),
+])
+def test_invalid_configs_are_explained(bad, match) -> None:  # type: ignore[no-untyped-def]
+    prof = transformer_profile(num_layers=4, hidden=512, seq_len=256, vocab=8000, num_heads=8)
+    with pytest.raises(PlanError, match=match):
+        estimate_from_profile(prof, a100(1), bad, global_batch=64)

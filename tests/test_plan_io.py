@@ -1,0 +1,43 @@
+"""Plan JSON: exact round trip, unknown versions and other models refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from whalepy._errors import PlanError
+from whalepy.plan import Plan
+from whalepy.planner import plan_from_profile
+from whalepy.planner.synthetic import transformer_profile
+
+from planner_fixtures import a100
+
+
+@pytest.fixture(scope="module")
+def plan() -> Plan:
+    prof = transformer_profile(num_layers=8, hidden=1024, seq_len=512, vocab=32000, num_heads=16)
+    return plan_from_profile(prof, a100(2), global_batch=64)
+
+
+def test_round_trip_is_exact(plan: Plan, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    again = Plan.load(path)
+    assert again == plan
+    assert again.to_json() == plan.to_json()
+
+
+def test_unknown_version_is_refused(plan: Plan) -> None:
+    data = json.loads(plan.to_json())
+    data["version"] = 999
+    with pytest.raises(PlanError, match="version"):
+        Plan.from_dict(data)
+
+
+def test_wrong_model_fingerprint_is_refused(plan: Plan, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    Plan.load(path, model_fingerprint=plan.model_fingerprint)
+    with pytest.raises(PlanError, match="fingerprint"):
+        Plan.load(path, model_fingerprint="0" * 16)

@@ -1,0 +1,84 @@
+"""The ILP finds what exhaustive enumeration of the same space finds, on generated small instances."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from whalepy._errors import InfeasibleError
+from whalepy.planner import plan_from_profile
+from whalepy.planner.synthetic import transformer_profile
+from whalepy.planner.costing import USABLE_MEMORY_FRACTION
+
+from planner_fixtures import cluster, group, tiny_device
+
+NUM_INSTANCES = 30
+_PLANS: dict = {}
+
+
+def _instance(seed: int):  # type: ignore[no-untyped-def]
+    rng = random.Random(seed)
+    layers = rng.randint(2, 6)  # + embed + head: up to 8 blocks
+    hidden = rng.choice([256, 512, 1024, 2048])
+    prof = transformer_profile(num_layers=layers, hidden=hidden, seq_len=rng.choice([256, 512, 1024]),
+                               vocab=rng.choice([8000, 32000]), num_heads=8, batch=1, name=f"rand{seed}")
+    need = 16 * prof.total_params  # plain data parallel model states on one device
+    mixed = seed % 3 == 0
+    per_node = rng.choice([1, 2, 4])
+    nodes = rng.choice([1, 2])
+    frac = rng.uniform(0.15, 0.9)
+    dev_a = tiny_device(f"dev-a{seed}", "A100-80GB", need * frac / USABLE_MEMORY_FRACTION / 2**30)
+    cpu = None if rng.random() < 0.5 else 64
+    groups = [group("a", dev_a.name, per_node, nodes, link="pcie4", custom={dev_a.name: dev_a}, cpu_gb=cpu)]
+    custom = [dev_a]
+    if mixed:
+        dev_b = tiny_device(f"dev-b{seed}", "V100-32GB", need * rng.uniform(0.3, 1.2) / 2**30)
+        groups.append(group("b", dev_b.name, per_node, rng.choice([1, 2]), link="pcie3",
+                            custom={dev_b.name: dev_b}, cpu_gb=cpu))
+        custom.append(dev_b)
+    c = cluster(*groups, custom=custom)
+    gb = c.world_size * rng.choice([1, 2, 4])
+    return prof, c, gb
+
+
+def _plan(seed: int, solver: str):  # type: ignore[no-untyped-def]
+    if (seed, solver) not in _PLANS:
+        prof, c, gb = _instance(seed)
+        try:
+            _PLANS[seed, solver] = plan_from_profile(prof, c, global_batch=gb, solver=solver, max_microbatches=8,
+                                                     schedules=("1f1b", "interleaved_1f1b"))
+        except InfeasibleError:
+            _PLANS[seed, solver] = None
+    return _PLANS[seed, solver]
+
+
+def _solve(seed: int, solver: str):  # type: ignore[no-untyped-def]
+    p = _plan(seed, solver)
+    return None if p is None else p.cost.step_time_s
+
+
+@pytest.mark.parametrize("seed", range(NUM_INSTANCES))
+def test_ilp_matches_exhaustive(seed: int) -> None:
+    ilp = _solve(seed, "highs")
+    ex = _solve(seed, "exhaustive")
+    assert (ilp is None) == (ex is None), (ilp, ex)
+    if ilp is not None:
+        assert ilp == pytest.approx(ex, rel=5e-3)
+
+
+def test_instances_exercise_memory_tradeoffs() -> None:
+    """The generator is tight enough that checkpointing, ZeRO or offload decide some plans."""
+    used = set()
+    for seed in range(NUM_INSTANCES):
+        p = _plan(seed, "highs")
+        if p is None:
+            used.add("infeasible")
+            continue
+        for s in p.stages:
+            used.add(f"zero{int(s.zero_stage)}")
+            if any(b.checkpoint for b in s.blocks):
+                used.add("ckpt")
+            if any(b.optimizer_tier.value != "gpu" for b in s.blocks):
+                used.add("offload")
+    assert "ckpt" in used and ({"zero2", "zero3"} & used), used

@@ -1,0 +1,111 @@
+"""Launch checks, the not-launched fallback, ``make_plan`` and ``whalepy run``'s torchrun command."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import types
+
+import pytest
+import torch
+
+from dist_harness import run_distributed
+from test_runtime_cases import Case, adamw, gpt_model, lm_loss, make_case_plan
+from whalepy._errors import LaunchError, PlanError, WhalepyError
+from whalepy.launch import add_run_subparser, build_torchrun_command
+from whalepy.runtime import UnlaunchedModel, make_plan, parallelize
+
+
+def _attempt(kind: str) -> str:
+    """Per rank: one wrong launch; return the LaunchError message (or a failure marker)."""
+    import dataclasses
+
+    from whalepy.cluster import ClusterSpec
+
+    x = torch.zeros(2, 16, dtype=torch.long)
+    model = gpt_model()
+    plan = make_case_plan(Case("dp2", dp=2))
+    spec = None
+    profile = None
+    if kind == "world":
+        plan = make_case_plan(Case("dp4", dp=4))
+    elif kind == "model":
+        plan = dataclasses.replace(plan, model_fingerprint="fp-of-another-model")
+        profile = types.SimpleNamespace(fingerprint="fp-of-this-model")
+    elif kind == "device":
+        spec = ClusterSpec.local(2)  # two CPU ranks
+        plan = make_plan(["transformer.h.0"], dp=2, global_batch=8, device_type="A100")
+    elif kind == "nvme":
+        plan = make_plan(["transformer.h.0", "transformer.h.1"], dp=2, global_batch=8,
+                         zero_stage=3, param_tier="nvme")
+    try:
+        parallelize(model, spec, example_inputs=(x,), loss_fn=lm_loss, optimizer=adamw,
+                    global_batch=8, plan=plan, profile=profile)
+    except LaunchError as e:
+        return f"LaunchError: {e}"
+    except WhalepyError as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _attempts(kinds: list[str]) -> list[str]:
+    return [_attempt(k) for k in kinds]
+
+
+@pytest.mark.distributed
+def test_wrong_launches_raise_launch_error():
+    kinds = ["world", "model", "device", "nvme"]
+    msgs = run_distributed(_attempts, 2, kinds, timeout=120)
+    for per_rank in msgs:
+        world, model, device, nvme = per_rank
+        assert world.startswith("LaunchError") and "2 processes" in world and "for 4" in world
+        assert "--nproc-per-node 4" in world
+        assert model.startswith("LaunchError") and "fingerprint" in model
+        assert device.startswith("LaunchError") and "A100" in device
+        assert "nvme" in nvme and "transformer.h.0" in nvme and "param_tier" in nvme
+
+
+def test_outside_a_launch_returns_plan_holder(monkeypatch, capsys):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "WHALEPY_PLAN"):
+        monkeypatch.delenv(var, raising=False)
+    import whalepy.runtime.parallel_model as pmod
+
+    monkeypatch.setattr(pmod, "_hint_printed", False)
+    plan = make_case_plan(Case("dp2 x tp2", dp=2, tp=2))
+    x = torch.zeros(2, 16, dtype=torch.long)
+    kwargs = dict(example_inputs=(x,), loss_fn=lm_loss, optimizer=adamw, global_batch=8, plan=plan)
+    pm = parallelize(gpt_model(), None, **kwargs)
+    assert isinstance(pm, UnlaunchedModel) and pm.plan is plan
+    with pytest.raises(LaunchError, match=r"torchrun --nproc-per-node 4 .*whalepy run -n 4"):
+        pm.train_step(x, x)
+    parallelize(gpt_model(), None, **kwargs)
+    assert capsys.readouterr().err.count("torchrun --nproc-per-node 4") == 1
+
+
+def test_make_plan_layout():
+    plan = make_plan([f"b{i}" for i in range(5)], dp=2, tp=2, pp=2, global_batch=8,
+                     batch_shares=(3, 5), num_microbatches=1, checkpoint=["b1"])
+    assert plan.world_size == 8 and plan.pp_degree == 2
+    assert plan.stages[0].ranks == ((0, 1), (2, 3)) and plan.stages[1].ranks == ((4, 5), (6, 7))
+    assert [b.name for b in plan.stages[0].blocks] == ["b0", "b1", "b2"]
+    assert plan.block_plan("b1").checkpoint and not plan.block_plan("b0").checkpoint
+    with pytest.raises(PlanError):
+        make_plan(["a"], pp=2, global_batch=8)
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="whalepy")
+    add_run_subparser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(argv)
+
+
+def test_run_builds_torchrun_command():
+    cmd = build_torchrun_command(_parse(["run", "-n", "4", "train.py", "--lr", "1e-3"]))
+    assert cmd[1:] == ["-m", "torch.distributed.run", "--nproc-per-node", "4", "--standalone",
+                       "train.py", "--lr", "1e-3"]
+    cmd = build_torchrun_command(_parse(["run", "-n", "8", "--nnodes", "2", "--rdzv-endpoint",
+                                         "host:29400", "t.py"]))
+    assert "--standalone" not in cmd and cmd[cmd.index("--nnodes") + 1] == "2"
+    assert cmd[cmd.index("--rdzv-endpoint") + 1] == "host:29400"
+    assert _parse(["run", "-n", "2", "t.py"]).func.__name__ == "main_run"
+    assert os.path.basename(cmd[-1]) == "t.py"

@@ -1,0 +1,132 @@
+"""Human-readable views of a Plan: ``print(plan)`` / ``plan.summary()`` and ``plan.explain()``."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from whalepy.plan import Plan
+
+_GIB = 2**30
+
+
+def compress_names(names: list[str] | tuple[str, ...]) -> str:
+    """``["h.0", "h.1", "h.2", "head"]`` -> ``"h.0-h.2, head"``: runs of consecutive numbered names."""
+    out: list[str] = []
+    run: list[tuple[str, int, str]] = []
+
+    def flush() -> None:
+        if not run:
+            return
+        if len(run) == 1:
+            out.append(run[0][2])
+        else:
+            out.append(f"{run[0][2]}-{run[-1][2]}")
+        run.clear()
+
+    for n in names:
+        m = re.fullmatch(r"(.*?)(\d+)", n)
+        if m and run and run[-1][0] == m.group(1) and run[-1][1] + 1 == int(m.group(2)):
+            run.append((m.group(1), int(m.group(2)), n))
+            continue
+        flush()
+        if m:
+            run.append((m.group(1), int(m.group(2)), n))
+        else:
+            out.append(n)
+    flush()
+    return ", ".join(out)
+
+
+def compress_ranks(ranks: list[int] | tuple[int, ...]) -> str:
+    """``[0, 1, 2, 3, 8, 9]`` -> ``"0-3,8-9"``."""
+    rs = sorted(ranks)
+    parts, i = [], 0
+    while i < len(rs):
+        j = i
+        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
+            j += 1
+        parts.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
+        i = j + 1
+    return ",".join(parts)
+
+
+def _t(x: float) -> str:
+    if math.isinf(x):
+        return "inf"
+    if x >= 1:
+        return f"{x:.3g} s"
+    if x >= 1e-3:
+        return f"{x * 1e3:.3g} ms"
+    return f"{x * 1e6:.3g} us"
+
+
+def _rate(x: float) -> str:
+    for unit, scale in (("M", 1e6), ("k", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.3g}{unit}"
+    return f"{x:.3g}"
+
+
+def format_plan(plan: Plan) -> str:
+    c = plan.cost
+    types = Counter(plan.rank_device_types)
+    head = (f"Plan for {plan.model_name} on {plan.world_size} devices "
+            f"({', '.join(f'{n} x{k}' for n, k in types.items())}): "
+            f"pp={plan.pp_degree} dp={plan.dp_degree} tp={'/'.join(map(str, sorted(set(plan.tp_degrees))))}, "
+            f"{plan.schedule.value}" + (f" v={plan.virtual_stages}" if plan.virtual_stages > 1 else "")
+            + f", {plan.num_microbatches} micro-batches, global batch {plan.global_batch}")
+    shares = sorted(set(plan.batch_shares))
+    lines = [head]
+    if len(shares) == 1:
+        lines.append(f"  batch: {shares[0]} samples per replica, micro-batch {shares[0] // plan.num_microbatches}")
+    else:
+        lines.append("  batch shares per replica: " + ", ".join(map(str, plan.batch_shares)))
+    rows = [("stage", "blocks", "devices", "tp", "dp", "zero", "ckpt", "offload", "compute", "comm", "bubble",
+             "memory / usable")]
+    for s in plan.stages:
+        devs = Counter(s.device_types)
+        dev = ", ".join(f"{n} x{k * s.tp_degree}" for n, k in devs.items()) + f" [{compress_ranks(s.all_ranks)}]"
+        ck = sum(b.checkpoint for b in s.blocks)
+        tiers = sorted({f"opt:{b.optimizer_tier.value}" for b in s.blocks if b.optimizer_tier.value != "gpu"}
+                       | {f"params:{b.param_tier.value}" for b in s.blocks if b.param_tier.value != "gpu"})
+        k = s.cost
+        mem = (f"{k.memory_bytes / _GIB:.1f} / {k.capacity_bytes / _GIB:.1f} GiB" if k.capacity_bytes else "-")
+        rows.append((str(s.index), compress_names(s.block_names), dev, str(s.tp_degree), str(s.dp_degree),
+                     str(int(s.zero_stage)), f"{ck}/{len(s.blocks)}", " ".join(tiers) or "-", _t(k.compute_s),
+                     _t(k.comm_s), _t(k.bubble_s), mem))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines += ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
+    lines.append("  (compute and comm per micro-batch; bubble per step)")
+    tok = f", {_rate(c.tokens_per_s)} tokens/s" if c.tokens_per_s else ""
+    lines.append(f"  step time {_t(c.step_time_s)}: {_rate(c.samples_per_s)} samples/s{tok}, "
+                 f"{c.model_tflops_per_gpu:.1f} TFLOP/s per GPU, MFU {100 * c.mfu:.1f}%")
+    if len(types) > 1:
+        for name, busy in c.busy_by_device_type:
+            share = sum(b for b, s in zip(plan.batch_shares, range(plan.dp_degree))
+                        if any(st.device_types[s] == name for st in plan.stages))
+            blocks = [b for st in plan.stages if name in st.device_types for b in st.block_names]
+            idle = max(0.0, c.step_time_s - busy)
+            lines.append(f"  {name}: batch share {share}/{plan.global_batch}, blocks {compress_names(blocks)}, "
+                         f"busy {_t(busy)}, idle {_t(idle)} per step")
+    sv = plan.solver
+    gap = "n/a" if math.isnan(sv.mip_gap) else f"{100 * sv.mip_gap:.2g}%"
+    lines.append(f"  solver {sv.solver} ({sv.status}), {sv.num_candidates} candidates, solve time "
+                 f"{sv.solve_time_s:.2f} s, MIP gap {gap}")
+    for n in plan.notes:
+        lines.append(f"  note: {n}")
+    return "\n".join(lines)
+
+
+def format_explanation(plan: Plan) -> str:
+    lines = [f"Chosen: pp={plan.pp_degree} dp={plan.dp_degree} tp={'/'.join(map(str, sorted(set(plan.tp_degrees))))} "
+             f"M={plan.num_microbatches} {plan.schedule.value}: {_t(plan.cost.step_time_s)} per step"]
+    if not plan.alternatives:
+        lines.append("  no alternatives recorded")
+    for a in plan.alternatives:
+        t = "-" if math.isinf(a.step_time_s) else _t(a.step_time_s)
+        lines.append(f"  {a.description}: {t} -- {a.reason}")
+    return "\n".join(lines)

@@ -1,0 +1,191 @@
+"""The ``whalepy`` console script: ``plan``, ``show``, ``estimate`` (and ``run`` from whalepy.launch).
+
+Errors whalepy raises on purpose print as one line and exit with code 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+from typing import Any
+
+from whalepy._errors import WhalepyError
+
+EXIT_USER_ERROR = 2
+
+
+def _err(msg: str) -> None:
+    print(f"[whalepy] {msg}", file=sys.stderr, flush=True)
+
+
+def load_model(spec: str, *, batch: int, seq_len: int | None) -> tuple[Any, Any] | Any:
+    """``package.module:function`` returning ``(model, example_inputs)``, a built-in name, or
+    ``synthetic:NAME`` (an analytic profile, no capture; returned as a ModelProfile)."""
+    if spec.startswith("synthetic:"):
+        from whalepy.planner.synthetic import gpt_profile
+
+        try:
+            return gpt_profile(spec.split(":", 1)[1], seq_len=seq_len, batch=batch)
+        except ValueError as e:
+            raise WhalepyError(str(e)) from None
+    if ":" in spec:
+        mod_name, fn_name = spec.split(":", 1)
+        try:
+            fn = getattr(importlib.import_module(mod_name), fn_name)
+        except (ImportError, AttributeError) as e:
+            raise WhalepyError(f"cannot load {spec!r}: {e}; give package.module:function") from None
+        out = fn()
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise WhalepyError(f"{spec} must return (model, example_inputs), got {type(out).__name__}")
+        return out
+    from whalepy.zoo import build
+
+    return build(spec, batch=batch, seq_len=seq_len)
+
+
+def _profile(args: argparse.Namespace, progress) -> Any:  # type: ignore[no-untyped-def]
+    from whalepy.profile import ModelProfile, profile
+
+    loaded = load_model(args.model, batch=1, seq_len=args.seq_len)
+    if isinstance(loaded, ModelProfile):
+        return loaded
+    model, inputs = loaded
+    progress(f"capturing {args.model}")
+    t0 = time.perf_counter()
+    prof = profile(model, inputs)
+    progress(f"captured {len(prof.blocks)} blocks in {time.perf_counter() - t0:.2f} s")
+    return prof
+
+
+def _cluster(path: str):  # type: ignore[no-untyped-def]
+    from whalepy.cluster import ClusterSpec
+
+    return ClusterSpec.load(path)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from whalepy.planner import plan_from_profile
+
+    progress = _err if not args.quiet else (lambda _m: None)
+    cluster = _cluster(args.cluster)
+    prof = _profile(args, progress)
+    opts: dict[str, Any] = dict(solver=args.solver, time_limit_s=args.time_limit, progress=progress)
+    if args.schedules:
+        opts["schedules"] = tuple(args.schedules.split(","))
+    if args.zero_stages:
+        opts["zero_stages"] = tuple(int(z) for z in args.zero_stages.split(","))
+    if args.no_checkpointing:
+        opts["allow_checkpointing"] = False
+    if args.no_offload:
+        opts["allow_offload"] = False
+    if args.max_tp:
+        opts["max_tp"] = args.max_tp
+    if args.baseline:
+        opts["homogeneous_baseline"] = True
+    plan = plan_from_profile(prof, cluster, global_batch=args.global_batch, **opts)
+    print(plan)
+    if args.explain:
+        print(plan.explain())
+    if args.out:
+        plan.save(args.out)
+        progress(f"wrote {args.out}")
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from whalepy.plan import Plan
+
+    plan = Plan.load(args.plan)
+    print(plan)
+    if args.explain:
+        print(plan.explain())
+    return 0
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    from whalepy.estimate import ParallelConfig, estimate_from_profile
+
+    progress = _err if not args.quiet else (lambda _m: None)
+    cluster = _cluster(args.cluster)
+    prof = _profile(args, progress)
+    cfg = ParallelConfig(dp=args.dp, tp=args.tp, pp=args.pp, num_microbatches=args.microbatches,
+                         schedule=args.schedule, zero_stage=args.zero, checkpoint=args.checkpoint,
+                         offload=args.offload)
+    est = estimate_from_profile(prof, cluster, cfg, global_batch=args.global_batch)
+    print(est)
+    return 0 if est.feasible else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="whalepy", description="Plan hybrid-parallel training of a PyTorch model.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def model_args(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("model", help="built-in name (gpt2, llama3-8b, ...), package.module:function returning "
+                                      "(model, example_inputs), or synthetic:NAME")
+        sp.add_argument("--cluster", required=True, help="cluster spec (YAML or JSON)")
+        sp.add_argument("--global-batch", type=int, default=None, help="samples per step (default 8 per device)")
+        sp.add_argument("--seq-len", type=int, default=None, help="tokens per sample (built-in models)")
+        sp.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+
+    sp = sub.add_parser("plan", help="find the fastest plan that fits")
+    model_args(sp)
+    sp.add_argument("--out", help="write the plan as JSON")
+    sp.add_argument("--solver", default="highs", choices=("highs", "cbc", "exhaustive"))
+    sp.add_argument("--time-limit", type=float, default=60.0, help="search budget in seconds")
+    sp.add_argument("--schedules", help="comma-separated: gpipe,1f1b,interleaved_1f1b")
+    sp.add_argument("--zero-stages", help="comma-separated ZeRO stages to consider, e.g. 0,1,2,3")
+    sp.add_argument("--no-checkpointing", action="store_true")
+    sp.add_argument("--no-offload", action="store_true")
+    sp.add_argument("--max-tp", type=int)
+    sp.add_argument("--baseline", action="store_true", help="homogeneous-slowest baseline instead")
+    sp.add_argument("--explain", action="store_true", help="also list the alternatives and why they lost")
+    sp.set_defaults(func=cmd_plan)
+
+    sp = sub.add_parser("show", help="print a saved plan")
+    sp.add_argument("plan")
+    sp.add_argument("--explain", action="store_true")
+    sp.set_defaults(func=cmd_show)
+
+    sp = sub.add_parser("estimate", help="predict one configuration")
+    model_args(sp)
+    sp.add_argument("--dp", type=int, required=True)
+    sp.add_argument("--tp", type=int, default=1)
+    sp.add_argument("--pp", type=int, default=1)
+    sp.add_argument("--microbatches", type=int, default=1)
+    sp.add_argument("--schedule", default="1f1b")
+    sp.add_argument("--zero", type=int, default=0)
+    sp.add_argument("--checkpoint", action="store_true")
+    sp.add_argument("--offload", choices=("cpu", "nvme"))
+    sp.set_defaults(func=cmd_estimate)
+
+    try:
+        from whalepy import launch
+    except ImportError:
+        launch = None  # type: ignore[assignment]
+    if launch is not None and hasattr(launch, "add_run_subparser"):
+        launch.add_run_subparser(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if getattr(args, "global_batch", "absent") is None:
+            from whalepy.cluster import ClusterSpec
+
+            args.global_batch = 8 * ClusterSpec.load(args.cluster).world_size
+        return int(args.func(args) or 0)
+    except WhalepyError as e:
+        _err(f"error: {e}")
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        _err("interrupted")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

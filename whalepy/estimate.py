@@ -1,0 +1,272 @@
+"""``whalepy.estimate``: the predicted step time and memory of a parallel configuration you choose.
+
+Uses exactly the costing the planner optimises (:mod:`whalepy.planner.costing`), so an estimate of the
+configuration a plan chose reproduces the plan's numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from whalepy._errors import PlanError
+from whalepy.cluster import ClusterSpec
+from whalepy.plan import Plan, Schedule, Tier, ZeroStage
+from whalepy.profile import ModelProfile
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """A fully chosen parallel configuration (what the planner would otherwise search)."""
+
+    dp: int
+    """Data-parallel degree (replicas)."""
+    tp: int = 1
+    """Tensor-parallel degree (inside a node)."""
+    pp: int = 1
+    """Pipeline stages."""
+    num_microbatches: int = 1
+    schedule: Schedule | str = Schedule.ONE_F_ONE_B
+    virtual_stages: int = 1
+    """Model chunks per rank (interleaved schedule only)."""
+    zero_stage: int = 0
+    checkpoint: bool | tuple[int, ...] = False
+    """True: checkpoint every block; a tuple: how many blocks of each stage (first ones of each stage)."""
+    boundaries: tuple[int, ...] | None = None
+    """Blocks per (virtual) stage, in model order; default: balanced by compute."""
+    batch_shares: tuple[int, ...] | None = None
+    """Samples per replica (mixed clusters); default: the global batch split evenly."""
+    offload: Tier | str | None = None
+    """Tier of optimizer states (``"cpu"`` / ``"nvme"``); with ``zero_stage=3`` parameters go there too."""
+    layout: str | None = None
+    """Mixed clusters: ``"replicas"`` (each replica on one group) or ``"stages"`` (each stage on one
+    group, in cluster order); default: replicas when every group holds whole pipelines."""
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "num_microbatches", "virtual_stages"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise PlanError(f"ParallelConfig.{name} must be a positive integer, got {v!r}")
+        try:
+            object.__setattr__(self, "schedule", Schedule(self.schedule))
+        except ValueError:
+            raise PlanError(f"unknown schedule {self.schedule!r}; use "
+                            f"{', '.join(s.value for s in Schedule)}") from None
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise PlanError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        if self.virtual_stages > 1 and self.schedule is not Schedule.INTERLEAVED_1F1B:
+            raise PlanError("virtual_stages > 1 needs schedule='interleaved_1f1b'")
+        if self.tp & (self.tp - 1):
+            raise PlanError(f"tp={self.tp} must be a power of two")
+        if self.offload is not None:
+            object.__setattr__(self, "offload", Tier(self.offload))
+        if isinstance(self.checkpoint, list):
+            object.__setattr__(self, "checkpoint", tuple(self.checkpoint))
+        if isinstance(self.checkpoint, tuple) and len(self.checkpoint) != self.pp:
+            raise PlanError(f"checkpoint gives {len(self.checkpoint)} counts for {self.pp} stages")
+        if self.layout not in (None, "replicas", "stages"):
+            raise PlanError(f"layout must be 'replicas' or 'stages', got {self.layout!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageEstimate:
+    index: int
+    blocks: int
+    time_per_microbatch_s: float
+    memory_bytes: float
+    capacity_bytes: float
+    device_type: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Estimate:
+    config: ParallelConfig
+    step_time_s: float
+    compute_s: float
+    """Busiest stage's compute per step (all micro-batches)."""
+    comm_s: float
+    """Busiest stage's TP + p2p communication per step."""
+    bubble_s: float
+    tail_s: float
+    """Exposed gradient synchronisation plus optimizer step."""
+    samples_per_s: float
+    stages: tuple[StageEstimate, ...]
+    feasible: bool
+    reason: str
+    plan: Plan
+
+    def __str__(self) -> str:
+        head = (f"Estimate dp={self.config.dp} tp={self.config.tp} pp={self.config.pp} "
+                f"M={self.config.num_microbatches} {Schedule(self.config.schedule).value} "
+                f"ZeRO-{self.config.zero_stage}: step {self.step_time_s:.4g} s "
+                f"(compute {self.compute_s:.3g} s, comm {self.comm_s:.3g} s, bubble {self.bubble_s:.3g} s, "
+                f"sync+optimizer {self.tail_s:.3g} s), {self.samples_per_s:.4g} samples/s")
+        lines = [head, "  " + ("fits" if self.feasible else "DOES NOT FIT: " + self.reason)]
+        for s in self.stages:
+            lines.append(f"  stage {s.index}: {s.blocks} blocks on {s.device_type}, "
+                         f"{s.time_per_microbatch_s * 1e3:.3g} ms per micro-batch, memory "
+                         f"{s.memory_bytes / 2**30:.1f} / {s.capacity_bytes / 2**30:.1f} GiB")
+        return "\n".join(lines)
+
+
+def estimate(model: Any, cluster: ClusterSpec, config: ParallelConfig | dict[str, Any], *,
+             example_inputs: Any, global_batch: int, precision: str = "bf16") -> Estimate:
+    from whalepy.profile import profile
+
+    return estimate_from_profile(profile(model, example_inputs), cluster, config, global_batch=global_batch,
+                                 precision=precision)
+
+
+def _coerce(config: ParallelConfig | dict[str, Any]) -> ParallelConfig:
+    if isinstance(config, ParallelConfig):
+        return config
+    if dataclasses.is_dataclass(config):
+        config = dataclasses.asdict(config)  # type: ignore[arg-type]
+    if not isinstance(config, dict):
+        raise PlanError(f"config must be a ParallelConfig or a dict, got {type(config).__name__}")
+    names = {f.name for f in dataclasses.fields(ParallelConfig)}
+    unknown = set(config) - names
+    if unknown:
+        raise PlanError(f"unknown config key(s) {sorted(unknown)}; known: {', '.join(sorted(names))}")
+    try:
+        return ParallelConfig(**config)
+    except TypeError as e:
+        raise PlanError(f"bad config: {e}") from None
+
+
+def _balanced_sizes(times: list[float], parts: int) -> list[int]:
+    """Contiguous split of ``times`` into ``parts`` non-empty parts minimising the largest sum."""
+    n = len(times)
+    pre = [0.0]
+    for t in times:
+        pre.append(pre[-1] + t)
+    INF = float("inf")
+    best = [[INF] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0.0
+    for k in range(1, parts + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                v = max(best[k - 1][j], pre[i] - pre[j])
+                if v < best[k][i]:
+                    best[k][i], cut[k][i] = v, j
+    sizes, i = [], n
+    for k in range(parts, 0, -1):
+        j = cut[k][i]
+        sizes.append(i - j)
+        i = j
+    return sizes[::-1]
+
+
+def estimate_from_profile(profile: ModelProfile, cluster: ClusterSpec, config: ParallelConfig | dict[str, Any], *,
+                          global_batch: int, precision: str = "bf16") -> Estimate:
+    from whalepy.planner.build import build_plan
+    from whalepy.planner.costing import CostContext, build_coefficients, evaluate
+    from whalepy.planner.space import Candidate, Hardware, StateOption, build_segments
+
+    cfg = _coerce(config)
+    hw = Hardware(cluster)
+    W = hw.world_size
+    if cfg.dp * cfg.tp * cfg.pp != W:
+        raise PlanError(f"dp({cfg.dp}) * tp({cfg.tp}) * pp({cfg.pp}) = {cfg.dp * cfg.tp * cfg.pp} != world size "
+                        f"({W}); a configuration must use every device")
+    for g in hw.groups:
+        if g.gpus_per_node % cfg.tp:
+            raise PlanError(f"tp={cfg.tp} does not divide the {g.gpus_per_node} GPUs per node of group "
+                            f"{g.name!r}; TP stays inside a node")
+    N = len(profile.blocks)
+    J = cfg.pp * cfg.virtual_stages
+    if J > N:
+        raise PlanError(f"{J} (virtual) stages for {N} blocks: every stage needs at least one block")
+    shares = cfg.batch_shares or ((global_batch // cfg.dp,) * cfg.dp if global_batch % cfg.dp == 0 else None)
+    if shares is None:
+        raise PlanError(f"global batch {global_batch} does not split evenly over dp={cfg.dp}; give batch_shares")
+    if len(shares) != cfg.dp or sum(shares) != global_batch or min(shares) < 1:
+        raise PlanError(f"batch_shares {list(shares)} must be {cfg.dp} positive numbers summing to {global_batch}")
+    if any(s % cfg.num_microbatches for s in shares):
+        raise PlanError(f"batch shares {list(shares)} must divide into {cfg.num_microbatches} equal micro-batches")
+    layout = cfg.layout
+    if len(hw.groups) == 1:
+        cell_groups = tuple((0,) * cfg.dp for _ in range(cfg.pp))
+        layout = "homogeneous"
+    else:
+        whole = all(g.size % (cfg.pp * cfg.tp) == 0 for g in hw.groups)
+        layout = layout or ("replicas" if whole else "stages")
+        if layout == "replicas":
+            if not whole:
+                raise PlanError(f"layout='replicas' needs every group to hold whole pipelines of "
+                                f"pp*tp={cfg.pp * cfg.tp} devices")
+            reps = tuple(g.index for g in hw.groups for _ in range(g.size // (cfg.pp * cfg.tp)))
+            cell_groups = tuple(reps for _ in range(cfg.pp))
+        else:
+            if any(g.size % (cfg.dp * cfg.tp) for g in hw.groups):
+                raise PlanError(f"layout='stages' needs every group to hold whole stages of dp*tp="
+                                f"{cfg.dp * cfg.tp} devices")
+            cell_groups = tuple((g.index,) * cfg.dp for g in hw.groups for _ in range(g.size // (cfg.dp * cfg.tp)))
+    cand = Candidate(num_stages=cfg.pp, tp=cfg.tp, dp=cfg.dp, num_microbatches=cfg.num_microbatches,
+                     schedule=Schedule(cfg.schedule), virtual_stages=cfg.virtual_stages, cell_groups=cell_groups,
+                     batch_shares=tuple(shares), layout=layout)
+    ctx = CostContext(profile, hw, precision=precision)
+    tier = Tier(cfg.offload) if cfg.offload is not None else Tier.GPU
+    option = StateOption(ZeroStage(cfg.zero_stage), tier,
+                         tier if (cfg.zero_stage == 3 and tier is not Tier.GPU) else Tier.GPU)
+    cc = build_coefficients(ctx, cand, build_segments(profile), (option,))
+    for sc in cc.stages:
+        if option not in sc.options:
+            raise PlanError(f"offload to {tier.value} is not possible on stage {sc.index}: its group has no "
+                            f"{'host memory (cpu_memory_gb)' if tier is Tier.CPU else 'NVMe'} in the cluster spec")
+    if cfg.boundaries is not None:
+        sizes = list(cfg.boundaries)
+        if len(sizes) != J or sum(sizes) != N or min(sizes) < 1:
+            raise PlanError(f"boundaries {sizes} must be {J} positive block counts summing to {N}")
+    else:
+        mb = shares[0] / cfg.num_microbatches
+        dev = hw.groups[cell_groups[0][0]].device.name
+        sizes = _balanced_sizes([sum(ctx.block_time(b.index, dev, cfg.tp, mb)) for b in profile.blocks], J)
+    from whalepy.planner.costing import counts_from_boundaries
+
+    counts = counts_from_boundaries(cc, sizes)
+    if cfg.checkpoint is True:
+        ckpts = [list(c) for c in counts]
+    elif cfg.checkpoint is False:
+        ckpts = [[0] * len(c) for c in counts]
+    else:
+        ckpts = []
+        for s, k in enumerate(cfg.checkpoint):  # type: ignore[union-attr]
+            if not 0 <= k <= sum(counts[s]):
+                raise PlanError(f"checkpoint count {k} for stage {s}, which has {sum(counts[s])} blocks")
+            row, left = [], k
+            for n in counts[s]:
+                row.append(min(n, left))
+                left -= row[-1]
+            ckpts.append(row)
+    ev = evaluate(cc, sizes, ckpts, [option] * cfg.pp)
+    reason = ""
+    if not ev.fits:
+        worst = max((c for st in ev.stages for c in st.cells), key=lambda c: c.memory_bytes / c.cell.capacity)
+        st = next(st for st in ev.stages if worst in st.cells)
+        g = worst.cell.group
+        if worst.memory_bytes > worst.cell.capacity:
+            reason = (f"stage {st.index} on group {g.name!r} ({g.device.name}) needs "
+                      f"{worst.memory_bytes / 2**30:.1f} GiB per device, has {worst.cell.capacity / 2**30:.1f} GiB "
+                      f"usable: {(worst.memory_bytes - worst.cell.capacity) / 2**30:.1f} GiB short")
+        else:
+            reason = f"offloaded states do not fit host memory / NVMe on group {g.name!r}"
+    M = cfg.num_microbatches
+    busiest = max((c for st in ev.stages for c in st.cells), key=lambda c: c.time_s)
+    plan = build_plan(ev, ctx=ctx, global_batch=global_batch, result=None, solver_name="given", status="given",
+                      mip_gap=0.0, notes=[] if ev.fits else ["does not fit: " + reason])
+    stages = tuple(StageEstimate(index=st.index, blocks=sum(st.counts),
+                                 time_per_microbatch_s=st.time_s,
+                                 memory_bytes=max(c.memory_bytes for c in st.cells),
+                                 capacity_bytes=min(c.cell.capacity for c in st.cells),
+                                 device_type="/".join(sorted({c.cell.group.device.name for c in st.cells})))
+                   for st in ev.stages)
+    return Estimate(config=cfg, step_time_s=ev.step_time_s, compute_s=M * busiest.compute_s,
+                    comm_s=M * busiest.comm_s, bubble_s=(cc.bubble - M) * ev.T, tail_s=ev.X,
+                    samples_per_s=global_batch / ev.step_time_s, stages=stages, feasible=ev.fits, reason=reason,
+                    plan=plan)
+
+
+__all__ = ["Estimate", "ParallelConfig", "StageEstimate", "estimate", "estimate_from_profile"]

@@ -1,0 +1,267 @@
+"""Turn the search's best evaluation into a :class:`~whalepy.plan.Plan`; explain the losers; and, when
+nothing fits, say which device group runs short, by how much, and what would make it fit."""
+
+from __future__ import annotations
+
+import math
+
+from whalepy._errors import InfeasibleError
+from whalepy.cost_models.compute import peak_flops
+from whalepy.plan import (
+    Alternative,
+    BlockPlan,
+    Plan,
+    PlanCost,
+    SolverReport,
+    StageCost,
+    StagePlan,
+    Tier,
+)
+from whalepy.planner.costing import (
+    CostContext,
+    Evaluation,
+    build_coefficients,
+    evaluate_stage,
+    tp_applies,
+)
+from whalepy.planner.search import SearchResult
+from whalepy.planner.space import Candidate, Rejection
+
+_GB = 2**30
+
+
+def gb(x: float) -> str:
+    return f"{x / _GB:.1f} GiB"
+
+
+def stage_blocks(ev: Evaluation) -> list[list[int]]:
+    """Block positions of each physical stage (chunks in order for the interleaved schedule)."""
+    S = ev.coeffs.candidate.num_stages
+    out: list[list[int]] = [[] for _ in range(S)]
+    pos = 0
+    for j, size in enumerate(ev.boundaries):
+        out[j % S].extend(range(pos, pos + size))
+        pos += size
+    return out
+
+
+def stage_chunk_sizes(ev: Evaluation) -> list[tuple[int, ...]]:
+    """Blocks per virtual chunk of each physical stage; empty tuples without interleaving."""
+    S = ev.coeffs.candidate.num_stages
+    if ev.coeffs.candidate.virtual_stages <= 1:
+        return [() for _ in range(S)]
+    out: list[list[int]] = [[] for _ in range(S)]
+    for j, size in enumerate(ev.boundaries):
+        out[j % S].append(size)
+    return [tuple(x) for x in out]
+
+
+def build_plan(ev: Evaluation, *, ctx: CostContext, global_batch: int, result: SearchResult | None,
+               solver_name: str, status: str, mip_gap: float, notes: list[str],
+               alternatives: tuple[Alternative, ...] = ()) -> Plan:
+    prof, hw = ctx.profile, ctx.hw
+    cc = ev.coeffs
+    cand = cc.candidate
+    seg_of = [seg.index for seg in cc.segments for _ in range(seg.length)]
+    stages = []
+    rules = []
+    step = ev.step_time_s
+    M = cand.num_microbatches
+    busy: dict[str, float] = {}
+    chunks = stage_chunk_sizes(ev)
+    for s, (st, positions) in enumerate(zip(ev.stages, stage_blocks(ev))):
+        left = list(st.checkpoints)
+        blocks = []
+        for i in positions:
+            g = seg_of[i]
+            ck = left[g] > 0
+            left[g] -= ck
+            blocks.append(BlockPlan(name=prof.blocks[i].name, checkpoint=ck, param_tier=st.option.param_tier,
+                                    optimizer_tier=st.option.optimizer_tier))
+            if cand.tp > 1 and tp_applies(prof.blocks[i], cand.tp):
+                rules.extend(prof.blocks[i].tp_rules)
+        worst = max(st.cells, key=lambda c: c.time_s)
+        tight = max(st.cells, key=lambda c: c.memory_bytes / c.cell.capacity)
+        for c in st.cells:
+            name = c.cell.group.device.name
+            busy[name] = max(busy.get(name, 0.0), M * c.time_s + c.tail_s)
+        stages.append(StagePlan(
+            index=s, blocks=tuple(blocks), ranks=cc.ranks[s],
+            device_types=tuple(hw.groups[cand.cell_groups[s][r]].device.name for r in range(cand.dp)),
+            zero_stage=st.option.zero, chunk_sizes=chunks[s],
+            cost=StageCost(compute_s=worst.compute_s, comm_s=worst.comm_s, grad_sync_s=worst.exposed_sync_s,
+                           offload_s=M * max(0.0, worst.fetch_s - worst.compute_s - worst.comm_s + worst.cell.p2p)
+                           + (worst.opt_s if st.option.optimizer_tier is not Tier.GPU else 0.0),
+                           bubble_s=max(0.0, cc.bubble * ev.T - M * st.time_s),
+                           memory_bytes=int(tight.memory_bytes), capacity_bytes=int(tight.cell.capacity))))
+    rank_types = tuple(d.device.name for d in hw.cluster.rank_devices())
+    samples = global_batch / step
+    model_flops = prof.train_flops * global_batch / prof.batch_size / step
+    peak = sum(peak_flops(d.device, ctx.precision) for d in hw.cluster.rank_devices())
+    cost = PlanCost(step_time_s=step, samples_per_s=samples,
+                    tokens_per_s=samples * prof.seq_len if prof.seq_len else 0.0,
+                    model_tflops_per_gpu=model_flops / hw.world_size / 1e12, mfu=model_flops / peak,
+                    busy_by_device_type=tuple(sorted(busy.items())))
+    report = SolverReport(solver=solver_name, status=status, objective=step, mip_gap=mip_gap,
+                          solve_time_s=result.solve_time_s if result else 0.0,
+                          num_candidates=result.num_candidates if result else 1)
+    return Plan(model_name=prof.model_name, model_fingerprint=prof.fingerprint, world_size=hw.world_size,
+                rank_device_types=rank_types, global_batch=global_batch, seq_len=prof.seq_len,
+                num_microbatches=M, schedule=cand.schedule, virtual_stages=cand.virtual_stages,
+                batch_shares=cand.batch_shares, stages=tuple(stages), tensor_parallel=tuple(dict.fromkeys(rules)),
+                cost=cost, solver=report, alternatives=alternatives, notes=tuple(notes))
+
+
+# -- alternatives -----------------------------------------------------------------------------------
+
+def _bubble_share(ev: Evaluation) -> float:
+    cand = ev.coeffs.candidate
+    return (ev.coeffs.bubble - cand.num_microbatches) * ev.T / ev.step_time_s
+
+
+def why_lost(ev: Evaluation, best: Evaluation, hw) -> str:  # type: ignore[no-untyped-def]
+    """The biggest difference between a losing evaluation and the best one."""
+    parts = {
+        "pipeline bubble": (_bubble_share(ev) * ev.step_time_s, _bubble_share(best) * best.step_time_s),
+        "compute per step": (ev.coeffs.candidate.num_microbatches * max(max(c.compute_s for c in st.cells) for st in ev.stages),
+                             best.coeffs.candidate.num_microbatches * max(max(c.compute_s for c in st.cells) for st in best.stages)),
+        "communication per step": (ev.coeffs.candidate.num_microbatches * max(max(c.comm_s for c in st.cells) for st in ev.stages),
+                                   best.coeffs.candidate.num_microbatches * max(max(c.comm_s for c in st.cells) for st in best.stages)),
+        "gradient sync + optimizer": (ev.X, best.X),
+    }
+    name, (a, b) = max(parts.items(), key=lambda kv: kv[1][0] - kv[1][1])
+    if name == "pipeline bubble":
+        return f"bubble {100 * _bubble_share(ev):.0f}% vs {100 * _bubble_share(best):.0f}%"
+    if any(st.option.param_tier is not Tier.GPU or st.option.optimizer_tier is not Tier.GPU for st in ev.stages) \
+            and name == "gradient sync + optimizer":
+        return f"offloaded optimizer step {a:.3g} s vs {b:.3g} s"
+    return f"{name} {a:.3g} s vs {b:.3g} s"
+
+
+def build_alternatives(result: SearchResult, best: Evaluation, top_k: int, hw) -> tuple[Alternative, ...]:  # type: ignore[no-untyped-def]
+    alts: list[Alternative] = []
+    best_cand = best.coeffs.candidate
+    solved = sorted((r for r in result.solved if r[1].evaluation is not None and r[0] != best_cand),
+                    key=lambda r: r[1].evaluation.step_time_s)  # type: ignore[union-attr]
+    for cand, res in solved[:top_k]:
+        ev = res.evaluation
+        assert ev is not None
+        alts.append(Alternative(description=cand.describe(hw.groups), step_time_s=ev.step_time_s,
+                                reason=f"{ev.step_time_s / best.step_time_s:.2f}x slower: {why_lost(ev, best, hw)}"))
+    infeasible = [r for r in result.solved if r[1].status == "infeasible"]
+    for cand, _ in infeasible[: max(1, top_k - len(alts))]:
+        alts.append(Alternative(description=cand.describe(hw.groups), step_time_s=math.inf,
+                                reason="does not fit: " + memory_shortfall_text(result.ctx, cand, result)))
+    beaten = [r for r in result.solved if r[1].status == "no better than the incumbent"]
+    for cand, _ in beaten[: max(1, top_k - len(alts))]:
+        alts.append(Alternative(description=cand.describe(hw.groups), step_time_s=math.inf,
+                                reason="its ILP proved no plan of it beats the incumbent"))
+    for rej in result.rejections:
+        if len(alts) >= top_k + 2:
+            break
+        if rej.candidate is None:
+            alts.append(Alternative(description="(outer space)", step_time_s=math.inf, reason=rej.reason))
+        elif "lower bound" in rej.reason:
+            alts.append(Alternative(description=rej.candidate.describe(hw.groups), step_time_s=math.inf,
+                                    reason=rej.reason))
+    big = 2 * max(g.gpus_per_node for g in hw.groups)
+    if hw.world_size >= big:
+        alts.append(Alternative(description=f"tp={big}", step_time_s=math.inf,
+                                reason=f"TP across {big} ranks leaves the node (TP stays within a node)"))
+    return tuple(alts)
+
+
+# -- infeasibility ----------------------------------------------------------------------------------
+
+def _min_memory(ctx: CostContext, cand: Candidate, result: SearchResult):  # type: ignore[no-untyped-def]
+    """Least-memory configuration of a candidate: even split, everything checkpointed (if allowed),
+    the least-memory state option per stage. Returns ``(worst ratio, stage eval, cell eval)``."""
+    cc = build_coefficients(ctx, cand, result.segments, result.options)
+    N, J = cc.num_blocks, cand.num_virtual
+    sizes = [N // J + (1 if j < N % J else 0) for j in range(J)]
+    from whalepy.planner.costing import counts_from_boundaries
+
+    counts = counts_from_boundaries(cc, sizes)
+    worst = None
+    allow_ck = result.allow_checkpointing
+    for s, sc in enumerate(cc.stages):
+        ck = counts[s] if allow_ck else [0] * len(counts[s])
+        best_stage = None
+        for o in sc.options:
+            ev = evaluate_stage(sc, counts[s], ck, o, virtual_stages=cand.virtual_stages, dp=cand.dp)
+            ratio = max(c.memory_bytes / c.cell.capacity for c in ev.cells)
+            if best_stage is None or ratio < best_stage[0]:
+                best_stage = (ratio, ev)
+        assert best_stage is not None
+        if worst is None or best_stage[0] > worst[0]:
+            cell = max(best_stage[1].cells, key=lambda c: c.memory_bytes / c.cell.capacity)
+            worst = (best_stage[0], best_stage[1], cell)
+    return worst
+
+
+def memory_shortfall_text(ctx, cand: Candidate, result: SearchResult) -> str:  # type: ignore[no-untyped-def]
+    ratio, st, cell = _min_memory(ctx, cand, result)
+    g = cell.cell.group
+    if ratio <= 1.0:
+        return (f"even the least-memory layout needs the annotated stage boundaries or host memory it "
+                f"cannot have (stage {st.index} on {g.name!r})")
+    return (f"stage {st.index} on group {g.name!r} ({g.device.name}) needs {gb(cell.memory_bytes)} per device, "
+            f"has {gb(cell.cell.capacity)} usable: {gb(cell.memory_bytes - cell.cell.capacity)} short")
+
+
+def raise_infeasible(result: SearchResult, opts, global_batch: int) -> None:  # type: ignore[no-untyped-def]
+    ctx = result.ctx
+    assert ctx is not None and result.constraints is not None
+    cons = result.constraints
+    if not result.candidates:
+        why = "; ".join(dict.fromkeys(r.reason for r in result.rejections if r.candidate is None)) or ""
+        fixed = [f"{v} fixes {k}" for k, v in cons.sources.items()]
+        raise InfeasibleError(
+            f"no parallel layout of {ctx.hw.world_size} devices fits the constraints for global batch "
+            f"{global_batch}: the global batch must divide evenly over the data-parallel replicas and "
+            f"micro-batches{'; ' + why if why else ''}{'; ' + '; '.join(fixed) if fixed else ''}. "
+            "Change the global batch, the device count or the annotations.")
+    best = None
+    for cand in result.candidates[:400]:
+        ratio, st, cell = _min_memory(ctx, cand, result)
+        if best is None or ratio < best[0]:
+            best = (ratio, cand, st, cell)
+    assert best is not None
+    ratio, cand, st, cell = best
+    g = cell.cell.group
+    head = (f"no plan fits: even the least-memory candidate ({cand.describe(ctx.hw.groups)}, "
+            f"{st.option}, {'all blocks checkpointed' if opts.allow_checkpointing else 'no checkpointing'}): "
+            f"stage {st.index} on group {g.name!r} ({g.device.name}) needs {gb(cell.memory_bytes)} per device, "
+            f"has {gb(cell.cell.capacity)} usable: {gb(max(0.0, cell.memory_bytes - cell.cell.capacity))} short "
+            f"(model states {gb(cell.states_bytes)}, activations {gb(cell.activation_bytes)}).")
+    fixes = [f"more devices (about {math.ceil(ratio * 10) / 10:g}x the memory of this group)"]
+    if not opts.allow_checkpointing:
+        fixes.append("allow_checkpointing=True")
+    if 3 not in opts.zero_stages:
+        fixes.append("ZeRO-3 (zero_stages including 3)")
+    if "replicate" in cons.sources and cons.dp is not None:
+        fixes.append(f"{cons.sources['replicate']} fixes DP at {cons.dp}, so ZeRO-3 shards across only "
+                     f"{cons.dp} ranks: drop it or raise it")
+    if "split" in cons.sources:
+        fixes.append(f"{cons.sources['split']} fixes TP at {cons.tp or '>1'}: a larger TP degree would shard "
+                     "more: drop or raise it")
+    if "stage" in cons.sources:
+        fixes.append(f"{cons.sources['stage']}: the stage scopes fix {cons.num_stages} pipeline stages and "
+                     "their boundaries: more stages would spread the layers")
+    if "cluster" in cons.sources:
+        fixes.append(f"{cons.sources['cluster']} pins blocks to one group")
+    if not opts.allow_offload:
+        fixes.append("allow_offload=True (CPU / NVMe offload)")
+    elif any(gr.cpu_memory_bytes is None for gr in ctx.hw.groups):
+        fixes.append("CPU offload: give cpu_memory_gb for the groups in the cluster spec")
+    mb = min(cand.batch_shares) / cand.num_microbatches
+    if mb > 1:
+        fixes.append(f"a smaller micro-batch (this one is {mb:g} samples)")
+    raise InfeasibleError(head + " To fit: " + "; ".join(fixes) + ".")
+
+
+def rejected_summary(rejections: list[Rejection]) -> int:
+    return sum(1 for r in rejections if "lower bound" in r.reason)
+
+
+__all__ = ["build_alternatives", "build_plan", "raise_infeasible"]

@@ -1,0 +1,359 @@
+"""The outer search: enumerate candidates (degrees, micro-batches, schedule, device-group layout,
+batch shares), bound them, solve the promising ones with the ILP (or exhaustively), and keep the best.
+
+Candidates are visited in order of an analytic lower bound (:func:`costing.lower_bound`: the model's
+compute spread evenly over the stages, bubbles included, nothing else); once the bound of the next one
+is no better than the incumbent, the rest cannot win and are not solved.
+
+Mixed clusters. Two layouts are enumerated: ``"replicas"`` (each data-parallel replica is a whole
+pipeline on one group; replicas get uneven integer batch shares, tried from uniform to proportional to
+each group's predicted throughput, blended at :data:`SHARE_BLENDS`) and ``"stages"`` (each pipeline
+stage on one group, every order of the distinct groups; the ILP then gives the stages uneven block
+counts). TP stays inside a node of one type by construction.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from whalepy._errors import AnnotationError, InfeasibleError
+from whalepy.plan import Schedule
+from whalepy.planner.costing import (
+    CandidateCoeffs,
+    CostContext,
+    Evaluation,
+    build_coefficients,
+    evaluate,
+    lower_bound,
+    tp_applies,
+)
+from whalepy.planner.exhaustive import solve_exhaustive
+from whalepy.planner.ilp import ILPResult, solve_candidate
+from whalepy.planner.space import (
+    Candidate,
+    Hardware,
+    Rejection,
+    Segment,
+    StateOption,
+    build_segments,
+    build_state_options,
+    distinct_orders,
+    divisors,
+)
+from whalepy.profile import ModelProfile
+
+SHARE_BLENDS = (0.0, 0.5, 0.75, 1.0)
+"""Replica batch shares tried on mixed clusters: ``(1 - a) * uniform + a * proportional to throughput``."""
+
+
+@dataclass(slots=True)
+class Constraints:
+    """What the annotations fix."""
+
+    tp: int | None = None
+    tp_above_one: bool = False
+    tp_one: bool = False
+    dp: int | None = None
+    num_stages: int | None = None
+    stage_of_block: dict[int, int] = field(default_factory=dict)
+    groups_of_block: dict[int, frozenset[int]] = field(default_factory=dict)
+    sources: dict[str, str] = field(default_factory=dict)
+    """Kind ("split", "replicate", "stage", "cluster") -> a human-readable origin for messages."""
+
+
+def _source(block, text: str) -> str:  # type: ignore[no-untyped-def]
+    return block.annotations.sources[0] if block.annotations.sources else f"{text} on {block.name}"
+
+
+def read_annotations(profile: ModelProfile, hw: Hardware) -> Constraints:
+    c = Constraints()
+    splits, reps = {}, {}
+    stages: set[int] = set()
+    for b in profile.blocks:
+        a = b.annotations
+        if a.split is not None:
+            splits.setdefault(a.split, _source(b, f"split({a.split})"))
+        if a.replicate is not None:
+            reps.setdefault(a.replicate, _source(b, f"replicate({a.replicate})"))
+        if a.stage is not None:
+            stages.add(a.stage)
+            c.stage_of_block[b.index] = a.stage
+            c.sources.setdefault("stage", _source(b, f"stage({a.stage})"))
+        if a.cluster_gpu is not None or a.cluster_group is not None:
+            ok = frozenset(g.index for g in hw.groups
+                           if (a.cluster_group is None or g.name == a.cluster_group)
+                           and (a.cluster_gpu is None or _gpu_matches(g.device.name, a.cluster_gpu)))
+            if not ok:
+                names = ", ".join(f"{g.name} ({g.device.name})" for g in hw.groups)
+                raise AnnotationError(
+                    f"{_source(b, 'cluster(...)')} pins {b.name} to "
+                    f"{a.cluster_group or a.cluster_gpu!r}, which the cluster does not have; groups: {names}")
+            c.groups_of_block[b.index] = ok
+            c.sources.setdefault("cluster", _source(b, "cluster(...)"))
+    positive = {n for n in splits if n > 0}
+    if len(positive) > 1:
+        raise AnnotationError(f"conflicting split degrees {sorted(positive)}: {', '.join(splits.values())}; "
+                              "whalepy plans one TP degree for the whole model")
+    if positive:
+        c.tp = positive.pop()
+        c.sources["split"] = splits[c.tp]
+    if 0 in splits:
+        c.tp_above_one = True
+        c.sources.setdefault("split", splits[0])
+    rpos = {n for n in reps if n > 0}
+    if len(rpos) > 1:
+        raise AnnotationError(f"conflicting replicate degrees {sorted(rpos)}: {', '.join(reps.values())}")
+    if rpos:
+        c.dp = rpos.pop()
+        c.sources["replicate"] = reps[c.dp]
+    if 0 in reps:
+        c.tp_one = True
+        c.sources.setdefault("replicate", reps[0])
+    if c.tp_one and (c.tp_above_one or (c.tp or 1) > 1):
+        raise AnnotationError(f"{c.sources['replicate']} needs TP 1 but {c.sources['split']} needs TP > 1")
+    if stages:
+        if sorted(stages) != list(range(len(stages))):
+            raise AnnotationError(f"stage scopes are numbered {sorted(stages)}; expected 0..{len(stages) - 1}")
+        c.num_stages = len(stages)
+    return c
+
+
+def _dev(name: str) -> str:
+    return name.strip().lower().replace("_", "-")
+
+
+def _gpu_matches(device_name: str, wanted: str) -> bool:
+    try:
+        from whalepy.cost_models.devices import resolve_device_type
+
+        return resolve_device_type(wanted).name == device_name
+    except Exception:  # noqa: BLE001 - an ambiguous or unknown name matches by prefix
+        return device_name.lower().startswith(_dev(wanted))
+
+
+# -- enumeration ------------------------------------------------------------------------------------
+
+def enumerate_candidates(ctx: CostContext, G: int, opts, cons: Constraints,  # type: ignore[no-untyped-def]
+                         rejections: list[Rejection], *, force_uniform: bool = False) -> list[Candidate]:
+    hw, prof = ctx.hw, ctx.profile
+    N = len(prof.blocks)
+    W = hw.world_size
+    node_gcd = math.gcd(*[g.gpus_per_node for g in hw.groups])
+    max_tp = opts.max_tp or max(g.gpus_per_node for g in hw.groups)
+    tps = [t for t in (1, 2, 4, 8, 16, 32, 64) if t <= max_tp and node_gcd % t == 0]
+    if cons.tp is not None:
+        if cons.tp not in tps:
+            raise InfeasibleError(
+                f"{cons.sources['split']} fixes TP at {cons.tp}, but TP must be a power of two dividing "
+                f"every group's GPUs per node ({node_gcd}) and at most max_tp={max_tp}; TP never leaves a node")
+        tps = [cons.tp]
+    if cons.tp_above_one:
+        tps = [t for t in tps if t > 1]
+    if cons.tp_one:
+        tps = [1]
+    out: list[Candidate] = []
+    multi = len(hw.groups) > 1
+    for t in tps:
+        if t > 1 and not any(tp_applies(b, t) for b in prof.blocks):
+            rejections.append(Rejection(None, f"TP {t}: no block can be split {t} ways"))
+            continue
+        layouts = []  # (S, d, cell_groups, layout, share-mode)
+        if not multi:
+            for S in divisors(W // t):
+                if S <= N:
+                    d = W // (S * t)
+                    layouts.append((S, d, tuple((0,) * d for _ in range(S)), "homogeneous"))
+        else:
+            for S in divisors(math.gcd(*[g.size for g in hw.groups])):
+                if S > N or any(g.size % (S * t) for g in hw.groups):
+                    continue
+                reps = tuple(g.index for g in hw.groups for _ in range(g.size // (S * t)))
+                layouts.append((S, len(reps), tuple(reps for _ in range(S)), "replicas"))
+            # "stages": each stage on one group, every distinct order of the groups
+            for d in divisors(math.gcd(*[g.size for g in hw.groups])):
+                if any(g.size % (d * t) for g in hw.groups):
+                    continue
+                k = {g.index: g.size // (d * t) for g in hw.groups}
+                S = sum(k.values())
+                if S > N:
+                    continue
+                keys = {g.index: f"{g.device.name}|{g.gpus_per_node}" for g in hw.groups}
+                for order in distinct_orders(tuple(g.index for g in hw.groups), keys):
+                    cg = tuple((gi,) * d for gi in order for _ in range(k[gi]))
+                    layouts.append((S, d, cg, "stages"))
+        for S, d, cg, layout in layouts:
+            if cons.dp is not None and d != cons.dp:
+                continue
+            if cons.num_stages is not None and S != cons.num_stages:
+                continue
+            if cons.groups_of_block and layout == "replicas" and len(hw.groups) > 1:
+                continue  # a pinned block needs all replicas of its stage on its group
+            if cons.groups_of_block and not _pins_possible(cons, cg, S):
+                continue
+            for M, shares in _micro_batches(ctx, G, d, cg, layout, opts, force_uniform):
+                for sched, v in _schedules(S, M, N, opts, cons, multi):
+                    out.append(Candidate(num_stages=S, tp=t, dp=d, num_microbatches=M, schedule=sched,
+                                         virtual_stages=v, cell_groups=cg, batch_shares=shares, layout=layout))
+    return out
+
+
+def _pins_possible(cons: Constraints, cg, S: int) -> bool:  # type: ignore[no-untyped-def]
+    for i, groups in cons.groups_of_block.items():
+        if not any(cg[s][0] in groups for s in range(S)):
+            return False
+    return True
+
+
+def _micro_batches(ctx: CostContext, G: int, d: int, cg, layout: str, opts, force_uniform: bool):  # type: ignore[no-untyped-def]
+    max_m = opts.max_microbatches
+    if layout != "replicas" or force_uniform or len({g for g in cg[0]}) == 1:
+        if G % d:
+            return
+        for M in divisors(G // d):
+            if max_m is None or M <= max_m:
+                yield M, (G // d,) * d
+        return
+    speed = {g: 1.0 / ctx.model_time_per_sample(ctx.hw.groups[g]) for g in set(cg[0])}
+    weights = [speed[g] for g in cg[0]]
+    for M in divisors(G):
+        if max_m is not None and M > max_m:
+            continue
+        U = G // M
+        if U < d:
+            continue
+        seen = set()
+        for a in SHARE_BLENDS:
+            w = [(1 - a) / d + a * x / sum(weights) for x in weights]
+            units = _apportion(U, w)
+            if units and tuple(units) not in seen:
+                seen.add(tuple(units))
+                yield M, tuple(u * M for u in units)
+
+
+def _apportion(total: int, weights: list[float]) -> list[int] | None:
+    """Largest-remainder split of ``total`` into positive integers proportional to ``weights``."""
+    n = len(weights)
+    if total < n:
+        return None
+    extra = total - n
+    raw = [extra * w / sum(weights) for w in weights]
+    base = [int(math.floor(x)) for x in raw]
+    order = sorted(range(n), key=lambda i: raw[i] - base[i], reverse=True)
+    for i in order[: extra - sum(base)]:
+        base[i] += 1
+    return [b + 1 for b in base]
+
+
+def _schedules(S: int, M: int, N: int, opts, cons: Constraints, multi: bool):  # type: ignore[no-untyped-def]
+    if S == 1:
+        yield (Schedule.ONE_F_ONE_B if Schedule.ONE_F_ONE_B in opts.schedules else opts.schedules[0]), 1
+        return
+    for sched in opts.schedules:
+        if sched is Schedule.GPIPE and Schedule.ONE_F_ONE_B in opts.schedules:
+            continue  # same step time as 1F1B, never fewer micro-batches in flight: dominated
+        if sched is Schedule.INTERLEAVED_1F1B:
+            if cons.num_stages is not None or (multi and cons.groups_of_block):
+                continue
+            for v in opts.virtual_stages:
+                if v > 1 and M % S == 0 and M >= S and S * v <= N:
+                    yield sched, v
+        else:
+            yield sched, 1
+
+
+# -- solving ----------------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class SearchResult:
+    best: Evaluation | None
+    best_result: ILPResult | None
+    solved: list[tuple[Candidate, ILPResult]]
+    rejections: list[Rejection]
+    num_candidates: int
+    solve_time_s: float
+    solver_used: str
+    notes: list[str]
+    hit_time_limit: bool = False
+    segments: tuple[Segment, ...] = ()
+    options: tuple[StateOption, ...] = ()
+    ctx: CostContext | None = None
+    constraints: Constraints | None = None
+    candidates: list[Candidate] = field(default_factory=list)
+    allow_checkpointing: bool = True
+
+
+def allowed_stage_ranges(cand: Candidate, cons: Constraints) -> dict[int, tuple[int, int]]:
+    out: dict[int, tuple[int, int]] = {}
+    for i, k in cons.stage_of_block.items():
+        out[i] = (k, k)
+    for i, groups in cons.groups_of_block.items():
+        ok = [s for s in range(cand.num_stages) if cand.cell_groups[s][0] in groups]
+        lo, hi = min(ok), max(ok)
+        if i in out:
+            lo, hi = max(lo, out[i][0]), min(hi, out[i][1])
+        out[i] = (lo, hi)
+    return out
+
+
+def run_search(profile: ModelProfile, hw: Hardware, G: int, opts, *,  # type: ignore[no-untyped-def]
+               progress: Callable[[str], None], force_uniform: bool = False) -> SearchResult:
+    t0 = time.perf_counter()
+    notes: list[str] = []
+    solver = opts.solver
+    if solver == "highs":
+        import pulp
+
+        if not pulp.HiGHS().available():
+            solver = "cbc"
+            notes.append("HiGHS (highspy) is not available: solved with CBC instead, which is slower")
+    ctx = CostContext(profile, hw, precision=opts.precision)
+    cons = read_annotations(profile, hw)
+    segments = build_segments(profile)
+    options = build_state_options(opts.zero_stages, opts.allow_offload)
+    rejections: list[Rejection] = []
+    progress(f"enumerating candidates for {hw.world_size} devices, global batch {G}")
+    cands = enumerate_candidates(ctx, G, opts, cons, rejections, force_uniform=force_uniform)
+    bounded = sorted(((lower_bound(ctx, c), i, c) for i, c in enumerate(cands)), key=lambda x: (x[0], x[1]))
+    progress(f"{len(cands)} candidates; solving the promising ones with {solver}")
+    solved: list[tuple[Candidate, ILPResult]] = []
+    best: tuple[float, Evaluation, ILPResult] | None = None
+    hit_limit = False
+    for lb, _, cand in bounded:
+        if best is not None and lb >= best[0] * (1 - 1e-9):
+            rejections.append(Rejection(cand, f"lower bound {lb:.3g} s >= best {best[0]:.3g} s (not solved)", lb))
+            continue
+        remaining = opts.time_limit_s - (time.perf_counter() - t0)
+        if remaining <= 0:
+            hit_limit = True
+            rejections.append(Rejection(cand, "not solved: time limit reached", lb))
+            continue
+        cc = build_coefficients(ctx, cand, segments, options)
+        allowed = allowed_stage_ranges(cand, cons)
+        if solver == "exhaustive":
+            res = solve_exhaustive(cc, allowed_stages=allowed, allow_checkpointing=opts.allow_checkpointing)
+        else:
+            res = solve_candidate(cc, allowed_stages=allowed, allow_checkpointing=opts.allow_checkpointing,
+                                  solver=solver, time_limit_s=max(0.5, min(remaining, opts.ilp_time_limit_s)),
+                                  cutoff=best[0] * (1 - 1e-6) if best is not None else None)
+        solved.append((cand, res))
+        if res.evaluation is not None and (best is None or res.evaluation.step_time_s < best[0]):
+            best = (res.evaluation.step_time_s, res.evaluation, res)
+            progress(f"  best so far {best[0]:.4g} s/step: {cand.describe(hw.groups)}")
+    elapsed = time.perf_counter() - t0
+    progress(f"search done in {elapsed:.2f} s ({len(solved)} ILPs solved)")
+    if hit_limit:
+        notes.append(f"time limit of {opts.time_limit_s:g} s reached: some candidates were not solved")
+    return SearchResult(best=best[1] if best else None, best_result=best[2] if best else None, solved=solved,
+                        rejections=rejections, num_candidates=len(cands), solve_time_s=elapsed,
+                        solver_used=solver, notes=notes, hit_time_limit=hit_limit, segments=segments,
+                        options=options, ctx=ctx, constraints=cons, candidates=cands,
+                        allow_checkpointing=opts.allow_checkpointing)
+
+
+def evaluate_fixed(ctx: CostContext, cand: Candidate, sizes, ckpts, options) -> Evaluation:  # type: ignore[no-untyped-def]
+    segments = build_segments(ctx.profile)
+    cc: CandidateCoeffs = build_coefficients(ctx, cand, segments, tuple(dict.fromkeys(options)))
+    return evaluate(cc, sizes, ckpts, options)

@@ -1,0 +1,243 @@
+"""The search space: segments of tied blocks, per-stage state options, outer candidates and rank layout.
+
+What is enumerated outside the ILP lives here (``Candidate``: pipeline stages, TP and DP degrees,
+micro-batches, schedule, virtual stages, which device group each ``(stage, replica)`` cell sits on, and
+the batch share of every replica); what the ILP decides inside a candidate is described in
+:mod:`whalepy.planner.ilp`.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import dataclass, field
+
+from whalepy.cluster import ClusterSpec
+from whalepy.cost_models.communication import CommGroup
+from whalepy.cost_models.devices import DeviceType
+from whalepy.plan import Schedule, Tier, ZeroStage
+from whalepy.profile import BlockAnnotations, BlockProfile, ModelProfile
+
+
+# -- segments: runs of identical consecutive blocks -------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """Consecutive blocks the planner treats as interchangeable: a run of one ``repeat_group`` with
+    equal annotations, or a single block. The ILP counts blocks per stage per segment."""
+
+    index: int
+    start: int
+    """Position of the first block in the model's block order."""
+    blocks: tuple[BlockProfile, ...]
+
+    @property
+    def length(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def block(self) -> BlockProfile:
+        """The representative block (all blocks of a segment cost the same)."""
+        return self.blocks[0]
+
+
+def build_segments(profile: ModelProfile) -> tuple[Segment, ...]:
+    segs: list[list[BlockProfile]] = []
+    for b in profile.blocks:
+        prev = segs[-1][-1] if segs else None
+        if (prev is not None and b.repeat_group is not None and prev.repeat_group == b.repeat_group
+                and _same_annotations(prev.annotations, b.annotations)):
+            segs[-1].append(b)
+        else:
+            segs.append([b])
+    out, start = [], 0
+    for i, blocks in enumerate(segs):
+        out.append(Segment(index=i, start=start, blocks=tuple(blocks)))
+        start += len(blocks)
+    return tuple(out)
+
+
+def _same_annotations(a: BlockAnnotations, b: BlockAnnotations) -> bool:
+    return (a.split, a.replicate, a.stage, a.cluster_gpu, a.cluster_group) == (
+        b.split, b.replicate, b.stage, b.cluster_gpu, b.cluster_group)
+
+
+# -- per-stage state options (ZeRO stage x tiers) -----------------------------------------------------
+
+@dataclass(frozen=True, slots=True, order=True)
+class StateOption:
+    """Where one stage keeps its model states: ZeRO stage, optimizer tier, parameter tier."""
+
+    zero: ZeroStage
+    optimizer_tier: Tier = Tier.GPU
+    param_tier: Tier = Tier.GPU
+
+    def __str__(self) -> str:
+        s = f"ZeRO-{int(self.zero)}"
+        if self.optimizer_tier is not Tier.GPU:
+            s += f" opt->{self.optimizer_tier.value}"
+        if self.param_tier is not Tier.GPU:
+            s += f" params->{self.param_tier.value}"
+        return s
+
+
+def build_state_options(zero_stages: tuple[int, ...], allow_offload: bool) -> tuple[StateOption, ...]:
+    """Every combination the planner may pick per stage. Parameters leave the GPU only under ZeRO-3."""
+    out = []
+    tiers = (Tier.GPU, Tier.CPU, Tier.NVME) if allow_offload else (Tier.GPU,)
+    for z in sorted(set(zero_stages)):
+        zs = ZeroStage(z)
+        for ot in tiers:
+            for pt in tiers if zs is ZeroStage.PARAMETERS else (Tier.GPU,):
+                if pt is not Tier.GPU and ot is Tier.GPU:
+                    continue  # parameters off the GPU while the optimizer stays on it: never useful
+                out.append(StateOption(zs, ot, pt))
+    return tuple(out)
+
+
+# -- hardware view ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class GroupView:
+    index: int
+    name: str
+    device: DeviceType
+    gpus_per_node: int
+    num_nodes: int
+    ranks: tuple[int, ...]
+    """The group's global ranks, node by node, local rank by local rank."""
+    cpu_memory_bytes: int | None
+    nvme_capacity_bytes: int | None
+    nvme_read_bandwidth: float | None
+    nvme_write_bandwidth: float | None
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+class Hardware:
+    """The cluster as the planner sees it: groups with their ranks, and cached communication groups."""
+
+    def __init__(self, cluster: ClusterSpec) -> None:
+        self.cluster = cluster
+        placed = cluster.rank_devices()
+        views = []
+        for i, g in enumerate(cluster.groups):
+            ranks = sorted((p.node, p.local_rank, p.rank) for p in placed if p.group == g.name)
+            nvme = g.nvme
+            views.append(GroupView(
+                index=i, name=g.name, device=g.device, gpus_per_node=g.gpus_per_node,
+                num_nodes=g.num_nodes, ranks=tuple(r for _, _, r in ranks),
+                cpu_memory_bytes=g.cpu_memory_bytes,
+                nvme_capacity_bytes=nvme.capacity_bytes if nvme else None,
+                nvme_read_bandwidth=nvme.read_bandwidth if nvme else None,
+                nvme_write_bandwidth=nvme.write_bandwidth if nvme else None))
+        self.groups: tuple[GroupView, ...] = tuple(views)
+        self.world_size = cluster.world_size
+        self._comm = functools.lru_cache(maxsize=65536)(self._comm_uncached)
+
+    def _comm_uncached(self, ranks: tuple[int, ...]) -> CommGroup:
+        return self.cluster.comm_group(list(ranks))
+
+    def comm(self, ranks: tuple[int, ...]) -> CommGroup:
+        return self._comm(tuple(ranks))
+
+    @property
+    def is_homogeneous(self) -> bool:
+        return len({g.device.name for g in self.groups}) == 1
+
+    def group_by_name(self, name: str) -> GroupView:
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise KeyError(name)
+
+
+# -- outer candidates -------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One outer configuration; the ILP fills in the block partition, checkpointing and state options."""
+
+    num_stages: int
+    tp: int
+    dp: int
+    num_microbatches: int
+    schedule: Schedule
+    virtual_stages: int
+    cell_groups: tuple[tuple[int, ...], ...]
+    """``cell_groups[s][r]``: index of the device group that runs stage ``s`` of replica ``r``."""
+    batch_shares: tuple[int, ...]
+    """Samples per step of each replica (multiples of ``num_microbatches``)."""
+    layout: str = "homogeneous"
+    """``"homogeneous"`` (one group), ``"replicas"`` (each replica on one group) or ``"stages"``
+    (each stage on one group)."""
+
+    @property
+    def num_virtual(self) -> int:
+        return self.num_stages * self.virtual_stages
+
+    @property
+    def bubble_coefficient(self) -> float:
+        """Step = coefficient * T + tail: ``M + S - 1`` (GPipe, 1F1B), ``M + (S-1)/v`` (interleaved)."""
+        m, s, v = self.num_microbatches, self.num_stages, self.virtual_stages
+        if self.schedule is Schedule.INTERLEAVED_1F1B:
+            return m + (s - 1) / v
+        return m + s - 1
+
+    def describe(self, groups: tuple[GroupView, ...] | None = None) -> str:
+        mb = "/".join(str(x // self.num_microbatches) for x in sorted(set(self.batch_shares)))
+        s = (f"pp={self.num_stages} tp={self.tp} dp={self.dp} M={self.num_microbatches} mb={mb} "
+             f"{self.schedule.value}")
+        if self.virtual_stages > 1:
+            s += f" v={self.virtual_stages}"
+        if groups is not None and len(groups) > 1:
+            if self.layout == "stages":
+                s += " stages on " + ",".join(groups[row[0]].name for row in self.cell_groups)
+            elif self.layout == "replicas":
+                s += " shares " + ",".join(
+                    f"{groups[g].name}:{b}" for g, b in zip(self.cell_groups[0], self.batch_shares))
+        return s
+
+
+def build_layout(cand: Candidate, hw: Hardware) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """``ranks[stage][replica][tp]``: Megatron order, TP innermost on consecutive local ranks of one
+    node, then DP, then PP; each ``(stage, replica)`` cell takes the next ``tp`` ranks of its group."""
+    pools = {g.index: list(g.ranks) for g in hw.groups}
+    cursor = {g.index: 0 for g in hw.groups}
+    out = []
+    for s in range(cand.num_stages):
+        row = []
+        for r in range(cand.dp):
+            g = cand.cell_groups[s][r]
+            i = cursor[g]
+            row.append(tuple(pools[g][i:i + cand.tp]))
+            cursor[g] = i + cand.tp
+        out.append(tuple(row))
+    return tuple(out)
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def distinct_orders(items: tuple[int, ...], key: dict[int, str]) -> list[tuple[int, ...]]:
+    """Permutations of ``items`` up to swapping items with the same ``key`` (identical groups)."""
+    seen, out = set(), []
+    for perm in itertools.permutations(items):
+        sig = tuple(key[i] for i in perm)
+        if sig not in seen:
+            seen.add(sig)
+            out.append(perm)
+    return out
+
+
+@dataclass(slots=True)
+class Rejection:
+    """Why an outer candidate was not solved or lost."""
+
+    candidate: Candidate | None
+    reason: str
+    step_time_s: float = float("inf")
+    extra: dict = field(default_factory=dict)

@@ -1,0 +1,116 @@
+"""Activation checkpointing per block, and distributed state dicts (model + optimizer).
+
+Activation checkpointing uses the composable ``torch.distributed._composable.checkpoint``
+(non-reentrant ``torch.utils.checkpoint`` under the hood): it wraps nothing, so parameter names do not
+change and FSDP2 can shard the same module afterwards.
+
+State dicts go through ``torch.distributed.checkpoint.state_dict.get_state_dict`` /
+``set_state_dict``: keys are the ORIGINAL module paths (FSDP and TP leave names alone; pipeline
+stages keep the original names), values are DTensors sharded as this plan shards them, and
+``torch.distributed.checkpoint`` (DCP) re-shards on load. So a checkpoint written under one plan
+(DP x TP) loads under another (PP x DP) on the same number or a different number of ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+
+from whalepy._errors import WhalepyError
+
+__all__ = ["apply_activation_checkpointing", "get_train_state", "load_train_state", "save_train_state",
+           "set_train_state"]
+
+
+def apply_activation_checkpointing(modules: Sequence[nn.Module]) -> None:
+    from torch.distributed._composable import checkpoint
+
+    for m in modules:
+        checkpoint(m, use_reentrant=False)
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        raise WhalepyError(
+            "state_dict()/save() are not supported with ZeRO-1 lowered to ZeroRedundancyOptimizer; "
+            "use ZeRO stage 2 or 3 for this plan (same numerics) if you need checkpoints"
+        )
+
+
+def _is_strided(t: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return isinstance(t, DTensor) and any(isinstance(p, _StridedShard) for p in t.placements)
+
+
+def _map_tensors(state: Any, fn: Any) -> Any:
+    if isinstance(state, dict):
+        return {k: _map_tensors(v, fn) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_map_tensors(v, fn) for v in state]
+    return fn(state)
+
+
+def get_train_state(modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``{"model": ..., "optim": ...}`` keyed by original module paths.
+
+    DCP cannot describe ``_StridedShard`` chunks (fused projections under TP), so those tensors are
+    gathered whole here; every rank of the group then holds the same full tensor and DCP writes it
+    once. :func:`set_train_state` shards them back."""
+    _check_optimizer(optimizer)
+    model_sd, optim_sd = get_state_dict(list(modules) if len(modules) > 1 else modules[0], optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    return _map_tensors(state, lambda t: t.full_tensor() if _is_strided(t) else t)
+
+
+def _reshard_like(state: dict[str, Any], template: dict[str, Any]) -> dict[str, Any]:
+    from torch.distributed.tensor import distribute_tensor
+
+    def walk(value: Any, like: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: walk(v, like.get(k) if isinstance(like, dict) else None) for k, v in value.items()}
+        if isinstance(value, list):
+            return [walk(v, like[i] if isinstance(like, list) and i < len(like) else None)
+                    for i, v in enumerate(value)]
+        if _is_strided(like) and isinstance(value, torch.Tensor) and not _is_strided(value):
+            return distribute_tensor(value.to(like.device), like.device_mesh, like.placements)
+        return value
+
+    return walk(state, template)
+
+
+def set_train_state(modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer,
+                    state: dict[str, Any]) -> None:
+    _check_optimizer(optimizer)
+    target = list(modules) if len(modules) > 1 else modules[0]
+    template_model, template_optim = get_state_dict(target, optimizer)
+    state = _reshard_like(state, {"model": template_model, "optim": template_optim})
+    set_state_dict(list(modules) if len(modules) > 1 else modules[0], optimizer,
+                   model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=StateDictOptions(strict=False))
+
+
+def save_train_state(path: str | Path, modules: Sequence[nn.Module],
+                     optimizer: torch.optim.Optimizer) -> None:
+    dcp.save(get_train_state(modules, optimizer), checkpoint_id=str(path))
+
+
+def load_train_state(path: str | Path, modules: Sequence[nn.Module],
+                     optimizer: torch.optim.Optimizer) -> None:
+    # the template carries this plan's shardings; DCP fills it from whatever plan wrote the files
+    state = get_train_state(modules, optimizer)
+    dcp.load(state, checkpoint_id=str(path))
+    set_train_state(modules, optimizer, state)

@@ -1,0 +1,194 @@
+"""Device meshes from a plan's rank grids, and a helper that writes a plan by hand.
+
+The plan lays ranks out as ``[stage][replica][tp]``. When every stage has the same TP degree (the
+runtime's requirement, checked here) that grid is a 3-D ``DeviceMesh`` with axes ``("pp", "dp",
+"tp")`` built from the plan's own rank array, so a planner that interleaves ranks (a replica on
+another node group) is honoured exactly. Each rank then keeps its stage's 2-D ``("dp", "tp")``
+sub-mesh for FSDP2 and DTensor, and its ``pp`` column (same replica and TP index across stages) as
+the pipeline's process group.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from whalepy._errors import LaunchError, PlanError
+from whalepy.plan import BlockPlan, Plan, Schedule, StagePlan, Tier, TPRule, ZeroStage
+
+__all__ = ["RankMeshes", "build_meshes", "make_plan", "resolve_device_type"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankMeshes:
+    """What one rank needs from the global layout."""
+
+    device_type: str
+    """``"cpu"`` (gloo) or ``"cuda"`` (nccl)."""
+    rank: int
+    stage: StagePlan
+    replica: int
+    """Index of this rank's data-parallel replica."""
+    tp_index: int
+    world: DeviceMesh
+    """The ``("pp", "dp", "tp")`` mesh of the whole job."""
+    stage_mesh: DeviceMesh
+    """This stage's ``("dp", "tp")`` sub-mesh."""
+
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        return self.stage_mesh["dp"]
+
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        return self.stage_mesh["tp"]
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        return self.world["pp"].get_group()
+
+    @property
+    def device(self) -> torch.device:
+        if self.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+
+def resolve_device_type(cluster_spec: Any = None) -> str:
+    """``"cpu"`` when CUDA is absent or the cluster runs (some of) its ranks simulated on CPU."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    groups = getattr(cluster_spec, "groups", ())
+    if any(getattr(g, "runs_on_cpu", False) for g in groups):
+        return "cpu"
+    return "cuda"
+
+
+def build_meshes(plan: Plan, device_type: str) -> RankMeshes:
+    """Build the job's meshes (a collective call: every rank must call it) and return this rank's."""
+    widths = {s.tp_degree for s in plan.stages}
+    if len(widths) != 1:
+        raise PlanError(
+            f"stages have tensor-parallel degrees {plan.tp_degrees}; the runtime needs one TP degree "
+            "for all stages (pipeline stages exchange activations between matching TP ranks)"
+        )
+    rank = dist.get_rank()
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    grid = torch.tensor([[list(row) for row in s.ranks] for s in plan.stages], dtype=torch.int)
+    world = DeviceMesh(device_type, grid, mesh_dim_names=("pp", "dp", "tp"))
+    stage, replica, tp_index = plan.stage_of_rank(rank)
+    return RankMeshes(
+        device_type=device_type, rank=rank, stage=stage, replica=replica, tp_index=tp_index,
+        world=world, stage_mesh=world["dp", "tp"],
+    )
+
+
+def make_plan(
+    block_names: Sequence[str],
+    *,
+    dp: int = 1,
+    tp: int = 1,
+    pp: int = 1,
+    global_batch: int,
+    zero_stage: ZeroStage | int = ZeroStage.NONE,
+    checkpoint: bool | Sequence[str] = False,
+    batch_shares: Sequence[int] | None = None,
+    num_microbatches: int = 1,
+    schedule: Schedule | str = Schedule.ONE_F_ONE_B,
+    stage_sizes: Sequence[int] | None = None,
+    virtual_stages: int = 1,
+    chunk_sizes: Sequence[Sequence[int]] | None = None,
+    tensor_parallel: Sequence[TPRule] = (),
+    param_tier: Tier | str = Tier.GPU,
+    optimizer_tier: Tier | str = Tier.GPU,
+    device_type: str = "CPU",
+    model_name: str = "model",
+    model_fingerprint: str = "unchecked",
+) -> Plan:
+    """A valid :class:`Plan` for a fixed layout, without the planner (tests, benchmarks, users who
+    know what they want). Ranks are laid out ``pp``-major, then ``dp``, then ``tp`` (TP innermost, as
+    torchrun numbers ranks node by node). ``checkpoint`` is ``True`` for every block or a list of
+    block names. Blocks are split over stages evenly unless ``stage_sizes`` gives the counts.
+
+    ``virtual_stages = v > 1`` makes an interleaved plan (schedule ``interleaved_1f1b`` unless another
+    is given): the blocks are cut into ``pp * v`` pipeline stages in model order, evenly unless
+    ``chunk_sizes[s][j]`` gives the blocks of chunk ``j`` of physical stage ``s`` (pipeline stage
+    ``s + j * pp``); each physical stage holds its ``v`` chunks (``StagePlan.chunk_sizes``)."""
+    blocks = list(block_names)
+    v = int(virtual_stages)
+    if v < 1:
+        raise PlanError(f"virtual_stages must be at least 1, got {v}")
+    if v > 1:
+        if schedule == Schedule.ONE_F_ONE_B or schedule == Schedule.ONE_F_ONE_B.value:
+            schedule = Schedule.INTERLEAVED_1F1B
+        if stage_sizes is not None:
+            raise PlanError("give chunk_sizes (blocks per virtual chunk), not stage_sizes, with "
+                            "virtual_stages > 1")
+        if chunk_sizes is None:  # even split of the blocks over the pp * v pipeline stages
+            base, extra = divmod(len(blocks), pp * v)
+            flat = [base + (1 if g < extra else 0) for g in range(pp * v)]
+            chunk_sizes = [[flat[s + j * pp] for j in range(v)] for s in range(pp)]
+        chunk_sizes = [tuple(c) for c in chunk_sizes]
+        if len(chunk_sizes) != pp or any(len(c) != v for c in chunk_sizes):
+            raise PlanError(f"chunk_sizes {chunk_sizes} must give {v} chunks for each of {pp} stages")
+        if sum(map(sum, chunk_sizes)) != len(blocks) or min(map(min, chunk_sizes)) < 1:
+            raise PlanError(f"chunk sizes {chunk_sizes} do not split {len(blocks)} blocks into "
+                            f"{pp * v} non-empty chunks")
+        # pipeline stage g = s + j * pp takes the next chunk_sizes[s][j] blocks in model order
+        by_stage: list[list[str]] = [[] for _ in range(pp)]
+        start = 0
+        for g in range(pp * v):
+            s, j = g % pp, g // pp
+            by_stage[s] += blocks[start:start + chunk_sizes[s][j]]
+            start += chunk_sizes[s][j]
+        stage_sizes = [len(b) for b in by_stage]
+        blocks = [n for b in by_stage for n in b]
+    elif chunk_sizes is not None:
+        raise PlanError("chunk_sizes needs virtual_stages > 1")
+    if stage_sizes is None:
+        base, extra = divmod(len(blocks), pp)
+        stage_sizes = [base + (1 if i < extra else 0) for i in range(pp)]
+    if len(stage_sizes) != pp or sum(stage_sizes) != len(blocks):
+        raise PlanError(f"stage sizes {list(stage_sizes)} do not split {len(blocks)} blocks into {pp} "
+                        "stages")
+    ckpt = set(blocks) if checkpoint is True else set(checkpoint or ())
+    shares = tuple(batch_shares) if batch_shares is not None else (global_batch // dp,) * dp
+    stages = []
+    start = 0
+    for s, size in enumerate(stage_sizes):
+        names = blocks[start:start + size]
+        start += size
+        stages.append(StagePlan(
+            index=s,
+            blocks=tuple(BlockPlan(name=n, checkpoint=n in ckpt, param_tier=Tier(param_tier),
+                                   optimizer_tier=Tier(optimizer_tier)) for n in names),
+            ranks=tuple(tuple(s * dp * tp + d * tp + t for t in range(tp)) for d in range(dp)),
+            device_types=(device_type,) * dp,
+            zero_stage=ZeroStage(zero_stage),
+            chunk_sizes=tuple(chunk_sizes[s]) if v > 1 else (),
+        ))
+    world = pp * dp * tp
+    return Plan(
+        model_name=model_name, model_fingerprint=model_fingerprint, world_size=world,
+        rank_device_types=(device_type,) * world, global_batch=global_batch,
+        num_microbatches=num_microbatches, schedule=Schedule(schedule), virtual_stages=v,
+        batch_shares=shares,
+        stages=tuple(stages), tensor_parallel=tuple(tensor_parallel) if tp > 1 else (),
+    )
+
+
+def check_world(plan: Plan) -> None:
+    world = dist.get_world_size()
+    if world != plan.world_size:
+        raise LaunchError(
+            f"this job has {world} processes but the plan is for {plan.world_size}; launch with "
+            f"`torchrun --nproc-per-node {plan.world_size} ...` (or `whalepy run -n {plan.world_size} "
+            "...`), or re-plan for this cluster"
+        )

@@ -1,0 +1,505 @@
+"""``parallelize``: lower a :class:`~whalepy.Plan` onto this rank and train it.
+
+Lowering order for this rank (see docs/runtime.md):
+
+1. launch checks (world size, model fingerprint, device type of this rank);
+2. meshes from the plan's rank grid (``mesh.build_meshes``);
+3. pipeline split into this rank's stage module(s), original module paths kept (``pipeline.py``);
+4. tensor parallelism from the plan's TP rules (``tensor_parallel.apply_tensor_parallel``);
+5. activation checkpointing of the blocks the plan marks;
+6. DDP / ZeRO / FSDP2 over the ``dp`` axis, per block then root (``data_parallel``);
+7. the optimizer from the user's factory over this rank's (now sharded) parameters;
+8. the pipeline schedule over the stage modules.
+
+Loss semantics: ``loss_fn(outputs, targets)`` returns the mean loss of the samples it is given.
+Replica ``r`` runs ``batch_shares[r]`` samples; its loss is scaled by ``b_r * dp / B`` before
+backward so that the data-parallel averaging (which divides by ``dp``) yields the gradient of the
+global-batch mean, whatever the shares. ``train_step`` returns that global-batch mean on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from whalepy._errors import LaunchError, PlanError, WhalepyError
+from whalepy.plan import Plan, Schedule
+from whalepy.runtime.checkpointing import (
+    apply_activation_checkpointing,
+    get_train_state,
+    load_train_state,
+    save_train_state,
+    set_train_state,
+)
+from whalepy.runtime.data_parallel import (
+    DataParallelKind,
+    apply_data_parallel,
+    build_optimizer,
+    choose_kind,
+)
+from whalepy.runtime.mesh import RankMeshes, build_meshes, check_world, resolve_device_type
+from whalepy.runtime.tensor_parallel import apply_tensor_parallel
+
+__all__ = ["ParallelModel", "UnlaunchedModel", "is_distributed_launch", "parallelize"]
+
+log = logging.getLogger("whalepy.runtime")
+
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+_hint_printed = False
+
+
+def is_distributed_launch() -> bool:
+    """True inside torchrun / ``whalepy run`` (env ``RANK`` and ``WORLD_SIZE``) or when a default
+    process group is already initialised."""
+    if dist.is_available() and dist.is_initialized():
+        return True
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def launch_hint(world_size: int) -> str:
+    script = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "script.py"
+    return (f"this plan needs {world_size} processes; launch with `torchrun --nproc-per-node "
+            f"{world_size} {script}` or `whalepy run -n {world_size} {script}`")
+
+
+def parallelize(
+    model: nn.Module,
+    cluster_spec: Any,
+    *,
+    example_inputs: Any,
+    loss_fn: LossFn,
+    optimizer: OptimizerFactory,
+    global_batch: int,
+    plan: Plan | None = None,
+    profile: Any = None,
+    loss_parallel: bool = False,
+    sync_initial_weights: bool = True,
+    **options: Any,
+) -> ParallelModel | UnlaunchedModel:
+    """Plan ``model`` for ``cluster_spec`` (unless ``plan`` is given) and, inside a distributed launch,
+    rewrite it for this rank.
+
+    ``optimizer`` is a factory ``params -> Optimizer`` (parameters are replaced by shards, so the
+    optimizer must be built afterwards). ``profile`` is the model's :class:`~whalepy.ModelProfile`
+    when the caller already has it (block -> module mapping and fingerprint check); otherwise it is
+    computed when needed. ``loss_parallel=True`` keeps an LM head's logits vocab-sharded and runs
+    ``loss_fn`` under ``torch.distributed.tensor.parallel.loss_parallel`` (``loss_fn`` must then be a
+    cross-entropy over DTensor logits). ``sync_initial_weights`` broadcasts rank 0's weights first, so
+    ranks need not seed identically. Other ``options`` go to the planner.
+    """
+    inputs = _as_tuple(example_inputs)
+    if plan is None and os.environ.get("WHALEPY_PLAN"):
+        plan = Plan.load(os.environ["WHALEPY_PLAN"])  # from `whalepy run --plan`
+    if plan is None:
+        from whalepy.planner import plan as make_plan_
+
+        plan = make_plan_(model, cluster_spec, example_inputs=example_inputs,
+                          global_batch=global_batch, **options)
+    elif options:
+        raise TypeError(f"parallelize() got unexpected options {sorted(options)} with a given plan")
+    if plan.global_batch != global_batch:
+        raise PlanError(f"the plan is for a global batch of {plan.global_batch}, parallelize() was "
+                        f"given global_batch={global_batch}; re-plan or pass the plan's batch")
+    if not is_distributed_launch():
+        global _hint_printed
+        if not _hint_printed:
+            print(f"whalepy: {launch_hint(plan.world_size)}", file=sys.stderr)
+            _hint_printed = True
+        return UnlaunchedModel(plan=plan, module=model)
+
+    device_type = resolve_device_type(cluster_spec)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    rank = dist.get_rank()
+    check_world(plan)
+    _check_device(plan, cluster_spec, rank)
+    if plan.model_fingerprint != "unchecked":
+        profile = profile if profile is not None else _profile_or_none(model, example_inputs)
+        if profile is not None:
+            try:
+                plan.check_model(profile.fingerprint)
+            except PlanError as e:
+                raise LaunchError(str(e)) from None
+    return ParallelModel(model, plan, cluster_spec=cluster_spec, example_inputs=inputs,
+                         loss_fn=loss_fn, optimizer_factory=optimizer, profile=profile,
+                         device_type=device_type, loss_parallel=loss_parallel,
+                         sync_initial_weights=sync_initial_weights)
+
+
+@dataclass
+class UnlaunchedModel:
+    """What ``parallelize`` returns outside a distributed launch: the plan, and a ``train_step`` that
+    says how to launch."""
+
+    plan: Plan
+    module: nn.Module
+
+    @property
+    def optimizer(self) -> None:
+        return None
+
+    def train_step(self, inputs: Any, targets: Any) -> torch.Tensor:
+        raise LaunchError(f"not inside a distributed launch: {launch_hint(self.plan.world_size)}")
+
+    def state_dict(self) -> dict[str, Any]:
+        raise LaunchError(f"not inside a distributed launch: {launch_hint(self.plan.world_size)}")
+
+    save = load = load_state_dict = state_dict  # type: ignore[assignment]
+
+
+class ParallelModel:
+    """This rank's part of the model, its optimizer and the step that trains them.
+
+    Every rank passes the FULL global batch to :meth:`train_step`; each replica takes its contiguous
+    slice (``batch_shares`` in replica order), so scripts stay the same as single-process ones.
+    """
+
+    def __init__(self, model: nn.Module, plan: Plan, *, cluster_spec: Any, example_inputs: tuple,
+                 loss_fn: LossFn, optimizer_factory: OptimizerFactory, profile: Any,
+                 device_type: str, loss_parallel: bool, sync_initial_weights: bool) -> None:
+        self.plan = plan
+        self.loss_fn = loss_fn
+        self.loss_parallel = loss_parallel
+        self.meshes: RankMeshes = build_meshes(plan, device_type)
+        m = self.meshes
+        device = m.device
+        model.to(device)
+        if sync_initial_weights:
+            _broadcast_weights(model)
+        stage = m.stage
+        block_modules = _resolve_block_modules(model, plan, profile)
+        start = sum(plan.batch_shares[: m.replica])
+        self._slice = slice(start, start + plan.batch_shares[m.replica])
+        dp, tp, pp = plan.dp_degree, stage.tp_degree, plan.pp_degree
+        self.loss_scale = plan.batch_shares[m.replica] * dp / plan.global_batch
+        offload = any(b.param_tier.value != "gpu" or b.optimizer_tier.value != "gpu"
+                      for b in stage.blocks)
+        self.dp_kind = choose_kind(stage.zero_stage, dp, tp=tp, pp=pp, offload=offload)
+        if self.dp_kind == DataParallelKind.FSDP and stage.zero_stage < 2 and dp > 1:
+            log.info("whalepy: stage %d ZeRO-%d lowered to FSDP2 (reshard_after_forward=False): DDP "
+                     "does not compose with %s", stage.index, int(stage.zero_stage),
+                     "tensor parallelism" if tp > 1 else "pipeline stages or offload")
+
+        v = plan.virtual_stages
+        self.num_stages = pp * v  # pipeline stages; physical stage s holds s, s + pp, ...
+        self._tied: list[tuple[list[nn.Parameter], dist.ProcessGroup | None]] = []
+        tied_names: list[tuple[list[tuple[int, str]], dist.ProcessGroup | None]] = []
+        if pp > 1:
+            from whalepy.runtime.pipeline import split_stages, tied_parameters
+
+            chunks = _pipeline_chunks(plan)  # BlockPlans of each pipeline stage, in model order
+            stage_blocks = [[mod for b in c for mod in block_modules[b.name]] for c in chunks]
+            mb = plan.batch_shares[m.replica] // plan.num_microbatches
+            self._example_mb = tuple(_resize_batch(x, mb) for x in example_inputs)
+            all_stages = split_stages(model, self._example_mb, {}, stage_blocks)
+            self.stage_indices = [stage.index + j * pp for j in range(v)]
+            local = [all_stages[g] for g in self.stage_indices]
+            local_chunks = [chunks[g] for g in self.stage_indices]
+            tied_names = self._tied_groups(tied_parameters(all_stages), dp_kind=self.dp_kind, tp=tp)
+        else:
+            self.stage_indices = [0]
+            local = [model]
+            local_chunks = [list(stage.blocks)]
+
+        self._modules: list[nn.Module] = []
+        for mod, chunk in zip(local, local_chunks):
+            blocks = [(b, [mod.get_submodule(p) for p in block_modules[b.name]]) for b in chunk]
+            if tp > 1:
+                apply_tensor_parallel(mod, plan.tensor_parallel, m.tp_mesh, loss_parallel=loss_parallel)
+            ckpt = [x for b, mods in blocks if b.checkpoint for x in mods]
+            if ckpt:
+                apply_activation_checkpointing(ckpt)
+            self._modules.append(apply_data_parallel(mod, blocks, m.dp_mesh, kind=self.dp_kind,
+                                                     zero=stage.zero_stage, device_type=device_type))
+        # tied parameters by name, after TP / FSDP2 replaced them with DTensors
+        for holders, group in tied_names:
+            found = {id(p): p for i, g in enumerate(self.stage_indices) for k, name in holders if k == g
+                     for p in [self._modules[i].get_parameter(name)]}
+            self._tied.append((list(found.values()), group))
+        params = list({id(p): p for mod in self._modules for p in mod.parameters()}.values())
+        self.optimizer = build_optimizer(optimizer_factory, params, kind=self.dp_kind,
+                                         dp_mesh=m.dp_mesh)
+        self.schedule = None
+        if pp > 1:
+            from whalepy.runtime.pipeline import build_pipeline_schedule, microbatch_mean_loss
+
+            schedule = plan.schedule
+            if schedule is Schedule.ONE_F_ONE_B and plan.num_microbatches < pp:
+                # torch's 1F1B refuses fewer micro-batches than stages; GPipe runs them identically
+                log.info("whalepy: %d micro-batches < %d stages: running 1F1B as GPipe",
+                         plan.num_microbatches, pp)
+                schedule = Schedule.GPIPE
+            self.schedule = build_pipeline_schedule(
+                self._modules, self.stage_indices, num_stages=self.num_stages,
+                schedule=schedule.value, num_microbatches=plan.num_microbatches,
+                loss_fn=microbatch_mean_loss(self.loss_fn, plan.num_microbatches, scale=self.loss_scale),
+                group=m.pp_group, device=device, example_microbatch=self._example_mb)
+        # contributions to the reported loss: one rank per replica (last stage, TP index 0)
+        self._reports_loss = stage.index == pp - 1 and m.tp_index == 0
+
+    # -- public --------------------------------------------------------------------------------
+
+    @property
+    def module(self) -> nn.Module | list[nn.Module]:
+        """This rank's module (the wrapped model), or its list of pipeline stage modules."""
+        return self._modules if self.plan.pp_degree > 1 else self._modules[0]
+
+    @property
+    def tied_parameters(self) -> list[list[nn.Parameter]]:
+        """This rank's copies of parameters tied across pipeline stages (their gradients are summed
+        over the pipeline ranks holding a copy before each optimizer step)."""
+        return [params for params, _ in self._tied]
+
+    @property
+    def device(self) -> torch.device:
+        return self.meshes.device
+
+    def train_step(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
+        """One optimizer step on the global batch ``(inputs, targets)``; returns its mean loss."""
+        inputs = tuple(x[self._slice].to(self.device) for x in _as_tuple(inputs))
+        targets = targets[self._slice].to(self.device)
+        if self.schedule is not None:
+            local = self._pipeline_step(inputs, targets)
+        else:
+            local = self._accumulate(inputs, targets)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        share = self.plan.batch_shares[self.meshes.replica] / self.plan.global_batch
+        report = (local.detach().float() * share if self._reports_loss
+                  else torch.zeros((), device=self.device))
+        dist.all_reduce(report)
+        return report
+
+    def state_dict(self) -> dict[str, Any]:
+        """Model and optimizer state keyed by the original module paths (DTensor values)."""
+        return get_train_state(self._modules, self.optimizer)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_train_state(self._modules, self.optimizer, state)
+
+    def save(self, path: str | Path) -> None:
+        """Write a distributed checkpoint (DCP) directory; loadable under any plan for this model."""
+        save_train_state(path, self._modules, self.optimizer)
+
+    def load(self, path: str | Path) -> None:
+        load_train_state(path, self._modules, self.optimizer)
+
+    # -- tied parameters -----------------------------------------------------------------------
+
+    def _tied_groups(self, tied: list[list[tuple[int, str]]], *, dp_kind: str, tp: int
+                     ) -> list[tuple[list[tuple[int, str]], dist.ProcessGroup | None]]:
+        """For each parameter shared by several pipeline stages (tied weights), the process group of
+        the pipeline ranks holding a copy, for this rank's ``(dp, tp)`` coordinate (Megatron-LM's
+        embedding group). Groups are created on every rank in the same order (``dist.new_group`` is
+        collective); entries this rank holds no copy of are dropped."""
+        plan, pp = self.plan, self.plan.pp_degree
+        me = self.meshes
+        out = []
+        for holders in tied:
+            physical = sorted({k % pp for k, _ in holders})
+            names = [n for _, n in holders]
+            if len(physical) == 1 and len(holders) > 1 and (tp > 1 or dp_kind != DataParallelKind.NONE):
+                raise WhalepyError(
+                    f"tied parameter {names[0]!r} (also {names[1:]}) sits in {len(holders)} virtual "
+                    f"stages {[k for k, _ in holders]} of the same rank; with tensor or data "
+                    "parallelism each would be sharded separately and the tie lost. Put the blocks "
+                    "that share it in one virtual stage, or untie the weights")
+            group = None
+            if len(physical) > 1:
+                for d in range(plan.dp_degree):
+                    for t in range(plan.stages[0].tp_degree):
+                        ranks = sorted(plan.stages[s].ranks[d][t] for s in physical)
+                        g = dist.new_group(ranks)
+                        if me.replica == d and me.tp_index == t and me.rank in ranks:
+                            group = g
+            if any(k in self.stage_indices for k, _ in holders):
+                out.append((holders, group))
+        return out
+
+    def _sync_tied_grads(self) -> None:
+        """Sum the gradient of each tied parameter over the pipeline ranks holding a copy, so every
+        copy takes the same optimizer step (the copies are sharded alike by TP / FSDP2, so the local
+        shards line up)."""
+        from torch.distributed.tensor import DTensor
+
+        with torch.no_grad():
+            for params, group in self._tied:
+                if group is None:
+                    continue
+                for p in params:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    g = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+                    dist.all_reduce(g, group=group)
+
+    # -- steps ---------------------------------------------------------------------------------
+
+    def _loss_context(self) -> Any:
+        if self.loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return _Null()
+
+    def _accumulate(self, inputs: tuple, targets: torch.Tensor) -> torch.Tensor:
+        n = self.plan.num_microbatches
+        module = self._modules[0]
+        chunks = list(zip(*(x.chunk(n) for x in inputs), strict=True)) if inputs else [()] * n
+        tchunks = targets.chunk(n)
+        total = torch.zeros((), device=self.device)
+        for i, (xs, y) in enumerate(zip(chunks, tchunks, strict=True)):
+            last = i == n - 1
+            with _sync_context(module, self.dp_kind, last), self._loss_context():
+                loss = self.loss_fn(module(*xs), y)
+                (loss * (self.loss_scale / n)).backward()
+            total = total + _full(loss).detach()
+        return total / n
+
+    def _pipeline_step(self, inputs: tuple, targets: torch.Tensor) -> torch.Tensor:
+        from whalepy.runtime.pipeline import run_pipeline_step
+
+        first = 0 in self.stage_indices
+        last = self.num_stages - 1 in self.stage_indices
+        total = run_pipeline_step(self.schedule, first, last, inputs, targets)
+        self._sync_tied_grads()
+        if total is None:
+            return torch.zeros((), device=self.device)
+        return total / self.loss_scale  # the schedule's losses carry the share scale
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+
+class _Null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _sync_context(module: nn.Module, kind: str, last: bool) -> Any:
+    if kind == DataParallelKind.FSDP:
+        module.set_requires_gradient_sync(last)
+        return _Null()
+    if kind in (DataParallelKind.DDP, DataParallelKind.ZERO1) and not last:
+        return module.no_sync()
+    return _Null()
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _as_tuple(x: Any) -> tuple:
+    if isinstance(x, torch.Tensor):
+        return (x,)
+    if isinstance(x, (tuple, list)):
+        return tuple(x)
+    raise WhalepyError(f"inputs must be a tensor or a tuple of tensors (positional model inputs), got "
+                       f"{type(x).__name__}")
+
+
+def _resize_batch(x: torch.Tensor, n: int) -> torch.Tensor:
+    if x.shape[0] >= n:
+        return x[:n]
+    reps = (n + x.shape[0] - 1) // x.shape[0]
+    return x.repeat(reps, *([1] * (x.dim() - 1)))[:n]
+
+
+def _broadcast_weights(model: nn.Module) -> None:
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            if t.device.type != "meta":
+                dist.broadcast(t.data, src=0)
+
+
+def _profile_or_none(model: nn.Module, example_inputs: Any) -> Any:
+    try:
+        from whalepy.profile import profile
+    except ImportError:
+        return None
+    try:
+        return profile(model, example_inputs)
+    except (ImportError, NotImplementedError) as e:
+        log.warning("whalepy: cannot profile the model to check the plan's fingerprint (%s)", e)
+        return None
+
+
+def _pipeline_chunks(plan: Plan) -> list[list[Any]]:
+    """The BlockPlans of every pipeline stage in execution order: chunk ``j`` of physical stage ``s``
+    (``StagePlan.chunk_sizes``) is pipeline stage ``s + j * pp``."""
+    pp, v = plan.pp_degree, plan.virtual_stages
+    chunks: list[list[Any]] = [[] for _ in range(pp * v)]
+    for s in plan.stages:
+        sizes = s.chunk_sizes or (len(s.blocks),)
+        if len(sizes) != v:
+            raise PlanError(f"stage {s.index} has {len(sizes)} chunks, the plan has virtual_stages={v}")
+        start = 0
+        for j, n in enumerate(sizes):
+            chunks[s.index + j * pp] = list(s.blocks[start:start + n])
+            start += n
+    return chunks
+
+
+def _resolve_block_modules(model: nn.Module, plan: Plan, profile: Any) -> dict[str, tuple[str, ...]]:
+    """Block name -> module paths: from the profile, or the block name itself when it is a path."""
+    names = dict(model.named_modules())
+    out: dict[str, tuple[str, ...]] = {}
+    for s in plan.stages:
+        for b in s.blocks:
+            if profile is not None:
+                try:
+                    out[b.name] = tuple(profile.block(b.name).modules)
+                    continue
+                except KeyError:
+                    pass
+            if b.name in names:
+                out[b.name] = (b.name,)
+            else:
+                raise PlanError(f"block {b.name!r} is not a module path of this model and no profile "
+                                "maps it; pass profile=whalepy.profile(model, example_inputs)")
+    return out
+
+
+def _check_device(plan: Plan, cluster_spec: Any, rank: int) -> None:
+    planned = plan.rank_device_types[rank]
+    spec_device = None
+    simulated = False
+    if cluster_spec is not None and hasattr(cluster_spec, "rank_device_type"):
+        spec_device = cluster_spec.rank_device_type(rank)
+        group = cluster_spec.group(cluster_spec.rank_devices()[rank].group)
+        simulated = bool(getattr(group, "runs_on_cpu", False))
+        if spec_device.name != planned:
+            raise LaunchError(
+                f"rank {rank} is a {spec_device.name} in the cluster spec but the plan puts a {planned} "
+                "there; re-plan for this cluster spec (or launch with the cluster the plan was made for)"
+            )
+    if simulated or planned.upper() == "CPU":
+        return
+    if not torch.cuda.is_available():
+        raise LaunchError(
+            f"rank {rank} has no GPU but the plan puts a {planned} there; run on the planned machines, "
+            "or mark the cluster group simulated (simulated: true) to train on CPU"
+        )
+    from whalepy.cost_models.devices import match_device_name
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    name = torch.cuda.get_device_name(local)
+    found = match_device_name(name, torch.cuda.get_device_properties(local).total_memory)
+    if found is not None and found.name != planned:
+        raise LaunchError(f"rank {rank} runs on a {found.name} ({name}) but the plan puts a {planned} "
+                          "there; re-plan for this cluster or fix the rank order (rank_map)")

@@ -1,0 +1,190 @@
+"""Pipeline parallelism: cut the local model into stage modules and run them with PyTorch's schedules.
+
+``split_stages`` (implemented in ``_stage_split``) turns the model into one module per planned stage,
+keeping the original eager blocks and parameter names, so tensor parallelism, FSDP2 and activation
+checkpointing apply to a stage exactly as to the local model. ``build_pipeline_schedule`` wraps the
+stages this rank runs in ``torch.distributed.pipelining.PipelineStage`` and builds the planned schedule.
+
+Loss scaling: a schedule applies ``loss_fn`` to each micro-batch's output and runs backward on each of
+those losses, so parameter gradients are the SUM over micro-batches of what ``loss_fn`` returns. The
+schedules here are built with PyTorch's own ``scale_grads`` turned off, so all scaling is in the loss:
+wrap a mean-reducing loss with :func:`microbatch_mean_loss` to get the gradient of the mean over the
+whole (per-replica) batch, as one process computing the loss on the full batch would. A data-parallel
+caller with uneven batch shares folds its own factor into the same wrapper (``scale=``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from whalepy._errors import LaunchError
+from whalepy.plan import Schedule
+from whalepy.runtime._stage_split import retarget_device, split_stages, tied_parameters
+
+__all__ = [
+    "MicrobatchMeanLoss",
+    "build_pipeline_schedule",
+    "microbatch_mean_loss",
+    "retarget_device",
+    "run_pipeline_step",
+    "split_stages",
+    "tied_parameters",
+]
+
+
+class MicrobatchMeanLoss:
+    """``loss_fn(output, target) * scale / num_microbatches``: summed over the micro-batches of a step,
+    the per-micro-batch mean losses become the mean over the whole batch (times ``scale``)."""
+
+    def __init__(self, loss_fn: Callable[..., torch.Tensor], num_microbatches: int, scale: float = 1.0):
+        if num_microbatches < 1:
+            raise ValueError(f"num_microbatches must be at least 1, got {num_microbatches}")
+        self.loss_fn = loss_fn
+        self.num_microbatches = num_microbatches
+        self.scale = scale
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(output, target) * (self.scale / self.num_microbatches)
+
+
+def microbatch_mean_loss(
+    loss_fn: Callable[..., torch.Tensor], num_microbatches: int, *, scale: float = 1.0
+) -> MicrobatchMeanLoss:
+    """Wrap a mean-reducing ``loss_fn`` so a pipeline step's gradient is the global-batch mean's."""
+    return MicrobatchMeanLoss(loss_fn, num_microbatches, scale)
+
+
+def build_pipeline_schedule(
+    stage_modules: Sequence[nn.Module],
+    stage_indices: Sequence[int],
+    *,
+    num_stages: int,
+    schedule: Schedule | str,
+    num_microbatches: int,
+    loss_fn: Callable[..., torch.Tensor] | None,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    example_microbatch: tuple,
+) -> Any:
+    """Wrap this rank's stage modules in ``PipelineStage`` and build the planned schedule.
+
+    ``stage_indices[i]`` is the global index of ``stage_modules[i]``. Stages are laid out round-robin:
+    with ``P`` ranks in ``group``, group rank ``r`` holds stages ``r, r + P, r + 2P, ...`` (one stage
+    for GPipe and 1F1B, ``num_stages / P`` for interleaved 1F1B). Stage input and output shapes are
+    inferred by PyTorch on the first step from the micro-batches themselves (its runtime shape
+    inference, which exchanges metadata between neighbours once), so a rank never needs the modules of
+    other stages; ``example_microbatch`` is checked against the shapes the stages were split for.
+    ``loss_fn`` is applied per micro-batch, unscaled (see the module docstring and
+    :func:`microbatch_mean_loss`); ``None`` builds a forward-only schedule. Glue ops that create
+    tensors are retargeted to ``device`` (:func:`retarget_device`); parameters are not moved here.
+    """
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
+
+    schedule = Schedule(schedule)
+    _check_layout(stage_modules, stage_indices, num_stages, schedule, group)
+    _check_microbatch(stage_modules, stage_indices, example_microbatch, num_microbatches)
+    for module in stage_modules:
+        if hasattr(module, "whalepy_device"):
+            retarget_device(module, device)
+    stages = [
+        PipelineStage(module, index, num_stages, device, group=group)
+        for module, index in zip(stage_modules, stage_indices)
+    ]
+    if schedule is Schedule.INTERLEAVED_1F1B:
+        cls, target = ScheduleInterleaved1F1B, stages
+    else:
+        cls = ScheduleGPipe if schedule is Schedule.GPIPE else Schedule1F1B
+        target = stages[0]
+    kwargs: dict[str, Any] = {"n_microbatches": num_microbatches, "loss_fn": loss_fn}
+    if "scale_grads" in inspect.signature(cls.__init__).parameters:
+        kwargs["scale_grads"] = False  # all scaling is in the loss (microbatch_mean_loss)
+    return cls(target, **kwargs)
+
+
+def run_pipeline_step(
+    schedule: Any,
+    rank_stage_is_first: bool,
+    rank_stage_is_last: bool,
+    inputs: tuple,
+    targets: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """Run one step (forward and backward of every micro-batch) on this rank.
+
+    ``inputs`` (the batch's model inputs, split into micro-batches along dim 0 by the schedule) are
+    used where this rank holds stage 0, ``targets`` where it holds the last stage. Returns, on the
+    rank holding the last stage, the step's loss: the sum of the micro-batch losses when the loss is a
+    :class:`MicrobatchMeanLoss` (that sum is the batch mean), else their mean; None on other ranks.
+    """
+    losses: list[torch.Tensor] = []
+    args = tuple(inputs) if rank_stage_is_first else ()
+    if rank_stage_is_last:
+        schedule.step(*args, target=targets, losses=losses)
+    else:
+        schedule.step(*args)
+    if not rank_stage_is_last or not losses:
+        return None
+    total = torch.stack([loss.detach() for loss in losses]).sum()
+    if isinstance(getattr(schedule, "_loss_fn", None), MicrobatchMeanLoss):
+        return total
+    return total / len(losses)
+
+
+def _check_layout(
+    stage_modules: Sequence[nn.Module],
+    stage_indices: Sequence[int],
+    num_stages: int,
+    schedule: Schedule,
+    group: dist.ProcessGroup | None,
+) -> None:
+    if len(stage_modules) != len(stage_indices) or not stage_modules:
+        raise LaunchError(
+            f"{len(stage_modules)} stage modules for stage indices {list(stage_indices)}; give one "
+            "index per module, at least one"
+        )
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if num_stages % size:
+        raise LaunchError(f"{num_stages} stages do not divide over the {size} ranks of the pipeline group")
+    per_rank = num_stages // size
+    if schedule is not Schedule.INTERLEAVED_1F1B and per_rank != 1:
+        raise LaunchError(
+            f"schedule {schedule.value} runs one stage per rank, but {num_stages} stages are spread over "
+            f"{size} ranks; use {Schedule.INTERLEAVED_1F1B.value} for several stages per rank"
+        )
+    expected = [rank + j * size for j in range(per_rank)]
+    if list(stage_indices) != expected:
+        raise LaunchError(
+            f"pipeline rank {rank} of {size} must hold stages {expected} (round-robin), got "
+            f"{list(stage_indices)}"
+        )
+
+
+def _check_microbatch(
+    stage_modules: Sequence[nn.Module],
+    stage_indices: Sequence[int],
+    example_microbatch: tuple,
+    num_microbatches: int,
+) -> None:
+    if num_microbatches < 1:
+        raise LaunchError(f"num_microbatches must be at least 1, got {num_microbatches}")
+    for module, index in zip(stage_modules, stage_indices):
+        expected = getattr(module, "whalepy_input_shapes", None)
+        if index != 0 or expected is None:
+            continue
+        got = tuple(tuple(t.shape) for t in example_microbatch if isinstance(t, torch.Tensor))
+        if got != tuple(expected):
+            raise LaunchError(
+                f"stage 0 was split for micro-batch inputs of shapes {list(expected)}, but the example "
+                f"micro-batch has shapes {list(got)}; split the model with one micro-batch "
+                "(global batch / data-parallel replicas / micro-batches) as example inputs"
+            )

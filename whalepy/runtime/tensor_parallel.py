@@ -1,0 +1,318 @@
+"""Lower the plan's tensor-parallel rules onto DTensor.
+
+Each :class:`~whalepy.plan.TPRule` names a module and a :class:`~whalepy.plan.TPStyle`; the rules
+come from the front end's FX pattern pass, so nothing here knows a particular model. The mapping:
+
+========== ===================================================================================
+COLWISE    ``ColwiseParallel``. When the rule's parent module also holds a ROWWISE module, the
+           output stays sharded (the usual column -> row pair of an MLP or attention). Otherwise
+           the module ends a sharded region on its own (an LM head): its output is gathered
+           (``output_layouts=Replicate()``), or left ``Shard(-1)`` for ``loss_parallel`` when
+           ``loss_parallel=True``.
+ROWWISE    ``RowwiseParallel`` (output all-reduced).
+VOCAB      ``RowwiseParallel(input_layouts=Replicate())`` on an ``nn.Embedding`` (vocab sharded).
+SEQUENCE   run replicated (see limitations in docs/runtime.md): the norm's input is whole here.
+REPLICATE  nothing: the module's parameters stay whole on every TP rank.
+========== ===================================================================================
+
+HF ``Conv1D`` (weight ``[in, out]``) is not an ``nn.Linear`` and DTensor's styles reject it; its
+parameters are distributed by hand (``distribute_tensor`` with the transposed placements) and its
+``forward`` is replaced by one that works on local shards with Megatron's identity/all-reduce pair.
+The parameter names and shapes stay those of the original model, so checkpoints move between plans.
+
+**Fused projections.** When the parent module has an integer ``split_size`` attribute and a COLWISE
+module's output width is ``k * split_size`` (``k > 1``; HF GPT-2's ``c_attn`` is ``[q | k | v]``),
+the weight is sharded with ``_StridedShard(split_factor=k)`` so each rank holds ``[q_r | k_r | v_r]``.
+
+**Head-count attributes.** Attention code that reshapes with a stored head count (``num_heads``) or
+splits by a stored width (``split_size``) must see the local value. For the parent module of every
+COLWISE module that is paired with a ROWWISE sibling, the integer attributes named in
+:data:`LOCAL_COUNT_ATTRIBUTES` are divided by the TP degree; one that does not divide raises
+:class:`~whalepy.PlanError` naming the module and attribute.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from whalepy._errors import PlanError
+from whalepy.plan import TPRule, TPStyle
+
+__all__ = ["LOCAL_COUNT_ATTRIBUTES", "apply_tensor_parallel"]
+
+log = logging.getLogger(__name__)
+
+LOCAL_COUNT_ATTRIBUTES = (
+    "num_heads", "num_attention_heads", "n_head", "n_heads", "num_key_value_heads", "num_kv_heads",
+    "split_size",
+)
+"""Integer attributes of an attention-like module that count heads or head-sharded features."""
+
+
+def apply_tensor_parallel(
+    module: nn.Module,
+    rules: Sequence[TPRule],
+    tp_mesh: DeviceMesh,
+    *,
+    loss_parallel: bool = False,
+) -> list[str]:
+    """Shard ``module``'s submodules named by ``rules`` over ``tp_mesh`` in place.
+
+    Rules naming modules absent from ``module`` (another pipeline stage's) are skipped. Returns the
+    names of the modules that were sharded.
+    """
+    tp = tp_mesh.size()
+    if tp == 1:
+        return []
+    present = {name: m for name, m in module.named_modules()}
+    rules = [r for r in rules if r.module in present]
+    tied = _tied_names(module)
+    rowwise_parents = {_parent(r.module) for r in rules if r.style is TPStyle.ROWWISE}
+
+    # fused widths are read before any head-count attribute is made local
+    fused_by_rule = {
+        r.module: _fused_factor(present.get(_parent(r.module), module), present[r.module])
+        if r.style is TPStyle.COLWISE else 1
+        for r in rules
+    }
+    styles: dict[str, ParallelStyle] = {}
+    done: list[str] = []
+    adjusted: set[str] = set()
+    for rule in rules:
+        m = present[rule.module]
+        parent_name = _parent(rule.module)
+        parent = present.get(parent_name, module)
+        paired = parent_name in rowwise_parents
+        if rule.style is TPStyle.COLWISE and paired and parent_name not in adjusted:
+            _localize_counts(parent, parent_name, tp)
+            adjusted.add(parent_name)
+        if rule.style in (TPStyle.REPLICATE, TPStyle.SEQUENCE):
+            if rule.style is TPStyle.SEQUENCE:
+                log.info("whalepy: %s runs replicated (sequence parallelism is not lowered)", rule.module)
+            continue
+        fused = fused_by_rule[rule.module]
+        if _is_conv1d(m) or fused > 1:
+            if rule.style not in (TPStyle.COLWISE, TPStyle.ROWWISE):
+                raise PlanError(f"{rule.module}: style {rule.style.value} is not supported on "
+                                f"{type(m).__name__}; only colwise and rowwise are")
+            _shard_by_hand(m, rule.module, rule.style, tp_mesh, fused=fused, gather=not paired)
+        else:
+            styles[rule.module] = _dtensor_style(m, rule, paired=paired, loss_parallel=loss_parallel)
+        done.append(rule.module)
+    if styles:
+        parallelize_module(module, tp_mesh, styles)
+    _retie(module, tied)
+    return done
+
+
+def _tied_names(module: nn.Module) -> list[list[str]]:
+    by_id: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+def _retie(module: nn.Module, tied: list[list[str]]) -> None:
+    """Sharding replaces each module's parameters with new DTensor parameters, which unties weights
+    shared by two modules (an embedding and an LM head). Tie them again when both sides were sharded
+    the same way (vocab-parallel embedding and column-parallel head are both ``Shard(0)`` of the
+    ``[vocab, hidden]`` table); otherwise the tie cannot hold under TP and is refused."""
+    for names in tied:
+        params = [module.get_parameter(n) for n in names]
+        first = params[0]
+        if all(p is first for p in params):
+            continue
+
+        def layout(p: torch.Tensor) -> tuple:
+            if isinstance(p, DTensor):
+                return ("dtensor", tuple(p.placements), p.device_mesh, tuple(p.shape))
+            return ("tensor", tuple(p.shape))
+
+        if len({layout(p) for p in params}) != 1:
+            raise PlanError(
+                f"tied parameters {names} are sharded differently by the tensor-parallel rules "
+                f"({[str(getattr(p, 'placements', 'whole')) for p in params]}); give the modules "
+                "that share them matching rules (vocab-parallel embedding with a column-parallel "
+                "head, or both replicated), or untie the weights")
+        for n in names[1:]:
+            owner, _, field_name = n.rpartition(".")
+            module.get_submodule(owner).register_parameter(field_name, first)
+
+
+def _parent(name: str) -> str:
+    return name.rpartition(".")[0]
+
+
+def _dtensor_style(m: nn.Module, rule: TPRule, *, paired: bool, loss_parallel: bool) -> ParallelStyle:
+    if rule.style is TPStyle.COLWISE:
+        if paired:
+            return ColwiseParallel()
+        if loss_parallel:
+            return ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+        return ColwiseParallel(output_layouts=Replicate())
+    if rule.style is TPStyle.ROWWISE:
+        return RowwiseParallel()
+    if rule.style is TPStyle.VOCAB:
+        if not isinstance(m, nn.Embedding):
+            raise PlanError(f"{rule.module}: vocab-parallel needs an nn.Embedding, found "
+                            f"{type(m).__name__}")
+        return RowwiseParallel(input_layouts=Replicate())
+    raise PlanError(f"{rule.module}: unknown tensor-parallel style {rule.style!r}")
+
+
+def _localize_counts(parent: nn.Module, parent_name: str, tp: int) -> None:
+    for attr in LOCAL_COUNT_ATTRIBUTES:
+        value = getattr(parent, attr, None)
+        if isinstance(value, bool) or not isinstance(value, int):
+            continue
+        if value % tp:
+            raise PlanError(
+                f"{parent_name or 'model'}.{attr} = {value} is not divisible by the tensor-parallel "
+                f"degree {tp}; choose a TP degree that divides it or mark the module replicated"
+            )
+        setattr(parent, attr, value // tp)
+
+
+def _is_conv1d(m: nn.Module) -> bool:
+    # HF transformers.pytorch_utils.Conv1D: weight [in, out], attribute nf = out features
+    return type(m).__name__ == "Conv1D" and hasattr(m, "nf") and getattr(m, "weight", None) is not None
+
+
+def _fused_factor(parent: nn.Module, m: nn.Module) -> int:
+    split = getattr(parent, "split_size", None)
+    if not isinstance(split, int) or split <= 0:
+        return 1
+    out = m.weight.shape[1] if _is_conv1d(m) else getattr(m, "out_features", None)
+    if isinstance(out, int) and out % split == 0 and out // split > 1:
+        return out // split
+    return 1
+
+
+# -- manual sharding: HF Conv1D and fused projections ---------------------------------------------
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Identity forward; all-reduce the gradient (the input was used by every TP rank)."""
+
+    @staticmethod
+    def forward(ctx, x, group):  # type: ignore[override]
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """All-reduce forward (sum of partial products); identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):  # type: ignore[override]
+        x = x.contiguous()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    """All-gather the last dim forward; keep this rank's slice of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):  # type: ignore[override]
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        n = dist.get_world_size(ctx.group)
+        r = dist.get_rank(ctx.group)
+        return grad.chunk(n, dim=-1)[r].contiguous(), None
+
+
+def _local(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _shard_by_hand(m: nn.Module, name: str, style: TPStyle, mesh: DeviceMesh, *, fused: int,
+                   gather: bool) -> None:
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    conv = _is_conv1d(m)
+    if not conv and not isinstance(m, nn.Linear):
+        raise PlanError(f"{name}: cannot shard a fused {type(m).__name__}; only nn.Linear and HF "
+                        "Conv1D are supported")
+    out_dim = 1 if conv else 0  # weight dim of the output features
+    in_dim = 1 - out_dim
+    tp, tp_rank = mesh.size(), mesh.get_local_rank()
+    # A fused projection's pieces are interleaved across ranks ([q_r | k_r | v_r]). That is a
+    # _StridedShard, which FSDP2 cannot compose with when it shards the same dim (it does for biases
+    # and for nn.Linear's dim 0), so such tensors stay whole (Replicate) and each rank slices its
+    # part, with the gradient summed over the TP group. Conv1D's fused weight (pieces on dim 1, FSDP
+    # on dim 0) is sharded for real.
+    slice_w = fused > 1 and out_dim == 0
+    if style is TPStyle.COLWISE:
+        if fused > 1:
+            w_place = Replicate() if slice_w else _StridedShard(out_dim, split_factor=fused)
+            b_place = Replicate()
+        else:
+            w_place, b_place = Shard(out_dim), Shard(0)
+    else:
+        w_place, b_place = Shard(in_dim), Replicate()
+    m.weight = nn.Parameter(distribute_tensor(m.weight.data, mesh, [w_place]))
+    if getattr(m, "bias", None) is not None:
+        m.bias = nn.Parameter(distribute_tensor(m.bias.data, mesh, [b_place]))
+    group = mesh.get_group()
+
+    def local_part(t: torch.Tensor, dim: int) -> torch.Tensor:
+        # whole fused tensor -> this rank's [piece_0_r | piece_1_r | ...] along dim
+        t = _CopyToTP.apply(t, group)
+        shape = list(t.shape)
+        pieces = t.reshape(*shape[:dim], fused, tp, shape[dim] // (fused * tp), *shape[dim + 1:])
+        local = pieces.select(dim + 1, tp_rank)
+        return local.reshape(*shape[:dim], shape[dim] // tp, *shape[dim + 1:])
+
+    def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        w = _local(self.weight)
+        b = _local(self.bias) if getattr(self, "bias", None) is not None else None
+        if style is TPStyle.COLWISE and fused > 1:
+            if slice_w:
+                w = local_part(w, out_dim)
+            if b is not None:
+                b = local_part(b, 0)
+        if style is TPStyle.COLWISE:
+            x = _CopyToTP.apply(x, group)
+        y = x @ w if conv else x @ w.t()
+        if style is TPStyle.ROWWISE:
+            y = _ReduceFromTP.apply(y, group)
+            return y if b is None else y + b
+        if b is not None:
+            y = y + b
+        if gather:
+            if fused > 1:
+                raise PlanError(f"{name}: a fused projection must feed a rowwise module")
+            y = _GatherFromTP.apply(y, group)
+        return y
+
+    m.forward = types.MethodType(forward, m)
