@@ -51,25 +51,12 @@ def make_demo_plan():
     out), so they need not trace the model again."""
     import dataclasses
 
+    import whalepy
+
     example = (torch.zeros(2, CFG.block_size, dtype=torch.long),)
-    try:
-        from whalepy.planner import plan_from_profile
-        from whalepy.profile import profile
-
-        prof = profile(build_model(), example)
-        plan = plan_from_profile(prof, cluster(), global_batch=BATCH)
-        return plan, dataclasses.replace(prof, graph=None)
-    except (ImportError, AttributeError, NotImplementedError) as e:
-        # planner not available in this build: fall back to a fixed DP x TP 2 x 2 layout
-        from train_gpt import tp_rules
-
-        from whalepy.runtime import make_plan
-
-        print(f"(planner unavailable: {e}; using a fixed dp2 x tp2 plan)")
-        blocks = (["transformer.wte", "transformer.wpe"]
-                  + [f"transformer.h.{i}" for i in range(CFG.num_layers)] + ["transformer.ln_f", "lm_head"])
-        return make_plan(blocks, dp=2, tp=2, global_batch=BATCH, tensor_parallel=tp_rules(CFG.num_layers),
-                         device_type="A100-80GB", model_name="GPT"), None
+    prof = whalepy.profile(build_model(), example)
+    plan = whalepy.plan_from_profile(prof, cluster(), global_batch=BATCH)
+    return plan, dataclasses.replace(prof, graph=None)
 
 
 def worker(rank: int, world: int, store: str, plan, prof, results) -> None:
@@ -77,7 +64,7 @@ def worker(rank: int, world: int, store: str, plan, prof, results) -> None:
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    from whalepy.runtime import parallelize
+    from whalepy import parallelize
 
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
     pm = parallelize(build_model(), cluster(), example_inputs=(torch.zeros(2, CFG.block_size,

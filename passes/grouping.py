@@ -27,6 +27,8 @@ Writes ``node.meta["whalepy.block"]`` (block index) on computing nodes and the l
 
 from __future__ import annotations
 
+import re
+
 import hashlib
 from dataclasses import dataclass
 
@@ -63,6 +65,18 @@ def _param_signature(module: torch.nn.Module) -> tuple:
     return tuple((n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters())
 
 
+def _numbered(names: list[str]) -> bool:
+    """Attribute names of one numbered series (``layer1, layer2``, ``block_0, block_1``): outside a
+    ModuleList / Sequential only such siblings count as repeated layers, so look-alike siblings with
+    different roles (a token and a position embedding of equal size) stay apart."""
+    parsed = [re.fullmatch(r"(.*?)(\d+)", n) for n in names]
+    if not all(parsed):
+        return False
+    prefixes = {m.group(1) for m in parsed}  # type: ignore[union-attr]
+    numbers = [int(m.group(2)) for m in parsed]  # type: ignore[union-attr]
+    return len(prefixes) == 1 and numbers == list(range(numbers[0], numbers[0] + len(numbers)))
+
+
 def find_runs(model: torch.nn.Module) -> list[Run]:
     """Top-most runs of structurally repeated sibling modules, in registration order."""
     candidates: list[Run] = []
@@ -77,7 +91,8 @@ def find_runs(model: torch.nn.Module) -> list[Run]:
                 j += 1
             members = children[i:j]
             if len(members) >= 2 and next(members[0][1].parameters(), None) is not None:
-                if listlike or len({_param_signature(c) for _, c in members}) == 1:
+                if listlike or (_numbered([n for n, _ in members])
+                                and len({_param_signature(c) for _, c in members}) == 1):
                     candidates.append(Run(path, tuple(_child(path, n) for n, _ in members)))
             i = j
     member_paths = {m for r in candidates for m in r.members}

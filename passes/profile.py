@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -36,6 +37,8 @@ from whalepy.passes.manager import Pass, run_passes
 from whalepy.passes.memory import count_bytes
 from whalepy.passes.shapes import mark_requires_grad, nbytes
 from whalepy.passes.tp_patterns import BlockTP, check_split_degrees, find_tp_patterns
+from whalepy.passes.truncate import TruncatedRun, graph_signature, plan_truncation, rename, truncated
+from whalepy.plan import TPRule
 from whalepy.profile import BlockAnnotations, BlockKind, BlockProfile, ModelProfile
 
 
@@ -60,6 +63,7 @@ def build_profile(
     model_name: str | None = None,
     annotations: Mapping[str, BlockAnnotations] | None = None,
     capture_method: str = "auto",
+    truncate_repeated: bool = True,
 ) -> ModelProfile:
     """Profile ``model`` on ``example_inputs`` (a tuple of tensors or a dict of keyword inputs).
 
@@ -67,25 +71,43 @@ def build_profile(
     with ``whalepy.split`` & co. (``whalepy.primitives.resolve_annotations``). ``capture_method`` is
     passed to :func:`whalepy.passes.capture.capture`. Raises ``CaptureError`` when the model cannot
     be traced and ``AnnotationError`` for annotations the block structure cannot honour.
+
+    ``truncate_repeated`` traces long runs of provably identical layers cut down to their first
+    few members and extrapolates the rest (see :mod:`whalepy.passes.truncate`); the profile's
+    ``capture_method`` then ends in ``"+truncated"`` and ``profile.graph`` is the truncated graph
+    (``graph.meta["whalepy.truncation"]`` says what was done, or why it was not).
     """
     ann = dict(resolve_model_annotations(model) if annotations is None else annotations)
-    gm = capture(model, example_inputs, method=capture_method)
-    run_passes(gm, analysis_passes(model, ann))
-    specs: list[BlockSpec] = gm.meta["whalepy.blocks"]
-    tps: list[BlockTP] = gm.meta["whalepy.tp"]
-    sums = _block_sums(gm, len(specs))
-    params = _attribute_params(gm, model, specs)
-    boundaries = [s.name if s.kind is BlockKind.LAYER else f"{s.name} ({', '.join(s.modules)})"
-                  for s in specs]
+    raw, gm, note = None, None, {"runs": [], "refused": []}
+    if truncate_repeated:
+        runs, note["refused"] = plan_truncation(model)
+        if runs:
+            try:
+                raw, gm = _truncated_raw(model, example_inputs, capture_method, ann, runs)
+                note["runs"] = [{"container": r.container, "layers": len(r.members),
+                                 "traced": r.keep, "template": r.template} for r in runs]
+            except _Fallback as e:
+                note["fallback"] = str(e)
+            except Exception as e:  # noqa: BLE001 - the full capture reports real failures
+                note["fallback"] = f"truncated capture failed: {type(e).__name__}: {e}"[:600]
+    if raw is None:
+        gm = capture(model, example_inputs, method=capture_method)
+        run_passes(gm, analysis_passes(model, ann))
+        raw = _raw_blocks(gm, model)
+    method = gm.meta["whalepy.capture_method"] + ("+truncated" if note["runs"] else "")
+    gm.meta["whalepy.truncation"] = note
+    boundaries = [b.spec.name if b.spec.kind is BlockKind.LAYER
+                  else f"{b.spec.name} ({', '.join(b.spec.modules)})" for b in raw]
     blocks = []
-    for spec, tp, fig, (count, pbytes) in zip(specs, tps, sums, params, strict=True):
+    for b in raw:
+        spec, tp, fig = b.spec, b.tp, b.fig
         merged = merge_block_annotations(
             spec.name, [(p, lookup(ann, p)) for p in (*spec.modules, *fig["paths"])],
             boundaries)
         degrees = check_split_degrees(spec.name, merged, tp, spec.modules)
         blocks.append(BlockProfile(
             name=spec.name, index=spec.index, kind=spec.kind, modules=spec.modules,
-            repeat_group=spec.repeat_group, num_params=count, param_bytes=pbytes,
+            repeat_group=spec.repeat_group, num_params=b.num_params, param_bytes=b.param_bytes,
             fwd_flops=fig["fwd"], bwd_flops=fig["bwd"], bytes_moved=fig["bytes"],
             activation_bytes=int(fig["saved"]), input_bytes=int(fig["in"]),
             output_bytes=int(fig["out"]), tp_rules=tp.rules, tp_comm_bytes=int(tp.comm_bytes),
@@ -102,10 +124,113 @@ def build_profile(
         param_bytes=sum(p.numel() * p.element_size() for p in unique),
         dtype=_float_dtype_name(unique),
         blocks=tuple(blocks),
-        capture_method=gm.meta["whalepy.capture_method"],
+        capture_method=method,
         capture_time_s=float(gm.meta["whalepy.capture_time_s"]),
         graph=gm,
     )
+
+
+@dataclass(slots=True)
+class _Raw:
+    """A block's figures before annotations are merged."""
+
+    spec: BlockSpec
+    tp: BlockTP
+    fig: dict[str, Any]
+    num_params: int
+    param_bytes: int
+
+
+class _Fallback(Exception):
+    """The truncated capture cannot be extrapolated safely: capture the model in full."""
+
+
+def _raw_blocks(gm: fx.GraphModule, model: torch.nn.Module) -> list[_Raw]:
+    specs: list[BlockSpec] = gm.meta["whalepy.blocks"]
+    tps: list[BlockTP] = gm.meta["whalepy.tp"]
+    sums = _block_sums(gm, len(specs))
+    params = _attribute_params(gm, model, specs)
+    return [_Raw(s, t, f, c, b) for s, t, f, (c, b) in zip(specs, tps, sums, params, strict=True)]
+
+
+def _truncated_raw(
+    model: torch.nn.Module, example_inputs: Any, method: str,
+    ann: Mapping[str, BlockAnnotations], runs: list[TruncatedRun],
+) -> tuple[list[_Raw], fx.GraphModule]:
+    """Capture with every run in ``runs`` truncated; check the traced copies; extrapolate."""
+    with truncated(model, runs):
+        gm = capture(model, example_inputs, method=method)
+        run_passes(gm, analysis_passes(model, ann))
+        raw = _raw_blocks(gm, model)
+    by_name = {b.spec.name: i for i, b in enumerate(raw)}
+    copies: dict[int, list[_Raw]] = {}
+    for run in runs:
+        traced = run.members[run.prefix:run.keep]
+        if any(m not in by_name for m in traced) or any(m in by_name for m in run.members[run.keep:]):
+            raise _Fallback(f"{run.container}: the truncated graph does not show members "
+                            f"{traced[0]} .. {traced[-1]} as blocks")
+        first = traced[0]
+        base = graph_signature(gm, by_name[first], first)
+        ref = _figures(raw[by_name[first]], first)
+        for m in traced[1:]:
+            if graph_signature(gm, by_name[m], m) != base:
+                raise _Fallback(f"{run.container}: traced layers {first} and {m} differ (the "
+                                f"forward depends on the layer)")
+            if _figures(raw[by_name[m]], m) != ref:
+                raise _Fallback(f"{run.container}: traced layers {first} and {m} have different "
+                                f"figures")
+        template = raw[by_name[run.template]]
+        own = _own_params(model.get_submodule(run.template))
+        if own != (template.num_params, template.param_bytes):
+            raise _Fallback(f"{run.template}'s block does not own exactly its parameters")
+        extra = []
+        for m in run.members[run.keep:]:
+            counted = _own_params(model.get_submodule(m))
+            assert counted == own, f"{m} has other parameters than {run.template}"
+            extra.append(_copy(template, run.template, m))
+        copies[by_name[run.template]] = extra
+    out: list[_Raw] = []
+    remap: dict[int, int] = {}
+    for i, b in enumerate(raw):
+        remap[i] = len(out)
+        out.append(b)
+        out.extend(copies.get(i, ()))
+    for index, b in enumerate(out):
+        b.spec = replace(b.spec, index=index)
+    for node in gm.graph.nodes:
+        old = node.meta.get("whalepy.block")
+        if old is not None:
+            node.meta["whalepy.block"] = remap[old]
+    gm.meta["whalepy.blocks"] = [b.spec for b in out]
+    gm.meta["whalepy.tp"] = [b.tp for b in out]
+    return out, gm
+
+
+def _own_params(module: torch.nn.Module) -> tuple[int, int]:
+    ps = list(module.parameters())
+    return sum(p.numel() for p in ps), sum(p.numel() * p.element_size() for p in ps)
+
+
+def _rename_tp(tp: BlockTP, old: str, new: str) -> BlockTP:
+    return replace(
+        tp, rules=tuple(TPRule(module=rename(r.module, old, new), style=r.style) for r in tp.rules),
+        dims=tuple((rename(p, old, new), what, size) for p, what, size in tp.dims))
+
+
+def _figures(b: _Raw, member: str) -> tuple:
+    """What must be equal between two traced copies, with paths relative to the member."""
+    fig = {k: v for k, v in b.fig.items() if k != "paths"}
+    paths = tuple(rename(p, member, "<L>") for p in b.fig["paths"])
+    return (tuple(sorted(fig.items())), paths, b.num_params, b.param_bytes, b.spec.kind,
+            b.spec.repeat_group, _rename_tp(b.tp, member, "<L>"))
+
+
+def _copy(template: _Raw, old: str, new: str) -> _Raw:
+    fig = dict(template.fig)
+    fig["paths"] = {rename(p, old, new): None for p in template.fig["paths"]}
+    spec = replace(template.spec, name=new, modules=(new,))
+    return _Raw(spec, _rename_tp(template.tp, old, new), fig, template.num_params,
+                template.param_bytes)
 
 
 def _float_dtype_name(params: list[torch.nn.Parameter]) -> str:

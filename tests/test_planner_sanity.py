@@ -142,3 +142,20 @@ def test_mixed_replicas_get_uneven_batch_shares() -> None:
     if p.pp_degree == 1 or len(set(p.stages[0].device_types)) == 2:
         shares = dict(zip(p.stages[0].device_types, p.batch_shares))
         assert shares["A100-80GB"] > shares["T4"]
+
+
+def test_cluster_count_on_whole_group_is_honoured_and_on_part_of_it_refused() -> None:
+    from whalepy.cluster import ClusterSpec
+
+    spec = ClusterSpec.from_dict({"network": {"bandwidth_gbps": 100}, "groups": [
+        {"name": "fast", "gpu": "A100-80GB", "gpus_per_node": 4, "intra_node": "nvlink3"},
+        {"name": "slow", "gpu": "V100-32GB", "gpus_per_node": 4, "intra_node": "nvlink2"}]})
+    whole = transformer_profile(num_layers=4, hidden=1024, seq_len=512, vocab=32000, num_heads=16, annotations={
+        "embed": BlockAnnotations(cluster_group="fast", cluster_count=4, sources=("cluster(group=fast, count=4) on embed",))})
+    p = plan_from_profile(whole, spec, global_batch=32)
+    embed_stage = next(s for s in p.stages if "embed" in s.block_names)
+    assert set(embed_stage.device_types) == {"A100-80GB"}
+    part = transformer_profile(num_layers=4, hidden=1024, seq_len=512, vocab=32000, num_heads=16, annotations={
+        "embed": BlockAnnotations(cluster_group="fast", cluster_count=2, sources=("cluster(group=fast, count=2) on embed",))})
+    with pytest.raises(AnnotationError, match=r"count=2 asks for part.*node group of their own"):
+        plan_from_profile(part, spec, global_batch=32)

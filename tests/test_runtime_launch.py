@@ -93,6 +93,20 @@ def test_make_plan_layout():
         make_plan(["a"], pp=2, global_batch=8)
 
 
+def test_make_plan_interleaved_chunks():
+    # 8 blocks over pp=2 x v=2: pipeline stage g = s + j * pp takes blocks in model order
+    plan = make_plan([f"b{i}" for i in range(8)], pp=2, virtual_stages=2, global_batch=8,
+                     num_microbatches=2)
+    assert plan.schedule.value == "interleaved_1f1b" and plan.virtual_stages == 2
+    assert plan.stages[0].block_names == ("b0", "b1", "b4", "b5") and plan.stages[0].chunk_sizes == (2, 2)
+    assert plan.stages[1].block_names == ("b2", "b3", "b6", "b7")
+    plan = make_plan([f"b{i}" for i in range(5)], pp=2, virtual_stages=2, global_batch=8,
+                     chunk_sizes=[(1, 1), (2, 1)])
+    assert plan.stages[0].block_names == ("b0", "b3") and plan.stages[1].block_names == ("b1", "b2", "b4")
+    with pytest.raises(PlanError):
+        make_plan(["a", "b", "c"], pp=2, virtual_stages=2, global_batch=8)
+
+
 def _parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="whalepy")
     add_run_subparser(parser.add_subparsers(dest="command"))

@@ -1,9 +1,11 @@
 """Multi-process numerics of the lowered plans against one process, on CPU with gloo.
 
 Each test spawns one group of processes and runs several layouts in it (process start-up costs
-seconds). Every layout trains the GPT-style model of ``whalepy.models`` or HF GPT-2 (dropout off) for
-3 AdamW steps in fp32; per-step losses must match the single-process run within 1e-5 relative and
-every parameter within 1e-5 absolute.
+seconds). Every layout trains the GPT-style model of ``whalepy.models``, HF GPT-2 (untied, or tied as
+by default) or HF Llama (GQA), dropout off, for 3 AdamW steps in fp32; per-step losses must match the
+single-process run within 1e-5 relative and every parameter (both names of a tied one) within 1e-5
+absolute. Plans use the front end's profile: its blocks and the tensor-parallel rules of its FX
+pattern pass.
 """
 
 from __future__ import annotations
@@ -43,8 +45,14 @@ def test_two_ranks_dp_tp_pp_zero_checkpointing():
         Case("hf dp2 shares[3,5]", kind="hf", dp=2, shares=(3, 5)),
         Case("hf tp2 (conv1d, fused qkv)", kind="hf", tp=2),
         Case("hf pp2", kind="hf", pp=2, microbatches=2),
+        Case("gpt pp2 x v2 interleaved 1f1b", pp=2, virtual_stages=2, microbatches=2),
+        Case("hf tied pp2 (embedding/head copies, grads summed)", kind="hf_tied", pp=2, microbatches=2),
+        Case("hf tied tp2 (vocab-parallel embedding = colwise head)", kind="hf_tied", tp=2),
+        Case("hf tied dp2 zero3", kind="hf_tied", dp=2, zero=3),
+        Case("llama tp2 (gqa)", kind="llama", tp=2),
+        Case("llama pp2", kind="llama", pp=2, microbatches=2),
     ]
-    _check(run_distributed(run_cases, 2, cases, timeout=240))
+    _check(run_distributed(run_cases, 2, cases, timeout=300))
 
 
 def test_three_replicas_uneven_shares():
@@ -63,13 +71,16 @@ def test_four_ranks_2d_layouts_and_resume(tmp_path):
         Case("gpt pp2 x dp2 shares[2,6]", pp=2, dp=2, shares=(2, 6), microbatches=2),
         Case("gpt tp2 x pp2", tp=2, pp=2, microbatches=2),
         Case("hf dp2 x tp2", kind="hf", dp=2, tp=2),
+        Case("gpt dp2 x pp2 x v2 interleaved", dp=2, pp=2, virtual_stages=2, microbatches=2),
+        Case("hf tied dp2 x pp2 zero3", kind="hf_tied", dp=2, pp=2, zero=3, microbatches=2),
         ("resume", Case("gpt dp2 x tp2", dp=2, tp=2), Case("gpt pp2 x dp2", pp=2, dp=2, microbatches=2),
          str(tmp_path / "gpt")),
-        ("resume", Case("hf dp2 x tp2", kind="hf", dp=2, tp=2),
-         Case("hf pp2 x dp2 zero3", kind="hf", pp=2, dp=2, zero=3, microbatches=2),
+        # tied embedding/head: one parameter under DP x TP, a copy per pipeline stage under PP x DP
+        ("resume", Case("hf tied dp2 x tp2", kind="hf_tied", dp=2, tp=2),
+         Case("hf tied pp2 x dp2 zero3", kind="hf_tied", pp=2, dp=2, zero=3, microbatches=2),
          str(tmp_path / "hf")),
     ]
-    _check(run_distributed(run_cases, 4, cases, timeout=300))
+    _check(run_distributed(run_cases, 4, cases, timeout=360))
 
 
 def test_eight_ranks_3d():

@@ -161,15 +161,39 @@ def test_stage0_takes_keyword_inputs_positionally():
                                rtol=0, atol=1e-6)
 
 
-def test_tied_parameter_across_stages_is_refused():
-    model, blocks = build_model("gpt")
-    model.lm_head.weight = model.transformer.wte.weight
-    with pytest.raises(CaptureError, match="tied"):
-        split_stages(model, (torch.randint(0, VOCAB, (2, SEQ)),), None, stage_paths(blocks, LAYOUTS["2"]))
-    # in one stage a tied pair is fine
-    one_stage = stage_paths(blocks, [[0, 1, 2, 3, 4]])
-    stages = split_stages(model, (torch.randint(0, VOCAB, (2, SEQ)),), None, one_stage)
-    assert len(stages) == 1
+def test_tied_parameter_sits_in_every_stage_that_uses_it():
+    """HF GPT-2's default tie_word_embeddings=True: the shared table is held by the first stage (as
+    transformer.wte.weight) and the last (as lm_head.weight), the same Parameter object in one
+    process; chained stages reproduce the model's logits and the summed gradient."""
+    from whalepy.runtime.pipeline import tied_parameters
+
+    untied, blocks = build_model("gpt2")
+    cfg = copy.deepcopy(untied.config)
+    cfg.tie_word_embeddings = True
+    torch.manual_seed(0)
+    import transformers
+
+    model = transformers.GPT2LMHeadModel(cfg)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    targets = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(2))
+    reference = copy.deepcopy(model)
+    ref_logits = reference(ids).logits
+    loss_of(ref_logits, targets).backward()
+
+    stages = split_stages(model, (ids,), None, stage_paths(blocks, LAYOUTS["3"]))
+    assert tied_parameters(stages) == [[(0, "transformer.wte.weight"), (2, "lm_head.weight")]]
+    assert stages[0].get_parameter("transformer.wte.weight") is stages[2].get_parameter("lm_head.weight")
+    keys = [k for s in stages for k in s.state_dict()]
+    assert sorted(keys) == sorted(model.state_dict())  # both names, once each
+    logits = run_chain(stages, ids)
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-6)
+    loss_of(logits, targets).backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, reference.get_parameter(n).grad, rtol=0, atol=1e-6, msg=n)
+    # in one stage a tied pair is simply one parameter
+    stages = split_stages(model, (ids,), None, stage_paths(blocks, [[0, 1, 2, 3, 4]]))
+    assert len(stages) == 1 and tied_parameters(stages) == []
 
 
 def test_blocks_out_of_execution_order_are_refused():

@@ -264,7 +264,7 @@ def estimate_from_profile(profile: ModelProfile, cluster: ClusterSpec, config: P
                                  device_type="/".join(sorted({c.cell.group.device.name for c in st.cells})))
                    for st in ev.stages)
     return Estimate(config=cfg, step_time_s=ev.step_time_s, compute_s=M * busiest.compute_s,
-                    comm_s=M * busiest.comm_s, bubble_s=(cc.bubble - M) * ev.T, tail_s=ev.X,
+                    comm_s=M * busiest.comm_s, bubble_s=ev.bubble_s, tail_s=ev.X,
                     samples_per_s=global_batch / ev.step_time_s, stages=stages, feasible=ev.fits, reason=reason,
                     plan=plan)
 

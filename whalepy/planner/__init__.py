@@ -175,7 +175,8 @@ def homogeneous_baseline(profile: ModelProfile, cluster: ClusterSpec, *, global_
     assert ev is not None
     cand = ev.coeffs.candidate
     ctx = CostContext(profile, hw, precision=opts.precision)
-    ckpts = [list(st.checkpoints) for st in ev.stages]
+    S = cand.num_stages
+    ckpts = [list(ev.stages[j % S].chunk_checkpoints[j // S]) for j in range(cand.num_virtual)]
     real = evaluate_fixed(ctx, cand, ev.boundaries, ckpts, [st.option for st in ev.stages])
     notes = [f"homogeneous baseline: planned as if all {hw.world_size} GPUs were {slow.name} with "
              f"{small / 2**30:.0f} GiB, costed on the real cluster"]

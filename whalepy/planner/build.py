@@ -69,17 +69,23 @@ def build_plan(ev: Evaluation, *, ctx: CostContext, global_batch: int, result: S
     M = cand.num_microbatches
     busy: dict[str, float] = {}
     chunks = stage_chunk_sizes(ev)
-    for s, (st, positions) in enumerate(zip(ev.stages, stage_blocks(ev))):
-        left = list(st.checkpoints)
+    S, V = cand.num_stages, cand.virtual_stages
+    starts = [0]
+    for size in ev.boundaries:
+        starts.append(starts[-1] + size)
+    for s, st in enumerate(ev.stages):
         blocks = []
-        for i in positions:
-            g = seg_of[i]
-            ck = left[g] > 0
-            left[g] -= ck
-            blocks.append(BlockPlan(name=prof.blocks[i].name, checkpoint=ck, param_tier=st.option.param_tier,
-                                    optimizer_tier=st.option.optimizer_tier))
-            if cand.tp > 1 and tp_applies(prof.blocks[i], cand.tp):
-                rules.extend(prof.blocks[i].tp_rules)
+        for k in range(V):
+            j = s + k * S
+            left = list(st.chunk_checkpoints[k]) if st.chunk_checkpoints else list(st.checkpoints)
+            for i in range(starts[j], starts[j + 1]):
+                g = seg_of[i]
+                ck = left[g] > 0
+                left[g] -= ck
+                blocks.append(BlockPlan(name=prof.blocks[i].name, checkpoint=ck, param_tier=st.option.param_tier,
+                                        optimizer_tier=st.option.optimizer_tier))
+                if cand.tp > 1 and tp_applies(prof.blocks[i], cand.tp):
+                    rules.extend(prof.blocks[i].tp_rules)
         worst = max(st.cells, key=lambda c: c.time_s)
         tight = max(st.cells, key=lambda c: c.memory_bytes / c.cell.capacity)
         for c in st.cells:
@@ -92,7 +98,7 @@ def build_plan(ev: Evaluation, *, ctx: CostContext, global_batch: int, result: S
             cost=StageCost(compute_s=worst.compute_s, comm_s=worst.comm_s, grad_sync_s=worst.exposed_sync_s,
                            offload_s=M * max(0.0, worst.fetch_s - worst.compute_s - worst.comm_s + worst.cell.p2p)
                            + (worst.opt_s if st.option.optimizer_tier is not Tier.GPU else 0.0),
-                           bubble_s=max(0.0, cc.bubble * ev.T - M * st.time_s),
+                           bubble_s=max(0.0, M * ev.T + ev.bubble_s - M * st.time_s),
                            memory_bytes=int(tight.memory_bytes), capacity_bytes=int(tight.cell.capacity))))
     rank_types = tuple(d.device.name for d in hw.cluster.rank_devices())
     samples = global_batch / step
@@ -115,8 +121,7 @@ def build_plan(ev: Evaluation, *, ctx: CostContext, global_batch: int, result: S
 # -- alternatives -----------------------------------------------------------------------------------
 
 def _bubble_share(ev: Evaluation) -> float:
-    cand = ev.coeffs.candidate
-    return (ev.coeffs.bubble - cand.num_microbatches) * ev.T / ev.step_time_s
+    return ev.bubble_s / ev.step_time_s
 
 
 def why_lost(ev: Evaluation, best: Evaluation, hw) -> str:  # type: ignore[no-untyped-def]
@@ -179,16 +184,18 @@ def _min_memory(ctx: CostContext, cand: Candidate, result: SearchResult):  # typ
     cc = build_coefficients(ctx, cand, result.segments, result.options)
     N, J = cc.num_blocks, cand.num_virtual
     sizes = [N // J + (1 if j < N % J else 0) for j in range(J)]
-    from whalepy.planner.costing import counts_from_boundaries
+    from whalepy.planner.costing import chunk_counts_from_sizes
 
-    counts = counts_from_boundaries(cc, sizes)
+    rows = chunk_counts_from_sizes(cc, sizes)
+    S, V = cand.num_stages, cand.virtual_stages
     worst = None
     allow_ck = result.allow_checkpointing
     for s, sc in enumerate(cc.stages):
-        ck = counts[s] if allow_ck else [0] * len(counts[s])
+        chunks = [rows[s + k * S] for k in range(V)]
+        ck = [list(r) if allow_ck else [0] * len(r) for r in chunks]
         best_stage = None
         for o in sc.options:
-            ev = evaluate_stage(sc, counts[s], ck, o, virtual_stages=cand.virtual_stages, dp=cand.dp)
+            ev = evaluate_stage(sc, chunks, ck, o, dp=cand.dp)
             ratio = max(c.memory_bytes / c.cell.capacity for c in ev.cells)
             if best_stage is None or ratio < best_stage[0]:
                 best_stage = (ratio, ev)

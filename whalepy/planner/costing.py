@@ -408,6 +408,8 @@ class CellEval:
     fetch_s: float
     time_s: float
     """Per micro-batch: max(compute, gather, fetch) + p2p."""
+    chunk_time_s: float
+    """Per micro-batch, the largest chunk: max(compute_k, gather / v, fetch / v) + p2p_k (v = 1: time_s)."""
     exposed_sync_s: float
     opt_s: float
     memory_bytes: float
@@ -435,15 +437,24 @@ class CellEval:
 class StageEval:
     index: int
     counts: tuple[int, ...]
+    """Blocks per segment on this stage (all chunks)."""
     checkpoints: tuple[int, ...]
+    """Checkpointed blocks per segment on this stage (all chunks)."""
     option: StateOption
     local_params: float
     sync_s: float
     cells: list[CellEval]
+    chunk_counts: tuple[tuple[int, ...], ...] = ()
+    """Per chunk (virtual stage ``index + k S``), blocks per segment."""
+    chunk_checkpoints: tuple[tuple[int, ...], ...] = ()
 
     @property
     def time_s(self) -> float:
         return max(c.time_s for c in self.cells)
+
+    @property
+    def chunk_time_s(self) -> float:
+        return max(c.chunk_time_s for c in self.cells)
 
     @property
     def tail_s(self) -> float:
@@ -465,10 +476,23 @@ class Evaluation:
     step_time_s: float
     fits: bool
     notes: list[str] = field(default_factory=list)
+    Tc: float = 0.0
+    """Largest chunk time per micro-batch (``T`` without interleaving)."""
+
+    @property
+    def bubble_s(self) -> float:
+        """Pipeline fill and drain per step: ``(S - 1) Tc``."""
+        return self.coeffs.chunk_coefficient * self.Tc
 
 
-def evaluate_stage(sc: StageCoeffs, counts: Sequence[int], ckpts: Sequence[int], option: StateOption,
-                   *, virtual_stages: int, dp: int) -> StageEval:
+def evaluate_stage(sc: StageCoeffs, chunk_counts: Sequence[Sequence[int]], chunk_ckpts: Sequence[Sequence[int]],
+                   option: StateOption, *, dp: int) -> StageEval:
+    """Cost of one physical stage: blocks and checkpointed blocks per segment of each of its chunks
+    (one chunk without interleaving) and its state option."""
+    v = len(chunk_counts)
+    G = len(sc.seg_params)
+    counts = [sum(row[g] for row in chunk_counts) for g in range(G)]
+    ckpts = [sum(row[g] for row in chunk_ckpts) for g in range(G)]
     pl = sum(n * p for n, p in zip(counts, sc.seg_params))
     alpha, beta = sc.sync[option]
     sync = alpha + beta * pl if dp > 1 else 0.0
@@ -481,50 +505,103 @@ def evaluate_stage(sc: StageCoeffs, counts: Sequence[int], ckpts: Sequence[int],
         comm = sum(n * x for n, x in zip(counts, c.seg_comm))
         bwd = sum(n * x for n, x in zip(counts, c.seg_bwd))
         fetch = c.fetch_beta[option] * pl
-        kept = sum(n * a + k * (i - a) for n, k, a, i in zip(counts, ckpts, c.seg_saved, c.seg_input))
+        time_s = max(compute, gather, fetch) + c.p2p
+        kept = [sum(n * a + k * (i - a) for n, k, a, i in zip(cn, ck, c.seg_saved, c.seg_input))
+                for cn, ck in zip(chunk_counts, chunk_ckpts)]
+        if v == 1:
+            chunk_time = time_s
+        else:
+            chunk_time = max(max(sum(n * x for n, x in zip(cn, c.seg_time))
+                                 + sum(k * x for k, x in zip(ck, c.seg_recompute)), gather / v, fetch / v) + p
+                             for cn, ck, p in zip(chunk_counts, chunk_ckpts, c.chunk_p2p))
         peak = max((a for k, a in zip(ckpts, c.seg_saved) if k > 0), default=0.0)
-        act = c.inflight / virtual_stages * kept + peak
+        act = c.inflight * max(kept) + peak
         cells.append(CellEval(
             cell=c, compute_s=compute - comm, comm_s=comm + c.p2p, gather_s=gather, fetch_s=fetch,
-            time_s=max(compute, gather, fetch) + c.p2p, exposed_sync_s=max(0.0, sync - bwd),
+            time_s=time_s, chunk_time_s=chunk_time, exposed_sync_s=max(0.0, sync - bwd),
             opt_s=c.opt_beta[option] * pl, memory_bytes=states + act, states_bytes=states, activation_bytes=act,
             cpu_bytes=sc.cpu_beta[option] * pl, nvme_bytes=sc.nvme_beta[option] * pl))
     return StageEval(index=sc.index, counts=tuple(counts), checkpoints=tuple(ckpts), option=option,
-                     local_params=pl, sync_s=sync, cells=cells)
+                     local_params=pl, sync_s=sync, cells=cells,
+                     chunk_counts=tuple(tuple(r) for r in chunk_counts),
+                     chunk_checkpoints=tuple(tuple(r) for r in chunk_ckpts))
+
+
+def chunk_counts_from_sizes(cc: CandidateCoeffs, sizes: Sequence[int]) -> list[list[int]]:
+    """Blocks per segment of each virtual stage, in model order."""
+    out = [[0] * len(cc.segments) for _ in sizes]
+    bounds = [0]
+    for size in sizes:
+        bounds.append(bounds[-1] + size)
+    for j in range(len(sizes)):
+        lo, hi = bounds[j], bounds[j + 1]
+        for seg in cc.segments:
+            a, b = max(lo, seg.start), min(hi, seg.start + seg.length)
+            if b > a:
+                out[j][seg.index] = b - a
+    return out
 
 
 def counts_from_boundaries(cc: CandidateCoeffs, sizes: Sequence[int]) -> list[list[int]]:
     """Blocks per physical stage per segment from the sizes of the virtual stages."""
     S = cc.candidate.num_stages
-    seg_of = [seg.index for seg in cc.segments for _ in range(seg.length)]
     counts = [[0] * len(cc.segments) for _ in range(S)]
-    pos = 0
-    for j, size in enumerate(sizes):
-        for _ in range(size):
-            counts[j % S][seg_of[pos]] += 1
-            pos += 1
+    for j, row in enumerate(chunk_counts_from_sizes(cc, sizes)):
+        for g, n in enumerate(row):
+            counts[j % S][g] += n
     return counts
+
+
+def split_stage_checkpoints(chunk_counts: Sequence[Sequence[int]], stage_ckpts: Sequence[int]) -> list[list[int]]:
+    """Spread a stage's checkpointed blocks per segment over its chunks, filling the first chunk first."""
+    left = list(stage_ckpts)
+    out = []
+    for row in chunk_counts:
+        take = [min(n, k) for n, k in zip(row, left)]
+        left = [k - t for k, t in zip(left, take)]
+        out.append(take)
+    if any(left):
+        raise ValueError(f"checkpoint counts {list(stage_ckpts)} exceed the stage's blocks per segment")
+    return out
 
 
 def evaluate(cc: CandidateCoeffs, sizes: Sequence[int], ckpts: Sequence[Sequence[int]],
              options: Sequence[StateOption]) -> Evaluation:
-    """Cost of a fully specified configuration: virtual-stage ``sizes``, checkpointed blocks per stage
-    per segment, and a state option per stage."""
+    """Cost of a fully specified configuration: virtual-stage ``sizes``, checkpointed blocks per segment
+    of every virtual stage (``J`` rows, model order; ``S`` rows of per-stage counts are spread over each
+    stage's chunks first chunk first), and a state option per stage."""
     cand = cc.candidate
+    S, v = cand.num_stages, cand.virtual_stages
     if len(sizes) != cand.num_virtual or sum(sizes) != cc.num_blocks or min(sizes) < 1:
         raise ValueError(f"stage sizes {list(sizes)} do not split {cc.num_blocks} blocks into "
                          f"{cand.num_virtual} non-empty stages")
-    counts = counts_from_boundaries(cc, sizes)
+    chunk_counts = chunk_counts_from_sizes(cc, sizes)
+    if len(ckpts) == cand.num_virtual:
+        chunk_ckpts = [list(r) for r in ckpts]
+    elif len(ckpts) == S:
+        chunk_ckpts = [[] for _ in range(cand.num_virtual)]
+        for s in range(S):
+            rows = split_stage_checkpoints([chunk_counts[s + k * S] for k in range(v)], ckpts[s])
+            for k in range(v):
+                chunk_ckpts[s + k * S] = rows[k]
+    else:
+        raise ValueError(f"{len(ckpts)} checkpoint rows for {cand.num_virtual} virtual stages")
     stages = []
     for s, sc in enumerate(cc.stages):
         if options[s] not in sc.options:
             raise ValueError(f"stage {s}: state option {options[s]} is not available there")
-        stages.append(evaluate_stage(sc, counts[s], ckpts[s], options[s], virtual_stages=cand.virtual_stages,
-                                     dp=cand.dp))
+        stages.append(evaluate_stage(sc, [chunk_counts[s + k * S] for k in range(v)],
+                                     [chunk_ckpts[s + k * S] for k in range(v)], options[s], dp=cand.dp))
     T = max(st.time_s for st in stages)
+    Tc = max(st.chunk_time_s for st in stages)
     X = max(st.tail_s for st in stages)
     return Evaluation(coeffs=cc, stages=stages, boundaries=tuple(sizes), T=T, X=X,
-                      step_time_s=cc.bubble * T + X, fits=all(st.fits for st in stages))
+                      step_time_s=step_time(cc, T, Tc, X), fits=all(st.fits for st in stages), Tc=Tc)
+
+
+def step_time(cc: CandidateCoeffs, T: float, Tc: float, X: float) -> float:
+    """``M T + (S - 1) Tc + X`` (see the module docstring)."""
+    return cc.candidate.num_microbatches * T + cc.chunk_coefficient * Tc + X
 
 
 def lower_bound(ctx: CostContext, cand: Candidate) -> float:

@@ -2,9 +2,9 @@
 functions (:func:`whalepy.planner.costing.evaluate_stage`).
 
 For one outer candidate it walks every contiguous partition of the blocks into virtual stages, and per
-stage every checkpoint count per segment and every state option. The objective
-``beta * max_s T_s + max_s X_s`` is monotone in each stage's ``(T_s, X_s)``, so per stage only the
-Pareto-optimal feasible choices are kept and combined stage by stage, which is exact. Meant for small
+stage every checkpoint count per segment of each chunk and every state option. The objective
+``M max_s T_s + (S - 1) max_s Tc_s + max_s X_s`` is monotone in each stage's ``(T_s, Tc_s, X_s)``, so
+per stage only the Pareto-optimal feasible choices are kept and combined stage by stage, which is exact. Meant for small
 instances (tests of the ILP); :data:`MAX_PARTITIONS` bounds the work.
 """
 
@@ -15,7 +15,7 @@ import math
 import time
 
 from whalepy._errors import PlanError
-from whalepy.planner.costing import CandidateCoeffs, counts_from_boundaries, evaluate, evaluate_stage
+from whalepy.planner.costing import CandidateCoeffs, chunk_counts_from_sizes, evaluate, evaluate_stage, step_time
 from whalepy.planner.ilp import ILPResult
 
 MAX_PARTITIONS = 20000
@@ -39,13 +39,13 @@ def _compositions(n: int, k: int):  # type: ignore[no-untyped-def]
         yield tuple(bounds[i + 1] - bounds[i] for i in range(k))
 
 
-def _pareto(points: list[tuple[float, float, object]]) -> list[tuple[float, float, object]]:
-    points.sort(key=lambda p: (p[0], p[1]))
-    out, best_x = [], math.inf
+def _pareto(points: list[tuple[float, float, float, object]]) -> list[tuple[float, float, float, object]]:
+    """Points no other point beats or ties on all of ``(T, Tc, X)``."""
+    points.sort(key=lambda p: (p[0], p[1], p[2]))
+    out: list[tuple[float, float, float, object]] = []
     for p in points:
-        if p[1] < best_x - 1e-15:
+        if not any(q[0] <= p[0] + 1e-15 and q[1] <= p[1] + 1e-15 and q[2] <= p[2] + 1e-15 for q in out):
             out.append(p)
-            best_x = p[1]
     return out
 
 
@@ -53,22 +53,25 @@ def solve_exhaustive(cc: CandidateCoeffs, *, allowed_stages: dict[int, tuple[int
                      allow_checkpointing: bool) -> ILPResult:
     t0 = time.perf_counter()
     cand = cc.candidate
-    J, N = cand.num_virtual, cc.num_blocks
+    J, N, S, v = cand.num_virtual, cc.num_blocks, cand.num_stages, cand.virtual_stages
     check_size(N, J)
-    stage_cache: dict[tuple[int, tuple[int, ...]], list] = {}
+    stage_cache: dict[tuple[int, tuple[tuple[int, ...], ...]], list] = {}
     best = (math.inf, None)
 
-    def front(s: int, counts: tuple[int, ...]) -> list:  # type: ignore[type-arg]
-        key = (s, counts)
+    def front(s: int, chunks: tuple[tuple[int, ...], ...]) -> list:  # type: ignore[type-arg]
+        key = (s, chunks)
         if key not in stage_cache:
             sc = cc.stages[s]
             pts = []
-            ranges = [range(n + 1) if allow_checkpointing else range(1) for n in counts]
+            flat = [n for row in chunks for n in row]
+            ranges = [range(n + 1) if allow_checkpointing else range(1) for n in flat]
+            G = len(chunks[0])
             for ck in itertools.product(*ranges):
+                rows = [list(ck[k * G:(k + 1) * G]) for k in range(len(chunks))]
                 for o in sc.options:
-                    ev = evaluate_stage(sc, counts, ck, o, virtual_stages=cand.virtual_stages, dp=cand.dp)
+                    ev = evaluate_stage(sc, chunks, rows, o, dp=cand.dp)
                     if ev.fits:
-                        pts.append((ev.time_s, ev.tail_s, (ck, o)))
+                        pts.append((ev.time_s, ev.chunk_time_s, ev.tail_s, (rows, o)))
             stage_cache[key] = _pareto(pts)
         return stage_cache[key]
 
@@ -76,23 +79,28 @@ def solve_exhaustive(cc: CandidateCoeffs, *, allowed_stages: dict[int, tuple[int
         starts = list(itertools.accumulate((0, *sizes[:-1])))
         if any(not _ok(i, starts, sizes, allowed_stages) for i in allowed_stages):
             continue
-        counts = counts_from_boundaries(cc, sizes)
-        combined = [(0.0, 0.0, ())]
-        for s in range(cand.num_stages):
-            f = front(s, tuple(counts[s]))
+        cc_rows = chunk_counts_from_sizes(cc, sizes)
+        combined = [(0.0, 0.0, 0.0, ())]
+        for s in range(S):
+            f = front(s, tuple(tuple(cc_rows[s + k * S]) for k in range(v)))
             if not f:
                 combined = []
                 break
-            combined = _pareto([(max(a, b), max(x, y), ch + (c,)) for a, x, ch in combined for b, y, c in f])
-        for T, X, choice in combined:
-            obj = cc.bubble * T + X
+            combined = _pareto([(max(a, b), max(ac, bc), max(x, y), ch + (c,))
+                                for a, ac, x, ch in combined for b, bc, y, c in f])
+        for T, Tc, X, choice in combined:
+            obj = step_time(cc, T, Tc, X)
             if obj < best[0]:
                 best = (obj, (sizes, choice))
     elapsed = time.perf_counter() - t0
     if best[1] is None:
         return ILPResult("infeasible", None, math.inf, 0.0, elapsed, 0, 0)
     sizes, choice = best[1]
-    ev = evaluate(cc, sizes, [list(c[0]) for c in choice], [c[1] for c in choice])
+    ckpts: list[list[int]] = [[] for _ in range(J)]
+    for s, (rows, _) in enumerate(choice):
+        for k, row in enumerate(rows):
+            ckpts[s + k * S] = row
+    ev = evaluate(cc, sizes, ckpts, [c[1] for c in choice])
     return ILPResult("optimal", ev, best[0], 0.0, elapsed, 0, 0)
 
 

@@ -20,30 +20,41 @@ Variables
     before it are ``E[j][g] = L_g sum_{g' > g} q[j][g'] + r[j][g]`` (linear), so virtual stage ``j``
     holds ``E[j+1][g] - E[j][g]`` blocks of ``g`` and physical stage ``s`` holds
     ``n[s][g] = sum_k (E[s+kS+1][g] - E[s+kS][g])``;
-    ``c[s][g]`` integer: checkpointed blocks of ``g`` on stage ``s``; ``h[s][g]`` binary: any are;
+    ``c[j][g]`` integer: checkpointed blocks of ``g`` in virtual stage ``j`` (``<= E[j+1][g] - E[j][g]``);
+    stage ``s`` checkpoints ``sum_k c[s+kS][g]``; ``h[s][g]`` binary: any are;
     ``y[s][o]`` binary: stage ``s`` uses state option ``o`` (ZeRO stage x optimizer tier x parameter
     tier); ``Q[s][o] >= 0``: the stage's parameters per device if it uses ``o``, else 0
     (disaggregation of the product ``y * Pl``);
-    ``T``: time of the slowest stage per micro-batch; ``X``: the slowest stage's exposed gradient
-    synchronisation plus optimizer step.
+    ``T``: time of the slowest stage per micro-batch (all its chunks); ``Tc`` (interleaved only): time
+    of the slowest chunk (virtual stage) per micro-batch; ``X``: the slowest stage's exposed gradient
+    synchronisation plus optimizer step; per cell ``A`` (GiB of activations: in-flight chunks times the
+    largest chunk's kept activations) and ``P`` (GiB: the largest checkpointed block's saved bytes).
 
 Objective
-    minimise ``beta * T + X`` with ``beta = M + S - 1`` (GPipe, 1F1B) or ``M + (S - 1)/v``
-    (interleaved 1F1B): the predicted step time.
+    minimise ``M T + (S - 1) Tc + X`` (interleaved 1F1B) or ``(M + S - 1) T + X`` (GPipe, 1F1B: one
+    chunk per stage, ``Tc = T``): the predicted step time. The pipeline bubble is ``S - 1`` chunk
+    times (Narayanan et al. SC'21: ``(p - 1)/v`` of a stage's time when its ``v`` chunks are balanced);
+    charging the largest chunk keeps it honest when they are not, so the ILP gains nothing from
+    unbalanced chunks (the older ``(M + (S - 1)/v) T`` assumed balance and was exploited: gpt3-175b on
+    1,024 A100 put one block in chunk 0 and 23 in chunk 1). See :mod:`whalepy.planner.costing`.
 
 Constraint families (each added by the function named)
     partition (``add_partition_constraints``): one segment per boundary, ``r <= (L_g - 1) q``,
     ``B_1 >= 1``, ``B_{j+1} >= B_j + 1``, ``B_{J-1} <= N - 1`` (contiguous, non-empty stages);
     annotations (``add_annotation_constraints``): a block at position ``i`` with ``stage(k)`` or a
     ``cluster`` pin allowing stages ``lo..hi``: ``B_lo <= i < B_{hi+1}``;
-    checkpointing (``add_checkpoint_constraints``): ``c[s][g] <= n[s][g]``, ``L_g h[s][g] >= c[s][g]``;
+    checkpointing (``add_checkpoint_constraints``): ``c[j][g] <= E[j+1][g] - E[j][g]``,
+    ``L_g h[s][g] >= sum_k c[s+kS][g]``;
     state options (``add_state_option_constraints``): ``sum_o y = 1``, ``Q <= P_max y``,
     ``sum_o Q[s][o] = Pl_s = sum_g n[s][g] p_g``;
     time (``add_time_constraints``), for every cell (stage, group, share):
     ``T >= compute + p2p``, ``T >= gather + p2p``, ``T >= fetch + p2p`` (overlapped transfers);
+    interleaved, per chunk ``k``: ``Tc >= compute_k + p2p_k``, ``Tc >= gather / v + max_k p2p_k``,
+    ``Tc >= fetch / v + max_k p2p_k``;
     tail (``add_tail_constraints``): ``X >= opt``, ``X >= sync - bwd + opt`` per cell;
-    memory (``add_memory_constraints``): per cell ``states + act <= capacity`` and, for every segment,
-    ``states + act + h[s][g] saved_g <= capacity`` (one checkpointed block is recomputed at a time);
+    memory (``add_memory_constraints``): per cell ``A >= inflight * kept_k`` for every chunk ``k``,
+    ``P >= saved_g h[s][g]`` for every segment (one checkpointed block is recomputed at a time) and
+    ``states + A + P <= capacity``;
     offloaded states ``<=`` host memory (and NVMe) per GPU.
 
 Memory is written in GiB and parameters in billions to keep the coefficients well scaled.
@@ -79,17 +90,37 @@ class ILPResult:
     num_constraints: int
 
 
+# Linear forms are ``(dict[LpVariable, float], constant)``, built without pulp's operator overloading
+# (which dominated model building).
+
+def _acc(d: dict, form: tuple[dict, float], coef: float) -> float:  # type: ignore[type-arg]
+    """``d += coef * form`` (terms); returns ``coef * constant`` for the caller to add."""
+    if coef == 0.0:
+        return 0.0
+    for var, a in form[0].items():
+        d[var] = d.get(var, 0.0) + coef * a
+    return coef * form[1]
+
+
+def _expr(d: dict, const: float = 0.0) -> pulp.LpAffineExpression:  # type: ignore[type-arg]
+    return pulp.LpAffineExpression(d, constant=const)
+
+
 @dataclass(slots=True)
 class _Vars:
     q: list[list[pulp.LpVariable]]
     r: list[list[pulp.LpVariable]]
-    n: list[list[pulp.LpAffineExpression]]
+    nj: list[list[tuple[dict, float]]]
+    """Blocks of segment g in virtual stage j, as a linear form."""
+    n: list[list[tuple[dict, float]]]
+    """Blocks of segment g on physical stage s."""
     c: list[list[pulp.LpVariable]]
+    """Checkpointed blocks of segment g in virtual stage j."""
     h: list[list[pulp.LpVariable]]
     y: list[dict[StateOption, pulp.LpVariable]]
     Q: list[dict[StateOption, pulp.LpVariable]]
-    pl: list[pulp.LpAffineExpression]
     T: pulp.LpVariable
+    Tc: pulp.LpVariable | None
     X: pulp.LpVariable
 
 
@@ -100,61 +131,87 @@ def _var(prob: pulp.LpProblem, name: str, lowBound: float | None = None, upBound
     return pulp.LpVariable(name, lowBound, upBound, cat=cat)
 
 
-def _boundary(cc: CandidateCoeffs, v: _Vars, j: int) -> pulp.LpAffineExpression:
-    return pulp.lpSum(seg.start * v.q[j][g] + v.r[j][g] for g, seg in enumerate(cc.segments))
+def _boundary(cc: CandidateCoeffs, v: _Vars, j: int) -> tuple[dict, float]:  # type: ignore[type-arg]
+    d: dict = {}
+    for g, seg in enumerate(cc.segments):
+        if seg.start:
+            d[v.q[j][g]] = float(seg.start)
+        if seg.length > 1:
+            d[v.r[j][g]] = 1.0
+    return d, 0.0
 
 
-def _cum(cc: CandidateCoeffs, v: _Vars, j: int, g: int) -> pulp.LpAffineExpression | float:
+def _cum(cc: CandidateCoeffs, v: _Vars, j: int, g: int) -> tuple[dict, float]:  # type: ignore[type-arg]
     """Blocks of segment g before virtual boundary j (j = 0: none; j = J: all)."""
     J = cc.candidate.num_virtual
     L = cc.segments[g].length
     if j == 0:
-        return 0.0
+        return {}, 0.0
     if j == J:
-        return float(L)
-    G = len(cc.segments)
-    return L * pulp.lpSum(v.q[j][gg] for gg in range(g + 1, G)) + v.r[j][g]
+        return {}, float(L)
+    d = {v.q[j][gg]: float(L) for gg in range(g + 1, len(cc.segments))}
+    if L > 1:
+        d[v.r[j][g]] = 1.0
+    return d, 0.0
+
+
+def _add(prob: pulp.LpProblem, d: dict, const: float, sense: int, name: str) -> None:  # type: ignore[type-arg]
+    """Add ``sum d + const (sense) 0``."""
+    prob.addConstraint(pulp.LpConstraint(_expr(d), sense=sense, rhs=-const), name)
 
 
 def build_variables(prob: pulp.LpProblem, cc: CandidateCoeffs) -> _Vars:
     cand = cc.candidate
-    S, J, G = cand.num_stages, cand.num_virtual, len(cc.segments)
+    S, J, G, V = cand.num_stages, cand.num_virtual, len(cc.segments), cand.virtual_stages
     q = [[]] + [[_var(prob, f"q_{j}_{g}", cat="Binary") for g in range(G)] for j in range(1, J)]
     r = [[]] + [[_var(prob, f"r_{j}_{g}", lowBound=0, upBound=max(0, cc.segments[g].length - 1),
-                                 cat="Integer") for g in range(G)] for j in range(1, J)]
-    v = _Vars(q=q, r=r, n=[], c=[], h=[], y=[], Q=[], pl=[], T=_var(prob, "T", lowBound=0),
-              X=_var(prob, "X", lowBound=0))
+                      cat="Integer") for g in range(G)] for j in range(1, J)]
+    v = _Vars(q=q, r=r, nj=[], n=[], c=[], h=[], y=[], Q=[], T=_var(prob, "T", lowBound=0),
+              Tc=_var(prob, "Tc", lowBound=0) if V > 1 else None, X=_var(prob, "X", lowBound=0))
+    cum = [[_cum(cc, v, j, g) for g in range(G)] for j in range(J + 1)]
+    for j in range(J):
+        row = []
+        for g in range(G):
+            d: dict = {}
+            const = _acc(d, cum[j + 1][g], 1.0) + _acc(d, cum[j][g], -1.0)
+            row.append((d, const))
+        v.nj.append(row)
+        v.c.append([_var(prob, f"c_{j}_{g}", lowBound=0, upBound=cc.segments[g].length, cat="Integer")
+                    for g in range(G)])
     for s in range(S):
         row = []
         for g in range(G):
-            expr = pulp.LpAffineExpression()
-            for k in range(cand.virtual_stages):
-                j = s + k * S
-                expr += _cum(cc, v, j + 1, g) - _cum(cc, v, j, g)
-            row.append(expr)
+            d = {}
+            const = sum(_acc(d, v.nj[s + k * S][g], 1.0) for k in range(V))
+            row.append((d, const))
         v.n.append(row)
-        v.c.append([_var(prob, f"c_{s}_{g}", lowBound=0, upBound=cc.segments[g].length, cat="Integer")
-                    for g in range(G)])
         v.h.append([_var(prob, f"h_{s}_{g}", cat="Binary") for g in range(G)])
         sc = cc.stages[s]
         v.y.append({o: _var(prob, f"y_{s}_{i}", cat="Binary") for i, o in enumerate(sc.options)})
         v.Q.append({o: _var(prob, f"Q_{s}_{i}", lowBound=0) for i, o in enumerate(sc.options)})
-        v.pl.append(pulp.lpSum(v.n[s][g] * (sc.seg_params[g] / _BILLION) for g in range(G)))
     return v
+
+
+def _stage_ckpt(v: _Vars, S: int, V: int, s: int, g: int) -> list[pulp.LpVariable]:
+    return [v.c[s + k * S][g] for k in range(V)]
 
 
 def add_partition_constraints(prob: pulp.LpProblem, cc: CandidateCoeffs, v: _Vars) -> None:
     J, N = cc.candidate.num_virtual, cc.num_blocks
     for j in range(1, J):
-        prob += pulp.lpSum(v.q[j]) == 1, f"one_segment_{j}"
+        _add(prob, {x: 1.0 for x in v.q[j]}, -1.0, pulp.LpConstraintEQ, f"one_segment_{j}")
         for g, seg in enumerate(cc.segments):
             if seg.length > 1:
-                prob += v.r[j][g] <= (seg.length - 1) * v.q[j][g], f"offset_in_segment_{j}_{g}"
+                _add(prob, {v.r[j][g]: 1.0, v.q[j][g]: -(seg.length - 1.0)}, 0.0, pulp.LpConstraintLE,
+                     f"offset_in_segment_{j}_{g}")
     if J > 1:
-        prob += _boundary(cc, v, 1) >= 1, "first_stage_nonempty"
-        prob += _boundary(cc, v, J - 1) <= N - 1, "last_stage_nonempty"
+        _add(prob, _boundary(cc, v, 1)[0], -1.0, pulp.LpConstraintGE, "first_stage_nonempty")
+        _add(prob, _boundary(cc, v, J - 1)[0], -(N - 1.0), pulp.LpConstraintLE, "last_stage_nonempty")
     for j in range(1, J - 1):
-        prob += _boundary(cc, v, j + 1) >= _boundary(cc, v, j) + 1, f"stage_nonempty_{j}"
+        d: dict = {}
+        _acc(d, _boundary(cc, v, j + 1), 1.0)
+        _acc(d, _boundary(cc, v, j), -1.0)
+        _add(prob, d, -1.0, pulp.LpConstraintGE, f"stage_nonempty_{j}")
 
 
 def add_annotation_constraints(prob: pulp.LpProblem, cc: CandidateCoeffs, v: _Vars,
@@ -163,84 +220,178 @@ def add_annotation_constraints(prob: pulp.LpProblem, cc: CandidateCoeffs, v: _Va
     J = cc.candidate.num_virtual
     for i, (lo, hi) in sorted(allowed_stages.items()):
         if lo > 0:
-            prob += _boundary(cc, v, lo) <= i, f"block_{i}_not_before_stage_{lo}"
+            _add(prob, _boundary(cc, v, lo)[0], -float(i), pulp.LpConstraintLE, f"block_{i}_not_before_stage_{lo}")
         if hi + 1 < J:
-            prob += _boundary(cc, v, hi + 1) >= i + 1, f"block_{i}_not_after_stage_{hi}"
+            _add(prob, _boundary(cc, v, hi + 1)[0], -(i + 1.0), pulp.LpConstraintGE,
+                 f"block_{i}_not_after_stage_{hi}")
 
 
 def add_checkpoint_constraints(prob: pulp.LpProblem, cc: CandidateCoeffs, v: _Vars, allow: bool) -> None:
-    for s in range(cc.candidate.num_stages):
-        for g, seg in enumerate(cc.segments):
-            prob += v.c[s][g] <= v.n[s][g], f"ckpt_le_count_{s}_{g}"
+    S, V = cc.candidate.num_stages, cc.candidate.virtual_stages
+    for j, row in enumerate(v.nj):
+        for g in range(len(cc.segments)):
             if not allow:
-                prob += v.c[s][g] == 0, f"no_ckpt_{s}_{g}"
-            prob += seg.length * v.h[s][g] >= v.c[s][g], f"any_ckpt_{s}_{g}"
+                v.c[j][g].upBound = 0
+                continue
+            d: dict = {v.c[j][g]: 1.0}
+            const = _acc(d, row[g], -1.0)
+            _add(prob, d, const, pulp.LpConstraintLE, f"ckpt_le_count_{j}_{g}")
+    for s in range(S):
+        for g, seg in enumerate(cc.segments):
+            if not allow:
+                v.h[s][g].upBound = 0
+                continue
+            d = {x: -1.0 for x in _stage_ckpt(v, S, V, s, g)}
+            d[v.h[s][g]] = float(seg.length)
+            _add(prob, d, 0.0, pulp.LpConstraintGE, f"any_ckpt_{s}_{g}")
 
 
 def add_state_option_constraints(prob: pulp.LpProblem, cc: CandidateCoeffs, v: _Vars) -> None:
     for s, sc in enumerate(cc.stages):
         pmax = sum(seg.length * p for seg, p in zip(cc.segments, sc.seg_params)) / _BILLION
-        prob += pulp.lpSum(v.y[s].values()) == 1, f"one_option_{s}"
+        _add(prob, {v.y[s][o]: 1.0 for o in sc.options}, -1.0, pulp.LpConstraintEQ, f"one_option_{s}")
         for i, o in enumerate(sc.options):
-            prob += v.Q[s][o] <= pmax * v.y[s][o], f"option_params_{s}_{i}"
-        prob += pulp.lpSum(v.Q[s].values()) == v.pl[s], f"option_params_sum_{s}"
+            _add(prob, {v.Q[s][o]: 1.0, v.y[s][o]: -pmax}, 0.0, pulp.LpConstraintLE, f"option_params_{s}_{i}")
+        d = {v.Q[s][o]: 1.0 for o in sc.options}
+        const = 0.0
+        for g in range(len(cc.segments)):
+            const += _acc(d, v.n[s][g], -sc.seg_params[g] / _BILLION)
+        _add(prob, d, const, pulp.LpConstraintEQ, f"option_params_sum_{s}")
 
 
-def _z3(sc, v: _Vars, s: int) -> pulp.LpAffineExpression:  # type: ignore[no-untyped-def]
-    return pulp.lpSum(v.y[s][o] for o in sc.options if o.zero is ZeroStage.PARAMETERS)
+def _gather(sc, v: _Vars, s: int) -> dict:  # type: ignore[no-untyped-def,type-arg]
+    d = {}
+    for o in sc.options:
+        if o.zero is ZeroStage.PARAMETERS:
+            a, b = sc.gather[o]
+            if a:
+                d[v.y[s][o]] = a
+            d[v.Q[s][o]] = b * _BILLION
+    return d
 
 
 def add_time_constraints(prob: pulp.LpProblem, cc: CandidateCoeffs, v: _Vars) -> None:
     dp = cc.candidate.dp
+    S, V = cc.candidate.num_stages, cc.candidate.virtual_stages
+    G = len(cc.segments)
     for s, sc in enumerate(cc.stages):
-        G = len(cc.segments)
-        gather = pulp.lpSum(
-            sc.gather[o][0] * v.y[s][o] + sc.gather[o][1] * _BILLION * v.Q[s][o]
-            for o in sc.options if o.zero is ZeroStage.PARAMETERS) if dp > 1 else 0
+        z3 = dp > 1 and any(o.zero is ZeroStage.PARAMETERS for o in sc.options)
+        gather = _gather(sc, v, s) if z3 else {}
         for ci, cell in enumerate(sc.cells):
-            compute = pulp.lpSum(v.n[s][g] * cell.seg_time[g] + v.c[s][g] * cell.seg_recompute[g] for g in range(G))
-            prob += v.T >= compute + cell.p2p, f"time_compute_{s}_{ci}"
-            if dp > 1 and any(o.zero is ZeroStage.PARAMETERS for o in sc.options):
-                prob += v.T >= gather + cell.p2p, f"time_gather_{s}_{ci}"
-            fetch = pulp.lpSum(cell.fetch_beta[o] * _BILLION * v.Q[s][o] for o in sc.options if cell.fetch_beta[o])
-            if any(cell.fetch_beta[o] for o in sc.options):
-                prob += v.T >= fetch + cell.p2p, f"time_fetch_{s}_{ci}"
+            d: dict = {v.T: -1.0}
+            const = cell.p2p
+            for g in range(G):
+                const += _acc(d, v.n[s][g], cell.seg_time[g])
+                if cell.seg_recompute[g]:
+                    for x in _stage_ckpt(v, S, V, s, g):
+                        d[x] = d.get(x, 0.0) + cell.seg_recompute[g]
+            _add(prob, d, const, pulp.LpConstraintLE, f"time_compute_{s}_{ci}")
+            fetch = {v.Q[s][o]: cell.fetch_beta[o] * _BILLION for o in sc.options if cell.fetch_beta[o]}
+            if z3:
+                _add(prob, {**gather, v.T: -1.0}, cell.p2p, pulp.LpConstraintLE, f"time_gather_{s}_{ci}")
+            if fetch:
+                _add(prob, {**fetch, v.T: -1.0}, cell.p2p, pulp.LpConstraintLE, f"time_fetch_{s}_{ci}")
+            if v.Tc is None:
+                continue
+            for k in range(V):
+                j = s + k * S
+                d = {v.Tc: -1.0}
+                const = cell.chunk_p2p[k]
+                for g in range(G):
+                    const += _acc(d, v.nj[j][g], cell.seg_time[g])
+                    if cell.seg_recompute[g]:
+                        d[v.c[j][g]] = d.get(v.c[j][g], 0.0) + cell.seg_recompute[g]
+                _add(prob, d, const, pulp.LpConstraintLE, f"chunk_time_{s}_{ci}_{k}")
+            pmax = max(cell.chunk_p2p)
+            if z3:
+                _add(prob, {**{x: a / V for x, a in gather.items()}, v.Tc: -1.0}, pmax, pulp.LpConstraintLE,
+                     f"chunk_gather_{s}_{ci}")
+            if fetch:
+                _add(prob, {**{x: a / V for x, a in fetch.items()}, v.Tc: -1.0}, pmax, pulp.LpConstraintLE,
+                     f"chunk_fetch_{s}_{ci}")
 
 
 def add_tail_constraints(prob: pulp.LpProblem, cc: CandidateCoeffs, v: _Vars) -> None:
     dp = cc.candidate.dp
+    G = len(cc.segments)
     for s, sc in enumerate(cc.stages):
-        G = len(cc.segments)
-        sync = pulp.lpSum(sc.sync[o][0] * v.y[s][o] + sc.sync[o][1] * _BILLION * v.Q[s][o] for o in sc.options)
+        sync: dict = {}
+        for o in sc.options:
+            a, b = sc.sync[o]
+            if a:
+                sync[v.y[s][o]] = a
+            if b:
+                sync[v.Q[s][o]] = b * _BILLION
+        seen = set()
         for ci, cell in enumerate(sc.cells):
-            opt = pulp.lpSum(cell.opt_beta[o] * _BILLION * v.Q[s][o] for o in sc.options)
-            prob += v.X >= opt, f"tail_opt_{s}_{ci}"
+            opt = {v.Q[s][o]: cell.opt_beta[o] * _BILLION for o in sc.options}
+            key = tuple(cell.opt_beta[o] for o in sc.options)
+            if key not in seen:  # cells with the same optimizer coefficients give the same constraint
+                seen.add(key)
+                _add(prob, {**opt, v.X: -1.0}, 0.0, pulp.LpConstraintLE, f"tail_opt_{s}_{ci}")
             if dp > 1:
-                bwd = pulp.lpSum(v.n[s][g] * cell.seg_bwd[g] for g in range(G))
-                prob += v.X >= sync - bwd + opt, f"tail_sync_{s}_{ci}"
+                d = dict(sync)
+                for x, a in opt.items():
+                    d[x] = d.get(x, 0.0) + a
+                d[v.X] = -1.0
+                const = 0.0
+                for g in range(G):
+                    const += _acc(d, v.n[s][g], -cell.seg_bwd[g])
+                _add(prob, d, const, pulp.LpConstraintLE, f"tail_sync_{s}_{ci}")
 
 
 def add_memory_constraints(prob: pulp.LpProblem, cc: CandidateCoeffs, v: _Vars) -> None:
-    vs = cc.candidate.virtual_stages
+    S, V = cc.candidate.num_stages, cc.candidate.virtual_stages
+    G = len(cc.segments)
     for s, sc in enumerate(cc.stages):
-        G = len(cc.segments)
-        states = pulp.lpSum(sc.mem_beta[o] * _BILLION / _GIB * v.Q[s][o] for o in sc.options)
-        states += sc.working_bytes / _GIB * _z3(sc, v, s)
-        cpu = pulp.lpSum(sc.cpu_beta[o] * _BILLION / _GIB * v.Q[s][o] for o in sc.options if sc.cpu_beta[o])
-        nvme = pulp.lpSum(sc.nvme_beta[o] * _BILLION / _GIB * v.Q[s][o] for o in sc.options if sc.nvme_beta[o])
+        states = {v.Q[s][o]: sc.mem_beta[o] * _BILLION / _GIB for o in sc.options}
+        for o in sc.options:
+            if o.zero is ZeroStage.PARAMETERS:
+                states[v.y[s][o]] = states.get(v.y[s][o], 0.0) + sc.working_bytes / _GIB
+        cpu = {v.Q[s][o]: sc.cpu_beta[o] * _BILLION / _GIB for o in sc.options if sc.cpu_beta[o]}
+        nvme = {v.Q[s][o]: sc.nvme_beta[o] * _BILLION / _GIB for o in sc.options if sc.nvme_beta[o]}
+        seen_host = set()
         for ci, cell in enumerate(sc.cells):
-            k = cell.inflight / vs / _GIB
-            act = pulp.lpSum(k * (v.n[s][g] * cell.seg_saved[g] + v.c[s][g] * (cell.seg_input[g] - cell.seg_saved[g]))
-                             for g in range(G))
-            cap = cell.capacity / _GIB
-            prob += states + act <= cap, f"memory_{s}_{ci}"
-            for g in range(G):
-                if cell.seg_saved[g] > 0:
-                    prob += states + act + cell.seg_saved[g] / _GIB * v.h[s][g] <= cap, f"memory_recompute_{s}_{ci}_{g}"
-            if any(sc.cpu_beta[o] for o in sc.options):
-                prob += cpu <= (cell.cpu_capacity or 0.0) / _GIB, f"host_memory_{s}_{ci}"
-            if any(sc.nvme_beta[o] for o in sc.options):
-                prob += nvme <= (cell.nvme_capacity or 0.0) / _GIB, f"nvme_{s}_{ci}"
+            k_in = cell.inflight / _GIB
+            ckpt_any = [g for g in range(G) if cell.seg_saved[g] > 0]
+            P = _var(prob, f"P_{s}_{ci}", lowBound=0) if ckpt_any else None
+            if P is not None:
+                for g in ckpt_any:
+                    _add(prob, {P: -1.0, v.h[s][g]: cell.seg_saved[g] / _GIB}, 0.0, pulp.LpConstraintLE,
+                         f"memory_recompute_{s}_{ci}_{g}")
+
+            def kept(j: int) -> tuple[dict, float]:  # type: ignore[type-arg]
+                d: dict = {}
+                const = 0.0
+                for g in range(G):
+                    const += _acc(d, v.nj[j][g], k_in * cell.seg_saved[g])
+                    extra = k_in * (cell.seg_input[g] - cell.seg_saved[g])
+                    if extra:
+                        d[v.c[j][g]] = d.get(v.c[j][g], 0.0) + extra
+                return d, const
+
+            d = dict(states)
+            if P is not None:
+                d[P] = 1.0
+            if V == 1:
+                const = _acc(d, kept(s), 1.0)
+            else:
+                A = _var(prob, f"A_{s}_{ci}", lowBound=0)
+                for k in range(V):
+                    kd, kc = kept(s + k * S)
+                    kd[A] = -1.0
+                    _add(prob, kd, kc, pulp.LpConstraintLE, f"activations_{s}_{ci}_{k}")
+                d[A] = 1.0
+                const = 0.0
+            _add(prob, d, const - cell.capacity / _GIB, pulp.LpConstraintLE, f"memory_{s}_{ci}")
+            hkey = (cell.cpu_capacity, cell.nvme_capacity)
+            if hkey in seen_host:
+                continue
+            seen_host.add(hkey)
+            if cpu:
+                _add(prob, cpu, -(cell.cpu_capacity or 0.0) / _GIB, pulp.LpConstraintLE, f"host_memory_{s}_{ci}")
+            if nvme:
+                _add(prob, nvme, -(cell.nvme_capacity or 0.0) / _GIB, pulp.LpConstraintLE, f"nvme_{s}_{ci}")
 
 
 MIP_REL_GAP = 1e-4
@@ -266,7 +417,11 @@ def solve_candidate(cc: CandidateCoeffs, *, allowed_stages: dict[int, tuple[int,
     t0 = time.perf_counter()
     prob = pulp.LpProblem("whalepy_plan", pulp.LpMinimize)
     v = build_variables(prob, cc)
-    prob += cc.bubble * v.T + v.X, "step_time"
+    M, S = cc.candidate.num_microbatches, cc.candidate.num_stages
+    if v.Tc is None:
+        prob.setObjective(_expr({v.T: float(M + S - 1), v.X: 1.0}))
+    else:
+        prob.setObjective(_expr({v.T: float(M), v.Tc: cc.chunk_coefficient, v.X: 1.0}))
     add_partition_constraints(prob, cc, v)
     add_annotation_constraints(prob, cc, v, allowed_stages)
     add_checkpoint_constraints(prob, cc, v, allow_checkpointing)
@@ -305,12 +460,14 @@ def _highs_gap(prob: pulp.LpProblem) -> float:
 
 def _extract(cc: CandidateCoeffs, v: _Vars) -> Evaluation:
     J, N = cc.candidate.num_virtual, cc.num_blocks
-    bounds = [0] + [int(round(pulp.value(_boundary(cc, v, j)))) for j in range(1, J)] + [N]
+    bounds = [0]
+    for j in range(1, J):
+        d, _ = _boundary(cc, v, j)
+        bounds.append(int(round(sum(a * (x.varValue or 0.0) for x, a in d.items()))))
+    bounds.append(N)
     sizes = [bounds[j + 1] - bounds[j] for j in range(J)]
-    ckpts, options = [], []
-    for s, sc in enumerate(cc.stages):
-        ckpts.append([int(round(c.varValue or 0)) for c in v.c[s]])
-        options.append(max(sc.options, key=lambda o: v.y[s][o].varValue or 0.0))
+    ckpts = [[int(round(c.varValue or 0)) for c in row] for row in v.c]
+    options = [max(sc.options, key=lambda o: v.y[s][o].varValue or 0.0) for s, sc in enumerate(cc.stages)]
     return evaluate(cc, sizes, ckpts, options)
 
 

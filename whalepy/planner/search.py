@@ -31,7 +31,7 @@ from whalepy.planner.costing import (
     tp_applies,
 )
 from whalepy.planner.exhaustive import solve_exhaustive
-from whalepy.planner.ilp import ILPResult, solve_candidate
+from whalepy.planner.ilp import MIP_REL_GAP, ILPResult, solve_candidate
 from whalepy.planner.space import (
     Candidate,
     Hardware,
@@ -68,6 +68,23 @@ def _source(block, text: str) -> str:  # type: ignore[no-untyped-def]
     return block.annotations.sources[0] if block.annotations.sources else f"{text} on {block.name}"
 
 
+def _check_cluster_size(block, a, groups) -> None:  # type: ignore[no-untyped-def]
+    """``cluster(count=..., nodes=...)`` is honoured when it names whole node groups; a region on part
+    of a group is refused (never silently widened), with the spec change that expresses it."""
+    if a.cluster_count is None and a.cluster_nodes is None:
+        return
+    devices = sum(g.size for g in groups)
+    nodes = sum(g.num_nodes for g in groups)
+    if (a.cluster_count in (None, devices)) and (a.cluster_nodes in (None, nodes)):
+        return
+    want = ", ".join(f"{k}={v}" for k, v in (("count", a.cluster_count), ("nodes", a.cluster_nodes)) if v)
+    raise AnnotationError(
+        f"{_source(block, 'cluster(...)')}: {want} asks for part of the matching group(s) "
+        f"({', '.join(g.name for g in groups)}: {devices} devices on {nodes} nodes); the planner places "
+        "regions on whole node groups. Fix: describe those devices as a node group of their own in the "
+        "cluster spec and pin the region with cluster(group=<its name>)")
+
+
 def read_annotations(profile: ModelProfile, hw: Hardware) -> Constraints:
     c = Constraints()
     splits, reps = {}, {}
@@ -91,6 +108,7 @@ def read_annotations(profile: ModelProfile, hw: Hardware) -> Constraints:
                 raise AnnotationError(
                     f"{_source(b, 'cluster(...)')} pins {b.name} to "
                     f"{a.cluster_group or a.cluster_gpu!r}, which the cluster does not have; groups: {names}")
+            _check_cluster_size(b, a, [g for g in hw.groups if g.index in ok])
             c.groups_of_block[b.index] = ok
             c.sources.setdefault("cluster", _source(b, "cluster(...)"))
     positive = {n for n in splits if n > 0}
@@ -337,7 +355,7 @@ def run_search(profile: ModelProfile, hw: Hardware, G: int, opts, *,  # type: ig
         else:
             res = solve_candidate(cc, allowed_stages=allowed, allow_checkpointing=opts.allow_checkpointing,
                                   solver=solver, time_limit_s=max(0.5, min(remaining, opts.ilp_time_limit_s)),
-                                  cutoff=best[0] * (1 - 1e-6) if best is not None else None)
+                                  cutoff=best[0] * (1 - MIP_REL_GAP) if best is not None else None)
         solved.append((cand, res))
         if res.evaluation is not None and (best is None or res.evaluation.step_time_s < best[0]):
             best = (res.evaluation.step_time_s, res.evaluation, res)

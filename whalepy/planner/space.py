@@ -180,7 +180,9 @@ class Candidate:
 
     @property
     def bubble_coefficient(self) -> float:
-        """Step = coefficient * T + tail: ``M + S - 1`` (GPipe, 1F1B), ``M + (S-1)/v`` (interleaved)."""
+        """``M + S - 1`` (GPipe, 1F1B) or ``M + (S-1)/v`` (interleaved): the step's coefficient of ``T``
+        when chunks are balanced. The step itself is ``M T + (S - 1) Tc + X`` (``costing.step_time``);
+        since ``Tc >= T / v``-worth of compute, this coefficient times a bound on ``T`` bounds the step."""
         m, s, v = self.num_microbatches, self.num_stages, self.virtual_stages
         if self.schedule is Schedule.INTERLEAVED_1F1B:
             return m + (s - 1) / v

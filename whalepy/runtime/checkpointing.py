@@ -103,9 +103,36 @@ def set_train_state(modules: Sequence[nn.Module], optimizer: torch.optim.Optimiz
                    options=StateDictOptions(strict=False))
 
 
+def tied_aliases(modules: Sequence[nn.Module]) -> list[list[str]]:
+    """Names of each parameter a module holds under several names (tied weights)."""
+    out = []
+    for m in modules:
+        by_id: dict[int, list[str]] = {}
+        for name, p in m.named_parameters(remove_duplicate=False):
+            by_id.setdefault(id(p), []).append(name)
+        out += [names for names in by_id.values() if len(names) > 1]
+    return out
+
+
+def _add_aliases(state: dict[str, Any], aliases: Sequence[Sequence[str]]) -> dict[str, Any]:
+    """Write a tied parameter's optimizer state under every name of it. ``get_state_dict`` keys it by
+    one name, chosen per module; a plan that splits the tie over pipeline stages asks for each
+    stage's own name, so the checkpoint carries all of them (model keys already are)."""
+    optim_state = state.get("optim", {}).get("state", {})
+    for names in aliases:
+        have = next((n for n in names if n in optim_state), None)
+        if have is None:
+            continue
+        for n in names:
+            optim_state.setdefault(n, optim_state[have])
+    return state
+
+
 def save_train_state(path: str | Path, modules: Sequence[nn.Module],
-                     optimizer: torch.optim.Optimizer) -> None:
-    dcp.save(get_train_state(modules, optimizer), checkpoint_id=str(path))
+                     optimizer: torch.optim.Optimizer,
+                     aliases: Sequence[Sequence[str]] = ()) -> None:
+    state = get_train_state(modules, optimizer)
+    dcp.save(_add_aliases(state, list(aliases) + tied_aliases(modules)), checkpoint_id=str(path))
 
 
 def load_train_state(path: str | Path, modules: Sequence[nn.Module],

@@ -222,6 +222,8 @@ class ParallelModel:
                 apply_activation_checkpointing(ckpt)
             self._modules.append(apply_data_parallel(mod, blocks, m.dp_mesh, kind=self.dp_kind,
                                                      zero=stage.zero_stage, device_type=device_type))
+        # names of each tied parameter across stages (checkpoints carry its state under all of them)
+        self._tied_aliases = [[n for _, n in holders] for holders, _ in tied_names]
         # tied parameters by name, after TP / FSDP2 replaced them with DTensors
         for holders, group in tied_names:
             found = {id(p): p for i, g in enumerate(self.stage_indices) for k, name in holders if k == g
@@ -290,7 +292,7 @@ class ParallelModel:
 
     def save(self, path: str | Path) -> None:
         """Write a distributed checkpoint (DCP) directory; loadable under any plan for this model."""
-        save_train_state(path, self._modules, self.optimizer)
+        save_train_state(path, self._modules, self.optimizer, aliases=self._tied_aliases)
 
     def load(self, path: str | Path) -> None:
         load_train_state(path, self._modules, self.optimizer)
