@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from whalepy._plan_format import compress_names, compress_ranks
 from whalepy.planner import plan_from_profile
 from whalepy.planner.synthetic import transformer_profile
@@ -10,7 +12,7 @@ from planner_fixtures import a100, cluster, group
 
 
 def test_compress() -> None:
-    assert compress_names(["embed", "h.0", "h.1", "h.2", "head"]) == "embed, h.0-h.2, head"
+    assert compress_names(["embed", "h.0", "h.1", "h.2", "head"]) == "embed, h.0-2, head"
     assert compress_ranks([0, 1, 2, 3, 8, 9, 11]) == "0-3,8-9,11"
 
 
@@ -19,7 +21,7 @@ def test_summary_shows_stages_and_totals() -> None:
     p = plan_from_profile(prof, a100(2), global_batch=64)
     text = str(p)
     assert text == p.summary()
-    assert "h.0-h." in text or "h.1-h." in text
+    assert re.search(r"h\.\d+-\d+", text), text
     assert "A100-80GB x" in text
     assert f"{p.cost.samples_per_s:.3g}" in text or "samples/s" in text
     assert "tokens/s" in text and "TFLOP/s per GPU" in text and "MFU" in text

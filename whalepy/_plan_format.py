@@ -14,7 +14,7 @@ _GIB = 2**30
 
 
 def compress_names(names: list[str] | tuple[str, ...]) -> str:
-    """``["h.0", "h.1", "h.2", "head"]`` -> ``"h.0-h.2, head"``: runs of consecutive numbered names."""
+    """``["h.0", "h.1", "h.2", "head"]`` -> ``"h.0-2, head"``: runs of consecutive numbered names."""
     out: list[str] = []
     run: list[tuple[str, int, str]] = []
 
@@ -24,7 +24,7 @@ def compress_names(names: list[str] | tuple[str, ...]) -> str:
         if len(run) == 1:
             out.append(run[0][2])
         else:
-            out.append(f"{run[0][2]}-{run[-1][2]}")
+            out.append(f"{run[0][2]}-{run[-1][1]}")
         run.clear()
 
     for n in names:

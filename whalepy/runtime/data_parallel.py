@@ -115,6 +115,12 @@ def _shared_params(root: nn.Module, units: Sequence[nn.Module]) -> set[int]:
 
 def _offload_policy(bp: BlockPlan, device_type: str) -> CPUOffloadPolicy | None:
     if Tier.CPU in (bp.param_tier, bp.optimizer_tier):
+        if bp.param_tier is Tier.GPU:
+            # FSDP2 has one policy for parameters, gradients and optimizer states together.
+            log.warning(
+                "block %r: the plan keeps parameters on the GPU and optimizer states on the CPU; FSDP2's "
+                "CPUOffloadPolicy offloads both, so its parameters also rest on the CPU between uses "
+                "(less GPU memory, more host-link traffic than the plan predicts)", bp.name)
         return CPUOffloadPolicy(pin_memory=device_type == "cuda")
     return None
 
