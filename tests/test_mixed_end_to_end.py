@@ -60,20 +60,27 @@ def _data() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(x, torch.roll(x, -1, dims=1)) for x in xs]
 
 
-def _worker(plan: whalepy.Plan) -> dict:
+def _layout(plan: whalepy.Plan) -> tuple:
+    return (plan.batch_shares, plan.num_microbatches, plan.schedule,
+            [(s.ranks, s.block_names, s.zero_stage, s.device_types) for s in plan.stages], plan.tensor_parallel)
+
+
+def _worker() -> dict:
     import torch.distributed as dist
 
     from test_runtime_cases import full_params
 
     cluster = whalepy.ClusterSpec.from_dict(CLUSTER)
+    # No plan given: rank 0 plans and sends the plan to the others.
     pm = whalepy.parallelize(_model(), cluster, example_inputs=_example(), loss_fn=_loss, optimizer=_adamw,
-                             global_batch=GLOBAL_BATCH, plan=plan)
+                             global_batch=GLOBAL_BATCH, progress=False)
     losses = [float(pm.train_step(x, y)) for x, y in _data()]
     params = full_params(pm)
     ref_losses, ref_params = _reference()
     # Compared here: tensors sent back through the result queue would outlive the worker's fds.
     return {
         "rank": dist.get_rank(),
+        "layout": _layout(pm.plan),
         "losses": losses,
         "ref_losses": ref_losses,
         "names": sorted(params),
@@ -111,9 +118,10 @@ def test_planner_balances_batch_shares_by_device_speed(mixed_plan: whalepy.Plan)
     assert sum(plan.batch_shares) == GLOBAL_BATCH
 
 
-def test_mixed_plan_runs_and_matches_one_process(mixed_plan: whalepy.Plan) -> None:
-    results = run_distributed(_worker, mixed_plan.world_size, mixed_plan, timeout=300)
+def test_parallelize_plans_once_runs_and_matches_one_process(mixed_plan: whalepy.Plan) -> None:
+    results = run_distributed(_worker, mixed_plan.world_size, timeout=300)
     for r in results:
+        assert r["layout"] == _layout(mixed_plan), r["rank"]
         assert len(r["losses"]) == STEPS
         for a, b in zip(r["losses"], r["ref_losses"]):
             assert abs(a - b) <= 1e-5 * abs(b), (r["rank"], r["losses"], r["ref_losses"])

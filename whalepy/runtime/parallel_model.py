@@ -25,7 +25,7 @@ import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,9 @@ from whalepy.runtime.data_parallel import (
 )
 from whalepy.runtime.mesh import RankMeshes, build_meshes, check_world, resolve_device_type
 from whalepy.runtime.tensor_parallel import apply_tensor_parallel
+
+if TYPE_CHECKING:
+    from whalepy.cluster import ClusterSpec
 
 __all__ = ["ParallelModel", "UnlaunchedModel", "is_distributed_launch", "parallelize"]
 
@@ -104,8 +107,15 @@ def parallelize(
     if plan is None:
         from whalepy.planner import plan as make_plan_
 
-        plan = make_plan_(model, cluster_spec, example_inputs=example_inputs,
-                          global_batch=global_batch, **options)
+        def solve() -> Plan:
+            return make_plan_(model, cluster_spec, example_inputs=example_inputs, global_batch=global_batch,
+                              **options)
+
+        if is_distributed_launch():
+            _init_process_group(cluster_spec)
+            plan = _plan_once(solve)
+        else:
+            plan = solve()
     elif options:
         raise TypeError(f"parallelize() got unexpected options {sorted(options)} with a given plan")
     if plan.global_batch != global_batch:
@@ -118,9 +128,7 @@ def parallelize(
             _hint_printed = True
         return UnlaunchedModel(plan=plan, module=model)
 
-    device_type = resolve_device_type(cluster_spec)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    device_type = _init_process_group(cluster_spec)
     rank = dist.get_rank()
     check_world(plan)
     _check_device(plan, cluster_spec, rank)
@@ -135,6 +143,33 @@ def parallelize(
                          loss_fn=loss_fn, optimizer_factory=optimizer, profile=profile,
                          device_type=device_type, loss_parallel=loss_parallel,
                          sync_initial_weights=sync_initial_weights)
+
+
+def _init_process_group(cluster_spec: ClusterSpec) -> str:
+    device_type = resolve_device_type(cluster_spec)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    return device_type
+
+
+def _plan_once(solve: Callable[[], Plan]) -> Plan:
+    """Plan on rank 0 and send the plan to every rank: ranks must lower the same plan, and a search under
+    a time limit need not end the same way on every machine. A failure on rank 0 is raised everywhere."""
+    box: list[object] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("plan", solve().to_json())
+        except WhalepyError as e:
+            box[0] = ("error", type(e).__name__, str(e))
+            dist.broadcast_object_list(box, src=0)
+            raise
+    dist.broadcast_object_list(box, src=0)
+    kind, *payload = box[0]  # type: ignore[misc]
+    if kind == "error":
+        import whalepy._errors as errors
+
+        raise getattr(errors, payload[0], WhalepyError)(f"planning on rank 0 failed: {payload[1]}")
+    return Plan.from_json(payload[0])
 
 
 @dataclass
