@@ -315,3 +315,10 @@ def test_spec_is_not_mutated_by_parsing() -> None:
     before = copy.deepcopy(data)
     ClusterSpec.from_dict(data)
     assert data == before
+
+
+def test_missing_spec_file_is_a_cluster_spec_error(tmp_path):
+    with pytest.raises(ClusterSpecError, match=r"cannot read cluster spec .*nope\.yaml"):
+        ClusterSpec.from_yaml(tmp_path / "nope.yaml")
+    with pytest.raises(ClusterSpecError, match=r"cannot read cluster spec .*nope\.json"):
+        ClusterSpec.load(tmp_path / "nope.json")

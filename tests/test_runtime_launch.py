@@ -123,3 +123,12 @@ def test_run_builds_torchrun_command():
     assert cmd[cmd.index("--rdzv-endpoint") + 1] == "host:29400"
     assert _parse(["run", "-n", "2", "t.py"]).func.__name__ == "main_run"
     assert os.path.basename(cmd[-1]) == "t.py"
+
+
+def test_optimizer_instance_instead_of_factory_is_refused_with_the_fix():
+    model = gpt_model()
+    plan = make_case_plan(Case("dp2 x tp2", dp=2, tp=2))
+    x = torch.zeros(2, 16, dtype=torch.long)
+    with pytest.raises(TypeError, match=r"takes a factory.*lambda params"):
+        parallelize(model, None, example_inputs=(x,), loss_fn=lm_loss, global_batch=8, plan=plan,
+                    optimizer=torch.optim.AdamW(model.parameters()))

@@ -413,7 +413,7 @@ class ClusterSpec:
             raise ClusterSpecError(f"reading {str(path)!r} needs PyYAML, which is not installed; "
                                    "pip install pyyaml (or whalepy[yaml]), or use a JSON spec") from None
         try:
-            data = yaml.safe_load(Path(path).read_text())
+            data = yaml.safe_load(_read_spec_file(path))
         except yaml.YAMLError as e:
             raise ClusterSpecError(f"{str(path)!r} is not valid YAML ({e}); fix the syntax") from e
         return cls._from_file_data(data, path)
@@ -421,7 +421,7 @@ class ClusterSpec:
     @classmethod
     def from_json(cls, path: str | os.PathLike[str]) -> ClusterSpec:
         try:
-            data = json.loads(Path(path).read_text())
+            data = json.loads(_read_spec_file(path))
         except json.JSONDecodeError as e:
             raise ClusterSpecError(f"{str(path)!r} is not valid JSON ({e}); fix the syntax") from e
         return cls._from_file_data(data, path)
@@ -605,6 +605,15 @@ def _place_ranks(spec: ClusterSpec) -> tuple[RankDevice, ...]:
         out.append(RankDevice(rank=rank, group=name, node=node_index, local_rank=local,
                               device=spec.group(name).device))
     return tuple(out)
+
+
+def _read_spec_file(path: str | os.PathLike[str]) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError as e:
+        examples = Path(__file__).resolve().parent.parent / "examples" / "clusters"
+        raise ClusterSpecError(f"cannot read cluster spec {str(path)!r}: {e.strerror}; give the path of a "
+                               f"YAML or JSON spec (examples: {examples})") from None
 
 
 def _host_memory_bytes() -> int | None:
