@@ -38,12 +38,13 @@ from whalepy.passes.memory import count_bytes
 from whalepy.passes.shapes import mark_requires_grad, nbytes
 from whalepy.passes.tp_patterns import BlockTP, check_split_degrees, find_tp_patterns
 from whalepy.passes.truncate import TruncatedRun, graph_signature, plan_truncation, rename, truncated
-from whalepy.plan import TPRule
+from whalepy.plan import TPRule, TPStyle
 from whalepy.profile import BlockAnnotations, BlockKind, BlockProfile, ModelProfile
 
 
 def analysis_passes(
-    model: torch.nn.Module, annotations: Mapping[str, BlockAnnotations]
+    model: torch.nn.Module, annotations: Mapping[str, BlockAnnotations], *,
+    sequence_parallel: bool = False,
 ) -> list[tuple[str, Pass]]:
     """The passes ``build_profile`` runs, in order."""
     return [
@@ -52,7 +53,7 @@ def analysis_passes(
         ("flops", count_flops),
         ("blocks", partial(assign_blocks, model=model)),
         ("memory", count_bytes),
-        ("tp_patterns", find_tp_patterns),
+        ("tp_patterns", partial(find_tp_patterns, sequence_parallel=sequence_parallel)),
     ]
 
 
@@ -64,6 +65,7 @@ def build_profile(
     annotations: Mapping[str, BlockAnnotations] | None = None,
     capture_method: str = "auto",
     truncate_repeated: bool = True,
+    sequence_parallel: bool = False,
 ) -> ModelProfile:
     """Profile ``model`` on ``example_inputs`` (a tuple of tensors or a dict of keyword inputs).
 
@@ -76,6 +78,12 @@ def build_profile(
     few members and extrapolates the rest (see :mod:`whalepy.passes.truncate`); the profile's
     ``capture_method`` then ends in ``"+truncated"`` and ``profile.graph`` is the truncated graph
     (``graph.meta["whalepy.truncation"]`` says what was done, or why it was not).
+
+    ``sequence_parallel=True`` adds :attr:`~whalepy.plan.TPStyle.SEQUENCE` rules (Korthikanti et
+    al.) to the blocks' ``tp_rules``: one per pre-norm that feeds column-parallel layers, and one on
+    the first TP layer's module, where the residual stream enters the sequence-sharded region. A plan
+    holding them is lowered with sequence parallelism. Raises ``PlanError`` naming the module when a
+    block after that entry cannot run sequence parallel. Off by default: plans stay unchanged.
     """
     ann = dict(resolve_model_annotations(model) if annotations is None else annotations)
     raw, gm, note = None, None, {"runs": [], "refused": []}
@@ -83,7 +91,8 @@ def build_profile(
         runs, note["refused"] = plan_truncation(model)
         if runs:
             try:
-                raw, gm = _truncated_raw(model, example_inputs, capture_method, ann, runs)
+                raw, gm = _truncated_raw(model, example_inputs, capture_method, ann, runs,
+                                         sequence_parallel)
                 note["runs"] = [{"container": r.container, "layers": len(r.members),
                                  "traced": r.keep, "template": r.template} for r in runs]
             except _Fallback as e:
@@ -92,8 +101,10 @@ def build_profile(
                 note["fallback"] = f"truncated capture failed: {type(e).__name__}: {e}"[:600]
     if raw is None:
         gm = capture(model, example_inputs, method=capture_method)
-        run_passes(gm, analysis_passes(model, ann))
+        run_passes(gm, analysis_passes(model, ann, sequence_parallel=sequence_parallel))
         raw = _raw_blocks(gm, model)
+    if sequence_parallel:
+        _sequence_parallel_region(raw)
     method = gm.meta["whalepy.capture_method"] + ("+truncated" if note["runs"] else "")
     gm.meta["whalepy.truncation"] = note
     boundaries = [b.spec.name if b.spec.kind is BlockKind.LAYER
@@ -155,12 +166,12 @@ def _raw_blocks(gm: fx.GraphModule, model: torch.nn.Module) -> list[_Raw]:
 
 def _truncated_raw(
     model: torch.nn.Module, example_inputs: Any, method: str,
-    ann: Mapping[str, BlockAnnotations], runs: list[TruncatedRun],
+    ann: Mapping[str, BlockAnnotations], runs: list[TruncatedRun], sequence_parallel: bool = False,
 ) -> tuple[list[_Raw], fx.GraphModule]:
     """Capture with every run in ``runs`` truncated; check the traced copies; extrapolate."""
     with truncated(model, runs):
         gm = capture(model, example_inputs, method=method)
-        run_passes(gm, analysis_passes(model, ann))
+        run_passes(gm, analysis_passes(model, ann, sequence_parallel=sequence_parallel))
         raw = _raw_blocks(gm, model)
     by_name = {b.spec.name: i for i, b in enumerate(raw)}
     copies: dict[int, list[_Raw]] = {}
@@ -204,6 +215,38 @@ def _truncated_raw(
     gm.meta["whalepy.blocks"] = [b.spec for b in out]
     gm.meta["whalepy.tp"] = [b.tp for b in out]
     return out, gm
+
+
+def _sequence_parallel_region(raw: list[_Raw]) -> None:
+    """Mark where the residual stream enters the sequence-sharded region (a SEQUENCE rule on the
+    first block with a column-then-row pair) and check that every later block keeps it: each must
+    run sequence parallel, and the last must end it (a SEQUENCE norm before a column-parallel head,
+    whose input is then gathered). Raises ``PlanError`` naming the block and why otherwise."""
+    from whalepy._errors import PlanError
+
+    def paired(b: _Raw) -> bool:
+        return any(r.style is TPStyle.ROWWISE for r in b.tp.rules)
+
+    first = next((i for i, b in enumerate(raw) if paired(b)), None)
+    if first is None:
+        raise PlanError("sequence_parallel=True: no block has a column-then-row tensor-parallel "
+                        "pair, so there is no residual stream to shard along the sequence")
+    entry = raw[first]
+    if entry.spec.kind is not BlockKind.LAYER or len(entry.spec.modules) != 1:
+        raise PlanError(f"sequence_parallel=True: block {entry.spec.name} starts the tensor-parallel "
+                        "layers but is not one module, so its input cannot be scattered along the "
+                        "sequence by a module hook")
+    for b in raw[first:]:
+        if b.tp.sp_problem is not None or not any(r.style is TPStyle.SEQUENCE for r in b.tp.rules):
+            why = b.tp.sp_problem or "it has no tensor-parallel pattern with a norm"
+            raise PlanError(f"sequence_parallel=True: block {b.spec.name} receives the "
+                            f"sequence-sharded residual stream but cannot run sequence parallel: {why}")
+    if not raw[-1].tp.sp_exit:
+        raise PlanError(f"sequence_parallel=True: the last block {raw[-1].spec.name} does not end the "
+                        "sequence-sharded region (no norm feeding a column-parallel head, whose "
+                        "input would be gathered)")
+    entry.tp = replace(entry.tp, rules=(TPRule(module=entry.spec.modules[0], style=TPStyle.SEQUENCE),
+                                        *entry.tp.rules))
 
 
 def _own_params(module: torch.nn.Module) -> tuple[int, int]:

@@ -28,6 +28,18 @@ such table, is the token embedding, sharded along the vocabulary (**VOCAB**); ot
 
 GPT-2's ``Conv1D`` (weight ``[in, out]``, lowered to ``aten.addmm``) is recognised like
 ``nn.Linear``; the rule records the style only, the runtime handles the class.
+
+**Sequence parallelism** (Korthikanti et al. 2022), only with ``sequence_parallel=True``
+(``build_profile(..., sequence_parallel=True)``; off by default so existing plans are unchanged): in a
+block with a pattern, a **norm** is the set of nodes of one module path that hold ``aten.layer_norm``
+/ ``aten.rms_norm`` or the RMS-norm op sequence (``mean`` and ``rsqrt``, as HF's ``LlamaRMSNorm``
+traces). A norm whose output (one node) feeds only COLWISE linears sits on the residual stream between
+a row-parallel output and the next column-parallel input; it gets a **SEQUENCE** rule and the
+sequence length becomes a divisibility constraint. A block with a column-then-row pair in which some
+COLWISE input does not come from such a norm (a post-norm block, a colwise layer fed by the residual
+stream directly) records why in :attr:`BlockTP.sp_problem`; ``build_profile`` raises ``PlanError``
+for it and adds the SEQUENCE rule that marks where the residual stream enters the sequence-parallel
+region (the first TP layer's module).
 """
 
 from __future__ import annotations
@@ -79,6 +91,11 @@ class BlockTP:
     dims: tuple[tuple[str, str, int], ...] = ()
     """Sharded dims as ``(module path, what, size)``: every TP degree must divide each size."""
     degrees: tuple[int, ...] = TP_DEGREES
+    sp_exit: bool = False
+    """A SEQUENCE norm of this block feeds a COLWISE module with no ROWWISE sibling (the LM head): the
+    sequence-parallel region ends here (set only with ``sequence_parallel=True``)."""
+    sp_problem: str | None = None
+    """Why this block's pattern cannot run sequence parallel (only with ``sequence_parallel=True``)."""
 
     @property
     def has_pattern(self) -> bool:
@@ -437,9 +454,10 @@ def _degrees(dims: list[tuple[str, str, int]]) -> tuple[int, ...]:
     return tuple(t for t in TP_DEGREES if all(size % t == 0 for _, _, size in dims))
 
 
-def find_tp_patterns(gm: fx.GraphModule, ctx: PassContext) -> None:
+def find_tp_patterns(gm: fx.GraphModule, ctx: PassContext, *, sequence_parallel: bool = False) -> None:
     """Write ``gm.meta["whalepy.tp"]`` (one :class:`BlockTP` per block, in block order) and
-    ``node.meta["whalepy.tp_style"]`` on the linear and embedding nodes that have a style."""
+    ``node.meta["whalepy.tp_style"]`` on the linear and embedding nodes that have a style.
+    ``sequence_parallel=True`` adds SEQUENCE rules for the norms (see the module docstring)."""
     blocks = gm.meta["whalepy.blocks"]
     vocab = vocab_sizes(gm)
     per_block: list[list[fx.Node]] = [[] for _ in blocks]
@@ -451,7 +469,10 @@ def find_tp_patterns(gm: fx.GraphModule, ctx: PassContext) -> None:
     for index, nodes in enumerate(per_block):
         prop = _Propagation(index, vocab, ctx)
         prop.run(nodes)
-        result.append(_summarise(prop, nodes, vocab))
+        tp = _summarise(prop, nodes, vocab)
+        if sequence_parallel and tp.has_pattern:
+            tp = _sequence_rules(tp, nodes)
+        result.append(tp)
     gm.meta["whalepy.tp"] = result
 
 
@@ -494,6 +515,91 @@ def _summarise(prop: _Propagation, nodes: list[fx.Node], vocab: set[int]) -> Blo
     dims = list(dict.fromkeys(dims))
     rules = tuple(TPRule(module=m, style=s) for m, s in styles.items())
     return BlockTP(rules=rules, comm_bytes=comm, dims=tuple(dims), degrees=_degrees(dims))
+
+
+_NORM_OPS = frozenset({"layer_norm", "rms_norm"})
+_PASS_THROUGH = frozenset({"to", "contiguous", "clone", "alias", "detach", "view"})
+
+
+def _norm_paths(nodes: list[fx.Node]) -> dict[str, list[fx.Node]]:
+    """Module path -> its nodes, for the paths that compute a norm."""
+    by_path: dict[str, list[fx.Node]] = {}
+    for node in nodes:
+        path = node.meta.get("whalepy.module_path")
+        if path and node.op == "call_function":
+            by_path.setdefault(path, []).append(node)
+    out = {}
+    for path, ns in by_path.items():
+        ops = {op_name(n) for n in ns}
+        if ops & _NORM_OPS or {"mean", "rsqrt"} <= ops:
+            out[path] = ns
+    return out
+
+
+def _colwise_users(node: fx.Node) -> list[fx.Node] | None:
+    """The linears ``node`` feeds (through dtype casts); None if it feeds anything else."""
+    out = []
+    for user in node.users:
+        name = op_name(user) if user.op == "call_function" else ""
+        if name == "assert":
+            continue
+        if name in _PASS_THROUGH:
+            more = _colwise_users(user)
+            if more is None:
+                return None
+            out += more
+        elif user.meta.get("whalepy.tp_style") is TPStyle.COLWISE and as_linear(user) is not None \
+                and as_linear(user)[0] is node:
+            out.append(user)
+        else:
+            return None
+    return out
+
+
+def _sequence_rules(tp: BlockTP, nodes: list[fx.Node]) -> BlockTP:
+    from dataclasses import replace
+
+    styles = {r.module: r.style for r in tp.rules}
+    parents_with_row = {m.rpartition(".")[0] for m, s in styles.items() if s is TPStyle.ROWWISE}
+    fed: set[fx.Node] = set()
+    rules: list[TPRule] = []
+    dims = list(tp.dims)
+    exit_ = False
+    for path, ns in _norm_paths(nodes).items():
+        inside = set(ns)
+        outs = [n for n in ns if any(u not in inside and op_name(u) != "assert" for u in n.users)]
+        if not outs:
+            continue
+        # the last one is the norm's output; an earlier one is its input cast to the compute dtype
+        # (RMSNorm's ``x.to(float32)``, the same node as ``x`` when already fp32: the residual)
+        out = outs[-1]
+        users = _colwise_users(out)
+        if not users:
+            continue
+        x = val(out)
+        if not isinstance(x, torch.Tensor) or x.ndim != 3:
+            continue
+        fed.update(users)
+        rules.append(TPRule(module=path, style=TPStyle.SEQUENCE))
+        dims.append((path, "sequence positions", int(x.shape[1])))
+        exit_ = exit_ or any(as_linear(u)[3].rpartition(".")[0] not in parents_with_row
+                             for u in users)
+    problem = None
+    for node in nodes:
+        if node.meta.get("whalepy.tp_style") is TPStyle.COLWISE and node not in fed \
+                and as_linear(node) is not None:
+            x = as_linear(node)[0]
+            problem = (f"{as_linear(node)[3]} (column-parallel) reads a tensor of "
+                       f"{x.meta.get('whalepy.module_path') or 'glue code'}, not the output of a "
+                       "norm that feeds only column-parallel layers (sequence parallelism needs "
+                       "pre-norm blocks: norm -> column-parallel -> row-parallel -> residual add)")
+            break
+    if rules and problem is None:
+        dims = list(dict.fromkeys(dims))
+        return replace(tp, rules=tp.rules + tuple(rules), dims=tuple(dims), degrees=_degrees(dims),
+                       sp_exit=exit_)
+    return replace(tp, sp_problem=problem or "no norm on the residual stream feeds its "
+                   "column-parallel layers")
 
 
 def check_split_degrees(

@@ -61,8 +61,4 @@ def test_run_subcommand_is_registered_when_launch_exists() -> None:
     from whalepy.cli import build_parser
 
     parser = build_parser()
-    try:
-        import whalepy.launch  # noqa: F401
-    except ImportError:
-        pytest.skip("whalepy.launch not present")
     assert "run" in parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]

@@ -15,7 +15,6 @@ from whalepy.primitives import (
     Cluster,
     Replicate,
     Split,
-    Stage,
     _hook_installed,
     check_cluster_annotations,
     clear_annotations,

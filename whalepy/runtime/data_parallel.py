@@ -12,7 +12,9 @@ one wrapper, so with ``tp > 1`` or ``pp > 1`` ZeRO-0/1 are lowered to FSDP2 with
 ``reshard_after_forward=False`` (ZeRO-2 behaviour: same numerics, less memory) and a log line says
 so. A block whose ``param_tier`` or ``optimizer_tier`` is ``cpu`` gets FSDP2's
 ``CPUOffloadPolicy`` (``pin_memory`` only with CUDA); such blocks are always lowered to FSDP2.
-The ``nvme`` tier has no FSDP2 counterpart and raises :class:`~whalepy.WhalepyError`.
+``optimizer_tier = nvme`` needs nothing here (any kind): the optimizer's states of those blocks are
+kept in files by :mod:`whalepy.runtime.nvme`. ``param_tier = nvme`` is not supported and raises
+:class:`~whalepy.WhalepyError`.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from whalepy._errors import WhalepyError
 from whalepy.plan import BlockPlan, Tier, ZeroStage
 
-__all__ = ["DataParallelKind", "apply_data_parallel", "build_optimizer"]
+__all__ = ["DataParallelKind", "apply_data_parallel", "build_optimizer", "needs_offload_policy"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,12 @@ class DataParallelKind:
     DDP = "ddp"
     ZERO1 = "ddp+zero_redundancy_optimizer"
     FSDP = "fsdp2"
+
+
+def needs_offload_policy(blocks: Iterable[BlockPlan]) -> bool:
+    """Whether any block asks for FSDP2's CPU offload (a ``cpu`` tier; ``nvme`` optimizer states are
+    handled around the optimizer, ``nvme`` parameters are refused)."""
+    return any(Tier.CPU in (b.param_tier, b.optimizer_tier) for b in blocks)
 
 
 def choose_kind(zero: ZeroStage, dp: int, *, tp: int, pp: int, offload: bool) -> str:
@@ -65,11 +73,11 @@ def apply_data_parallel(
 
     ``blocks`` pairs each block plan with the submodules it covers (sharded one FSDP unit each)."""
     for bp, _ in blocks:
-        if Tier.NVME in (bp.param_tier, bp.optimizer_tier):
+        if bp.param_tier is Tier.NVME:
             raise WhalepyError(
-                f"block {bp.name!r}: plan field param_tier/optimizer_tier = 'nvme' is not supported by "
-                "the runtime (FSDP2 offloads to CPU only); re-plan without NVMe (allow_nvme=False) or "
-                "set the block's tiers to 'cpu'"
+                f"block {bp.name!r}: plan field param_tier = 'nvme' is not supported by the runtime "
+                "(only optimizer_tier supports 'nvme'; FSDP2 offloads parameters to CPU only); set the "
+                "block's param_tier to 'cpu' or 'gpu' (its optimizer_tier may stay 'nvme')"
             )
     if kind == DataParallelKind.NONE:
         return module

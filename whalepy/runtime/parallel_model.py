@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from whalepy._errors import LaunchError, PlanError, WhalepyError
-from whalepy.plan import Plan, Schedule
+from whalepy.plan import Plan, Schedule, Tier
 from whalepy.runtime.checkpointing import (
     apply_activation_checkpointing,
     get_train_state,
@@ -45,8 +45,10 @@ from whalepy.runtime.data_parallel import (
     apply_data_parallel,
     build_optimizer,
     choose_kind,
+    needs_offload_policy,
 )
 from whalepy.runtime.mesh import RankMeshes, build_meshes, check_world, resolve_device_type
+from whalepy.runtime.nvme import NvmeOptimizerStates, default_nvme_dir, prepare_nvme_dir
 from whalepy.runtime.tensor_parallel import apply_tensor_parallel
 
 if TYPE_CHECKING:
@@ -88,6 +90,7 @@ def parallelize(
     profile: Any = None,
     loss_parallel: bool = False,
     sync_initial_weights: bool = True,
+    nvme_dir: str | os.PathLike[str] | None = None,
     **options: Any,
 ) -> ParallelModel | UnlaunchedModel:
     """Plan ``model`` for ``cluster_spec`` (unless ``plan`` is given) and, inside a distributed launch,
@@ -99,9 +102,13 @@ def parallelize(
     computed when needed. ``loss_parallel=True`` keeps an LM head's logits vocab-sharded and runs
     ``loss_fn`` under ``torch.distributed.tensor.parallel.loss_parallel`` (``loss_fn`` must then be a
     cross-entropy over DTensor logits). ``sync_initial_weights`` broadcasts rank 0's weights first, so
-    ranks need not seed identically. Other ``options`` go to the planner.
+    ranks need not seed identically. ``nvme_dir`` is where blocks with ``optimizer_tier = nvme`` keep
+    their optimizer states between steps (this rank's files go in a subdirectory
+    ``whalepy-nvme-<pid>-rank<r>``, removed at exit; default: under :func:`tempfile.gettempdir`);
+    :class:`WhalepyError` if it is not writable. Other ``options`` go to the planner.
     """
     inputs = _as_tuple(example_inputs)
+    _check_arguments(model, loss_fn, optimizer)
     if plan is None and os.environ.get("WHALEPY_PLAN"):
         plan = Plan.load(os.environ["WHALEPY_PLAN"])  # from `whalepy run --plan`
     if plan is None:
@@ -142,7 +149,21 @@ def parallelize(
     return ParallelModel(model, plan, cluster_spec=cluster_spec, example_inputs=inputs,
                          loss_fn=loss_fn, optimizer_factory=optimizer, profile=profile,
                          device_type=device_type, loss_parallel=loss_parallel,
-                         sync_initial_weights=sync_initial_weights)
+                         sync_initial_weights=sync_initial_weights, nvme_dir=nvme_dir)
+
+
+def _check_arguments(model: nn.Module, loss_fn: Any, optimizer: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"parallelize() needs an nn.Module, got {type(model).__name__}")
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"parallelize(optimizer=...) takes a factory, got a {type(optimizer).__name__} instance: its "
+            "parameters are about to be replaced by shards. Pass e.g. "
+            "optimizer=lambda params: torch.optim.AdamW(params, lr=3e-4)")
+    if not callable(optimizer):
+        raise TypeError(f"parallelize(optimizer=...) must be callable (params -> Optimizer), got {optimizer!r}")
+    if not callable(loss_fn):
+        raise TypeError(f"parallelize(loss_fn=...) must be callable (output, targets) -> loss, got {loss_fn!r}")
 
 
 def _init_process_group(cluster_spec: ClusterSpec) -> str:
@@ -202,7 +223,8 @@ class ParallelModel:
 
     def __init__(self, model: nn.Module, plan: Plan, *, cluster_spec: Any, example_inputs: tuple,
                  loss_fn: LossFn, optimizer_factory: OptimizerFactory, profile: Any,
-                 device_type: str, loss_parallel: bool, sync_initial_weights: bool) -> None:
+                 device_type: str, loss_parallel: bool, sync_initial_weights: bool,
+                 nvme_dir: str | os.PathLike[str] | None = None) -> None:
         self.plan = plan
         self.loss_fn = loss_fn
         self.loss_parallel = loss_parallel
@@ -218,8 +240,7 @@ class ParallelModel:
         self._slice = slice(start, start + plan.batch_shares[m.replica])
         dp, tp, pp = plan.dp_degree, stage.tp_degree, plan.pp_degree
         self.loss_scale = plan.batch_shares[m.replica] * dp / plan.global_batch
-        offload = any(b.param_tier.value != "gpu" or b.optimizer_tier.value != "gpu"
-                      for b in stage.blocks)
+        offload = needs_offload_policy(stage.blocks)
         self.dp_kind = choose_kind(stage.zero_stage, dp, tp=tp, pp=pp, offload=offload)
         if self.dp_kind == DataParallelKind.FSDP and stage.zero_stage < 2 and dp > 1:
             log.info("whalepy: stage %d ZeRO-%d lowered to FSDP2 (reshard_after_forward=False): DDP "
@@ -248,6 +269,7 @@ class ParallelModel:
             local_chunks = [list(stage.blocks)]
 
         self._modules: list[nn.Module] = []
+        nvme_blocks: list[tuple[Any, list[nn.Module]]] = []
         for mod, chunk in zip(local, local_chunks):
             blocks = [(b, [mod.get_submodule(p) for p in block_modules[b.name]]) for b in chunk]
             if tp > 1:
@@ -257,6 +279,7 @@ class ParallelModel:
                 apply_activation_checkpointing(ckpt)
             self._modules.append(apply_data_parallel(mod, blocks, m.dp_mesh, kind=self.dp_kind,
                                                      zero=stage.zero_stage, device_type=device_type))
+            nvme_blocks += [(b, mods) for b, mods in blocks if b.optimizer_tier is Tier.NVME]
         # names of each tied parameter across stages (checkpoints carry its state under all of them)
         self._tied_aliases = [[n for _, n in holders] for holders, _ in tied_names]
         # tied parameters by name, after TP / FSDP2 replaced them with DTensors
@@ -267,6 +290,15 @@ class ParallelModel:
         params = list({id(p): p for mod in self._modules for p in mod.parameters()}.values())
         self.optimizer = build_optimizer(optimizer_factory, params, kind=self.dp_kind,
                                          dp_mesh=m.dp_mesh)
+        # optimizer_tier = nvme: those blocks' optimizer states live in files between steps (after
+        # TP / FSDP2, so the blocks' parameters are the sharded ones the optimizer holds)
+        self.nvme: NvmeOptimizerStates | None = None
+        nvme_params = [p for _, mods in nvme_blocks for mod in mods for p in mod.parameters()]
+        if nvme_params:
+            directory = prepare_nvme_dir(default_nvme_dir(nvme_dir, rank=m.rank), user_dir=nvme_dir)
+            self.nvme = NvmeOptimizerStates(self.optimizer, nvme_params, directory)
+            log.info("whalepy: optimizer states of %d blocks (%d parameters) kept in files under %s",
+                     len(nvme_blocks), len(self.nvme._params), directory)
         self.schedule = None
         if pp > 1:
             from whalepy.runtime.pipeline import build_pipeline_schedule, microbatch_mean_loss
@@ -324,6 +356,8 @@ class ParallelModel:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         set_train_state(self._modules, self.optimizer, state)
+        if self.nvme is not None:
+            self.nvme.offload()  # loaded states are fresh tensors: back into their files
 
     def save(self, path: str | Path) -> None:
         """Write a distributed checkpoint (DCP) directory; loadable under any plan for this model."""
@@ -331,6 +365,8 @@ class ParallelModel:
 
     def load(self, path: str | Path) -> None:
         load_train_state(path, self._modules, self.optimizer)
+        if self.nvme is not None:
+            self.nvme.offload()
 
     # -- tied parameters -----------------------------------------------------------------------
 

@@ -11,9 +11,30 @@ COLWISE    ``ColwiseParallel``. When the rule's parent module also holds a ROWWI
            ``loss_parallel=True``.
 ROWWISE    ``RowwiseParallel`` (output all-reduced).
 VOCAB      ``RowwiseParallel(input_layouts=Replicate())`` on an ``nn.Embedding`` (vocab sharded).
-SEQUENCE   run replicated (see limitations in docs/runtime.md): the norm's input is whole here.
+SEQUENCE   sequence parallelism (below); a plan without SEQUENCE rules runs norms replicated.
 REPLICATE  nothing: the module's parameters stay whole on every TP rank.
 ========== ===================================================================================
+
+**Sequence parallelism** (Korthikanti et al. 2022), when the rules hold SEQUENCE rules (the pattern
+pass adds them only with ``build_profile(..., sequence_parallel=True)``). Between blocks the residual
+stream is a local ``[batch, seq / t, hidden]`` tensor, sharded along the sequence (``Shard(1)``):
+
+- the SEQUENCE rule on a module that contains other ruled modules (the first TP layer) is the
+  *entry*: its first input is scattered ``Replicate() -> Shard(1)`` by a forward pre-hook (the first
+  positional argument, else the forward's first parameter passed by keyword);
+- a SEQUENCE norm is ``SequenceParallel()`` (parameters replicated, computed on the local sequence
+  shard) whose output is all-gathered ``Shard(1) -> Replicate()`` and handed on as a local tensor, so
+  the column-parallel layers (and an LM head) it feeds see the whole sequence. This is torchtitan's
+  ``PrepareModuleInput(Shard(1) -> Replicate())`` on the attention / MLP module moved onto the norm's
+  output: the same one all-gather, but independent of how the block calls the module (HF Llama
+  passes ``hidden_states=`` by keyword);
+- a ROWWISE module paired with a COLWISE sibling is ``RowwiseParallel(output_layouts=Shard(1))``
+  (reduce-scatter instead of all-reduce); the residual adds run on the shards.
+
+The token embedding stays ``RowwiseParallel(input_layouts=Replicate())`` (output all-reduced) and is
+scattered at the entry: models compute positions and masks from the embedding output's length (HF
+Llama's ``cache_position``), which must stay whole. Every SEQUENCE rule must name a module of this
+model part: sequence parallelism across pipeline stages raises ``PlanError``.
 
 HF ``Conv1D`` (weight ``[in, out]``) is not an ``nn.Linear`` and DTensor's styles reject it; its
 parameters are distributed by hand (``distribute_tensor`` with the transposed placements) and its
@@ -46,6 +67,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     RowwiseParallel,
+    SequenceParallel,
     parallelize_module,
 )
 
@@ -79,6 +101,17 @@ def apply_tensor_parallel(
     if tp == 1:
         return []
     present = {name: m for name, m in module.named_modules()}
+    seq_rules = [r for r in rules if r.style is TPStyle.SEQUENCE]
+    sequence_parallel = bool(seq_rules)
+    if sequence_parallel:
+        missing = [r.module for r in seq_rules if r.module not in present]
+        if missing:
+            raise PlanError(
+                f"sequence parallelism: {missing[0]} is not in this part of the model (another "
+                "pipeline stage's); the sequence-sharded residual stream cannot cross pipeline "
+                "stages. Profile without sequence_parallel=True for a plan with pipeline parallelism")
+    entries = {r.module for r in seq_rules
+               if any(o.module.startswith(r.module + ".") for o in rules)}
     rules = [r for r in rules if r.module in present]
     tied = _tied_names(module)
     rowwise_parents = {_parent(r.module) for r in rules if r.style is TPStyle.ROWWISE}
@@ -100,16 +133,23 @@ def apply_tensor_parallel(
         if rule.style is TPStyle.COLWISE and paired and parent_name not in adjusted:
             _localize_counts(parent, parent_name, tp)
             adjusted.add(parent_name)
-        if rule.style in (TPStyle.REPLICATE, TPStyle.SEQUENCE):
-            if rule.style is TPStyle.SEQUENCE:
-                log.info("whalepy: %s runs replicated (sequence parallelism is not lowered)", rule.module)
+        if rule.style is TPStyle.REPLICATE:
+            continue
+        if rule.style is TPStyle.SEQUENCE:
+            styles[rule.module] = (_ScatterSequence() if rule.module in entries
+                                   else _sequence_norm(m, rule.module))
+            done.append(rule.module)
             continue
         fused = fused_by_rule[rule.module]
+        scatter = sequence_parallel and rule.style is TPStyle.ROWWISE and paired
         if _is_conv1d(m) or fused > 1:
             if rule.style not in (TPStyle.COLWISE, TPStyle.ROWWISE):
                 raise PlanError(f"{rule.module}: style {rule.style.value} is not supported on "
                                 f"{type(m).__name__}; only colwise and rowwise are")
-            _shard_by_hand(m, rule.module, rule.style, tp_mesh, fused=fused, gather=not paired)
+            _shard_by_hand(m, rule.module, rule.style, tp_mesh, fused=fused, gather=not paired,
+                           scatter=scatter)
+        elif scatter:
+            styles[rule.module] = RowwiseParallel(output_layouts=Shard(1))
         else:
             styles[rule.module] = _dtensor_style(m, rule, paired=paired, loss_parallel=loss_parallel)
         done.append(rule.module)
@@ -172,6 +212,59 @@ def _dtensor_style(m: nn.Module, rule: TPRule, *, paired: bool, loss_parallel: b
                             f"{type(m).__name__}")
         return RowwiseParallel(input_layouts=Replicate())
     raise PlanError(f"{rule.module}: unknown tensor-parallel style {rule.style!r}")
+
+
+class _GatheredSequenceParallel(SequenceParallel):
+    """``SequenceParallel`` whose output is all-gathered along the sequence and handed on local."""
+
+    @staticmethod
+    def _prepare_output_fn(use_local_output, mod, outputs, device_mesh):  # type: ignore[override]
+        if not isinstance(outputs, DTensor):
+            raise PlanError(f"sequence parallelism: {type(mod).__name__} returned "
+                            f"{type(outputs).__name__}, not one tensor")
+        return outputs.redistribute(device_mesh, [Replicate()]).to_local()
+
+
+def _sequence_norm(m: nn.Module, name: str) -> ParallelStyle:
+    if any(True for _ in m.children()):
+        raise PlanError(f"sequence parallelism: {name} ({type(m).__name__}) has submodules; a "
+                        "SEQUENCE rule names a norm (LayerNorm / RMSNorm) or the first "
+                        "tensor-parallel layer")
+    return _GatheredSequenceParallel()
+
+
+class _ScatterSequence(ParallelStyle):
+    """Entry of the sequence-parallel region: scatter the module's hidden-state input (its first
+    positional argument, else its forward's first parameter given by keyword) from ``Replicate()``
+    to ``Shard(1)`` and hand on the local shard."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        import inspect
+
+        params = [p for p in inspect.signature(module.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        first = params[0].name if params else None
+
+        def scatter(x: torch.Tensor) -> torch.Tensor:
+            if isinstance(x, DTensor) or not isinstance(x, torch.Tensor) or x.ndim < 2:
+                raise PlanError(f"sequence parallelism: {type(module).__name__}'s first input is "
+                                f"not a [batch, seq, ...] tensor ({type(x).__name__})")
+            if x.shape[1] % device_mesh.size():
+                raise PlanError(f"sequence parallelism: sequence length {x.shape[1]} is not "
+                                f"divisible by the tensor-parallel degree {device_mesh.size()}")
+            d = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
+            return d.redistribute(device_mesh, [Shard(1)]).to_local()
+
+        def hook(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            if args:
+                return (scatter(args[0]), *args[1:]), kwargs
+            if first in kwargs:
+                return args, {**kwargs, first: scatter(kwargs[first])}
+            raise PlanError(f"sequence parallelism: {type(mod).__name__} was called without its "
+                            f"hidden-state input {first!r}")
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
 
 
 def _localize_counts(parent: nn.Module, parent_name: str, tp: int) -> None:
@@ -255,8 +348,27 @@ def _local(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+class _ReduceScatterSeqFromTP(torch.autograd.Function):
+    """Sum the partial products and keep this rank's sequence shard (dim 1) forward; all-gather the
+    gradient along dim 1 backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):  # type: ignore[override]
+        ctx.group = group
+        x = x.contiguous()
+        dist.all_reduce(x, group=group)
+        n, r = dist.get_world_size(group), dist.get_rank(group)
+        return x.chunk(n, dim=1)[r].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        parts = [torch.empty_like(grad) for _ in range(dist.get_world_size(ctx.group))]
+        dist.all_gather(parts, grad.contiguous(), group=ctx.group)
+        return torch.cat(parts, dim=1), None
+
+
 def _shard_by_hand(m: nn.Module, name: str, style: TPStyle, mesh: DeviceMesh, *, fused: int,
-                   gather: bool) -> None:
+                   gather: bool, scatter: bool = False) -> None:
     from torch.distributed.tensor.placement_types import _StridedShard
 
     conv = _is_conv1d(m)
@@ -305,6 +417,10 @@ def _shard_by_hand(m: nn.Module, name: str, style: TPStyle, mesh: DeviceMesh, *,
             x = _CopyToTP.apply(x, group)
         y = x @ w if conv else x @ w.t()
         if style is TPStyle.ROWWISE:
+            if scatter:  # sequence parallel: each rank adds the bias to its own sequence shard,
+                # so the bias gradient is summed over the shards
+                y = _ReduceScatterSeqFromTP.apply(y, group)
+                return y if b is None else y + _CopyToTP.apply(b, group)
             y = _ReduceFromTP.apply(y, group)
             return y if b is None else y + b
         if b is not None:
