@@ -159,3 +159,16 @@ def test_cluster_count_on_whole_group_is_honoured_and_on_part_of_it_refused() ->
         "embed": BlockAnnotations(cluster_group="fast", cluster_count=2, sources=("cluster(group=fast, count=2) on embed",))})
     with pytest.raises(AnnotationError, match=r"count=2 asks for part.*node group of their own"):
         plan_from_profile(part, spec, global_batch=32)
+
+
+def test_1f1b_plans_have_at_least_as_many_microbatches_as_stages() -> None:
+    # torch.distributed.pipelining's Schedule1F1B refuses fewer micro-batches than stages, so the planner
+    # must not emit such a plan (with few micro-batches GPipe is the schedule that runs).
+    prof = transformer_profile(num_layers=24, hidden=4096, seq_len=2048, vocab=32000, num_heads=32)
+    pipelined = 0
+    for nodes, batch in ((2, 1), (4, 1), (4, 2), (8, 4)):  # batches too small for DP alone
+        p = plan_from_profile(prof, a100(nodes), global_batch=batch, schedules=("gpipe", "1f1b"))
+        pipelined += p.pp_degree > 1
+        if p.schedule.value == "1f1b" and p.pp_degree > 1:
+            assert p.num_microbatches >= p.pp_degree, p
+    assert pipelined, "no case produced a pipeline; the check above tested nothing"

@@ -270,7 +270,9 @@ def _schedules(S: int, M: int, N: int, opts, cons: Constraints, multi: bool):  #
         yield (Schedule.ONE_F_ONE_B if Schedule.ONE_F_ONE_B in opts.schedules else opts.schedules[0]), 1
         return
     for sched in opts.schedules:
-        if sched is Schedule.GPIPE and Schedule.ONE_F_ONE_B in opts.schedules:
+        if sched is Schedule.ONE_F_ONE_B and M < S:
+            continue  # torch.distributed.pipelining's Schedule1F1B needs at least as many micro-batches as stages
+        if sched is Schedule.GPIPE and Schedule.ONE_F_ONE_B in opts.schedules and M >= S:
             continue  # same step time as 1F1B, never fewer micro-batches in flight: dominated
         if sched is Schedule.INTERLEAVED_1F1B:
             if cons.num_stages is not None or (multi and cons.groups_of_block):

@@ -305,10 +305,10 @@ class ParallelModel:
 
             schedule = plan.schedule
             if schedule is Schedule.ONE_F_ONE_B and plan.num_microbatches < pp:
-                # torch's 1F1B refuses fewer micro-batches than stages; GPipe runs them identically
-                log.info("whalepy: %d micro-batches < %d stages: running 1F1B as GPipe",
-                         plan.num_microbatches, pp)
-                schedule = Schedule.GPIPE
+                raise PlanError(
+                    f"the plan runs 1F1B with {plan.num_microbatches} micro-batches over {pp} stages; "
+                    "torch.distributed.pipelining's 1F1B needs at least as many micro-batches as stages. "
+                    "Re-plan (whalepy.plan never makes such a plan) or use schedule 'gpipe'")
             self.schedule = build_pipeline_schedule(
                 self._modules, self.stage_indices, num_stages=self.num_stages,
                 schedule=schedule.value, num_microbatches=plan.num_microbatches,
