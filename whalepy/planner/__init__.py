@@ -51,6 +51,11 @@ class PlannerOptions:
     virtual_stages: tuple[int, ...] = (2,)
     """Model chunks per rank tried for the interleaved schedule."""
     max_microbatches: int | None = 256
+    sequence_parallel: bool = False
+    """Run tensor-parallel layers with sequence parallelism (Korthikanti et al. 2022): norms and the
+    residual stream split along the sequence, so activations divide fully by the TP degree. ``plan()``
+    then profiles with ``sequence_parallel=True`` (the profile gains SEQUENCE rules the runtime lowers);
+    ``plan_from_profile`` needs such a profile."""
     homogeneous_baseline: bool = False
     """Plan as if every GPU were the cluster's slowest type (uniform batch shares), then cost that plan
     on the real cluster: the baseline hardware-aware planning is compared against."""
@@ -94,6 +99,17 @@ def _progress_fn(opt: bool | Callable[[str], None]) -> Callable[[str], None]:
     return lambda msg: print(f"[whalepy {time.perf_counter() - t0:6.2f}s] {msg}", file=sys.stderr, flush=True)
 
 
+def _check_sequence_parallel(profile: ModelProfile, opts: PlannerOptions) -> None:
+    from whalepy.planner.costing import has_sequence_rules
+
+    if opts.sequence_parallel and not has_sequence_rules(profile):
+        raise PlanError("sequence_parallel=True needs a profile with sequence-parallel rules: make it with "
+                        "whalepy.profile(model, example_inputs, sequence_parallel=True)")
+    if has_sequence_rules(profile) and not opts.sequence_parallel:
+        raise PlanError("the profile carries sequence-parallel rules (made with sequence_parallel=True); "
+                        "plan with sequence_parallel=True, or profile without it")
+
+
 def plan(model: Any, cluster: ClusterSpec, *, example_inputs: Any, global_batch: int, **options: Any) -> Plan:
     """The fastest predicted plan for training ``model`` on ``cluster`` with ``global_batch`` samples per
     step. ``options`` are the fields of :class:`PlannerOptions`. Raises
@@ -103,7 +119,7 @@ def plan(model: Any, cluster: ClusterSpec, *, example_inputs: Any, global_batch:
     progress("capturing the model")
     from whalepy.profile import profile as build
 
-    prof = build(model, example_inputs)
+    prof = build(model, example_inputs, sequence_parallel=opts.sequence_parallel)
     progress(f"captured {len(prof.blocks)} blocks in {prof.capture_time_s:.2f} s ({prof.capture_method})")
     return plan_from_profile(prof, cluster, global_batch=global_batch, **{**options, "progress": progress})
 
@@ -116,6 +132,7 @@ def plan_from_profile(profile: ModelProfile, cluster: ClusterSpec, *, global_bat
     if opts.homogeneous_baseline:
         return homogeneous_baseline(profile, cluster, global_batch=global_batch,
                                     **{k: getattr(opts, k) for k in _fields() if k != "homogeneous_baseline"})
+    _check_sequence_parallel(profile, opts)
     progress = _progress_fn(opts.progress)
     hw = Hardware(cluster)
     result = run_search(profile, hw, global_batch, opts, progress=progress)
@@ -174,7 +191,7 @@ def homogeneous_baseline(profile: ModelProfile, cluster: ClusterSpec, *, global_
     ev = result.best
     assert ev is not None
     cand = ev.coeffs.candidate
-    ctx = CostContext(profile, hw, precision=opts.precision)
+    ctx = CostContext(profile, hw, precision=opts.precision, sequence_parallel=opts.sequence_parallel)
     S = cand.num_stages
     ckpts = [list(ev.stages[j % S].chunk_checkpoints[j // S]) for j in range(cand.num_virtual)]
     real = evaluate_fixed(ctx, cand, ev.boundaries, ckpts, [st.option for st in ev.stages])

@@ -69,9 +69,9 @@ from whalepy.cost_models.communication import (
 )
 from whalepy.cost_models.compute import estimate_block_time, estimate_compute_time, precision_bytes
 from whalepy.cost_models.memory import estimate_model_state_bytes, estimate_offload_time, inflight_microbatches
-from whalepy.plan import Tier, ZeroStage
+from whalepy.plan import Tier, TPStyle, ZeroStage
 from whalepy.planner.space import Candidate, GroupView, Hardware, Segment, StateOption, build_layout
-from whalepy.profile import BlockProfile, ModelProfile
+from whalepy.profile import BlockKind, BlockProfile, ModelProfile
 
 USABLE_MEMORY_FRACTION = 0.9
 """Fraction of device memory the planner fills; the rest is left for the CUDA context, NCCL buffers,
@@ -114,6 +114,29 @@ def _shared_nic(group: CommGroup, sharers: int) -> CommGroup:
 
 def _pair_link(group: CommGroup) -> Link:
     return group.inter if group.num_nodes > 1 else group.intra
+
+
+TP_REPLICATED_ACTIVATION_FRACTION = 10 / 34
+"""Share of a transformer layer's saved activations that tensor parallelism does not split unless
+sequence parallelism is on: Korthikanti et al. 2022 count ``34 sbh`` bytes per layer besides the
+attention scores, of which ``10 sbh`` (the two layer-norm inputs, the dropout masks and inputs of the
+residual branches) stay whole on every TP rank, giving ``sbh(10 + 24/t + 5as/(ht))``; with sequence
+parallelism they are split too, ``sbh/t (34 + 5as/h)``. The profile measures a layer's total; this
+fraction applies Korthikanti's split to it."""
+
+
+def has_sequence_rules(profile: ModelProfile) -> bool:
+    return any(r.style is TPStyle.SEQUENCE for b in profile.blocks for r in b.tp_rules)
+
+
+def tp_activation_fraction(block: BlockProfile, tp: int, sequence_parallel: bool) -> float:
+    """Fraction of ``block``'s saved activations held per rank of a TP group of ``tp``."""
+    if not tp_applies(block, tp) or tp == 1:
+        return 1.0
+    if block.kind is BlockKind.LAYER and not sequence_parallel:
+        f = TP_REPLICATED_ACTIVATION_FRACTION
+        return f + (1 - f) / tp
+    return 1 / tp
 
 
 def tp_applies(block: BlockProfile, tp: int) -> bool:
@@ -201,10 +224,14 @@ class CandidateCoeffs:
 class CostContext:
     """Caches block-level costs shared across candidates of one planning run."""
 
-    def __init__(self, profile: ModelProfile, hw: Hardware, *, precision: str = "bf16") -> None:
+    def __init__(self, profile: ModelProfile, hw: Hardware, *, precision: str = "bf16",
+                 sequence_parallel: bool | None = None) -> None:
         self.profile = profile
         self.hw = hw
         self.precision = precision
+        # Sequence parallelism is on when the profile carries SEQUENCE rules (the runtime lowers them).
+        self.sequence_parallel = (has_sequence_rules(profile) if sequence_parallel is None
+                                  else sequence_parallel)
         # Profiles measure bytes in the model's own dtype (often fp32 when built for planning); training
         # keeps activations, communicated tensors and weight reads in the training precision.
         self.byte_scale = precision_bytes(precision) / (torch.finfo(getattr(torch, profile.dtype)).bits // 8)
@@ -346,7 +373,7 @@ def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: i
         seg_fwd.append(fwd)
         seg_bwd.append(bwd + ar)
         seg_comm.append(2 * ar)
-        seg_saved.append(b.activation_bytes * ratio * ctx.byte_scale / (t if tp_applies(b, t) else 1))
+        seg_saved.append(b.activation_bytes * ratio * ctx.byte_scale * tp_activation_fraction(b, t, ctx.sequence_parallel))
         seg_input.append(b.input_bytes * ratio * ctx.byte_scale)
     # point-to-point sends of this physical stage's chunks
     chunk_p2p = []

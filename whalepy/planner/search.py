@@ -329,7 +329,7 @@ def run_search(profile: ModelProfile, hw: Hardware, G: int, opts, *,  # type: ig
         if not pulp.HiGHS().available():
             solver = "cbc"
             notes.append("HiGHS (highspy) is not available: solved with CBC instead, which is slower")
-    ctx = CostContext(profile, hw, precision=opts.precision)
+    ctx = CostContext(profile, hw, precision=opts.precision, sequence_parallel=opts.sequence_parallel)
     cons = read_annotations(profile, hw)
     segments = build_segments(profile)
     options = build_state_options(opts.zero_stages, opts.allow_offload)

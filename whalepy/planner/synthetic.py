@@ -57,6 +57,7 @@ def transformer_profile(
     name: str = "transformer",
     layer_prefix: str = "h",
     annotations: dict[str, BlockAnnotations] | None = None,
+    sequence_parallel: bool = False,
 ) -> ModelProfile:
     """A GPT/Llama-shaped profile: blocks ``embed``, ``{layer_prefix}.0`` .. ``.{L-1}``, ``head``.
 
@@ -104,6 +105,9 @@ def transformer_profile(
                  TPRule(module=f"{p}.attn.proj", style=TPStyle.ROWWISE),
                  TPRule(module=f"{p}.mlp.fc", style=TPStyle.COLWISE),
                  TPRule(module=f"{p}.mlp.proj", style=TPStyle.ROWWISE))
+        if sequence_parallel:  # the two pre-norms run on sequence shards
+            rules += (TPRule(module=f"{p}.ln_1", style=TPStyle.SEQUENCE),
+                      TPRule(module=f"{p}.ln_2", style=TPStyle.SEQUENCE))
         blocks.append(block(1 + i, p, BlockKind.LAYER, params=layer_params, act=layer_act,
                             fwd=float(layer_fwd), input_bytes=hidden_bytes, output_bytes=hidden_bytes,
                             repeat_group=1, tp_rules=rules, tp_comm_bytes=2 * hidden_bytes,
