@@ -28,9 +28,22 @@ from whalepy.primitives import (
 from whalepy.estimate import Estimate, ParallelConfig, estimate
 from whalepy.planner import homogeneous_baseline, plan, plan_from_profile
 from whalepy.profile import ModelProfile, profile
-from whalepy.runtime import ParallelModel, parallelize
 
 __version__ = "0.1.0"
+
+_LAZY = {"parallelize": "whalepy.runtime", "ParallelModel": "whalepy.runtime"}
+"""Names whose modules import torch.distributed's heavier parts; loaded on first use, so planning
+from the command line does not pay for the runtime."""
+
+
+def __getattr__(name: str):  # noqa: ANN202 - module-level lazy attributes (PEP 562)
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'whalepy' has no attribute {name!r}")
 
 __all__ = [
     "AnnotationError",
