@@ -3,9 +3,10 @@
     torchrun --nproc-per-node 4 examples/train_gpt.py          # or: whalepy run -n 4 examples/train_gpt.py
     torchrun --nproc-per-node 4 examples/train_gpt.py --layout pp2xdp2
 
-Without ``--layout`` the planner chooses (``whalepy.plan``); a layout fixes the degrees by hand with
-``whalepy.runtime.make_plan``. Every rank builds the same model and feeds the same global batch;
-whalepy gives each replica its share.
+Without ``--layout`` the planner chooses (``whalepy.plan``); a layout fixes the degrees by hand:
+``whalepy.estimate`` costs that configuration and returns it as a plan (blocks and tensor-parallel rules
+from the model's profile). Every rank builds the same model and feeds the same global batch; whalepy
+gives each replica its share.
 """
 
 from __future__ import annotations
@@ -16,25 +17,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import whalepy
 from whalepy.models import GPT, GPTConfig
-from whalepy.plan import TPRule, TPStyle
-from whalepy.runtime import make_plan, parallelize
 
 LAYOUTS = {"dp4": dict(dp=4), "dp2xtp2": dict(dp=2, tp=2), "pp2xdp2": dict(pp=2, dp=2, num_microbatches=2),
-           "tp2xpp2": dict(tp=2, pp=2, num_microbatches=2)}
-
-
-def tp_rules(num_layers: int) -> list[TPRule]:
-    """What the front end's pattern pass finds for this model, written out for the fixed layouts."""
-    rules = [TPRule(module="transformer.wte", style=TPStyle.VOCAB),
-             TPRule(module="lm_head", style=TPStyle.COLWISE)]
-    for i in range(num_layers):
-        p = f"transformer.h.{i}"
-        rules += [TPRule(module=f"{p}.attn.{n}_proj", style=TPStyle.COLWISE) for n in "qkv"]
-        rules += [TPRule(module=f"{p}.attn.o_proj", style=TPStyle.ROWWISE),
-                  TPRule(module=f"{p}.mlp.fc_in", style=TPStyle.COLWISE),
-                  TPRule(module=f"{p}.mlp.fc_out", style=TPStyle.ROWWISE)]
-    return rules
+           "tp2xpp2": dict(tp=2, pp=2, num_microbatches=2, dp=1)}
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -52,17 +39,14 @@ def main() -> None:
     torch.manual_seed(0)
     model = GPT(cfg)
     example = torch.zeros(2, cfg.block_size, dtype=torch.long)
+    cluster = whalepy.ClusterSpec.local(4)
     plan = None
     if args.layout:
-        blocks = (["transformer.wte", "transformer.wpe"]
-                  + [f"transformer.h.{i}" for i in range(cfg.num_layers)] + ["transformer.ln_f", "lm_head"])
-        plan = make_plan(blocks, global_batch=args.batch, tensor_parallel=tp_rules(cfg.num_layers),
-                         model_name="GPT", **LAYOUTS[args.layout])
-    from whalepy.cluster import ClusterSpec
-
-    pm = parallelize(model, ClusterSpec.local(4), example_inputs=(example,), loss_fn=loss_fn,
-                     optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), global_batch=args.batch,
-                     plan=plan)
+        plan = whalepy.estimate(model, cluster, LAYOUTS[args.layout], example_inputs=(example,),
+                                global_batch=args.batch).plan
+    pm = whalepy.parallelize(model, cluster, example_inputs=(example,), loss_fn=loss_fn,
+                             optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), global_batch=args.batch,
+                             plan=plan)
     if not hasattr(pm, "meshes"):
         return  # not launched: parallelize printed how to launch
     g = torch.Generator().manual_seed(1)

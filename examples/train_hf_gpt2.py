@@ -3,8 +3,10 @@
     torchrun --nproc-per-node 4 examples/train_hf_gpt2.py            # DP x TP 2 x 2
     torchrun --nproc-per-node 4 examples/train_hf_gpt2.py --layout pp2xdp2
 
-GPT-2's ``Conv1D`` projections and fused ``c_attn`` are handled by the runtime (see docs/runtime.md);
-the model code is HF's own.
+The model code is HF's own, tied embeddings included. The layout's degrees are fixed by hand and
+``whalepy.estimate`` turns them into a plan, with the blocks and tensor-parallel rules that the front
+end finds in the model's FX graph (GPT-2's ``Conv1D`` projections and fused ``c_attn`` included; see
+docs/runtime.md).
 """
 
 from __future__ import annotations
@@ -16,23 +18,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from whalepy.plan import TPRule, TPStyle
-from whalepy.runtime import make_plan, parallelize
+import whalepy
 
 LAYOUTS = {"dp2xtp2": dict(dp=2, tp=2), "pp2xdp2": dict(pp=2, dp=2, num_microbatches=2),
            "dp4zero3": dict(dp=4, zero_stage=3)}
-
-
-def tp_rules(n_layer: int) -> list[TPRule]:
-    rules = [TPRule(module="transformer.wte", style=TPStyle.VOCAB),
-             TPRule(module="lm_head", style=TPStyle.COLWISE)]
-    for i in range(n_layer):
-        p = f"transformer.h.{i}"
-        rules += [TPRule(module=f"{p}.attn.c_attn", style=TPStyle.COLWISE),
-                  TPRule(module=f"{p}.attn.c_proj", style=TPStyle.ROWWISE),
-                  TPRule(module=f"{p}.mlp.c_fc", style=TPStyle.COLWISE),
-                  TPRule(module=f"{p}.mlp.c_proj", style=TPStyle.ROWWISE)]
-    return rules
 
 
 def loss_fn(out, targets: torch.Tensor) -> torch.Tensor:
@@ -48,18 +37,16 @@ def main() -> None:
     args = ap.parse_args()
 
     cfg = GPT2Config(vocab_size=256, n_positions=32, n_embd=64, n_layer=4, n_head=4, use_cache=False,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False,
-                     bos_token_id=0, eos_token_id=0)
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     torch.manual_seed(0)
     model = GPT2LMHeadModel(cfg)
-    blocks = (["transformer.wte", "transformer.wpe"] + [f"transformer.h.{i}" for i in range(cfg.n_layer)]
-              + ["transformer.ln_f", "lm_head"])
-    plan = make_plan(blocks, global_batch=args.batch, tensor_parallel=tp_rules(cfg.n_layer),
-                     model_name="GPT2LMHeadModel", **LAYOUTS[args.layout])
     example = torch.zeros(2, 32, dtype=torch.long)
-    pm = parallelize(model, None, example_inputs=(example,), loss_fn=loss_fn,
-                     optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), global_batch=args.batch,
-                     plan=plan)
+    cluster = whalepy.ClusterSpec.local(4)
+    plan = whalepy.estimate(model, cluster, LAYOUTS[args.layout], example_inputs=(example,),
+                            global_batch=args.batch).plan
+    pm = whalepy.parallelize(model, cluster, example_inputs=(example,), loss_fn=loss_fn,
+                             optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), global_batch=args.batch,
+                             plan=plan)
     if not hasattr(pm, "meshes"):
         return
     g = torch.Generator().manual_seed(1)

@@ -58,7 +58,7 @@ def capture(
     Raises :class:`whalepy.CaptureError` naming both tracers' errors when neither works.
     """
     if method not in ("auto", "export", "symbolic_trace"):
-        raise ValueError(f"unknown capture method {method!r}; use 'auto', 'export' or 'symbolic_trace'")
+        raise CaptureError(f"unknown capture method {method!r}; use 'auto', 'export' or 'symbolic_trace'")
     args, kwargs = normalize_inputs(example_inputs)
     args, kwargs = _to_model_device(model, args, kwargs)
     start = time.perf_counter()

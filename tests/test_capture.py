@@ -170,5 +170,5 @@ def test_capture_error_names_both_tracers_and_the_fixes() -> None:
 
 
 def test_unknown_method_is_refused() -> None:
-    with pytest.raises(ValueError, match="unknown capture method"):
+    with pytest.raises(whalepy.CaptureError, match="unknown capture method"):
         capture(Toy(), (torch.zeros(1, 2, dtype=torch.long),), method="dynamo")

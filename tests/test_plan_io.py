@@ -41,3 +41,13 @@ def test_wrong_model_fingerprint_is_refused(plan: Plan, tmp_path) -> None:  # ty
     Plan.load(path, model_fingerprint=plan.model_fingerprint)
     with pytest.raises(PlanError, match="fingerprint"):
         Plan.load(path, model_fingerprint="0" * 16)
+
+
+def test_malformed_plans_are_plan_errors() -> None:
+    from whalepy.plan import Plan
+    from whalepy.runtime import make_plan
+
+    with pytest.raises(PlanError, match="JSON object"):
+        Plan.from_json("[1, 2]")
+    with pytest.raises(PlanError, match="num_microbatches must be a positive integer"):
+        make_plan(["b0", "b1"], dp=2, global_batch=8, num_microbatches=0)

@@ -64,7 +64,9 @@ def test_ilp_matches_exhaustive(seed: int) -> None:
     ex = _solve(seed, "exhaustive")
     assert (ilp is None) == (ex is None), (ilp, ex)
     if ilp is not None:
-        assert ilp == pytest.approx(ex, rel=5e-3)
+        # within 0.5% of the exhaustive optimum, and never below it: both cost the same configurations
+        # with the same functions, so an ILP plan faster than the optimum would mean a wrong formulation
+        assert ex * (1 - 1e-9) <= ilp <= ex * (1 + 5e-3), (ilp, ex)
 
 
 def test_instances_exercise_memory_tradeoffs() -> None:

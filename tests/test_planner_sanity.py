@@ -125,8 +125,10 @@ def test_options_are_validated() -> None:
         plan_from_profile(_small(), a100(1), global_batch=8, solver="gurobi")
     with pytest.raises(PlanError, match="zero_stages"):
         plan_from_profile(_small(), a100(1), global_batch=8, zero_stages=(5,))
-    with pytest.raises(TypeError):
-        plan_from_profile(_small(), a100(1), global_batch=8, not_an_option=1)
+    with pytest.raises(PlanError, match=r"unknown planner option 'time_limit'.*did you mean time_limit_s"):
+        plan_from_profile(_small(), a100(1), global_batch=8, time_limit=1)
+    with pytest.raises(PlanError, match="virtual_stages"):
+        plan_from_profile(_small(), a100(1), global_batch=8, virtual_stages=())
 
 
 def test_exhaustive_refuses_large_instances() -> None:

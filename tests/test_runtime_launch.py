@@ -38,6 +38,15 @@ def _attempt(kind: str) -> str:
     elif kind == "nvme":
         plan = make_plan(["transformer.h.0", "transformer.h.1"], dp=2, global_batch=8,
                          zero_stage=3, param_tier="nvme")
+    elif kind == "per-rank batch":
+        pm = parallelize(model, spec, example_inputs=(x,), loss_fn=lm_loss, optimizer=adamw,
+                         global_batch=8, plan=plan)
+        local = torch.zeros(4, 16, dtype=torch.long)  # this rank's share instead of the global batch
+        try:
+            pm.train_step(local, local)
+        except WhalepyError as e:
+            return f"{type(e).__name__}: {e}"
+        return "no error"
     try:
         parallelize(model, spec, example_inputs=(x,), loss_fn=lm_loss, optimizer=adamw,
                     global_batch=8, plan=plan, profile=profile)
@@ -54,15 +63,16 @@ def _attempts(kinds: list[str]) -> list[str]:
 
 @pytest.mark.distributed
 def test_wrong_launches_raise_launch_error():
-    kinds = ["world", "model", "device", "nvme"]
+    kinds = ["world", "model", "device", "nvme", "per-rank batch"]
     msgs = run_distributed(_attempts, 2, kinds, timeout=120)
     for per_rank in msgs:
-        world, model, device, nvme = per_rank
+        world, model, device, nvme, batch = per_rank
         assert world.startswith("LaunchError") and "2 processes" in world and "for 4" in world
         assert "--nproc-per-node 4" in world
         assert model.startswith("LaunchError") and "fingerprint" in model
         assert device.startswith("LaunchError") and "A100" in device
         assert "nvme" in nvme and "transformer.h.0" in nvme and "param_tier" in nvme
+        assert "shape (4, 16)" in batch and "whole global batch (8 samples" in batch, batch
 
 
 def test_outside_a_launch_returns_plan_holder(monkeypatch, capsys):

@@ -15,6 +15,7 @@ import difflib
 import enum
 import hashlib
 import json
+import math
 import operator
 import os
 import warnings
@@ -129,7 +130,8 @@ def _is_count(value: object) -> bool:
 
 
 def _is_positive(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+            and math.isfinite(value))
 
 
 def _canonicalize(obj: object, fields: Sequence[str], grid: Any) -> None:

@@ -237,6 +237,10 @@ class Plan:
         self._validate()
 
     def _validate(self) -> None:
+        for name in ("world_size", "global_batch", "num_microbatches", "virtual_stages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise PlanError(f"plan field {name} must be a positive integer, got {value!r}")
         if self.version != PLAN_VERSION:
             raise PlanError(
                 f"plan version {self.version} is not supported by this whalepy (knows {PLAN_VERSION}); "
@@ -285,6 +289,11 @@ class Plan:
         if self.virtual_stages > 1 and self.schedule is not Schedule.INTERLEAVED_1F1B:
             raise PlanError(f"virtual_stages={self.virtual_stages} needs the interleaved schedule")
         for s in self.stages:
+            if self.virtual_stages == 1 and s.chunk_sizes:
+                raise PlanError(
+                    f"stage {s.index} has chunk_sizes {list(s.chunk_sizes)} but the plan has one virtual "
+                    "stage per rank; chunk sizes belong to interleaved plans only"
+                )
             if self.virtual_stages > 1 and len(s.chunk_sizes) != self.virtual_stages:
                 raise PlanError(
                     f"stage {s.index} has {len(s.chunk_sizes)} chunks, the plan has "
@@ -340,6 +349,8 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
+        if not isinstance(data, dict):
+            raise PlanError(f"a plan is a JSON object with a 'version' field, got {type(data).__name__}")
         version = data.get("version")
         if version != PLAN_VERSION:
             raise PlanError(

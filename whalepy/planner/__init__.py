@@ -74,7 +74,12 @@ class PlannerOptions:
         if not scheds:
             raise PlanError("schedules is empty: give at least one of " + ", ".join(s.value for s in Schedule))
         object.__setattr__(self, "schedules", scheds)
-        zs = tuple(int(z) for z in self.zero_stages)
+        if not self.ilp_time_limit_s > 0:
+            raise PlanError(f"ilp_time_limit_s must be positive, got {self.ilp_time_limit_s!r}")
+        try:
+            zs = tuple(int(z) for z in self.zero_stages)
+        except (TypeError, ValueError):
+            zs = ()
         if not zs or any(z not in (0, 1, 2, 3) for z in zs):
             raise PlanError(f"zero_stages={self.zero_stages!r}: give a non-empty subset of 0, 1, 2, 3")
         object.__setattr__(self, "zero_stages", zs)
@@ -84,8 +89,8 @@ class PlannerOptions:
             raise PlanError(f"precision={self.precision!r}: use bf16, fp16 or fp32")
         if self.top_k < 0:
             raise PlanError(f"top_k must be >= 0, got {self.top_k}")
-        if any(v < 1 for v in self.virtual_stages):
-            raise PlanError(f"virtual_stages must be >= 1, got {self.virtual_stages}")
+        if not self.virtual_stages or any(v < 1 for v in self.virtual_stages):
+            raise PlanError(f"virtual_stages must be a non-empty tuple of counts >= 1, got {self.virtual_stages!r}")
         if self.max_microbatches is not None and self.max_microbatches < 1:
             raise PlanError(f"max_microbatches must be >= 1, got {self.max_microbatches}")
 
@@ -114,7 +119,7 @@ def plan(model: Any, cluster: ClusterSpec, *, example_inputs: Any, global_batch:
     """The fastest predicted plan for training ``model`` on ``cluster`` with ``global_batch`` samples per
     step. ``options`` are the fields of :class:`PlannerOptions`. Raises
     :class:`~whalepy.InfeasibleError` when nothing fits, saying what runs short and what to relax."""
-    opts = PlannerOptions(**options)
+    opts = make_options(options)
     progress = _progress_fn(opts.progress)
     progress("capturing the model")
     from whalepy.profile import profile as build
@@ -126,7 +131,7 @@ def plan(model: Any, cluster: ClusterSpec, *, example_inputs: Any, global_batch:
 
 def plan_from_profile(profile: ModelProfile, cluster: ClusterSpec, *, global_batch: int, **options: Any) -> Plan:
     """:func:`plan` for a profile already made (by capture or :mod:`whalepy.planner.synthetic`)."""
-    opts = options if isinstance(options, PlannerOptions) else PlannerOptions(**options)
+    opts = make_options(options)
     if not isinstance(global_batch, int) or global_batch < 1:
         raise PlanError(f"global_batch must be a positive integer, got {global_batch!r}")
     if opts.homogeneous_baseline:
@@ -155,6 +160,19 @@ def _fields() -> list[str]:
     return [f.name for f in dataclasses.fields(PlannerOptions)]
 
 
+def make_options(options: dict[str, Any]) -> PlannerOptions:
+    """:class:`PlannerOptions` from keyword options; an unknown name is a PlanError with the closest ones."""
+    import difflib
+
+    known = _fields()
+    for name in options:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=2)
+            hint = f"did you mean {' or '.join(close)}? " if close else ""
+            raise PlanError(f"unknown planner option {name!r}; {hint}options are: {', '.join(known)}")
+    return PlannerOptions(**options)
+
+
 def _annotation_notes(result) -> list[str]:  # type: ignore[no-untyped-def]
     cons = result.constraints
     out = []
@@ -174,7 +192,7 @@ def homogeneous_baseline(profile: ModelProfile, cluster: ClusterSpec, *, global_
     from whalepy.planner.costing import CostContext
     from whalepy.planner.search import evaluate_fixed
 
-    opts = PlannerOptions(**options)
+    opts = make_options(options)
     hw = Hardware(cluster)
     slow = min((g.device for g in hw.groups), key=lambda d: (d.peak_flops_16, d.memory_bytes))
     small = min(g.device.memory_bytes for g in hw.groups)

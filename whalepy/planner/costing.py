@@ -405,12 +405,15 @@ def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: i
         else:
             step = g.gpus_per_node / CPU_ADAM_PARAMS_PER_S_PER_NODE + 4.0 / host
             if o.optimizer_tier is Tier.NVME:
-                step += 12.0 / g.nvme_read_bandwidth + 12.0 / g.nvme_write_bandwidth  # type: ignore[operator]
+                # the node's NVMe drives serve all its GPUs at once
+                step += g.gpus_per_node * (12.0 / g.nvme_read_bandwidth  # type: ignore[operator]
+                                           + 12.0 / g.nvme_write_bandwidth)  # type: ignore[operator]
         opt_beta[o] = step * per_local
         if o.param_tier is Tier.GPU:
             fetch_beta[o] = 0.0
         else:
-            nvme = g.nvme_read_bandwidth if o.param_tier is Tier.NVME else None
+            nvme = (g.nvme_read_bandwidth / g.gpus_per_node  # type: ignore[operator]
+                    if o.param_tier is Tier.NVME else None)  # shared by the node's GPUs
             per_byte = estimate_offload_time(bytes_to_move=n, host_link_bandwidth=host, nvme_read_bandwidth=nvme,
                                              compute_time_s=0.0, prefetch_depth=2) / n
             fetch_beta[o] = per_byte * 2 * 2 / d

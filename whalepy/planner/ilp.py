@@ -62,8 +62,6 @@ Memory is written in GiB and parameters in billions to keep the coefficients wel
 
 from __future__ import annotations
 
-import contextlib
-import os
 import tempfile
 import time
 from dataclasses import dataclass
@@ -429,7 +427,9 @@ def solve_candidate(cc: CandidateCoeffs, *, allowed_stages: dict[int, tuple[int,
     add_time_constraints(prob, cc, v)
     add_tail_constraints(prob, cc, v)
     add_memory_constraints(prob, cc, v)
-    with tempfile.TemporaryDirectory(prefix="whalepy_ilp_") as tmp, _chdir(tmp):
+    # CBC writes its model and solution files into tmpDir; HiGHS runs in-process. The process's working
+    # directory is left alone.
+    with tempfile.TemporaryDirectory(prefix="whalepy_ilp_") as tmp:
         status = prob.solve(make_solver(solver, time_limit_s, tmp, cutoff))
     sol_status = prob.sol_status
     nvars = len(prob.variables())
@@ -470,12 +470,3 @@ def _extract(cc: CandidateCoeffs, v: _Vars) -> Evaluation:
     options = [max(sc.options, key=lambda o: v.y[s][o].varValue or 0.0) for s, sc in enumerate(cc.stages)]
     return evaluate(cc, sizes, ckpts, options)
 
-
-@contextlib.contextmanager
-def _chdir(path: str):  # type: ignore[no-untyped-def]
-    old = os.getcwd()
-    os.chdir(path)
-    try:
-        yield
-    finally:
-        os.chdir(old)

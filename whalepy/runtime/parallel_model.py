@@ -242,8 +242,9 @@ class ParallelModel:
         self.loss_scale = plan.batch_shares[m.replica] * dp / plan.global_batch
         offload = needs_offload_policy(stage.blocks)
         self.dp_kind = choose_kind(stage.zero_stage, dp, tp=tp, pp=pp, offload=offload)
-        if self.dp_kind == DataParallelKind.FSDP and stage.zero_stage < 2 and dp > 1:
-            log.info("whalepy: stage %d ZeRO-%d lowered to FSDP2 (reshard_after_forward=False): DDP "
+        if self.dp_kind == DataParallelKind.FSDP and stage.zero_stage < 2 and dp > 1 and dist.get_rank() == 0:
+            # shards more than planned (less memory, the same gradient traffic): said, not silent
+            log.warning("whalepy: stage %d ZeRO-%d lowered to FSDP2 (reshard_after_forward=False): DDP "
                      "does not compose with %s", stage.index, int(stage.zero_stage),
                      "tensor parallelism" if tp > 1 else "pipeline stages or offload")
 
@@ -336,7 +337,15 @@ class ParallelModel:
 
     def train_step(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
         """One optimizer step on the global batch ``(inputs, targets)``; returns its mean loss."""
-        inputs = tuple(x[self._slice].to(self.device) for x in _as_tuple(inputs))
+        inputs = _as_tuple(inputs)
+        for x in (*inputs, targets):
+            if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] != self.plan.global_batch:
+                got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise WhalepyError(
+                    f"train_step got a tensor of shape {got}; every rank passes the whole global batch "
+                    f"({self.plan.global_batch} samples along dim 0) and whalepy takes this replica's "
+                    f"share ({self.plan.batch_shares[self.meshes.replica]} samples)")
+        inputs = tuple(x[self._slice].to(self.device) for x in inputs)
         targets = targets[self._slice].to(self.device)
         if self.schedule is not None:
             local = self._pipeline_step(inputs, targets)
