@@ -37,13 +37,18 @@ class PlannerOptions:
     """Budget of one candidate's ILP (capped by what is left of ``time_limit_s``); an ILP stopped by
     it keeps its best solution and reports its MIP gap."""
     schedules: tuple[Schedule, ...] = (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED_1F1B)
+    """Pipeline schedules searched (names or :class:`~whalepy.Schedule` members)."""
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    """ZeRO stages a pipeline stage may use."""
     allow_checkpointing: bool = True
+    """Let the planner recompute activations of chosen blocks in backward."""
     allow_offload: bool = True
     """Offload optimizer states (and, under ZeRO-3, parameters) to CPU, or NVMe where a group has it."""
     max_tp: int | None = None
     """Largest TP degree (default: GPUs per node; TP never leaves a node)."""
     precision: str = "bf16"
+    """Training precision: selects the device peak (``bf16``/``fp16`` tensor cores or ``fp32``) and the
+    bytes per activation element."""
     progress: bool | Callable[[str], None] = False
     """True: a line per phase on stderr; a callable receives the lines."""
     top_k: int = 5
@@ -51,6 +56,7 @@ class PlannerOptions:
     virtual_stages: tuple[int, ...] = (2,)
     """Model chunks per rank tried for the interleaved schedule."""
     max_microbatches: int | None = 256
+    """Largest micro-batch count tried per replica (None: up to the replica's batch share)."""
     sequence_parallel: bool = False
     """Run tensor-parallel layers with sequence parallelism (Korthikanti et al. 2022): norms and the
     residual stream split along the sequence, so activations divide fully by the TP degree. ``plan()``
@@ -60,6 +66,7 @@ class PlannerOptions:
     """Plan as if every GPU were the cluster's slowest type (uniform batch shares), then cost that plan
     on the real cluster: the baseline hardware-aware planning is compared against."""
     notes: tuple[str, ...] = field(default=())
+    """Lines copied into ``plan.notes`` (used by callers that adjust options, e.g. a solver fallback)."""
 
     def __post_init__(self) -> None:
         if self.solver not in SOLVERS:

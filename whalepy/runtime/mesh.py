@@ -159,6 +159,9 @@ def make_plan(
         raise PlanError(f"stage sizes {list(stage_sizes)} do not split {len(blocks)} blocks into {pp} "
                         "stages")
     ckpt = set(blocks) if checkpoint is True else set(checkpoint or ())
+    if batch_shares is None and global_batch % dp:
+        raise PlanError(f"global batch {global_batch} does not split evenly over {dp} data-parallel replicas; "
+                        "give batch_shares (samples per replica) or a batch divisible by dp")
     shares = tuple(batch_shares) if batch_shares is not None else (global_batch // dp,) * dp
     stages = []
     start = 0
