@@ -68,7 +68,7 @@ def _layout(plan: whalepy.Plan) -> tuple:
 def _worker() -> dict:
     import torch.distributed as dist
 
-    from test_runtime_cases import full_params
+    from runtime_cases import full_params
 
     cluster = whalepy.ClusterSpec.from_dict(CLUSTER)
     # No plan given: rank 0 plans and sends the plan to the others.

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dist_harness import run_distributed
-from test_runtime_cases import Case, adamw, gpt_model, lm_loss, make_case_plan
+from runtime_cases import Case, adamw, gpt_model, lm_loss, make_case_plan
 from whalepy._errors import LaunchError, PlanError, WhalepyError
 from whalepy.launch import add_run_subparser, build_torchrun_command
 from whalepy.runtime import UnlaunchedModel, make_plan, parallelize

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from dist_harness import run_distributed
-from test_runtime_cases import (
+from runtime_cases import (
     Case,
     adamw,
     batches,

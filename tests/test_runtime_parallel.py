@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from dist_harness import run_distributed
-from test_runtime_cases import Case, run_cases
+from runtime_cases import Case, run_cases
 
 pytestmark = pytest.mark.distributed
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from test_runtime_cases import (
+from runtime_cases import (
     SEQ,
     adamw,
     batches,
@@ -59,7 +59,7 @@ def test_pass_emits_sequence_rules_when_asked(kind, layer, norms, final):
     assert _sequence(prof.blocks[-1]) == {final}
     assert not _sequence(prof.blocks[0])  # the embedding block stays whole (scattered at the entry)
     # the other rules are those of the default profile; without the option, no SEQUENCE rule
-    from test_runtime_cases import case_profile
+    from runtime_cases import case_profile
     plain = case_profile(kind)
     for a, b in zip(plain.blocks, prof.blocks):
         assert not _sequence(a)
