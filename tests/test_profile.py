@@ -9,37 +9,15 @@ import whalepy
 from whalepy.passes import build_profile, model_fingerprint
 from whalepy.profile import BlockAnnotations, BlockKind
 
+from tiny_hf import ids as _ids
+from tiny_hf import tiny_hf_model
+
 transformers = pytest.importorskip("transformers")
-
-
-def _ids(batch: int, seq: int) -> torch.Tensor:
-    return torch.zeros(batch, seq, dtype=torch.long)
 
 
 def _model(name: str):
     """Small configs of the five reference architectures, on the meta device, with their inputs."""
-    with torch.device("meta"):
-        if name == "gpt2":
-            cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=512,
-                                          n_positions=64, use_cache=False)
-            return transformers.GPT2LMHeadModel(cfg), {"input_ids": _ids(2, 16)}
-        if name == "llama":
-            cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                           num_attention_heads=4, num_key_value_heads=2,
-                                           vocab_size=512, use_cache=False)
-            return transformers.LlamaForCausalLM(cfg), {"input_ids": _ids(2, 16)}
-        if name == "bert":
-            cfg = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                          intermediate_size=64, vocab_size=256)
-            return transformers.BertForMaskedLM(cfg), {"input_ids": _ids(2, 16)}
-        if name == "t5":
-            cfg = transformers.T5Config(d_model=32, d_ff=64, num_layers=2, num_decoder_layers=2,
-                                        num_heads=2, d_kv=16, vocab_size=256, use_cache=False)
-            return (transformers.T5ForConditionalGeneration(cfg),
-                    {"input_ids": _ids(2, 16), "decoder_input_ids": _ids(2, 8)})
-        cfg = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                     intermediate_size=64, image_size=32, patch_size=8, num_labels=10)
-        return transformers.ViTForImageClassification(cfg), {"pixel_values": torch.zeros(2, 3, 32, 32)}
+    return tiny_hf_model(name, num_layers=2)
 
 
 @pytest.fixture(scope="module")
