@@ -61,7 +61,8 @@ class DeviceType:
 
 
 _TERA = 1e12
-_GIB = 2**30
+GIB = 2**30
+"""Bytes in a GiB: device and host memory sizes are read as GiB (see the module docstring)."""
 _GBS = 1e9
 PCIE3_X16 = 16 * _GBS
 """PCIe 3.0 x16 per direction, nominal (8 GT/s x 16 lanes, 128b/130b: 15.75 GB/s)."""
@@ -74,7 +75,7 @@ PCIE5_X16 = 64 * _GBS
 def _row(name: str, vendor: str, tf16: float, tf32: float, mem_gib: float, bw_gbs: float,
          host: float, source: str) -> DeviceType:
     return DeviceType(name=name, vendor=vendor, peak_flops_16=tf16 * _TERA, peak_flops_32=tf32 * _TERA,
-                      memory_bytes=int(mem_gib * _GIB), memory_bandwidth=bw_gbs * _GBS,
+                      memory_bytes=int(mem_gib * GIB), memory_bandwidth=bw_gbs * _GBS,
                       host_link_bandwidth=host, source=source)
 
 
@@ -192,7 +193,7 @@ def match_device_name(reported: str, total_memory_bytes: int | None = None) -> D
     (``torch.cuda.get_device_properties(i).total_memory``) picks the size when the name does not.
     """
     tokens = "".join(c if c.isalnum() else " " for c in reported.upper()).split()
-    mem_gib = (total_memory_bytes or 0) / _GIB
+    mem_gib = (total_memory_bytes or 0) / GIB
     if "NVL" in tokens:  # H100 NVL: 94 GB and its own clocks, not in the catalog
         return None
     if "MI300X" in tokens:

@@ -7,10 +7,11 @@ import re
 from collections import Counter
 from typing import TYPE_CHECKING
 
+from whalepy.cost_models.devices import GIB
+
 if TYPE_CHECKING:
     from whalepy.plan import Plan
 
-_GIB = 2**30
 
 
 def compress_names(names: list[str] | tuple[str, ...]) -> str:
@@ -94,7 +95,7 @@ def format_plan(plan: Plan) -> str:
         tiers = sorted({f"opt:{b.optimizer_tier.value}" for b in s.blocks if b.optimizer_tier.value != "gpu"}
                        | {f"params:{b.param_tier.value}" for b in s.blocks if b.param_tier.value != "gpu"})
         k = s.cost
-        mem = (f"{k.memory_bytes / _GIB:.1f} / {k.capacity_bytes / _GIB:.1f} GiB" if k.capacity_bytes else "-")
+        mem = (f"{k.memory_bytes / GIB:.1f} / {k.capacity_bytes / GIB:.1f} GiB" if k.capacity_bytes else "-")
         rows.append((str(s.index), compress_names(s.block_names), dev, str(s.tp_degree), str(s.dp_degree),
                      str(int(s.zero_stage)), f"{ck}/{len(s.blocks)}", " ".join(tiers) or "-", _t(k.compute_s),
                      _t(k.comm_s), _t(k.bubble_s), mem))

@@ -7,6 +7,7 @@ import math
 
 from whalepy._errors import InfeasibleError
 from whalepy.cost_models.compute import peak_flops
+from whalepy.cost_models.devices import GIB
 from whalepy.plan import (
     Alternative,
     BlockPlan,
@@ -27,11 +28,10 @@ from whalepy.planner.costing import (
 from whalepy.planner.search import SearchResult
 from whalepy.planner.space import Candidate, Rejection
 
-_GB = 2**30
 
 
 def gb(x: float) -> str:
-    return f"{x / _GB:.1f} GiB"
+    return f"{x / GIB:.1f} GiB"
 
 
 def stage_blocks(ev: Evaluation) -> list[list[int]]:

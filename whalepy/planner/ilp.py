@@ -68,11 +68,11 @@ from dataclasses import dataclass
 
 import pulp
 
+from whalepy.cost_models.devices import GIB
 from whalepy.plan import ZeroStage
 from whalepy.planner.costing import CandidateCoeffs, Evaluation, evaluate
 from whalepy.planner.space import StateOption
 
-_GIB = float(2**30)
 _BILLION = 1e9
 
 
@@ -342,20 +342,20 @@ def add_memory_constraints(prob: pulp.LpProblem, cc: CandidateCoeffs, v: _Vars) 
     S, V = cc.candidate.num_stages, cc.candidate.virtual_stages
     G = len(cc.segments)
     for s, sc in enumerate(cc.stages):
-        states = {v.Q[s][o]: sc.mem_beta[o] * _BILLION / _GIB for o in sc.options}
+        states = {v.Q[s][o]: sc.mem_beta[o] * _BILLION / GIB for o in sc.options}
         for o in sc.options:
             if o.zero is ZeroStage.PARAMETERS:
-                states[v.y[s][o]] = states.get(v.y[s][o], 0.0) + sc.working_bytes / _GIB
-        cpu = {v.Q[s][o]: sc.cpu_beta[o] * _BILLION / _GIB for o in sc.options if sc.cpu_beta[o]}
-        nvme = {v.Q[s][o]: sc.nvme_beta[o] * _BILLION / _GIB for o in sc.options if sc.nvme_beta[o]}
+                states[v.y[s][o]] = states.get(v.y[s][o], 0.0) + sc.working_bytes / GIB
+        cpu = {v.Q[s][o]: sc.cpu_beta[o] * _BILLION / GIB for o in sc.options if sc.cpu_beta[o]}
+        nvme = {v.Q[s][o]: sc.nvme_beta[o] * _BILLION / GIB for o in sc.options if sc.nvme_beta[o]}
         seen_host = set()
         for ci, cell in enumerate(sc.cells):
-            k_in = cell.inflight / _GIB
+            k_in = cell.inflight / GIB
             ckpt_any = [g for g in range(G) if cell.seg_saved[g] > 0]
             P = _var(prob, f"P_{s}_{ci}", lowBound=0) if ckpt_any else None
             if P is not None:
                 for g in ckpt_any:
-                    _add(prob, {P: -1.0, v.h[s][g]: cell.seg_saved[g] / _GIB}, 0.0, pulp.LpConstraintLE,
+                    _add(prob, {P: -1.0, v.h[s][g]: cell.seg_saved[g] / GIB}, 0.0, pulp.LpConstraintLE,
                          f"memory_recompute_{s}_{ci}_{g}")
 
             def kept(j: int) -> tuple[dict, float]:  # type: ignore[type-arg]
@@ -381,15 +381,15 @@ def add_memory_constraints(prob: pulp.LpProblem, cc: CandidateCoeffs, v: _Vars) 
                     _add(prob, kd, kc, pulp.LpConstraintLE, f"activations_{s}_{ci}_{k}")
                 d[A] = 1.0
                 const = 0.0
-            _add(prob, d, const - cell.capacity / _GIB, pulp.LpConstraintLE, f"memory_{s}_{ci}")
+            _add(prob, d, const - cell.capacity / GIB, pulp.LpConstraintLE, f"memory_{s}_{ci}")
             hkey = (cell.cpu_capacity, cell.nvme_capacity)
             if hkey in seen_host:
                 continue
             seen_host.add(hkey)
             if cpu:
-                _add(prob, cpu, -(cell.cpu_capacity or 0.0) / _GIB, pulp.LpConstraintLE, f"host_memory_{s}_{ci}")
+                _add(prob, cpu, -(cell.cpu_capacity or 0.0) / GIB, pulp.LpConstraintLE, f"host_memory_{s}_{ci}")
             if nvme:
-                _add(prob, nvme, -(cell.nvme_capacity or 0.0) / _GIB, pulp.LpConstraintLE, f"nvme_{s}_{ci}")
+                _add(prob, nvme, -(cell.nvme_capacity or 0.0) / GIB, pulp.LpConstraintLE, f"nvme_{s}_{ci}")
 
 
 MIP_REL_GAP = 1e-4
