@@ -18,7 +18,7 @@ from whalepy.cluster import ClusterSpec
 from whalepy.plan import Plan, Schedule
 from whalepy.planner.build import build_alternatives, build_plan, raise_infeasible
 from whalepy.planner.search import run_search
-from whalepy.planner.space import Hardware
+from whalepy.planner.space import Hardware, RejectionKind
 from whalepy.profile import ModelProfile
 
 SOLVERS = ("highs", "cbc", "exhaustive")
@@ -185,9 +185,9 @@ def _annotation_notes(result) -> list[str]:  # type: ignore[no-untyped-def]
     out = []
     for kind, src in (cons.sources.items() if cons else []):
         out.append(f"honoured {src} ({kind} annotation: a hard constraint)")
-    pruned = sum(1 for r in result.rejections if "lower bound" in r.reason)
+    pruned = sum(1 for r in result.rejections if r.kind is RejectionKind.PRUNED)
     if pruned:
-        out.append(f"{pruned} of {result.num_candidates} candidates pruned by the analytic lower bound")
+        out.append(f"{pruned} of {result.num_candidates} candidates pruned by their lower bound")
     return out
 
 

@@ -634,25 +634,58 @@ def step_time(cc: CandidateCoeffs, T: float, Tc: float, X: float) -> float:
     return cc.candidate.num_microbatches * T + cc.chunk_coefficient * Tc + X
 
 
-def lower_bound(ctx: CostContext, cand: Candidate) -> float:
-    """A step time no plan of ``cand`` beats, times the bubble coefficient: for every replica, its
-    whole-model compute (with TP all-reduces) divided over its stages as if blocks were infinitely
-    divisible, ``T >= 1 / sum_s (1 / full_model_time_on_group(s))`` (``full / S`` on one device type);
-    no p2p, gradient sync or memory limits."""
-    best = 0.0
-    kinds = {(share, tuple(row[r] for row in cand.cell_groups)) for r, share in enumerate(cand.batch_shares)}
-    for share, groups in kinds:
-        mb = share / cand.num_microbatches
-        ratio = mb / ctx.profile.batch_size
-        full: dict[int, float] = {}
-        for g in set(groups):
-            view = ctx.hw.groups[g]
-            tp_group = ctx.hw.comm(view.ranks[:cand.tp]) if cand.tp > 1 else None
-            total = 0.0
-            for b in ctx.profile.blocks:
-                total += sum(ctx.block_time(b.index, view.device.name, cand.tp, mb))
-                if tp_group is not None and tp_applies(b, cand.tp) and b.tp_comm_bytes:
-                    total += 2 * ctx.collective(Collective.ALL_REDUCE, b.tp_comm_bytes * ratio, tp_group)
-            full[g] = total
-        best = max(best, 1.0 / sum(1.0 / full[g] for g in groups))
-    return cand.bubble_coefficient * best
+def lower_bound(cc: CandidateCoeffs) -> float:
+    """A step time no plan of ``cc``'s candidate beats, read off the coefficients its cost is made of.
+
+    It uses nothing but ``CellCoeffs.seg_time`` (per block of each segment, seconds per micro-batch:
+    what :func:`evaluate_stage` sums into a cell's ``compute``) and the shape of :func:`step_time`;
+    no constant of the cost model appears here, so whatever a block costs (compute model, byte scale,
+    TP communication) the bound moves with it. The argument, each step an inequality of the cost's
+    structure:
+
+    1. ``step = M T + (S - 1) Tc + X`` with ``X >= 0`` (a max of exposed sync ``max(0, .)`` plus an
+       optimizer step, both non-negative).
+    2. Per cell, ``time_s = max(compute, gather, fetch) + p2p >= compute`` (a max is at least its first
+       argument, ``p2p >= 0``), and ``compute = sum_g n_g seg_time_g + sum_g c_g seg_recompute_g
+       >= sum_g n_g seg_time_g =: C_s`` (recompute is non-negative). So ``T >= max_s C_s`` for every
+       replica's cells.
+    3. A chunk's time is ``max(compute_k, ...) + p2p_k >= compute_k`` and the chunks' ``compute_k`` sum
+       to the stage's ``compute``, so ``Tc >= max_s C_s / v``; with ``v = 1`` the chunk is the stage and
+       ``Tc = T``.
+    4. Relaxing the partition of replica ``r`` (``n_sg >= 0``, ``sum_s n_sg = L_g``, fractional), for
+       any weights ``lambda_s >= 0`` summing to one, ``max_s C_s >= sum_s lambda_s C_s >= sum_g L_g
+       min_s lambda_s w_sg`` with ``w_sg`` the seg_time of segment ``g`` on stage ``s``'s cell of
+       ``r``. The weights ``lambda_s ~ 1 / W_s`` (``W_s = sum_g L_g w_sg``, the whole model on that
+       cell) make this ``1 / sum_s (1 / W_s)`` when every cell runs every block alike (``W / S`` on one
+       device type), and never more than the fractional optimum otherwise.
+    5. Blocks are whole: a block of segment ``g`` runs on some stage and in some chunk, so
+       ``T >= Tc >= min_s w_sg`` for every segment.
+
+    Hence ``step >= M T* + (S - 1) Tc*`` with ``T* = max_r max(frac_r, block_r)`` and ``Tc* = T*``
+    (``v = 1``) or ``max(T* / v, max_r block_r)``: memory limits, gathers, fetches, p2p, recompute and
+    the tail only add to it. ``tests/test_planner_bound.py`` checks ``bound <= solved cost`` for every
+    candidate of random instances.
+
+    Only ``seg_time`` is read, which no state option changes, so ``cc`` may be built with no options
+    (``build_coefficients(ctx, cand, segments, ())``, what the search does: it skips the per-option
+    work for candidates it never solves).
+    """
+    cand = cc.candidate
+    S, v, M = cand.num_stages, cand.virtual_stages, cand.num_microbatches
+    lengths = [seg.length for seg in cc.segments]
+    T, B = 0.0, 0.0
+    # replicas whose stages all run in the same cells are one pipeline as far as the bound goes
+    cells = [{r: c for c in st.cells for r in c.replicas} for st in cc.stages]
+    pipelines = {tuple(id(cell_of[r]) for cell_of in cells): r for r in range(cand.dp)}
+    for r in pipelines.values():
+        w = [cell_of[r].seg_time for cell_of in cells]
+        whole = [sum(n * x for n, x in zip(lengths, row)) for row in w]
+        block = max(min(row[g] for row in w) for g, n in enumerate(lengths) if n > 0)
+        if min(whole) <= 0.0:
+            frac = 0.0
+        else:
+            norm = sum(1.0 / x for x in whole)
+            frac = sum(n * min(row[g] / (x * norm) for row, x in zip(w, whole)) for g, n in enumerate(lengths))
+        T, B = max(T, frac, block), max(B, block)
+    Tc = T if v == 1 else max(T / v, B)
+    return M * T + (S - 1) * Tc

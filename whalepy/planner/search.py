@@ -1,9 +1,12 @@
 """The outer search: enumerate candidates (degrees, micro-batches, schedule, device-group layout,
 batch shares), bound them, solve the promising ones with the ILP (or exhaustively), and keep the best.
 
-Candidates are visited in order of an analytic lower bound (:func:`costing.lower_bound`: the model's
-compute spread evenly over the stages, bubbles included, nothing else); once the bound of the next one
-is no better than the incumbent, the rest cannot win and are not solved.
+Candidates are visited in order of a lower bound on their step time (:func:`costing.lower_bound`,
+read off the same coefficients their cost is made of: the model's per-block compute spread over the
+stages as if blocks were divisible, bubbles included, nothing else); once the bound of the next one is
+no better than the incumbent, the rest cannot win and are not solved. The bound is below every plan of
+its candidate by construction (the argument is in its docstring), so the pruning never loses the
+optimum: ``tests/test_planner_bound.py`` checks this against a brute force without any pruning.
 
 Mixed clusters. Two layouts are enumerated: ``"replicas"`` (each data-parallel replica is a whole
 pipeline on one group; replicas get uneven integer batch shares, tried from uniform to proportional to
@@ -36,6 +39,7 @@ from whalepy.planner.space import (
     Candidate,
     Hardware,
     Rejection,
+    RejectionKind,
     Segment,
     StateOption,
     build_segments,
@@ -336,19 +340,24 @@ def run_search(profile: ModelProfile, hw: Hardware, G: int, opts, *,  # type: ig
     rejections: list[Rejection] = []
     progress(f"enumerating candidates for {hw.world_size} devices, global batch {G}")
     cands = enumerate_candidates(ctx, G, opts, cons, rejections, force_uniform=force_uniform)
-    bounded = sorted(((lower_bound(ctx, c), i, c) for i, c in enumerate(cands)), key=lambda x: (x[0], x[1]))
+    # A candidate's bound is read off its own cost coefficients (one fact, one place); they are built
+    # without the state options, which the bound does not read, and in full only for candidates solved.
+    bounded = sorted(((lower_bound(build_coefficients(ctx, c, segments, ())), i, c) for i, c in enumerate(cands)),
+                     key=lambda x: (x[0], x[1]))
     progress(f"{len(cands)} candidates; solving the promising ones with {solver}")
     solved: list[tuple[Candidate, ILPResult]] = []
     best: tuple[float, Evaluation, ILPResult] | None = None
     hit_limit = False
     for lb, _, cand in bounded:
         if best is not None and lb >= best[0] * (1 - 1e-9):
-            rejections.append(Rejection(cand, f"lower bound {lb:.3g} s >= best {best[0]:.3g} s (not solved)", lb))
+            rejections.append(Rejection(cand, f"pruned: its lower bound {lb:.4g} s is not below the best "
+                                        f"{best[0]:.4g} s", lb, kind=RejectionKind.PRUNED))
             continue
         remaining = opts.time_limit_s - (time.perf_counter() - t0)
         if remaining <= 0:
             hit_limit = True
-            rejections.append(Rejection(cand, "not solved: time limit reached", lb))
+            rejections.append(Rejection(cand, f"time limit: the search's {opts.time_limit_s:g} s ran out "
+                                        "before it was solved", lb, kind=RejectionKind.TIME_LIMIT))
             continue
         cc = build_coefficients(ctx, cand, segments, options)
         allowed = allowed_stage_ranges(cand, cons)

@@ -8,6 +8,7 @@ the batch share of every replica); what the ILP decides inside a candidate is de
 
 from __future__ import annotations
 
+import enum
 import functools
 import itertools
 from dataclasses import dataclass, field
@@ -235,6 +236,17 @@ def distinct_orders(items: tuple[int, ...], key: dict[int, str]) -> list[tuple[i
     return out
 
 
+class RejectionKind(enum.Enum):
+    """Why an outer candidate is not the plan (``plan.explain()`` words each one)."""
+
+    OUTER = "outer"
+    """Not a candidate at all: a part of the outer space the runtime or the cluster rules out."""
+    PRUNED = "pruned"
+    """Not solved: its lower bound is no better than the incumbent."""
+    TIME_LIMIT = "time limit"
+    """Not solved: the search's time ran out first."""
+
+
 @dataclass(slots=True)
 class Rejection:
     """Why an outer candidate was not solved or lost."""
@@ -243,3 +255,4 @@ class Rejection:
     reason: str
     step_time_s: float = float("inf")
     extra: dict = field(default_factory=dict)
+    kind: RejectionKind = RejectionKind.OUTER

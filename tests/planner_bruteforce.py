@@ -1,0 +1,153 @@
+"""A brute force over the planner's whole space, sharing no pruning with it, and random small instances.
+
+``brute_force`` walks every outer candidate (each schedule enumerated on its own, so the search's rule
+that drops GPipe where 1F1B ties it plays no part), every contiguous split of the blocks into virtual
+stages, every checkpoint count per segment of every chunk and every state option a stage's group can
+hold (including those :func:`costing._undominated` drops), costs each stage with the planner's own
+:func:`evaluate_stage` and every combination of stages with :func:`step_time`. No lower bound, no
+incumbent, no Pareto front, no dominance: only identical per-stage outcomes are merged, which loses
+nothing. What it shares with the planner is the definition of the space and of the cost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import random
+
+from whalepy.plan import Schedule
+from whalepy.planner import make_options
+from whalepy.planner.costing import (
+    CostContext,
+    build_coefficients,
+    chunk_counts_from_sizes,
+    evaluate_stage,
+    step_time,
+)
+from whalepy.planner.search import enumerate_candidates, read_annotations
+from whalepy.planner.space import Hardware, build_segments, build_state_options
+from whalepy.planner.synthetic import transformer_profile
+
+from planner_fixtures import as_fp32_capture, cluster, group, tiny_device
+
+
+def _splits(n: int, k: int):  # type: ignore[no-untyped-def]
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        b = (0, *cuts, n)
+        yield tuple(b[i + 1] - b[i] for i in range(k))
+
+
+def stage_outcomes(sc, chunks, dp: int, allow_checkpointing: bool) -> set[tuple[float, float, float, bool]]:  # type: ignore[no-untyped-def]
+    """``(T_s, Tc_s, X_s, fits)`` of every choice of one stage: checkpoint counts and state option."""
+    out = set()
+    flat = [n for row in chunks for n in row]
+    G = len(chunks[0])
+    for ck in itertools.product(*[range(n + 1) if allow_checkpointing else (0,) for n in flat]):
+        rows = [list(ck[k * G:(k + 1) * G]) for k in range(len(chunks))]
+        for o in sc.sync:  # every option the stage's groups can hold, dominated ones included
+            ev = evaluate_stage(sc, chunks, rows, o, dp=dp)
+            out.add((ev.time_s, ev.chunk_time_s, ev.tail_s, ev.fits))
+    return out
+
+
+def candidate_optimum(cc, allow_checkpointing: bool = True) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+    """``(best feasible step time, best step time ignoring memory)`` of one candidate, by enumeration."""
+    cand = cc.candidate
+    S, v = cand.num_stages, cand.virtual_stages
+    best_fit, best_any = math.inf, math.inf
+    for sizes in _splits(cc.num_blocks, cand.num_virtual):
+        rows = chunk_counts_from_sizes(cc, sizes)
+        per_stage = [sorted(stage_outcomes(cc.stages[s], [rows[s + k * S] for k in range(v)], cand.dp,
+                                           allow_checkpointing)) for s in range(S)]
+        for combo in itertools.product(*per_stage):
+            t = step_time(cc, max(c[0] for c in combo), max(c[1] for c in combo), max(c[2] for c in combo))
+            best_any = min(best_any, t)
+            if all(c[3] for c in combo):
+                best_fit = min(best_fit, t)
+    return best_fit, best_any
+
+
+def outer_candidates(ctx: CostContext, global_batch: int, **options):  # type: ignore[no-untyped-def]
+    """Every outer candidate of the planner's space, each schedule enumerated separately."""
+    opts = make_options(options)
+    cons = read_annotations(ctx.profile, ctx.hw)
+    seen, out = set(), []
+    for sched in opts.schedules:
+        one = dataclasses.replace(opts, schedules=(sched,))
+        for cand in enumerate_candidates(ctx, global_batch, one, cons, []):
+            if cand not in seen:
+                seen.add(cand)
+                out.append(cand)
+    return out, opts
+
+
+def brute_force(profile, cluster_spec, global_batch: int, **options) -> float:  # type: ignore[no-untyped-def]
+    """The fastest feasible step time over the whole space (``inf`` if nothing fits)."""
+    opts = make_options(options)
+    ctx = CostContext(profile, Hardware(cluster_spec), precision=opts.precision,
+                      sequence_parallel=opts.sequence_parallel)
+    cands, opts = outer_candidates(ctx, global_batch, **options)
+    segments = build_segments(profile)
+    state = build_state_options(opts.zero_stages, opts.allow_offload)
+    best = math.inf
+    for cand in cands:
+        cc = build_coefficients(ctx, cand, segments, state)
+        best = min(best, candidate_optimum(cc, opts.allow_checkpointing)[0])
+    return best
+
+
+# -- random instances ---------------------------------------------------------------------------------
+
+DEVICES = ("T4", "V100-32GB", "A100-80GB", "H100-SXM")
+LINKS = ("pcie3", "pcie4", "nvlink3")
+
+
+@dataclasses.dataclass(frozen=True)
+class Instance:
+    profile: object
+    cluster: object
+    global_batch: int
+    options: dict
+
+    def __repr__(self) -> str:  # what a failing test prints
+        p = self.profile
+        return (f"Instance({p.model_name}, dtype={p.dtype}, {len(p.blocks)} blocks, "
+                f"groups={[(g.name, g.gpu, g.gpus_per_node, g.num_nodes) for g in self.cluster.groups]}, "
+                f"batch={self.global_batch}, options={self.options})")
+
+
+def random_instance(rng: random.Random, *, max_layers: int = 4, max_world: int = 8,
+                    fp32_capture: bool | None = None, mixed: bool | None = None) -> Instance:
+    """A small transformer on a small cluster: captured in fp32 or bf16, trained in bf16/fp16/fp32, on one
+    device type or two, with memory from roomy to too small (some instances fit nothing)."""
+    layers = rng.randint(1, max_layers)
+    sp = rng.random() < 0.2
+    prof = transformer_profile(num_layers=layers, hidden=rng.choice([256, 512, 1024, 2048]),
+                               seq_len=rng.choice([128, 512, 1024, 2048]), vocab=rng.choice([8000, 32000, 50257]),
+                               num_heads=8, batch=1, name=f"rand{rng.getrandbits(32)}", sequence_parallel=sp)
+    if fp32_capture if fp32_capture is not None else rng.random() < 0.5:
+        prof = as_fp32_capture(prof)
+    need = 16 * prof.total_params  # plain data-parallel model states on one device
+    mixed = rng.random() < 0.4 if mixed is None else mixed
+    per_node = rng.choice([1, 2, 4])
+    nodes = rng.choice([1, 2]) if per_node * 2 <= max_world else 1
+    cpu = rng.choice([None, 64])
+    specs = [("a", rng.choice(DEVICES), nodes)]
+    if mixed:
+        other = rng.choice([d for d in DEVICES if d != specs[0][1]])
+        specs.append(("b", other, 1))
+    groups, custom = [], []
+    for name, base, n in specs:
+        dev = tiny_device(f"{base}-{rng.getrandbits(24)}", base, need * rng.uniform(0.2, 2.0) / 2**30)
+        groups.append(group(name, dev.name, per_node, n, link=rng.choice(LINKS), custom={dev.name: dev},
+                            cpu_gb=cpu, net_gbps=rng.choice([25, 100, 400])))
+        custom.append(dev)
+    c = cluster(*groups, custom=custom)
+    options = dict(precision=rng.choice(["bf16", "fp16", "fp32"]), max_microbatches=4,
+                   schedules=rng.choice([("1f1b",), ("gpipe", "1f1b"), ("1f1b", "interleaved_1f1b"),
+                                         ("gpipe", "1f1b", "interleaved_1f1b")]),
+                   zero_stages=rng.choice([(0,), (0, 1), (0, 3), (0, 1, 2, 3)]),
+                   allow_offload=rng.random() < 0.3, allow_checkpointing=rng.random() < 0.8,
+                   sequence_parallel=sp)
+    return Instance(prof, c, c.world_size * rng.choice([1, 2, 4]), options)
