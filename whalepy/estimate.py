@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from whalepy._capabilities import check_pipeline, sequence_parallel_error
 from whalepy._errors import PlanError
 from whalepy.cluster import ClusterSpec
 from whalepy.plan import Plan, Schedule, Tier, ZeroStage
@@ -55,8 +56,9 @@ class ParallelConfig:
                             f"{', '.join(s.value for s in Schedule)}") from None
         if self.zero_stage not in (0, 1, 2, 3):
             raise PlanError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
-        if self.virtual_stages > 1 and self.schedule is not Schedule.INTERLEAVED_1F1B:
-            raise PlanError("virtual_stages > 1 needs schedule='interleaved_1f1b'")
+        # what the runtime lowers (sequence parallelism is checked against the profile)
+        check_pipeline(self.schedule, num_stages=self.pp, virtual_stages=self.virtual_stages,
+                       num_microbatches=self.num_microbatches, sequence_parallel=False, where="ParallelConfig")
         if self.tp & (self.tp - 1):
             raise PlanError(f"tp={self.tp} must be a power of two")
         if self.offload is not None:
@@ -162,10 +164,13 @@ def _balanced_sizes(times: list[float], parts: int) -> list[int]:
 def estimate_from_profile(profile: ModelProfile, cluster: ClusterSpec, config: ParallelConfig | dict[str, Any], *,
                           global_batch: int, precision: str = "bf16") -> Estimate:
     from whalepy.planner.build import build_plan
-    from whalepy.planner.costing import CostContext, build_coefficients, evaluate
+    from whalepy.planner.costing import CostContext, build_coefficients, evaluate, has_sequence_rules
     from whalepy.planner.space import Candidate, Hardware, StateOption, build_segments
 
     cfg = _coerce(config)
+    sp = sequence_parallel_error(sequence_parallel=has_sequence_rules(profile) and cfg.tp > 1, num_stages=cfg.pp)
+    if sp is not None:
+        raise PlanError(f"ParallelConfig: {sp}")
     hw = Hardware(cluster)
     W = hw.world_size
     if cfg.dp * cfg.tp * cfg.pp != W:

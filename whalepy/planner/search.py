@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from whalepy._capabilities import microbatch_error, schedule_error, sequence_parallel_error
 from whalepy._errors import AnnotationError, InfeasibleError
 from whalepy.plan import Schedule
 from whalepy.planner.costing import (
@@ -177,6 +178,7 @@ def enumerate_candidates(ctx: CostContext, G: int, opts, cons: Constraints,  # t
     if cons.tp_one:
         tps = [1]
     out: list[Candidate] = []
+    refused: set[str] = set()
     multi = len(hw.groups) > 1
     for t in tps:
         if t > 1 and not any(tp_applies(b, t) for b in prof.blocks):
@@ -208,6 +210,12 @@ def enumerate_candidates(ctx: CostContext, G: int, opts, cons: Constraints,  # t
                     layouts.append((S, d, cg, "stages"))
         for S, d, cg, layout in layouts:
             if cons.dp is not None and d != cons.dp:
+                continue
+            sp = sequence_parallel_error(sequence_parallel=ctx.sequence_parallel and t > 1, num_stages=S)
+            if sp is not None:
+                if sp not in refused:
+                    refused.add(sp)
+                    rejections.append(Rejection(None, sp))
                 continue
             if cons.num_stages is not None and S != cons.num_stages:
                 continue
@@ -270,22 +278,29 @@ def _apportion(total: int, weights: list[float]) -> list[int] | None:
 
 
 def _schedules(S: int, M: int, N: int, opts, cons: Constraints, multi: bool):  # type: ignore[no-untyped-def]
+    """``(schedule, virtual stages)`` pairs the runtime lowers (:mod:`whalepy._capabilities`) for ``S``
+    stages and ``M`` micro-batches, less those the planner does not cost or never needs."""
     if S == 1:
         yield (Schedule.ONE_F_ONE_B if Schedule.ONE_F_ONE_B in opts.schedules else opts.schedules[0]), 1
         return
     for sched in opts.schedules:
-        if sched is Schedule.ONE_F_ONE_B and M < S:
-            continue  # torch.distributed.pipelining's Schedule1F1B needs at least as many micro-batches as stages
-        if sched is Schedule.GPIPE and Schedule.ONE_F_ONE_B in opts.schedules and M >= S:
+        one_f_one_b = Schedule.ONE_F_ONE_B in opts.schedules and _lowers(Schedule.ONE_F_ONE_B, S, 1, M)
+        if sched is Schedule.GPIPE and one_f_one_b:
             continue  # same step time as 1F1B, never fewer micro-batches in flight: dominated
         if sched is Schedule.INTERLEAVED_1F1B:
             if cons.num_stages is not None or (multi and cons.groups_of_block):
                 continue
+            # the costing's bubble and in-flight counts are Narayanan et al.'s, for M a multiple of S
             for v in opts.virtual_stages:
-                if v > 1 and M % S == 0 and M >= S and S * v <= N:
+                if v > 1 and M % S == 0 and S * v <= N and _lowers(sched, S, v, M):
                     yield sched, v
-        else:
+        elif _lowers(sched, S, 1, M):
             yield sched, 1
+
+
+def _lowers(sched: Schedule, S: int, v: int, M: int) -> bool:
+    return (schedule_error(sched, num_stages=S, virtual_stages=v) is None
+            and microbatch_error(sched, num_stages=S, num_microbatches=M) is None)
 
 
 # -- solving ----------------------------------------------------------------------------------------

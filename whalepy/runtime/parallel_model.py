@@ -31,8 +31,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from whalepy._capabilities import check_pipeline
 from whalepy._errors import LaunchError, PlanError, WhalepyError
-from whalepy.plan import Plan, Schedule, Tier
+from whalepy.plan import Plan, Tier, TPStyle
 from whalepy.runtime.checkpointing import (
     apply_activation_checkpointing,
     get_train_state,
@@ -225,6 +226,10 @@ class ParallelModel:
                  loss_fn: LossFn, optimizer_factory: OptimizerFactory, profile: Any,
                  device_type: str, loss_parallel: bool, sync_initial_weights: bool,
                  nvme_dir: str | os.PathLike[str] | None = None) -> None:
+        check_pipeline(plan.schedule, num_stages=plan.pp_degree, virtual_stages=plan.virtual_stages,
+                       num_microbatches=plan.num_microbatches,
+                       sequence_parallel=any(r.style is TPStyle.SEQUENCE for r in plan.tensor_parallel),
+                       where="the plan cannot be lowered (whalepy.plan never makes such a plan: re-plan)")
         self.plan = plan
         self.loss_fn = loss_fn
         self.loss_parallel = loss_parallel
@@ -305,11 +310,6 @@ class ParallelModel:
             from whalepy.runtime.pipeline import build_pipeline_schedule, microbatch_mean_loss
 
             schedule = plan.schedule
-            if schedule is Schedule.ONE_F_ONE_B and plan.num_microbatches < pp:
-                raise PlanError(
-                    f"the plan runs 1F1B with {plan.num_microbatches} micro-batches over {pp} stages; "
-                    "torch.distributed.pipelining's 1F1B needs at least as many micro-batches as stages. "
-                    "Re-plan (whalepy.plan never makes such a plan) or use schedule 'gpipe'")
             self.schedule = build_pipeline_schedule(
                 self._modules, self.stage_indices, num_stages=self.num_stages,
                 schedule=schedule.value, num_microbatches=plan.num_microbatches,
