@@ -19,16 +19,17 @@ def gpt3_plan():  # type: ignore[no-untyped-def]
                              sequence_parallel=True)
 
 
-def test_175b_on_1024_a100_tp_inside_nodes_pipeline_across(gpt3_plan) -> None:  # type: ignore[no-untyped-def]
+def test_175b_on_1024_a100_sequence_parallel_tp_inside_nodes_no_pipeline(gpt3_plan) -> None:  # type: ignore[no-untyped-def]
     p = gpt3_plan
     assert p.world_size == 1024
     assert all(t in (2, 4, 8) for t in p.tp_degrees)
-    assert p.pp_degree > 1
+    # the sequence-sharded residual stream cannot cross pipeline stages (whalepy._capabilities): the
+    # runtime refuses sequence parallelism with pp > 1, so the planner never offers it
+    assert p.pp_degree == 1
+    assert any("cannot cross pipeline stages" in a.reason for a in p.alternatives), p.explain()
     for s in p.stages:  # every TP group sits on consecutive local ranks of one node
         for row in s.ranks:
             assert len({r // 8 for r in row}) == 1
-    # pipeline stages span different nodes
-    assert len({s.ranks[0][0] // 8 for s in p.stages}) == p.pp_degree
     assert p.solver.status in ("optimal", "feasible")
     assert 0.2 < p.cost.mfu < 0.75
 
@@ -41,6 +42,8 @@ def test_175b_without_sequence_parallelism_keeps_tp_inside_nodes() -> None:
     for s in p.stages:
         for row in s.ranks:
             assert len({r // 8 for r in row}) == 1
+    # pipeline stages, if any, span different nodes
+    assert len({s.ranks[0][0] // 8 for s in p.stages}) == p.pp_degree
     assert all(st.cost.memory_bytes <= st.cost.capacity_bytes for st in p.stages)
 
 

@@ -26,7 +26,8 @@ from whalepy.planner.costing import (
     tp_applies,
 )
 from whalepy.planner.search import SearchResult
-from whalepy.planner.space import Candidate, Rejection
+from whalepy.planner.ilp import ILPResult
+from whalepy.planner.space import Candidate, Rejection, RejectionKind
 
 
 
@@ -143,32 +144,75 @@ def why_lost(ev: Evaluation, best: Evaluation, hw) -> str:  # type: ignore[no-un
     return f"{name} {a:.3g} s vs {b:.3g} s"
 
 
+ALTERNATIVE_RESOLVE_TIME_S = 2.0
+"""Most seconds spent re-solving, without the incumbent's cutoff, one candidate whose cutoff solve only
+showed that nothing of it beats the incumbent (to say whether it is slower or does not fit)."""
+
+
+def _slower(ev: Evaluation, best: Evaluation, res: ILPResult, hw) -> str:  # type: ignore[no-untyped-def]
+    if ev.step_time_s <= best.step_time_s:
+        head = f"ties the best within the solver's gap ({ev.step_time_s:.4g} s vs {best.step_time_s:.4g} s)"
+    else:
+        head = f"slower by {100 * (ev.step_time_s / best.step_time_s - 1):.1f}%: {why_lost(ev, best, hw)}"
+    if res.status == "feasible":
+        gap = "unknown" if math.isnan(res.mip_gap) else f"{100 * res.mip_gap:.2g}%"
+        head += f" (its ILP stopped at its time limit, gap {gap})"
+    return head
+
+
+def _resolve(result: SearchResult, cand: Candidate) -> ILPResult:
+    """The candidate solved again without a cutoff: its real outcome."""
+    from whalepy.planner.ilp import solve_candidate
+    from whalepy.planner.search import allowed_stage_ranges
+
+    assert result.ctx is not None and result.constraints is not None
+    cc = build_coefficients(result.ctx, cand, result.segments, result.options)
+    solver = result.solver_used if result.solver_used in ("highs", "cbc") else "highs"
+    return solve_candidate(cc, allowed_stages=allowed_stage_ranges(cand, result.constraints),
+                           allow_checkpointing=result.allow_checkpointing, solver=solver,
+                           time_limit_s=ALTERNATIVE_RESOLVE_TIME_S)
+
+
+def _outcome(result: SearchResult, cand: Candidate, res: ILPResult, best: Evaluation,  # type: ignore[no-untyped-def]
+             hw) -> tuple[str, float]:
+    """Why a solved candidate lost, in its real terms: slower by how much, short of memory by how much
+    where, or out of time. A cutoff solve (``res.status`` "no better than the incumbent") only shows
+    that nothing of it beats the incumbent, which is also what it shows when nothing of it fits: the
+    candidate is solved again without the cutoff to tell which. Returns the reason and the step time
+    (``inf`` when there is none)."""
+    if res.status == "no better than the incumbent":
+        res = _resolve(result, cand)
+        if res.status == "no solution":
+            return (f"time limit: nothing of it beats the best {best.step_time_s:.4g} s (its ILP with that "
+                    f"cutoff found nothing), and in {ALTERNATIVE_RESOLVE_TIME_S:g} s without the cutoff it "
+                    "found no plan, so whether it fits is not known"), math.inf
+    if res.evaluation is not None:
+        return _slower(res.evaluation, best, res, hw), res.evaluation.step_time_s
+    if res.status == "infeasible":
+        return memory_shortfall_text(result.ctx, cand, result), math.inf
+    return f"time limit: its ILP found no plan within its time limit ({res.solve_time_s:.2g} s)", math.inf
+
+
 def build_alternatives(result: SearchResult, best: Evaluation, top_k: int, hw) -> tuple[Alternative, ...]:  # type: ignore[no-untyped-def]
+    """The runners-up and, for each other way a candidate lost, at least one example with its reason:
+    slower (by how much and why), does not fit (by how much, on which group), time limit, pruned by its
+    lower bound, or ruled out of the outer space."""
     alts: list[Alternative] = []
     best_cand = best.coeffs.candidate
-    solved = sorted((r for r in result.solved if r[1].evaluation is not None and r[0] != best_cand),
-                    key=lambda r: r[1].evaluation.step_time_s)  # type: ignore[union-attr]
-    for cand, res in solved[:top_k]:
-        ev = res.evaluation
-        assert ev is not None
-        alts.append(Alternative(description=cand.describe(hw.groups), step_time_s=ev.step_time_s,
-                                reason=f"{ev.step_time_s / best.step_time_s:.2f}x slower: {why_lost(ev, best, hw)}"))
-    infeasible = [r for r in result.solved if r[1].status == "infeasible"]
-    for cand, _ in infeasible[: max(1, top_k - len(alts))]:
-        alts.append(Alternative(description=cand.describe(hw.groups), step_time_s=math.inf,
-                                reason="does not fit: " + memory_shortfall_text(result.ctx, cand, result)))
-    beaten = [r for r in result.solved if r[1].status == "no better than the incumbent"]
-    for cand, _ in beaten[: max(1, top_k - len(alts))]:
-        alts.append(Alternative(description=cand.describe(hw.groups), step_time_s=math.inf,
-                                reason="its ILP proved no plan of it beats the incumbent"))
-    for rej in result.rejections:
-        if len(alts) >= top_k + 2:
-            break
-        if rej.candidate is None:
-            alts.append(Alternative(description="(outer space)", step_time_s=math.inf, reason=rej.reason))
-        elif "lower bound" in rej.reason:
-            alts.append(Alternative(description=rej.candidate.describe(hw.groups), step_time_s=math.inf,
-                                    reason=rej.reason))
+    others = [(c, r) for c, r in result.solved if c != best_cand]
+    solved = sorted((x for x in others if x[1].evaluation is not None),
+                    key=lambda x: x[1].evaluation.step_time_s)  # type: ignore[union-attr]
+    unsolved = [x for x in others if x[1].evaluation is None]
+    shown = solved[:top_k]
+    for status in ("infeasible", "no better than the incumbent", "no solution"):
+        shown += [x for x in unsolved if x[1].status == status][: max(1, top_k - len(shown))]
+    for cand, res in shown:
+        reason, t = _outcome(result, cand, res, best, hw)
+        alts.append(Alternative(description=cand.describe(hw.groups), step_time_s=t, reason=reason))
+    for kind in (RejectionKind.TIME_LIMIT, RejectionKind.PRUNED, RejectionKind.OUTER):
+        for rej in [r for r in result.rejections if r.kind is kind][: max(1, top_k - len(alts))]:
+            desc = "(outer space)" if rej.candidate is None else rej.candidate.describe(hw.groups)
+            alts.append(Alternative(description=desc, step_time_s=math.inf, reason=rej.reason))
     big = 2 * max(g.gpus_per_node for g in hw.groups)
     if hw.world_size >= big:
         alts.append(Alternative(description=f"tp={big}", step_time_s=math.inf,
@@ -207,13 +251,19 @@ def _min_memory(ctx: CostContext, cand: Candidate, result: SearchResult):  # typ
 
 
 def memory_shortfall_text(ctx, cand: Candidate, result: SearchResult) -> str:  # type: ignore[no-untyped-def]
+    """Why a candidate the solver found infeasible does not fit, measured on its least-memory layout
+    (even split, every block checkpointed where allowed, the least-memory state option per stage)."""
     ratio, st, cell = _min_memory(ctx, cand, result)
     g = cell.cell.group
     if ratio <= 1.0:
-        return (f"even the least-memory layout needs the annotated stage boundaries or host memory it "
-                f"cannot have (stage {st.index} on {g.name!r})")
-    return (f"stage {st.index} on group {g.name!r} ({g.device.name}) needs {gb(cell.memory_bytes)} per device, "
-            f"has {gb(cell.cell.capacity)} usable: {gb(cell.memory_bytes - cell.cell.capacity)} short")
+        return (f"does not fit: its least-memory layout fits the devices, so the annotated stage boundaries "
+                f"or the host memory / NVMe its offloaded states need rule it out (stage {st.index} on group "
+                f"{g.name!r})")
+    short = cell.memory_bytes - cell.cell.capacity
+    by = gb(short) if short >= 0.1 * GIB else f"{short / 2**20:.0f} MiB"
+    return (f"does not fit by {by} on group {g.name!r} "
+            f"({g.device.name}): stage {st.index} needs {gb(cell.memory_bytes)} per device in its least-memory "
+            f"layout ({st.option}), {gb(cell.cell.capacity)} usable")
 
 
 def raise_infeasible(result: SearchResult, opts, global_batch: int) -> None:  # type: ignore[no-untyped-def]
@@ -267,8 +317,6 @@ def raise_infeasible(result: SearchResult, opts, global_batch: int) -> None:  # 
     raise InfeasibleError(head + " To fit: " + "; ".join(fixes) + ".")
 
 
-def rejected_summary(rejections: list[Rejection]) -> int:
-    return sum(1 for r in rejections if "lower bound" in r.reason)
 
 
 __all__ = ["build_alternatives", "build_plan", "raise_infeasible"]

@@ -1,0 +1,90 @@
+"""``plan.explain()`` states the real reason each alternative lost, and each reason is checked against
+what is true of that candidate: "slower by x%" against both step times, "does not fit by y GiB on group
+g" against a brute force finding no plan of it that fits, "pruned: its lower bound x s ..." against the
+bound, "time limit" when the search ran out of time. Nothing that did not fit or ran out of time is
+called "no better than the incumbent"."""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+import time
+
+from whalepy._errors import InfeasibleError
+from whalepy.planner import make_options, plan_from_profile
+from whalepy.planner.costing import CostContext, build_coefficients, lower_bound
+from whalepy.planner.space import Hardware, build_segments, build_state_options
+from whalepy.planner.synthetic import gpt_profile
+
+from planner_bruteforce import candidate_optimum, outer_candidates, random_instance
+from planner_fixtures import a100
+
+SEEDS = range(30)
+
+
+def _check_plan(inst, plan) -> set[str]:  # type: ignore[no-untyped-def]
+    """Check every alternative's reason against the truth; return the kinds of reason seen."""
+    opts = make_options(inst.options)
+    ctx = CostContext(inst.profile, Hardware(inst.cluster), precision=opts.precision,
+                      sequence_parallel=opts.sequence_parallel)
+    cands, _ = outer_candidates(ctx, inst.global_batch, **inst.options)
+    by_desc = {c.describe(ctx.hw.groups): c for c in cands}
+    segments, options = build_segments(inst.profile), build_state_options(opts.zero_stages, opts.allow_offload)
+    best = plan.cost.step_time_s
+    kinds = set()
+    for alt in plan.alternatives:
+        r = alt.reason
+        assert "no better than the incumbent" not in r and "proved" not in r, r
+        if r.startswith(("slower by", "ties the best")):
+            kinds.add("slower")
+            m = re.match(r"slower by ([\d.]+)%", r)
+            if m:
+                assert alt.step_time_s > best
+                assert float(m.group(1)) == round(100 * (alt.step_time_s / best - 1), 1), (r, alt.step_time_s, best)
+        elif r.startswith("does not fit"):
+            kinds.add("does not fit")
+            assert re.match(r"does not fit by [\d.]+ (GiB|MiB) on group '\w+'", r), r
+            cc = build_coefficients(ctx, by_desc[alt.description], segments, options)
+            assert math.isinf(candidate_optimum(cc, opts.allow_checkpointing)[0]), (alt, inst)
+        elif r.startswith("pruned"):
+            kinds.add("pruned")
+            lb = float(re.match(r"pruned: its lower bound ([\d.e+-]+) s", r).group(1))
+            cc = build_coefficients(ctx, by_desc[alt.description], segments, ())
+            assert math.isclose(lb, lower_bound(cc), rel_tol=1e-3) and lower_bound(cc) >= best * (1 - 1e-9), r
+    return kinds
+
+
+def test_reasons_are_true_on_random_instances(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import whalepy.planner.build as build
+
+    resolved: list[str] = []  # candidates whose HiGHS cutoff solve only said "nothing beats the incumbent"
+    real = build._resolve
+    monkeypatch.setattr(build, "_resolve", lambda result, cand: resolved.append(
+        (r := real(result, cand)).status) or r)
+    seen: set[str] = set()
+    for seed in SEEDS:
+        inst = random_instance(random.Random(seed))
+        try:
+            plan = plan_from_profile(inst.profile, inst.cluster, global_batch=inst.global_batch, **inst.options)
+        except InfeasibleError:
+            continue
+        seen |= _check_plan(inst, plan)
+    assert {"slower", "does not fit", "pruned"} <= seen, seen
+    # some cut-off candidates were in fact slower and some did not fit at all: the cutoff status alone
+    # could not tell these apart
+    assert {"optimal", "infeasible"} <= set(resolved), resolved
+
+
+def test_time_limit_is_said() -> None:
+    """The search runs out of time right after its first solved candidate (its progress callback sleeps
+    past the limit): the candidates left are reported as such, with the limit."""
+    def slow(msg: str) -> None:
+        if "best so far" in msg:
+            time.sleep(0.3)
+
+    p = plan_from_profile(gpt_profile("gpt3-1.3b"), a100(1), global_batch=64, time_limit_s=0.2, progress=slow)
+    reasons = [a.reason for a in p.alternatives]
+    assert any(r.startswith("time limit: the search's 0.2 s ran out before it was solved") for r in reasons), reasons
+    assert any("time limit" in n for n in p.notes)
+    assert "time limit" in p.explain()
