@@ -658,8 +658,8 @@ def lower_bound(cc: CandidateCoeffs) -> float:
        ``r``. The weights ``lambda_s ~ 1 / W_s`` (``W_s = sum_g L_g w_sg``, the whole model on that
        cell) make this ``1 / sum_s (1 / W_s)`` when every cell runs every block alike (``W / S`` on one
        device type), and never more than the fractional optimum otherwise.
-    5. Blocks are whole: a block of segment ``g`` runs on some stage and in some chunk, so
-       ``T >= Tc >= min_s w_sg`` for every segment.
+    5. Blocks are whole: a block of segment ``g`` runs on some stage and in some chunk of it, so ``T``
+       and ``Tc`` are both at least ``min_s w_sg``, for every segment.
 
     Hence ``step >= M T* + (S - 1) Tc*`` with ``T* = max_r max(frac_r, block_r)`` and ``Tc* = T*``
     (``v = 1``) or ``max(T* / v, max_r block_r)``: memory limits, gathers, fetches, p2p, recompute and
