@@ -6,6 +6,10 @@ stage every checkpoint count per segment of each chunk and every state option. T
 ``M max_s T_s + (S - 1) max_s Tc_s + max_s X_s`` is monotone in each stage's ``(T_s, Tc_s, X_s)``, so
 per stage only the Pareto-optimal feasible choices are kept and combined stage by stage, which is exact. Meant for small
 instances (tests of the ILP); :data:`MAX_PARTITIONS` bounds the work.
+
+It is exhaustive over one candidate's inner space only: as ``solver="exhaustive"`` it runs inside the
+outer search, which prunes candidates by their lower bound like it does for the ILP. The check of the
+whole search against enumeration without any pruning is ``tests/planner_bruteforce.py``.
 """
 
 from __future__ import annotations
