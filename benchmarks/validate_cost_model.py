@@ -28,12 +28,12 @@ import published as pub  # noqa: E402
 
 from whalepy.cluster import ClusterSpec  # noqa: E402
 from whalepy.cost_models.communication import Collective, estimate_collective_time  # noqa: E402
-from whalepy.cost_models.compute import attention_train_time  # noqa: E402
+from whalepy.cost_models.compute import gemm_time, memory_bound_time  # noqa: E402
 from whalepy.cost_models.device_profiles import resolve_compute_profile  # noqa: E402
 from whalepy.cost_models.devices import CATALOG  # noqa: E402
 from whalepy.cost_models.memory import estimate_model_state_bytes  # noqa: E402
 from whalepy.estimate import estimate_from_profile  # noqa: E402
-from whalepy.models import GPT, GPTConfig  # noqa: E402
+from whalepy.models import GPT, Attention, GPTConfig  # noqa: E402
 from whalepy.planner.costing import CostContext  # noqa: E402
 from whalepy.planner.space import Hardware  # noqa: E402
 from whalepy.profile import profile  # noqa: E402
@@ -48,17 +48,40 @@ def dgx_a100(gpus: int) -> ClusterSpec:
          "cpu_memory_gb": 2048}]})
 
 
-def gpt_profile_captured(hidden: int, heads: int, layers: int, vocab: int = pub.VOCAB, seq: int = pub.SEQ):
-    cfg = GPTConfig(vocab_size=vocab, block_size=seq, num_layers=layers, num_heads=heads, hidden_size=hidden)
+class MegatronAttention(Attention):
+    """Attention as Megatron-LM ran it in 2021-22 (no flash kernel): ``Q K^T`` as a batched GEMM into an
+    ``[b, a, s, s]`` score tensor, its fused scale + causal-mask + softmax kernel (one kernel: modelled as
+    one softmax over the scores), dropout on the probabilities (``--attention-dropout`` 0.1, the
+    default), then the batched GEMM with ``V``. Used only for costing, never run."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        probs = torch.nn.functional.dropout(torch.softmax(q @ k.transpose(-2, -1), dim=-1), 0.1, self.training)
+        y = (probs @ v).transpose(1, 2).reshape(b, t, -1)
+        return self.resid_dropout(self.o_proj(y))
+
+
+def gpt_profile_captured(hidden: int, heads: int, layers: int, vocab: int = pub.VOCAB, seq: int = pub.SEQ,
+                         megatron: bool = False):
+    """A meta-device whalepy GPT of this shape, captured. ``megatron``: Megatron-LM's 2021 attention and
+    its default dropout (0.1 on attention probabilities and on both residual branches)."""
+    cfg = GPTConfig(vocab_size=vocab, block_size=seq, num_layers=layers, num_heads=heads, hidden_size=hidden,
+                    dropout=0.1 if megatron else 0.0)
     with torch.device("meta"):
         model = GPT(cfg)
+    if megatron:
+        for block in model.transformer.h:
+            block.attn.__class__ = MegatronAttention
     return profile(model, (torch.zeros(1, seq, dtype=torch.long, device="meta"),))
 
 
-def table1_rows() -> list[dict]:
+def table1_rows(megatron: bool = True) -> list[dict]:
     out = []
     for name, heads, h, layers, tp, pp, gpus, batch, mb, v, tflops, _pct in pub.TABLE1:
-        prof = gpt_profile_captured(h, heads, layers)
+        prof = gpt_profile_captured(h, heads, layers, megatron=megatron)
         dp = gpus // (tp * pp)
         cfg = dict(dp=dp, tp=tp, pp=pp, num_microbatches=batch // (dp * mb), checkpoint=True,
                    schedule="interleaved_1f1b" if v > 1 else "1f1b", virtual_stages=v)
@@ -84,17 +107,20 @@ def zero_rows() -> list[dict]:
 
 def korthikanti_rows() -> list[dict]:
     k = pub.KORTHIKANTI_22B
-    prof = gpt_profile_captured(k["hidden"], k["heads"], 2)
+    prof = gpt_profile_captured(k["hidden"], k["heads"], 2, megatron=True)
     cluster = dgx_a100(8)
     ctx = CostContext(prof, Hardware(cluster), precision="fp16")
     layer = next(b for b in prof.blocks if b.kind.value == "layer")
     fwd, bwd = ctx.block_time(layer.index, A100.name, k["tp"], float(k["micro_batch"]))
     group = cluster.comm_group(list(range(k["tp"])))
     ar = estimate_collective_time(Collective.ALL_REDUCE, layer.tp_comm_bytes * k["micro_batch"] * ctx.byte_scale, group)
-    a = layer.kernels.attention[0]
-    attn_fwd, _ = attention_train_time(a.batch_heads * k["micro_batch"] / k["tp"], a.q_len, a.kv_len, a.head_dim,
-                                       a.v_dim, a.causal, device=A100, profile=resolve_compute_profile(A100),
-                                       precision="fp16")
+    # selective recompute re-runs the attention core: the two batched GEMMs over the local heads, and the
+    # softmax (read 2 + write 2 bytes per fp16 score) and dropout (2 + 2 + a 1-byte mask) on b a s^2 / t scores
+    prof_a100 = resolve_compute_profile(A100)
+    core = sum(gemm_time(g.m, g.k, g.n, batch=g.batch * k["micro_batch"] / k["tp"], device=A100,
+                         profile=prof_a100, precision="fp16") for g in layer.kernels.gemms if g.shard == "batch")
+    scores = k["micro_batch"] * k["heads"] / k["tp"] * k["seq"] ** 2
+    attn_fwd = core + memory_bound_time(9 * scores, prof_a100)
     rows = [("forward", k["forward_ms"], fwd, fwd + ar),
             ("backward", k["backward_ms"], bwd, bwd + ar),
             ("backward + full recompute", k["backward_full_recompute_ms"], bwd + fwd, bwd + fwd + 2 * ar),

@@ -17,7 +17,7 @@ The model (docs/cost_model.md, "Compute", has the derivation, the fit and its re
   when causal (the kernel skips masked tiles), ``2.5x`` that backward (the kernel recomputes
   ``Q K^T``), at the profile's ``attention_efficiency`` of peak.
 - **Memory-bound kernels** (norms, activations, element-wise, copies): bytes / measured bandwidth,
-  twice the forward bytes in backward.
+  :data:`MEMORY_BOUND_BACKWARD_RATIO` times the forward bytes in backward.
 - **Launch cost**: eager PyTorch launches kernels from the host; when they are small the host, not the
   device, sets the pace. A block's forward (backward) takes ``max(device time, launches * launch_cost)``.
 
@@ -152,6 +152,13 @@ ATTENTION_BACKWARD_FLOP_RATIO = 2.5
 "FlashAttention-2", 2023, counts its backward throughput the same way)."""
 
 
+MEMORY_BOUND_BACKWARD_RATIO = 1.5
+"""Backward bytes of a memory-bound kernel per forward byte: an element-wise or normalisation kernel reads
+its input and writes its output (two tensors) forward; its backward reads the output gradient and the
+saved input or output and writes the input gradient (three). Dropout's backward moves about what its
+forward does, a residual add's backward nothing; 1.5 is the common case."""
+
+
 def gemm_time(m: float, k: float, n: float, *, device: DeviceType, profile: ComputeProfile,
               precision: Precision | str = Precision.BF16, batch: float = 1) -> float:
     """Device seconds of ``[batch x] (m x k) @ (k x n)`` (module docstring: tiles in waves, roofline)."""
@@ -224,6 +231,8 @@ def estimate_kernels_time(kernels: Any, *, device: DeviceType, precision: Precis
             n = n / tp
         elif tp > 1 and g.shard == "k":
             k = k / tp
+        elif tp > 1 and g.shard == "batch":
+            batch = batch / tp
         f, b = gemm_train_time(m, k, n, device=device, profile=prof, precision=precision, batch=batch,
                                grad_input=g.grad_input, grad_weight=g.grad_weight)
         fwd, bwd = fwd + f, bwd + b
@@ -234,7 +243,7 @@ def estimate_kernels_time(kernels: Any, *, device: DeviceType, precision: Precis
         fwd, bwd = fwd + f, bwd + b
     mem = memory_bound_time(kernels.memory_bytes * batch_ratio * byte_scale / tp, prof)
     fwd += mem
-    bwd += BACKWARD_TO_FORWARD_RATIO * mem
+    bwd += MEMORY_BOUND_BACKWARD_RATIO * mem
     return (max(fwd, kernels.ops_fwd * prof.launch_overhead_s),
             max(bwd, kernels.ops_bwd * prof.launch_overhead_s))
 

@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import json
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -181,6 +182,12 @@ def _resolve(device: DeviceType, dirs: tuple[Path, ...], _stamp: tuple[float, ..
         if p.is_file():
             return load_profile_file(p)
     return shipped_profile(device.name) or datasheet_profile(device)
+
+
+def compute_profile_notes(devices: Iterable[DeviceType]) -> tuple[str, ...]:
+    """One line per device type for the plan's notes: which profile its compute costs came from."""
+    seen = dict.fromkeys(devices)
+    return tuple(f"compute costs for {d.name}: {resolve_compute_profile(d).source}" for d in seen)
 
 
 def with_source(profile: ComputeProfile, source: str) -> ComputeProfile:

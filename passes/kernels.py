@@ -5,7 +5,8 @@ Read after the ``flops``, ``blocks``, ``memory`` and ``tp_patterns`` passes: a n
 FLOP rules cost it as one (``linear``, ``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``matmul``), an attention
 call when it is ``scaled_dot_product_attention`` (any fused variant); every other node that moves
 bytes (``whalepy.bytes``) is a memory-bound kernel. A GEMM whose weight belongs to a module with a
-column-parallel (row-parallel) TP rule is marked as sharding ``n`` (``k``).
+column-parallel (row-parallel) TP rule is marked as sharding ``n`` (``k``); a batched product of two
+activations in a block with such rules (``Q K^T`` of unfused attention) as sharding its batch (heads).
 """
 
 from __future__ import annotations
@@ -60,9 +61,13 @@ def _gemm(node: fx.Node, name: str, styles: dict[str, TPStyle]) -> GemmShape | N
             m, batch = sa[-2], math.prod(sa[:-2])
         x = a
     module = _param_module(w)
-    style = styles.get(module) if module is not None else None
+    if module is None:  # activation x activation (unfused attention): runs on the rank's own heads
+        shard = "batch" if batch > 1 and any(st in _SHARD for st in styles.values()) else ""
+    else:
+        style = styles.get(module)
+        shard = _SHARD.get(style, "") if style else ""
     return GemmShape(m=int(m), k=int(k), n=int(n), batch=int(batch), grad_input=requires_grad(x),
-                     grad_weight=requires_grad(w), shard=_SHARD.get(style, "") if style else "")
+                     grad_weight=requires_grad(w), shard=shard)
 
 
 def _attention(node: fx.Node) -> AttentionShape | None:

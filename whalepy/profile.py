@@ -62,7 +62,8 @@ class GemmShape:
 
     Its backward runs ``dX = dY W^T`` as ``(m x n) @ (n x k)`` when ``grad_input`` and ``dW = X^T dY``
     as ``(k x m) @ (m x n)`` when ``grad_weight``. ``shard`` says which dimension a tensor-parallel
-    rule of the weight's module divides: ``"n"`` (column-parallel), ``"k"`` (row-parallel) or ``""``."""
+    rule of the weight's module divides: ``"n"`` (column-parallel), ``"k"`` (row-parallel), ``"batch"``
+    (a product of two activations over the heads, inside the TP region) or ``""``."""
 
     m: int
     k: int
