@@ -244,8 +244,8 @@ def estimate_kernels_time(kernels: Any, *, device: DeviceType, precision: Precis
     mem = memory_bound_time(kernels.memory_bytes * batch_ratio * byte_scale / tp, prof)
     fwd += mem
     bwd += MEMORY_BOUND_BACKWARD_RATIO * mem
-    return (max(fwd, kernels.ops_fwd * prof.launch_overhead_s),
-            max(bwd, kernels.ops_bwd * prof.launch_overhead_s))
+    bwd_launch = prof.launch_overhead_s if prof.launch_backward_overhead_s is None else prof.launch_backward_overhead_s
+    return (max(fwd, kernels.ops_fwd * prof.launch_overhead_s), max(bwd, kernels.ops_bwd * bwd_launch))
 
 
 # -- fitting ----------------------------------------------------------------------------------------------
@@ -272,10 +272,11 @@ def fit_gemm(rows: Sequence[dict[str, float]], device: DeviceType, *, num_sms: i
         return sum(math.log(predict(r, e, k0, floor) / r["s"]) ** 2 for r in rows)
 
     smallest = min(r["s"] for r in rows)
-    grid = [(e / 100, k0, smallest * f) for e in range(20, 101, 4) for k0 in (0, 64, 128, 256, 512, 1024)
+    # e on a log grid from 0.5% to 200% of the catalog peak (a CPU's catalog peak is nominal)
+    grid = [(0.005 * 1.25**i, k0, smallest * f) for i in range(27) for k0 in (0, 64, 128, 256, 512, 1024)
             for f in (0.25, 0.5, 0.75, 1.0)]
     best = min(grid, key=lambda p: loss(*p))
-    step = [0.04, 64.0, 0.25 * smallest]
+    step = [0.1 * best[0], 64.0, 0.25 * smallest]
     for _ in range(60):  # coordinate descent with shrinking steps
         improved = False
         for i in range(3):

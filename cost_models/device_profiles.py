@@ -1,7 +1,7 @@
 """Device profiles: the measured (or datasheet-derived) rates the compute model uses, per device type.
 
 A profile is a versioned JSON file keyed by catalog device type (``"H100-SXM"``), written by
-``whalepy calibrate`` (:mod:`whalepy.calibrate`) or shipped in ``whalepy/cost_models/profiles/`` from
+``whalepy calibrate`` (:func:`whalepy.calibrate`) or shipped in ``whalepy/cost_models/profiles/`` from
 published measurements, each figure with its source. :func:`resolve_compute_profile` picks, for a
 :class:`~whalepy.cost_models.devices.DeviceType`:
 
@@ -87,6 +87,8 @@ class ComputeProfile:
     """Fraction of peak of fused attention (causal FLOPs counted), forward and backward."""
     launch_overhead_s: float
     """Host-side time to launch one kernel from eager PyTorch (dispatch + launch)."""
+    launch_backward_overhead_s: float | None = None
+    """The same per backward kernel (autograd engine + launch); None: ``launch_overhead_s``."""
     fit_rms_log_error: float | None = None
     """RMS of ``log(predicted / measured)`` over the GEMM rows the fit used."""
     extra: tuple[tuple[str, float], ...] = ()
@@ -137,6 +139,7 @@ def profile_from_dict(data: dict[str, Any], *, source: str) -> ComputeProfile:
         num_sms=fit.get("num_sms"), memory_bandwidth=float(fit["memory_bandwidth"]),
         attention_efficiency=float(fit["attention_efficiency"]),
         launch_overhead_s=float(fit["launch_overhead_s"]), fit_rms_log_error=fit.get("rms_log_error"),
+        launch_backward_overhead_s=fit.get("launch_backward_overhead_s"),
         extra=extra)
 
 
@@ -159,7 +162,8 @@ def datasheet_profile(device: DeviceType) -> ComputeProfile:
         device=device.name, source=f"datasheet transfer from {REFERENCE_DEVICE}",
         gemm_efficiency=ref.gemm_efficiency, gemm_k_overhead=ref.gemm_k_overhead, gemm_tile=ref.gemm_tile,
         num_sms=NUM_SMS.get(device.name), memory_bandwidth=device.memory_bandwidth * MEMORY_BANDWIDTH_EFFICIENCY,
-        attention_efficiency=attention, launch_overhead_s=ref.launch_overhead_s)
+        attention_efficiency=attention, launch_overhead_s=ref.launch_overhead_s,
+        launch_backward_overhead_s=ref.launch_backward_overhead_s)
 
 
 def resolve_compute_profile(device: DeviceType) -> ComputeProfile:

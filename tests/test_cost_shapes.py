@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import statistics
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +16,6 @@ from whalepy.cost_models.compute import estimate_kernels_time, gemm_time
 from whalepy.cost_models.device_profiles import resolve_compute_profile, shipped_profile
 from whalepy.cost_models.devices import CATALOG
 
-MICROBENCH = Path(__file__).resolve().parents[1].parent / "shared" / "calibration" / "h100-sxm_microbench.json"
 H100, A100 = CATALOG["H100-SXM"], CATALOG["A100-80GB"]
 
 
@@ -46,19 +44,20 @@ def _block_kernels(h: int, seq: int):  # type: ignore[no-untyped-def]
     return [b.kernels for b in prof.blocks]
 
 
-def _microbench() -> dict:
-    # the shared calibration file when this checkout sits next to it; the shipped profile keeps only
-    # the GEMM rows, so the held-out block rows need the original
-    if not MICROBENCH.is_file():
-        pytest.skip(f"{MICROBENCH} is not next to this checkout")
-    return json.loads(MICROBENCH.read_text())
+def _held_out_blocks() -> list[dict]:
+    """The GPT-block rows of shared/calibration/h100-sxm_microbench.json, which the shipped H100 profile
+    keeps next to its fit without using them."""
+    from importlib import resources
+
+    res = resources.files("whalepy.cost_models").joinpath("profiles", "H100-SXM.json")
+    return json.loads(res.read_text())["measurements"]["block_held_out"]
 
 
 def test_h100_blocks_held_out_from_the_fit() -> None:
     """Fit on the 48 GEMM rows only; predict the bf16 GPT-block rows (forward + backward) of shapes
     large enough to be device-bound (measured >= 5 ms: launches are under a fifth of it). Tolerance
     15% per row (the fit's own RMS on its GEMM rows is 9%, max 16%), median within 8%."""
-    rows = [r for r in _microbench()["block"] if r["mode"] == "bf16" and r["fwd_bwd_s"] >= 5e-3
+    rows = [r for r in _held_out_blocks() if r["mode"] == "bf16" and r["fwd_bwd_s"] >= 5e-3
             and (r["h"], r["seq"]) in ((2048, 2048), (4096, 2048), (8192, 1024))]
     assert len(rows) >= 8
     kernels = {key: _block_kernels(*key) for key in {(r["h"], r["seq"]) for r in rows}}

@@ -95,6 +95,22 @@ def bench_launch(device: torch.device, ops: int = 200, repeats: int = 5) -> floa
     return time_call(chain, device, repeats=repeats) / ops
 
 
+def bench_backward_launch(device: torch.device, ops: int = 200, repeats: int = 5) -> float:
+    """Seconds per backward node from eager autograd: a chain of ``ops`` tiny multiplies, its backward
+    timed as (forward + backward) - forward."""
+    x = torch.ones(1, device=device, requires_grad=True)
+
+    def forward() -> torch.Tensor:
+        y = x
+        for _ in range(ops):
+            y = y * 1.0
+        return y
+
+    both = time_call(lambda: forward().backward(), device, repeats=repeats)
+    fwd = time_call(forward, device, repeats=repeats)
+    return max(0.0, both - fwd) / ops
+
+
 def bench_adamw(device: torch.device, numel: int, repeats: int, **opt: Any) -> float:
     """Seconds of one AdamW step over ``numel`` fp32 parameters."""
     p = torch.nn.Parameter(torch.randn(numel, device=device))

@@ -85,7 +85,8 @@ def calibrate(*, quick: bool = False, out: str | Path | None = None, device: str
     meas["attention"] = bench.bench_attention(dev, sz["dtype"], sz["attn"], sz["repeats"])
     meas["memory"] = bench.bench_memory(dev, sz["mem"], sz["repeats"])
     launch = bench.bench_launch(dev)
-    rates: dict[str, float] = {"launch_overhead_s": launch,
+    launch_bwd = bench.bench_backward_launch(dev)
+    rates: dict[str, float] = {"launch_overhead_s": launch, "launch_backward_overhead_s": launch_bwd,
                                "adamw_device_s_per_1e9": bench.bench_adamw(dev, sz["adam"], 3, foreach=True) * 1e9 / sz["adam"],
                                "adamw_cpu_s_per_1e8": bench.bench_adamw(torch.device("cpu"), sz["adam"], 3,
                                                                         foreach=True) * 1e8 / sz["adam"]}
@@ -103,22 +104,29 @@ def calibrate(*, quick: bool = False, out: str | Path | None = None, device: str
                    memory_bandwidth=bandwidth, precision=precision)
     fit.update(gemm_tile=[128, 256], num_sms=NUM_SMS.get(row.name) if dev.type == "cuda" else None,
                memory_bandwidth=bandwidth, attention_efficiency=_attention_efficiency(meas["attention"], row, precision),
-               launch_overhead_s=launch, gemm_floor_s=fit.pop("launch_overhead_s"))
+               launch_overhead_s=launch, launch_backward_overhead_s=launch_bwd,
+               gemm_floor_s=fit.pop("launch_overhead_s"))
     data = {"version": PROFILE_VERSION, "device_type": row.name, "device_name": reported,
             "torch": torch.__version__, "precision": precision, "quick": quick,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "source": f"whalepy calibrate{' --quick' if quick else ''} on {reported}",
             "fit": fit, "rates": rates, "measurements": meas}
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
-        return Path(out or default_profile_dir() / profile_filename(row.name))
-    path = Path(out) if out else default_profile_dir() / profile_filename(row.name)
-    if path.is_dir():
-        path = path / profile_filename(row.name)
+        return _out_path(out, row.name)
+    path = _out_path(out, row.name)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1) + "\n")
     say(f"wrote {path} (GEMM fit: e={fit['gemm_efficiency']:.3f}, k0={fit['gemm_k_overhead']:.0f}, "
         f"RMS log error {fit['rms_log_error']:.3f})")
     return path
+
+
+def _out_path(out: str | Path | None, device_type: str) -> Path:
+    """``out`` as a file when it ends in ``.json``, else as a directory for ``<device type>.json``."""
+    if out is None:
+        return default_profile_dir() / profile_filename(device_type)
+    out = Path(out)
+    return out if out.suffix == ".json" else out / profile_filename(device_type)
 
 
 def _attention_efficiency(rows: list[dict], device: DeviceType, precision: str) -> float:
@@ -161,14 +169,18 @@ def derive_from_microbench(path: str | Path) -> dict[str, Any]:
                 "gemm_efficiency, gemm_k_overhead, launch_overhead_s": "fit_gemm over the 48 matmul_bf16 rows",
                 "memory_bandwidth": "no measurement: datasheet 3,350 GB/s x MEMORY_BANDWIDTH_EFFICIENCY (BabelStream)",
                 "attention_efficiency": "no measurement: ATTENTION_EFFICIENCY_HOPPER (FlashAttention-3 paper on FA2)",
-                "rates": "copied from the file (AdamW, host link, disk)"},
-            "fit": fit, "rates": rates, "measurements": {"matmul": gemm}}
+                "rates": "copied from the file (AdamW, host link, disk)",
+                "block_held_out": "the file's GPT-block rows, NOT used by the fit: kept to check the model "
+                                  "(tests/test_cost_shapes.py)"},
+            "fit": fit, "rates": rates,
+            "measurements": {"matmul": gemm, "block_held_out": [
+                {k: r[k] for k in ("h", "seq", "mb", "mode", "fwd_s", "fwd_bwd_s")} for r in raw["block"]]}}
 
 
 def add_calibrate_subparser(sub: Any) -> None:
     sp = sub.add_parser("calibrate", help="measure this device and write its device profile (JSON)")
     sp.add_argument("--quick", action="store_true", help="a few small shapes: seconds on a CPU (for CI)")
-    sp.add_argument("--out", help=f"file or directory (default {default_profile_dir()})")
+    sp.add_argument("--out", help=f"a .json file, or a directory for <device type>.json (default {default_profile_dir()})")
     sp.add_argument("--device", help="torch device, e.g. cuda:1 or cpu (default: cuda if available)")
     sp.add_argument("--disk-dir", help="directory on the NVMe tier for the disk benchmark (default: temp dir)")
     sp.add_argument("--from-microbench", help="derive a profile from a microbench JSON instead of measuring")
@@ -183,7 +195,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
     if args.from_microbench:
         data = derive_from_microbench(args.from_microbench)
-        path = Path(args.out) if args.out else default_profile_dir() / profile_filename(data["device_type"])
+        path = _out_path(args.out, data["device_type"])
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(data, indent=1) + "\n")
         say(f"wrote {path}")
