@@ -11,7 +11,8 @@ published measurements, each figure with its source. :func:`resolve_compute_prof
 3. otherwise the **datasheet transfer rule** (:func:`datasheet_profile`): the GEMM model's fitted
    fractions of peak (``gemm_efficiency``, ``gemm_k_overhead``) and the host-side launch cost are taken
    from the reference profile (:data:`REFERENCE_DEVICE`, measured), applied to this device's datasheet
-   peak, bandwidth and SM count; attention and memory-bound rates are the cited constants below.
+   peak, bandwidth and SM count; attention and memory-bound rates are the cited constants below; a
+   CPU device (``vendor: cpu``) takes :data:`CPU_OP_DISPATCH_S` as its launch cost.
 
 ``ComputeProfile.source`` says which it was; the plan's notes repeat it.
 """
@@ -53,6 +54,12 @@ middle of that range (the top is forward at long sequences, the bottom backward)
 ATTENTION_EFFICIENCY_HOPPER = 0.35
 """The same on Hopper (H100/H200): Shah et al., "FlashAttention-3" (2024) state that FlashAttention-2
 reaches only about 35% of the H100's peak, because it uses none of Hopper's asynchronous features."""
+
+CPU_OP_DISPATCH_S = 2.5e-6
+"""Host time of one eager PyTorch op on CPU tensors (no launch, no queue), for CPU devices without a
+profile: measured by ``whalepy calibrate --quick`` (a chain of tiny in-place adds) on this project's
+2-core development machine, torch 2.13. The reference GPU profile's launch cost (tens of microseconds,
+a CUDA launch) does not transfer to a CPU."""
 
 _HOPPER_AND_LATER = frozenset({"H100-SXM", "H100-PCIe", "H200", "B200"})
 
@@ -162,8 +169,9 @@ def datasheet_profile(device: DeviceType) -> ComputeProfile:
         device=device.name, source=f"datasheet transfer from {REFERENCE_DEVICE}",
         gemm_efficiency=ref.gemm_efficiency, gemm_k_overhead=ref.gemm_k_overhead, gemm_tile=ref.gemm_tile,
         num_sms=NUM_SMS.get(device.name), memory_bandwidth=device.memory_bandwidth * MEMORY_BANDWIDTH_EFFICIENCY,
-        attention_efficiency=attention, launch_overhead_s=ref.launch_overhead_s,
-        launch_backward_overhead_s=ref.launch_backward_overhead_s)
+        attention_efficiency=attention,
+        launch_overhead_s=CPU_OP_DISPATCH_S if device.vendor == "cpu" else ref.launch_overhead_s,
+        launch_backward_overhead_s=None if device.vendor == "cpu" else ref.launch_backward_overhead_s)
 
 
 def resolve_compute_profile(device: DeviceType) -> ComputeProfile:
