@@ -179,7 +179,7 @@ def render() -> str:
               "| published step - predicted | DP all-reduce |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in t1:
-        lines.append(f"| {r['name']} | {r['published']} | {r['predicted']:.0f} | {100 * r['err']:+.0f}% | "
+        lines.append(f"| {r['name']} | {r['published']} | {r['predicted']:.0f} | {100 * r['err']:+.1f}% | "
                      f"{r['compute_only']:.0f} | {r['step']:.3g} | {r['compute']:.3g} | {r['comm']:.3g} | "
                      f"{r['bubble']:.3g} | {r['tail']:.3g} | {r['gap']:+.3g} | {r['allreduce']:.3g} |"
                      + ("" if r["fits"] else " (does not fit)"))

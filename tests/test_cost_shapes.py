@@ -116,3 +116,49 @@ def test_calibrate_quick_on_cpu_is_used_and_named(tmp_path, monkeypatch) -> None
                                                     "intra_node": "shm"}]})
     plan = plan_from_profile(gpt_profile("gpt2", seq_len=128), cluster, global_batch=4, time_limit_s=20)
     assert any(n.startswith("compute costs for CPU: calibrated: CPU.json") for n in plan.notes), plan.notes
+
+
+def _gpt_layer(hidden: int = 1024, heads: int = 8, seq: int = 512):  # type: ignore[no-untyped-def]
+    from whalepy.models import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=1024, block_size=seq, num_layers=2, num_heads=heads, hidden_size=hidden)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    prof = whalepy.profile(model, (torch.zeros(2, seq, dtype=torch.long, device="meta"),))
+    return prof, next(b for b in prof.blocks if b.kind.value == "layer")
+
+
+def test_recorded_kernels_agree_with_the_flop_count() -> None:
+    """The kernel list is a second reading of the graph: its GEMM and attention FLOPs are the layer's
+    matmul FLOPs, which the FLOP pass counts independently (it adds norms and element-wise ops, under 2%
+    here); TP shards follow the layer's rules (q, k, v, fc_in column-parallel; o_proj, fc_out row)."""
+    _, layer = _gpt_layer()
+    k = layer.kernels
+    gemm = sum(2 * g.m * g.k * g.n * g.batch for g in k.gemms)
+    attn = sum(2 * a.batch_heads * a.q_len * a.kv_len * (a.head_dim + a.v_dim) for a in k.attention)
+    assert 0.98 * layer.fwd_flops < gemm + attn <= layer.fwd_flops
+    assert [g.shard for g in k.gemms] == ["n", "n", "n", "k", "n", "k"]
+    assert [(a.batch_heads, a.causal) for a in k.attention] == [(2 * 8, True)]
+    assert k.ops_bwd > k.ops_fwd > len(k.gemms)
+
+
+def test_tensor_parallel_and_micro_batch_scaling() -> None:
+    """Splitting a layer over TP ranks makes each rank faster, but by less than the degree (smaller GEMMs
+    run further from peak); a bigger micro-batch costs more but less than proportionally at small sizes."""
+    _, layer = _gpt_layer(hidden=4096, heads=32, seq=2048)
+    t = lambda tp, r=1.0: sum(estimate_kernels_time(layer.kernels, device=A100, tp=tp, batch_ratio=r))  # noqa: E731
+    assert t(1) / 8 < t(8) < t(2) < t(1)
+    assert t(1, 0.5) < t(1) < 2 * t(1, 0.5) * 1.01
+
+
+def test_synthetic_and_captured_layers_cost_alike() -> None:
+    """The analytic profile's kernels (planner/synthetic.py) against a captured GPT of the same shape: the
+    same layer time within 5% (the captured one has biases and separate q/k/v; same GEMM shapes)."""
+    from whalepy.planner.synthetic import transformer_profile
+
+    prof, layer = _gpt_layer(hidden=2048, heads=16, seq=1024)
+    synth = transformer_profile(num_layers=2, hidden=2048, seq_len=1024, vocab=1024, num_heads=16, batch=2)
+    slayer = next(b for b in synth.blocks if b.kind.value == "layer")
+    captured = sum(estimate_kernels_time(layer.kernels, device=A100, byte_scale=0.5))  # fp32 capture, 16-bit training
+    analytic = sum(estimate_kernels_time(slayer.kernels, device=A100))
+    assert analytic == pytest.approx(captured, rel=0.05)
