@@ -28,6 +28,7 @@ The device's figures come from a :class:`~whalepy.cost_models.device_profiles.Co
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -164,6 +165,12 @@ def gemm_time(m: float, k: float, n: float, *, device: DeviceType, profile: Comp
     """Device seconds of ``[batch x] (m x k) @ (k x n)`` (module docstring: tiles in waves, roofline)."""
     if min(m, k, n, batch) <= 0:
         return 0.0
+    return _gemm_time(m, k, n, device, profile, Precision(precision), batch)
+
+
+@functools.lru_cache(maxsize=65536)
+def _gemm_time(m: float, k: float, n: float, device: DeviceType, profile: ComputeProfile, precision: Precision,
+               batch: float) -> float:
     peak = peak_flops(device, precision) * profile.gemm_efficiency
     work = 2.0 * (k + profile.gemm_k_overhead)
     sms = profile.num_sms

@@ -175,21 +175,22 @@ def datasheet_profile(device: DeviceType) -> ComputeProfile:
 
 
 def resolve_compute_profile(device: DeviceType) -> ComputeProfile:
-    """The profile the compute model uses for ``device`` (calibrated, shipped, or datasheet transfer)."""
-    return _resolve(device, profile_dirs(), _mtimes(device.name))
+    """The profile the compute model uses for ``device`` (calibrated, shipped, or datasheet transfer).
+
+    Cached per device and search path; :func:`forget_resolved_profiles` drops the cache (``whalepy
+    calibrate`` calls it after writing a profile)."""
+    key = (os.environ.get("WHALEPY_DEVICE_PROFILES", ""), os.environ.get("XDG_CACHE_HOME", ""),
+           os.environ.get("HOME", ""))
+    return _resolve(device, key)
 
 
-def _mtimes(name: str) -> tuple[float, ...]:
-    out = []
-    for d in profile_dirs():
-        p = d / profile_filename(name)
-        out.append(p.stat().st_mtime if p.is_file() else 0.0)
-    return tuple(out)
+def forget_resolved_profiles() -> None:
+    _resolve.cache_clear()
 
 
 @functools.lru_cache(maxsize=256)
-def _resolve(device: DeviceType, dirs: tuple[Path, ...], _stamp: tuple[float, ...]) -> ComputeProfile:
-    for d in dirs:
+def _resolve(device: DeviceType, _env: tuple[str, ...]) -> ComputeProfile:
+    for d in profile_dirs():
         p = d / profile_filename(device.name)
         if p.is_file():
             return load_profile_file(p)

@@ -34,6 +34,7 @@ from whalepy.cost_models.device_profiles import (
     NUM_SMS,
     PROFILE_VERSION,
     default_profile_dir,
+    forget_resolved_profiles,
     profile_filename,
 )
 from whalepy.cost_models.devices import CATALOG, DeviceType, match_device_name
@@ -116,6 +117,7 @@ def calibrate(*, quick: bool = False, out: str | Path | None = None, device: str
     path = _out_path(out, row.name)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1) + "\n")
+    forget_resolved_profiles()
     say(f"wrote {path} (GEMM fit: e={fit['gemm_efficiency']:.3f}, k0={fit['gemm_k_overhead']:.0f}, "
         f"RMS log error {fit['rms_log_error']:.3f})")
     return path
