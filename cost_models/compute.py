@@ -1,42 +1,44 @@
-"""Compute time of a kernel or a block on one device type: a roofline with named efficiencies.
+"""Compute time on one device type: GEMMs by their shape, fused attention, memory-bound kernels, and
+the host-side launch cost of eager PyTorch.
 
-A piece of work that does ``flops`` floating-point operations and moves ``bytes_moved`` bytes through
-device memory takes at least ``flops / achievable_flops`` and at least ``bytes / achievable_bandwidth``;
-the roofline model (Williams, Waterman & Patterson, "Roofline: an insightful visual performance model
-for multicore architectures", CACM 2009) takes the larger of the two. The achievable rates are the
-datasheet peaks of a :class:`~whalepy.cost_models.devices.DeviceType` times the efficiency constants
-below; a calibration run may pass a measured efficiency instead. Formulas and sources are collected in
-docs/cost_model.md.
+The model (docs/cost_model.md, "Compute", has the derivation, the fit and its residuals):
+
+- **GEMM** ``[batch x] (m x k) @ (k x n)``: a grid of output tiles ``Tm x Tn`` runs in waves over the
+  device's ``S`` streaming multiprocessors; one tile costs ``2 Tm Tn (k + k0)`` FLOPs of time at
+  ``e`` times the per-SM peak, so
+  ``t_math = ceil(tiles / S) * S * 2 Tm Tn (k + k0) / (peak * e)`` (the better of the two tile
+  orientations), where ``tiles = batch * ceil(m / Tm) * ceil(n / Tn)``. That captures wave and tile
+  quantisation (NVIDIA, "Matrix Multiplication Background User's Guide", Deep Learning Performance
+  Documentation) and the fixed per-tile cost that makes short reductions slow. The memory side is the
+  roofline's ``(mk + kn + mn) * bytes / bandwidth`` (Williams et al., CACM 2009): below the device's
+  ridge point the GEMM is bandwidth-bound. ``e`` and ``k0`` are fitted to calibration measurements
+  (:func:`fit_gemm`); ``Tm x Tn`` = 128 x 256 is the largest tile cuBLAS/CUTLASS use for 16-bit math.
+- **Attention** (``scaled_dot_product_attention``, flash kernel): ``4 B L S d`` FLOPs forward, halved
+  when causal (the kernel skips masked tiles), ``2.5x`` that backward (the kernel recomputes
+  ``Q K^T``), at the profile's ``attention_efficiency`` of peak.
+- **Memory-bound kernels** (norms, activations, element-wise, copies): bytes / measured bandwidth,
+  :data:`MEMORY_BOUND_BACKWARD_RATIO` times the forward bytes in backward.
+- **Launch cost**: eager PyTorch launches kernels from the host; when they are small the host, not the
+  device, sets the pace. A block's forward (backward) takes ``max(device time, launches * launch_cost)``.
+
+The device's figures come from a :class:`~whalepy.cost_models.device_profiles.ComputeProfile`
+(calibrated, shipped, or the datasheet transfer rule).
 """
 
 from __future__ import annotations
 
 import enum
+import functools
+import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from .device_profiles import MEMORY_BANDWIDTH_EFFICIENCY, ComputeProfile, resolve_compute_profile
 from .devices import DeviceType
 
-MATMUL_EFFICIENCY = 0.6
-"""Fraction of the dense tensor-core peak that training reaches while it computes.
-
-Evidence: Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
-Megatron-LM" (SC'21) sustain 163 TFLOP/s per A100 (52% of the 312 TFLOP/s bf16 peak) end to end on a
-1T-parameter GPT, and Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
-Models" (MLSys'23) report 54.2% model FLOPs utilisation for a 530B GPT. Those end-to-end figures
-include pipeline bubbles and exposed communication, which whalepy charges separately, so the rate
-while computing is somewhat higher. It stays below what cuBLAS commonly reaches on isolated large
-GEMMs (about 70-80% of peak) because a transformer block also runs smaller GEMMs, attention and
-memory-bound element-wise kernels; 0.6 sits between the two. It covers everything a block does on
-the device: GEMMs, attention, norms, activations and kernel launch gaps.
-"""
-
-MEMORY_BANDWIDTH_EFFICIENCY = 0.8
-"""Fraction of the datasheet memory bandwidth that streaming kernels reach.
-
-STREAM-style benchmarks on data-centre GPUs (Deakin et al., "Evaluating attainable memory bandwidth of
-parallel programming models via BabelStream", 2018, and later BabelStream results for A100/H100) reach
-about 80-90% of the datasheet figure; framework element-wise kernels sit at the lower end.
-"""
+__all__ = ["MEMORY_BANDWIDTH_EFFICIENCY", "BACKWARD_TO_FORWARD_RATIO", "BlockTime", "Precision", "estimate_block_time",
+           "estimate_compute_time", "estimate_kernels_time", "fit_gemm", "gemm_time", "peak_flops", "precision_bytes"]
 
 BACKWARD_TO_FORWARD_RATIO = 2.0
 """Backward work relative to forward, for FLOPs and for bytes moved, when no measurement is given.
@@ -81,14 +83,16 @@ def estimate_compute_time(
 ) -> float:
     """Seconds for ``flops`` operations moving ``bytes_moved`` bytes on one ``device``.
 
-    Roofline: ``max(flops / (peak * efficiency), bytes / (bandwidth * MEMORY_BANDWIDTH_EFFICIENCY))``.
-    ``efficiency`` overrides :data:`MATMUL_EFFICIENCY`, e.g. with a value measured by calibration.
+    Roofline: ``max(flops / (peak * efficiency), bytes / bandwidth)`` with the device profile's
+    bandwidth; ``efficiency`` defaults to the profile's steady-state GEMM efficiency ``e``. For work
+    whose kernels are unknown (optimizer steps, profiles without :class:`BlockKernels`).
     """
     if flops < 0 or bytes_moved < 0:
         raise ValueError(f"flops ({flops}) and bytes_moved ({bytes_moved}) must be non-negative")
-    eff = MATMUL_EFFICIENCY if efficiency is None else efficiency
-    if not 0.0 < eff <= 1.0:
-        raise ValueError(f"efficiency must be in (0, 1], got {eff}")
+    if efficiency is not None and not 0.0 < efficiency <= 1.0:
+        raise ValueError(f"efficiency must be in (0, 1], got {efficiency}")
+    prof = resolve_compute_profile(device)
+    eff = prof.gemm_efficiency if efficiency is None else efficiency
     peak = peak_flops(device, precision)
     if peak <= 0 or device.memory_bandwidth <= 0:
         raise ValueError(
@@ -96,7 +100,7 @@ def estimate_compute_time(
             "both must be positive"
         )
     math_s = flops / (peak * eff)
-    memory_s = bytes_moved / (device.memory_bandwidth * MEMORY_BANDWIDTH_EFFICIENCY)
+    memory_s = bytes_moved / prof.memory_bandwidth
     return max(math_s, memory_s)
 
 
@@ -139,3 +143,166 @@ def estimate_block_time(
     forward_s = estimate_compute_time(flops=forward_flops, bytes_moved=forward_bytes, **common)
     backward_s = estimate_compute_time(flops=backward_flops, bytes_moved=backward_bytes, **common)
     return BlockTime(forward_s=forward_s, backward_s=backward_s, recompute_s=forward_s if recompute else 0.0)
+
+
+# -- the shape-dependent model -------------------------------------------------------------------------
+
+ATTENTION_BACKWARD_FLOP_RATIO = 2.5
+"""Backward FLOPs of a flash attention kernel per forward FLOP: ``dV = P^T dO``, ``dP = dO V^T``,
+``dQ``, ``dK`` and the recomputed ``S = Q K^T``, five products against the forward's two (Dao,
+"FlashAttention-2", 2023, counts its backward throughput the same way)."""
+
+
+MEMORY_BOUND_BACKWARD_RATIO = 1.5
+"""Backward bytes of a memory-bound kernel per forward byte: an element-wise or normalisation kernel reads
+its input and writes its output (two tensors) forward; its backward reads the output gradient and the
+saved input or output and writes the input gradient (three). Dropout's backward moves about what its
+forward does, a residual add's backward nothing; 1.5 is the common case."""
+
+
+def gemm_time(m: float, k: float, n: float, *, device: DeviceType, profile: ComputeProfile,
+              precision: Precision | str = Precision.BF16, batch: float = 1) -> float:
+    """Device seconds of ``[batch x] (m x k) @ (k x n)`` (module docstring: tiles in waves, roofline)."""
+    if min(m, k, n, batch) <= 0:
+        return 0.0
+    return _gemm_time(m, k, n, device, profile, Precision(precision), batch)
+
+
+@functools.lru_cache(maxsize=65536)
+def _gemm_time(m: float, k: float, n: float, device: DeviceType, profile: ComputeProfile, precision: Precision,
+               batch: float) -> float:
+    peak = peak_flops(device, precision) * profile.gemm_efficiency
+    work = 2.0 * (k + profile.gemm_k_overhead)
+    sms = profile.num_sms
+    if sms:
+        best = math.inf
+        for tm, tn in (profile.gemm_tile, profile.gemm_tile[::-1]):
+            tiles = math.ceil(batch) * math.ceil(m / tm) * math.ceil(n / tn)
+            best = min(best, math.ceil(tiles / sms) * sms * tm * tn * work / peak)
+        math_s = best
+    else:
+        math_s = batch * m * n * work / peak
+    nbytes = batch * (m * k + k * n + m * n) * precision_bytes(precision)
+    return max(math_s, nbytes / profile.memory_bandwidth)
+
+
+def gemm_train_time(m: float, k: float, n: float, *, device: DeviceType, profile: ComputeProfile,
+                    precision: Precision | str = Precision.BF16, batch: float = 1,
+                    grad_input: bool = True, grad_weight: bool = True) -> tuple[float, float]:
+    """``(forward, backward)`` seconds: backward runs ``dX = dY W^T`` as ``(m x n) @ (n x k)`` and
+    ``dW = X^T dY`` as ``(k x m) @ (m x n)`` (batched GEMMs keep their batch)."""
+    kw = dict(device=device, profile=profile, precision=precision, batch=batch)
+    fwd = gemm_time(m, k, n, **kw)  # type: ignore[arg-type]
+    bwd = (gemm_time(m, n, k, **kw) if grad_input else 0.0) + (gemm_time(k, m, n, **kw) if grad_weight else 0.0)  # type: ignore[arg-type]
+    return fwd, bwd
+
+
+def attention_flops(batch_heads: float, q_len: int, kv_len: int, head_dim: int, v_dim: int, causal: bool) -> float:
+    """Forward FLOPs a flash kernel executes: ``2 B L S (d + dv)``, halved when causal and square."""
+    f = 2.0 * batch_heads * q_len * kv_len * (head_dim + v_dim)
+    return f / 2 if causal and q_len == kv_len else f
+
+
+def attention_train_time(batch_heads: float, q_len: int, kv_len: int, head_dim: int, v_dim: int, causal: bool, *,
+                         device: DeviceType, profile: ComputeProfile, precision: Precision | str = Precision.BF16,
+                         needs_grad: bool = True) -> tuple[float, float]:
+    """``(forward, backward)`` seconds of one fused attention call."""
+    rate = peak_flops(device, precision) * profile.attention_efficiency
+    f = attention_flops(batch_heads, q_len, kv_len, head_dim, v_dim, causal)
+    return f / rate, (ATTENTION_BACKWARD_FLOP_RATIO * f / rate if needs_grad else 0.0)
+
+
+def memory_bound_time(nbytes: float, profile: ComputeProfile) -> float:
+    return nbytes / profile.memory_bandwidth
+
+
+def estimate_kernels_time(kernels: Any, *, device: DeviceType, precision: Precision | str = Precision.BF16,
+                          batch_ratio: float = 1.0, tp: int = 1, byte_scale: float = 1.0,
+                          profile: ComputeProfile | None = None) -> tuple[float, float]:
+    """``(forward, backward)`` seconds of one block from its :class:`~whalepy.profile.BlockKernels`.
+
+    ``batch_ratio`` scales the recorded batch (micro-batch / profiled batch); ``tp > 1`` divides the
+    sharded GEMM dimension, the attention heads and the memory-bound bytes by ``tp`` (the block runs
+    tensor-parallel); ``byte_scale`` converts memory-bound bytes from the profiled dtype to the
+    training precision. Each phase takes ``max(device time, launches * launch_overhead_s)``.
+    """
+    prof = profile or resolve_compute_profile(device)
+    fwd = bwd = 0.0
+    for g in kernels.gemms:
+        m, k, n, batch = g.m, g.k, g.n, g.batch
+        if batch > 1:
+            batch = batch * batch_ratio
+        else:
+            m = m * batch_ratio
+        if tp > 1 and g.shard == "n":
+            n = n / tp
+        elif tp > 1 and g.shard == "k":
+            k = k / tp
+        elif tp > 1 and g.shard == "batch":
+            batch = batch / tp
+        f, b = gemm_train_time(m, k, n, device=device, profile=prof, precision=precision, batch=batch,
+                               grad_input=g.grad_input, grad_weight=g.grad_weight)
+        fwd, bwd = fwd + f, bwd + b
+    for a in kernels.attention:
+        f, b = attention_train_time(a.batch_heads * batch_ratio / tp, a.q_len, a.kv_len, a.head_dim, a.v_dim,
+                                    a.causal, device=device, profile=prof, precision=precision,
+                                    needs_grad=a.needs_grad)
+        fwd, bwd = fwd + f, bwd + b
+    mem = memory_bound_time(kernels.memory_bytes * batch_ratio * byte_scale / tp, prof)
+    fwd += mem
+    bwd += MEMORY_BOUND_BACKWARD_RATIO * mem
+    bwd_launch = prof.launch_overhead_s if prof.launch_backward_overhead_s is None else prof.launch_backward_overhead_s
+    return (max(fwd, kernels.ops_fwd * prof.launch_overhead_s), max(bwd, kernels.ops_bwd * bwd_launch))
+
+
+# -- fitting ----------------------------------------------------------------------------------------------
+
+def fit_gemm(rows: Sequence[dict[str, float]], device: DeviceType, *, num_sms: int | None,
+             memory_bandwidth: float, precision: Precision | str = Precision.BF16,
+             tile: tuple[int, int] = (128, 256)) -> dict[str, float]:
+    """Least-squares fit of ``e``, ``k0`` and the launch floor to measured GEMM times.
+
+    ``rows`` carry ``m``, ``k``, ``n`` and ``s`` (seconds of one isolated ``a @ b``, launch included:
+    measured ``= max(launch, device time)``). Minimises the sum of squared ``log(predicted /
+    measured)`` by a coarse grid then a local refinement (no numpy needed). Returns the parameters and
+    the RMS and largest absolute log error."""
+    if len(rows) < 3:
+        raise ValueError(f"fit_gemm needs at least 3 GEMM measurements, got {len(rows)}")
+
+    def predict(r: dict[str, float], e: float, k0: float, floor: float) -> float:
+        prof = ComputeProfile(device=device.name, source="fit", gemm_efficiency=e, gemm_k_overhead=k0,
+                              gemm_tile=tile, num_sms=num_sms, memory_bandwidth=memory_bandwidth,
+                              attention_efficiency=1.0, launch_overhead_s=floor)
+        return max(floor, gemm_time(r["m"], r["k"], r["n"], device=device, profile=prof, precision=precision))
+
+    def loss(e: float, k0: float, floor: float) -> float:
+        return sum(math.log(predict(r, e, k0, floor) / r["s"]) ** 2 for r in rows)
+
+    smallest = min(r["s"] for r in rows)
+    # e on a log grid from 0.5% to 200% of the catalog peak (a CPU's catalog peak is nominal)
+    grid = [(0.005 * 1.25**i, k0, smallest * f) for i in range(27) for k0 in (0, 64, 128, 256, 512, 1024)
+            for f in (0.25, 0.5, 0.75, 1.0)]
+    best = min(grid, key=lambda p: loss(*p))
+    step = [0.1 * best[0], 64.0, 0.25 * smallest]
+    for _ in range(60):  # coordinate descent with shrinking steps
+        improved = False
+        for i in range(3):
+            for sign in (1, -1):
+                trial = list(best)
+                trial[i] = max(1e-9, trial[i] + sign * step[i])
+                if loss(*trial) < loss(*best):
+                    best, improved = tuple(trial), True  # type: ignore[assignment]
+        if not improved:
+            step = [s / 2 for s in step]
+    e, k0, floor = best
+    errs = [math.log(predict(r, e, k0, floor) / r["s"]) for r in rows]
+    return {"gemm_efficiency": e, "gemm_k_overhead": k0, "launch_overhead_s": floor,
+            "rms_log_error": math.sqrt(sum(x * x for x in errs) / len(errs)),
+            "max_abs_log_error": max(abs(x) for x in errs)}
+
+
+def predict_gemm_rows(rows: Iterable[dict[str, float]], device: DeviceType, profile: ComputeProfile,
+                      precision: Precision | str = Precision.BF16) -> list[float]:
+    """Predicted seconds of isolated GEMM calls (launch floor included), to compare with ``rows``."""
+    return [max(profile.launch_overhead_s, gemm_time(r["m"], r["k"], r["n"], device=device, profile=profile,
+                                                     precision=precision)) for r in rows]

@@ -33,6 +33,7 @@ from whalepy.passes.annotate import (
 from whalepy.passes.capture import capture
 from whalepy.passes.flops import count_flops
 from whalepy.passes.grouping import BlockSpec, assign_blocks
+from whalepy.passes.kernels import block_kernels
 from whalepy.passes.manager import Pass, run_passes
 from whalepy.passes.memory import count_bytes
 from whalepy.passes.shapes import mark_requires_grad, nbytes
@@ -122,7 +123,7 @@ def build_profile(
             fwd_flops=fig["fwd"], bwd_flops=fig["bwd"], bytes_moved=fig["bytes"],
             activation_bytes=int(fig["saved"]), input_bytes=int(fig["in"]),
             output_bytes=int(fig["out"]), tp_rules=tp.rules, tp_comm_bytes=int(tp.comm_bytes),
-            tp_degrees=degrees, annotations=merged,
+            tp_degrees=degrees, annotations=merged, kernels=fig["kernels"],
         ))
     unique = list(model.parameters())
     batch, seq = _batch_and_seq(gm)
@@ -160,6 +161,8 @@ def _raw_blocks(gm: fx.GraphModule, model: torch.nn.Module) -> list[_Raw]:
     specs: list[BlockSpec] = gm.meta["whalepy.blocks"]
     tps: list[BlockTP] = gm.meta["whalepy.tp"]
     sums = _block_sums(gm, len(specs))
+    for fig, kernels in zip(sums, block_kernels(gm, len(specs), [t.rules for t in tps]), strict=True):
+        fig["kernels"] = kernels
     params = _attribute_params(gm, model, specs)
     return [_Raw(s, t, f, c, b) for s, t, f, (c, b) in zip(specs, tps, sums, params, strict=True)]
 

@@ -8,13 +8,13 @@ import pytest
 
 from whalepy.cost_models.compute import (
     BACKWARD_TO_FORWARD_RATIO,
-    MATMUL_EFFICIENCY,
     MEMORY_BANDWIDTH_EFFICIENCY,
     BlockTime,
     Precision,
     estimate_block_time,
     estimate_compute_time,
 )
+from whalepy.cost_models.device_profiles import resolve_compute_profile
 from whalepy.cost_models.devices import DeviceType
 
 # Built by hand (A100 SXM 80GB and H100 SXM datasheet figures) so these tests do not depend on CATALOG.
@@ -29,7 +29,7 @@ H100 = DeviceType(
 
 
 def test_constants_are_fractions():
-    assert 0.0 < MATMUL_EFFICIENCY <= 1.0
+    assert 0.0 < resolve_compute_profile(A100).gemm_efficiency <= 1.0
     assert 0.0 < MEMORY_BANDWIDTH_EFFICIENCY <= 1.0
     assert BACKWARD_TO_FORWARD_RATIO == 2.0
 
@@ -70,7 +70,7 @@ def test_unknown_precision_raises():
 def test_efficiency_override_and_validation():
     kw = dict(flops=1e15, bytes_moved=0.0, device=A100)
     assert estimate_compute_time(**kw, efficiency=0.9) < estimate_compute_time(**kw, efficiency=0.3)
-    assert estimate_compute_time(**kw) == estimate_compute_time(**kw, efficiency=MATMUL_EFFICIENCY)
+    assert estimate_compute_time(**kw) == estimate_compute_time(**kw, efficiency=resolve_compute_profile(A100).gemm_efficiency)
     for bad in (0.0, -0.1, 1.5):
         with pytest.raises(ValueError):
             estimate_compute_time(**kw, efficiency=bad)

@@ -31,7 +31,7 @@ from whalepy.profile import ModelProfile, profile
 
 __version__ = "0.1.0"
 
-_LAZY = {"parallelize": "whalepy.runtime", "ParallelModel": "whalepy.runtime"}
+_LAZY = {"parallelize": "whalepy.runtime", "ParallelModel": "whalepy.runtime", "calibrate": "whalepy._calibrate"}
 """Names whose modules import torch.distributed's heavier parts; loaded on first use, so planning
 from the command line does not pay for the runtime."""
 
@@ -52,6 +52,7 @@ __all__ = [
     "Split",
     "Stage",
     "annotate",
+    "calibrate",
     "clear_annotations",
     "estimate",
     "homogeneous_baseline",

@@ -1,4 +1,5 @@
-"""The ``whalepy`` console script: ``plan``, ``show``, ``estimate`` (and ``run`` from whalepy.launch).
+"""The ``whalepy`` console script: ``plan``, ``show``, ``estimate``, ``calibrate`` (whalepy._calibrate) and
+``run`` (whalepy.launch).
 
 Errors whalepy raises on purpose print as one line and exit with code 2, without a traceback.
 """
@@ -161,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--offload", choices=("cpu", "nvme"))
     sp.set_defaults(func=cmd_estimate)
 
+    from whalepy._calibrate import add_calibrate_subparser
+
+    add_calibrate_subparser(sub)
     try:
         from whalepy import launch
     except ImportError:

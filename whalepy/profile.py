@@ -56,6 +56,54 @@ class BlockAnnotations:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class GemmShape:
+    """One matrix product of a block's forward, ``[batch x] (m x k) @ (k x n)``, at the profile's batch.
+
+    Its backward runs ``dX = dY W^T`` as ``(m x n) @ (n x k)`` when ``grad_input`` and ``dW = X^T dY``
+    as ``(k x m) @ (m x n)`` when ``grad_weight``. ``shard`` says which dimension a tensor-parallel
+    rule of the weight's module divides: ``"n"`` (column-parallel), ``"k"`` (row-parallel), ``"batch"``
+    (a product of two activations over the heads, inside the TP region) or ``""``."""
+
+    m: int
+    k: int
+    n: int
+    batch: int = 1
+    grad_input: bool = True
+    grad_weight: bool = True
+    shard: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionShape:
+    """One fused attention call (``scaled_dot_product_attention``) at the profile's batch."""
+
+    batch_heads: int
+    """Batch times heads (heads split by tensor parallelism)."""
+    q_len: int
+    kv_len: int
+    head_dim: int
+    v_dim: int
+    causal: bool
+    needs_grad: bool = True
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BlockKernels:
+    """What a block's forward runs on the device, for the shape-dependent compute model
+    (:mod:`whalepy.cost_models.compute`); recorded by ``whalepy.passes.kernels``."""
+
+    gemms: tuple[GemmShape, ...] = ()
+    attention: tuple[AttentionShape, ...] = ()
+    memory_bytes: float = 0.0
+    """Bytes read and written by the forward's other kernels (norms, activations, element-wise, copies)."""
+    ops_fwd: int = 0
+    """Kernel launches of the forward (nodes that touch memory)."""
+    ops_bwd: int = 0
+    """Kernel launches of the backward: one per input of a forward node that needs a gradient (an
+    estimate; see ``whalepy.passes.kernels``)."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class BlockProfile:
     """Cost-relevant figures of one partitioning unit, at the profile's batch size."""
@@ -89,6 +137,9 @@ class BlockProfile:
     tp_degrees: tuple[int, ...] = (1,)
     """TP degrees every sharded dimension of the block (heads, features, vocab) divides by."""
     annotations: BlockAnnotations = field(default_factory=BlockAnnotations)
+    kernels: BlockKernels | None = None
+    """GEMM and attention shapes, memory-bound bytes and launches of the forward; None when unknown
+    (the compute model then costs ``fwd_flops`` / ``bytes_moved`` as a whole)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,6 +7,7 @@ import math
 
 from whalepy._errors import InfeasibleError
 from whalepy.cost_models.compute import peak_flops
+from whalepy.cost_models.device_profiles import compute_profile_notes
 from whalepy.cost_models.devices import GIB
 from whalepy.plan import (
     Alternative,
@@ -116,7 +117,8 @@ def build_plan(ev: Evaluation, *, ctx: CostContext, global_batch: int, result: S
                 rank_device_types=rank_types, global_batch=global_batch, seq_len=prof.seq_len,
                 num_microbatches=M, schedule=cand.schedule, virtual_stages=cand.virtual_stages,
                 batch_shares=cand.batch_shares, stages=tuple(stages), tensor_parallel=tuple(dict.fromkeys(rules)),
-                cost=cost, solver=report, alternatives=alternatives, notes=tuple(notes))
+                cost=cost, solver=report, alternatives=alternatives,
+                notes=tuple(notes) + compute_profile_notes(g.device for g in hw.groups))
 
 
 # -- alternatives -----------------------------------------------------------------------------------

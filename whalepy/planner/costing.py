@@ -67,7 +67,7 @@ from whalepy.cost_models.communication import (
     estimate_collective_time,
     estimate_p2p_time,
 )
-from whalepy.cost_models.compute import estimate_block_time, estimate_compute_time, precision_bytes
+from whalepy.cost_models.compute import estimate_block_time, estimate_compute_time, estimate_kernels_time, precision_bytes
 from whalepy.cost_models.memory import estimate_model_state_bytes, estimate_offload_time, inflight_microbatches
 from whalepy.plan import Tier, TPStyle, ZeroStage
 from whalepy.planner.space import Candidate, GroupView, Hardware, Segment, StateOption, build_layout
@@ -245,10 +245,17 @@ class CostContext:
 
     def _block_time(self, block_index: int, device_name: str, tp: int, micro_batch: float
                     ) -> tuple[float, float]:
+        """Forward and backward seconds of one block for one micro-batch on one device of a TP group:
+        the shape-dependent model of :func:`estimate_kernels_time` over the block's recorded GEMMs,
+        attention and memory-bound bytes, with the device's profile (calibrated, shipped or datasheet
+        transfer); blocks without recorded kernels use the aggregate roofline."""
         b = self.profile.blocks[block_index]
         device = next(g.device for g in self.hw.groups if g.device.name == device_name)
         ratio = micro_batch / self.profile.batch_size
         div = tp if tp_applies(b, tp) else 1
+        if b.kernels is not None:
+            return estimate_kernels_time(b.kernels, device=device, precision=self.precision, batch_ratio=ratio,
+                                         tp=div, byte_scale=self.byte_scale)
         act_bytes = max(0.0, b.bytes_moved - b.param_bytes) * ratio
         t = estimate_block_time(forward_flops=b.fwd_flops * ratio / div,
                                 forward_bytes=(b.param_bytes + act_bytes) * self.byte_scale / div, device=device,

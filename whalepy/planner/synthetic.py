@@ -16,6 +16,10 @@ Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Mode
   and MLP row-parallel outputs): ``tp_comm_bytes = 2 * 2sbh``.
 - embedding and head use the vocabulary padded to a multiple of 128 (Megatron-LM's
   ``--make-vocab-size-divisible-by``), so they split across TP like the layers;
+- kernels (for the shape-dependent compute model): the layer's GEMMs with ``m = bs`` (q, k, v and the
+  FFN input column-parallel, the output projections row-parallel), one causal attention of ``b a``
+  heads, and ``20sbh + 4sbf`` memory-bound bytes (two layer norms and two residual adds on ``[s, b, h]``,
+  the activation on ``[s, b, f]``, 16-bit); launches as a captured GPT block (14 forward, 24 backward).
 - embedding: ``V*h`` (+ ``s*h`` learned positions); the head runs the ``h x V`` projection,
   ``2bshV`` FLOPs, and keeps 16-bit logits plus their fp32 softmax for the loss: ``6bsV`` bytes.
 
@@ -27,7 +31,7 @@ from __future__ import annotations
 import hashlib
 
 from whalepy.plan import TPRule, TPStyle
-from whalepy.profile import BlockAnnotations, BlockKind, BlockProfile, ModelProfile
+from whalepy.profile import AttentionShape, BlockAnnotations, BlockKernels, BlockKind, BlockProfile, GemmShape, ModelProfile
 
 _BF16 = 2
 _TOKEN_ID_BYTES = 8  # int64 token ids
@@ -79,6 +83,7 @@ def transformer_profile(
     layer_act = int(s * b * h * (34 + 5 * a * s / h))
     hidden_bytes = _BF16 * s * b * h
     layer_tp = _pow2_divisors(a, kv, f)
+    layer_kernels = _layer_kernels(b * s, h, f, a, kv, s, gated_mlp)
 
     embed_params = V * h + (s * h if learned_positions else 0)
     head_params = (0 if tied_embeddings else V * h) + 2 * h
@@ -111,7 +116,7 @@ def transformer_profile(
         blocks.append(block(1 + i, p, BlockKind.LAYER, params=layer_params, act=layer_act,
                             fwd=float(layer_fwd), input_bytes=hidden_bytes, output_bytes=hidden_bytes,
                             repeat_group=1, tp_rules=rules, tp_comm_bytes=2 * hidden_bytes,
-                            tp_degrees=layer_tp))
+                            tp_degrees=layer_tp, kernels=layer_kernels))
     blocks.append(block(1 + num_layers, "head", BlockKind.HEAD, params=head_params, act=logits_bytes,
                         fwd=float(head_fwd), input_bytes=hidden_bytes, output_bytes=4 * b,
                         tp_rules=(TPRule(module="head", style=TPStyle.COLWISE),),
@@ -122,6 +127,17 @@ def transformer_profile(
         model_name=name, fingerprint=hashlib.sha256(key.encode()).hexdigest()[:16], batch_size=b,
         seq_len=s, total_params=total, param_bytes=_BF16 * total, dtype="bfloat16", blocks=tuple(blocks),
         capture_method="synthetic")
+
+
+def _layer_kernels(tokens: int, h: int, f: int, a: int, kv: int, s: int, gated: bool) -> BlockKernels:
+    kvh = h * kv // a
+    gemms = (GemmShape(tokens, h, h, shard="n"), GemmShape(tokens, h, kvh, shard="n"),
+             GemmShape(tokens, h, kvh, shard="n"), GemmShape(tokens, h, h, shard="k"),
+             *((GemmShape(tokens, h, f, shard="n"),) * (2 if gated else 1)), GemmShape(tokens, f, h, shard="k"))
+    attention = (AttentionShape(batch_heads=tokens // s * a, q_len=s, kv_len=s, head_dim=h // a, v_dim=h // a,
+                                causal=True),)
+    return BlockKernels(gemms=gemms, attention=attention, memory_bytes=float(_BF16 * tokens * (10 * h + 2 * f)),
+                        ops_fwd=14, ops_bwd=24)
 
 
 def gpt_profile(name: str, *, seq_len: int | None = None, batch: int = 1, **kw: object) -> ModelProfile:
