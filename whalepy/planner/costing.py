@@ -213,6 +213,10 @@ class CellCoeffs:
     gradient reduction joins its gathers."""
     tail_edge: dict[StateOption, float]
     """Per option: the last block's gradient reduction, exposed after the last backward."""
+    autocast_bytes: dict[StateOption, float]
+    """Per option: activation bytes autocast keeps beyond the 16-bit ones, the fp32 residual input of
+    every block (``2 sbh`` per GPT block, measured; see ``AUTOCAST_WEIGHT_COPY_BYTES``). Autocast
+    applies only without pipelining, so the stage holds every block and this is a constant."""
 
 
 @dataclass(slots=True)
@@ -232,6 +236,8 @@ class StageCoeffs:
     nvme_beta: dict[StateOption, float]
     working_bytes: dict[StateOption, float]
     """Per option, GPU bytes of FSDP2's working set (:func:`estimate_fsdp_working_bytes`)."""
+    state_split: dict[StateOption, tuple[float, float, float]]
+    """Per option, GPU bytes per local parameter of ``(parameters, gradients, optimizer states)``."""
     buffer_beta: dict[StateOption, float]
     """Per option, GPU bytes per local parameter of buffers beside the model states (FSDP2's unsharded
     gradient accumulation across micro-batches)."""
@@ -308,13 +314,14 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
         dp_group = _shared_nic(hw.comm(dp_ranks), t) if d > 1 else None
         groups_here = {cand.cell_groups[s][r] for r in range(d)}
         allowed = tuple(o for o in options if all(_tier_ok(hw.groups[g], o) for g in groups_here))
-        sync, mem_beta, cpu_beta, nvme_beta, working, buffer_beta = {}, {}, {}, {}, {}, {}
+        sync, mem_beta, cpu_beta, nvme_beta, working, buffer_beta, split = {}, {}, {}, {}, {}, {}, {}
         for o in allowed:
             kind = lowering_kind(o, cand)
             sync[o] = _post_step_affine(ctx, kind, dp_group)
             st = estimate_model_state_bytes(num_params=1.0, zero_stage=o.zero, dp_degree=d,
                                             param_tier=o.param_tier, optimizer_tier=o.optimizer_tier)
             mem_beta[o], cpu_beta[o], nvme_beta[o] = st.gpu, st.cpu, st.nvme
+            split[o] = (st.params, st.grads, st.gpu - st.params - st.grads)
             fsdp = kind == DataParallelKind.FSDP
             working[o] = (estimate_fsdp_working_bytes(block_params=max(seg_params),
                                                       zero3=o.zero is ZeroStage.PARAMETERS) if fsdp else 0.0)
@@ -333,7 +340,8 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
         allowed = _undominated(allowed, sync, mem_beta, cpu_beta, nvme_beta, working, buffer_beta, cells)
         stages.append(StageCoeffs(index=s, cells=cells, seg_params=seg_params, options=allowed, sync=sync,
                                   mem_beta=mem_beta, cpu_beta=cpu_beta, nvme_beta=nvme_beta,
-                                  working_bytes=working, buffer_beta=buffer_beta, dp_ranks=dp_ranks))
+                                  working_bytes=working, state_split=split, buffer_beta=buffer_beta,
+                                  dp_ranks=dp_ranks))
     return CandidateCoeffs(candidate=cand, segments=segments, stages=stages, ranks=ranks,
                            bubble=cand.bubble_coefficient)
 
@@ -387,7 +395,8 @@ def _undominated(options, sync, mem, cpu, nvme, working, buffers, cells):  # typ
     def vec(o):  # type: ignore[no-untyped-def]
         v = [mem[o] + buffers[o], working[o], cpu[o], nvme[o], *sync[o]]
         for c in cells:
-            v += [c.opt_beta[o], c.fetch_beta[o], c.edge[o], c.tail_edge[o], *c.seg_exposed[o], *c.seg_tail[o]]
+            v += [c.opt_beta[o], c.fetch_beta[o], c.edge[o], c.tail_edge[o], c.autocast_bytes[o],
+                  *c.seg_exposed[o], *c.seg_tail[o]]
         return v
 
     vecs = {o: vec(o) for o in options}
@@ -535,7 +544,7 @@ def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: i
             per_byte = estimate_offload_time(bytes_to_move=n, host_link_bandwidth=host, nvme_read_bandwidth=nvme,
                                              compute_time_s=0.0, prefetch_depth=2) / n
             fetch_beta[o] = per_byte * 2 * 2 / d
-    seg_exposed, edge, seg_tail, tail_edge = {}, {}, {}, {}
+    seg_exposed, edge, seg_tail, tail_edge, autocast_bytes = {}, {}, {}, {}, {}
     pipelined = S > 1
     for o in allowed:
         kind, z3 = lowering_kind(o, cand), o.zero is ZeroStage.PARAMETERS
@@ -543,6 +552,8 @@ def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: i
         seg_exposed[o] = [r[0] for r in rows]
         seg_tail[o] = [r[1] for r in rows]
         edge[o], tail_edge[o] = _dp_edges(kind, z3, pipelined, dp_comm) if rows else (0.0, 0.0)
+        autocast_bytes[o] = (sum(seg.length * x for seg, x in zip(segments, seg_input))
+                             if uses_autocast(kind, ctx.precision) else 0.0)
     cpu_cap = (g.cpu_memory_bytes * USABLE_HOST_MEMORY_FRACTION / g.gpus_per_node
                if g.cpu_memory_bytes is not None else None)
     nvme_cap = g.nvme_capacity_bytes / g.gpus_per_node if g.nvme_capacity_bytes is not None else None
@@ -551,7 +562,8 @@ def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: i
                       nvme_capacity=nvme_cap, seg_time=seg_time, seg_recompute=seg_re, seg_fwd=seg_fwd,
                       seg_bwd=seg_bwd, seg_comm=seg_comm, seg_saved=seg_saved, seg_input=seg_input, p2p=p2p,
                       chunk_p2p=chunk_p2p, inflight=inflight, opt_beta=opt_beta, fetch_beta=fetch_beta,
-                      seg_exposed=seg_exposed, edge=edge, seg_tail=seg_tail, tail_edge=tail_edge)
+                      seg_exposed=seg_exposed, edge=edge, seg_tail=seg_tail, tail_edge=tail_edge,
+                      autocast_bytes=autocast_bytes)
 
 
 # -- evaluation of a fully specified configuration ----------------------------------------------------
@@ -577,15 +589,32 @@ class CellEval:
     memory_bytes: float
     """GPU bytes at the peak: states + buffers + activations."""
     states_bytes: float
+    """Parameters + gradients + optimizer states on the GPU."""
+    params_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
     buffer_bytes: float
     """FSDP2 working set, unsharded gradient accumulation, autocast weight copies."""
     activation_bytes: float
     cpu_bytes: float
     nvme_bytes: float
 
+    tp_s: float = 0.0
+    """Per micro-batch: exposed tensor-parallel collectives."""
+
     @property
     def tail_s(self) -> float:
         return self.exposed_sync_s + self.opt_s
+
+    @property
+    def p2p_s(self) -> float:
+        return self.cell.p2p
+
+    @property
+    def reserve_bytes(self) -> float:
+        """Device memory the planner keeps back from the allocator: CUDA context, NCCL buffers and
+        the allocator's fragmentation allowance (:func:`usable_device_bytes`)."""
+        return self.cell.group.device.memory_bytes - self.cell.capacity
 
     @property
     def fits(self) -> bool:
@@ -596,6 +625,14 @@ class CellEval:
         if self.nvme_bytes > 0:
             ok = ok and c.nvme_capacity is not None and self.nvme_bytes <= c.nvme_capacity * (1 + 1e-6)
         return ok
+
+
+def memory_breakdown(c: CellEval) -> dict[str, int]:
+    """A cell's memory by kind, bytes per device (the :class:`~whalepy.plan.StageCost` fields)."""
+    return dict(params_bytes=int(c.params_bytes), grads_bytes=int(c.grads_bytes),
+                optimizer_bytes=int(c.optimizer_bytes), activation_bytes=int(c.activation_bytes),
+                buffer_bytes=int(c.buffer_bytes), reserve_bytes=int(c.reserve_bytes),
+                cpu_bytes=int(c.cpu_bytes), nvme_bytes=int(c.nvme_bytes))
 
 
 @dataclass(slots=True)
@@ -662,6 +699,7 @@ def evaluate_stage(sc: StageCoeffs, chunk_counts: Sequence[Sequence[int]], chunk
     alpha, beta = sc.sync[option]
     post = alpha + beta * pl if dp > 1 and pl > 0 else 0.0
     states = sc.mem_beta[option] * pl
+    sp, sg, so = sc.state_split[option]
     buffers = sc.buffer_beta[option] * pl + sc.working_bytes[option]
     cells = []
     for c in sc.cells:
@@ -682,13 +720,14 @@ def evaluate_stage(sc: StageCoeffs, chunk_counts: Sequence[Sequence[int]], chunk
             chunk_time = max(max(busy(cn, ck, c.edge[option]), fetch / v) + p
                              for cn, ck, p in zip(chunk_counts, chunk_ckpts, c.chunk_p2p))
         peak = max((a for k, a in zip(ckpts, c.seg_saved) if k > 0), default=0.0)
-        act = c.inflight * max(kept) + peak
+        act = c.inflight * max(kept) + peak + c.autocast_bytes[option]
         sync_s = sum(n * x for n, x in zip(counts, c.seg_tail[option])) + c.tail_edge[option] + post
         cells.append(CellEval(
             cell=c, compute_s=compute - comm, comm_s=comm + c.p2p, dp_exposed_s=exposed, fetch_s=fetch,
             time_s=time_s, chunk_time_s=chunk_time, exposed_sync_s=sync_s if dp > 1 else 0.0,
             opt_s=c.opt_beta[option] * pl, memory_bytes=states + buffers + act, states_bytes=states,
-            buffer_bytes=buffers, activation_bytes=act,
+            params_bytes=sp * pl, grads_bytes=sg * pl, optimizer_bytes=so * pl, buffer_bytes=buffers,
+            activation_bytes=act, tp_s=comm,
             cpu_bytes=sc.cpu_beta[option] * pl, nvme_bytes=sc.nvme_beta[option] * pl))
     return StageEval(index=sc.index, counts=tuple(counts), checkpoints=tuple(ckpts), option=option,
                      local_params=pl, sync_s=max(c.exposed_sync_s for c in cells), cells=cells,

@@ -390,6 +390,9 @@ def add_memory_constraints(prob: pulp.LpProblem, cc: CandidateCoeffs, v: _Vars) 
                 return d, const
 
             d = dict(states)
+            for o in sc.options:
+                if cell.autocast_bytes[o]:
+                    d[v.y[s][o]] = d.get(v.y[s][o], 0.0) + cell.autocast_bytes[o] / GIB
             if P is not None:
                 d[P] = 1.0
             if V == 1:
