@@ -148,6 +148,12 @@ parallelism they are split too, ``sbh/t (34 + 5as/h)``. The profile measures a l
 fraction applies Korthikanti's split to it."""
 
 
+LOSS_LOGPROB_BYTES = 4
+"""Bytes per output element cross-entropy keeps for backward: its log-softmax, in fp32 (autocast runs
+``cross_entropy`` / ``log_softmax`` in fp32). The profile captures the model, not the user's loss, so
+the last stage is charged its output plus this."""
+
+
 def has_sequence_rules(profile: ModelProfile) -> bool:
     return any(r.style is TPStyle.SEQUENCE for b in profile.blocks for r in b.tp_rules)
 
@@ -213,6 +219,9 @@ class CellCoeffs:
     gradient reduction joins its gathers."""
     tail_edge: dict[StateOption, float]
     """Per option: the last block's gradient reduction, exposed after the last backward."""
+    loss_bytes: float
+    """Last stage only: the model's output (logits) and the loss's fp32 log-probabilities, alive from
+    the end of the forward into the loss's backward (:data:`LOSS_LOGPROB_BYTES`)."""
     autocast_bytes: dict[StateOption, float]
     """Per option: activation bytes autocast keeps beyond the 16-bit ones, the fp32 residual input of
     every block (``2 sbh`` per GPT block, measured; see ``AUTOCAST_WEIGHT_COPY_BYTES``). Autocast
@@ -238,6 +247,9 @@ class StageCoeffs:
     """Per option, GPU bytes of FSDP2's working set (:func:`estimate_fsdp_working_bytes`)."""
     state_split: dict[StateOption, tuple[float, float, float]]
     """Per option, GPU bytes per local parameter of ``(parameters, gradients, optimizer states)``."""
+    grads_freed: dict[StateOption, bool]
+    """Per option: the gradients do not exist at the activation peak (:func:`grads_at_activation_peak`),
+    so the peak is ``max(states - grads + buffers + activations, states + buffers)``."""
     buffer_beta: dict[StateOption, float]
     """Per option, GPU bytes per local parameter of buffers beside the model states (FSDP2's unsharded
     gradient accumulation across micro-batches)."""
@@ -314,7 +326,7 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
         dp_group = _shared_nic(hw.comm(dp_ranks), t) if d > 1 else None
         groups_here = {cand.cell_groups[s][r] for r in range(d)}
         allowed = tuple(o for o in options if all(_tier_ok(hw.groups[g], o) for g in groups_here))
-        sync, mem_beta, cpu_beta, nvme_beta, working, buffer_beta, split = {}, {}, {}, {}, {}, {}, {}
+        sync, mem_beta, cpu_beta, nvme_beta, working, buffer_beta, split, freed = {}, {}, {}, {}, {}, {}, {}, {}
         for o in allowed:
             kind = lowering_kind(o, cand)
             sync[o] = _post_step_affine(ctx, kind, dp_group)
@@ -322,6 +334,7 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
                                             param_tier=o.param_tier, optimizer_tier=o.optimizer_tier)
             mem_beta[o], cpu_beta[o], nvme_beta[o] = st.gpu, st.cpu, st.nvme
             split[o] = (st.params, st.grads, st.gpu - st.params - st.grads)
+            freed[o] = not grads_at_activation_peak(kind, cand)
             fsdp = kind == DataParallelKind.FSDP
             working[o] = (estimate_fsdp_working_bytes(block_params=max(seg_params),
                                                       zero3=o.zero is ZeroStage.PARAMETERS) if fsdp else 0.0)
@@ -340,7 +353,8 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
         allowed = _undominated(allowed, sync, mem_beta, cpu_beta, nvme_beta, working, buffer_beta, cells)
         stages.append(StageCoeffs(index=s, cells=cells, seg_params=seg_params, options=allowed, sync=sync,
                                   mem_beta=mem_beta, cpu_beta=cpu_beta, nvme_beta=nvme_beta,
-                                  working_bytes=working, state_split=split, buffer_beta=buffer_beta,
+                                  working_bytes=working, state_split=split, grads_freed=freed,
+                                  buffer_beta=buffer_beta,
                                   dp_ranks=dp_ranks))
     return CandidateCoeffs(candidate=cand, segments=segments, stages=stages, ranks=ranks,
                            bubble=cand.bubble_coefficient)
@@ -352,6 +366,16 @@ def lowering_kind(o: StateOption, cand: Candidate) -> str:
     FSDP2, or nothing)."""
     offload = Tier.CPU in (o.param_tier, o.optimizer_tier)
     return choose_kind(o.zero, cand.dp, tp=cand.tp, pp=cand.num_stages, offload=offload)
+
+
+def grads_at_activation_peak(kind: str, cand: Candidate) -> bool:
+    """Whether gradients are held while the activations peak (the end of a forward). The runtime frees
+    them after every step (``zero_grad(set_to_none=True)``), so with one micro-batch and no pipeline they
+    are only created as backward frees activations; they are held through the forward when micro-batches
+    accumulate into them, when a pipeline interleaves forwards and backwards, and under DDP, whose
+    reducer keeps gradient buckets of the full size allocated for the model's lifetime."""
+    return (cand.num_microbatches > 1 or cand.num_stages > 1
+            or kind in (DataParallelKind.DDP, DataParallelKind.ZERO1))
 
 
 def uses_autocast(kind: str, precision: str) -> bool:
@@ -554,6 +578,11 @@ def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: i
         edge[o], tail_edge[o] = _dp_edges(kind, z3, pipelined, dp_comm) if rows else (0.0, 0.0)
         autocast_bytes[o] = (sum(seg.length * x for seg, x in zip(segments, seg_input))
                              if uses_autocast(kind, ctx.precision) else 0.0)
+    loss_bytes = 0.0
+    if s == S - 1 and ctx.profile.blocks:
+        out = ctx.profile.blocks[-1].output_bytes * ratio
+        elem = torch.finfo(getattr(torch, ctx.profile.dtype)).bits // 8
+        loss_bytes = out * ctx.byte_scale + out / elem * LOSS_LOGPROB_BYTES
     cpu_cap = (g.cpu_memory_bytes * USABLE_HOST_MEMORY_FRACTION / g.gpus_per_node
                if g.cpu_memory_bytes is not None else None)
     nvme_cap = g.nvme_capacity_bytes / g.gpus_per_node if g.nvme_capacity_bytes is not None else None
@@ -563,7 +592,7 @@ def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: i
                       seg_bwd=seg_bwd, seg_comm=seg_comm, seg_saved=seg_saved, seg_input=seg_input, p2p=p2p,
                       chunk_p2p=chunk_p2p, inflight=inflight, opt_beta=opt_beta, fetch_beta=fetch_beta,
                       seg_exposed=seg_exposed, edge=edge, seg_tail=seg_tail, tail_edge=tail_edge,
-                      autocast_bytes=autocast_bytes)
+                      autocast_bytes=autocast_bytes, loss_bytes=loss_bytes)
 
 
 # -- evaluation of a fully specified configuration ----------------------------------------------------
@@ -700,6 +729,7 @@ def evaluate_stage(sc: StageCoeffs, chunk_counts: Sequence[Sequence[int]], chunk
     post = alpha + beta * pl if dp > 1 and pl > 0 else 0.0
     states = sc.mem_beta[option] * pl
     sp, sg, so = sc.state_split[option]
+    freed = sg * pl if sc.grads_freed[option] else 0.0
     buffers = sc.buffer_beta[option] * pl + sc.working_bytes[option]
     cells = []
     for c in sc.cells:
@@ -720,14 +750,17 @@ def evaluate_stage(sc: StageCoeffs, chunk_counts: Sequence[Sequence[int]], chunk
             chunk_time = max(max(busy(cn, ck, c.edge[option]), fetch / v) + p
                              for cn, ck, p in zip(chunk_counts, chunk_ckpts, c.chunk_p2p))
         peak = max((a for k, a in zip(ckpts, c.seg_saved) if k > 0), default=0.0)
-        act = c.inflight * max(kept) + peak + c.autocast_bytes[option]
+        act = c.inflight * max(kept) + peak + c.autocast_bytes[option] + c.loss_bytes
+        # the peak: end of forward (activations, gradients not yet created if freed) or end of backward
+        at_act = states - freed + buffers + act >= states + buffers
+        grads_held = sg * pl if (not freed or not at_act) else 0.0
         sync_s = sum(n * x for n, x in zip(counts, c.seg_tail[option])) + c.tail_edge[option] + post
         cells.append(CellEval(
             cell=c, compute_s=compute - comm, comm_s=comm + c.p2p, dp_exposed_s=exposed, fetch_s=fetch,
             time_s=time_s, chunk_time_s=chunk_time, exposed_sync_s=sync_s if dp > 1 else 0.0,
-            opt_s=c.opt_beta[option] * pl, memory_bytes=states + buffers + act, states_bytes=states,
-            params_bytes=sp * pl, grads_bytes=sg * pl, optimizer_bytes=so * pl, buffer_bytes=buffers,
-            activation_bytes=act, tp_s=comm,
+            opt_s=c.opt_beta[option] * pl, memory_bytes=max(states - freed + act, states) + buffers,
+            states_bytes=states, params_bytes=sp * pl, grads_bytes=grads_held, optimizer_bytes=so * pl,
+            buffer_bytes=buffers, activation_bytes=act if at_act else 0.0, tp_s=comm,
             cpu_bytes=sc.cpu_beta[option] * pl, nvme_bytes=sc.nvme_beta[option] * pl))
     return StageEval(index=sc.index, counts=tuple(counts), checkpoints=tuple(ckpts), option=option,
                      local_params=pl, sync_s=max(c.exposed_sync_s for c in cells), cells=cells,

@@ -363,10 +363,16 @@ def add_memory_constraints(prob: pulp.LpProblem, cc: CandidateCoeffs, v: _Vars) 
     S, V = cc.candidate.num_stages, cc.candidate.virtual_stages
     G = len(cc.segments)
     for s, sc in enumerate(cc.stages):
-        states = {v.Q[s][o]: (sc.mem_beta[o] + sc.buffer_beta[o]) * _BILLION / GIB for o in sc.options}
+        full = {v.Q[s][o]: (sc.mem_beta[o] + sc.buffer_beta[o]) * _BILLION / GIB for o in sc.options}
+        # at the activation peak, gradients the runtime has not created yet are not held
+        states = {v.Q[s][o]: (sc.mem_beta[o] + sc.buffer_beta[o]
+                              - (sc.state_split[o][1] if sc.grads_freed[o] else 0.0)) * _BILLION / GIB
+                  for o in sc.options}
         for o in sc.options:
             if sc.working_bytes[o]:
                 states[v.y[s][o]] = states.get(v.y[s][o], 0.0) + sc.working_bytes[o] / GIB
+                full[v.y[s][o]] = full.get(v.y[s][o], 0.0) + sc.working_bytes[o] / GIB
+        freed_any = any(sc.grads_freed[o] for o in sc.options)
         cpu = {v.Q[s][o]: sc.cpu_beta[o] * _BILLION / GIB for o in sc.options if sc.cpu_beta[o]}
         nvme = {v.Q[s][o]: sc.nvme_beta[o] * _BILLION / GIB for o in sc.options if sc.nvme_beta[o]}
         seen_host = set()
@@ -390,6 +396,7 @@ def add_memory_constraints(prob: pulp.LpProblem, cc: CandidateCoeffs, v: _Vars) 
                 return d, const
 
             d = dict(states)
+            loss = cell.loss_bytes / GIB
             for o in sc.options:
                 if cell.autocast_bytes[o]:
                     d[v.y[s][o]] = d.get(v.y[s][o], 0.0) + cell.autocast_bytes[o] / GIB
@@ -405,7 +412,9 @@ def add_memory_constraints(prob: pulp.LpProblem, cc: CandidateCoeffs, v: _Vars) 
                     _add(prob, kd, kc, pulp.LpConstraintLE, f"activations_{s}_{ci}_{k}")
                 d[A] = 1.0
                 const = 0.0
-            _add(prob, d, const - cell.capacity / GIB, pulp.LpConstraintLE, f"memory_{s}_{ci}")
+            _add(prob, d, const + loss - cell.capacity / GIB, pulp.LpConstraintLE, f"memory_{s}_{ci}")
+            if freed_any:  # the end of backward: every gradient, no activations
+                _add(prob, dict(full), -cell.capacity / GIB, pulp.LpConstraintLE, f"memory_states_{s}_{ci}")
             hkey = (cell.cpu_capacity, cell.nvme_capacity)
             if hkey in seen_host:
                 continue
