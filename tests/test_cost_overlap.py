@@ -109,3 +109,21 @@ def test_ddp_hides_its_all_reduce_except_the_last_block() -> None:
 
 def ddp_group(c):  # type: ignore[no-untyped-def]
     return c.comm_group(list(range(16)))
+
+
+def test_breakdown_in_estimate_and_plan_dump() -> None:
+    c = cluster(group("g", "A100-80GB", 8, 2, link="nvswitch", net_gbps=1600))
+    prof = gpt_profile("gpt3-1.3b")
+    e = estimate_from_profile(prof, c, dict(dp=4, tp=2, pp=2, num_microbatches=4, zero_stage=3),
+                              global_batch=64)
+    for st in e.stages:
+        m = st.memory
+        assert m.gpu == pytest.approx(st.memory_bytes)
+        assert min(m.params, m.optimizer, m.activations, m.buffers, m.reserve) > 0
+        # ZeRO-3: two gathered 16-bit layers and one layer's gradient (TP 2 halves them), plus the
+        # unsharded gradients accumulated over the 4 micro-batches
+        assert m.buffers > 3 * 2 * prof.blocks[1].num_params / 2
+        assert st.comm.tp_s > 0 and st.comm.p2p_s > 0 and st.comm.sync_s > 0
+    text = str(e) + "\n" + str(e.plan)
+    assert "memory: params" in text and "stage 0 memory GiB: params" in text
+    assert "stage 1 exposed comm: TP" in text
