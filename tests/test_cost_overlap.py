@@ -127,3 +127,12 @@ def test_breakdown_in_estimate_and_plan_dump() -> None:
     text = str(e) + "\n" + str(e.plan)
     assert "memory: params" in text and "stage 0 memory GiB: params" in text
     assert "stage 1 exposed comm: TP" in text
+
+
+def test_measured_bandwidth_is_taken_as_achieved() -> None:
+    from whalepy.cluster import NodeGroup
+
+    g = NodeGroup.build(name="m", gpu="A100-80GB", gpus_per_node=8, intra_link="nvswitch", intra_bandwidth=235e9)
+    assert g.intra.efficiency == 1.0 and g.intra.achieved_bandwidth == 235e9
+    named = NodeGroup.build(name="n", gpu="A100-80GB", gpus_per_node=8, intra_link="nvswitch")
+    assert named.intra.achieved_bandwidth == pytest.approx(0.7 * 300e9)

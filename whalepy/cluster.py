@@ -280,9 +280,14 @@ class NodeGroup:
     @property
     def intra_fabric(self) -> Fabric:
         """What the intra-node link achieves is looked up by: its NVLink generation, PCIe, or
-        ``given`` (an explicit bandwidth, or gloo between CPU processes: used as is)."""
+        ``given`` (an explicit bandwidth, also with a kind, or gloo between CPU processes: used as is)."""
         kind = self.intra_link
         if kind is None or kind is LinkKind.SHM or self.device.vendor == "cpu":
+            return Fabric.GIVEN
+        try:
+            if kind.resolve(self.device)[0] != self.intra_bandwidth:
+                return Fabric.GIVEN  # the kind with a measured bandwidth: taken as achieved
+        except ClusterSpecError:
             return Fabric.GIVEN
         if kind is LinkKind.NVSWITCH:
             kind = _NVLINK_OF.get(self.device.name, kind)
