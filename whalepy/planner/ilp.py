@@ -259,30 +259,34 @@ def add_state_option_constraints(prob: pulp.LpProblem, cc: CandidateCoeffs, v: _
         _add(prob, d, const, pulp.LpConstraintEQ, f"option_params_sum_{s}")
 
 
-def _option_forms(cell, sc, n_rows, edge_scale: float):  # type: ignore[no-untyped-def]
-    """Per state option with exposed data-parallel communication: ``(option, linear form, big-M)`` of
-    ``sum_g n_g seg_exposed[o][g] + edge_scale * edge[o]`` (``n_rows``: the blocks per segment as
-    linear forms); big-M is its largest value, every block of every segment on this stage."""
-    out = []
+def _option_forms(sc, per: dict, edge: dict, n_rows, lengths: list[float]):  # type: ignore[no-untyped-def]
+    """The chosen option's extra ``sum_g n_g per[o][g] + edge[o]``, as ``(options, linear form, big-M)``
+    for each distinct nonzero ``(per, edge)`` (options lowered alike share one constraint; ``n_rows``:
+    the blocks per segment as linear forms). Big-M is the form's largest value, every block of every
+    segment on this stage."""
+    groups: dict[tuple, list] = {}  # type: ignore[type-arg]
     for o in sc.options:
-        per = cell.seg_exposed[o]
-        if not any(per) and not cell.edge[o]:
-            continue
+        if any(per[o]) or edge[o]:
+            groups.setdefault((tuple(per[o]), edge[o]), []).append(o)
+    out = []
+    for (row, e), opts in groups.items():
         d: dict = {}
-        const = edge_scale * cell.edge[o]
-        for g, x in enumerate(per):
+        const = e
+        for g, x in enumerate(row):
             const += _acc(d, n_rows[g], x)
-        out.append((o, d, const))
+        out.append((opts, d, const, sum(L * x for L, x in zip(lengths, row)) + e))
     return out
 
 
-def _with_option(prob: pulp.LpProblem, base: dict, base_const: float, extra: dict, extra_const: float,  # type: ignore[type-arg]
-                 y: pulp.LpVariable, big: float, name: str) -> None:
-    """``base + extra <= 0`` when ``y = 1``, relaxed by ``big`` otherwise (big-M)."""
+def _with_options(prob: pulp.LpProblem, base: dict, base_const: float, extra: dict, extra_const: float,  # type: ignore[type-arg]
+                  ys: list, big: float, name: str) -> None:
+    """``base + extra <= 0`` when one of ``ys`` is 1, relaxed by ``big`` otherwise (big-M; at most one
+    option of a stage is chosen)."""
     d = dict(base)
     for x, a in extra.items():
         d[x] = d.get(x, 0.0) + a
-    d[y] = d.get(y, 0.0) + big
+    for y in ys:
+        d[y] = d.get(y, 0.0) + big
     _add(prob, d, base_const + extra_const - big, pulp.LpConstraintLE, name)
 
 
@@ -300,9 +304,9 @@ def add_time_constraints(prob: pulp.LpProblem, cc: CandidateCoeffs, v: _Vars) ->
                     for x in _stage_ckpt(v, S, V, s, g):
                         d[x] = d.get(x, 0.0) + cell.seg_recompute[g]
             _add(prob, d, const, pulp.LpConstraintLE, f"time_compute_{s}_{ci}")
-            for i, (o, ed, ec) in enumerate(_option_forms(cell, sc, v.n[s], float(V))):
-                big = sum(L * x for L, x in zip(lengths, cell.seg_exposed[o])) + V * cell.edge[o]
-                _with_option(prob, d, const, ed, ec, v.y[s][o], big, f"time_dp_{s}_{ci}_{i}")
+            edges = {o: V * cell.edge[o] for o in sc.options}
+            for i, (opts, ed, ec, big) in enumerate(_option_forms(sc, cell.seg_exposed, edges, v.n[s], lengths)):
+                _with_options(prob, d, const, ed, ec, [v.y[s][o] for o in opts], big, f"time_dp_{s}_{ci}_{i}")
             fetch = {v.Q[s][o]: cell.fetch_beta[o] * _BILLION for o in sc.options if cell.fetch_beta[o]}
             if fetch:
                 _add(prob, {**fetch, v.T: -1.0}, cell.p2p, pulp.LpConstraintLE, f"time_fetch_{s}_{ci}")
@@ -317,9 +321,10 @@ def add_time_constraints(prob: pulp.LpProblem, cc: CandidateCoeffs, v: _Vars) ->
                     if cell.seg_recompute[g]:
                         d[v.c[j][g]] = d.get(v.c[j][g], 0.0) + cell.seg_recompute[g]
                 _add(prob, d, const, pulp.LpConstraintLE, f"chunk_time_{s}_{ci}_{k}")
-                for i, (o, ed, ec) in enumerate(_option_forms(cell, sc, v.nj[j], 1.0)):
-                    big = sum(L * x for L, x in zip(lengths, cell.seg_exposed[o])) + cell.edge[o]
-                    _with_option(prob, d, const, ed, ec, v.y[s][o], big, f"chunk_dp_{s}_{ci}_{k}_{i}")
+                forms = _option_forms(sc, cell.seg_exposed, cell.edge, v.nj[j], lengths)
+                for i, (opts, ed, ec, big) in enumerate(forms):
+                    _with_options(prob, d, const, ed, ec, [v.y[s][o] for o in opts], big,
+                                  f"chunk_dp_{s}_{ci}_{k}_{i}")
             pmax = max(cell.chunk_p2p)
             if fetch:
                 _add(prob, {**{x: a / V for x, a in fetch.items()}, v.Tc: -1.0}, pmax, pulp.LpConstraintLE,
@@ -328,7 +333,6 @@ def add_time_constraints(prob: pulp.LpProblem, cc: CandidateCoeffs, v: _Vars) ->
 
 def add_tail_constraints(prob: pulp.LpProblem, cc: CandidateCoeffs, v: _Vars) -> None:
     dp = cc.candidate.dp
-    G = len(cc.segments)
     lengths = [float(seg.length) for seg in cc.segments]
     for s, sc in enumerate(cc.stages):
         post: dict = {}
@@ -347,16 +351,9 @@ def add_tail_constraints(prob: pulp.LpProblem, cc: CandidateCoeffs, v: _Vars) ->
             _add(prob, d, 0.0, pulp.LpConstraintLE, f"tail_opt_{s}_{ci}")
             if dp == 1:
                 continue
-            for i, o in enumerate(sc.options):
-                per = cell.seg_tail[o]
-                if not any(per) and not cell.tail_edge[o]:
-                    continue
-                ed: dict = {}
-                ec = cell.tail_edge[o]
-                for g in range(G):
-                    ec += _acc(ed, v.n[s][g], per[g])
-                big = sum(L * x for L, x in zip(lengths, per)) + cell.tail_edge[o]
-                _with_option(prob, d, 0.0, ed, ec, v.y[s][o], big, f"tail_sync_{s}_{ci}_{i}")
+            forms = _option_forms(sc, cell.seg_tail, cell.tail_edge, v.n[s], lengths)
+            for i, (opts, ed, ec, big) in enumerate(forms):
+                _with_options(prob, d, 0.0, ed, ec, [v.y[s][o] for o in opts], big, f"tail_sync_{s}_{ci}_{i}")
 
 
 def add_memory_constraints(prob: pulp.LpProblem, cc: CandidateCoeffs, v: _Vars) -> None:
