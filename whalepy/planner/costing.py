@@ -341,7 +341,10 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
             # FSDP2 without gradient sync (every micro-batch but the last) accumulates unsharded gradients
             accumulate = HALF_PRECISION_BYTES - st.grads if fsdp and cand.num_microbatches > 1 else 0.0
             autocast = AUTOCAST_WEIGHT_COPY_BYTES if uses_autocast(kind, ctx.precision) else 0.0
-            buffer_beta[o] = max(0.0, accumulate) + autocast
+            # DDP's reducer keeps flat gradient buckets of the gradients' size for the model's lifetime
+            # (``gradient_as_bucket_view=False``, the default), beside each parameter's ``.grad``
+            buckets = st.grads if kind in (DataParallelKind.DDP, DataParallelKind.ZERO1) else 0.0
+            buffer_beta[o] = max(0.0, accumulate) + autocast + buckets
         dp_comm = _dp_block_comm(ctx, segments, seg_params, dp_group)
         # cells: replicas of this stage with the same group and share cost the same
         keyed: dict[tuple[int, int], list[int]] = {}
@@ -372,10 +375,10 @@ def grads_at_activation_peak(kind: str, cand: Candidate) -> bool:
     """Whether gradients are held while the activations peak (the end of a forward). The runtime frees
     them after every step (``zero_grad(set_to_none=True)``), so with one micro-batch and no pipeline they
     are only created as backward frees activations; they are held through the forward when micro-batches
-    accumulate into them, when a pipeline interleaves forwards and backwards, and under DDP, whose
-    reducer keeps gradient buckets of the full size allocated for the model's lifetime."""
-    return (cand.num_microbatches > 1 or cand.num_stages > 1
-            or kind in (DataParallelKind.DDP, DataParallelKind.ZERO1))
+    accumulate into them and when a pipeline interleaves forwards and backwards. (DDP's persistent
+    gradient buckets are a buffer, charged whatever this says.)"""
+    del kind  # the same for every lowering
+    return cand.num_microbatches > 1 or cand.num_stages > 1
 
 
 def uses_autocast(kind: str, precision: str) -> bool:
