@@ -16,7 +16,7 @@ after TP:
 - ``dp`` per micro-batch: data-parallel collectives not hidden by compute, per block as the runtime
   lowers the stage's state option (:func:`lowering_kind`, the runtime's own choice of DDP /
   ZeroRedundancyOptimizer / FSDP2): FSDP2 all-gathers overlap only the neighbouring block's compute
-  (one block of prefetch) and slow it while they do (:func:`_exposed_dp`), plus the first block's
+  (one block of prefetch) and slow it while they do (:func:`~whalepy.planner._runtime_costs.exposed_dp`), plus the first block's
   gather of each chunk (nothing to hide behind);
 - ``fetch`` (parameters on CPU / NVMe): ``2 * 2 Pl / dp`` bytes per micro-batch over the host link
   (:func:`estimate_offload_time`), overlapping compute: ``T_cell = max(compute + dp, fetch) + p2p``;
@@ -71,36 +71,34 @@ import torch
 from whalepy.cost_models.communication import (
     Collective,
     CommGroup,
+    Link,
     estimate_collective_time,
-    estimate_overlapped_time,
     estimate_p2p_time,
 )
 from whalepy.cost_models.compute import estimate_block_time, estimate_compute_time, precision_bytes
 from whalepy.cost_models.memory import (
-    ALLOCATOR_FRAGMENTATION,
     AUTOCAST_WEIGHT_COPY_BYTES,
     HALF_PRECISION_BYTES,
     estimate_fsdp_working_bytes,
     estimate_model_state_bytes,
     estimate_offload_time,
-    estimate_usable_device_bytes,
     inflight_microbatches,
 )
 from whalepy.plan import Tier, TPStyle, ZeroStage
 from whalepy.planner.space import Candidate, GroupView, Hardware, Segment, StateOption, build_layout
-from whalepy.runtime.data_parallel import DataParallelKind, choose_kind
+from whalepy.planner._runtime_costs import (
+    DPComm,
+    build_dp_block_comm,
+    dp_edges,
+    exposed_dp,
+    grads_at_activation_peak,
+    lowering_kind,
+    post_step_affine,
+    usable_device_bytes,
+    uses_autocast,
+)
+from whalepy.runtime.data_parallel import DataParallelKind
 from whalepy.profile import BlockKind, BlockProfile, ModelProfile
-
-def usable_device_bytes(g: GroupView, cand: Candidate) -> float:
-    """Peak allocated bytes one device of ``g`` may reach in ``cand``: its memory less the CUDA context
-    and one NCCL communicator per parallel axis in use, less the allocator's fragmentation
-    (:func:`~whalepy.cost_models.memory.estimate_usable_device_bytes`). CPU devices (gloo) have no
-    CUDA context or NCCL buffers."""
-    if g.device.vendor == "cpu":
-        return g.device.memory_bytes / (1 + ALLOCATOR_FRAGMENTATION)
-    comms = sum(1 for degree in (cand.dp, cand.tp, cand.num_stages) if degree > 1)
-    return estimate_usable_device_bytes(memory_bytes=g.device.memory_bytes, num_communicators=comms)
-
 
 USABLE_HOST_MEMORY_FRACTION = 0.8
 """Fraction of a node's host memory available to offloaded states (the OS, data loading, pinned
@@ -118,16 +116,6 @@ CPU_ADAM_PARAMS_PER_S_PER_NODE = 4.5e9
 """Parameters per second one node's CPUs update with a vectorised CPU Adam: ZeRO-Offload's CPU-Adam
 updates 1 B parameters in about 0.22 s (Ren et al., "ZeRO-Offload", USENIX ATC'21, Fig. 7). Shared by
 the node's GPUs."""
-
-_FIT_N1, _FIT_N2 = float(2**30), float(2**31)
-
-
-def _affine(fn) -> tuple[float, float]:  # type: ignore[no-untyped-def]
-    """``(alpha, beta)`` with ``fn(n) = alpha + beta n`` for ``n > 0`` (alpha-beta costs are affine)."""
-    f1, f2 = fn(_FIT_N1), fn(_FIT_N2)
-    beta = (f2 - f1) / (_FIT_N2 - _FIT_N1)
-    return max(0.0, f1 - beta * _FIT_N1), beta
-
 
 def _shared_nic(group: CommGroup, sharers: int) -> CommGroup:
     if sharers <= 1 or group.num_nodes <= 1:
@@ -210,7 +198,7 @@ class CellCoeffs:
     """Parameter fetch seconds per micro-batch per local parameter (parameters off the GPU)."""
     seg_exposed: dict[StateOption, list[float]]
     """Per option, per block of each segment: exposed data-parallel communication per micro-batch
-    (FSDP2 all-gathers beside the block's forward and backward), see :func:`_exposed_dp`."""
+    (FSDP2 all-gathers beside the block's forward and backward), see :func:`~whalepy.planner._runtime_costs.exposed_dp`."""
     edge: dict[StateOption, float]
     """Per option: the exposed all-gathers of a chunk's first block per micro-batch (nothing to hide
     behind)."""
@@ -329,7 +317,7 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
         sync, mem_beta, cpu_beta, nvme_beta, working, buffer_beta, split, freed = {}, {}, {}, {}, {}, {}, {}, {}
         for o in allowed:
             kind = lowering_kind(o, cand)
-            sync[o] = _post_step_affine(ctx, kind, dp_group)
+            sync[o] = post_step_affine(ctx.collective, kind, dp_group)
             st = estimate_model_state_bytes(num_params=1.0, zero_stage=o.zero, dp_degree=d,
                                             param_tier=o.param_tier, optimizer_tier=o.optimizer_tier)
             mem_beta[o], cpu_beta[o], nvme_beta[o] = st.gpu, st.cpu, st.nvme
@@ -345,7 +333,7 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
             # (``gradient_as_bucket_view=False``, the default), beside each parameter's ``.grad``
             buckets = st.grads if kind in (DataParallelKind.DDP, DataParallelKind.ZERO1) else 0.0
             buffer_beta[o] = max(0.0, accumulate) + autocast + buckets
-        dp_comm = _dp_block_comm(ctx, segments, seg_params, dp_group)
+        dp_comm = build_dp_block_comm(ctx.collective, segments, seg_params, dp_group)
         # cells: replicas of this stage with the same group and share cost the same
         keyed: dict[tuple[int, int], list[int]] = {}
         for r in range(d):
@@ -361,57 +349,6 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
                                   dp_ranks=dp_ranks))
     return CandidateCoeffs(candidate=cand, segments=segments, stages=stages, ranks=ranks,
                            bubble=cand.bubble_coefficient)
-
-
-def lowering_kind(o: StateOption, cand: Candidate) -> str:
-    """How the runtime lowers data parallelism for state option ``o`` in candidate ``cand`` (the
-    runtime's own :func:`~whalepy.runtime.data_parallel.choose_kind`: DDP, DDP + ZeroRedundancyOptimizer,
-    FSDP2, or nothing)."""
-    offload = Tier.CPU in (o.param_tier, o.optimizer_tier)
-    return choose_kind(o.zero, cand.dp, tp=cand.tp, pp=cand.num_stages, offload=offload)
-
-
-def grads_at_activation_peak(kind: str, cand: Candidate) -> bool:
-    """Whether gradients are held while the activations peak (the end of a forward). The runtime frees
-    them after every step (``zero_grad(set_to_none=True)``), so with one micro-batch and no pipeline they
-    are only created as backward frees activations; they are held through the forward when micro-batches
-    accumulate into them and when a pipeline interleaves forwards and backwards. (DDP's persistent
-    gradient buckets are a buffer, charged whatever this says.)"""
-    del kind  # the same for every lowering
-    return cand.num_microbatches > 1 or cand.num_stages > 1
-
-
-def uses_autocast(kind: str, precision: str) -> bool:
-    """Whether a 16-bit plan trains under ``torch.autocast`` over fp32 parameters (DDP and
-    single-device paths) rather than FSDP2's ``MixedPrecisionPolicy`` with 16-bit parameters
-    (design.md, Precision): autocast keeps 16-bit copies of the weights for backward."""
-    return precision != "fp32" and kind in (DataParallelKind.NONE, DataParallelKind.DDP, DataParallelKind.ZERO1)
-
-
-@dataclass(frozen=True, slots=True)
-class _DPComm:
-    """Seconds of one block's data-parallel collectives over the stage's DP group, per segment."""
-
-    all_gather: tuple[float, ...]
-    """All-gather of the block's 16-bit parameters."""
-    reduce_scatter: tuple[float, ...]
-    all_reduce: tuple[float, ...]
-    rep: int
-    """Segment of the stage's typical block (the longest segment): whose gather a chunk's first block
-    exposes."""
-
-
-def _dp_block_comm(ctx: CostContext, segments: tuple[Segment, ...], seg_params: list[float],
-                   group: CommGroup | None) -> _DPComm:
-    rep = max(range(len(segments)), key=lambda g: segments[g].length) if segments else 0
-    if group is None:
-        zeros = tuple(0.0 for _ in seg_params)
-        return _DPComm(zeros, zeros, zeros, rep)
-    c = ctx.collective
-    nbytes = [HALF_PRECISION_BYTES * p for p in seg_params]
-    return _DPComm(tuple(c(Collective.ALL_GATHER, n, group) for n in nbytes),
-                   tuple(c(Collective.REDUCE_SCATTER, n, group) for n in nbytes),
-                   tuple(c(Collective.ALL_REDUCE, n, group) for n in nbytes), rep)
 
 
 def _undominated(options, sync, mem, cpu, nvme, working, buffers, cells):  # type: ignore[no-untyped-def]
@@ -453,62 +390,9 @@ def _tier_ok(g: GroupView, o: StateOption) -> bool:
     return True
 
 
-def _post_step_affine(ctx: CostContext, kind: str, group: CommGroup | None) -> tuple[float, float]:
-    """ZeroRedundancyOptimizer broadcasts every rank's updated shard after the step, an all-gather of
-    the stage's 16-bit parameters that nothing overlaps; other kinds send nothing after the step."""
-    if group is None or kind != DataParallelKind.ZERO1:
-        return 0.0, 0.0
-    return _affine(lambda n: ctx.collective(Collective.ALL_GATHER, HALF_PRECISION_BYTES * n, group))
-
-
-def _exposed_dp(kind: str, zero3: bool, pipelined: bool, fwd: float, bwd: float, dp: _DPComm, g: int
-                ) -> tuple[float, float]:
-    """``(exposed per micro-batch, exposed per step)`` seconds of the data-parallel collectives of one
-    block of segment ``g`` (forward ``fwd`` and backward ``bwd`` seconds per micro-batch), as the
-    runtime runs them; each overlapped by :func:`estimate_overlapped_time` (the compute they run
-    beside is slowed while they do):
-
-    - FSDP2, whalepy's own accumulation loop (no pipeline): the block's all-gather runs one block
-      ahead, beside the previous block's forward, every micro-batch (FSDP2 reshards after backward),
-      and under ZeRO-3 again beside the next block's backward; its reduce-scatter, in the last
-      micro-batch only (``set_requires_gradient_sync``), beside the next block's backward;
-    - FSDP2 under ``torch.distributed.pipelining``: the stage keeps parameters gathered after
-      backward (``set_reshard_after_backward(False)``), so below ZeRO-3 each block is gathered once per
-      step, beside the first forward, and under ZeRO-3 once per micro-batch beside the backward; all
-      reduce-scatters run after the last backward (``PipelineStage``'s ``REDUCE_GRAD`` action), exposed;
-    - DDP (with or without ZeroRedundancyOptimizer): the gradient's all-reduce, bucketed (about one
-      block per 25 MiB bucket), beside the next block's backward in the last micro-batch (``no_sync``
-      before)."""
-    ov = estimate_overlapped_time
-    ag, rs = dp.all_gather[g], dp.reduce_scatter[g]
-    if kind == DataParallelKind.FSDP and not pipelined:
-        xb = ag if zero3 else 0.0
-        return ov(fwd, ag) - fwd + ov(bwd, xb) - bwd, ov(bwd, xb + rs) - ov(bwd, xb)
-    if kind == DataParallelKind.FSDP:
-        if zero3:
-            return ov(bwd, ag) - bwd, rs
-        return 0.0, ov(fwd, ag) - fwd + rs
-    if kind in (DataParallelKind.DDP, DataParallelKind.ZERO1):
-        return 0.0, ov(bwd, dp.all_reduce[g]) - bwd
-    return 0.0, 0.0
-
-
-def _dp_edges(kind: str, zero3: bool, pipelined: bool, dp: _DPComm) -> tuple[float, float]:
-    """``(per micro-batch, per step)`` collectives with nothing to hide behind: a chunk's first block's
-    gathers, and the last block's gradient reduction (see :func:`_exposed_dp`)."""
-    ag, rs, ar = dp.all_gather[dp.rep], dp.reduce_scatter[dp.rep], dp.all_reduce[dp.rep]
-    if kind == DataParallelKind.FSDP and not pipelined:
-        return ag * (2 if zero3 else 1), rs
-    if kind == DataParallelKind.FSDP:
-        return (ag, 0.0) if zero3 else (0.0, ag)
-    if kind in (DataParallelKind.DDP, DataParallelKind.ZERO1):
-        return 0.0, ar
-    return 0.0, 0.0
-
-
 def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: int, g: GroupView,
           share: int, reps: tuple[int, ...], ranks, allowed: tuple[StateOption, ...],  # type: ignore[no-untyped-def]
-          dp_comm: _DPComm) -> CellCoeffs:
+          dp_comm: DPComm) -> CellCoeffs:
     hw, t, d, M = ctx.hw, cand.tp, cand.dp, cand.num_microbatches
     S, v = cand.num_stages, cand.virtual_stages
     mb = share / M
@@ -575,10 +459,10 @@ def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: i
     pipelined = S > 1
     for o in allowed:
         kind, z3 = lowering_kind(o, cand), o.zero is ZeroStage.PARAMETERS
-        rows = [_exposed_dp(kind, z3, pipelined, f, b, dp_comm, i) for i, (f, b) in enumerate(zip(seg_fwd, seg_bwd))]
+        rows = [exposed_dp(kind, z3, pipelined, f, b, dp_comm, i) for i, (f, b) in enumerate(zip(seg_fwd, seg_bwd))]
         seg_exposed[o] = [r[0] for r in rows]
         seg_tail[o] = [r[1] for r in rows]
-        edge[o], tail_edge[o] = _dp_edges(kind, z3, pipelined, dp_comm) if rows else (0.0, 0.0)
+        edge[o], tail_edge[o] = dp_edges(kind, z3, pipelined, dp_comm) if rows else (0.0, 0.0)
         autocast_bytes[o] = (sum(seg.length * x for seg, x in zip(segments, seg_input))
                              if uses_autocast(kind, ctx.precision) else 0.0)
     loss_bytes = 0.0
