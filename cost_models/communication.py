@@ -5,8 +5,14 @@ A message of ``n`` bytes over a link of bandwidth ``B`` and latency ``a`` costs 
 collective formulas below compose that cost step by step, following Thakur, Rabenseifner & Gropp,
 "Optimization of Collective Communication Operations in MPICH" (IJHPCA 2005) and, for the
 bandwidth-optimal ring, Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms for clusters of
-workstations" (JPDC 2009). ``Link.bandwidth`` is used as given: a cluster spec that wants achieved rather
-than nominal bandwidth (NCCL bus bandwidth) supplies it there. Every formula is in docs/cost_model.md.
+workstations" (JPDC 2009). ``Link.bandwidth`` is the nominal (line-rate) bandwidth and ``Link.efficiency``
+the share of it NCCL achieves as *bus bandwidth* on large messages (nccl-tests' ``busbw``, which
+factors out the algorithm: ``busbw = algbw * 2(p-1)/p`` for all-reduce, ``(p-1)/p`` for all-gather and
+reduce-scatter, NCCL's doc/PERFORMANCE.md in nccl-tests). Every formula uses
+``Link.achieved_bandwidth = bandwidth * efficiency``; :data:`BUS_EFFICIENCY` gives the sourced value per
+:class:`Fabric`, and a calibrated device profile can build its links with measured ones instead.
+Small messages are latency-dominated through the alpha term (per ring step) plus a per-collective
+``CommGroup.launch_latency``. Every formula is in docs/cost_model.md.
 
 Size conventions (``nbytes``): all-reduce, broadcast, send/recv: the tensor; all-gather: the gathered
 output; reduce-scatter: the full input before scattering; all-to-all: one rank's whole send buffer.
@@ -19,14 +25,84 @@ import math
 from dataclasses import dataclass
 
 
+class Fabric(str, enum.Enum):
+    """Kind of link, for its achieved share of the line rate (:data:`BUS_EFFICIENCY`)."""
+
+    NVLINK = "nvlink"
+    """NVLink / NVSwitch (and AMD xGMI), any generation without a measured figure of its own."""
+    NVLINK3 = "nvlink3"
+    """A100 NVLink 3 / NVSwitch 2."""
+    NVLINK4 = "nvlink4"
+    """H100 / H200 NVLink 4 / NVSwitch 3."""
+    PCIE = "pcie"
+    """GPUs talking over PCIe (through switches or the CPU's root complex)."""
+    NETWORK = "network"
+    """RDMA network between nodes: InfiniBand or RoCE with GPUDirect."""
+    ETHERNET = "ethernet"
+    """Plain TCP sockets between nodes (NCCL's socket transport)."""
+    GIVEN = "given"
+    """A bandwidth the user measured or gave explicitly: used as is."""
+
+
+BUS_EFFICIENCY: dict[Fabric, float] = {
+    Fabric.NVLINK: 0.8,
+    Fabric.NVLINK3: 0.7,
+    Fabric.NVLINK4: 0.82,
+    Fabric.PCIE: 0.5,
+    Fabric.NETWORK: 0.96,
+    Fabric.ETHERNET: 0.6,
+    Fabric.GIVEN: 1.0,
+}
+"""Achieved NCCL bus bandwidth on large messages as a share of the nominal per-direction bandwidth.
+
+- NVLink: "450GB/s is the line rate. With the protocol overhead (~20%) NCCL can get an effective
+  NVLink bandwidth of 370GB/s" (S. Jeaugey, NCCL maintainer, NVIDIA/nccl-tests#212, H100): 0.82 for
+  NVLink 4, 0.8 for generations without their own figure;
+- NVLink 3 (A100, 300 GB/s): 8-GPU all_reduce_perf bus bandwidth 200-208 GB/s in NVIDIA/nccl-tests#149
+  (HPE Apollo 6500, 8 x A100-80GB) and #178: 0.7;
+- PCIe: 28 GB/s bus bandwidth on 8 GPUs and 35 GB/s on 4 on PCIe 5.0 x16 (64 GB/s), "On PCI systems,
+  the performance you get is usually determined by the bandwidth your CPU and memory can deliver"
+  (NVIDIA/nccl#1639): about 0.5;
+- InfiniBand / RoCE: 3 nodes of 8 A100 with 4 x HDR 200 Gb/s per node (100 GB/s per node), all-reduce
+  bus bandwidth peaking at 96 GB/s (NVIDIA/nccl-tests#119): 0.96;
+- plain TCP Ethernet: NAMED CONSTANT 0.6, no measurement at hand; the socket transport copies through
+  host memory and its throughput depends on the number of sockets and threads (NCCL_NSOCKS_PERTHREAD,
+  NCCL_SOCKET_NTHREADS); calibrate it where it matters;
+- given: the user's own number, taken as achieved.
+"""
+
+NCCL_LAUNCH_LATENCY_S = 8.4e-6
+"""Fixed cost of one NCCL collective besides its per-step latency: NCCL's ``baseLat`` for the ring
+algorithm with the Simple protocol (src/graph/tuning.cc), which NCCL's own tuner adds once per call."""
+
+
+def bus_efficiency(fabric: Fabric | str) -> float:
+    """:data:`BUS_EFFICIENCY` of ``fabric`` (raises on an unknown kind)."""
+    return BUS_EFFICIENCY[Fabric(fabric)]
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Link:
     """One level of the interconnect as seen by a single rank."""
 
     bandwidth: float
-    """Bytes/s per direction: per GPU for an intra-node link, per node for the network."""
+    """Nominal bytes/s per direction: per GPU for an intra-node link, per node for the network."""
     latency: float
     """Seconds per message (the alpha term)."""
+    efficiency: float = 1.0
+    """Share of ``bandwidth`` NCCL achieves as bus bandwidth (:data:`BUS_EFFICIENCY`, or calibrated)."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.efficiency <= 1:
+            raise ValueError(f"link efficiency must be in (0, 1], got {self.efficiency}")
+
+    @property
+    def achieved_bandwidth(self) -> float:
+        return self.bandwidth * self.efficiency
+
+    def shared(self, sharers: int) -> Link:
+        """This link with its bandwidth split between ``sharers`` concurrent streams."""
+        return Link(bandwidth=self.bandwidth / sharers, latency=self.latency, efficiency=self.efficiency)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -42,6 +118,8 @@ class CommGroup:
     num_nodes: int
     intra: Link
     inter: Link
+    launch_latency: float = 0.0
+    """Fixed seconds per collective call (:data:`NCCL_LAUNCH_LATENCY_S` for NCCL groups)."""
 
     @property
     def size(self) -> int:
@@ -71,7 +149,7 @@ def estimate_p2p_time(nbytes: float, link: Link) -> float:
     _check_bytes(nbytes)
     if nbytes == 0:
         return 0.0
-    return link.latency + nbytes / link.bandwidth
+    return link.latency + nbytes / link.achieved_bandwidth
 
 
 def estimate_flat_collective_time(
@@ -104,7 +182,7 @@ def estimate_flat_collective_time(
         raise ValueError(f"link needs positive bandwidth and non-negative latency, got {link}")
     if collective is Collective.SEND_RECV:
         return estimate_p2p_time(nbytes, link)
-    p, n, a, bw = num_ranks, nbytes, link.latency, link.bandwidth
+    p, n, a, bw = num_ranks, nbytes, link.latency, link.achieved_bandwidth
     if p == 1 or n == 0:
         return 0.0
     if algorithm is Algorithm.TREE:
@@ -144,18 +222,28 @@ def estimate_collective_time(
       r(m-1) a_inter + r n (m-1) / (m B_inter))``;
     - broadcast: inter broadcast among one rank per node (whole NIC) + intra broadcast;
     - send/recv: one message across nodes over the inter link.
+
+    ``group.launch_latency`` is added once to every collective that moves data (not to send/recv).
     """
     collective, algorithm = _check_algorithm(collective, algorithm)
     _check_bytes(nbytes)
     r, m = group.ranks_per_node, group.num_nodes
     if r < 1 or m < 1:
         raise ValueError(f"group needs ranks_per_node >= 1 and num_nodes >= 1, got {r} and {m}")
+    if nbytes == 0 or group.size == 1:
+        return 0.0
+    launch = 0.0 if collective is Collective.SEND_RECV else group.launch_latency
+    return launch + _hierarchical_time(collective, nbytes, group, algorithm)
+
+
+def _hierarchical_time(collective: Collective, nbytes: float, group: CommGroup, algorithm: Algorithm) -> float:
+    r, m = group.ranks_per_node, group.num_nodes
     flat = estimate_flat_collective_time
     if m == 1:
         return flat(collective, nbytes, r, group.intra, algorithm)
     if r == 1 or collective is Collective.SEND_RECV:
         return flat(collective, nbytes, m, group.inter, algorithm)
-    shared_nic = Link(bandwidth=group.inter.bandwidth / r, latency=group.inter.latency)
+    shared_nic = group.inter.shared(r)
     n, ring = nbytes, Algorithm.RING
     if collective is Collective.ALL_REDUCE:
         return (
@@ -169,8 +257,8 @@ def estimate_collective_time(
         if n == 0:
             return 0.0
         p = r * m
-        intra_s = (r - 1) * (group.intra.latency + n / (p * group.intra.bandwidth))
-        inter_s = r * (m - 1) * group.inter.latency + r * n * (m - 1) / (m * group.inter.bandwidth)
+        intra_s = (r - 1) * (group.intra.latency + n / (p * group.intra.achieved_bandwidth))
+        inter_s = r * (m - 1) * group.inter.latency + r * n * (m - 1) / (m * group.inter.achieved_bandwidth)
         return max(intra_s, inter_s)
     if collective is Collective.BROADCAST:
         return flat(collective, n, m, group.inter, algorithm) + flat(collective, n, r, group.intra, ring)
@@ -192,3 +280,28 @@ def _check_algorithm(
     if algorithm is Algorithm.TREE and collective not in _TREE_COLLECTIVES:
         raise ValueError(f"no tree algorithm is modelled for {collective.value}; use Algorithm.RING")
     return collective, algorithm
+
+
+# -- overlap of communication with compute ------------------------------------------------------------
+
+OVERLAP_COMPUTE_LOSS = 0.15
+"""Share of compute throughput lost while a collective runs beside it. NAMED CONSTANT with its reason:
+an NCCL collective runs as one CTA (thread block) per channel on the GPU's SMs, and NCCL uses 16 to 32
+channels on NVLink / NVSwitch systems (``NCCL_MIN_NCHANNELS`` / ``NCCL_MAX_NCHANNELS``, NCCL
+environment documentation), so an overlapped GEMM loses about 16/108 (A100) to 32/132 (H100) of the
+SMs, 0.12 to 0.24, besides memory bandwidth; 0.15 is the low end of that range. A calibrated profile
+should replace it with a measured slowdown."""
+
+
+def estimate_overlapped_time(compute_s: float, comm_s: float, *, loss: float = OVERLAP_COMPUTE_LOSS) -> float:
+    """Seconds of ``compute_s`` of compute run beside ``comm_s`` of communication that starts with it.
+
+    While the collective runs, compute progresses at ``1 - loss`` of its speed; afterwards at full
+    speed. If the compute outlasts the collective it finishes at ``compute + loss * comm``; otherwise
+    the collective is the critical path: ``max(compute + loss * comm, comm)``. The exposed part is this
+    minus ``compute_s``.
+    """
+    if compute_s < 0 or comm_s < 0 or not 0 <= loss < 1:
+        raise ValueError(f"compute_s ({compute_s}) and comm_s ({comm_s}) must be >= 0 and loss ({loss}) "
+                         "in [0, 1)")
+    return max(compute_s + loss * comm_s, comm_s)

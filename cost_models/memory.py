@@ -238,6 +238,73 @@ def estimate_stage_activation_bytes(
     return num_inflight * kept / virtual_stages + recompute_peak
 
 
+# -- working sets, buffers and the allocator's reserve ------------------------------------------------
+
+FSDP_PREFETCH_BLOCKS = 1
+"""Blocks FSDP2 gathers ahead of the one running: its implicit prefetch issues the next block's
+all-gather while the current block computes, in forward and in backward (``fully_shard`` defaults;
+explicit ``set_modules_to_forward_prefetch`` is not used by whalepy's runtime)."""
+
+
+def estimate_fsdp_working_bytes(*, block_params: float, zero3: bool,
+                                prefetch_blocks: int = FSDP_PREFETCH_BLOCKS) -> float:
+    """GPU bytes FSDP2 holds for one stage besides the model states, at its peak in backward.
+
+    ZeRO-3 (``reshard_after_forward=True``): the running block's gathered 16-bit parameters plus the
+    ``prefetch_blocks`` gathered ahead, ``(1 + prefetch) 2 P_b``, and the running block's unsharded
+    16-bit gradient waiting for its reduce-scatter, ``2 P_b``. Below ZeRO-3 the parameters stay
+    gathered (already counted whole in the model states); only the gradient buffer remains.
+    ``block_params`` is the largest block's parameters per device (after TP).
+    """
+    if block_params < 0 or prefetch_blocks < 0:
+        raise ValueError(f"block_params ({block_params}) and prefetch_blocks ({prefetch_blocks}) must be >= 0")
+    half = HALF_PRECISION_BYTES * block_params
+    gathered = (1 + prefetch_blocks) * half if zero3 else 0.0
+    return gathered + half
+
+
+AUTOCAST_WEIGHT_COPY_BYTES = 2
+"""Bytes per parameter autocast keeps for backward: ``torch.autocast`` casts each fp32 weight to a
+16-bit copy for the matmul, and autograd saves that copy. Measured on one H100
+(../shared/calibration/h100-sxm_microbench.json, ``block`` rows): autocast saves ``24 h^2 + 2 sbh``
+bytes per GPT block more than pure bf16, i.e. 2 bytes for each of the block's ``12 h^2`` weights plus
+the fp32 residual input (``2 sbh``); every row of the table fits this within 0.1 sbh."""
+
+CUDA_CONTEXT_BYTES = 0.5 * 2**30
+"""NAMED CONSTANT: device memory outside PyTorch's allocator per process: the CUDA context with
+PyTorch's kernels (lazily loaded, CUDA_MODULE_LOADING=LAZY is the default since CUDA 11.7 / PyTorch 2)
+and cuBLAS / cuDNN workspaces. Not measured here: ``torch.cuda.mem_get_info`` against
+``memory_reserved`` on the target, or ``whalepy calibrate``, should replace it."""
+
+NCCL_BYTES_PER_COMMUNICATOR = 2 * 16 * 4 * 2**20
+"""NCCL's buffers per communicator: a send and a receive buffer of ``NCCL_BUFFSIZE`` (4 MiB by
+default, NCCL environment documentation) per channel, 16 channels (see ``OVERLAP_COMPUTE_LOSS``)."""
+
+ALLOCATOR_FRAGMENTATION = 0.05
+"""NAMED CONSTANT: share of the allocated peak PyTorch's caching allocator additionally reserves
+(rounding of blocks to 512 bytes, whole 2 MiB / 20 MiB segments, split blocks that cannot be
+returned). Not measured on this project's hardware: ``torch.cuda.max_memory_reserved`` /
+``max_memory_allocated`` on a target run should replace it."""
+
+
+def estimate_usable_device_bytes(*, memory_bytes: float, num_communicators: int) -> float:
+    """Peak *allocated* bytes a device can hold: its memory less the CUDA context and NCCL buffers,
+    divided by ``1 + ALLOCATOR_FRAGMENTATION`` (what the caching allocator reserves for what it hands
+    out)."""
+    if memory_bytes <= 0 or num_communicators < 0:
+        raise ValueError(f"memory_bytes ({memory_bytes}) must be > 0 and num_communicators "
+                         f"({num_communicators}) >= 0")
+    fixed = CUDA_CONTEXT_BYTES + num_communicators * NCCL_BYTES_PER_COMMUNICATOR
+    return max(0.0, memory_bytes - fixed) / (1 + ALLOCATOR_FRAGMENTATION)
+
+
+def estimate_device_bytes_for_usable(usable_bytes: float, *, num_communicators: int = 3) -> float:
+    """The inverse of :func:`estimate_usable_device_bytes`: device memory that leaves ``usable_bytes``
+    for the allocator with ``num_communicators`` NCCL communicators (for sizing test devices)."""
+    fixed = CUDA_CONTEXT_BYTES + num_communicators * NCCL_BYTES_PER_COMMUNICATOR
+    return usable_bytes * (1 + ALLOCATOR_FRAGMENTATION) + fixed
+
+
 # -- offload traffic ------------------------------------------------------------------------------
 
 

@@ -9,7 +9,7 @@ import pytest
 from whalepy._errors import InfeasibleError
 from whalepy.planner import plan_from_profile
 from whalepy.planner.synthetic import transformer_profile
-from whalepy.planner.costing import USABLE_MEMORY_FRACTION
+from whalepy.cost_models.memory import estimate_device_bytes_for_usable
 
 from planner_fixtures import cluster, group, tiny_device
 
@@ -28,12 +28,12 @@ def _instance(seed: int):  # type: ignore[no-untyped-def]
     per_node = rng.choice([1, 2, 4])
     nodes = rng.choice([1, 2])
     frac = rng.uniform(0.15, 0.9)
-    dev_a = tiny_device(f"dev-a{seed}", "A100-80GB", need * frac / USABLE_MEMORY_FRACTION / 2**30)
+    dev_a = tiny_device(f"dev-a{seed}", "A100-80GB", estimate_device_bytes_for_usable(need * frac) / 2**30)
     cpu = None if rng.random() < 0.5 else 64
     groups = [group("a", dev_a.name, per_node, nodes, link="pcie4", custom={dev_a.name: dev_a}, cpu_gb=cpu)]
     custom = [dev_a]
     if mixed:
-        dev_b = tiny_device(f"dev-b{seed}", "V100-32GB", need * rng.uniform(0.3, 1.2) / 2**30)
+        dev_b = tiny_device(f"dev-b{seed}", "V100-32GB", estimate_device_bytes_for_usable(need * rng.uniform(0.3, 1.2)) / 2**30)
         groups.append(group("b", dev_b.name, per_node, rng.choice([1, 2]), link="pcie3",
                             custom={dev_b.name: dev_b}, cpu_gb=cpu))
         custom.append(dev_b)

@@ -102,6 +102,7 @@ def format_plan(plan: Plan) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines += ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
     lines.append("  (compute and comm per micro-batch; bubble per step)")
+    lines += _memory_lines(plan)
     tok = f", {_rate(c.tokens_per_s)} tokens/s" if c.tokens_per_s else ""
     lines.append(f"  step time {_t(c.step_time_s)}: {_rate(c.samples_per_s)} samples/s{tok}, "
                  f"{c.model_tflops_per_gpu:.1f} TFLOP/s per GPU, MFU {100 * c.mfu:.1f}%")
@@ -120,6 +121,24 @@ def format_plan(plan: Plan) -> str:
     for n in plan.notes:
         lines.append(f"  note: {n}")
     return "\n".join(lines)
+
+
+def _memory_lines(plan: Plan) -> list[str]:
+    """Per stage: memory by kind on the tightest device, and exposed communication by kind."""
+    out = []
+    for s in plan.stages:
+        k = s.cost
+        parts = (k.params_bytes, k.grads_bytes, k.optimizer_bytes, k.activation_bytes, k.buffer_bytes)
+        if not any(parts):
+            continue  # a plan written before the breakdown existed
+        host = (f"; host {k.cpu_bytes / GIB:.2f}" if k.cpu_bytes else "") + (
+            f"; NVMe {k.nvme_bytes / GIB:.2f}" if k.nvme_bytes else "")
+        out.append(f"  stage {s.index} memory GiB: params {k.params_bytes / GIB:.2f}, grads {k.grads_bytes / GIB:.2f}, "
+                   f"optimizer {k.optimizer_bytes / GIB:.2f}, activations {k.activation_bytes / GIB:.2f}, "
+                   f"buffers {k.buffer_bytes / GIB:.2f}; reserve {k.reserve_bytes / GIB:.2f}{host}")
+        out.append(f"  stage {s.index} exposed comm: TP {_t(k.tp_comm_s)}, p2p {_t(k.p2p_s)}, DP {_t(k.dp_comm_s)} "
+                   f"per micro-batch; gradient sync {_t(k.grad_sync_s)} per step")
+    return out
 
 
 def format_explanation(plan: Plan) -> str:

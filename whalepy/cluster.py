@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from whalepy._errors import ClusterSpecError
-from whalepy.cost_models.communication import CommGroup, Link
+from whalepy.cost_models.communication import NCCL_LAUNCH_LATENCY_S, CommGroup, Fabric, Link, bus_efficiency
 from whalepy.cost_models.devices import (
     ALIASES,
     CATALOG,
@@ -108,6 +108,10 @@ _NVLINK_OF: dict[str, LinkKind] = {
 _XGMI_BANDWIDTH: dict[str, float] = {
     "MI250X": 100 * _GBS,  # one GCD: 2 x 50 GB/s links to a ring neighbour in another package
     "MI300X": 448 * _GBS,  # 7 links x 64 GB/s per direction, fully connected 8-GPU platform
+}
+_FABRIC_OF: dict[LinkKind, Fabric] = {
+    LinkKind.NVLINK3: Fabric.NVLINK3, LinkKind.NVLINK4: Fabric.NVLINK4,
+    LinkKind.PCIE3: Fabric.PCIE, LinkKind.PCIE4: Fabric.PCIE, LinkKind.PCIE5: Fabric.PCIE,
 }
 _PCIE_BY_HOST_LINK = {16 * _GBS: LinkKind.PCIE3, 32 * _GBS: LinkKind.PCIE4, 64 * _GBS: LinkKind.PCIE5}
 
@@ -274,8 +278,34 @@ class NodeGroup:
         return self.simulated or self.device.vendor == "cpu"
 
     @property
+    def intra_fabric(self) -> Fabric:
+        """What the intra-node link achieves is looked up by: its NVLink generation, PCIe, or
+        ``given`` (an explicit bandwidth, also with a kind, or gloo between CPU processes: used as is)."""
+        kind = self.intra_link
+        if kind is None or kind is LinkKind.SHM or self.device.vendor == "cpu":
+            return Fabric.GIVEN
+        try:
+            if kind.resolve(self.device)[0] != self.intra_bandwidth:
+                return Fabric.GIVEN  # the kind with a measured bandwidth: taken as achieved
+        except ClusterSpecError:
+            return Fabric.GIVEN
+        if kind is LinkKind.NVSWITCH:
+            kind = _NVLINK_OF.get(self.device.name, kind)
+        return _FABRIC_OF.get(kind, Fabric.NVLINK)
+
+    @property
     def intra(self) -> Link:
-        return Link(bandwidth=self.intra_bandwidth, latency=self.intra_latency)
+        return Link(bandwidth=self.intra_bandwidth, latency=self.intra_latency,
+                    efficiency=bus_efficiency(self.intra_fabric))
+
+    @property
+    def network(self) -> Link | None:
+        """The node's network (RDMA: InfiniBand / RoCE) with its achieved share, or None."""
+        if self.network_bandwidth is None:
+            return None
+        fabric = Fabric.GIVEN if self.device.vendor == "cpu" else Fabric.NETWORK
+        return Link(bandwidth=self.network_bandwidth, latency=self.network_latency,
+                    efficiency=bus_efficiency(fabric))
 
 
 def parse_link_kind(value: LinkKind | str, where: str = "") -> LinkKind:
@@ -557,17 +587,22 @@ class ClusterSpec:
         placed = [self._rank(r) for r in ranks]
         per_node = collections.Counter(p.node for p in placed)
         groups = [self.group(name) for name in dict.fromkeys(p.group for p in placed)]
-        intra = Link(bandwidth=min(g.intra_bandwidth for g in groups),
-                     latency=max(g.intra_latency for g in groups))
-        networks = [g.network_bandwidth for g in groups if g.network_bandwidth is not None]
-        bandwidth = min(networks) if networks else intra.bandwidth
+        slowest = min((g.intra for g in groups), key=lambda link: link.achieved_bandwidth)
+        intra = Link(bandwidth=slowest.bandwidth, latency=max(g.intra_latency for g in groups),
+                     efficiency=slowest.efficiency)
+        networks = [g.network for g in groups if g.network is not None]
+        net = min(networks, key=lambda link: link.achieved_bandwidth) if networks else intra
+        bandwidth, efficiency = net.bandwidth, net.efficiency
         latency = max(g.network_latency for g in groups)
         if len(groups) > 1 and self.inter_group_bandwidth is not None:
             bandwidth = min(bandwidth, self.inter_group_bandwidth)
         if len(groups) > 1 and self.inter_group_latency is not None:
             latency = max(latency, self.inter_group_latency)
+        # NCCL's fixed per-call cost; CPU groups (gloo) carry theirs in the nominal SHM latency
+        launch = 0.0 if all(g.device.vendor == "cpu" for g in groups) else NCCL_LAUNCH_LATENCY_S
         return CommGroup(ranks_per_node=max(per_node.values()), num_nodes=len(per_node), intra=intra,
-                         inter=Link(bandwidth=bandwidth, latency=latency))
+                         inter=Link(bandwidth=bandwidth, latency=latency, efficiency=efficiency),
+                         launch_latency=launch)
 
     def fingerprint(self) -> str:
         """Stable 16-hex-digit hash of :meth:`to_dict` (what a plan records to match its cluster)."""

@@ -72,6 +72,59 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class MemoryBreakdown:
+    """Bytes per device of one stage's tightest replica, by what holds them."""
+
+    params: float
+    grads: float
+    optimizer: float
+    """Optimizer states and fp32 master weights."""
+    activations: float
+    """Saved for backward by the micro-batches in flight, plus one recomputed block."""
+    buffers: float
+    """FSDP2's gathered blocks and gradient buffers, unsharded gradient accumulation, autocast's
+    16-bit weight copies."""
+    reserve: float
+    """Kept back from the allocator: CUDA context, NCCL buffers, fragmentation."""
+    cpu: float
+    """Host memory per GPU (offloaded states)."""
+    nvme: float
+
+    @property
+    def gpu(self) -> float:
+        """The allocated peak: params + grads + optimizer + activations + buffers."""
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+
+    def __str__(self) -> str:
+        g = 2**30
+        host = (f"; host {self.cpu / g:.2f} GiB" if self.cpu else "") + (f", NVMe {self.nvme / g:.2f} GiB"
+                                                                         if self.nvme else "")
+        return (f"params {self.params / g:.2f} + grads {self.grads / g:.2f} + optimizer {self.optimizer / g:.2f}"
+                f" + activations {self.activations / g:.2f} + buffers {self.buffers / g:.2f} GiB"
+                f" (+ reserve {self.reserve / g:.2f} GiB){host}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommBreakdown:
+    """Exposed (not hidden) communication of one stage's slowest replica."""
+
+    tp_s: float
+    """Tensor-parallel collectives per micro-batch (the runtime does not overlap them)."""
+    p2p_s: float
+    """Pipeline sends per micro-batch."""
+    dp_s: float
+    """Data-parallel collectives per micro-batch not hidden by the neighbouring block's compute
+    (FSDP2 all-gathers), including the compute they slow down."""
+    sync_s: float
+    """Per step: the gradient reduction not hidden by the last backward, and post-step all-gathers."""
+
+    def __str__(self) -> str:
+        ms = 1e3
+        return (f"exposed comm per micro-batch: TP {self.tp_s * ms:.3g} ms, p2p {self.p2p_s * ms:.3g} ms, "
+                f"DP {self.dp_s * ms:.3g} ms; gradient sync per step {self.sync_s * ms:.3g} ms")
+
+
+@dataclass(frozen=True, kw_only=True)
 class StageEstimate:
     index: int
     blocks: int
@@ -79,6 +132,8 @@ class StageEstimate:
     memory_bytes: float
     capacity_bytes: float
     device_type: str
+    memory: MemoryBreakdown
+    comm: CommBreakdown
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,6 +164,8 @@ class Estimate:
             lines.append(f"  stage {s.index}: {s.blocks} blocks on {s.device_type}, "
                          f"{s.time_per_microbatch_s * 1e3:.3g} ms per micro-batch, memory "
                          f"{s.memory_bytes / 2**30:.1f} / {s.capacity_bytes / 2**30:.1f} GiB")
+            lines.append(f"    memory: {s.memory}")
+            lines.append(f"    {s.comm}")
         return "\n".join(lines)
 
 
@@ -262,16 +319,25 @@ def estimate_from_profile(profile: ModelProfile, cluster: ClusterSpec, config: P
     busiest = max((c for st in ev.stages for c in st.cells), key=lambda c: c.time_s)
     plan = build_plan(ev, ctx=ctx, global_batch=global_batch, result=None, solver_name="given", status="given",
                       mip_gap=0.0, notes=[] if ev.fits else ["does not fit: " + reason])
-    stages = tuple(StageEstimate(index=st.index, blocks=sum(st.counts),
-                                 time_per_microbatch_s=st.time_s,
-                                 memory_bytes=max(c.memory_bytes for c in st.cells),
-                                 capacity_bytes=min(c.cell.capacity for c in st.cells),
-                                 device_type="/".join(sorted({c.cell.group.device.name for c in st.cells})))
-                   for st in ev.stages)
+    stages = tuple(_stage_estimate(st) for st in ev.stages)
     return Estimate(config=cfg, step_time_s=ev.step_time_s, compute_s=M * busiest.compute_s,
                     comm_s=M * busiest.comm_s, bubble_s=ev.bubble_s, tail_s=ev.X,
                     samples_per_s=global_batch / ev.step_time_s, stages=stages, feasible=ev.fits, reason=reason,
                     plan=plan)
 
 
-__all__ = ["Estimate", "ParallelConfig", "StageEstimate", "estimate", "estimate_from_profile"]
+def _stage_estimate(st: Any) -> StageEstimate:
+    tight = max(st.cells, key=lambda c: c.memory_bytes / c.cell.capacity)
+    slow = max(st.cells, key=lambda c: c.time_s)
+    mem = MemoryBreakdown(params=tight.params_bytes, grads=tight.grads_bytes, optimizer=tight.optimizer_bytes,
+                          activations=tight.activation_bytes, buffers=tight.buffer_bytes,
+                          reserve=tight.reserve_bytes, cpu=tight.cpu_bytes, nvme=tight.nvme_bytes)
+    comm = CommBreakdown(tp_s=slow.tp_s, p2p_s=slow.p2p_s, dp_s=slow.dp_exposed_s, sync_s=slow.exposed_sync_s)
+    return StageEstimate(index=st.index, blocks=sum(st.counts), time_per_microbatch_s=st.time_s,
+                         memory_bytes=max(c.memory_bytes for c in st.cells),
+                         capacity_bytes=min(c.cell.capacity for c in st.cells),
+                         device_type="/".join(sorted({c.cell.group.device.name for c in st.cells})),
+                         memory=mem, comm=comm)
+
+
+__all__ = ["CommBreakdown", "Estimate", "MemoryBreakdown", "ParallelConfig", "StageEstimate", "estimate", "estimate_from_profile"]

@@ -108,6 +108,25 @@ class StageCost:
     """Peak memory per device."""
     capacity_bytes: int = 0
     """Usable memory per device."""
+    params_bytes: int = 0
+    """GPU bytes of parameters at the peak (the tightest replica; these and the next five sum to
+    ``memory_bytes``)."""
+    grads_bytes: int = 0
+    optimizer_bytes: int = 0
+    activation_bytes: int = 0
+    buffer_bytes: int = 0
+    """FSDP2 working set and gradient buffers, autocast weight copies."""
+    reserve_bytes: int = 0
+    """Device memory kept back: CUDA context, NCCL buffers, allocator fragmentation."""
+    cpu_bytes: int = 0
+    """Host memory per GPU of offloaded states."""
+    nvme_bytes: int = 0
+    tp_comm_s: float = 0.0
+    """Exposed tensor-parallel collectives per micro-batch."""
+    p2p_s: float = 0.0
+    """Pipeline sends per micro-batch."""
+    dp_comm_s: float = 0.0
+    """Exposed data-parallel collectives (FSDP2 gathers) per micro-batch."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

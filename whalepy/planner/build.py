@@ -24,6 +24,7 @@ from whalepy.planner.costing import (
     Evaluation,
     build_coefficients,
     evaluate_stage,
+    memory_breakdown,
     tp_applies,
 )
 from whalepy.planner.search import SearchResult
@@ -101,7 +102,9 @@ def build_plan(ev: Evaluation, *, ctx: CostContext, global_batch: int, result: S
                            offload_s=M * max(0.0, worst.fetch_s - worst.compute_s - worst.comm_s + worst.cell.p2p)
                            + (worst.opt_s if st.option.optimizer_tier is not Tier.GPU else 0.0),
                            bubble_s=max(0.0, M * ev.T + ev.bubble_s - M * st.time_s),
-                           memory_bytes=int(tight.memory_bytes), capacity_bytes=int(tight.cell.capacity))))
+                           memory_bytes=int(tight.memory_bytes), capacity_bytes=int(tight.cell.capacity),
+                           **memory_breakdown(tight), tp_comm_s=worst.tp_s, p2p_s=worst.p2p_s,
+                           dp_comm_s=worst.dp_exposed_s)))
     rank_types = tuple(d.device.name for d in hw.cluster.rank_devices())
     samples = global_batch / step
     model_flops = prof.train_flops * global_batch / prof.batch_size / step

@@ -11,49 +11,57 @@ Per cell of stage ``s`` (device D, micro-batch ``m``), with ``Pl`` the stage's p
 after TP:
 
 - ``compute = sum_g n_g * (fwd + bwd + 2 tp_ar) + c_g * (fwd + tp_ar)`` per micro-batch: block times by
-  :func:`estimate_block_time` (roofline), TP all-reduces of ``tp_comm_bytes`` forward and backward,
-  repeated on recompute;
-- ``gather`` (ZeRO-3): all-gather of ``2 Pl`` bytes forward and backward per micro-batch over the
-  stage's DP group; ``fetch`` (parameters on CPU / NVMe): ``2 * 2 Pl / dp`` bytes per micro-batch over
-  the host link (:func:`estimate_offload_time`); both overlap compute:
-  ``T_cell = max(compute, gather, fetch) + p2p``;
+  ``CostContext.block_time``, TP all-reduces of ``tp_comm_bytes`` forward and backward, repeated on
+  recompute; the runtime does not overlap DTensor's TP collectives, so they are exposed;
+- ``dp`` per micro-batch: data-parallel collectives not hidden by compute, per block as the runtime
+  lowers the stage's state option (:func:`lowering_kind`, the runtime's own choice of DDP /
+  ZeroRedundancyOptimizer / FSDP2): FSDP2 all-gathers overlap only the neighbouring block's compute
+  (one block of prefetch) and slow it while they do (:func:`~whalepy.planner._runtime_costs.exposed_dp`), plus the first block's
+  gather of each chunk (nothing to hide behind);
+- ``fetch`` (parameters on CPU / NVMe): ``2 * 2 Pl / dp`` bytes per micro-batch over the host link
+  (:func:`estimate_offload_time`), overlapping compute: ``T_cell = max(compute + dp, fetch) + p2p``;
 - ``p2p``: one :func:`estimate_p2p_time` of the inter-stage activation per send (forward to the next
   (virtual) stage, gradient to the previous one), over the link the pair crosses;
-- ``sync`` per step over the DP group: all-reduce of ``2 Pl`` bytes (ZeRO-0), reduce-scatter +
-  all-gather (ZeRO-1/2), reduce-scatter (ZeRO-3; its gathers are in ``gather``). Hidden behind the last
-  micro-batch's backward: exposed ``max(0, sync - bwd)``. The ``tp`` DP groups of a stage share each
-  node's NIC, so their inter-node bandwidth is divided by ``tp``;
+- ``sync`` per step: the gradient reduction of the last micro-batch not hidden by its backward (DDP
+  all-reduce per bucket, FSDP2 reduce-scatter per block; under pipelining all reduce-scatters after
+  the last backward) plus the last block's, plus ZeroRedundancyOptimizer's parameter all-gather after
+  the step. The ``tp`` DP groups of a stage share each node's NIC, so their inter-node bandwidth is
+  divided by ``tp``;
 - ``opt``: the optimizer step on the GPU (roofline of :data:`ADAM_FLOPS_PER_PARAM` /
   :data:`ADAM_BYTES_PER_PARAM`), or on the CPU (:data:`CPU_ADAM_PARAMS_PER_S_PER_NODE` shared by the
   node's GPUs, plus gradients down and parameters up over PCIe; NVMe adds reading and writing the
   12-byte states);
-- memory: model states (:func:`estimate_model_state_bytes`, ZeRO-3 adds the largest block's gathered
-  parameters) + ``inflight * max_k sum_g (n_kg saved_g + c_kg (input_g - saved_g))`` over the stage's
+- memory: model states (:func:`estimate_model_state_bytes`) + buffers (FSDP2's working set of gathered
+  blocks and a block's unsharded gradient, :func:`estimate_fsdp_working_bytes`; unsharded gradients
+  accumulated over micro-batches under FSDP2; autocast's 16-bit weight copies) +
+  ``inflight * max_k sum_g (n_kg saved_g + c_kg (input_g - saved_g))`` over the stage's
   chunks ``k`` (``inflight`` counts chunk activations; with balanced chunks this is Narayanan et al.'s
   ``inflight / v`` of the stage, with unbalanced ones the largest chunk is charged for every one in
   flight) + the largest checkpointed block's saved bytes (recomputed one block at a time), against
-  ``USABLE_MEMORY_FRACTION`` of the device.
+  :func:`usable_device_bytes` (device memory less the CUDA context, NCCL buffers and the allocator's
+  fragmentation).
 
 Checkpoint counts are per virtual stage (chunk) and segment, ``c_kg``; a physical stage's are the sum
 over its chunks (``v = 1``: one chunk, the stage).
 
 Step time = ``M T + (S - 1) Tc + X`` with ``T = max`` over cells of ``T_cell`` (per micro-batch, all
 of a rank's chunks), ``Tc = max`` over cells and chunks of the chunk time per micro-batch and
-``X = max`` over cells of ``max(0, sync - bwd) + opt``. Why: the steady state runs ``M`` micro-batches
+``X = max`` over cells of ``sync + opt``. Why: the steady state runs ``M`` micro-batches
 through the slowest rank (``M T``); the fill and drain are the pipeline bubble, which for interleaved
 1F1B is ``(p - 1)/v`` of a stage's time per micro-batch (Narayanan et al., "Efficient Large-Scale
 Language Model Training on GPU Clusters Using Megatron-LM", SC'21, section 2.2.2), i.e. ``p - 1``
 *chunk* times: a micro-batch's forward (and backward) passes the ``p - 1`` ranks ahead of it one chunk
 at a time. That ``(S - 1) T / v`` form holds only for balanced chunks; an unbalanced split waits on
 its largest chunk at every hop, so the bubble is charged ``(S - 1)`` times the largest chunk
-(``Tc >= T / v`` always, with equality when balanced). Chunk time = ``max(compute_k, gather / v,
-fetch / v) + p2p_k``: its blocks' compute and recompute plus its own sends; the stage's ZeRO-3 gathers
-and offload fetches are spread evenly over its chunks. For ``v = 1`` the chunk is the stage,
+(``Tc >= T / v`` always, with equality when balanced). Chunk time = ``max(compute_k + dp_k,
+fetch / v) + p2p_k``: its blocks' compute, recompute and exposed DP collectives plus its own sends; the
+stage's offload fetches are spread evenly over its chunks. For ``v = 1`` the chunk is the stage,
 ``Tc = T`` and the step is ``(M + S - 1) T + X`` (GPipe / 1F1B).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -68,14 +76,29 @@ from whalepy.cost_models.communication import (
     estimate_p2p_time,
 )
 from whalepy.cost_models.compute import estimate_block_time, estimate_compute_time, estimate_kernels_time, precision_bytes
-from whalepy.cost_models.memory import estimate_model_state_bytes, estimate_offload_time, inflight_microbatches
+from whalepy.cost_models.memory import (
+    AUTOCAST_WEIGHT_COPY_BYTES,
+    HALF_PRECISION_BYTES,
+    estimate_fsdp_working_bytes,
+    estimate_model_state_bytes,
+    estimate_offload_time,
+    inflight_microbatches,
+)
 from whalepy.plan import Tier, TPStyle, ZeroStage
 from whalepy.planner.space import Candidate, GroupView, Hardware, Segment, StateOption, build_layout
+from whalepy.planner._runtime_costs import (
+    DPComm,
+    build_dp_block_comm,
+    dp_edges,
+    exposed_dp,
+    grads_at_activation_peak,
+    lowering_kind,
+    post_step_affine,
+    usable_device_bytes,
+    uses_autocast,
+)
+from whalepy.runtime.data_parallel import DataParallelKind
 from whalepy.profile import BlockKind, BlockProfile, ModelProfile
-
-USABLE_MEMORY_FRACTION = 0.9
-"""Fraction of device memory the planner fills; the rest is left for the CUDA context, NCCL buffers,
-kernel workspaces and allocator fragmentation (PyTorch's caching allocator commonly strands 5-10%)."""
 
 USABLE_HOST_MEMORY_FRACTION = 0.8
 """Fraction of a node's host memory available to offloaded states (the OS, data loading, pinned
@@ -94,22 +117,10 @@ CPU_ADAM_PARAMS_PER_S_PER_NODE = 4.5e9
 updates 1 B parameters in about 0.22 s (Ren et al., "ZeRO-Offload", USENIX ATC'21, Fig. 7). Shared by
 the node's GPUs."""
 
-_FIT_N1, _FIT_N2 = float(2**30), float(2**31)
-
-
-def _affine(fn) -> tuple[float, float]:  # type: ignore[no-untyped-def]
-    """``(alpha, beta)`` with ``fn(n) = alpha + beta n`` for ``n > 0`` (alpha-beta costs are affine)."""
-    f1, f2 = fn(_FIT_N1), fn(_FIT_N2)
-    beta = (f2 - f1) / (_FIT_N2 - _FIT_N1)
-    return max(0.0, f1 - beta * _FIT_N1), beta
-
-
 def _shared_nic(group: CommGroup, sharers: int) -> CommGroup:
     if sharers <= 1 or group.num_nodes <= 1:
         return group
-    inter = Link(bandwidth=group.inter.bandwidth / sharers, latency=group.inter.latency)
-    return CommGroup(ranks_per_node=group.ranks_per_node, num_nodes=group.num_nodes,
-                     intra=group.intra, inter=inter)
+    return dataclasses.replace(group, inter=group.inter.shared(sharers))
 
 
 def _pair_link(group: CommGroup) -> Link:
@@ -123,6 +134,12 @@ attention scores, of which ``10 sbh`` (the two layer-norm inputs, the dropout ma
 residual branches) stay whole on every TP rank, giving ``sbh(10 + 24/t + 5as/(ht))``; with sequence
 parallelism they are split too, ``sbh/t (34 + 5as/h)``. The profile measures a layer's total; this
 fraction applies Korthikanti's split to it."""
+
+
+LOSS_LOGPROB_BYTES = 4
+"""Bytes per output element cross-entropy keeps for backward: its log-softmax, in fp32 (autocast runs
+``cross_entropy`` / ``log_softmax`` in fp32). The profile captures the model, not the user's loss, so
+the last stage is charged its output plus this."""
 
 
 def has_sequence_rules(profile: ModelProfile) -> bool:
@@ -179,6 +196,24 @@ class CellCoeffs:
     """Optimizer step seconds per local parameter of the stage."""
     fetch_beta: dict[StateOption, float]
     """Parameter fetch seconds per micro-batch per local parameter (parameters off the GPU)."""
+    seg_exposed: dict[StateOption, list[float]]
+    """Per option, per block of each segment: exposed data-parallel communication per micro-batch
+    (FSDP2 all-gathers beside the block's forward and backward), see :func:`~whalepy.planner._runtime_costs.exposed_dp`."""
+    edge: dict[StateOption, float]
+    """Per option: the exposed all-gathers of a chunk's first block per micro-batch (nothing to hide
+    behind)."""
+    seg_tail: dict[StateOption, list[float]]
+    """Per option, per block: extra exposed time of the last micro-batch's backward, where the block's
+    gradient reduction joins its gathers."""
+    tail_edge: dict[StateOption, float]
+    """Per option: the last block's gradient reduction, exposed after the last backward."""
+    loss_bytes: float
+    """Last stage only: the model's output (logits) and the loss's fp32 log-probabilities, alive from
+    the end of the forward into the loss's backward (:data:`LOSS_LOGPROB_BYTES`)."""
+    autocast_bytes: dict[StateOption, float]
+    """Per option: activation bytes autocast keeps beyond the 16-bit ones, the fp32 residual input of
+    every block (``2 sbh`` per GPT block, measured; see ``AUTOCAST_WEIGHT_COPY_BYTES``). Autocast
+    applies only without pipelining, so the stage holds every block and this is a constant."""
 
 
 @dataclass(slots=True)
@@ -190,15 +225,22 @@ class StageCoeffs:
     options: tuple[StateOption, ...]
     """State options allowed on this stage (offload only where every cell's group has the tier)."""
     sync: dict[StateOption, tuple[float, float]]
-    """Per option, ``(alpha, beta)`` seconds per step, beta per local parameter."""
-    gather: dict[StateOption, tuple[float, float]]
-    """Per option, ZeRO-3 parameter gathers per micro-batch ``(alpha, beta)``."""
+    """Per option, exposed communication after the optimizer step, ``(alpha, beta)`` seconds per step,
+    beta per local parameter: ZeroRedundancyOptimizer's parameter all-gather (ZeRO-1 lowered to DDP)."""
     mem_beta: dict[StateOption, float]
     """GPU bytes of model states per local parameter."""
     cpu_beta: dict[StateOption, float]
     nvme_beta: dict[StateOption, float]
-    working_bytes: float
-    """ZeRO-3: the largest block's gathered 16-bit parameters, resident while it runs."""
+    working_bytes: dict[StateOption, float]
+    """Per option, GPU bytes of FSDP2's working set (:func:`estimate_fsdp_working_bytes`)."""
+    state_split: dict[StateOption, tuple[float, float, float]]
+    """Per option, GPU bytes per local parameter of ``(parameters, gradients, optimizer states)``."""
+    grads_freed: dict[StateOption, bool]
+    """Per option: the gradients do not exist at the activation peak (:func:`grads_at_activation_peak`),
+    so the peak is ``max(states - grads + buffers + activations, states + buffers)``."""
+    buffer_beta: dict[StateOption, float]
+    """Per option, GPU bytes per local parameter of buffers beside the model states (FSDP2's unsharded
+    gradient accumulation across micro-batches)."""
     dp_ranks: tuple[int, ...]
 
 
@@ -269,51 +311,63 @@ class CostContext:
 
 def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...],
                        options: tuple[StateOption, ...]) -> CandidateCoeffs:
-    hw, prof = ctx.hw, ctx.profile
+    hw = ctx.hw
     ranks = build_layout(cand, hw)
-    S, v, t, d, M = cand.num_stages, cand.virtual_stages, cand.tp, cand.dp, cand.num_microbatches
-    J = S * v
+    S, t, d = cand.num_stages, cand.tp, cand.dp
     stages = []
     seg_params = [seg.block.num_params / (t if tp_applies(seg.block, t) else 1) for seg in segments]
-    working = 2.0 * max(seg_params)
     for s in range(S):
         dp_ranks = tuple(ranks[s][r][0] for r in range(d))
         dp_group = _shared_nic(hw.comm(dp_ranks), t) if d > 1 else None
         groups_here = {cand.cell_groups[s][r] for r in range(d)}
         allowed = tuple(o for o in options if all(_tier_ok(hw.groups[g], o) for g in groups_here))
-        sync, gather, mem_beta, cpu_beta, nvme_beta = {}, {}, {}, {}, {}
+        sync, mem_beta, cpu_beta, nvme_beta, working, buffer_beta, split, freed = {}, {}, {}, {}, {}, {}, {}, {}
         for o in allowed:
-            sync[o] = _sync_affine(ctx, o, dp_group)
-            gather[o] = _gather_affine(ctx, dp_group) if o.zero is ZeroStage.PARAMETERS else (0.0, 0.0)
+            kind = lowering_kind(o, cand)
+            sync[o] = post_step_affine(ctx.collective, kind, dp_group)
             st = estimate_model_state_bytes(num_params=1.0, zero_stage=o.zero, dp_degree=d,
                                             param_tier=o.param_tier, optimizer_tier=o.optimizer_tier)
             mem_beta[o], cpu_beta[o], nvme_beta[o] = st.gpu, st.cpu, st.nvme
+            split[o] = (st.params, st.grads, st.gpu - st.params - st.grads)
+            freed[o] = not grads_at_activation_peak(kind, cand)
+            fsdp = kind == DataParallelKind.FSDP
+            working[o] = (estimate_fsdp_working_bytes(block_params=max(seg_params),
+                                                      zero3=o.zero is ZeroStage.PARAMETERS) if fsdp else 0.0)
+            # FSDP2 without gradient sync (every micro-batch but the last) accumulates unsharded gradients
+            accumulate = HALF_PRECISION_BYTES - st.grads if fsdp and cand.num_microbatches > 1 else 0.0
+            autocast = AUTOCAST_WEIGHT_COPY_BYTES if uses_autocast(kind, ctx.precision) else 0.0
+            # DDP's reducer keeps flat gradient buckets of the gradients' size for the model's lifetime
+            # (``gradient_as_bucket_view=False``, the default), beside each parameter's ``.grad``
+            buckets = st.grads if kind in (DataParallelKind.DDP, DataParallelKind.ZERO1) else 0.0
+            buffer_beta[o] = max(0.0, accumulate) + autocast + buckets
+        dp_comm = build_dp_block_comm(ctx.collective, segments, seg_params, dp_group)
         # cells: replicas of this stage with the same group and share cost the same
         keyed: dict[tuple[int, int], list[int]] = {}
         for r in range(d):
             keyed.setdefault((cand.cell_groups[s][r], cand.batch_shares[r]), []).append(r)
         cells = []
         for (g, share), reps in keyed.items():
-            cells.append(_cell(ctx, cand, segments, s, hw.groups[g], share, tuple(reps), ranks, allowed))
-        allowed = _undominated(allowed, sync, gather, mem_beta, cpu_beta, nvme_beta, cells)
+            cells.append(_cell(ctx, cand, segments, s, hw.groups[g], share, tuple(reps), ranks, allowed, dp_comm))
+        allowed = _undominated(allowed, sync, mem_beta, cpu_beta, nvme_beta, working, buffer_beta, cells)
         stages.append(StageCoeffs(index=s, cells=cells, seg_params=seg_params, options=allowed, sync=sync,
-                                  gather=gather, mem_beta=mem_beta, cpu_beta=cpu_beta, nvme_beta=nvme_beta,
-                                  working_bytes=working, dp_ranks=dp_ranks))
-    del J, M, prof
+                                  mem_beta=mem_beta, cpu_beta=cpu_beta, nvme_beta=nvme_beta,
+                                  working_bytes=working, state_split=split, grads_freed=freed,
+                                  buffer_beta=buffer_beta,
+                                  dp_ranks=dp_ranks))
     return CandidateCoeffs(candidate=cand, segments=segments, stages=stages, ranks=ranks,
                            bubble=cand.bubble_coefficient)
 
 
-def _undominated(options, sync, gather, mem, cpu, nvme, cells):  # type: ignore[no-untyped-def]
+def _undominated(options, sync, mem, cpu, nvme, working, buffers, cells):  # type: ignore[no-untyped-def]
     """Drop state options another option beats or ties on every coefficient (memory, host memory,
-    NVMe, synchronisation, gathers, optimizer step, fetches): every cost is monotone in them, so a
-    dominated option is never strictly better. E.g. ZeRO-1 beats ZeRO-0 when reduce-scatter +
-    all-gather cost what an all-reduce costs."""
+    NVMe, working set, post-step communication, exposed communication per block, optimizer step,
+    fetches): every cost is monotone in them, so a dominated option is never strictly better. E.g.
+    ZeRO-1 beats ZeRO-0 when both lower to FSDP2 and cost the same time."""
     def vec(o):  # type: ignore[no-untyped-def]
-        z3 = o.zero is ZeroStage.PARAMETERS
-        v = [mem[o], 1.0 if z3 else 0.0, cpu[o], nvme[o], *sync[o], *gather[o]]
+        v = [mem[o] + buffers[o], working[o], cpu[o], nvme[o], *sync[o]]
         for c in cells:
-            v += [c.opt_beta[o], c.fetch_beta[o]]
+            v += [c.opt_beta[o], c.fetch_beta[o], c.edge[o], c.tail_edge[o], c.autocast_bytes[o],
+                  *c.seg_exposed[o], *c.seg_tail[o]]
         return v
 
     vecs = {o: vec(o) for o in options}
@@ -343,25 +397,9 @@ def _tier_ok(g: GroupView, o: StateOption) -> bool:
     return True
 
 
-def _sync_affine(ctx: CostContext, o: StateOption, group: CommGroup | None) -> tuple[float, float]:
-    if group is None:
-        return 0.0, 0.0
-    c = ctx.collective
-    if o.zero is ZeroStage.NONE:
-        return _affine(lambda n: c(Collective.ALL_REDUCE, 2 * n, group))
-    if o.zero is ZeroStage.PARAMETERS:
-        return _affine(lambda n: c(Collective.REDUCE_SCATTER, 2 * n, group))
-    return _affine(lambda n: c(Collective.REDUCE_SCATTER, 2 * n, group) + c(Collective.ALL_GATHER, 2 * n, group))
-
-
-def _gather_affine(ctx: CostContext, group: CommGroup | None) -> tuple[float, float]:
-    if group is None:
-        return 0.0, 0.0
-    return _affine(lambda n: 2 * ctx.collective(Collective.ALL_GATHER, 2 * n, group))
-
-
 def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: int, g: GroupView,
-          share: int, reps: tuple[int, ...], ranks, allowed: tuple[StateOption, ...]) -> CellCoeffs:  # type: ignore[no-untyped-def]
+          share: int, reps: tuple[int, ...], ranks, allowed: tuple[StateOption, ...],  # type: ignore[no-untyped-def]
+          dp_comm: DPComm) -> CellCoeffs:
     hw, t, d, M = ctx.hw, cand.tp, cand.dp, cand.num_microbatches
     S, v = cand.num_stages, cand.virtual_stages
     mb = share / M
@@ -424,14 +462,31 @@ def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: i
             per_byte = estimate_offload_time(bytes_to_move=n, host_link_bandwidth=host, nvme_read_bandwidth=nvme,
                                              compute_time_s=0.0, prefetch_depth=2) / n
             fetch_beta[o] = per_byte * 2 * 2 / d
+    seg_exposed, edge, seg_tail, tail_edge, autocast_bytes = {}, {}, {}, {}, {}
+    pipelined = S > 1
+    for o in allowed:
+        kind, z3 = lowering_kind(o, cand), o.zero is ZeroStage.PARAMETERS
+        rows = [exposed_dp(kind, z3, pipelined, f, b, dp_comm, i) for i, (f, b) in enumerate(zip(seg_fwd, seg_bwd))]
+        seg_exposed[o] = [r[0] for r in rows]
+        seg_tail[o] = [r[1] for r in rows]
+        edge[o], tail_edge[o] = dp_edges(kind, z3, pipelined, dp_comm) if rows else (0.0, 0.0)
+        autocast_bytes[o] = (sum(seg.length * x for seg, x in zip(segments, seg_input))
+                             if uses_autocast(kind, ctx.precision) else 0.0)
+    loss_bytes = 0.0
+    if s == S - 1 and ctx.profile.blocks:
+        out = ctx.profile.blocks[-1].output_bytes * ratio
+        elem = torch.finfo(getattr(torch, ctx.profile.dtype)).bits // 8
+        loss_bytes = out * ctx.byte_scale + out / elem * LOSS_LOGPROB_BYTES
     cpu_cap = (g.cpu_memory_bytes * USABLE_HOST_MEMORY_FRACTION / g.gpus_per_node
                if g.cpu_memory_bytes is not None else None)
     nvme_cap = g.nvme_capacity_bytes / g.gpus_per_node if g.nvme_capacity_bytes is not None else None
     return CellCoeffs(group=g, share=share, micro_batch=mb, replicas=reps,
-                      capacity=g.device.memory_bytes * USABLE_MEMORY_FRACTION, cpu_capacity=cpu_cap,
+                      capacity=usable_device_bytes(g, cand), cpu_capacity=cpu_cap,
                       nvme_capacity=nvme_cap, seg_time=seg_time, seg_recompute=seg_re, seg_fwd=seg_fwd,
                       seg_bwd=seg_bwd, seg_comm=seg_comm, seg_saved=seg_saved, seg_input=seg_input, p2p=p2p,
-                      chunk_p2p=chunk_p2p, inflight=inflight, opt_beta=opt_beta, fetch_beta=fetch_beta)
+                      chunk_p2p=chunk_p2p, inflight=inflight, opt_beta=opt_beta, fetch_beta=fetch_beta,
+                      seg_exposed=seg_exposed, edge=edge, seg_tail=seg_tail, tail_edge=tail_edge,
+                      autocast_bytes=autocast_bytes, loss_bytes=loss_bytes)
 
 
 # -- evaluation of a fully specified configuration ----------------------------------------------------
@@ -440,24 +495,49 @@ def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: i
 class CellEval:
     cell: CellCoeffs
     compute_s: float
+    """Per micro-batch: block compute (and recompute), without communication."""
     comm_s: float
-    gather_s: float
+    """Per micro-batch: exposed TP collectives and pipeline sends."""
+    dp_exposed_s: float
+    """Per micro-batch: exposed data-parallel communication (FSDP2 gathers not hidden by compute, and
+    the compute they slow down)."""
     fetch_s: float
     time_s: float
-    """Per micro-batch: max(compute, gather, fetch) + p2p."""
+    """Per micro-batch: max(compute + TP + exposed DP communication, fetch) + p2p."""
     chunk_time_s: float
-    """Per micro-batch, the largest chunk: max(compute_k, gather / v, fetch / v) + p2p_k (v = 1: time_s)."""
+    """Per micro-batch, the largest chunk: max(busy_k, fetch / v) + p2p_k (v = 1: time_s)."""
     exposed_sync_s: float
+    """Per step: gradient reduction not hidden by the last backward, plus post-step all-gathers."""
     opt_s: float
     memory_bytes: float
+    """GPU bytes at the peak: states + buffers + activations."""
     states_bytes: float
+    """Parameters + gradients + optimizer states on the GPU."""
+    params_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+    buffer_bytes: float
+    """FSDP2 working set, unsharded gradient accumulation, autocast weight copies."""
     activation_bytes: float
     cpu_bytes: float
     nvme_bytes: float
 
+    tp_s: float = 0.0
+    """Per micro-batch: exposed tensor-parallel collectives."""
+
     @property
     def tail_s(self) -> float:
         return self.exposed_sync_s + self.opt_s
+
+    @property
+    def p2p_s(self) -> float:
+        return self.cell.p2p
+
+    @property
+    def reserve_bytes(self) -> float:
+        """Device memory the planner keeps back from the allocator: CUDA context, NCCL buffers and
+        the allocator's fragmentation allowance (:func:`usable_device_bytes`)."""
+        return self.cell.group.device.memory_bytes - self.cell.capacity
 
     @property
     def fits(self) -> bool:
@@ -468,6 +548,14 @@ class CellEval:
         if self.nvme_bytes > 0:
             ok = ok and c.nvme_capacity is not None and self.nvme_bytes <= c.nvme_capacity * (1 + 1e-6)
         return ok
+
+
+def memory_breakdown(c: CellEval) -> dict[str, int]:
+    """A cell's memory by kind, bytes per device (the :class:`~whalepy.plan.StageCost` fields)."""
+    return dict(params_bytes=int(c.params_bytes), grads_bytes=int(c.grads_bytes),
+                optimizer_bytes=int(c.optimizer_bytes), activation_bytes=int(c.activation_bytes),
+                buffer_bytes=int(c.buffer_bytes), reserve_bytes=int(c.reserve_bytes),
+                cpu_bytes=int(c.cpu_bytes), nvme_bytes=int(c.nvme_bytes))
 
 
 @dataclass(slots=True)
@@ -532,34 +620,44 @@ def evaluate_stage(sc: StageCoeffs, chunk_counts: Sequence[Sequence[int]], chunk
     ckpts = [sum(row[g] for row in chunk_ckpts) for g in range(G)]
     pl = sum(n * p for n, p in zip(counts, sc.seg_params))
     alpha, beta = sc.sync[option]
-    sync = alpha + beta * pl if dp > 1 else 0.0
-    ga, gb = sc.gather[option]
-    gather = ga + gb * pl if (dp > 1 and option.zero is ZeroStage.PARAMETERS) else 0.0
-    states = sc.mem_beta[option] * pl + (sc.working_bytes if option.zero is ZeroStage.PARAMETERS else 0.0)
+    post = alpha + beta * pl if dp > 1 and pl > 0 else 0.0
+    states = sc.mem_beta[option] * pl
+    sp, sg, so = sc.state_split[option]
+    freed = sg * pl if sc.grads_freed[option] else 0.0
+    buffers = sc.buffer_beta[option] * pl + sc.working_bytes[option]
     cells = []
     for c in sc.cells:
+        def busy(cn: Sequence[int], ck: Sequence[int], edge: float) -> float:
+            return (sum(n * (x + e) for n, x, e in zip(cn, c.seg_time, c.seg_exposed[option]))
+                    + sum(k * x for k, x in zip(ck, c.seg_recompute)) + edge)
+
         compute = sum(n * x for n, x in zip(counts, c.seg_time)) + sum(k * x for k, x in zip(ckpts, c.seg_recompute))
         comm = sum(n * x for n, x in zip(counts, c.seg_comm))
-        bwd = sum(n * x for n, x in zip(counts, c.seg_bwd))
+        exposed = sum(n * e for n, e in zip(counts, c.seg_exposed[option])) + v * c.edge[option]
         fetch = c.fetch_beta[option] * pl
-        time_s = max(compute, gather, fetch) + c.p2p
+        time_s = max(compute + exposed, fetch) + c.p2p
         kept = [sum(n * a + k * (i - a) for n, k, a, i in zip(cn, ck, c.seg_saved, c.seg_input))
                 for cn, ck in zip(chunk_counts, chunk_ckpts)]
         if v == 1:
             chunk_time = time_s
         else:
-            chunk_time = max(max(sum(n * x for n, x in zip(cn, c.seg_time))
-                                 + sum(k * x for k, x in zip(ck, c.seg_recompute)), gather / v, fetch / v) + p
+            chunk_time = max(max(busy(cn, ck, c.edge[option]), fetch / v) + p
                              for cn, ck, p in zip(chunk_counts, chunk_ckpts, c.chunk_p2p))
         peak = max((a for k, a in zip(ckpts, c.seg_saved) if k > 0), default=0.0)
-        act = c.inflight * max(kept) + peak
+        act = c.inflight * max(kept) + peak + c.autocast_bytes[option] + c.loss_bytes
+        # the peak: end of forward (activations, gradients not yet created if freed) or end of backward
+        at_act = states - freed + buffers + act >= states + buffers
+        grads_held = sg * pl if (not freed or not at_act) else 0.0
+        sync_s = sum(n * x for n, x in zip(counts, c.seg_tail[option])) + c.tail_edge[option] + post
         cells.append(CellEval(
-            cell=c, compute_s=compute - comm, comm_s=comm + c.p2p, gather_s=gather, fetch_s=fetch,
-            time_s=time_s, chunk_time_s=chunk_time, exposed_sync_s=max(0.0, sync - bwd),
-            opt_s=c.opt_beta[option] * pl, memory_bytes=states + act, states_bytes=states, activation_bytes=act,
+            cell=c, compute_s=compute - comm, comm_s=comm + c.p2p, dp_exposed_s=exposed, fetch_s=fetch,
+            time_s=time_s, chunk_time_s=chunk_time, exposed_sync_s=sync_s if dp > 1 else 0.0,
+            opt_s=c.opt_beta[option] * pl, memory_bytes=max(states - freed + act, states) + buffers,
+            states_bytes=states, params_bytes=sp * pl, grads_bytes=grads_held, optimizer_bytes=so * pl,
+            buffer_bytes=buffers, activation_bytes=act if at_act else 0.0, tp_s=comm,
             cpu_bytes=sc.cpu_beta[option] * pl, nvme_bytes=sc.nvme_beta[option] * pl))
     return StageEval(index=sc.index, counts=tuple(counts), checkpoints=tuple(ckpts), option=option,
-                     local_params=pl, sync_s=sync, cells=cells,
+                     local_params=pl, sync_s=max(c.exposed_sync_s for c in cells), cells=cells,
                      chunk_counts=tuple(tuple(r) for r in chunk_counts),
                      chunk_checkpoints=tuple(tuple(r) for r in chunk_ckpts))
 

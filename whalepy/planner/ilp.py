@@ -48,13 +48,16 @@ Constraint families (each added by the function named)
     state options (``add_state_option_constraints``): ``sum_o y = 1``, ``Q <= P_max y``,
     ``sum_o Q[s][o] = Pl_s = sum_g n[s][g] p_g``;
     time (``add_time_constraints``), for every cell (stage, group, share):
-    ``T >= compute + p2p``, ``T >= gather + p2p``, ``T >= fetch + p2p`` (overlapped transfers);
-    interleaved, per chunk ``k``: ``Tc >= compute_k + p2p_k``, ``Tc >= gather / v + max_k p2p_k``,
-    ``Tc >= fetch / v + max_k p2p_k``;
-    tail (``add_tail_constraints``): ``X >= opt``, ``X >= sync - bwd + opt`` per cell;
+    ``T >= compute + p2p``, ``T >= fetch + p2p`` (overlapped transfers), and per state option ``o``
+    with exposed data-parallel communication ``T >= compute + dp_o + p2p - M_o (1 - y[s][o])`` (big-M:
+    ``dp_o = sum_g n[s][g] exposed_og + v edge_o`` is linear in the blocks but applies only to the
+    chosen option; ``M_o`` is its value with every block of the model on the stage);
+    interleaved, per chunk ``k``: the same with the chunk's blocks, ``Tc >= fetch / v + max_k p2p_k``;
+    tail (``add_tail_constraints``): ``X >= opt + post``, and per option
+    ``X >= opt + post + sum_g n[s][g] tail_og + tail_edge_o - M_o (1 - y[s][o])`` per cell;
     memory (``add_memory_constraints``): per cell ``A >= inflight * kept_k`` for every chunk ``k``,
     ``P >= saved_g h[s][g]`` for every segment (one checkpointed block is recomputed at a time) and
-    ``states + A + P <= capacity``;
+    ``states + buffers + A + P <= capacity``;
     offloaded states ``<=`` host memory (and NVMe) per GPU.
 
 Memory is written in GiB and parameters in billions to keep the coefficients well scaled.
@@ -69,7 +72,6 @@ from dataclasses import dataclass
 import pulp
 
 from whalepy.cost_models.devices import GIB
-from whalepy.plan import ZeroStage
 from whalepy.planner.costing import CandidateCoeffs, Evaluation, evaluate
 from whalepy.planner.space import StateOption
 
@@ -257,24 +259,42 @@ def add_state_option_constraints(prob: pulp.LpProblem, cc: CandidateCoeffs, v: _
         _add(prob, d, const, pulp.LpConstraintEQ, f"option_params_sum_{s}")
 
 
-def _gather(sc, v: _Vars, s: int) -> dict:  # type: ignore[no-untyped-def,type-arg]
-    d = {}
+def _option_forms(sc, per: dict, edge: dict, n_rows, lengths: list[float]):  # type: ignore[no-untyped-def]
+    """The chosen option's extra ``sum_g n_g per[o][g] + edge[o]``, as ``(options, linear form, big-M)``
+    for each distinct nonzero ``(per, edge)`` (options lowered alike share one constraint; ``n_rows``:
+    the blocks per segment as linear forms). Big-M is the form's largest value, every block of every
+    segment on this stage."""
+    groups: dict[tuple, list] = {}  # type: ignore[type-arg]
     for o in sc.options:
-        if o.zero is ZeroStage.PARAMETERS:
-            a, b = sc.gather[o]
-            if a:
-                d[v.y[s][o]] = a
-            d[v.Q[s][o]] = b * _BILLION
-    return d
+        if any(per[o]) or edge[o]:
+            groups.setdefault((tuple(per[o]), edge[o]), []).append(o)
+    out = []
+    for (row, e), opts in groups.items():
+        d: dict = {}
+        const = e
+        for g, x in enumerate(row):
+            const += _acc(d, n_rows[g], x)
+        out.append((opts, d, const, sum(L * x for L, x in zip(lengths, row)) + e))
+    return out
+
+
+def _with_options(prob: pulp.LpProblem, base: dict, base_const: float, extra: dict, extra_const: float,  # type: ignore[type-arg]
+                  ys: list, big: float, name: str) -> None:
+    """``base + extra <= 0`` when one of ``ys`` is 1, relaxed by ``big`` otherwise (big-M; at most one
+    option of a stage is chosen)."""
+    d = dict(base)
+    for x, a in extra.items():
+        d[x] = d.get(x, 0.0) + a
+    for y in ys:
+        d[y] = d.get(y, 0.0) + big
+    _add(prob, d, base_const + extra_const - big, pulp.LpConstraintLE, name)
 
 
 def add_time_constraints(prob: pulp.LpProblem, cc: CandidateCoeffs, v: _Vars) -> None:
-    dp = cc.candidate.dp
     S, V = cc.candidate.num_stages, cc.candidate.virtual_stages
     G = len(cc.segments)
+    lengths = [float(seg.length) for seg in cc.segments]
     for s, sc in enumerate(cc.stages):
-        z3 = dp > 1 and any(o.zero is ZeroStage.PARAMETERS for o in sc.options)
-        gather = _gather(sc, v, s) if z3 else {}
         for ci, cell in enumerate(sc.cells):
             d: dict = {v.T: -1.0}
             const = cell.p2p
@@ -284,9 +304,10 @@ def add_time_constraints(prob: pulp.LpProblem, cc: CandidateCoeffs, v: _Vars) ->
                     for x in _stage_ckpt(v, S, V, s, g):
                         d[x] = d.get(x, 0.0) + cell.seg_recompute[g]
             _add(prob, d, const, pulp.LpConstraintLE, f"time_compute_{s}_{ci}")
+            edges = {o: V * cell.edge[o] for o in sc.options}
+            for i, (opts, ed, ec, big) in enumerate(_option_forms(sc, cell.seg_exposed, edges, v.n[s], lengths)):
+                _with_options(prob, d, const, ed, ec, [v.y[s][o] for o in opts], big, f"time_dp_{s}_{ci}_{i}")
             fetch = {v.Q[s][o]: cell.fetch_beta[o] * _BILLION for o in sc.options if cell.fetch_beta[o]}
-            if z3:
-                _add(prob, {**gather, v.T: -1.0}, cell.p2p, pulp.LpConstraintLE, f"time_gather_{s}_{ci}")
             if fetch:
                 _add(prob, {**fetch, v.T: -1.0}, cell.p2p, pulp.LpConstraintLE, f"time_fetch_{s}_{ci}")
             if v.Tc is None:
@@ -300,10 +321,11 @@ def add_time_constraints(prob: pulp.LpProblem, cc: CandidateCoeffs, v: _Vars) ->
                     if cell.seg_recompute[g]:
                         d[v.c[j][g]] = d.get(v.c[j][g], 0.0) + cell.seg_recompute[g]
                 _add(prob, d, const, pulp.LpConstraintLE, f"chunk_time_{s}_{ci}_{k}")
+                forms = _option_forms(sc, cell.seg_exposed, cell.edge, v.nj[j], lengths)
+                for i, (opts, ed, ec, big) in enumerate(forms):
+                    _with_options(prob, d, const, ed, ec, [v.y[s][o] for o in opts], big,
+                                  f"chunk_dp_{s}_{ci}_{k}_{i}")
             pmax = max(cell.chunk_p2p)
-            if z3:
-                _add(prob, {**{x: a / V for x, a in gather.items()}, v.Tc: -1.0}, pmax, pulp.LpConstraintLE,
-                     f"chunk_gather_{s}_{ci}")
             if fetch:
                 _add(prob, {**{x: a / V for x, a in fetch.items()}, v.Tc: -1.0}, pmax, pulp.LpConstraintLE,
                      f"chunk_fetch_{s}_{ci}")
@@ -311,41 +333,43 @@ def add_time_constraints(prob: pulp.LpProblem, cc: CandidateCoeffs, v: _Vars) ->
 
 def add_tail_constraints(prob: pulp.LpProblem, cc: CandidateCoeffs, v: _Vars) -> None:
     dp = cc.candidate.dp
-    G = len(cc.segments)
+    lengths = [float(seg.length) for seg in cc.segments]
     for s, sc in enumerate(cc.stages):
-        sync: dict = {}
+        post: dict = {}
         for o in sc.options:
             a, b = sc.sync[o]
             if a:
-                sync[v.y[s][o]] = a
+                post[v.y[s][o]] = a
             if b:
-                sync[v.Q[s][o]] = b * _BILLION
-        seen = set()
+                post[v.Q[s][o]] = b * _BILLION
         for ci, cell in enumerate(sc.cells):
-            opt = {v.Q[s][o]: cell.opt_beta[o] * _BILLION for o in sc.options}
-            key = tuple(cell.opt_beta[o] for o in sc.options)
-            if key not in seen:  # cells with the same optimizer coefficients give the same constraint
-                seen.add(key)
-                _add(prob, {**opt, v.X: -1.0}, 0.0, pulp.LpConstraintLE, f"tail_opt_{s}_{ci}")
+            d = {v.Q[s][o]: cell.opt_beta[o] * _BILLION for o in sc.options}
             if dp > 1:
-                d = dict(sync)
-                for x, a in opt.items():
+                for x, a in post.items():
                     d[x] = d.get(x, 0.0) + a
-                d[v.X] = -1.0
-                const = 0.0
-                for g in range(G):
-                    const += _acc(d, v.n[s][g], -cell.seg_bwd[g])
-                _add(prob, d, const, pulp.LpConstraintLE, f"tail_sync_{s}_{ci}")
+            d[v.X] = -1.0
+            _add(prob, d, 0.0, pulp.LpConstraintLE, f"tail_opt_{s}_{ci}")
+            if dp == 1:
+                continue
+            forms = _option_forms(sc, cell.seg_tail, cell.tail_edge, v.n[s], lengths)
+            for i, (opts, ed, ec, big) in enumerate(forms):
+                _with_options(prob, d, 0.0, ed, ec, [v.y[s][o] for o in opts], big, f"tail_sync_{s}_{ci}_{i}")
 
 
 def add_memory_constraints(prob: pulp.LpProblem, cc: CandidateCoeffs, v: _Vars) -> None:
     S, V = cc.candidate.num_stages, cc.candidate.virtual_stages
     G = len(cc.segments)
     for s, sc in enumerate(cc.stages):
-        states = {v.Q[s][o]: sc.mem_beta[o] * _BILLION / GIB for o in sc.options}
+        full = {v.Q[s][o]: (sc.mem_beta[o] + sc.buffer_beta[o]) * _BILLION / GIB for o in sc.options}
+        # at the activation peak, gradients the runtime has not created yet are not held
+        states = {v.Q[s][o]: (sc.mem_beta[o] + sc.buffer_beta[o]
+                              - (sc.state_split[o][1] if sc.grads_freed[o] else 0.0)) * _BILLION / GIB
+                  for o in sc.options}
         for o in sc.options:
-            if o.zero is ZeroStage.PARAMETERS:
-                states[v.y[s][o]] = states.get(v.y[s][o], 0.0) + sc.working_bytes / GIB
+            if sc.working_bytes[o]:
+                states[v.y[s][o]] = states.get(v.y[s][o], 0.0) + sc.working_bytes[o] / GIB
+                full[v.y[s][o]] = full.get(v.y[s][o], 0.0) + sc.working_bytes[o] / GIB
+        freed_any = any(sc.grads_freed[o] for o in sc.options)
         cpu = {v.Q[s][o]: sc.cpu_beta[o] * _BILLION / GIB for o in sc.options if sc.cpu_beta[o]}
         nvme = {v.Q[s][o]: sc.nvme_beta[o] * _BILLION / GIB for o in sc.options if sc.nvme_beta[o]}
         seen_host = set()
@@ -369,6 +393,10 @@ def add_memory_constraints(prob: pulp.LpProblem, cc: CandidateCoeffs, v: _Vars) 
                 return d, const
 
             d = dict(states)
+            loss = cell.loss_bytes / GIB
+            for o in sc.options:
+                if cell.autocast_bytes[o]:
+                    d[v.y[s][o]] = d.get(v.y[s][o], 0.0) + cell.autocast_bytes[o] / GIB
             if P is not None:
                 d[P] = 1.0
             if V == 1:
@@ -381,7 +409,9 @@ def add_memory_constraints(prob: pulp.LpProblem, cc: CandidateCoeffs, v: _Vars) 
                     _add(prob, kd, kc, pulp.LpConstraintLE, f"activations_{s}_{ci}_{k}")
                 d[A] = 1.0
                 const = 0.0
-            _add(prob, d, const - cell.capacity / GIB, pulp.LpConstraintLE, f"memory_{s}_{ci}")
+            _add(prob, d, const + loss - cell.capacity / GIB, pulp.LpConstraintLE, f"memory_{s}_{ci}")
+            if freed_any:  # the end of backward: every gradient, no activations
+                _add(prob, dict(full), -cell.capacity / GIB, pulp.LpConstraintLE, f"memory_states_{s}_{ci}")
             hkey = (cell.cpu_capacity, cell.nvme_capacity)
             if hkey in seen_host:
                 continue

@@ -1,0 +1,147 @@
+"""How the runtime runs data parallelism, in the terms of the cost model: which wrapper a state option is
+lowered to (the runtime's own :func:`~whalepy.runtime.data_parallel.choose_kind`), which of its
+collectives overlap which compute (per block, with contention), what it holds beside the model states,
+and how much device memory is left to the allocator. Used by :mod:`whalepy.planner.costing`; formulas
+in docs/cost_model.md ("Overlap with compute", "Buffers and working sets", "Reserve").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from whalepy.cost_models.communication import Collective, CommGroup, estimate_overlapped_time
+from whalepy.cost_models.memory import (
+    ALLOCATOR_FRAGMENTATION,
+    HALF_PRECISION_BYTES,
+    estimate_usable_device_bytes,
+)
+from whalepy.plan import Tier
+from whalepy.planner.space import Candidate, GroupView, Segment, StateOption
+from whalepy.runtime.data_parallel import DataParallelKind, choose_kind
+
+CollectiveFn = Callable[[Collective, float, CommGroup], float]
+
+_FIT_N1, _FIT_N2 = float(2**30), float(2**31)
+
+
+def affine_fit(fn) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+    """``(alpha, beta)`` with ``fn(n) = alpha + beta n`` for ``n > 0`` (alpha-beta costs are affine)."""
+    f1, f2 = fn(_FIT_N1), fn(_FIT_N2)
+    beta = (f2 - f1) / (_FIT_N2 - _FIT_N1)
+    return max(0.0, f1 - beta * _FIT_N1), beta
+
+
+def usable_device_bytes(g: GroupView, cand: Candidate) -> float:
+    """Peak allocated bytes one device of ``g`` may reach in ``cand``: its memory less the CUDA context
+    and one NCCL communicator per parallel axis in use, less the allocator's fragmentation
+    (:func:`~whalepy.cost_models.memory.estimate_usable_device_bytes`). CPU devices (gloo) have no
+    CUDA context or NCCL buffers."""
+    if g.device.vendor == "cpu":
+        return g.device.memory_bytes / (1 + ALLOCATOR_FRAGMENTATION)
+    comms = sum(1 for degree in (cand.dp, cand.tp, cand.num_stages) if degree > 1)
+    return estimate_usable_device_bytes(memory_bytes=g.device.memory_bytes, num_communicators=comms)
+
+
+def lowering_kind(o: StateOption, cand: Candidate) -> str:
+    """How the runtime lowers data parallelism for state option ``o`` in candidate ``cand`` (the
+    runtime's own :func:`~whalepy.runtime.data_parallel.choose_kind`: DDP, DDP + ZeroRedundancyOptimizer,
+    FSDP2, or nothing)."""
+    offload = Tier.CPU in (o.param_tier, o.optimizer_tier)
+    return choose_kind(o.zero, cand.dp, tp=cand.tp, pp=cand.num_stages, offload=offload)
+
+
+def grads_at_activation_peak(kind: str, cand: Candidate) -> bool:
+    """Whether gradients are held while the activations peak (the end of a forward). The runtime frees
+    them after every step (``zero_grad(set_to_none=True)``), so with one micro-batch and no pipeline they
+    are only created as backward frees activations; they are held through the forward when micro-batches
+    accumulate into them and when a pipeline interleaves forwards and backwards. (DDP's persistent
+    gradient buckets are a buffer, charged whatever this says.)"""
+    del kind  # the same for every lowering
+    return cand.num_microbatches > 1 or cand.num_stages > 1
+
+
+def uses_autocast(kind: str, precision: str) -> bool:
+    """Whether a 16-bit plan trains under ``torch.autocast`` over fp32 parameters (DDP and
+    single-device paths) rather than FSDP2's ``MixedPrecisionPolicy`` with 16-bit parameters
+    (design.md, Precision): autocast keeps 16-bit copies of the weights for backward."""
+    return precision != "fp32" and kind in (DataParallelKind.NONE, DataParallelKind.DDP, DataParallelKind.ZERO1)
+
+
+@dataclass(frozen=True, slots=True)
+class DPComm:
+    """Seconds of one block's data-parallel collectives over the stage's DP group, per segment."""
+
+    all_gather: tuple[float, ...]
+    """All-gather of the block's 16-bit parameters."""
+    reduce_scatter: tuple[float, ...]
+    all_reduce: tuple[float, ...]
+    rep: int
+    """Segment of the stage's typical block (the longest segment): whose gather a chunk's first block
+    exposes."""
+
+
+def build_dp_block_comm(collective: CollectiveFn, segments: tuple[Segment, ...], seg_params: list[float],
+                        group: CommGroup | None) -> DPComm:
+    rep = max(range(len(segments)), key=lambda g: segments[g].length) if segments else 0
+    if group is None:
+        zeros = tuple(0.0 for _ in seg_params)
+        return DPComm(zeros, zeros, zeros, rep)
+    c = collective
+    nbytes = [HALF_PRECISION_BYTES * p for p in seg_params]
+    return DPComm(tuple(c(Collective.ALL_GATHER, n, group) for n in nbytes),
+                   tuple(c(Collective.REDUCE_SCATTER, n, group) for n in nbytes),
+                   tuple(c(Collective.ALL_REDUCE, n, group) for n in nbytes), rep)
+
+
+def post_step_affine(collective: CollectiveFn, kind: str, group: CommGroup | None) -> tuple[float, float]:
+    """ZeroRedundancyOptimizer broadcasts every rank's updated shard after the step, an all-gather of
+    the stage's 16-bit parameters that nothing overlaps; other kinds send nothing after the step."""
+    if group is None or kind != DataParallelKind.ZERO1:
+        return 0.0, 0.0
+    return affine_fit(lambda n: collective(Collective.ALL_GATHER, HALF_PRECISION_BYTES * n, group))
+
+
+def exposed_dp(kind: str, zero3: bool, pipelined: bool, fwd: float, bwd: float, dp: DPComm, g: int
+                ) -> tuple[float, float]:
+    """``(exposed per micro-batch, exposed per step)`` seconds of the data-parallel collectives of one
+    block of segment ``g`` (forward ``fwd`` and backward ``bwd`` seconds per micro-batch), as the
+    runtime runs them; each overlapped by :func:`estimate_overlapped_time` (the compute they run
+    beside is slowed while they do):
+
+    - FSDP2, whalepy's own accumulation loop (no pipeline): the block's all-gather runs one block
+      ahead, beside the previous block's forward, every micro-batch (FSDP2 reshards after backward),
+      and under ZeRO-3 again beside the next block's backward; its reduce-scatter, in the last
+      micro-batch only (``set_requires_gradient_sync``), beside the next block's backward;
+    - FSDP2 under ``torch.distributed.pipelining``: the stage keeps parameters gathered after
+      backward (``set_reshard_after_backward(False)``), so below ZeRO-3 each block is gathered once per
+      step, beside the first forward, and under ZeRO-3 once per micro-batch beside the backward; all
+      reduce-scatters run after the last backward (``PipelineStage``'s ``REDUCE_GRAD`` action), exposed;
+    - DDP (with or without ZeroRedundancyOptimizer): the gradient's all-reduce, bucketed (about one
+      block per 25 MiB bucket), beside the next block's backward in the last micro-batch (``no_sync``
+      before)."""
+    ov = estimate_overlapped_time
+    ag, rs = dp.all_gather[g], dp.reduce_scatter[g]
+    if kind == DataParallelKind.FSDP and not pipelined:
+        xb = ag if zero3 else 0.0
+        return ov(fwd, ag) - fwd + ov(bwd, xb) - bwd, ov(bwd, xb + rs) - ov(bwd, xb)
+    if kind == DataParallelKind.FSDP:
+        if zero3:
+            return ov(bwd, ag) - bwd, rs
+        return 0.0, ov(fwd, ag) - fwd + rs
+    if kind in (DataParallelKind.DDP, DataParallelKind.ZERO1):
+        return 0.0, ov(bwd, dp.all_reduce[g]) - bwd
+    return 0.0, 0.0
+
+
+def dp_edges(kind: str, zero3: bool, pipelined: bool, dp: DPComm) -> tuple[float, float]:
+    """``(per micro-batch, per step)`` collectives with nothing to hide behind: a chunk's first block's
+    gathers, and the last block's gradient reduction (see :func:`exposed_dp`)."""
+    ag, rs, ar = dp.all_gather[dp.rep], dp.reduce_scatter[dp.rep], dp.all_reduce[dp.rep]
+    if kind == DataParallelKind.FSDP and not pipelined:
+        return ag * (2 if zero3 else 1), rs
+    if kind == DataParallelKind.FSDP:
+        return (ag, 0.0) if zero3 else (0.0, ag)
+    if kind in (DataParallelKind.DDP, DataParallelKind.ZERO1):
+        return 0.0, ar
+    return 0.0, 0.0
