@@ -13,6 +13,7 @@ from whalepy.plan import (
     BlockPlan,
     Plan,
     PlanCost,
+    Precision,
     SolverReport,
     StageCost,
     StagePlan,
@@ -23,6 +24,7 @@ from whalepy.planner.costing import (
     Evaluation,
     build_coefficients,
     evaluate_stage,
+    stage_model_states,
     tp_applies,
 )
 from whalepy.planner.search import SearchResult
@@ -99,7 +101,8 @@ def build_plan(ev: Evaluation, *, ctx: CostContext, global_batch: int, result: S
                            offload_s=M * max(0.0, worst.fetch_s - worst.compute_s - worst.comm_s + worst.cell.p2p)
                            + (worst.opt_s if st.option.optimizer_tier is not Tier.GPU else 0.0),
                            bubble_s=max(0.0, M * ev.T + ev.bubble_s - M * st.time_s),
-                           memory_bytes=int(tight.memory_bytes), capacity_bytes=int(tight.cell.capacity))))
+                           memory_bytes=int(tight.memory_bytes), capacity_bytes=int(tight.cell.capacity),
+                           **_held_state_bytes(ctx, cand, st))))
     rank_types = tuple(d.device.name for d in hw.cluster.rank_devices())
     samples = global_batch / step
     model_flops = prof.train_flops * global_batch / prof.batch_size / step
@@ -115,7 +118,15 @@ def build_plan(ev: Evaluation, *, ctx: CostContext, global_batch: int, result: S
                 rank_device_types=rank_types, global_batch=global_batch, seq_len=prof.seq_len,
                 num_microbatches=M, schedule=cand.schedule, virtual_stages=cand.virtual_stages,
                 batch_shares=cand.batch_shares, stages=tuple(stages), tensor_parallel=tuple(dict.fromkeys(rules)),
-                cost=cost, solver=report, alternatives=alternatives, notes=tuple(notes))
+                cost=cost, solver=report, alternatives=alternatives, notes=tuple(notes),
+                precision=Precision(ctx.precision))
+
+
+def _held_state_bytes(ctx: CostContext, cand: Candidate, st) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    """StageCost's model-state fields: what a device of the stage holds between uses, by place."""
+    held = stage_model_states(ctx, cand, st.option, st.local_params)
+    return {"model_state_bytes": round(held.resident), "host_state_bytes": round(held.cpu),
+            "nvme_state_bytes": round(held.nvme)}
 
 
 # -- alternatives -----------------------------------------------------------------------------------

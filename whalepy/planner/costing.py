@@ -68,7 +68,12 @@ from whalepy.cost_models.communication import (
     estimate_p2p_time,
 )
 from whalepy.cost_models.compute import estimate_block_time, estimate_compute_time, precision_bytes
-from whalepy.cost_models.memory import estimate_model_state_bytes, estimate_offload_time, inflight_microbatches
+from whalepy.cost_models.memory import (
+    ModelStateBytes,
+    estimate_model_state_bytes,
+    estimate_offload_time,
+    inflight_microbatches,
+)
 from whalepy.plan import Tier, TPStyle, ZeroStage
 from whalepy.planner.space import Candidate, GroupView, Hardware, Segment, StateOption, build_layout
 from whalepy.profile import BlockKind, BlockProfile, ModelProfile
@@ -197,8 +202,9 @@ class StageCoeffs:
     """GPU bytes of model states per local parameter."""
     cpu_beta: dict[StateOption, float]
     nvme_beta: dict[StateOption, float]
-    working_bytes: float
-    """ZeRO-3: the largest block's gathered 16-bit parameters, resident while it runs."""
+    working_bytes: dict[StateOption, float]
+    """Per option, bytes not proportional to the stage's parameters: under FSDP2 ZeRO-3 the largest
+    block's gathered parameters in the compute dtype, resident while it runs."""
     dp_ranks: tuple[int, ...]
 
 
@@ -268,19 +274,19 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
     J = S * v
     stages = []
     seg_params = [seg.block.num_params / (t if tp_applies(seg.block, t) else 1) for seg in segments]
-    working = 2.0 * max(seg_params)
+    block = precision_bytes(ctx.precision) * max(seg_params)  # the largest block, gathered for compute
     for s in range(S):
         dp_ranks = tuple(ranks[s][r][0] for r in range(d))
         dp_group = _shared_nic(hw.comm(dp_ranks), t) if d > 1 else None
         groups_here = {cand.cell_groups[s][r] for r in range(d)}
         allowed = tuple(o for o in options if all(_tier_ok(hw.groups[g], o) for g in groups_here))
-        sync, gather, mem_beta, cpu_beta, nvme_beta = {}, {}, {}, {}, {}
+        sync, gather, mem_beta, cpu_beta, nvme_beta, working = {}, {}, {}, {}, {}, {}
         for o in allowed:
             sync[o] = _sync_affine(ctx, o, dp_group)
             gather[o] = _gather_affine(ctx, dp_group) if o.zero is ZeroStage.PARAMETERS else (0.0, 0.0)
-            st = estimate_model_state_bytes(num_params=1.0, zero_stage=o.zero, dp_degree=d,
-                                            param_tier=o.param_tier, optimizer_tier=o.optimizer_tier)
+            st = stage_model_states(ctx, cand, o, 1.0)
             mem_beta[o], cpu_beta[o], nvme_beta[o] = st.gpu, st.cpu, st.nvme
+            working[o] = stage_model_states(ctx, cand, o, 0.0, working_param_bytes=block).working_params
         # cells: replicas of this stage with the same group and share cost the same
         keyed: dict[tuple[int, int], list[int]] = {}
         for r in range(d):
@@ -295,6 +301,16 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
     del J, M, prof
     return CandidateCoeffs(candidate=cand, segments=segments, stages=stages, ranks=ranks,
                            bubble=cand.bubble_coefficient)
+
+
+def stage_model_states(ctx: CostContext, cand: Candidate, option: StateOption, num_params: float, *,
+                       working_param_bytes: float = 0.0) -> ModelStateBytes:
+    """Model-state bytes per device of a stage of ``cand`` with ``num_params`` local parameters under
+    ``option``, as the runtime lowers it (:func:`estimate_model_state_bytes`)."""
+    return estimate_model_state_bytes(
+        num_params=num_params, zero_stage=option.zero, dp_degree=cand.dp, tp_degree=cand.tp,
+        pp_degree=cand.num_stages, precision=ctx.precision, param_tier=option.param_tier,
+        optimizer_tier=option.optimizer_tier, working_param_bytes=working_param_bytes)
 
 
 def _undominated(options, sync, gather, mem, cpu, nvme, cells):  # type: ignore[no-untyped-def]
@@ -528,7 +544,7 @@ def evaluate_stage(sc: StageCoeffs, chunk_counts: Sequence[Sequence[int]], chunk
     sync = alpha + beta * pl if dp > 1 else 0.0
     ga, gb = sc.gather[option]
     gather = ga + gb * pl if (dp > 1 and option.zero is ZeroStage.PARAMETERS) else 0.0
-    states = sc.mem_beta[option] * pl + (sc.working_bytes if option.zero is ZeroStage.PARAMETERS else 0.0)
+    states = sc.mem_beta[option] * pl + sc.working_bytes[option]
     cells = []
     for c in sc.cells:
         compute = sum(n * x for n, x in zip(counts, c.seg_time)) + sum(k * x for k, x in zip(ckpts, c.seg_recompute))

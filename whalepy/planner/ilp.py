@@ -344,8 +344,8 @@ def add_memory_constraints(prob: pulp.LpProblem, cc: CandidateCoeffs, v: _Vars) 
     for s, sc in enumerate(cc.stages):
         states = {v.Q[s][o]: sc.mem_beta[o] * _BILLION / GIB for o in sc.options}
         for o in sc.options:
-            if o.zero is ZeroStage.PARAMETERS:
-                states[v.y[s][o]] = states.get(v.y[s][o], 0.0) + sc.working_bytes / GIB
+            if sc.working_bytes[o]:
+                states[v.y[s][o]] = states.get(v.y[s][o], 0.0) + sc.working_bytes[o] / GIB
         cpu = {v.Q[s][o]: sc.cpu_beta[o] * _BILLION / GIB for o in sc.options if sc.cpu_beta[o]}
         nvme = {v.Q[s][o]: sc.nvme_beta[o] * _BILLION / GIB for o in sc.options if sc.nvme_beta[o]}
         seen_host = set()
