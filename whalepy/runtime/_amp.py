@@ -30,9 +30,9 @@ __all__ = ["AmpContext"]
 class AmpContext:
     """Autocast and (fp16) loss scaling for one rank's training step."""
 
-    def __init__(self, precision: Precision | str, device_type: str) -> None:
+    def __init__(self, precision: Precision | str, device: torch.device) -> None:
         self.precision = Precision(precision)
-        self.device_type = device_type
+        self.device_type = device_type = device.type
         self.dtype: torch.dtype | None = {Precision.BF16: torch.bfloat16,
                                           Precision.FP16: torch.float16}.get(self.precision)
         self.scaler: Any = None
@@ -44,6 +44,9 @@ class AmpContext:
             # unscaling DTensor gradients multiplies by a 1-element tensor, which DTensor replicates
             # implicitly (and says so on every step)
             warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1")
+            # the scale is created by the first scale() call; pipeline ranks without the last stage
+            # never scale a loss themselves but unscale their gradients all the same
+            self.scaler.scale(torch.zeros((), device=device))
 
     @contextlib.contextmanager
     def autocast(self) -> Iterator[None]:

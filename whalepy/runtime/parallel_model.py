@@ -302,7 +302,7 @@ class ParallelModel:
             self.nvme = NvmeOptimizerStates(self.optimizer, nvme_params, directory)
             log.info("whalepy: optimizer states of %d blocks (%d parameters) kept in files under %s",
                      len(nvme_blocks), len(self.nvme._params), directory)
-        self.amp = AmpContext(plan.precision, device.type)
+        self.amp = AmpContext(plan.precision, device)
         self.schedule = None
         if pp > 1:
             from whalepy.runtime.pipeline import build_pipeline_schedule, microbatch_mean_loss

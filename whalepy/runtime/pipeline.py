@@ -42,6 +42,10 @@ class MicrobatchMeanLoss:
     """``loss_fn(output, target) * scale / num_microbatches``: summed over the micro-batches of a step,
     the per-micro-batch mean losses become the mean over the whole batch (times ``scale``)."""
 
+    sums_to_batch_mean = True
+    """Read by :func:`run_pipeline_step` (also through wrappers that forward attributes, such as
+    fp16 loss scaling): the step's loss is the sum of the micro-batch losses, not their mean."""
+
     def __init__(self, loss_fn: Callable[..., torch.Tensor], num_microbatches: int, scale: float = 1.0):
         if num_microbatches < 1:
             raise ValueError(f"num_microbatches must be at least 1, got {num_microbatches}")
