@@ -108,7 +108,7 @@ def estimate_model_state_bytes(
       gradient and optimizer shards to the host; ``optimizer_tier = nvme`` moves the optimizer part to
       files. Combinations :func:`whalepy._capabilities.state_option_error` refuses raise ValueError.
     """
-    from whalepy._capabilities import LoweringKind, choose_lowering_kind, state_option_error
+    from whalepy._capabilities import LoweringKind, choose_lowering_kind, offloads_to_host, state_option_error
     from whalepy.cost_models.compute import precision_bytes
 
     zero_stage, param_tier, optimizer_tier = ZeroStage(zero_stage), Tier(param_tier), Tier(optimizer_tier)
@@ -117,7 +117,7 @@ def estimate_model_state_bytes(
     reason = state_option_error(zero_stage, param_tier, optimizer_tier)
     if reason is not None:
         raise ValueError(reason)
-    offload = Tier.CPU in (param_tier, optimizer_tier)
+    offload = offloads_to_host(param_tier, optimizer_tier)
     kind = choose_lowering_kind(zero_stage, dp_degree, tp=tp_degree, pp=pp_degree, offload=offload)
     psi, d, k = num_params, dp_degree, optimizer_bytes_per_param
     low = precision_bytes(precision)

@@ -26,6 +26,7 @@ __all__ = [
     "LoweringKind",
     "check_state_option",
     "choose_lowering_kind",
+    "offloads_to_host",
     "resolve_precision",
     "state_option_error",
 ]
@@ -56,6 +57,12 @@ def choose_lowering_kind(zero: ZeroStage | int, dp: int, *, tp: int, pp: int, of
     if zero >= ZeroStage.GRADIENTS or tp > 1 or pp > 1 or offload:
         return LoweringKind.FSDP
     return LoweringKind.ZERO1 if zero == ZeroStage.OPTIMIZER else LoweringKind.DDP
+
+
+def offloads_to_host(param_tier: Tier | str, optimizer_tier: Tier | str) -> bool:
+    """Whether a block with these tiers is lowered with FSDP2's ``CPUOffloadPolicy`` (a ``cpu`` tier;
+    ``nvme`` optimizer states are kept in files around the optimizer instead)."""
+    return Tier.CPU in (Tier(param_tier), Tier(optimizer_tier))
 
 
 def state_option_error(zero: ZeroStage | int, param_tier: Tier | str, optimizer_tier: Tier | str) -> str | None:

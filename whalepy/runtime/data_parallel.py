@@ -38,9 +38,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from whalepy._capabilities import LoweringKind as DataParallelKind
 from whalepy._capabilities import choose_lowering_kind as choose_kind
-from whalepy._capabilities import state_option_error
+from whalepy._capabilities import offloads_to_host, state_option_error
 from whalepy._errors import WhalepyError
-from whalepy.plan import BlockPlan, Precision, Tier, ZeroStage
+from whalepy.plan import BlockPlan, Precision, ZeroStage
 
 __all__ = ["DataParallelKind", "apply_data_parallel", "build_optimizer", "choose_kind", "compute_dtype",
            "needs_offload_policy"]
@@ -58,7 +58,7 @@ def compute_dtype(precision: Precision) -> torch.dtype | None:
 def needs_offload_policy(blocks: Iterable[BlockPlan]) -> bool:
     """Whether any block asks for FSDP2's CPU offload (a ``cpu`` tier; ``nvme`` optimizer states are
     handled around the optimizer, ``nvme`` parameters are refused)."""
-    return any(Tier.CPU in (b.param_tier, b.optimizer_tier) for b in blocks)
+    return any(offloads_to_host(b.param_tier, b.optimizer_tier) for b in blocks)
 
 
 def apply_data_parallel(
@@ -123,7 +123,7 @@ def _shared_params(root: nn.Module, units: Sequence[nn.Module]) -> set[int]:
 
 
 def _offload_policy(bp: BlockPlan, device_type: str) -> CPUOffloadPolicy | None:
-    if Tier.CPU in (bp.param_tier, bp.optimizer_tier):
+    if offloads_to_host(bp.param_tier, bp.optimizer_tier):
         # FSDP2 has one policy for parameters, gradients and optimizer states together (which is why
         # state_option_error refuses a cpu tier for only one of them)
         return CPUOffloadPolicy(pin_memory=device_type == "cuda")
