@@ -1,10 +1,14 @@
-"""Overhead of whalepy's lowering against the same layout written by hand with the same PyTorch APIs.
+"""Overhead of whalepy's lowering against the same layout written by hand with the same PyTorch APIs,
+in fp32 and in bf16.
 
 DP x TP 2 x 2 on 4 CPU processes (gloo): the hand-written version is ``parallelize_module`` with
 Colwise/Rowwise styles on the same modules, ``fully_shard`` per block and root over the ``dp`` axis
-(reshard_after_forward=False, what whalepy lowers ZeRO-0 to under TP), AdamW, a plain step. Both models
-live in the same processes and their steps alternate, so machine noise hits both alike; the report is
-the median step time of each and their ratio (target <= 1.05).
+(reshard_after_forward=False, what whalepy lowers ZeRO-0 to under TP), AdamW, a plain step; in bf16
+``fully_shard`` gets ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` and the
+forward and loss run under ``torch.autocast``, as whalepy lowers a bf16 plan. whalepy's plan uses the
+tensor-parallel rules its front end finds (``whalepy.profile``). The four models (whalepy and hand,
+fp32 and bf16) live in the same processes and their steps alternate, so machine noise hits all alike;
+the report is the median step time of each and the ratios (goal <= 1.03).
 
     python benchmarks/bench_runtime_overhead.py [--steps 30] [--layers 4] [--hidden 256]
 """
@@ -22,15 +26,14 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 
 
 def loss_fn(logits, y):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
-def hand_written(model, mesh, num_layers):
-    from torch.distributed.fsdp import fully_shard
+def hand_written(model, mesh, num_layers, low):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -44,9 +47,10 @@ def hand_written(model, mesh, num_layers):
     parallelize_module(model, mesh["tp"], styles)
     names = (["transformer.wte", "transformer.wpe"] + [f"transformer.h.{i}" for i in range(num_layers)]
              + ["transformer.ln_f", "lm_head"])
+    mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low else MixedPrecisionPolicy()
     for n in names:
-        fully_shard(model.get_submodule(n), mesh=mesh["dp"], reshard_after_forward=False)
-    fully_shard(model, mesh=mesh["dp"], reshard_after_forward=False)
+        fully_shard(model.get_submodule(n), mesh=mesh["dp"], reshard_after_forward=False, mp_policy=mp)
+    fully_shard(model, mesh=mesh["dp"], reshard_after_forward=False, mp_policy=mp)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
@@ -55,43 +59,51 @@ def worker(rank, world, store, args, results):
     torch.set_num_threads(1)
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from train_gpt import tp_rules
 
+    import whalepy
     from whalepy.models import GPT, GPTConfig
     from whalepy.runtime import make_plan, parallelize
 
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
     cfg = GPTConfig(vocab_size=512, block_size=args.seq, num_layers=args.layers, num_heads=8,
                     hidden_size=args.hidden)
-    names = (["transformer.wte", "transformer.wpe"] + [f"transformer.h.{i}" for i in range(cfg.num_layers)]
-             + ["transformer.ln_f", "lm_head"])
-    plan = make_plan(names, dp=2, tp=2, global_batch=args.batch, tensor_parallel=tp_rules(cfg.num_layers))
-    torch.manual_seed(0)
-    pm = parallelize(GPT(cfg), None, example_inputs=(torch.zeros(2, args.seq, dtype=torch.long),),
-                     loss_fn=loss_fn, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
-                     global_batch=args.batch, plan=plan)
-    torch.manual_seed(0)
+    example = (torch.zeros(2, args.seq, dtype=torch.long),)
+    prof = whalepy.profile(GPT(cfg), example)
+    rules = tuple(r for b in prof.blocks for r in b.tp_rules)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    model, opt = hand_written(GPT(cfg), mesh, cfg.num_layers)
     replica = mesh["dp"].get_local_rank()
     share = args.batch // 2
+    steps = {}
+    for precision, low in (("fp32", None), ("bf16", torch.bfloat16)):
+        plan = make_plan([b.name for b in prof.blocks], dp=2, tp=2, global_batch=args.batch,
+                         tensor_parallel=rules, precision=precision, model_fingerprint=prof.fingerprint)
+        torch.manual_seed(0)
+        pm = parallelize(GPT(cfg), None, example_inputs=example, loss_fn=loss_fn,
+                         optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), global_batch=args.batch,
+                         plan=plan, profile=prof)
+        torch.manual_seed(0)
+        model, opt = hand_written(GPT(cfg), mesh, cfg.num_layers, low)
 
-    def hand_step(x, y):
-        x, y = x[replica * share:(replica + 1) * share], y[replica * share:(replica + 1) * share]
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        report = loss.detach() / 2  # mean over the 2 replicas, as whalepy reports it
-        dist.all_reduce(report)
-        return report
+        def hand_step(x, y, model=model, opt=opt, low=low):
+            x, y = x[replica * share:(replica + 1) * share], y[replica * share:(replica + 1) * share]
+            with torch.autocast("cpu", dtype=low, enabled=low is not None):
+                loss = loss_fn(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            report = loss.detach() / 2  # mean over the 2 replicas, as whalepy reports it
+            dist.all_reduce(report)
+            return report
+
+        steps[f"whalepy {precision}"] = pm.train_step
+        steps[f"hand {precision}"] = hand_step
 
     g = torch.Generator().manual_seed(1)
-    times = {"whalepy": [], "hand": []}
+    times = {name: [] for name in steps}
     for step in range(args.warmup + args.steps):
         x = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g)
         y = torch.roll(x, -1, dims=1)
-        order = [("whalepy", pm.train_step), ("hand", hand_step)]
+        order = list(steps.items())
         if step % 2:
             order.reverse()
         for name, fn in order:
@@ -126,13 +138,13 @@ def main():
         times = results.get(timeout=600)
         for p in procs:
             p.join()
-    w, h = statistics.median(times["whalepy"]), statistics.median(times["hand"])
     print(f"DP x TP 2 x 2, 4 gloo processes, GPT {args.layers} layers hidden {args.hidden} seq {args.seq} "
-          f"batch {args.batch}, {args.steps} interleaved steps each")
-    print(f"  whalepy     median {w * 1e3:8.2f} ms/step")
-    print(f"  hand-written median {h * 1e3:8.2f} ms/step")
-    print(f"  ratio {w / h:.3f} (target <= 1.05)")
-
+          f"batch {args.batch}, {args.steps} interleaved steps each (medians)")
+    print(f"  {'precision':<10}{'whalepy ms':>12}{'hand ms':>12}{'ratio':>8}")
+    for precision in ("fp32", "bf16"):
+        w, h = (statistics.median(times[f"{who} {precision}"]) for who in ("whalepy", "hand"))
+        print(f"  {precision:<10}{w * 1e3:12.2f}{h * 1e3:12.2f}{w / h:8.3f}")
+    print("  (goal: ratio <= 1.03)")
 
 if __name__ == "__main__":
     main()

@@ -32,7 +32,7 @@ from whalepy.cost_models.communication import Collective, CommGroup, Link, estim
 from whalepy.cost_models.compute import gemm_time, memory_bound_time  # noqa: E402
 from whalepy.cost_models.device_profiles import resolve_compute_profile  # noqa: E402
 from whalepy.cost_models.devices import CATALOG  # noqa: E402
-from whalepy.cost_models.memory import estimate_model_state_bytes  # noqa: E402
+from whalepy.cost_models.memory import estimate_zero_paper_model_state_bytes  # noqa: E402
 from whalepy.estimate import estimate_from_profile  # noqa: E402
 from whalepy.models import GPT, GPTConfig  # noqa: E402
 from whalepy.planner.costing import CostContext  # noqa: E402
@@ -117,7 +117,7 @@ def zero_rows() -> list[dict]:
     psi, nd, gb = pub.ZERO_MODEL_STATES
     out = []
     for stage, published in gb.items():
-        st = estimate_model_state_bytes(num_params=psi, zero_stage=stage, dp_degree=nd)
+        st = estimate_zero_paper_model_state_bytes(num_params=psi, zero_stage=stage, dp_degree=nd)
         pred = (st.params + st.grads + st.optimizer) / 1e9
         out.append(dict(name=f"ZeRO-{stage}, 7.5B, DP 64", published=published, predicted=pred,
                         err=pred / published - 1))

@@ -45,6 +45,8 @@ class DeviceType:
     """Host link (PCIe) bandwidth per direction, bytes/s."""
     source: str
     """URL of the datasheet the numbers come from."""
+    supports_bf16: bool = True
+    """Whether the device runs bf16 math (Ampere / CDNA2 and newer, CPUs); False for P100, V100, T4."""
 
     def __post_init__(self) -> None:
         for field in ("peak_flops_16", "peak_flops_32", "memory_bytes", "memory_bandwidth",
@@ -73,10 +75,10 @@ PCIE5_X16 = 64 * _GBS
 
 
 def _row(name: str, vendor: str, tf16: float, tf32: float, mem_gib: float, bw_gbs: float,
-         host: float, source: str) -> DeviceType:
+         host: float, source: str, bf16: bool = True) -> DeviceType:
     return DeviceType(name=name, vendor=vendor, peak_flops_16=tf16 * _TERA, peak_flops_32=tf32 * _TERA,
                       memory_bytes=int(mem_gib * GIB), memory_bandwidth=bw_gbs * _GBS,
-                      host_link_bandwidth=host, source=source)
+                      host_link_bandwidth=host, source=source, supports_bf16=bf16)
 
 
 _P100 = "https://images.nvidia.com/content/tesla/pdf/nvidia-tesla-p100-datasheet.pdf"
@@ -92,12 +94,12 @@ _H100 = "https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-d
 _ROWS = (
     # name, vendor, dense fp16/bf16 TFLOP/s, fp32 TFLOP/s, memory GiB, memory GB/s, host link, source
     # P100 SXM2 has no tensor cores: its fp16 peak is packed half2 math at 2x fp32.
-    _row("P100", "nvidia", 21.2, 10.6, 16, 732, PCIE3_X16, _P100),
+    _row("P100", "nvidia", 21.2, 10.6, 16, 732, PCIE3_X16, _P100, bf16=False),
     # V100 SXM2 rows; the PCIe card runs lower clocks (112 / 14 TFLOP/s).
-    _row("V100-16GB", "nvidia", 125, 15.7, 16, 900, PCIE3_X16, _V100),
-    _row("V100-32GB", "nvidia", 125, 15.7, 32, 900, PCIE3_X16, _V100),
+    _row("V100-16GB", "nvidia", 125, 15.7, 16, 900, PCIE3_X16, _V100, bf16=False),
+    _row("V100-32GB", "nvidia", 125, 15.7, 32, 900, PCIE3_X16, _V100, bf16=False),
     # T4 has no bf16; 65 TFLOP/s is its fp16 mixed-precision peak.
-    _row("T4", "nvidia", 65, 8.1, 16, 320, PCIE3_X16, _T4),
+    _row("T4", "nvidia", 65, 8.1, 16, 320, PCIE3_X16, _T4, bf16=False),
     _row("A10", "nvidia", 125, 31.2, 24, 600, PCIE4_X16, _A10),
     # A100 SXM rows; the 80GB PCIe card has 1,935 GB/s.
     _row("A100-40GB", "nvidia", 312, 19.5, 40, 1555, PCIE4_X16, _A100),

@@ -16,37 +16,131 @@ HALF_PRECISION_BYTES = 2
 """Bytes of one fp16/bf16 parameter or gradient in mixed-precision training."""
 
 ADAM_OPTIMIZER_BYTES_PER_PARAM = 12
-"""``K`` for mixed-precision Adam: fp32 master weight, momentum and variance, 4 bytes each
-(Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", SC'20)."""
+"""``K`` of the ZeRO paper's mixed-precision Adam: fp32 master weight, momentum and variance, 4 bytes
+each (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models",
+SC'20). Used only by :func:`estimate_zero_paper_model_state_bytes`."""
+
+MASTER_PARAM_BYTES = 4
+"""Bytes per parameter of the parameters whalepy's runtime keeps: fp32 in every precision (autocast
+and FSDP2's ``MixedPrecisionPolicy`` both keep fp32 parameters and cast copies for compute)."""
+
+MASTER_GRAD_BYTES = 4
+"""Bytes per parameter of the gradients the runtime keeps: fp32 (gradients of fp32 parameters under
+autocast; FSDP2 ``reduce_dtype=float32`` reduce-scatters into fp32 shards)."""
+
+ADAM_STATE_BYTES_PER_PARAM = 8
+"""``torch.optim.Adam``/``AdamW`` state per parameter: ``exp_avg`` and ``exp_avg_sq`` in the fp32
+parameter's dtype. No separate master copy: the fp32 parameter is the master weight. (The 0-dim
+``step`` tensor per parameter tensor is not counted: 4 bytes per tensor, not per element.)"""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelStateBytes:
-    """Model-state bytes one device holds, by kind on the GPU and by tier off it."""
+    """Model-state bytes one device holds, by kind on the device and by tier off it."""
 
     params: float
-    """Half-precision parameters resident on the GPU (the local shard under ZeRO-3)."""
+    """Parameters resident on the device between steps (the local shard when sharded)."""
     grads: float
-    """Half-precision gradients on the GPU."""
+    """Gradients resident on the device at the optimizer step."""
     optimizer: float
-    """Optimizer states and fp32 master weights on the GPU."""
+    """Optimizer states (and, in the ZeRO paper's layout, fp32 master weights) on the device."""
     working_params: float = 0.0
-    """ZeRO-3 only: the largest block's gathered parameters, alive on the GPU while it runs."""
+    """Transient device bytes: parameters gathered or cast for compute (FSDP2's unsharded
+    low-precision parameters, autocast's cast copies), alive only while blocks run."""
     cpu: float = 0.0
     """States offloaded to host memory."""
     nvme: float = 0.0
     """States offloaded to NVMe."""
 
     @property
+    def resident(self) -> float:
+        """Device bytes held between uses: parameters, gradients, optimizer states (no working set)."""
+        return self.params + self.grads + self.optimizer
+
+    @property
     def gpu(self) -> float:
-        return self.params + self.grads + self.optimizer + self.working_params
+        """Peak device bytes of model states: resident plus the working set."""
+        return self.resident + self.working_params
 
     @property
     def total(self) -> float:
         return self.gpu + self.cpu + self.nvme
 
 
+def _check_sizes(num_params: float, dp_degree: int, **nonneg: float) -> None:
+    if num_params < 0 or any(v < 0 for v in nonneg.values()):
+        raise ValueError(f"num_params ({num_params}) and {', '.join(f'{k} ({v})' for k, v in nonneg.items())} "
+                         "must be non-negative")
+    if dp_degree < 1:
+        raise ValueError(f"dp_degree must be at least 1, got {dp_degree}")
+
+
 def estimate_model_state_bytes(
+    *,
+    num_params: float,
+    zero_stage: ZeroStage | int,
+    dp_degree: int,
+    tp_degree: int = 1,
+    pp_degree: int = 1,
+    precision: str = "bf16",
+    param_tier: Tier | str = Tier.GPU,
+    optimizer_tier: Tier | str = Tier.GPU,
+    optimizer_bytes_per_param: float = ADAM_STATE_BYTES_PER_PARAM,
+    working_param_bytes: float = 0.0,
+) -> ModelStateBytes:
+    """Model-state bytes per device that whalepy's runtime holds for ``num_params`` (P) local parameters
+    (this rank's, after tensor and pipeline parallelism) on ``dp_degree`` (d) replicas.
+
+    The layout is that of the lowering :func:`whalepy._capabilities.choose_lowering_kind` picks, the
+    function the runtime calls too. Parameters and gradients are fp32 in every precision (4 + 4 bytes),
+    optimizer states ``K = optimizer_bytes_per_param`` (8 for Adam); the low precision only changes the
+    transient working set:
+
+    - none / DDP: ``(4 + 4 + K) P`` (DDP's gradient buckets are the gradients,
+      ``gradient_as_bucket_view=True``); bf16/fp16 add autocast's cast copies ``2 P`` as working set.
+    - DDP + ZeroRedundancyOptimizer: ``(4 + 4) P + K P / d`` (it partitions whole tensors, so a rank's
+      share differs from ``P / d`` by up to its largest tensor); working set as DDP.
+    - FSDP2: ``(4 + 4 + K) P / d`` (fp32 shards of parameters and gradients, optimizer states of the
+      shards). ZeRO-3 (``reshard_after_forward=True``) adds ``working_param_bytes`` (the caller's
+      largest gathered block, in the compute dtype; ignored by every other lowering); below ZeRO-3 the stage's parameters stay gathered from forward to
+      backward: ``b P`` working, ``b`` the bytes of the compute dtype.
+    - Tiers: ``param_tier = optimizer_tier = cpu`` (FSDP2 ``CPUOffloadPolicy``) moves the parameter,
+      gradient and optimizer shards to the host; ``optimizer_tier = nvme`` moves the optimizer part to
+      files. Combinations :func:`whalepy._capabilities.state_option_error` refuses raise ValueError.
+    """
+    from whalepy._capabilities import LoweringKind, choose_lowering_kind, offloads_to_host, state_option_error
+    from whalepy.cost_models.compute import precision_bytes
+
+    zero_stage, param_tier, optimizer_tier = ZeroStage(zero_stage), Tier(param_tier), Tier(optimizer_tier)
+    _check_sizes(num_params, dp_degree, optimizer_bytes_per_param=optimizer_bytes_per_param,
+                 working_param_bytes=working_param_bytes)
+    reason = state_option_error(zero_stage, param_tier, optimizer_tier)
+    if reason is not None:
+        raise ValueError(reason)
+    offload = offloads_to_host(param_tier, optimizer_tier)
+    kind = choose_lowering_kind(zero_stage, dp_degree, tp=tp_degree, pp=pp_degree, offload=offload)
+    psi, d, k = num_params, dp_degree, optimizer_bytes_per_param
+    low = precision_bytes(precision)
+    if kind is LoweringKind.FSDP:
+        params, grads, optimizer = MASTER_PARAM_BYTES * psi / d, MASTER_GRAD_BYTES * psi / d, k * psi / d
+        gathered = zero_stage >= ZeroStage.PARAMETERS
+        working = working_param_bytes if gathered else low * psi
+    else:
+        params, grads = MASTER_PARAM_BYTES * psi, MASTER_GRAD_BYTES * psi
+        optimizer = k * psi / d if kind is LoweringKind.ZERO1 else k * psi
+        working = low * psi if low < MASTER_PARAM_BYTES else 0.0  # autocast's cast copies
+    cpu = nvme = 0.0
+    if offload:
+        cpu, params, grads = params + grads, 0.0, 0.0
+    if optimizer_tier is Tier.CPU:
+        cpu, optimizer = cpu + optimizer, 0.0
+    elif optimizer_tier is Tier.NVME:
+        nvme, optimizer = optimizer, 0.0
+    return ModelStateBytes(params=params, grads=grads, optimizer=optimizer, working_params=working,
+                           cpu=cpu, nvme=nvme)
+
+
+def estimate_zero_paper_model_state_bytes(
     *,
     num_params: float,
     zero_stage: ZeroStage | int,
@@ -56,27 +150,20 @@ def estimate_model_state_bytes(
     optimizer_bytes_per_param: float = ADAM_OPTIMIZER_BYTES_PER_PARAM,
     working_param_bytes: float = 0.0,
 ) -> ModelStateBytes:
-    """Model-state bytes per device for ``num_params`` (Psi) parameters and ``dp_degree`` (N_d) replicas.
+    """The ZeRO paper's accounting (DeepSpeed's layout), kept to check against published figures; the
+    planner charges what whalepy's runtime holds instead (:func:`estimate_model_state_bytes`).
 
     Rajbhandari et al. (SC'20), with K = ``optimizer_bytes_per_param``: DP ``(2 + 2 + K) Psi``;
     ZeRO-1 ``4 Psi + K Psi / N_d``; ZeRO-2 ``2 Psi + (2 + K) Psi / N_d``; ZeRO-3 ``(4 + K) Psi / N_d``.
 
     ``optimizer_tier`` CPU or NVMe moves the optimizer part (fp32 master weights included) off the GPU,
     as ZeRO-Offload (Ren et al., ATC'21) and ZeRO-Infinity (Rajbhandari et al., SC'21) do; gradients
-    are still counted on the GPU, which overstates GPU use by at most the gradient shard.
-    ``param_tier`` CPU or NVMe (ZeRO-3 only) moves the parameter shard off the GPU. Under ZeRO-3 a
-    block's parameters are gathered whole before it runs, wherever the shard rests, so
-    ``working_param_bytes`` (the largest block's half-precision parameters, times the blocks
-    prefetched at once) is added to the GPU.
+    are still counted on the GPU. ``param_tier`` CPU or NVMe (ZeRO-3 only) moves the parameter shard
+    off the GPU. ``working_param_bytes`` (ZeRO-3: gathered blocks) is added to the GPU.
     """
     zero_stage, param_tier, optimizer_tier = ZeroStage(zero_stage), Tier(param_tier), Tier(optimizer_tier)
-    if num_params < 0 or optimizer_bytes_per_param < 0 or working_param_bytes < 0:
-        raise ValueError(
-            f"num_params ({num_params}), optimizer_bytes_per_param ({optimizer_bytes_per_param}) and "
-            f"working_param_bytes ({working_param_bytes}) must be non-negative"
-        )
-    if dp_degree < 1:
-        raise ValueError(f"dp_degree must be at least 1, got {dp_degree}")
+    _check_sizes(num_params, dp_degree, optimizer_bytes_per_param=optimizer_bytes_per_param,
+                 working_param_bytes=working_param_bytes)
     if zero_stage < ZeroStage.PARAMETERS:
         if param_tier is not Tier.GPU:
             raise ValueError(
@@ -246,21 +333,25 @@ all-gather while the current block computes, in forward and in backward (``fully
 explicit ``set_modules_to_forward_prefetch`` is not used by whalepy's runtime)."""
 
 
-def estimate_fsdp_working_bytes(*, block_params: float, zero3: bool,
+def estimate_fsdp_working_bytes(*, block_params: float, zero3: bool, compute_bytes: float = HALF_PRECISION_BYTES,
                                 prefetch_blocks: int = FSDP_PREFETCH_BLOCKS) -> float:
     """GPU bytes FSDP2 holds for one stage besides the model states, at its peak in backward.
 
-    ZeRO-3 (``reshard_after_forward=True``): the running block's gathered 16-bit parameters plus the
-    ``prefetch_blocks`` gathered ahead, ``(1 + prefetch) 2 P_b``, and the running block's unsharded
-    16-bit gradient waiting for its reduce-scatter, ``2 P_b``. Below ZeRO-3 the parameters stay
-    gathered (already counted whole in the model states); only the gradient buffer remains.
-    ``block_params`` is the largest block's parameters per device (after TP).
+    ZeRO-3 (``reshard_after_forward=True``): the running block's parameters gathered in the compute
+    dtype (``compute_bytes`` per parameter) plus the ``prefetch_blocks`` gathered ahead,
+    ``(1 + prefetch) c P_b``; and the running block's unsharded gradient waiting for its
+    reduce-scatter: ``c P_b`` in the compute dtype plus, when that is not fp32, its copy in the fp32
+    reduce dtype (``MixedPrecisionPolicy(reduce_dtype=float32)``: the reduce-scatter input).
+    Below ZeRO-3 the stage's parameters stay gathered from forward to backward (the caller charges
+    them); only the gradient buffer remains. ``block_params`` is the largest block's parameters per
+    device (after TP).
     """
-    if block_params < 0 or prefetch_blocks < 0:
-        raise ValueError(f"block_params ({block_params}) and prefetch_blocks ({prefetch_blocks}) must be >= 0")
-    half = HALF_PRECISION_BYTES * block_params
-    gathered = (1 + prefetch_blocks) * half if zero3 else 0.0
-    return gathered + half
+    if block_params < 0 or prefetch_blocks < 0 or compute_bytes <= 0:
+        raise ValueError(f"block_params ({block_params}) and prefetch_blocks ({prefetch_blocks}) must be >= 0 "
+                         f"and compute_bytes ({compute_bytes}) > 0")
+    gathered = (1 + prefetch_blocks) * compute_bytes * block_params if zero3 else 0.0
+    reduce_copy = MASTER_GRAD_BYTES if compute_bytes != MASTER_GRAD_BYTES else 0.0
+    return gathered + (compute_bytes + reduce_copy) * block_params
 
 
 AUTOCAST_WEIGHT_COPY_BYTES = 2

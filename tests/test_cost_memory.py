@@ -7,7 +7,7 @@ import pytest
 from whalepy.cost_models.memory import (
     BlockActivations,
     Recompute,
-    estimate_model_state_bytes,
+    estimate_zero_paper_model_state_bytes,
     estimate_offload_time,
     estimate_stage_activation_bytes,
     estimate_transformer_activation_bytes,
@@ -33,42 +33,42 @@ GB = 1e9  # ZeRO (SC'20) Figure 1 uses decimal gigabytes: 7.5e9 * 16 B = 120 GB.
 def test_zero_paper_figures_7_5b_on_64_ranks(stage, expected_gb):
     # Figures as printed in Rajbhandari et al., SC'20 (Figure 1), rounded to three digits there: hence
     # the 0.5% tolerance.
-    states = estimate_model_state_bytes(num_params=7.5e9, zero_stage=stage, dp_degree=64)
+    states = estimate_zero_paper_model_state_bytes(num_params=7.5e9, zero_stage=stage, dp_degree=64)
     assert states.gpu / GB == pytest.approx(expected_gb, rel=0.005)
     assert states.cpu == 0.0 and states.nvme == 0.0
 
 
 def test_zero_breakdown_and_int_stage():
     psi, nd = 1e9, 8
-    s3 = estimate_model_state_bytes(num_params=psi, zero_stage=3, dp_degree=nd)
+    s3 = estimate_zero_paper_model_state_bytes(num_params=psi, zero_stage=3, dp_degree=nd)
     assert (s3.params, s3.grads, s3.optimizer) == pytest.approx((2 * psi / nd, 2 * psi / nd, 12 * psi / nd))
-    s0 = estimate_model_state_bytes(num_params=psi, zero_stage=0, dp_degree=nd)
+    s0 = estimate_zero_paper_model_state_bytes(num_params=psi, zero_stage=0, dp_degree=nd)
     assert (s0.params, s0.grads, s0.optimizer) == pytest.approx((2 * psi, 2 * psi, 12 * psi))
 
 
 def test_higher_zero_stage_never_uses_more_gpu():
-    gpus = [estimate_model_state_bytes(num_params=1e9, zero_stage=z, dp_degree=16).gpu for z in ZeroStage]
+    gpus = [estimate_zero_paper_model_state_bytes(num_params=1e9, zero_stage=z, dp_degree=16).gpu for z in ZeroStage]
     assert gpus == sorted(gpus, reverse=True)
     # With one replica there is nothing to shard across.
-    one = {estimate_model_state_bytes(num_params=1e9, zero_stage=z, dp_degree=1).gpu for z in ZeroStage}
+    one = {estimate_zero_paper_model_state_bytes(num_params=1e9, zero_stage=z, dp_degree=1).gpu for z in ZeroStage}
     assert one == {16e9}
 
 
 def test_optimizer_offload_moves_k_psi_off_gpu():
     psi, nd = 7.5e9, 64
-    cpu = estimate_model_state_bytes(num_params=psi, zero_stage=2, dp_degree=nd, optimizer_tier=Tier.CPU)
+    cpu = estimate_zero_paper_model_state_bytes(num_params=psi, zero_stage=2, dp_degree=nd, optimizer_tier=Tier.CPU)
     assert cpu.gpu == pytest.approx(2 * psi + 2 * psi / nd)
     assert cpu.cpu == pytest.approx(12 * psi / nd) and cpu.nvme == 0.0
-    nvme = estimate_model_state_bytes(num_params=psi, zero_stage=3, dp_degree=nd, optimizer_tier="nvme")
+    nvme = estimate_zero_paper_model_state_bytes(num_params=psi, zero_stage=3, dp_degree=nd, optimizer_tier="nvme")
     assert nvme.nvme == pytest.approx(12 * psi / nd) and nvme.cpu == 0.0
     # Total bytes are conserved by moving them between tiers.
-    gpu_only = estimate_model_state_bytes(num_params=psi, zero_stage=2, dp_degree=nd)
+    gpu_only = estimate_zero_paper_model_state_bytes(num_params=psi, zero_stage=2, dp_degree=nd)
     assert cpu.total == pytest.approx(gpu_only.total)
 
 
 def test_param_offload_with_zero3_keeps_working_buffer():
     psi, nd, working = 1e11, 16, 3.2e9
-    states = estimate_model_state_bytes(
+    states = estimate_zero_paper_model_state_bytes(
         num_params=psi, zero_stage=3, dp_degree=nd, param_tier=Tier.NVME, optimizer_tier=Tier.CPU,
         working_param_bytes=working,
     )
@@ -80,18 +80,18 @@ def test_param_offload_with_zero3_keeps_working_buffer():
 
 def test_param_offload_below_zero3_raises_with_fix():
     with pytest.raises(ValueError, match="zero_stage=3"):
-        estimate_model_state_bytes(num_params=1e9, zero_stage=2, dp_degree=8, param_tier=Tier.CPU)
+        estimate_zero_paper_model_state_bytes(num_params=1e9, zero_stage=2, dp_degree=8, param_tier=Tier.CPU)
     with pytest.raises(ValueError, match="ZeRO-3"):
-        estimate_model_state_bytes(num_params=1e9, zero_stage=1, dp_degree=8, working_param_bytes=1e6)
+        estimate_zero_paper_model_state_bytes(num_params=1e9, zero_stage=1, dp_degree=8, working_param_bytes=1e6)
 
 
 def test_model_state_validation():
     with pytest.raises(ValueError):
-        estimate_model_state_bytes(num_params=1e9, zero_stage=4, dp_degree=8)
+        estimate_zero_paper_model_state_bytes(num_params=1e9, zero_stage=4, dp_degree=8)
     with pytest.raises(ValueError):
-        estimate_model_state_bytes(num_params=1e9, zero_stage=1, dp_degree=0)
+        estimate_zero_paper_model_state_bytes(num_params=1e9, zero_stage=1, dp_degree=0)
     with pytest.raises(ValueError):
-        estimate_model_state_bytes(num_params=1e9, zero_stage=1, dp_degree=8, optimizer_tier="tape")
+        estimate_zero_paper_model_state_bytes(num_params=1e9, zero_stage=1, dp_degree=8, optimizer_tier="tape")
 
 
 # -- activations ----------------------------------------------------------------------------------

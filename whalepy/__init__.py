@@ -11,7 +11,7 @@ from whalepy._errors import (
     WhalepyError,
 )
 from whalepy.cluster import ClusterSpec
-from whalepy.plan import Plan, Schedule, Tier, ZeroStage
+from whalepy.plan import Plan, Precision, Schedule, Tier, ZeroStage
 from whalepy.primitives import (
     Cluster,
     Replicate,
@@ -75,6 +75,7 @@ __all__ = [
     "ParallelModel",
     "Plan",
     "PlanError",
+    "Precision",
     "Schedule",
     "Tier",
     "WhalepyError",

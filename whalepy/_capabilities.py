@@ -1,7 +1,17 @@
-"""What the runtime can lower, in one place: the planner's enumeration, ``whalepy.estimate`` and the
-runtime's refusals all ask these functions, so the planner never proposes what the runtime cannot run.
+"""What the runtime can lower, in one place: the planner's enumeration, ``whalepy.estimate``, the memory
+model and the runtime's refusals all ask these functions, so the planner never proposes what the runtime
+cannot run and the memory model charges what the runtime really holds.
 
-Pipeline shape (this part):
+Data parallelism, state tiers and precision:
+
+- :func:`choose_lowering_kind`: which data-parallel wrapper a stage is lowered onto (DDP, DDP +
+  ``ZeroRedundancyOptimizer``, FSDP2, or none).
+- :func:`check_state_option`: whether a (ZeRO stage, parameter tier, optimizer tier) combination is
+  lowered, and why not.
+- :func:`resolve_precision`: the training precision of a cluster (default, or a requested one checked
+  against every device type).
+
+Pipeline shape:
 
 - :func:`schedule_error`: a schedule with its virtual stages (chunks per rank).
 - :func:`microbatch_error`: the micro-batch counts ``torch.distributed.pipelining``'s schedules accept.
@@ -14,11 +24,118 @@ Kept free of ``torch.distributed`` imports so the planner and the cost models ca
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Iterable
+
 from whalepy._errors import PlanError
-from whalepy.plan import Schedule
+from whalepy.cost_models.compute import Precision
+from whalepy.cost_models.devices import DeviceType
+from whalepy.plan import Schedule, Tier, ZeroStage
 
-__all__ = ["check_pipeline", "microbatch_error", "schedule_error", "sequence_parallel_error"]
+__all__ = [
+    "LoweringKind",
+    "check_pipeline",
+    "check_state_option",
+    "choose_lowering_kind",
+    "microbatch_error",
+    "offloads_to_host",
+    "resolve_precision",
+    "schedule_error",
+    "sequence_parallel_error",
+    "state_option_error",
+]
 
+
+class LoweringKind(str, enum.Enum):
+    """The data-parallel lowering of one pipeline stage (docs/runtime.md, "What each kind holds")."""
+
+    NONE = "none"
+    """One replica, nothing to wrap."""
+    DDP = "ddp"
+    """``DistributedDataParallel``: every rank holds whole parameters, gradients, optimizer states."""
+    ZERO1 = "ddp+zero_redundancy_optimizer"
+    """DDP with ``ZeroRedundancyOptimizer``: optimizer states partitioned by whole tensors."""
+    FSDP = "fsdp2"
+    """FSDP2 ``fully_shard``: parameters, gradients and optimizer states sharded over the dp axis."""
+
+
+def choose_lowering_kind(zero: ZeroStage | int, dp: int, *, tp: int, pp: int, offload: bool) -> LoweringKind:
+    """The wrapper a stage with ZeRO stage ``zero`` on ``dp`` replicas is lowered onto.
+
+    FSDP2 for ZeRO-2/3, and for ZeRO-0/1 whenever DDP cannot be used: DDP does not compose with DTensor
+    tensor parallelism, a pipeline stage is kept under one wrapper, and host offload is FSDP2's
+    ``CPUOffloadPolicy``. ``offload`` is whether any block of the stage has a ``cpu`` tier."""
+    zero = ZeroStage(zero)
+    if dp == 1 and not offload:
+        return LoweringKind.NONE
+    if zero >= ZeroStage.GRADIENTS or tp > 1 or pp > 1 or offload:
+        return LoweringKind.FSDP
+    return LoweringKind.ZERO1 if zero == ZeroStage.OPTIMIZER else LoweringKind.DDP
+
+
+def offloads_to_host(param_tier: Tier | str, optimizer_tier: Tier | str) -> bool:
+    """Whether a block with these tiers is lowered with FSDP2's ``CPUOffloadPolicy`` (a ``cpu`` tier;
+    ``nvme`` optimizer states are kept in files around the optimizer instead)."""
+    return Tier.CPU in (Tier(param_tier), Tier(optimizer_tier))
+
+
+def state_option_error(zero: ZeroStage | int, param_tier: Tier | str, optimizer_tier: Tier | str) -> str | None:
+    """Why the runtime cannot lower this state option, or None when it can.
+
+    Lowered: any ZeRO stage with everything on the device; ``optimizer_tier = nvme`` with parameters
+    on the device or the host (optimizer states in memory-mapped files, :mod:`whalepy.runtime.nvme`);
+    parameters AND optimizer states on the host (FSDP2 ``CPUOffloadPolicy``, which moves parameters,
+    gradients and optimizer states together; any ZeRO stage, lowered to FSDP2). Not lowered:
+    parameters on NVMe, and only one of parameters / optimizer states on the host."""
+    ZeroStage(zero)
+    pt, ot = Tier(param_tier), Tier(optimizer_tier)
+    if pt is Tier.NVME:
+        return ("param_tier='nvme' is not lowered: FSDP2 offloads parameters to host memory only; use "
+                "param_tier='cpu' (optimizer_tier may stay 'nvme') or 'gpu'")
+    if pt is Tier.GPU and ot is Tier.CPU:
+        return ("optimizer_tier='cpu' with param_tier='gpu' is not lowered: FSDP2's CPUOffloadPolicy moves "
+                "parameters and gradients to the host together with the optimizer states; set both tiers "
+                "to 'cpu', or use optimizer_tier='nvme'")
+    if pt is Tier.CPU and ot is Tier.GPU:
+        return ("param_tier='cpu' with optimizer_tier='gpu' is not lowered: FSDP2's CPUOffloadPolicy keeps "
+                "optimizer states with the parameters on the host; set optimizer_tier to 'cpu' or 'nvme'")
+    return None
+
+
+def check_state_option(zero: ZeroStage | int, param_tier: Tier | str, optimizer_tier: Tier | str, *,
+                       where: str = "") -> None:
+    """Raise :class:`PlanError` (prefixed by ``where``) when :func:`state_option_error` refuses."""
+    reason = state_option_error(zero, param_tier, optimizer_tier)
+    if reason is not None:
+        raise PlanError(f"{where}{': ' if where else ''}{reason}")
+
+
+def _is_cpu(device: DeviceType) -> bool:
+    return device.vendor == "cpu"
+
+
+def resolve_precision(devices: Iterable[DeviceType], requested: Precision | str | None = None) -> Precision:
+    """The training precision for a cluster of ``devices``.
+
+    Default (``requested`` None): fp32 when any device type is a CPU (CPU runs keep exact fp32
+    numerics unless they ask for bf16), bf16 where every device type supports it, otherwise fp16
+    (tensor-core GPUs without bf16: V100, T4; trained with dynamic loss scaling). A requested bf16 on
+    a device type without bf16 is a :class:`PlanError` naming the device and the alternatives."""
+    devs = list({d.name: d for d in devices}.values())
+    if requested is None:
+        if any(_is_cpu(d) for d in devs):
+            return Precision.FP32
+        return Precision.BF16 if all(d.supports_bf16 for d in devs) else Precision.FP16
+    try:
+        p = Precision(requested)
+    except ValueError:
+        raise PlanError(f"precision={requested!r}: use bf16, fp16 or fp32") from None
+    if p is Precision.BF16:
+        lacking = [d.name for d in devs if not d.supports_bf16]
+        if lacking:
+            raise PlanError(f"precision='bf16' is not supported by {', '.join(lacking)}; use precision='fp16' "
+                            "(dynamic loss scaling) or 'fp32'")
+    return p
 
 def schedule_error(schedule: Schedule | str, *, num_stages: int, virtual_stages: int) -> str | None:
     """Why the runtime cannot run ``schedule`` over ``num_stages`` pipeline ranks with ``virtual_stages``

@@ -79,7 +79,8 @@ def format_plan(plan: Plan) -> str:
             f"({', '.join(f'{n} x{k}' for n, k in types.items())}): "
             f"pp={plan.pp_degree} dp={plan.dp_degree} tp={'/'.join(map(str, sorted(set(plan.tp_degrees))))}, "
             f"{plan.schedule.value}" + (f" v={plan.virtual_stages}" if plan.virtual_stages > 1 else "")
-            + f", {plan.num_microbatches} micro-batches, global batch {plan.global_batch}")
+            + f", {plan.num_microbatches} micro-batches, global batch {plan.global_batch}, "
+            f"{plan.precision.value}")
     shares = sorted(set(plan.batch_shares))
     lines = [head]
     if len(shares) == 1:

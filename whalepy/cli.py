@@ -72,7 +72,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     progress = _err if not args.quiet else (lambda _m: None)
     cluster = _cluster(args.cluster)
     prof = _profile(args, progress)
-    opts: dict[str, Any] = dict(solver=args.solver, time_limit_s=args.time_limit, progress=progress)
+    opts: dict[str, Any] = dict(solver=args.solver, time_limit_s=args.time_limit, progress=progress,
+                                precision=args.precision)
     if args.schedules:
         opts["schedules"] = tuple(args.schedules.split(","))
     if args.zero_stages:
@@ -114,7 +115,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     cfg = ParallelConfig(dp=args.dp, tp=args.tp, pp=args.pp, num_microbatches=args.microbatches,
                          schedule=args.schedule, zero_stage=args.zero, checkpoint=args.checkpoint,
                          offload=args.offload)
-    est = estimate_from_profile(prof, cluster, cfg, global_batch=args.global_batch)
+    est = estimate_from_profile(prof, cluster, cfg, global_batch=args.global_batch, precision=args.precision)
     print(est)
     return 0 if est.feasible else 1
 
@@ -130,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--global-batch", type=int, default=None, help="samples per step (default 8 per device)")
         sp.add_argument("--seq-len", type=int, default=None, help="tokens per sample (built-in models)")
         sp.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+        sp.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None,
+                        help="training precision (default: bf16 where every device supports it, fp16 on "
+                             "V100/T4-class GPUs, fp32 on CPU device types)")
 
     sp = sub.add_parser("plan", help="find the fastest plan that fits")
     model_args(sp)

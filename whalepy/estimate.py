@@ -39,7 +39,8 @@ class ParallelConfig:
     batch_shares: tuple[int, ...] | None = None
     """Samples per replica (mixed clusters); default: the global batch split evenly."""
     offload: Tier | str | None = None
-    """Tier of optimizer states (``"cpu"`` / ``"nvme"``); with ``zero_stage=3`` parameters go there too."""
+    """``"cpu"``: parameters, gradients and optimizer states on the host (FSDP2's ``CPUOffloadPolicy``);
+    ``"nvme"``: optimizer states in files, parameters on the device."""
     layout: str | None = None
     """Mixed clusters: ``"replicas"`` (each replica on one group) or ``"stages"`` (each stage on one
     group, in cluster order); default: replicas when every group holds whole pipelines."""
@@ -170,7 +171,9 @@ class Estimate:
 
 
 def estimate(model: Any, cluster: ClusterSpec, config: ParallelConfig | dict[str, Any], *,
-             example_inputs: Any, global_batch: int, precision: str = "bf16") -> Estimate:
+             example_inputs: Any, global_batch: int, precision: str | None = None) -> Estimate:
+    """Predicted step time and memory of ``config``; ``precision`` None resolves from the cluster as
+    the planner does (``PlannerOptions.precision``)."""
     from whalepy.profile import profile
 
     return estimate_from_profile(profile(model, example_inputs), cluster, config, global_batch=global_batch,
@@ -219,15 +222,21 @@ def _balanced_sizes(times: list[float], parts: int) -> list[int]:
 
 
 def estimate_from_profile(profile: ModelProfile, cluster: ClusterSpec, config: ParallelConfig | dict[str, Any], *,
-                          global_batch: int, precision: str = "bf16") -> Estimate:
+                          global_batch: int, precision: str | None = None) -> Estimate:
     from whalepy.planner.build import build_plan
     from whalepy.planner.costing import CostContext, build_coefficients, evaluate, has_sequence_rules
     from whalepy.planner.space import Candidate, Hardware, StateOption, build_segments
+
+    from whalepy._capabilities import check_state_option, resolve_precision
 
     cfg = _coerce(config)
     sp = sequence_parallel_error(sequence_parallel=has_sequence_rules(profile) and cfg.tp > 1, num_stages=cfg.pp)
     if sp is not None:
         raise PlanError(f"ParallelConfig: {sp}")
+    precision = resolve_precision((g.device for g in cluster.groups), precision).value
+    tier = Tier(cfg.offload) if cfg.offload is not None else Tier.GPU
+    option = StateOption(ZeroStage(cfg.zero_stage), tier, Tier.CPU if tier is Tier.CPU else Tier.GPU)
+    check_state_option(option.zero, option.param_tier, option.optimizer_tier, where=f"offload={tier.value}")
     hw = Hardware(cluster)
     W = hw.world_size
     if cfg.dp * cfg.tp * cfg.pp != W:
@@ -270,9 +279,6 @@ def estimate_from_profile(profile: ModelProfile, cluster: ClusterSpec, config: P
                      schedule=Schedule(cfg.schedule), virtual_stages=cfg.virtual_stages, cell_groups=cell_groups,
                      batch_shares=tuple(shares), layout=layout)
     ctx = CostContext(profile, hw, precision=precision)
-    tier = Tier(cfg.offload) if cfg.offload is not None else Tier.GPU
-    option = StateOption(ZeroStage(cfg.zero_stage), tier,
-                         tier if (cfg.zero_stage == 3 and tier is not Tier.GPU) else Tier.GPU)
     cc = build_coefficients(ctx, cand, build_segments(profile), (option,))
     for sc in cc.stages:
         if option not in sc.options:

@@ -21,8 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from whalepy._errors import PlanError
+from whalepy.cost_models.compute import Precision
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2
+"""Version 2 added :attr:`Plan.precision`. Version 1 plans still load (see :meth:`Plan.from_dict`)."""
 
 
 class Schedule(str, enum.Enum):
@@ -127,6 +129,14 @@ class StageCost:
     """Pipeline sends per micro-batch."""
     dp_comm_s: float = 0.0
     """Exposed data-parallel collectives (FSDP2 gathers) per micro-batch."""
+    model_state_bytes: int = 0
+    """Of the peak, the parameters, gradients and optimizer states each device holds between uses
+    (not the transiently gathered or cast parameters, not activations): what the runtime holds at
+    the optimizer step."""
+    host_state_bytes: int = 0
+    """Model states each device keeps in host memory (``cpu`` tiers)."""
+    nvme_state_bytes: int = 0
+    """Optimizer states each device keeps in files (``nvme`` tier)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -249,10 +259,16 @@ class Plan:
     alternatives: tuple[Alternative, ...] = ()
     notes: tuple[str, ...] = ()
     """Decisions the user should know about (forced by annotations, relaxed constraints, ...)."""
+    precision: Precision = Precision.FP32
+    """What the runtime trains in: ``bf16`` / ``fp16`` (low-precision compute, fp32 master weights,
+    gradient reduction and optimizer states; fp16 with dynamic loss scaling) or ``fp32``. The planner
+    sets it from the cluster (``whalepy._capabilities.resolve_precision``); a hand-made plan trains in
+    fp32 unless it says otherwise."""
     version: int = PLAN_VERSION
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "schedule", Schedule(self.schedule))
+        object.__setattr__(self, "precision", Precision(self.precision))
         self._validate()
 
     def _validate(self) -> None:
@@ -371,9 +387,15 @@ class Plan:
         if not isinstance(data, dict):
             raise PlanError(f"a plan is a JSON object with a 'version' field, got {type(data).__name__}")
         version = data.get("version")
+        if version == 1:
+            # A version-1 plan has no precision: the runtime of that version trained in the model's own
+            # dtype (fp32 for every model it was used with), whatever the planner had costed. It loads
+            # as fp32 so that it keeps training, and resuming its checkpoints, exactly as it did.
+            data = {**data, "version": PLAN_VERSION, "precision": Precision.FP32.value}
+            version = PLAN_VERSION
         if version != PLAN_VERSION:
             raise PlanError(
-                f"plan file has version {version!r}; this whalepy reads version {PLAN_VERSION}. "
+                f"plan file has version {version!r}; this whalepy reads versions 1 and {PLAN_VERSION}. "
                 "Re-create the plan with whalepy.plan() or `whalepy plan`."
             )
         try:

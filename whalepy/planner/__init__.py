@@ -46,9 +46,11 @@ class PlannerOptions:
     """Offload optimizer states (and, under ZeRO-3, parameters) to CPU, or NVMe where a group has it."""
     max_tp: int | None = None
     """Largest TP degree (default: GPUs per node; TP never leaves a node)."""
-    precision: str = "bf16"
-    """Training precision: selects the device peak (``bf16``/``fp16`` tensor cores or ``fp32``) and the
-    bytes per activation element."""
+    precision: str | None = None
+    """Training precision, ``bf16``, ``fp16`` or ``fp32``: what the runtime trains in (recorded in
+    ``Plan.precision``); selects the device peak and the bytes per activation element. None: resolved
+    from the cluster (bf16 where every device type supports it, fp16 on V100 / T4 class GPUs, fp32 on
+    CPU device types); a precision a device type cannot run is a PlanError before planning."""
     progress: bool | Callable[[str], None] = False
     """True: a line per phase on stderr; a callable receives the lines."""
     top_k: int = 5
@@ -92,7 +94,7 @@ class PlannerOptions:
         object.__setattr__(self, "zero_stages", zs)
         if self.max_tp is not None and (self.max_tp < 1 or self.max_tp & (self.max_tp - 1)):
             raise PlanError(f"max_tp={self.max_tp!r} must be a power of two >= 1")
-        if self.precision not in ("bf16", "fp16", "fp32"):
+        if self.precision is not None and self.precision not in ("bf16", "fp16", "fp32"):
             raise PlanError(f"precision={self.precision!r}: use bf16, fp16 or fp32")
         if self.top_k < 0:
             raise PlanError(f"top_k must be >= 0, got {self.top_k}")
@@ -138,7 +140,7 @@ def plan(model: Any, cluster: ClusterSpec, *, example_inputs: Any, global_batch:
 
 def plan_from_profile(profile: ModelProfile, cluster: ClusterSpec, *, global_batch: int, **options: Any) -> Plan:
     """:func:`plan` for a profile already made (by capture or :mod:`whalepy.planner.synthetic`)."""
-    opts = make_options(options)
+    opts = _with_precision(make_options(options), cluster)
     if not isinstance(global_batch, int) or global_batch < 1:
         raise PlanError(f"global_batch must be a positive integer, got {global_batch!r}")
     if opts.homogeneous_baseline:
@@ -159,6 +161,14 @@ def plan_from_profile(profile: ModelProfile, cluster: ClusterSpec, *, global_bat
                        mip_gap=result.best_result.mip_gap, notes=notes, alternatives=alts)
     progress(f"plan: {plan_.cost.step_time_s:.4g} s/step, {plan_.cost.samples_per_s:.4g} samples/s")
     return plan_
+
+
+def _with_precision(opts: PlannerOptions, cluster: ClusterSpec) -> PlannerOptions:
+    """``opts`` with its precision resolved for (and checked against) the cluster's device types."""
+    from whalepy._capabilities import resolve_precision
+
+    precision = resolve_precision((g.device for g in cluster.groups), opts.precision)
+    return replace(opts, precision=precision.value)
 
 
 def _fields() -> list[str]:
@@ -199,7 +209,7 @@ def homogeneous_baseline(profile: ModelProfile, cluster: ClusterSpec, *, global_
     from whalepy.planner.costing import CostContext
     from whalepy.planner.search import evaluate_fixed
 
-    opts = make_options(options)
+    opts = _with_precision(make_options(options), cluster)
     hw = Hardware(cluster)
     slow = min((g.device for g in hw.groups), key=lambda d: (d.peak_flops_16, d.memory_bytes))
     small = min(g.device.memory_bytes for g in hw.groups)

@@ -14,6 +14,7 @@ from whalepy.plan import (
     BlockPlan,
     Plan,
     PlanCost,
+    Precision,
     SolverReport,
     StageCost,
     StagePlan,
@@ -25,6 +26,7 @@ from whalepy.planner.costing import (
     build_coefficients,
     evaluate_stage,
     memory_breakdown,
+    stage_model_states,
     tp_applies,
 )
 from whalepy.planner.search import SearchResult
@@ -104,7 +106,7 @@ def build_plan(ev: Evaluation, *, ctx: CostContext, global_batch: int, result: S
                            bubble_s=max(0.0, M * ev.T + ev.bubble_s - M * st.time_s),
                            memory_bytes=int(tight.memory_bytes), capacity_bytes=int(tight.cell.capacity),
                            **memory_breakdown(tight), tp_comm_s=worst.tp_s, p2p_s=worst.p2p_s,
-                           dp_comm_s=worst.dp_exposed_s)))
+                           dp_comm_s=worst.dp_exposed_s, **_held_state_bytes(ctx, cand, st))))
     rank_types = tuple(d.device.name for d in hw.cluster.rank_devices())
     samples = global_batch / step
     model_flops = prof.train_flops * global_batch / prof.batch_size / step
@@ -121,7 +123,15 @@ def build_plan(ev: Evaluation, *, ctx: CostContext, global_batch: int, result: S
                 num_microbatches=M, schedule=cand.schedule, virtual_stages=cand.virtual_stages,
                 batch_shares=cand.batch_shares, stages=tuple(stages), tensor_parallel=tuple(dict.fromkeys(rules)),
                 cost=cost, solver=report, alternatives=alternatives,
-                notes=tuple(notes) + compute_profile_notes(g.device for g in hw.groups))
+                notes=tuple(notes) + compute_profile_notes(g.device for g in hw.groups),
+                precision=Precision(ctx.precision))
+
+
+def _held_state_bytes(ctx: CostContext, cand: Candidate, st) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    """StageCost's model-state fields: what a device of the stage holds between uses, by place."""
+    held = stage_model_states(ctx, cand, st.option, st.local_params)
+    return {"model_state_bytes": round(held.resident), "host_state_bytes": round(held.cpu),
+            "nvme_state_bytes": round(held.nvme)}
 
 
 # -- alternatives -----------------------------------------------------------------------------------

@@ -80,6 +80,8 @@ from whalepy.cost_models.memory import (
     AUTOCAST_WEIGHT_COPY_BYTES,
     HALF_PRECISION_BYTES,
     estimate_fsdp_working_bytes,
+    MASTER_GRAD_BYTES,
+    ModelStateBytes,
     estimate_model_state_bytes,
     estimate_offload_time,
     inflight_microbatches,
@@ -322,24 +324,27 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
         groups_here = {cand.cell_groups[s][r] for r in range(d)}
         allowed = tuple(o for o in options if all(_tier_ok(hw.groups[g], o) for g in groups_here))
         sync, mem_beta, cpu_beta, nvme_beta, working, buffer_beta, split, freed = {}, {}, {}, {}, {}, {}, {}, {}
+        low = precision_bytes(ctx.precision)
         for o in allowed:
             kind = lowering_kind(o, cand)
             sync[o] = post_step_affine(ctx.collective, kind, dp_group)
-            st = estimate_model_state_bytes(num_params=1.0, zero_stage=o.zero, dp_degree=d,
-                                            param_tier=o.param_tier, optimizer_tier=o.optimizer_tier)
-            mem_beta[o], cpu_beta[o], nvme_beta[o] = st.gpu, st.cpu, st.nvme
-            split[o] = (st.params, st.grads, st.gpu - st.params - st.grads)
+            st = stage_model_states(ctx, cand, o, 1.0)  # what the runtime holds between uses
+            mem_beta[o], cpu_beta[o], nvme_beta[o] = st.resident, st.cpu, st.nvme
+            split[o] = (st.params, st.grads, st.optimizer)
             freed[o] = not grads_at_activation_peak(kind, cand)
             fsdp = kind == DataParallelKind.FSDP
-            working[o] = (estimate_fsdp_working_bytes(block_params=max(seg_params),
-                                                      zero3=o.zero is ZeroStage.PARAMETERS) if fsdp else 0.0)
-            # FSDP2 without gradient sync (every micro-batch but the last) accumulates unsharded gradients
-            accumulate = HALF_PRECISION_BYTES - st.grads if fsdp and cand.num_microbatches > 1 else 0.0
+            zero3 = o.zero is ZeroStage.PARAMETERS
+            working[o] = (estimate_fsdp_working_bytes(block_params=max(seg_params), zero3=zero3, compute_bytes=low)
+                          if fsdp else 0.0)
+            # below ZeRO-3 FSDP2 keeps the stage's parameters gathered, in the compute dtype, from
+            # forward to backward (reshard_after_forward=False)
+            gathered = low if fsdp and not zero3 else 0.0
+            # FSDP2 without gradient sync (every micro-batch but the last) accumulates unsharded
+            # gradients in its reduce dtype (fp32)
+            accumulate = MASTER_GRAD_BYTES - st.grads if fsdp and cand.num_microbatches > 1 else 0.0
             autocast = AUTOCAST_WEIGHT_COPY_BYTES if uses_autocast(kind, ctx.precision) else 0.0
-            # DDP's reducer keeps flat gradient buckets of the gradients' size for the model's lifetime
-            # (``gradient_as_bucket_view=False``, the default), beside each parameter's ``.grad``
-            buckets = st.grads if kind in (DataParallelKind.DDP, DataParallelKind.ZERO1) else 0.0
-            buffer_beta[o] = max(0.0, accumulate) + autocast + buckets
+            # DDP's gradient buckets are views of the gradients (gradient_as_bucket_view=True): no copy
+            buffer_beta[o] = gathered + max(0.0, accumulate) + autocast
         dp_comm = build_dp_block_comm(ctx.collective, segments, seg_params, dp_group)
         # cells: replicas of this stage with the same group and share cost the same
         keyed: dict[tuple[int, int], list[int]] = {}
@@ -356,6 +361,16 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
                                   dp_ranks=dp_ranks))
     return CandidateCoeffs(candidate=cand, segments=segments, stages=stages, ranks=ranks,
                            bubble=cand.bubble_coefficient)
+
+
+def stage_model_states(ctx: CostContext, cand: Candidate, option: StateOption, num_params: float, *,
+                       working_param_bytes: float = 0.0) -> ModelStateBytes:
+    """Model-state bytes per device of a stage of ``cand`` with ``num_params`` local parameters under
+    ``option``, as the runtime lowers it (:func:`estimate_model_state_bytes`)."""
+    return estimate_model_state_bytes(
+        num_params=num_params, zero_stage=option.zero, dp_degree=cand.dp, tp_degree=cand.tp,
+        pp_degree=cand.num_stages, precision=ctx.precision, param_tier=option.param_tier,
+        optimizer_tier=option.optimizer_tier, working_param_bytes=working_param_bytes)
 
 
 def _undominated(options, sync, mem, cpu, nvme, working, buffers, cells):  # type: ignore[no-untyped-def]

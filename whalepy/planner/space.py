@@ -83,16 +83,18 @@ class StateOption:
 
 
 def build_state_options(zero_stages: tuple[int, ...], allow_offload: bool) -> tuple[StateOption, ...]:
-    """Every combination the planner may pick per stage. Parameters leave the GPU only under ZeRO-3."""
+    """Every combination the planner may pick per stage: those the runtime lowers
+    (:func:`whalepy._capabilities.state_option_error`), on the device only unless ``allow_offload``."""
+    from whalepy._capabilities import state_option_error
+
     out = []
     tiers = (Tier.GPU, Tier.CPU, Tier.NVME) if allow_offload else (Tier.GPU,)
     for z in sorted(set(zero_stages)):
         zs = ZeroStage(z)
         for ot in tiers:
-            for pt in tiers if zs is ZeroStage.PARAMETERS else (Tier.GPU,):
-                if pt is not Tier.GPU and ot is Tier.GPU:
-                    continue  # parameters off the GPU while the optimizer stays on it: never useful
-                out.append(StateOption(zs, ot, pt))
+            for pt in tiers:
+                if state_option_error(zs, pt, ot) is None:
+                    out.append(StateOption(zs, ot, pt))
     return tuple(out)
 
 

@@ -1,4 +1,4 @@
-"""Data parallelism and ZeRO over the plan's ``dp`` mesh axis.
+"""Data parallelism and ZeRO over the plan's ``dp`` mesh axis, in the plan's precision.
 
 =========  ======================================================================================
 ZeRO-3     FSDP2 ``fully_shard`` per block, then the root, ``reshard_after_forward=True``.
@@ -10,11 +10,18 @@ ZeRO-0     DDP.
 DDP does not compose with DTensor tensor parallelism, and a pipeline stage is simplest to keep under
 one wrapper, so with ``tp > 1`` or ``pp > 1`` ZeRO-0/1 are lowered to FSDP2 with
 ``reshard_after_forward=False`` (ZeRO-2 behaviour: same numerics, less memory) and a log line says
-so. A block whose ``param_tier`` or ``optimizer_tier`` is ``cpu`` gets FSDP2's
-``CPUOffloadPolicy`` (``pin_memory`` only with CUDA); such blocks are always lowered to FSDP2.
-``optimizer_tier = nvme`` needs nothing here (any kind): the optimizer's states of those blocks are
-kept in files by :mod:`whalepy.runtime.nvme`. ``param_tier = nvme`` is not supported and raises
-:class:`~whalepy.WhalepyError`.
+so. The kind is decided by :func:`whalepy._capabilities.choose_lowering_kind`, which the memory
+model consults too. A block whose tiers are ``cpu`` gets FSDP2's ``CPUOffloadPolicy`` (parameters,
+gradients and optimizer states on the host; ``pin_memory`` only with CUDA); such blocks are always
+lowered to FSDP2. ``optimizer_tier = nvme`` needs nothing here (any kind): the optimizer's states of
+those blocks are kept in files by :mod:`whalepy.runtime.nvme`. Tier combinations the runtime does not
+lower (:func:`whalepy._capabilities.state_option_error`) raise :class:`~whalepy.WhalepyError`.
+
+Precision: under FSDP2 every unit gets ``MixedPrecisionPolicy(param_dtype=<bf16|fp16>,
+reduce_dtype=float32)``: fp32 sharded parameters (the master weights), gradients and optimizer
+states, low-precision all-gathers and compute, fp32 gradient reduce-scatter. DDP / ZeRO-1 / no
+wrapper keep fp32 parameters and the step runs under ``torch.autocast`` (``parallel_model``).
+DDP uses ``gradient_as_bucket_view=True``, so its reduction buckets are the gradients (no second copy).
 """
 
 from __future__ import annotations
@@ -26,38 +33,32 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from whalepy._capabilities import LoweringKind as DataParallelKind
+from whalepy._capabilities import choose_lowering_kind as choose_kind
+from whalepy._capabilities import offloads_to_host, state_option_error
 from whalepy._errors import WhalepyError
-from whalepy.plan import BlockPlan, Tier, ZeroStage
+from whalepy.plan import BlockPlan, Precision, ZeroStage
 
-__all__ = ["DataParallelKind", "apply_data_parallel", "build_optimizer", "needs_offload_policy"]
+__all__ = ["DataParallelKind", "apply_data_parallel", "build_optimizer", "choose_kind", "compute_dtype",
+           "needs_offload_policy"]
 
 log = logging.getLogger(__name__)
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
-class DataParallelKind:
-    NONE = "none"
-    DDP = "ddp"
-    ZERO1 = "ddp+zero_redundancy_optimizer"
-    FSDP = "fsdp2"
+def compute_dtype(precision: Precision) -> torch.dtype | None:
+    """The low-precision compute dtype of ``precision``; None for fp32 (nothing to cast)."""
+    return {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}.get(Precision(precision))
 
 
 def needs_offload_policy(blocks: Iterable[BlockPlan]) -> bool:
     """Whether any block asks for FSDP2's CPU offload (a ``cpu`` tier; ``nvme`` optimizer states are
     handled around the optimizer, ``nvme`` parameters are refused)."""
-    return any(Tier.CPU in (b.param_tier, b.optimizer_tier) for b in blocks)
-
-
-def choose_kind(zero: ZeroStage, dp: int, *, tp: int, pp: int, offload: bool) -> str:
-    if dp == 1 and not offload:
-        return DataParallelKind.NONE
-    if zero >= ZeroStage.GRADIENTS or tp > 1 or pp > 1 or offload:
-        return DataParallelKind.FSDP
-    return DataParallelKind.ZERO1 if zero == ZeroStage.OPTIMIZER else DataParallelKind.DDP
+    return any(offloads_to_host(b.param_tier, b.optimizer_tier) for b in blocks)
 
 
 def apply_data_parallel(
@@ -68,22 +69,22 @@ def apply_data_parallel(
     kind: str,
     zero: ZeroStage,
     device_type: str,
+    precision: Precision = Precision.FP32,
 ) -> nn.Module:
     """Wrap ``module`` for data parallelism of kind ``kind``; return the module to call.
 
     ``blocks`` pairs each block plan with the submodules it covers (sharded one FSDP unit each)."""
     for bp, _ in blocks:
-        if bp.param_tier is Tier.NVME:
-            raise WhalepyError(
-                f"block {bp.name!r}: plan field param_tier = 'nvme' is not supported by the runtime "
-                "(only optimizer_tier supports 'nvme'; FSDP2 offloads parameters to CPU only); set the "
-                "block's param_tier to 'cpu' or 'gpu' (its optimizer_tier may stay 'nvme')"
-            )
+        reason = state_option_error(zero, bp.param_tier, bp.optimizer_tier)
+        if reason is not None:
+            raise WhalepyError(f"block {bp.name!r}: the plan's {reason}")
     if kind == DataParallelKind.NONE:
         return module
     if kind in (DataParallelKind.DDP, DataParallelKind.ZERO1):
-        return DDP(module, process_group=dp_mesh.get_group(), device_ids=None)
+        return DDP(module, process_group=dp_mesh.get_group(), device_ids=None, gradient_as_bucket_view=True)
     reshard = zero >= ZeroStage.PARAMETERS
+    low = compute_dtype(precision)
+    mp = {"mp_policy": MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)} if low else {}
     shared = _shared_params(module, [m for _, mods in blocks for m in mods])
     for bp, mods in blocks:
         policy = _offload_policy(bp, device_type)
@@ -97,10 +98,10 @@ def apply_data_parallel(
                          "root instead of as its own FSDP unit", type(m).__name__)
                 continue
             kwargs = {"offload_policy": policy} if policy is not None else {}
-            fully_shard(m, mesh=dp_mesh, reshard_after_forward=reshard, **kwargs)
+            fully_shard(m, mesh=dp_mesh, reshard_after_forward=reshard, **kwargs, **mp)
     root_policy = next((p for p in (_offload_policy(bp, device_type) for bp, _ in blocks) if p), None)
     kwargs = {"offload_policy": root_policy} if root_policy is not None else {}
-    fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard, **kwargs)
+    fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard, **kwargs, **mp)
     return module
 
 
@@ -122,13 +123,9 @@ def _shared_params(root: nn.Module, units: Sequence[nn.Module]) -> set[int]:
 
 
 def _offload_policy(bp: BlockPlan, device_type: str) -> CPUOffloadPolicy | None:
-    if Tier.CPU in (bp.param_tier, bp.optimizer_tier):
-        if bp.param_tier is Tier.GPU:
-            # FSDP2 has one policy for parameters, gradients and optimizer states together.
-            log.warning(
-                "block %r: the plan keeps parameters on the GPU and optimizer states on the CPU; FSDP2's "
-                "CPUOffloadPolicy offloads both, so its parameters also rest on the CPU between uses "
-                "(less GPU memory, more host-link traffic than the plan predicts)", bp.name)
+    if offloads_to_host(bp.param_tier, bp.optimizer_tier):
+        # FSDP2 has one policy for parameters, gradients and optimizer states together (which is why
+        # state_option_error refuses a cpu tier for only one of them)
         return CPUOffloadPolicy(pin_memory=device_type == "cuda")
     return None
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from whalepy._errors import LaunchError, PlanError
-from whalepy.plan import BlockPlan, Plan, Schedule, StagePlan, Tier, TPRule, ZeroStage
+from whalepy.plan import BlockPlan, Plan, Precision, Schedule, StagePlan, Tier, TPRule, ZeroStage
 
 __all__ = ["RankMeshes", "build_meshes", "make_plan", "resolve_device_type"]
 
@@ -111,6 +111,7 @@ def make_plan(
     device_type: str = "CPU",
     model_name: str = "model",
     model_fingerprint: str = "unchecked",
+    precision: Precision | str = Precision.FP32,
 ) -> Plan:
     """A valid :class:`Plan` for a fixed layout, without the planner (tests, benchmarks, users who
     know what they want). Ranks are laid out ``pp``-major, then ``dp``, then ``tp`` (TP innermost, as
@@ -120,7 +121,8 @@ def make_plan(
     ``virtual_stages = v > 1`` makes an interleaved plan (schedule ``interleaved_1f1b`` unless another
     is given): the blocks are cut into ``pp * v`` pipeline stages in model order, evenly unless
     ``chunk_sizes[s][j]`` gives the blocks of chunk ``j`` of physical stage ``s`` (pipeline stage
-    ``s + j * pp``); each physical stage holds its ``v`` chunks (``StagePlan.chunk_sizes``)."""
+    ``s + j * pp``); each physical stage holds its ``v`` chunks (``StagePlan.chunk_sizes``).
+    ``precision`` is what the runtime trains in (fp32 unless given)."""
     blocks = list(block_names)
     v = int(virtual_stages)
     if v < 1:
@@ -184,6 +186,7 @@ def make_plan(
         num_microbatches=num_microbatches, schedule=Schedule(schedule), virtual_stages=v,
         batch_shares=shares,
         stages=tuple(stages), tensor_parallel=tuple(tensor_parallel) if tp > 1 else (),
+        precision=Precision(precision),
     )
 
 

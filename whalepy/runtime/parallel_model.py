@@ -49,6 +49,7 @@ from whalepy.runtime.data_parallel import (
     needs_offload_policy,
 )
 from whalepy.runtime.mesh import RankMeshes, build_meshes, check_world, resolve_device_type
+from whalepy.runtime._amp import AmpContext
 from whalepy.runtime.nvme import NvmeOptimizerStates, default_nvme_dir, prepare_nvme_dir
 from whalepy.runtime.tensor_parallel import apply_tensor_parallel
 
@@ -284,7 +285,8 @@ class ParallelModel:
             if ckpt:
                 apply_activation_checkpointing(ckpt)
             self._modules.append(apply_data_parallel(mod, blocks, m.dp_mesh, kind=self.dp_kind,
-                                                     zero=stage.zero_stage, device_type=device_type))
+                                                     zero=stage.zero_stage, device_type=device_type,
+                                                     precision=plan.precision))
             nvme_blocks += [(b, mods) for b, mods in blocks if b.optimizer_tier is Tier.NVME]
         # names of each tied parameter across stages (checkpoints carry its state under all of them)
         self._tied_aliases = [[n for _, n in holders] for holders, _ in tied_names]
@@ -305,6 +307,7 @@ class ParallelModel:
             self.nvme = NvmeOptimizerStates(self.optimizer, nvme_params, directory)
             log.info("whalepy: optimizer states of %d blocks (%d parameters) kept in files under %s",
                      len(nvme_blocks), len(self.nvme._params), directory)
+        self.amp = AmpContext(plan.precision, device)
         self.schedule = None
         if pp > 1:
             from whalepy.runtime.pipeline import build_pipeline_schedule, microbatch_mean_loss
@@ -313,8 +316,10 @@ class ParallelModel:
             self.schedule = build_pipeline_schedule(
                 self._modules, self.stage_indices, num_stages=self.num_stages,
                 schedule=schedule.value, num_microbatches=plan.num_microbatches,
-                loss_fn=microbatch_mean_loss(self.loss_fn, plan.num_microbatches, scale=self.loss_scale),
-                group=m.pp_group, device=device, example_microbatch=self._example_mb)
+                loss_fn=self.amp.scaled_loss(microbatch_mean_loss(self.loss_fn, plan.num_microbatches,
+                                                                  scale=self.loss_scale)),
+                group=m.pp_group, device=device, example_microbatch=self._example_mb,
+                compute_dtype=self.amp.dtype)
         # contributions to the reported loss: one rank per replica (last stage, TP index 0)
         self._reports_loss = stage.index == pp - 1 and m.tp_index == 0
 
@@ -351,7 +356,7 @@ class ParallelModel:
             local = self._pipeline_step(inputs, targets)
         else:
             local = self._accumulate(inputs, targets)
-        self.optimizer.step()
+        self.amp.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         share = self.plan.batch_shares[self.meshes.replica] / self.plan.global_batch
         report = (local.detach().float() * share if self._reports_loss
@@ -443,8 +448,9 @@ class ParallelModel:
         for i, (xs, y) in enumerate(zip(chunks, tchunks, strict=True)):
             last = i == n - 1
             with _sync_context(module, self.dp_kind, last), self._loss_context():
-                loss = self.loss_fn(module(*xs), y)
-                (loss * (self.loss_scale / n)).backward()
+                with self.amp.autocast():
+                    loss = self.loss_fn(module(*xs), y)
+                self.amp.scale(loss * (self.loss_scale / n)).backward()
             total = total + _full(loss).detach()
         return total / n
 
@@ -453,11 +459,13 @@ class ParallelModel:
 
         first = 0 in self.stage_indices
         last = self.num_stages - 1 in self.stage_indices
-        total = run_pipeline_step(self.schedule, first, last, inputs, targets)
+        loss_scale = self.amp.loss_scale()  # fp16: the dynamic scale the schedule's losses carry
+        with self.amp.autocast():
+            total = run_pipeline_step(self.schedule, first, last, inputs, targets)
         self._sync_tied_grads()
         if total is None:
             return torch.zeros((), device=self.device)
-        return total / self.loss_scale  # the schedule's losses carry the share scale
+        return total / (self.loss_scale * loss_scale)  # the schedule's losses carry the share scale
 
 
 # -- helpers ---------------------------------------------------------------------------------------

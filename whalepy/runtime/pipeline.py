@@ -42,6 +42,10 @@ class MicrobatchMeanLoss:
     """``loss_fn(output, target) * scale / num_microbatches``: summed over the micro-batches of a step,
     the per-micro-batch mean losses become the mean over the whole batch (times ``scale``)."""
 
+    sums_to_batch_mean = True
+    """Read by :func:`run_pipeline_step` (also through wrappers that forward attributes, such as
+    fp16 loss scaling): the step's loss is the sum of the micro-batch losses, not their mean."""
+
     def __init__(self, loss_fn: Callable[..., torch.Tensor], num_microbatches: int, scale: float = 1.0):
         if num_microbatches < 1:
             raise ValueError(f"num_microbatches must be at least 1, got {num_microbatches}")
@@ -71,6 +75,7 @@ def build_pipeline_schedule(
     group: dist.ProcessGroup | None,
     device: torch.device,
     example_microbatch: tuple,
+    compute_dtype: torch.dtype | None = None,
 ) -> Any:
     """Wrap this rank's stage modules in ``PipelineStage`` and build the planned schedule.
 
@@ -83,6 +88,9 @@ def build_pipeline_schedule(
     ``loss_fn`` is applied per micro-batch, unscaled (see the module docstring and
     :func:`microbatch_mean_loss`); ``None`` builds a forward-only schedule. Glue ops that create
     tensors are retargeted to ``device`` (:func:`retarget_device`); parameters are not moved here.
+    With a ``compute_dtype`` (bf16 / fp16 plans) every stage but the last sends its floating-point
+    outputs in that dtype (and so receives its inputs in it), as FSDP2's ``MixedPrecisionPolicy``
+    casts a module's inputs: half the bytes on the pipeline links.
     """
     from torch.distributed.pipelining import (
         PipelineStage,
@@ -94,9 +102,11 @@ def build_pipeline_schedule(
     schedule = Schedule(schedule)
     _check_layout(stage_modules, stage_indices, num_stages, schedule, group)
     _check_microbatch(stage_modules, stage_indices, example_microbatch, num_microbatches)
-    for module in stage_modules:
+    for module, index in zip(stage_modules, stage_indices):
         if hasattr(module, "whalepy_device"):
             retarget_device(module, device)
+        if compute_dtype is not None and index < num_stages - 1:
+            module.register_forward_hook(lambda _m, _args, out, dt=compute_dtype: _cast_floating(out, dt))
     stages = [
         PipelineStage(module, index, num_stages, device, group=group)
         for module, index in zip(stage_modules, stage_indices)
@@ -135,9 +145,17 @@ def run_pipeline_step(
     if not rank_stage_is_last or not losses:
         return None
     total = torch.stack([loss.detach() for loss in losses]).sum()
-    if isinstance(getattr(schedule, "_loss_fn", None), MicrobatchMeanLoss):
+    if getattr(getattr(schedule, "_loss_fn", None), "sums_to_batch_mean", False):
         return total
     return total / len(losses)
+
+
+def _cast_floating(out: Any, dtype: torch.dtype) -> Any:
+    if isinstance(out, torch.Tensor):
+        return out.to(dtype) if out.is_floating_point() else out
+    if isinstance(out, (tuple, list)):
+        return type(out)(_cast_floating(x, dtype) for x in out)
+    return out
 
 
 def _check_layout(

@@ -1,0 +1,245 @@
+"""Per-rank workers for the precision tests (no tests here): model-state bytes held vs predicted, and
+bf16 / fp16 numerics against single-process runs with the same precision policy.
+
+What "held" counts (measured at the optimizer step of the second training step, when parameters,
+gradients and the optimizer states created by the first step are all alive):
+
+- parameters: the storages of this rank's parameters (a DTensor's local shard; FSDP2's padded
+  shard storage, so padding would be counted);
+- gradients: the storages of ``p.grad`` (DDP's buckets, which the gradients view);
+- optimizer states: every tensor state with at least one dimension (AdamW's ``exp_avg`` and
+  ``exp_avg_sq``; under ZeRO-1 the wrapped per-rank optimizer's), not the 0-dim ``step`` counters
+  (4 bytes per tensor, which the memory model does not charge either).
+
+Each storage is counted once. Where it lives: "files" when it is an NVMe-tier mapping of
+:class:`~whalepy.runtime.nvme.NvmeOptimizerStates`; "host" when it belongs to a parameter FSDP2
+offloads (``CPUOffloadPolicy``: its parameter, gradient and optimizer states), or is a CPU tensor of
+a run whose compute device is not the CPU; "device" otherwise. On these CPU runs device and host are
+the same memory, so the host / device split is read from FSDP2's own record of what it offloaded.
+
+Not counted (transient, charged by the plan as the working set, not as model states): the
+low-precision parameters FSDP2 gathers for compute and autocast's cast copies (both freed before the
+optimizer step), buffers (the models here have none), activations.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from runtime_cases import adamw, batches, build_model, case_profile, lm_loss
+
+GLOBAL_BATCH = 8
+
+
+def cpu_cluster(world: int) -> Any:
+    """``world`` CPU ranks on one node with host memory and an NVMe drive, so every tier is allowed."""
+    from whalepy.cluster import ClusterSpec
+
+    return ClusterSpec.from_dict({"groups": [{
+        "gpu": "CPU", "gpus_per_node": world, "intra_node": "shm", "cpu_memory_gb": 16,
+        "nvme": {"capacity_tb": 1, "read_gbs": 1, "write_gbs": 1}}]})
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int]:
+    from torch.distributed.tensor import DTensor
+
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    st = local.untyped_storage()
+    return st.data_ptr(), st.nbytes()
+
+
+def _offloaded_params(modules: list[torch.nn.Module]) -> set[int]:
+    """Ids of the parameters FSDP2 offloads to the host (its ``FSDPParam.offload_to_cpu``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out: set[int] = set()
+    for root in modules:
+        for m in root.modules():
+            if not isinstance(m, FSDPModule):
+                continue
+            group = m._get_fsdp_state()._fsdp_param_group
+            for fp in group.fsdp_params if group is not None else ():
+                if fp.offload_to_cpu:
+                    out.add(id(fp.sharded_param))
+    return out
+
+
+def measure_held(pm: Any) -> dict[str, dict[str, int]]:
+    """Bytes of parameters, gradients and optimizer states this rank holds, by kind and place."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    modules = pm.module if isinstance(pm.module, list) else [pm.module]
+    params = list({id(p): p for m in modules for p in m.parameters()}.values())
+    offloaded = _offloaded_params(modules)
+    opt = pm.optimizer.optim if isinstance(pm.optimizer, ZeroRedundancyOptimizer) else pm.optimizer
+    on_cpu_device = pm.device.type == "cpu"
+    seen: set[int] = set()
+    out = {k: {"device": 0, "host": 0, "files": 0} for k in ("params", "grads", "optimizer")}
+
+    def add(kind: str, t: torch.Tensor, owner: torch.nn.Parameter, mapped: bool = False) -> None:
+        ptr, nbytes = _storage(t)
+        if ptr in seen or nbytes == 0:
+            return
+        seen.add(ptr)
+        if mapped:
+            place = "files"
+        elif id(owner) in offloaded or (t.device.type == "cpu" and not on_cpu_device):
+            place = "host"
+        else:
+            place = "device"
+        out[kind][place] += nbytes
+
+    for p in params:
+        add("params", p, p)
+        if p.grad is not None:
+            add("grads", p.grad, p)
+    for p in params:
+        for v in opt.state.get(p, {}).values():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                add("optimizer", v, p, mapped=pm.nvme is not None and pm.nvme.is_mapped(v))
+    return out
+
+
+def held_vs_predicted(cases: list[tuple[int, str | None, str]], nvme_root: str) -> list[dict[str, Any]]:
+    """For each ``(zero_stage, offload tier, precision)``: the plan ``whalepy.estimate`` makes for dp =
+    world size, lowered by ``parallelize``; this rank's held bytes at the second step's optimizer step
+    and the plan's prediction for its stage."""
+    import torch.distributed as dist
+
+    from whalepy.estimate import ParallelConfig, estimate_from_profile
+    from whalepy.runtime import parallelize
+
+    world = dist.get_world_size()
+    cluster = cpu_cluster(world)
+    prof = case_profile("gpt")
+    data = batches(GLOBAL_BATCH, 2)
+    results = []
+    for zero, offload, precision in cases:
+        est = estimate_from_profile(prof, cluster, ParallelConfig(dp=world, zero_stage=zero, offload=offload),
+                                    global_batch=GLOBAL_BATCH, precision=precision)
+        plan = est.plan
+        pm = parallelize(build_model("gpt"), cluster, example_inputs=(data[0][0][:2],), loss_fn=lm_loss,
+                         optimizer=adamw, global_batch=GLOBAL_BATCH, plan=plan, profile=prof,
+                         nvme_dir=os.path.join(nvme_root, f"z{zero}-{offload}-{precision}"))
+        seen: list[dict[str, dict[str, int]]] = []
+        step = pm.optimizer.step
+
+        def measured_step(*args: Any, _step: Any = step, _pm: Any = pm, **kwargs: Any) -> Any:
+            seen.append(measure_held(_pm))
+            return _step(*args, **kwargs)
+
+        pm.optimizer.step = measured_step
+        for x, y in data:
+            pm.train_step(x, y)
+        cost = plan.stages[0].cost
+        results.append({
+            "case": (zero, offload, precision), "kind": str(pm.dp_kind.value), "held": seen[-1],
+            "predicted": {"device": cost.model_state_bytes, "host": cost.host_state_bytes,
+                          "files": cost.nvme_state_bytes},
+            "num_params": sum(b.num_params for b in prof.blocks)})
+        if pm.nvme is not None:
+            pm.nvme.close()
+    return results
+
+
+# -- numerics ----------------------------------------------------------------------------------------
+
+
+def _one_rank_mesh() -> Any:
+    """A device mesh of this rank alone (``new_group`` is collective: every rank makes every group)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mine = None
+    for r in range(dist.get_world_size()):
+        g = dist.new_group([r])
+        if r == dist.get_rank():
+            mine = g
+    return DeviceMesh.from_group(mine, "cpu")
+
+
+def reference_run(precision: str, fsdp: bool, data: list, mesh: Any = None) -> tuple[list[float], dict]:
+    """One process, the same precision policy as the runtime's lowering: forward and loss under
+    ``torch.autocast`` (bf16 / fp16); with ``fsdp`` the model is also ``fully_shard``-ed per block and
+    at the root on a one-rank mesh with the same ``MixedPrecisionPolicy`` (low-precision parameters for
+    compute, fp32 reduction). fp16 scales the loss with a (one-rank) GradScaler, as the runtime does."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    model = build_model("gpt")
+    if fsdp:
+        mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low else MixedPrecisionPolicy()
+        for b in case_profile("gpt").blocks:
+            mods = [model.get_submodule(p) for p in b.modules]
+            for m in mods:
+                if any(True for _ in m.parameters()):
+                    fully_shard(m, mesh=mesh, reshard_after_forward=True, mp_policy=mp)
+        fully_shard(model, mesh=mesh, reshard_after_forward=True, mp_policy=mp)
+    opt = adamw(model.parameters())
+    scaler = torch.amp.GradScaler("cpu") if precision == "fp16" else None
+    losses = []
+    for x, y in data:
+        with torch.autocast("cpu", dtype=low, enabled=low is not None):
+            loss = lm_loss(model(x), y)
+        (scaler.scale(loss) if scaler else loss).backward()
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    from runtime_cases import full_params
+
+    return losses, full_params(_Holder(model))
+
+
+class _Holder:
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+
+def numerics(cases: list[dict[str, Any]], steps: int = 3) -> list[dict[str, Any]]:
+    """For each case (``name``, ``precision``, ``dp``/``tp``/``pp``/``zero``): losses and final
+    parameters of the lowered plan against the single-process run with its precision policy."""
+    from runtime_cases import Case, full_params, make_case_plan
+    from whalepy.runtime import parallelize
+
+    mesh = _one_rank_mesh()
+    data = batches(GLOBAL_BATCH, steps)
+    refs: dict[tuple[str, bool], Any] = {}
+    out = []
+    for c in cases:
+        case = Case(c["name"], dp=c.get("dp", 1), tp=c.get("tp", 1), pp=c.get("pp", 1), zero=c.get("zero", 0),
+                    microbatches=c.get("microbatches", 1), schedule=c.get("schedule", "1f1b"),
+                    global_batch=GLOBAL_BATCH, steps=steps, extra={"precision": c["precision"]})
+        plan = make_case_plan(case)
+        pm = parallelize(build_model("gpt"), None, example_inputs=(data[0][0][:2],), loss_fn=lm_loss,
+                         optimizer=adamw, global_batch=GLOBAL_BATCH, plan=plan, profile=case_profile("gpt"))
+        fsdp = pm.dp_kind.value == "fsdp2"
+        key = (c["precision"], fsdp)
+        if key not in refs:
+            refs[key] = reference_run(c["precision"], fsdp, data, mesh)
+        ref_losses, ref_params = refs[key]
+        losses = [pm.train_step(x, y).item() for x, y in data]
+        params = full_params(pm)
+        init = build_model("gpt").state_dict()
+        if ("fp32", False) not in refs:
+            refs[("fp32", False)] = reference_run("fp32", False, data, mesh)
+        fp32_params = refs[("fp32", False)][1]
+
+        def distance(a: dict, b: dict) -> float:
+            return sum(((a[k] - b[k]) ** 2).sum().item() for k in params) ** 0.5
+
+        moved = distance(ref_params, init)
+        out.append({
+            "update_err": distance(params, ref_params) / moved,
+            "precision_noise": distance(ref_params, fp32_params) / moved,
+            "name": c["name"], "precision": c["precision"], "kind": pm.dp_kind.value,
+            "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
+            "param_err": max((params[k] - ref_params[k]).abs().max().item() for k in params),
+            "losses": losses, "ref": ref_losses})
+    return out

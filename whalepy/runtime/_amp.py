@@ -1,0 +1,90 @@
+"""The plan's precision in the training step: ``torch.autocast`` and, for fp16, dynamic loss scaling.
+
+Every lowering runs the forward and the loss under ``torch.autocast(dtype=<bf16|fp16>)``: matrix
+products in the low precision, the ops autocast keeps in fp32 (softmax, norms, losses) in fp32. Under
+FSDP2 the gathered parameters are already low precision (``MixedPrecisionPolicy``, see
+:mod:`whalepy.runtime.data_parallel`), so autocast only decides the fp32 ops there; under DDP /
+ZeRO-1 / no wrapper the parameters stay fp32 and autocast casts them per op.
+
+fp16 has too little range for gradients, so the loss is scaled (``torch.amp.GradScaler``'s dynamic
+scaling: halve on inf/nan and skip the step, double after 2000 clean steps). With sharded gradients
+(FSDP2, ZeRO) or several pipeline / tensor-parallel ranks each rank sees only part of the gradients,
+so every rank must agree on "found inf": FSDP's ``ShardedGradScaler`` all-reduces that flag over its
+process group, here the whole world, and handles CPU tensors too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from whalepy.plan import Precision
+
+__all__ = ["AmpContext"]
+
+
+class AmpContext:
+    """Autocast and (fp16) loss scaling for one rank's training step."""
+
+    def __init__(self, precision: Precision | str, device: torch.device) -> None:
+        self.precision = Precision(precision)
+        self.device_type = device_type = device.type
+        self.dtype: torch.dtype | None = {Precision.BF16: torch.bfloat16,
+                                          Precision.FP16: torch.float16}.get(self.precision)
+        self.scaler: Any = None
+        if self.precision is Precision.FP16:
+            import torch.distributed as dist
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self.scaler = ShardedGradScaler(device=device_type, process_group=dist.group.WORLD)
+            # unscaling DTensor gradients multiplies by a 1-element tensor, which DTensor replicates
+            # implicitly (and says so on every step)
+            warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1")
+            # the scale is created by the first scale() call; pipeline ranks without the last stage
+            # never scale a loss themselves but unscale their gradients all the same
+            self.scaler.scale(torch.zeros((), device=device))
+
+    @contextlib.contextmanager
+    def autocast(self) -> Iterator[None]:
+        if self.dtype is None:
+            yield
+            return
+        with torch.autocast(self.device_type, dtype=self.dtype):
+            yield
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the current fp16 loss scale (unchanged in bf16 / fp32)."""
+        return loss if self.scaler is None else self.scaler.scale(loss)
+
+    def loss_scale(self) -> float:
+        return 1.0 if self.scaler is None else float(self.scaler.get_scale())
+
+    def scaled_loss(self, loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        """``loss_fn`` followed by :meth:`scale` (for pipeline schedules, which call backward themselves)."""
+        if self.scaler is None:
+            return loss_fn
+        return _ScaledLoss(loss_fn, self)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer.step()``; fp16: unscale, skip on inf/nan anywhere in the world, update the scale."""
+        if self.scaler is None:
+            optimizer.step()
+            return
+        self.scaler.step(optimizer)
+        self.scaler.update()
+
+
+class _ScaledLoss:
+    def __init__(self, loss_fn: Callable[..., torch.Tensor], amp: AmpContext) -> None:
+        self.loss_fn = loss_fn
+        self.amp = amp
+
+    def __getattr__(self, name: str) -> Any:  # MicrobatchMeanLoss fields stay visible
+        return getattr(self.loss_fn, name)
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.amp.scale(self.loss_fn(output, target))
