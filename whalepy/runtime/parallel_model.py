@@ -35,6 +35,7 @@ from whalepy._errors import LaunchError, PlanError, WhalepyError
 from whalepy.plan import Plan, Schedule, Tier
 from whalepy.runtime.checkpointing import (
     apply_activation_checkpointing,
+    gather_full_state_dict,
     get_train_state,
     load_train_state,
     save_train_state,
@@ -46,6 +47,14 @@ from whalepy.runtime.data_parallel import (
     build_optimizer,
     choose_kind,
     needs_offload_policy,
+)
+from whalepy.runtime.materialize import (
+    InitFn,
+    MaterializeStats,
+    checkpoint_kind,
+    has_meta_tensors,
+    materialize_modules,
+    snapshot,
 )
 from whalepy.runtime.mesh import RankMeshes, build_meshes, check_world, resolve_device_type
 from whalepy.runtime.nvme import NvmeOptimizerStates, default_nvme_dir, prepare_nvme_dir
@@ -91,6 +100,9 @@ def parallelize(
     loss_parallel: bool = False,
     sync_initial_weights: bool = True,
     nvme_dir: str | os.PathLike[str] | None = None,
+    init_fn: InitFn | None = None,
+    seed: int = 0,
+    checkpoint: str | os.PathLike[str] | None = None,
     **options: Any,
 ) -> ParallelModel | UnlaunchedModel:
     """Plan ``model`` for ``cluster_spec`` (unless ``plan`` is given) and, inside a distributed launch,
@@ -106,9 +118,21 @@ def parallelize(
     their optimizer states between steps (this rank's files go in a subdirectory
     ``whalepy-nvme-<pid>-rank<r>``, removed at exit; default: under :func:`tempfile.gettempdir`);
     :class:`WhalepyError` if it is not writable. Other ``options`` go to the planner.
+
+    A model built on the meta device is lowered as it is and only this rank's shards are then
+    allocated (:mod:`whalepy.runtime.materialize`): filled from ``checkpoint`` (a DCP directory or HF
+    safetensors) when given, else initialised by ``init_fn(module)`` or each module's own
+    ``reset_parameters()`` and the model's ``_init_weights``, seeded per module from ``seed``, so the
+    weights are the same under every plan (and as ``whalepy.materialize(model, seed=seed)``).
     """
     inputs = _as_tuple(example_inputs)
     _check_arguments(model, loss_fn, optimizer)
+    if checkpoint is not None:
+        checkpoint_kind(checkpoint)  # a bad path fails here, before planning and lowering
+        if not has_meta_tensors(model):
+            raise WhalepyError("parallelize(checkpoint=...) fills a model built on the meta device; this "
+                               "model already holds its weights. Build it under `with "
+                               "torch.device('meta'):`, or call .load(path) on the result (DCP)")
     if plan is None and os.environ.get("WHALEPY_PLAN"):
         plan = Plan.load(os.environ["WHALEPY_PLAN"])  # from `whalepy run --plan`
     if plan is None:
@@ -149,7 +173,8 @@ def parallelize(
     return ParallelModel(model, plan, cluster_spec=cluster_spec, example_inputs=inputs,
                          loss_fn=loss_fn, optimizer_factory=optimizer, profile=profile,
                          device_type=device_type, loss_parallel=loss_parallel,
-                         sync_initial_weights=sync_initial_weights, nvme_dir=nvme_dir)
+                         sync_initial_weights=sync_initial_weights, nvme_dir=nvme_dir,
+                         init_fn=init_fn, seed=seed, checkpoint=checkpoint)
 
 
 def _check_arguments(model: nn.Module, loss_fn: Any, optimizer: Any) -> None:
@@ -224,16 +249,21 @@ class ParallelModel:
     def __init__(self, model: nn.Module, plan: Plan, *, cluster_spec: Any, example_inputs: tuple,
                  loss_fn: LossFn, optimizer_factory: OptimizerFactory, profile: Any,
                  device_type: str, loss_parallel: bool, sync_initial_weights: bool,
-                 nvme_dir: str | os.PathLike[str] | None = None) -> None:
+                 nvme_dir: str | os.PathLike[str] | None = None, init_fn: InitFn | None = None,
+                 seed: int = 0, checkpoint: str | os.PathLike[str] | None = None) -> None:
         self.plan = plan
         self.loss_fn = loss_fn
         self.loss_parallel = loss_parallel
         self.meshes: RankMeshes = build_meshes(plan, device_type)
         m = self.meshes
         device = m.device
-        model.to(device)
-        if sync_initial_weights:
-            _broadcast_weights(model)
+        # a meta-device model is lowered as it is and materialised shard by shard afterwards
+        skeleton = snapshot(model) if has_meta_tensors(model) else None
+        self._hf_config = getattr(model, "config", None)
+        if skeleton is None:
+            model.to(device)
+            if sync_initial_weights:
+                _broadcast_weights(model)
         stage = m.stage
         block_modules = _resolve_block_modules(model, plan, profile)
         start = sum(plan.batch_shares[: m.replica])
@@ -281,6 +311,10 @@ class ParallelModel:
             self._modules.append(apply_data_parallel(mod, blocks, m.dp_mesh, kind=self.dp_kind,
                                                      zero=stage.zero_stage, device_type=device_type))
             nvme_blocks += [(b, mods) for b, mods in blocks if b.optimizer_tier is Tier.NVME]
+        self.init_stats: MaterializeStats | None = None
+        if skeleton is not None:
+            self.init_stats = materialize_modules(self._modules, skeleton, device, seed=seed,
+                                                  init_fn=init_fn, checkpoint=checkpoint)
         # names of each tied parameter across stages (checkpoints carry its state under all of them)
         self._tied_aliases = [[n for _, n in holders] for holders, _ in tied_names]
         # tied parameters by name, after TP / FSDP2 replaced them with DTensors
@@ -368,9 +402,19 @@ class ParallelModel:
         if self.nvme is not None:
             self.nvme.offload()  # loaded states are fresh tensors: back into their files
 
+    def full_state_dict(self, cpu_offload: bool = True) -> dict[str, torch.Tensor]:
+        """The whole model's state dict, unsharded and under the original names, on rank 0 (``{}`` on
+        the other ranks), gathered one tensor at a time (to the CPU with ``cpu_offload``). Collective:
+        every rank calls it."""
+        stage_ranks = [[r for row in s.ranks for r in row] for s in self.plan.stages]
+        return gather_full_state_dict(self._modules, stage_ranks=stage_ranks, cpu_offload=cpu_offload)
+
     def save(self, path: str | Path) -> None:
-        """Write a distributed checkpoint (DCP) directory; loadable under any plan for this model."""
+        """Write a distributed checkpoint (DCP) directory; loadable under any plan for this model.
+        An HF model's config goes along as ``config.json`` (for ``whalepy export``)."""
         save_train_state(path, self._modules, self.optimizer, aliases=self._tied_aliases)
+        if dist.get_rank() == 0 and callable(getattr(self._hf_config, "to_json_file", None)):
+            self._hf_config.to_json_file(str(Path(path) / "config.json"))
 
     def load(self, path: str | Path) -> None:
         load_train_state(path, self._modules, self.optimizer)
