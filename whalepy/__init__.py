@@ -31,7 +31,8 @@ from whalepy.profile import ModelProfile, profile
 
 __version__ = "0.1.0"
 
-_LAZY = {"parallelize": "whalepy.runtime", "ParallelModel": "whalepy.runtime"}
+_LAZY = {"parallelize": "whalepy.runtime", "ParallelModel": "whalepy.runtime",
+         "materialize": "whalepy.runtime.materialize", "export_safetensors": "whalepy.export"}
 """Names whose modules import torch.distributed's heavier parts; loaded on first use, so planning
 from the command line does not pay for the runtime."""
 
@@ -54,7 +55,9 @@ __all__ = [
     "annotate",
     "clear_annotations",
     "estimate",
+    "export_safetensors",
     "homogeneous_baseline",
+    "materialize",
     "parallelize",
     "plan",
     "plan_from_profile",

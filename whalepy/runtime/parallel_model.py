@@ -283,15 +283,23 @@ class ParallelModel:
         self._tied: list[tuple[list[nn.Parameter], dist.ProcessGroup | None]] = []
         tied_names: list[tuple[list[tuple[int, str]], dist.ProcessGroup | None]] = []
         if pp > 1:
-            from whalepy.runtime.pipeline import split_stages, tied_parameters
+            from whalepy.runtime.pipeline import retarget_device, split_stages, tied_parameters
 
             chunks = _pipeline_chunks(plan)  # BlockPlans of each pipeline stage, in model order
             stage_blocks = [[mod for b in c for mod in block_modules[b.name]] for c in chunks]
             mb = plan.batch_shares[m.replica] // plan.num_microbatches
             self._example_mb = tuple(_resize_batch(x, mb) for x in example_inputs)
-            all_stages = split_stages(model, self._example_mb, {}, stage_blocks)
+            # a meta model is traced with meta inputs, so every device the glue records (HF's
+            # arange(..., device=inputs_embeds.device)) is meta and is retargeted to this rank's
+            trace_mb = self._example_mb if skeleton is None else tuple(
+                x.to("meta") if isinstance(x, torch.Tensor) else x for x in self._example_mb)
+            all_stages = split_stages(model, trace_mb, {}, stage_blocks)
             self.stage_indices = [stage.index + j * pp for j in range(v)]
             local = [all_stages[g] for g in self.stage_indices]
+            for stage_module in local:
+                # before TP / FSDP2: recompiling a GraphModule whose class FSDP2 has subclassed
+                # recurses without end in torch.fx's call wrapper
+                retarget_device(stage_module, device)
             local_chunks = [chunks[g] for g in self.stage_indices]
             tied_names = self._tied_groups(tied_parameters(all_stages), dp_kind=self.dp_kind, tp=tp)
         else:
