@@ -127,36 +127,35 @@ def _on_dim(placement: Any, dim: int) -> Any:
     return Replicate()
 
 
-_INDEX_CACHE: dict[tuple, slice | torch.Tensor] = {}
-
-
-def local_index(t: torch.Tensor) -> tuple[slice | torch.Tensor, ...]:
+def local_index(t: torch.Tensor, cache: dict | None = None) -> tuple[slice | torch.Tensor, ...]:
     """For each dim of ``t``'s global shape, the global indices this rank's local tensor holds: a
     ``slice`` when they are contiguous, else an index tensor. Derived by distributing an ``arange``
     with ``t``'s placements restricted to that dim (no communication: ``src_data_rank=None``), so
-    it follows DTensor's own rules, ``_StridedShard`` (FSDP2 x TP) included."""
+    it follows DTensor's own rules, ``_StridedShard`` (FSDP2 x TP) included. ``cache`` (one per
+    materialisation: the meshes it holds stay alive) saves the work for tensors laid out alike."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     if not isinstance(t, DTensor):
         return tuple(slice(None) for _ in t.shape)
     out: list[slice | torch.Tensor] = []
     mesh = t.device_mesh
+    cache = {} if cache is None else cache
     for d, n in enumerate(t.shape):
         places = tuple(_on_dim(p, d) for p in t.placements)
-        key = (n, places, id(mesh), mesh.get_coordinate() and tuple(mesh.get_coordinate()))
-        if key not in _INDEX_CACHE:
+        key = (n, places, mesh)
+        if key not in cache:
             if all(p.is_replicate() for p in places):
-                _INDEX_CACHE[key] = slice(None)
+                cache[key] = slice(None)
             else:
                 held = distribute_tensor(torch.arange(n, device=mesh.device_type), mesh, places,
                                          src_data_rank=None).to_local().cpu()
                 if held.numel() == 0:
-                    _INDEX_CACHE[key] = slice(0, 0)
+                    cache[key] = slice(0, 0)
                 elif torch.equal(held, torch.arange(int(held[0]), int(held[0]) + held.numel())):
-                    _INDEX_CACHE[key] = slice(int(held[0]), int(held[0]) + held.numel())
+                    cache[key] = slice(int(held[0]), int(held[0]) + held.numel())
                 else:
-                    _INDEX_CACHE[key] = held
-        out.append(_INDEX_CACHE[key])
+                    cache[key] = held
+        out.append(cache[key])
     return tuple(out)
 
 
@@ -336,13 +335,21 @@ def materialize_modules(
     reader = _Safetensors(checkpoint) if kind == "safetensors" else None
     by_unit: dict[str, list[tuple[str, torch.Tensor, bool]]] = {}
     largest = 0
+    cache: dict = {}
+    non_persistent = _non_persistent(skeleton)
+    names_of: dict[str, list[str]] = {}
+    for n, first in skeleton.canonical.items():
+        names_of.setdefault(first, []).append(n)
     try:
         with torch.no_grad():
             for name, t, is_param in targets:
-                source = _alias_in(reader, name, skeleton) if reader is not None else None
+                source = None
+                if reader is not None:  # HF saves a tied weight once, under one of its names
+                    source = next((n for n in [name, *names_of[skeleton.canonical[name]]] if n in reader),
+                                  None)
                 if source is not None:
-                    _fill(t, reader.read(source, local_index(t)), name)
-                elif kind == "dcp" and (is_param or name not in _non_persistent(skeleton)):
+                    _fill(t, reader.read(source, local_index(t, cache)), name)
+                elif kind == "dcp" and (is_param or name not in non_persistent):
                     continue  # DCP fills it below
                 elif reader is not None and is_param:
                     raise WhalepyError(f"the safetensors checkpoint {checkpoint} has no tensor {name!r} "
@@ -355,7 +362,7 @@ def materialize_modules(
                 largest = max(largest, sum(p.nbytes for p in host._parameters.values() if p is not None))
                 for name, t, _ in items:
                     field = skeleton.canonical[name].rpartition(".")[2]
-                    _fill(t, take(getattr(host, field).detach(), local_index(t)), name)
+                    _fill(t, take(getattr(host, field).detach(), local_index(t, cache)), name)
                 del host
     finally:
         if reader is not None:
@@ -371,15 +378,6 @@ def materialize_modules(
 def _non_persistent(skeleton: Skeleton) -> set[str]:
     return {f"{mp}.{b}" if mp else b for mp, m in skeleton.root.named_modules()
             for b in getattr(m, "_non_persistent_buffers_set", ())}
-
-
-def _alias_in(reader: _Safetensors, name: str, skeleton: Skeleton) -> str | None:
-    """The name under which ``reader`` holds ``name``'s tensor: itself, or another name of the same
-    tied parameter (HF saves a tied weight once)."""
-    if name in reader:
-        return name
-    first = skeleton.canonical[name]
-    return next((n for n, c in skeleton.canonical.items() if c == first and n in reader), None)
 
 
 def materialize(
