@@ -13,6 +13,7 @@ gives them (``lm_head.weight`` of a tied model is left out, as ``save_pretrained
 from __future__ import annotations
 
 import json
+import logging
 import re
 import warnings
 from collections.abc import Mapping
@@ -22,6 +23,8 @@ from typing import Any
 import torch
 
 from whalepy._errors import WhalepyError
+
+log = logging.getLogger(__name__)
 
 __all__ = ["export_safetensors", "parse_size"]
 
@@ -79,6 +82,8 @@ def _hf_names(out_dir: Path, cfg: dict[str, Any]) -> tuple[set[str], dict[str, s
     archs = cfg.get("architectures") or []
     cls = getattr(transformers, archs[0], None) if archs else None
     if cls is None:
+        log.warning("whalepy export: the config names no transformers model class (architectures); "
+                    "tensors are written as stored, tied weights under every name, unchecked")
         return None
     config = transformers.AutoConfig.from_pretrained(str(out_dir))
     with torch.device("meta"):

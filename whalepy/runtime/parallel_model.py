@@ -19,6 +19,7 @@ global-batch mean, whatever the shares. ``train_step`` returns that global-batch
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -259,7 +260,7 @@ class ParallelModel:
         device = m.device
         # a meta-device model is lowered as it is and materialised shard by shard afterwards
         skeleton = snapshot(model) if has_meta_tensors(model) else None
-        self._hf_config = getattr(model, "config", None)
+        self._hf_config = getattr(model, "config", None), type(model).__name__
         if skeleton is None:
             model.to(device)
             if sync_initial_weights:
@@ -421,8 +422,11 @@ class ParallelModel:
         """Write a distributed checkpoint (DCP) directory; loadable under any plan for this model.
         An HF model's config goes along as ``config.json`` (for ``whalepy export``)."""
         save_train_state(path, self._modules, self.optimizer, aliases=self._tied_aliases)
-        if dist.get_rank() == 0 and callable(getattr(self._hf_config, "to_json_file", None)):
-            self._hf_config.to_json_file(str(Path(path) / "config.json"))
+        config, arch = self._hf_config
+        if dist.get_rank() == 0 and callable(getattr(config, "to_diff_dict", None)):
+            # as save_pretrained writes it: with the model class, which from_pretrained needs
+            text = json.dumps({**config.to_diff_dict(), "architectures": [arch]}, indent=2, sort_keys=True)
+            (Path(path) / "config.json").write_text(text + "\n")
 
     def load(self, path: str | Path) -> None:
         load_train_state(path, self._modules, self.optimizer)
