@@ -7,7 +7,9 @@ Lowering order for this rank (see docs/runtime.md):
 3. pipeline split into this rank's stage module(s), original module paths kept (``pipeline.py``);
 4. tensor parallelism from the plan's TP rules (``tensor_parallel.apply_tensor_parallel``);
 5. activation checkpointing of the blocks the plan marks;
-6. DDP / ZeRO / FSDP2 over the ``dp`` axis, per block then root (``data_parallel``);
+6. DDP / ZeRO / FSDP2 over the ``dp`` axis, per block then root (``data_parallel``); a model built on
+   the meta device has gone through 3-6 without memory and only now gets this rank's shards,
+   initialised or loaded (``materialize``);
 7. the optimizer from the user's factory over this rank's (now sharded) parameters;
 8. the pipeline schedule over the stage modules.
 
