@@ -64,7 +64,8 @@ class MaterializeStats:
     peak_bytes: int
     """The most parameter bytes held at once: the share plus the largest host module copy."""
     largest_unit_bytes: int
-    """Parameter bytes of the largest module generated whole on the host."""
+    """Parameter bytes of the largest module generated whole on the host, or of the largest slice
+    read from safetensors (a DCP load's transient buffers are DCP's and not counted)."""
     num_tensors: int
     """Local tensors filled."""
 
@@ -348,7 +349,10 @@ def materialize_modules(
                     source = next((n for n in [name, *names_of[skeleton.canonical[name]]] if n in reader),
                                   None)
                 if source is not None:
-                    _fill(t, reader.read(source, local_index(t, cache)), name)
+                    part = reader.read(source, local_index(t, cache))
+                    largest = max(largest, part.nbytes)  # alive next to the share while copied
+                    _fill(t, part, name)
+                    del part
                 elif kind == "dcp" and (is_param or name not in non_persistent):
                     continue  # DCP fills it below
                 elif reader is not None and is_param:
