@@ -31,7 +31,8 @@ from whalepy.profile import ModelProfile, profile
 
 __version__ = "0.1.0"
 
-_LAZY = {"parallelize": "whalepy.runtime", "ParallelModel": "whalepy.runtime", "calibrate": "whalepy._calibrate"}
+_LAZY = {"parallelize": "whalepy.runtime", "ParallelModel": "whalepy.runtime", "calibrate": "whalepy._calibrate",
+         "materialize": "whalepy.runtime.materialize", "export_safetensors": "whalepy.export"}
 """Names whose modules import torch.distributed's heavier parts; loaded on first use, so planning
 from the command line does not pay for the runtime."""
 
@@ -55,7 +56,9 @@ __all__ = [
     "calibrate",
     "clear_annotations",
     "estimate",
+    "export_safetensors",
     "homogeneous_baseline",
+    "materialize",
     "parallelize",
     "plan",
     "plan_from_profile",

@@ -1,5 +1,5 @@
-"""The ``whalepy`` console script: ``plan``, ``show``, ``estimate``, ``calibrate`` (whalepy._calibrate) and
-``run`` (whalepy.launch).
+"""The ``whalepy`` console script: ``plan``, ``show``, ``estimate``, ``calibrate`` (whalepy._calibrate),
+``export`` and ``run`` (whalepy.launch).
 
 Errors whalepy raises on purpose print as one line and exit with code 2, without a traceback.
 """
@@ -120,6 +120,19 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     return 0 if est.feasible else 1
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    import torch
+
+    from whalepy.export import export_safetensors
+
+    dtype = None if args.dtype is None else getattr(torch, args.dtype)
+    files = export_safetensors(args.checkpoint, args.to, config=args.config,
+                               max_shard_size=args.max_shard_size, dtype=dtype)
+    if not args.quiet:
+        _err(f"wrote {len(files)} safetensors file(s) and config.json to {args.to}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="whalepy", description="Plan hybrid-parallel training of a PyTorch model.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -169,6 +182,17 @@ def build_parser() -> argparse.ArgumentParser:
     from whalepy._calibrate import add_calibrate_subparser
 
     add_calibrate_subparser(sub)
+
+    sp = sub.add_parser("export", help="write a checkpoint's weights as HF safetensors")
+    sp.add_argument("checkpoint", help="DCP directory written by ParallelModel.save (under any plan)")
+    sp.add_argument("--to", required=True, help="output directory (loadable with from_pretrained)")
+    sp.add_argument("--config", help="the model's HF config.json (default: the one in the checkpoint)")
+    sp.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB")
+    sp.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                    help="convert floating-point weights (default: as stored)")
+    sp.add_argument("-q", "--quiet", action="store_true")
+    sp.set_defaults(func=cmd_export)
+
     try:
         from whalepy import launch
     except ImportError:

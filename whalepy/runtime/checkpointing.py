@@ -22,14 +22,16 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    get_model_state_dict,
     get_state_dict,
+    set_model_state_dict,
     set_state_dict,
 )
 
 from whalepy._errors import WhalepyError
 
-__all__ = ["apply_activation_checkpointing", "get_train_state", "load_train_state", "save_train_state",
-           "set_train_state"]
+__all__ = ["apply_activation_checkpointing", "gather_full_state_dict", "get_train_state", "load_model_state",
+           "load_train_state", "save_train_state", "set_train_state"]
 
 
 def apply_activation_checkpointing(modules: Sequence[nn.Module]) -> None:
@@ -141,3 +143,81 @@ def load_train_state(path: str | Path, modules: Sequence[nn.Module],
     state = get_train_state(modules, optimizer)
     dcp.load(state, checkpoint_id=str(path))
     set_train_state(modules, optimizer, state)
+
+
+def _model_state(modules: Sequence[nn.Module]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for m in modules:
+        out.update(get_model_state_dict(m))
+    return out
+
+
+def load_model_state(path: str | Path, modules: Sequence[nn.Module]) -> None:
+    """Fill the modules' weights (not the optimizer's state) from a DCP directory written under any
+    plan: by :func:`save_train_state` (keys ``model.<name>``) or from a bare model state dict."""
+    reader = dcp.FileSystemReader(str(path))
+    keys = reader.read_metadata().state_dict_metadata
+    nested = any(k.startswith("model.") for k in keys)
+    state = _map_tensors(_model_state(modules), lambda t: t.full_tensor() if _is_strided(t) else t)
+    flat = {(f"model.{k}" if nested else k) for k in state}
+    missing = sorted(flat - set(keys))
+    if missing:
+        raise WhalepyError(f"the checkpoint {path} has no tensor {missing[0]!r} ({len(missing)} missing); "
+                           "it is of another model")
+    dcp.load({"model": state} if nested else state, checkpoint_id=str(path))
+    for m in modules:
+        own = {k: v for k, v in state.items() if k in get_model_state_dict(m)}
+        own = _reshard_like(own, get_model_state_dict(m))
+        set_model_state_dict(m, own, options=StateDictOptions(strict=False))
+
+
+def gather_full_state_dict(modules: Sequence[nn.Module], *, stage_ranks: Sequence[Sequence[int]],
+                           cpu_offload: bool = True) -> dict[str, torch.Tensor]:
+    """The full (unsharded) model state dict, original names, on global rank 0; ``{}`` elsewhere.
+
+    ``stage_ranks[s]`` lists the ranks of physical pipeline stage ``s`` (its first one sends). One
+    stage: ``get_model_state_dict``'s own ``full_state_dict`` + ``cpu_offload`` gather (tensor by
+    tensor, kept on rank 0 only). Several: each stage gathers its tensors one at a time inside its
+    own mesh (``DTensor.full_tensor``) and its first rank sends each to rank 0."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    rank = dist.get_rank()
+    if len(stage_ranks) == 1:
+        out: dict[str, torch.Tensor] = {}
+        for m in modules:
+            out.update(get_model_state_dict(
+                m, options=StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)))
+        return out if rank == 0 else {}
+    local = _model_state(modules)
+    meta = {k: (tuple(v.shape), v.dtype) for k, v in local.items()}
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, meta)
+    out = {}
+    done: set[str] = set()  # the same on every rank, so every rank skips the same keys
+    for ranks in stage_ranks:
+        leader = ranks[0]
+        for key, (shape, dtype) in everyone[leader].items():
+            if key in done:  # a tied parameter already sent by an earlier stage
+                continue
+            done.add(key)
+            if rank in ranks:
+                value = local[key]
+                value = value.full_tensor() if isinstance(value, DTensor) else value
+                if rank == leader and leader != 0:
+                    dist.send(value.contiguous(), dst=0)
+                if rank == 0:
+                    out[key] = value.cpu() if cpu_offload else value
+            elif rank == 0:
+                buf = torch.empty(shape, dtype=dtype, device=_device_of(local))
+                dist.recv(buf, src=leader)
+                out[key] = buf.cpu() if cpu_offload else buf
+    return out if rank == 0 else {}
+
+
+def _device_of(state: dict[str, Any]) -> torch.device:
+    from torch.distributed.tensor import DTensor
+
+    for v in state.values():
+        return (v._local_tensor if isinstance(v, DTensor) else v).device
+    return torch.device("cpu")

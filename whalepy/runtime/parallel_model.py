@@ -7,7 +7,9 @@ Lowering order for this rank (see docs/runtime.md):
 3. pipeline split into this rank's stage module(s), original module paths kept (``pipeline.py``);
 4. tensor parallelism from the plan's TP rules (``tensor_parallel.apply_tensor_parallel``);
 5. activation checkpointing of the blocks the plan marks;
-6. DDP / ZeRO / FSDP2 over the ``dp`` axis, per block then root (``data_parallel``);
+6. DDP / ZeRO / FSDP2 over the ``dp`` axis, per block then root (``data_parallel``); a model built on
+   the meta device has gone through 3-6 without memory and only now gets this rank's shards,
+   initialised or loaded (``materialize``);
 7. the optimizer from the user's factory over this rank's (now sharded) parameters;
 8. the pipeline schedule over the stage modules.
 
@@ -19,6 +21,7 @@ global-batch mean, whatever the shares. ``train_step`` returns that global-batch
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -36,6 +39,7 @@ from whalepy._errors import LaunchError, PlanError, WhalepyError
 from whalepy.plan import Plan, Tier, TPStyle
 from whalepy.runtime.checkpointing import (
     apply_activation_checkpointing,
+    gather_full_state_dict,
     get_train_state,
     load_train_state,
     save_train_state,
@@ -47,6 +51,14 @@ from whalepy.runtime.data_parallel import (
     build_optimizer,
     choose_kind,
     needs_offload_policy,
+)
+from whalepy.runtime.materialize import (
+    InitFn,
+    MaterializeStats,
+    checkpoint_kind,
+    has_meta_tensors,
+    materialize_modules,
+    snapshot,
 )
 from whalepy.runtime.mesh import RankMeshes, build_meshes, check_world, resolve_device_type
 from whalepy.runtime._amp import AmpContext
@@ -93,6 +105,9 @@ def parallelize(
     loss_parallel: bool = False,
     sync_initial_weights: bool = True,
     nvme_dir: str | os.PathLike[str] | None = None,
+    init_fn: InitFn | None = None,
+    seed: int = 0,
+    checkpoint: str | os.PathLike[str] | None = None,
     **options: Any,
 ) -> ParallelModel | UnlaunchedModel:
     """Plan ``model`` for ``cluster_spec`` (unless ``plan`` is given) and, inside a distributed launch,
@@ -108,9 +123,21 @@ def parallelize(
     their optimizer states between steps (this rank's files go in a subdirectory
     ``whalepy-nvme-<pid>-rank<r>``, removed at exit; default: under :func:`tempfile.gettempdir`);
     :class:`WhalepyError` if it is not writable. Other ``options`` go to the planner.
+
+    A model built on the meta device is lowered as it is and only this rank's shards are then
+    allocated (:mod:`whalepy.runtime.materialize`): filled from ``checkpoint`` (a DCP directory or HF
+    safetensors) when given, else initialised by ``init_fn(module)`` or each module's own
+    ``reset_parameters()`` and the model's ``_init_weights``, seeded per module from ``seed``, so the
+    weights are the same under every plan (and as ``whalepy.materialize(model, seed=seed)``).
     """
     inputs = _as_tuple(example_inputs)
     _check_arguments(model, loss_fn, optimizer)
+    if checkpoint is not None:
+        checkpoint_kind(checkpoint)  # a bad path fails here, before planning and lowering
+        if not has_meta_tensors(model):
+            raise WhalepyError("parallelize(checkpoint=...) fills a model built on the meta device; this "
+                               "model already holds its weights. Build it under `with "
+                               "torch.device('meta'):`, or call .load(path) on the result (DCP)")
     if plan is None and os.environ.get("WHALEPY_PLAN"):
         plan = Plan.load(os.environ["WHALEPY_PLAN"])  # from `whalepy run --plan`
     if plan is None:
@@ -151,7 +178,8 @@ def parallelize(
     return ParallelModel(model, plan, cluster_spec=cluster_spec, example_inputs=inputs,
                          loss_fn=loss_fn, optimizer_factory=optimizer, profile=profile,
                          device_type=device_type, loss_parallel=loss_parallel,
-                         sync_initial_weights=sync_initial_weights, nvme_dir=nvme_dir)
+                         sync_initial_weights=sync_initial_weights, nvme_dir=nvme_dir,
+                         init_fn=init_fn, seed=seed, checkpoint=checkpoint)
 
 
 def _check_arguments(model: nn.Module, loss_fn: Any, optimizer: Any) -> None:
@@ -226,7 +254,8 @@ class ParallelModel:
     def __init__(self, model: nn.Module, plan: Plan, *, cluster_spec: Any, example_inputs: tuple,
                  loss_fn: LossFn, optimizer_factory: OptimizerFactory, profile: Any,
                  device_type: str, loss_parallel: bool, sync_initial_weights: bool,
-                 nvme_dir: str | os.PathLike[str] | None = None) -> None:
+                 nvme_dir: str | os.PathLike[str] | None = None, init_fn: InitFn | None = None,
+                 seed: int = 0, checkpoint: str | os.PathLike[str] | None = None) -> None:
         check_pipeline(plan.schedule, num_stages=plan.pp_degree, virtual_stages=plan.virtual_stages,
                        num_microbatches=plan.num_microbatches,
                        sequence_parallel=any(r.style is TPStyle.SEQUENCE for r in plan.tensor_parallel),
@@ -237,9 +266,13 @@ class ParallelModel:
         self.meshes: RankMeshes = build_meshes(plan, device_type)
         m = self.meshes
         device = m.device
-        model.to(device)
-        if sync_initial_weights:
-            _broadcast_weights(model)
+        # a meta-device model is lowered as it is and materialised shard by shard afterwards
+        skeleton = snapshot(model) if has_meta_tensors(model) else None
+        self._hf_config = getattr(model, "config", None), type(model).__name__
+        if skeleton is None:
+            model.to(device)
+            if sync_initial_weights:
+                _broadcast_weights(model)
         stage = m.stage
         block_modules = _resolve_block_modules(model, plan, profile)
         start = sum(plan.batch_shares[: m.replica])
@@ -259,15 +292,23 @@ class ParallelModel:
         self._tied: list[tuple[list[nn.Parameter], dist.ProcessGroup | None]] = []
         tied_names: list[tuple[list[tuple[int, str]], dist.ProcessGroup | None]] = []
         if pp > 1:
-            from whalepy.runtime.pipeline import split_stages, tied_parameters
+            from whalepy.runtime.pipeline import retarget_device, split_stages, tied_parameters
 
             chunks = _pipeline_chunks(plan)  # BlockPlans of each pipeline stage, in model order
             stage_blocks = [[mod for b in c for mod in block_modules[b.name]] for c in chunks]
             mb = plan.batch_shares[m.replica] // plan.num_microbatches
             self._example_mb = tuple(_resize_batch(x, mb) for x in example_inputs)
-            all_stages = split_stages(model, self._example_mb, {}, stage_blocks)
+            # a meta model is traced with meta inputs, so every device the glue records (HF's
+            # arange(..., device=inputs_embeds.device)) is meta and is retargeted to this rank's
+            trace_mb = self._example_mb if skeleton is None else tuple(
+                x.to("meta") if isinstance(x, torch.Tensor) else x for x in self._example_mb)
+            all_stages = split_stages(model, trace_mb, {}, stage_blocks)
             self.stage_indices = [stage.index + j * pp for j in range(v)]
             local = [all_stages[g] for g in self.stage_indices]
+            for stage_module in local:
+                # before TP / FSDP2: recompiling a GraphModule whose class FSDP2 has subclassed
+                # recurses without end in torch.fx's call wrapper
+                retarget_device(stage_module, device)
             local_chunks = [chunks[g] for g in self.stage_indices]
             tied_names = self._tied_groups(tied_parameters(all_stages), dp_kind=self.dp_kind, tp=tp)
         else:
@@ -288,6 +329,10 @@ class ParallelModel:
                                                      zero=stage.zero_stage, device_type=device_type,
                                                      precision=plan.precision))
             nvme_blocks += [(b, mods) for b, mods in blocks if b.optimizer_tier is Tier.NVME]
+        self.init_stats: MaterializeStats | None = None
+        if skeleton is not None:
+            self.init_stats = materialize_modules(self._modules, skeleton, device, seed=seed,
+                                                  init_fn=init_fn, checkpoint=checkpoint)
         # names of each tied parameter across stages (checkpoints carry its state under all of them)
         self._tied_aliases = [[n for _, n in holders] for holders, _ in tied_names]
         # tied parameters by name, after TP / FSDP2 replaced them with DTensors
@@ -373,9 +418,22 @@ class ParallelModel:
         if self.nvme is not None:
             self.nvme.offload()  # loaded states are fresh tensors: back into their files
 
+    def full_state_dict(self, cpu_offload: bool = True) -> dict[str, torch.Tensor]:
+        """The whole model's state dict, unsharded and under the original names, on rank 0 (``{}`` on
+        the other ranks), gathered one tensor at a time (to the CPU with ``cpu_offload``). Collective:
+        every rank calls it."""
+        stage_ranks = [[r for row in s.ranks for r in row] for s in self.plan.stages]
+        return gather_full_state_dict(self._modules, stage_ranks=stage_ranks, cpu_offload=cpu_offload)
+
     def save(self, path: str | Path) -> None:
-        """Write a distributed checkpoint (DCP) directory; loadable under any plan for this model."""
+        """Write a distributed checkpoint (DCP) directory; loadable under any plan for this model.
+        An HF model's config goes along as ``config.json`` (for ``whalepy export``)."""
         save_train_state(path, self._modules, self.optimizer, aliases=self._tied_aliases)
+        config, arch = self._hf_config
+        if dist.get_rank() == 0 and callable(getattr(config, "to_diff_dict", None)):
+            # as save_pretrained writes it: with the model class, which from_pretrained needs
+            text = json.dumps({**config.to_diff_dict(), "architectures": [arch]}, indent=2, sort_keys=True)
+            (Path(path) / "config.json").write_text(text + "\n")
 
     def load(self, path: str | Path) -> None:
         load_train_state(path, self._modules, self.optimizer)
