@@ -61,11 +61,6 @@ def adamw(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
 
 
-def precision_options(precision: str) -> dict[str, Any]:
-    """parallelize() keywords for the precision under test (fp32: the runtime's default today)."""
-    return {} if precision == "fp32" else {"precision": precision}
-
-
 def _autocast(precision: str) -> Any:
     return torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
 
@@ -107,9 +102,13 @@ def references(llama_dir: str, precision: str) -> dict[str, Any]:
     torch.manual_seed(0)
     llama = LlamaForCausalLM(llama_config())
     llama.save_pretrained(llama_dir, max_shard_size="40KB")  # several shards and an index
+    llama_init = {k: v.clone() for k, v in llama.state_dict().items()}
+    llama_fp32 = LlamaForCausalLM.from_pretrained(llama_dir)  # the same start, trained in fp32
     d_losses = train(llama, data[:2], precision)
+    train(llama_fp32, data[:2], "fp32")
     return {"A": a_losses, "B": a_losses[:2], "C": c_losses, "D": d_losses, "gpt_init": gpt_init,
-            "llama_state": {k: v.clone() for k, v in llama.state_dict().items()}}
+            "llama_init": llama_init, "llama_state": {k: v.clone() for k, v in llama.state_dict().items()},
+            "llama_state_fp32": {k: v.clone() for k, v in llama_fp32.state_dict().items()}}
 
 
 def build_profiles() -> dict[str, Any]:
@@ -123,11 +122,11 @@ def build_profiles() -> dict[str, Any]:
             "llama": dataclasses.replace(whalepy.profile(meta_llama(), (x,)), graph=None)}
 
 
-def _plan(model: torch.nn.Module, prof: Any, *, dp: int, tp: int, pp: int, zero: int) -> Any:
+def _plan(model: torch.nn.Module, prof: Any, *, dp: int, tp: int, pp: int, zero: int, precision: str) -> Any:
     from whalepy.runtime import make_plan
 
     return make_plan([b.name for b in prof.blocks], model_fingerprint=prof.fingerprint, dp=dp, tp=tp,
-                     pp=pp, global_batch=GLOBAL_BATCH, zero_stage=zero,
+                     pp=pp, global_batch=GLOBAL_BATCH, zero_stage=zero, precision=precision,
                      num_microbatches=2 if pp > 1 else 1, tensor_parallel=profile_tp_rules(prof))
 
 
@@ -162,11 +161,12 @@ def run_meta_cases(root: str, llama_dir: str, profiles: dict[str, Any], precisio
     data = batches(GLOBAL_BATCH, STEPS)
     x0 = data[0][0][:2]
     out: dict[str, Any] = {}
-    opts = dict(loss_fn=lm_loss, optimizer=adamw, global_batch=GLOBAL_BATCH, **precision_options(precision))
+    opts = dict(loss_fn=lm_loss, optimizer=adamw, global_batch=GLOBAL_BATCH)
 
-    def launch(model: torch.nn.Module, prof: Any, layout: dict[str, int], **kw: Any) -> Any:
-        return parallelize(model, None, example_inputs=(x0,), plan=_plan(model, prof, **layout),
-                           profile=prof, **opts, **kw)
+    def launch(model: torch.nn.Module, prof: Any, layout: dict[str, int], plan_precision: str = precision,
+               **kw: Any) -> Any:
+        return parallelize(model, None, example_inputs=(x0,),
+                           plan=_plan(model, prof, **layout, precision=plan_precision), profile=prof, **opts, **kw)
 
     gpt_prof, llama_prof = profiles["gpt"], profiles["llama"]
     model = meta_gpt()
@@ -193,7 +193,9 @@ def run_meta_cases(root: str, llama_dir: str, profiles: dict[str, Any], precisio
     out["D"]["full"] = _arrays(pm.full_state_dict())
     dist.barrier()
 
-    pm = launch(meta_llama(), llama_prof, dict(dp=4, tp=2, pp=1, zero=3), checkpoint=f"{root}/llama_d")
+    # export is checked in fp32 (its logits against from_pretrained's, 1e-5): this plan is fp32
+    pm = launch(meta_llama(), llama_prof, dict(dp=4, tp=2, pp=1, zero=3), plan_precision="fp32",
+                checkpoint=f"{root}/llama_d")
     with torch.no_grad():
         logits = pm.module(data[0][0][:4]).logits
     out["E"] = {"logits": logits.detach().numpy().copy(), "full": _arrays(pm.full_state_dict())}

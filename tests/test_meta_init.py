@@ -13,11 +13,22 @@ What is checked (phases in ``meta_cases``):
   ``full_state_dict`` gathers the trained weights on rank 0 on both the pipeline and the
   single-stage path.
 
-Precision: ``PRECISION`` is the one switch (parallelize keywords and the reference's autocast follow
-it). fp32 tolerances: losses 1e-5 relative, weights and logits 1e-5 absolute; a parallel run differs
-from one process only by the order of floating-point sums (all-reduce, sharded matmuls), which is
-orders of magnitude below that for these sizes (measured: about 2e-7). bf16 arrives with the runtime's
-mixed precision; its tolerance must be set (and argued) then.
+Precision: ``PRECISION`` is the one switch for phases A-D (the plans' precision and the reference's
+autocast follow it); phase E, the export check, runs an fp32 plan (logits against from_pretrained's).
+
+- fp32: losses 1e-5 relative, weights and logits 1e-5 absolute; a parallel run differs from one
+  process only by the order of floating-point sums (all-reduce, sharded matmuls), orders of magnitude
+  below that for these sizes (measured: about 2e-7).
+- bf16: losses within one unit roundoff of bf16 (2^-8) relative. The layouts round differently from
+  the single process (FSDP2's MixedPrecisionPolicy runs every op on bf16 parameters where the
+  reference's autocast keeps norms in fp32; other matmul shapes and reduction orders; bf16 activations
+  at pipeline boundaries), so a logit may differ by about one rounding of bf16; the loss is computed in
+  fp32 and so differs by about that relative amount. Trained weights (phase D): Adam normalises each
+  update, so weights are compared by distance, against a bound measured in the same run: the bf16
+  reference and the fp32 reference start from the same checkpoint, and both the layout and the bf16
+  reference are bf16 runs, each that far from fp32 at most, so by the triangle inequality
+  ``|p_layout - p_bf16| <= 2 |p_bf16 - p_fp32|`` (2-norm over all weights). A real error (a missing
+  reduction, a wrong loss scale) lands far outside it, as test_precision.py's runs show.
 """
 
 from __future__ import annotations
@@ -30,9 +41,14 @@ from meta_cases import build_profiles, meta_gpt, meta_llama, references, run_met
 
 pytestmark = pytest.mark.distributed
 
-PRECISION = "fp32"
-LOSS_RTOL = {"fp32": 1e-5}
-ATOL = {"fp32": 1e-5}
+PRECISION = "bf16"
+LOSS_RTOL = {"fp32": 1e-5, "bf16": 2.0**-8}
+ATOL = 1e-5
+"""fp32 weights and logits (E is fp32 in every case; D too when PRECISION is fp32)."""
+
+
+def _distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return float(sum(((a[k].double() - b[k].double()) ** 2).sum() for k in b) ** 0.5)
 
 
 def _close(got: list[float], want: list[float], rtol: float) -> bool:
@@ -51,7 +67,7 @@ def test_meta_init_load_export_eight_ranks(tmp_path):
 
     from whalepy.cli import main
 
-    rtol, atol = LOSS_RTOL[PRECISION], ATOL[PRECISION]
+    rtol, atol = LOSS_RTOL[PRECISION], ATOL
     llama_dir = str(tmp_path / "llama_hf")
     ref = references(llama_dir, PRECISION)
     assert len(list((tmp_path / "llama_hf").glob("*.safetensors"))) > 1  # read through the index
@@ -73,7 +89,16 @@ def test_meta_init_load_export_eight_ranks(tmp_path):
     # path) after 2 steps: the single-process run's weights. E (get_model_state_dict's own path):
     # exactly D, whose checkpoint it loaded.
     d_full = {k: torch.from_numpy(v) for k, v in ranks[0]["D"]["full"].items()}
-    for path, want, tol in (("A", ref["gpt_init"], 0.0), ("D", ref["llama_state"], atol), ("E", d_full, 0.0)):
+    if PRECISION != "fp32":
+        assert set(d_full) == set(ref["llama_state"])
+        noise = _distance(ref["llama_state"], ref["llama_state_fp32"])
+        moved = _distance(ref["llama_state"], ref["llama_init"])
+        assert 0 < noise < moved, (noise, moved)  # the bound is not vacuous: training moved further
+        assert _distance(d_full, ref["llama_state"]) <= 2 * noise, (_distance(d_full, ref["llama_state"]), noise)
+    checks = [("A", ref["gpt_init"], 0.0), ("E", d_full, 0.0)]
+    if PRECISION == "fp32":
+        checks.append(("D", ref["llama_state"], atol))
+    for path, want, tol in checks:
         full = {k: torch.from_numpy(v) for k, v in ranks[0][path]["full"].items()}
         assert set(full) == set(want), (path, set(full) ^ set(want))
         errors = {k: (full[k] - want[k]).abs().max().item() for k in want}
