@@ -29,8 +29,9 @@ class PlannerOptions:
     """Options of :func:`plan` (all keyword-only, validated)."""
 
     solver: str = "highs"
-    """``"highs"`` (default; HiGHS in-process through highspy), ``"cbc"`` (pulp's bundled CBC; also the
-    fallback, noted in ``plan.notes``, when HiGHS is unavailable) or ``"exhaustive"`` (small instances)."""
+    """``"highs"`` (default; HiGHS in-process through highspy), ``"cbc"`` (CBC where pulp provides it:
+    bundled with pulp 3, ``pulp[cbc]`` or a ``cbc`` on PATH with pulp 4; also the fallback, noted in
+    ``plan.notes``, when HiGHS is unavailable) or ``"exhaustive"`` (small instances)."""
     time_limit_s: float = 60.0
     """Wall-clock budget of the whole search."""
     ilp_time_limit_s: float = 5.0

@@ -67,10 +67,12 @@ from __future__ import annotations
 
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 
 import pulp
 
+from whalepy._errors import PlanError
 from whalepy.cost_models.devices import GIB
 from whalepy.planner.costing import CandidateCoeffs, Evaluation, evaluate
 from whalepy.planner.space import StateOption
@@ -102,7 +104,14 @@ def _acc(d: dict, form: tuple[dict, float], coef: float) -> float:  # type: igno
     return coef * form[1]
 
 
+# PuLP 4 keeps expressions in its Rust core and builds them with factory methods; PuLP 3 with the
+# constructor.
+_PULP4 = hasattr(pulp.LpAffineExpression, "from_dict")
+
+
 def _expr(d: dict, const: float = 0.0) -> pulp.LpAffineExpression:  # type: ignore[type-arg]
+    if _PULP4:
+        return pulp.LpAffineExpression.from_dict(d, const)
     return pulp.LpAffineExpression(d, constant=const)
 
 
@@ -157,6 +166,11 @@ def _cum(cc: CandidateCoeffs, v: _Vars, j: int, g: int) -> tuple[dict, float]:  
 
 def _add(prob: pulp.LpProblem, d: dict, const: float, sense: int, name: str) -> None:  # type: ignore[type-arg]
     """Add ``sum d + const (sense) 0``."""
+    if _PULP4:
+        e = _expr(d, const)
+        e.sense = sense
+        prob.addConstraint(e, name)
+        return
     prob.addConstraint(pulp.LpConstraint(_expr(d), sense=sense, rhs=-const), name)
 
 
@@ -426,11 +440,42 @@ MIP_REL_GAP = 1e-4
 """Relative MIP gap at which a candidate's ILP counts as solved (HiGHS's default)."""
 
 
+def _cbc(**kwargs):  # type: ignore[no-untyped-def]
+    """CBC as this pulp provides it: a ``cbc`` executable (``pip install 'pulp[cbc]'`` or one on PATH)
+    through ``COIN_CMD``, else the copy pulp 3 bundles (``PULP_CBC_CMD``, deprecated in pulp 3.3,
+    gone in pulp 4)."""
+    coin = pulp.COIN_CMD(**kwargs)
+    if coin.available() or not hasattr(pulp, "PULP_CBC_CMD"):
+        return coin
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return pulp.PULP_CBC_CMD(**kwargs)
+
+
+def choose_solver(requested: str) -> tuple[str, list[str]]:
+    """The MIP solver that will run for ``requested`` (``"highs"`` or ``"cbc"``), and notes for the plan.
+    HiGHS falls back to CBC when highspy is missing; a solver that cannot run raises :class:`PlanError`
+    (checked before any candidate is built)."""
+    highs_ok = pulp.HiGHS().available()
+    if requested == "highs" and highs_ok:
+        return "highs", []
+    if _cbc(msg=False).available():
+        if requested == "highs":
+            return "cbc", ["HiGHS (highspy) is not available: solved with CBC instead, which is slower"]
+        return "cbc", []
+    if requested == "cbc":
+        hint = "use solver='highs' (the default)" if highs_ok else "pip install highspy and use solver='highs'"
+        raise PlanError(f"solver='cbc': pulp {pulp.__version__} provides no CBC (pulp 4 no longer bundles "
+                        f"it; pip install 'pulp[cbc]'), or {hint}")
+    raise PlanError(f"no MIP solver: highspy is not importable and pulp {pulp.__version__} provides no "
+                    "CBC; pip install highspy (or use solver='exhaustive' for small models)")
+
+
 def make_solver(name: str, time_limit_s: float, tmpdir: str, cutoff: float | None = None):  # type: ignore[no-untyped-def]
     if name == "highs":
         extra = {} if cutoff is None else {"objective_bound": cutoff}
         return pulp.HiGHS(msg=False, timeLimit=time_limit_s, gapRel=MIP_REL_GAP, threads=1, **extra)
-    solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(round(time_limit_s))), gapRel=MIP_REL_GAP)
+    solver = _cbc(msg=False, timeLimit=max(1, int(round(time_limit_s))), gapRel=MIP_REL_GAP)
     solver.tmpDir = tmpdir
     return solver
 
@@ -460,24 +505,38 @@ def solve_candidate(cc: CandidateCoeffs, *, allowed_stages: dict[int, tuple[int,
     # CBC writes its model and solution files into tmpDir; HiGHS runs in-process. The process's working
     # directory is left alone.
     with tempfile.TemporaryDirectory(prefix="whalepy_ilp_") as tmp:
-        status = prob.solve(make_solver(solver, time_limit_s, tmp, cutoff))
-    sol_status = prob.sol_status
+        outcome = _outcome(prob, prob.solve(make_solver(solver, time_limit_s, tmp, cutoff)))
     nvars = len(prob.variables())
     ncons = prob.numConstraints() if hasattr(prob, "numConstraints") else len(prob.constraints)
     elapsed = time.perf_counter() - t0
-    if status == pulp.LpStatusInfeasible or sol_status == pulp.LpSolutionInfeasible:
+    if outcome == "infeasible":
         return ILPResult("infeasible" if cutoff is None else "no better than the incumbent", None,
                          float("inf"), 0.0, elapsed, nvars, ncons)
-    if sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+    if outcome == "no solution":
         return ILPResult("no solution", None, float("inf"), 0.0, elapsed, nvars, ncons)
     if cutoff is not None and float(pulp.value(prob.objective)) >= cutoff:
         return ILPResult("no better than the incumbent", None, float("inf"), 0.0, elapsed, nvars, ncons)
-    gap = 0.0
-    if sol_status != pulp.LpSolutionOptimal:
-        gap = _highs_gap(prob)
+    gap = 0.0 if outcome == "optimal" else _highs_gap(prob)
     ev = _extract(cc, v)
-    status_name = "optimal" if sol_status == pulp.LpSolutionOptimal else "feasible"
-    return ILPResult(status_name, ev, float(pulp.value(prob.objective)), gap, elapsed, nvars, ncons)
+    return ILPResult(outcome, ev, float(pulp.value(prob.objective)), gap, elapsed, nvars, ncons)
+
+
+def _outcome(prob: pulp.LpProblem, solved) -> str:  # type: ignore[no-untyped-def]
+    """``"optimal"``, ``"feasible"`` (stopped early with a solution), ``"infeasible"`` (including: no
+    solution can beat the objective bound) or ``"no solution"``. PuLP 4's ``solve`` returns an
+    ``LpSolveStats``; PuLP 3's a status code, with the solution's status on the problem."""
+    if _PULP4:
+        S = pulp.LpSolveStatus
+        if solved.status == S.Infeasible or (not solved.has_solution and solved.status == S.GapLimit):
+            return "infeasible"
+        if not solved.has_solution:
+            return "no solution"
+        return "optimal" if solved.status == S.Optimal else "feasible"
+    if solved == pulp.LpStatusInfeasible or prob.sol_status == pulp.LpSolutionInfeasible:
+        return "infeasible"
+    if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        return "no solution"
+    return "optimal" if prob.sol_status == pulp.LpSolutionOptimal else "feasible"
 
 
 def _highs_gap(prob: pulp.LpProblem) -> float:

@@ -35,7 +35,7 @@ from whalepy.planner.costing import (
     tp_applies,
 )
 from whalepy.planner.exhaustive import solve_exhaustive
-from whalepy.planner.ilp import MIP_REL_GAP, ILPResult, solve_candidate
+from whalepy.planner.ilp import MIP_REL_GAP, ILPResult, choose_solver, solve_candidate
 from whalepy.planner.space import (
     Candidate,
     Hardware,
@@ -342,12 +342,9 @@ def run_search(profile: ModelProfile, hw: Hardware, G: int, opts, *,  # type: ig
     t0 = time.perf_counter()
     notes: list[str] = []
     solver = opts.solver
-    if solver == "highs":
-        import pulp
-
-        if not pulp.HiGHS().available():
-            solver = "cbc"
-            notes.append("HiGHS (highspy) is not available: solved with CBC instead, which is slower")
+    if solver != "exhaustive":
+        solver, solver_notes = choose_solver(solver)
+        notes += solver_notes
     ctx = CostContext(profile, hw, precision=opts.precision, sequence_parallel=opts.sequence_parallel)
     cons = read_annotations(profile, hw)
     segments = build_segments(profile)

@@ -371,6 +371,9 @@ def _shard_by_hand(m: nn.Module, name: str, style: TPStyle, mesh: DeviceMesh, *,
                    gather: bool, scatter: bool = False) -> None:
     from torch.distributed.tensor.placement_types import _StridedShard
 
+    from whalepy.runtime._torch_compat import allow_split_factor_strided_shards
+
+    allow_split_factor_strided_shards()  # torch 2.11 cannot redistribute the _StridedShard below
     conv = _is_conv1d(m)
     if not conv and not isinstance(m, nn.Linear):
         raise PlanError(f"{name}: cannot shard a fused {type(m).__name__}; only nn.Linear and HF "

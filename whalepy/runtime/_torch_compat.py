@@ -1,0 +1,45 @@
+"""Workarounds for older torch releases, each applied only where the release needs it.
+
+``allow_split_factor_strided_shards``: whalepy shards a fused projection's weight (HF GPT-2's
+``c_attn``, ``[q | k | v]`` along one dim) with ``_StridedShard(dim, split_factor=3)`` so each TP rank
+holds ``[q_r | k_r | v_r]``. From torch 2.11 on, DTensor plans any redistribution involving a
+``_StridedShard`` with its graph-based planner, which reads a ``_StridedShard`` as FSDP2's encoding
+of a shard order. A split-factor ``_StridedShard`` is no such encoding, and torch 2.11 then raises
+``ValueError: use_strided_shard_as_shard_order is True, but placements: (_StridedShard(dim=1,
+sf=3),) is unable to be interpreted into a corresponding shard_order`` on every ``full_tensor()``
+or full state dict of such a parameter. torch 2.13 catches that case
+(``_StridedShardNotDecodableError``) and falls back to the greedy per-mesh-dim plan, whose
+``_StridedShard`` steps reassemble the pieces correctly. This backports that fallback; on a torch
+that has the error class it does nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_NOT_DECODABLE = "is unable to be interpreted into a corresponding shard_order"
+
+
+def allow_split_factor_strided_shards() -> None:
+    """Make DTensor redistribute split-factor ``_StridedShard`` tensors on torch releases that cannot
+    (idempotent)."""
+    from torch.distributed.tensor import _dtensor_spec, _redistribute
+
+    if hasattr(_dtensor_spec, "_StridedShardNotDecodableError"):
+        return  # torch >= 2.13 falls back to the greedy plan itself
+    original = _redistribute._gen_transform_infos_non_cached
+    if getattr(original, "whalepy_fallback", False):
+        return
+
+    def gen_transform_infos(src_spec: Any, dst_spec: Any, use_graph_based_transform: bool | None = None) -> Any:
+        try:
+            return original(src_spec, dst_spec, use_graph_based_transform)
+        except ValueError as e:
+            if _NOT_DECODABLE not in str(e):
+                raise
+            planner = _redistribute.get_redistribute_planner(src_spec.device_mesh, src_spec.tensor_meta)
+            return planner.generate_greedy_transform_infos(src_spec, dst_spec)
+
+    gen_transform_infos.whalepy_fallback = True  # type: ignore[attr-defined]
+    # _gen_transform_infos (cached) looks this name up in the module at each call
+    _redistribute._gen_transform_infos_non_cached = gen_transform_infos
