@@ -129,10 +129,14 @@ def test_fsdp_working_set_and_usable_memory() -> None:
     )
 
     p = 1e8
-    # ZeRO-3: the running block and the one prefetched, gathered in 16-bit, and one block's gradient
-    assert estimate_fsdp_working_bytes(block_params=p, zero3=True) == 3 * 2 * p
-    assert estimate_fsdp_working_bytes(block_params=p, zero3=True, prefetch_blocks=0) == 2 * 2 * p
-    assert estimate_fsdp_working_bytes(block_params=p, zero3=False) == 2 * p
+    # ZeRO-3: the running block and the one prefetched, gathered in the compute dtype, and one block's
+    # gradient. Checked in fp32 (4 bytes): in 16-bit the gradient also has its fp32 copy, the
+    # reduce-scatter input of MixedPrecisionPolicy(reduce_dtype=float32), charged since the
+    # runtime-true model-state merge.
+    assert estimate_fsdp_working_bytes(block_params=p, zero3=True, compute_bytes=4) == 3 * 4 * p
+    assert estimate_fsdp_working_bytes(block_params=p, zero3=True, compute_bytes=4, prefetch_blocks=0) == 2 * 4 * p
+    assert estimate_fsdp_working_bytes(block_params=p, zero3=False, compute_bytes=4) == 4 * p
+    assert estimate_fsdp_working_bytes(block_params=p, zero3=True) == 3 * 2 * p + 4 * p
     mem = 80 * 2**30
     usable = estimate_usable_device_bytes(memory_bytes=mem, num_communicators=3)
     assert usable == pytest.approx((mem - CUDA_CONTEXT_BYTES - 3 * NCCL_BYTES_PER_COMMUNICATOR)

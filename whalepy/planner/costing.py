@@ -436,8 +436,7 @@ def _undominated(options, sync, mem, cpu, nvme, working, buffers, cells):  # typ
                 continue
             a, b = vecs[p], vecs[o]
             le = all(x <= y * (1 + 1e-9) + 1e-30 for x, y in zip(a, b))
-            strict = any(x < y * (1 - 1e-9) for x, y in zip(a, b))
-            if le and (strict or options.index(p) < options.index(o)):
+            if le and (options.index(p) < options.index(o) or any(x < y * (1 - 1e-9) for x, y in zip(a, b))):
                 dominated = True
                 break
         if not dominated:
