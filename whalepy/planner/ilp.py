@@ -108,7 +108,8 @@ class _Var:
 
 
 class _Model:
-    """Columns in creation order, rows ``sum d + const (sense) 0`` in addition order, a linear objective."""
+    """Variables, rows ``sum d + const (sense) 0`` in addition order, a linear objective. The solvers
+    receive the variables that appear, sorted by name (:func:`_solve_highs`)."""
 
     def __init__(self) -> None:
         self.vars: list[_Var] = []
@@ -121,6 +122,7 @@ class _Model:
         v = _Var(len(self.vars), name, lb, ub, cat != "Continuous")
         self.vars.append(v)
         return v
+
 
 def _acc(d: dict, form: tuple[dict, float], coef: float) -> float:  # type: ignore[type-arg]
     """``d += coef * form`` (terms); returns ``coef * constant`` for the caller to add."""
