@@ -378,6 +378,12 @@ returned). Not measured on this project's hardware: ``torch.cuda.max_memory_rese
 ``max_memory_allocated`` on a target run should replace it."""
 
 
+def estimate_fixed_device_bytes(num_communicators: int) -> float:
+    """Device memory outside the allocator's reach: the CUDA context and ``num_communicators`` NCCL
+    communicators' buffers."""
+    return CUDA_CONTEXT_BYTES + num_communicators * NCCL_BYTES_PER_COMMUNICATOR
+
+
 def estimate_usable_device_bytes(*, memory_bytes: float, num_communicators: int) -> float:
     """Peak *allocated* bytes a device can hold: its memory less the CUDA context and NCCL buffers,
     divided by ``1 + ALLOCATOR_FRAGMENTATION`` (what the caching allocator reserves for what it hands
@@ -385,15 +391,13 @@ def estimate_usable_device_bytes(*, memory_bytes: float, num_communicators: int)
     if memory_bytes <= 0 or num_communicators < 0:
         raise ValueError(f"memory_bytes ({memory_bytes}) must be > 0 and num_communicators "
                          f"({num_communicators}) >= 0")
-    fixed = CUDA_CONTEXT_BYTES + num_communicators * NCCL_BYTES_PER_COMMUNICATOR
-    return max(0.0, memory_bytes - fixed) / (1 + ALLOCATOR_FRAGMENTATION)
+    return max(0.0, memory_bytes - estimate_fixed_device_bytes(num_communicators)) / (1 + ALLOCATOR_FRAGMENTATION)
 
 
 def estimate_device_bytes_for_usable(usable_bytes: float, *, num_communicators: int = 3) -> float:
     """The inverse of :func:`estimate_usable_device_bytes`: device memory that leaves ``usable_bytes``
     for the allocator with ``num_communicators`` NCCL communicators (for sizing test devices)."""
-    fixed = CUDA_CONTEXT_BYTES + num_communicators * NCCL_BYTES_PER_COMMUNICATOR
-    return usable_bytes * (1 + ALLOCATOR_FRAGMENTATION) + fixed
+    return usable_bytes * (1 + ALLOCATOR_FRAGMENTATION) + estimate_fixed_device_bytes(num_communicators)
 
 
 # -- offload traffic ------------------------------------------------------------------------------

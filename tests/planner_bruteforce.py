@@ -16,6 +16,7 @@ import itertools
 import math
 import random
 
+from whalepy.cost_models.memory import estimate_device_bytes_for_usable
 from whalepy.plan import Schedule
 from whalepy.planner import make_options
 from whalepy.planner.costing import (
@@ -139,12 +140,17 @@ def random_instance(rng: random.Random, *, max_layers: int = 4, max_world: int =
         specs.append(("b", other, 1))
     groups, custom = [], []
     for name, base, n in specs:
-        dev = tiny_device(f"{base}-{rng.getrandbits(24)}", base, need * rng.uniform(0.2, 2.0) / 2**30)
+        # sized by what the allocator may use (device memory less the CUDA context, NCCL buffers and
+        # fragmentation), so "roomy to too small" is about the model, not the fixed reserve
+        usable = need * rng.uniform(0.2, 2.0)
+        dev = tiny_device(f"{base}-{rng.getrandbits(24)}", base, estimate_device_bytes_for_usable(usable) / 2**30)
         groups.append(group(name, dev.name, per_node, n, link=rng.choice(LINKS), custom={dev.name: dev},
                             cpu_gb=cpu, net_gbps=rng.choice([25, 100, 400])))
         custom.append(dev)
     c = cluster(*groups, custom=custom)
-    options = dict(precision=rng.choice(["bf16", "fp16", "fp32"]), max_microbatches=4,
+    # bf16 only where every device type has it (planning bf16 on a T4 or V100 is a PlanError)
+    precisions = ["bf16", "fp16", "fp32"] if all(d.supports_bf16 for d in custom) else ["fp16", "fp32"]
+    options = dict(precision=rng.choice(precisions), max_microbatches=4,
                    schedules=rng.choice([("1f1b",), ("gpipe", "1f1b"), ("1f1b", "interleaved_1f1b"),
                                          ("gpipe", "1f1b", "interleaved_1f1b")]),
                    zero_stages=rng.choice([(0,), (0, 1), (0, 3), (0, 1, 2, 3)]),

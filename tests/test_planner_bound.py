@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from whalepy._capabilities import resolve_precision
 from whalepy._errors import InfeasibleError
 from whalepy.planner import make_options, plan_from_profile
 from whalepy.planner.costing import CostContext, build_coefficients, lower_bound
@@ -117,7 +118,8 @@ def test_bound_below_cost_on_a_full_size_gpt() -> None:
     prof = as_fp32_capture(gpt_profile("gpt3-1.3b"))
     c = cluster(group("t4", "T4", 8, 1, link="pcie3"))
     opts = make_options({})
-    ctx = CostContext(prof, Hardware(c), precision=opts.precision)
+    # the planner's default precision for T4 (fp16: no bf16), as plan_from_profile resolves it
+    ctx = CostContext(prof, Hardware(c), precision=resolve_precision(g.device for g in c.groups).value)
     cons = read_annotations(prof, ctx.hw)
     cands, _ = outer_candidates(ctx, 8)
     segments, options = build_segments(prof), build_state_options(opts.zero_stages, opts.allow_offload)

@@ -123,6 +123,25 @@ def test_infeasible_without_annotations_suggests_fixes() -> None:
     assert "GiB short" in msg and "more devices" in msg
 
 
+def test_device_below_the_fixed_reserve_is_named_before_planning() -> None:
+    """A device with no more memory than the CUDA context and one NCCL communicator take has nothing left
+    for the allocator: a one-line InfeasibleError naming it, from the planner and from estimate."""
+    from whalepy.estimate import estimate_from_profile
+
+    from planner_fixtures import tiny_device
+
+    dev = tiny_device("t4-0.5g", "T4", 0.5)
+    c = cluster(group("small", dev.name, 2, 1, custom={dev.name: dev}), custom=[dev])
+    prof = transformer_profile(num_layers=1, hidden=256, seq_len=128, vocab=8000, num_heads=8)
+    for call in (lambda: plan_from_profile(prof, c, global_batch=2, precision="fp16"),
+                 lambda: estimate_from_profile(prof, c, dict(dp=2), global_batch=2, precision="fp16")):
+        with pytest.raises(InfeasibleError) as e:
+            call()
+        msg = str(e.value)
+        assert "\n" not in msg and "'t4-0.5g'" in msg and "'small'" in msg, msg
+        assert "0.5 GiB of memory" in msg and "0.625 GiB reserved" in msg, msg
+
+
 def test_options_are_validated() -> None:
     with pytest.raises(PlanError, match="solver"):
         plan_from_profile(_small(), a100(1), global_batch=8, solver="gurobi")

@@ -223,6 +223,7 @@ def _balanced_sizes(times: list[float], parts: int) -> list[int]:
 
 def estimate_from_profile(profile: ModelProfile, cluster: ClusterSpec, config: ParallelConfig | dict[str, Any], *,
                           global_batch: int, precision: str | None = None) -> Estimate:
+    from whalepy.planner._runtime_costs import check_device_reserve
     from whalepy.planner.build import build_plan
     from whalepy.planner.costing import CostContext, build_coefficients, evaluate, has_sequence_rules
     from whalepy.planner.space import Candidate, Hardware, StateOption, build_segments
@@ -238,6 +239,7 @@ def estimate_from_profile(profile: ModelProfile, cluster: ClusterSpec, config: P
     option = StateOption(ZeroStage(cfg.zero_stage), tier, Tier.CPU if tier is Tier.CPU else Tier.GPU)
     check_state_option(option.zero, option.param_tier, option.optimizer_tier, where=f"offload={tier.value}")
     hw = Hardware(cluster)
+    check_device_reserve(hw.groups, hw.world_size)
     W = hw.world_size
     if cfg.dp * cfg.tp * cfg.pp != W:
         raise PlanError(f"dp({cfg.dp}) * tp({cfg.tp}) * pp({cfg.pp}) = {cfg.dp * cfg.tp * cfg.pp} != world size "

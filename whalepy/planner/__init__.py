@@ -16,6 +16,7 @@ from typing import Any
 from whalepy._errors import PlanError
 from whalepy.cluster import ClusterSpec
 from whalepy.plan import Plan, Schedule
+from whalepy.planner._runtime_costs import check_device_reserve
 from whalepy.planner.build import build_alternatives, build_plan, raise_infeasible
 from whalepy.planner.search import run_search
 from whalepy.planner.space import Hardware, RejectionKind
@@ -144,12 +145,13 @@ def plan_from_profile(profile: ModelProfile, cluster: ClusterSpec, *, global_bat
     opts = _with_precision(make_options(options), cluster)
     if not isinstance(global_batch, int) or global_batch < 1:
         raise PlanError(f"global_batch must be a positive integer, got {global_batch!r}")
+    hw = Hardware(cluster)
+    check_device_reserve(hw.groups, hw.world_size)
     if opts.homogeneous_baseline:
         return homogeneous_baseline(profile, cluster, global_batch=global_batch,
                                     **{k: getattr(opts, k) for k in _fields() if k != "homogeneous_baseline"})
     _check_sequence_parallel(profile, opts)
     progress = _progress_fn(opts.progress)
-    hw = Hardware(cluster)
     result = run_search(profile, hw, global_batch, opts, progress=progress)
     if result.best is None:
         raise_infeasible(result, opts, global_batch)

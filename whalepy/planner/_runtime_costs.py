@@ -14,8 +14,10 @@ from whalepy.cost_models.communication import Collective, CommGroup, estimate_ov
 from whalepy.cost_models.memory import (
     ALLOCATOR_FRAGMENTATION,
     HALF_PRECISION_BYTES,
+    estimate_fixed_device_bytes,
     estimate_usable_device_bytes,
 )
+from whalepy._errors import InfeasibleError
 from whalepy.plan import Tier
 from whalepy.planner.space import Candidate, GroupView, Segment, StateOption
 from whalepy.runtime.data_parallel import DataParallelKind, choose_kind
@@ -41,6 +43,20 @@ def usable_device_bytes(g: GroupView, cand: Candidate) -> float:
         return g.device.memory_bytes / (1 + ALLOCATOR_FRAGMENTATION)
     comms = sum(1 for degree in (cand.dp, cand.tp, cand.num_stages) if degree > 1)
     return estimate_usable_device_bytes(memory_bytes=g.device.memory_bytes, num_communicators=comms)
+
+
+def check_device_reserve(groups: tuple[GroupView, ...], world_size: int) -> None:
+    """Raise :class:`~whalepy.InfeasibleError` for a GPU whose memory does not exceed what every
+    candidate reserves beside the allocator: the CUDA context, and one NCCL communicator when there is
+    more than one device (every layout of several devices uses at least one parallel axis)."""
+    reserve = estimate_fixed_device_bytes(1 if world_size > 1 else 0)
+    for g in groups:
+        if g.device.vendor != "cpu" and g.device.memory_bytes <= reserve:
+            raise InfeasibleError(
+                f"device {g.device.name!r} (group {g.name!r}) has {g.device.memory_bytes / 2**30:.3g} GiB of "
+                f"memory, not more than the {reserve / 2**30:.3g} GiB reserved for the CUDA context"
+                f"{' and an NCCL communicator' if world_size > 1 else ''} (cost_models/memory.py): give the "
+                "device's real memory_gb in the cluster spec, or use larger devices")
 
 
 def lowering_kind(o: StateOption, cand: Candidate) -> str:

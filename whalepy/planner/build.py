@@ -237,6 +237,11 @@ def build_alternatives(result: SearchResult, best: Evaluation, top_k: int, hw) -
 
 # -- infeasibility ----------------------------------------------------------------------------------
 
+def _fill(c) -> float:  # type: ignore[no-untyped-def]
+    """A cell's memory over its usable capacity (``inf`` where the reserve leaves it none)."""
+    return c.memory_bytes / c.cell.capacity if c.cell.capacity > 0 else math.inf
+
+
 def _min_memory(ctx: CostContext, cand: Candidate, result: SearchResult):  # type: ignore[no-untyped-def]
     """Least-memory configuration of a candidate: even split, everything checkpointed (if allowed),
     the least-memory state option per stage. Returns ``(worst ratio, stage eval, cell eval)``."""
@@ -255,12 +260,12 @@ def _min_memory(ctx: CostContext, cand: Candidate, result: SearchResult):  # typ
         best_stage = None
         for o in sc.options:
             ev = evaluate_stage(sc, chunks, ck, o, dp=cand.dp)
-            ratio = max(c.memory_bytes / c.cell.capacity for c in ev.cells)
+            ratio = max(_fill(c) for c in ev.cells)
             if best_stage is None or ratio < best_stage[0]:
                 best_stage = (ratio, ev)
         assert best_stage is not None
         if worst is None or best_stage[0] > worst[0]:
-            cell = max(best_stage[1].cells, key=lambda c: c.memory_bytes / c.cell.capacity)
+            cell = max(best_stage[1].cells, key=_fill)
             worst = (best_stage[0], best_stage[1], cell)
     return worst
 

@@ -281,11 +281,53 @@ class CostContext:
         self.byte_scale = precision_bytes(precision) / (torch.finfo(getattr(torch, profile.dtype)).bits // 8)
         self.block_time = functools.lru_cache(maxsize=None)(self._block_time)
         self.collective = functools.lru_cache(maxsize=None)(self._collective)
+        # per-segment costs repeat across the stages and candidates of a run: computed once each, keyed
+        # by the segments' identity (hashing them would hash every block profile); _kept keeps them alive
+        self._kept: dict[int, tuple[Segment, ...]] = {}
+        self._cache: dict[tuple, object] = {}  # type: ignore[type-arg]
         nonfinal = [b.output_bytes for b in profile.blocks[:-1]] or [0]
         self.boundary_bytes = float(max(nonfinal)) * self.byte_scale
 
     def _collective(self, kind: Collective, nbytes: float, group: CommGroup) -> float:
         return estimate_collective_time(kind, nbytes, group)
+
+    def _cached(self, name: str, segments: tuple[Segment, ...], args: tuple, fn):  # type: ignore[no-untyped-def, type-arg]
+        key = (name, id(segments), *args)
+        if key not in self._cache:
+            self._kept[id(segments)] = segments
+            self._cache[key] = fn()
+        return self._cache[key]
+
+    def dp_block_comm(self, segments: tuple[Segment, ...], seg_params: tuple[float, ...],
+                      group: CommGroup | None) -> DPComm:
+        """:func:`build_dp_block_comm` of a stage's data-parallel group (cached)."""
+        return self._cached("dp", segments, (seg_params, group), lambda: build_dp_block_comm(
+            self.collective, segments, list(seg_params), group))
+
+    def segment_costs(self, segments: tuple[Segment, ...], device_name: str, tp: int, micro_batch: float,
+                      tp_group: CommGroup | None) -> tuple[tuple[float, ...], ...]:
+        """Cached :meth:`_segment_costs`."""
+        return self._cached("seg", segments, (device_name, tp, micro_batch, tp_group),
+                            lambda: self._segment_costs(segments, device_name, tp, micro_batch, tp_group))
+
+    def _segment_costs(self, segments: tuple[Segment, ...], device_name: str, tp: int, micro_batch: float,
+                       tp_group: CommGroup | None) -> tuple[tuple[float, ...], ...]:
+        """Per segment, one block's ``(time, recompute, forward, backward, TP communication, saved
+        bytes, input bytes)`` for one micro-batch on one device of a TP group (``tp_group``: its ranks'
+        communicator, None without TP): forward and backward each run the block's TP all-reduce."""
+        ratio = micro_batch / self.profile.batch_size
+        rows = []
+        for seg in segments:
+            b = seg.block
+            fwd, bwd = self.block_time(b.index, device_name, tp, micro_batch)
+            ar = 0.0
+            if tp_group is not None and tp_applies(b, tp) and b.tp_comm_bytes:
+                ar = self.collective(Collective.ALL_REDUCE, b.tp_comm_bytes * ratio * self.byte_scale, tp_group)
+            rows.append((fwd + bwd + 2 * ar, fwd + ar, fwd, bwd + ar, 2 * ar,
+                         b.activation_bytes * ratio * self.byte_scale
+                         * tp_activation_fraction(b, tp, self.sequence_parallel),
+                         b.input_bytes * ratio * self.byte_scale))
+        return tuple(zip(*rows)) if rows else ((),) * 7
 
     def _block_time(self, block_index: int, device_name: str, tp: int, micro_batch: float
                     ) -> tuple[float, float]:
@@ -345,7 +387,7 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
             autocast = AUTOCAST_WEIGHT_COPY_BYTES if uses_autocast(kind, ctx.precision) else 0.0
             # DDP's gradient buckets are views of the gradients (gradient_as_bucket_view=True): no copy
             buffer_beta[o] = gathered + max(0.0, accumulate) + autocast
-        dp_comm = build_dp_block_comm(ctx.collective, segments, seg_params, dp_group)
+        dp_comm = ctx.dp_block_comm(segments, tuple(seg_params), dp_group)
         # cells: replicas of this stage with the same group and share cost the same
         keyed: dict[tuple[int, int], list[int]] = {}
         for r in range(d):
@@ -394,8 +436,7 @@ def _undominated(options, sync, mem, cpu, nvme, working, buffers, cells):  # typ
                 continue
             a, b = vecs[p], vecs[o]
             le = all(x <= y * (1 + 1e-9) + 1e-30 for x, y in zip(a, b))
-            strict = any(x < y * (1 - 1e-9) for x, y in zip(a, b))
-            if le and (strict or options.index(p) < options.index(o)):
+            if le and (options.index(p) < options.index(o) or any(x < y * (1 - 1e-9) for x, y in zip(a, b))):
                 dominated = True
                 break
         if not dominated:
@@ -421,20 +462,8 @@ def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: i
     ratio = mb / ctx.profile.batch_size
     rep = reps[0]
     tp_group = hw.comm(ranks[s][rep]) if t > 1 else None
-    seg_time, seg_re, seg_fwd, seg_bwd, seg_comm, seg_saved, seg_input = [], [], [], [], [], [], []
-    for seg in segments:
-        b = seg.block
-        fwd, bwd = ctx.block_time(b.index, g.device.name, t, mb)
-        ar = 0.0
-        if tp_group is not None and tp_applies(b, t) and b.tp_comm_bytes:
-            ar = ctx.collective(Collective.ALL_REDUCE, b.tp_comm_bytes * ratio * ctx.byte_scale, tp_group)
-        seg_time.append(fwd + bwd + 2 * ar)
-        seg_re.append(fwd + ar)
-        seg_fwd.append(fwd)
-        seg_bwd.append(bwd + ar)
-        seg_comm.append(2 * ar)
-        seg_saved.append(b.activation_bytes * ratio * ctx.byte_scale * tp_activation_fraction(b, t, ctx.sequence_parallel))
-        seg_input.append(b.input_bytes * ratio * ctx.byte_scale)
+    seg_time, seg_re, seg_fwd, seg_bwd, seg_comm, seg_saved, seg_input = (
+        list(x) for x in ctx.segment_costs(segments, g.device.name, t, mb, tp_group))
     # point-to-point sends of this physical stage's chunks
     chunk_p2p = []
     nbytes = ctx.boundary_bytes * ratio

@@ -65,6 +65,7 @@ Memory is written in GiB and parameters in billions to keep the coefficients wel
 
 from __future__ import annotations
 
+import math
 import tempfile
 import time
 import warnings
@@ -92,8 +93,38 @@ class ILPResult:
     num_constraints: int
 
 
-# Linear forms are ``(dict[LpVariable, float], constant)``, built without pulp's operator overloading
-# (which dominated model building).
+# Linear forms are ``(dict[_Var, float], constant)``. The model is built in plain Python (``_Model``) and
+# handed to HiGHS as arrays in one call (or converted to PuLP for CBC): PuLP's model building and its
+# column-by-column transfer to HiGHS took longer than HiGHS's solve on the small ILPs the search makes.
+
+LE, GE, EQ = -1, 1, 0
+"""Constraint senses (PuLP's values)."""
+
+
+class _Var:
+    __slots__ = ("index", "name", "lowBound", "upBound", "integer", "varValue")
+
+    def __init__(self, index: int, name: str, lb: float | None, ub: float | None, integer: bool) -> None:
+        self.index, self.name, self.lowBound, self.upBound, self.integer = index, name, lb, ub, integer
+        self.varValue: float | None = None
+
+
+class _Model:
+    """Variables, rows ``sum d + const (sense) 0`` in addition order, a linear objective. The solvers
+    receive the variables that appear, sorted by name (:func:`_solve_highs`)."""
+
+    def __init__(self) -> None:
+        self.vars: list[_Var] = []
+        self.rows: list[tuple[dict, float, int, str]] = []  # type: ignore[type-arg]
+        self.objective: dict = {}  # type: ignore[type-arg]
+
+    def var(self, name: str, lb: float | None, ub: float | None, cat: str) -> _Var:
+        if cat == "Binary":
+            lb, ub = 0, 1
+        v = _Var(len(self.vars), name, lb, ub, cat != "Continuous")
+        self.vars.append(v)
+        return v
+
 
 def _acc(d: dict, form: tuple[dict, float], coef: float) -> float:  # type: ignore[type-arg]
     """``d += coef * form`` (terms); returns ``coef * constant`` for the caller to add."""
@@ -117,27 +148,25 @@ def _expr(d: dict, const: float = 0.0) -> pulp.LpAffineExpression:  # type: igno
 
 @dataclass(slots=True)
 class _Vars:
-    q: list[list[pulp.LpVariable]]
-    r: list[list[pulp.LpVariable]]
+    q: list[list[_Var]]
+    r: list[list[_Var]]
     nj: list[list[tuple[dict, float]]]
     """Blocks of segment g in virtual stage j, as a linear form."""
     n: list[list[tuple[dict, float]]]
     """Blocks of segment g on physical stage s."""
-    c: list[list[pulp.LpVariable]]
+    c: list[list[_Var]]
     """Checkpointed blocks of segment g in virtual stage j."""
-    h: list[list[pulp.LpVariable]]
-    y: list[dict[StateOption, pulp.LpVariable]]
-    Q: list[dict[StateOption, pulp.LpVariable]]
-    T: pulp.LpVariable
-    Tc: pulp.LpVariable | None
-    X: pulp.LpVariable
+    h: list[list[_Var]]
+    y: list[dict[StateOption, _Var]]
+    Q: list[dict[StateOption, _Var]]
+    T: _Var
+    Tc: _Var | None
+    X: _Var
 
 
-def _var(prob: pulp.LpProblem, name: str, lowBound: float | None = None, upBound: float | None = None,
-         cat: str = "Continuous") -> pulp.LpVariable:
-    if hasattr(prob, "add_variable"):  # PuLP >= 3.3 attaches variables to the model
-        return prob.add_variable(name, lowBound, upBound, cat=cat)
-    return pulp.LpVariable(name, lowBound, upBound, cat=cat)
+def _var(prob: _Model, name: str, lowBound: float | None = None, upBound: float | None = None,
+         cat: str = "Continuous") -> _Var:
+    return prob.var(name, lowBound, upBound, cat)
 
 
 def _boundary(cc: CandidateCoeffs, v: _Vars, j: int) -> tuple[dict, float]:  # type: ignore[type-arg]
@@ -164,17 +193,12 @@ def _cum(cc: CandidateCoeffs, v: _Vars, j: int, g: int) -> tuple[dict, float]:  
     return d, 0.0
 
 
-def _add(prob: pulp.LpProblem, d: dict, const: float, sense: int, name: str) -> None:  # type: ignore[type-arg]
+def _add(prob: _Model, d: dict, const: float, sense: int, name: str) -> None:  # type: ignore[type-arg]
     """Add ``sum d + const (sense) 0``."""
-    if _PULP4:
-        e = _expr(d, const)
-        e.sense = sense
-        prob.addConstraint(e, name)
-        return
-    prob.addConstraint(pulp.LpConstraint(_expr(d), sense=sense, rhs=-const), name)
+    prob.rows.append((d, const, sense, name))
 
 
-def build_variables(prob: pulp.LpProblem, cc: CandidateCoeffs) -> _Vars:
+def build_variables(prob: _Model, cc: CandidateCoeffs) -> _Vars:
     cand = cc.candidate
     S, J, G, V = cand.num_stages, cand.num_virtual, len(cc.segments), cand.virtual_stages
     q = [[]] + [[_var(prob, f"q_{j}_{g}", cat="Binary") for g in range(G)] for j in range(1, J)]
@@ -206,41 +230,41 @@ def build_variables(prob: pulp.LpProblem, cc: CandidateCoeffs) -> _Vars:
     return v
 
 
-def _stage_ckpt(v: _Vars, S: int, V: int, s: int, g: int) -> list[pulp.LpVariable]:
+def _stage_ckpt(v: _Vars, S: int, V: int, s: int, g: int) -> list[_Var]:
     return [v.c[s + k * S][g] for k in range(V)]
 
 
-def add_partition_constraints(prob: pulp.LpProblem, cc: CandidateCoeffs, v: _Vars) -> None:
+def add_partition_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
     J, N = cc.candidate.num_virtual, cc.num_blocks
     for j in range(1, J):
-        _add(prob, {x: 1.0 for x in v.q[j]}, -1.0, pulp.LpConstraintEQ, f"one_segment_{j}")
+        _add(prob, {x: 1.0 for x in v.q[j]}, -1.0, EQ, f"one_segment_{j}")
         for g, seg in enumerate(cc.segments):
             if seg.length > 1:
-                _add(prob, {v.r[j][g]: 1.0, v.q[j][g]: -(seg.length - 1.0)}, 0.0, pulp.LpConstraintLE,
+                _add(prob, {v.r[j][g]: 1.0, v.q[j][g]: -(seg.length - 1.0)}, 0.0, LE,
                      f"offset_in_segment_{j}_{g}")
     if J > 1:
-        _add(prob, _boundary(cc, v, 1)[0], -1.0, pulp.LpConstraintGE, "first_stage_nonempty")
-        _add(prob, _boundary(cc, v, J - 1)[0], -(N - 1.0), pulp.LpConstraintLE, "last_stage_nonempty")
+        _add(prob, _boundary(cc, v, 1)[0], -1.0, GE, "first_stage_nonempty")
+        _add(prob, _boundary(cc, v, J - 1)[0], -(N - 1.0), LE, "last_stage_nonempty")
     for j in range(1, J - 1):
         d: dict = {}
         _acc(d, _boundary(cc, v, j + 1), 1.0)
         _acc(d, _boundary(cc, v, j), -1.0)
-        _add(prob, d, -1.0, pulp.LpConstraintGE, f"stage_nonempty_{j}")
+        _add(prob, d, -1.0, GE, f"stage_nonempty_{j}")
 
 
-def add_annotation_constraints(prob: pulp.LpProblem, cc: CandidateCoeffs, v: _Vars,
+def add_annotation_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars,
                                allowed_stages: dict[int, tuple[int, int]]) -> None:
     """``allowed_stages[i] = (lo, hi)``: block at position ``i`` must sit on a virtual stage in lo..hi."""
     J = cc.candidate.num_virtual
     for i, (lo, hi) in sorted(allowed_stages.items()):
         if lo > 0:
-            _add(prob, _boundary(cc, v, lo)[0], -float(i), pulp.LpConstraintLE, f"block_{i}_not_before_stage_{lo}")
+            _add(prob, _boundary(cc, v, lo)[0], -float(i), LE, f"block_{i}_not_before_stage_{lo}")
         if hi + 1 < J:
-            _add(prob, _boundary(cc, v, hi + 1)[0], -(i + 1.0), pulp.LpConstraintGE,
+            _add(prob, _boundary(cc, v, hi + 1)[0], -(i + 1.0), GE,
                  f"block_{i}_not_after_stage_{hi}")
 
 
-def add_checkpoint_constraints(prob: pulp.LpProblem, cc: CandidateCoeffs, v: _Vars, allow: bool) -> None:
+def add_checkpoint_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars, allow: bool) -> None:
     S, V = cc.candidate.num_stages, cc.candidate.virtual_stages
     for j, row in enumerate(v.nj):
         for g in range(len(cc.segments)):
@@ -249,7 +273,7 @@ def add_checkpoint_constraints(prob: pulp.LpProblem, cc: CandidateCoeffs, v: _Va
                 continue
             d: dict = {v.c[j][g]: 1.0}
             const = _acc(d, row[g], -1.0)
-            _add(prob, d, const, pulp.LpConstraintLE, f"ckpt_le_count_{j}_{g}")
+            _add(prob, d, const, LE, f"ckpt_le_count_{j}_{g}")
     for s in range(S):
         for g, seg in enumerate(cc.segments):
             if not allow:
@@ -257,20 +281,20 @@ def add_checkpoint_constraints(prob: pulp.LpProblem, cc: CandidateCoeffs, v: _Va
                 continue
             d = {x: -1.0 for x in _stage_ckpt(v, S, V, s, g)}
             d[v.h[s][g]] = float(seg.length)
-            _add(prob, d, 0.0, pulp.LpConstraintGE, f"any_ckpt_{s}_{g}")
+            _add(prob, d, 0.0, GE, f"any_ckpt_{s}_{g}")
 
 
-def add_state_option_constraints(prob: pulp.LpProblem, cc: CandidateCoeffs, v: _Vars) -> None:
+def add_state_option_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
     for s, sc in enumerate(cc.stages):
         pmax = sum(seg.length * p for seg, p in zip(cc.segments, sc.seg_params)) / _BILLION
-        _add(prob, {v.y[s][o]: 1.0 for o in sc.options}, -1.0, pulp.LpConstraintEQ, f"one_option_{s}")
+        _add(prob, {v.y[s][o]: 1.0 for o in sc.options}, -1.0, EQ, f"one_option_{s}")
         for i, o in enumerate(sc.options):
-            _add(prob, {v.Q[s][o]: 1.0, v.y[s][o]: -pmax}, 0.0, pulp.LpConstraintLE, f"option_params_{s}_{i}")
+            _add(prob, {v.Q[s][o]: 1.0, v.y[s][o]: -pmax}, 0.0, LE, f"option_params_{s}_{i}")
         d = {v.Q[s][o]: 1.0 for o in sc.options}
         const = 0.0
         for g in range(len(cc.segments)):
             const += _acc(d, v.n[s][g], -sc.seg_params[g] / _BILLION)
-        _add(prob, d, const, pulp.LpConstraintEQ, f"option_params_sum_{s}")
+        _add(prob, d, const, EQ, f"option_params_sum_{s}")
 
 
 def _option_forms(sc, per: dict, edge: dict, n_rows, lengths: list[float]):  # type: ignore[no-untyped-def]
@@ -292,7 +316,7 @@ def _option_forms(sc, per: dict, edge: dict, n_rows, lengths: list[float]):  # t
     return out
 
 
-def _with_options(prob: pulp.LpProblem, base: dict, base_const: float, extra: dict, extra_const: float,  # type: ignore[type-arg]
+def _with_options(prob: _Model, base: dict, base_const: float, extra: dict, extra_const: float,  # type: ignore[type-arg]
                   ys: list, big: float, name: str) -> None:
     """``base + extra <= 0`` when one of ``ys`` is 1, relaxed by ``big`` otherwise (big-M; at most one
     option of a stage is chosen)."""
@@ -301,10 +325,10 @@ def _with_options(prob: pulp.LpProblem, base: dict, base_const: float, extra: di
         d[x] = d.get(x, 0.0) + a
     for y in ys:
         d[y] = d.get(y, 0.0) + big
-    _add(prob, d, base_const + extra_const - big, pulp.LpConstraintLE, name)
+    _add(prob, d, base_const + extra_const - big, LE, name)
 
 
-def add_time_constraints(prob: pulp.LpProblem, cc: CandidateCoeffs, v: _Vars) -> None:
+def add_time_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
     S, V = cc.candidate.num_stages, cc.candidate.virtual_stages
     G = len(cc.segments)
     lengths = [float(seg.length) for seg in cc.segments]
@@ -317,13 +341,13 @@ def add_time_constraints(prob: pulp.LpProblem, cc: CandidateCoeffs, v: _Vars) ->
                 if cell.seg_recompute[g]:
                     for x in _stage_ckpt(v, S, V, s, g):
                         d[x] = d.get(x, 0.0) + cell.seg_recompute[g]
-            _add(prob, d, const, pulp.LpConstraintLE, f"time_compute_{s}_{ci}")
+            _add(prob, d, const, LE, f"time_compute_{s}_{ci}")
             edges = {o: V * cell.edge[o] for o in sc.options}
             for i, (opts, ed, ec, big) in enumerate(_option_forms(sc, cell.seg_exposed, edges, v.n[s], lengths)):
                 _with_options(prob, d, const, ed, ec, [v.y[s][o] for o in opts], big, f"time_dp_{s}_{ci}_{i}")
             fetch = {v.Q[s][o]: cell.fetch_beta[o] * _BILLION for o in sc.options if cell.fetch_beta[o]}
             if fetch:
-                _add(prob, {**fetch, v.T: -1.0}, cell.p2p, pulp.LpConstraintLE, f"time_fetch_{s}_{ci}")
+                _add(prob, {**fetch, v.T: -1.0}, cell.p2p, LE, f"time_fetch_{s}_{ci}")
             if v.Tc is None:
                 continue
             for k in range(V):
@@ -334,18 +358,18 @@ def add_time_constraints(prob: pulp.LpProblem, cc: CandidateCoeffs, v: _Vars) ->
                     const += _acc(d, v.nj[j][g], cell.seg_time[g])
                     if cell.seg_recompute[g]:
                         d[v.c[j][g]] = d.get(v.c[j][g], 0.0) + cell.seg_recompute[g]
-                _add(prob, d, const, pulp.LpConstraintLE, f"chunk_time_{s}_{ci}_{k}")
+                _add(prob, d, const, LE, f"chunk_time_{s}_{ci}_{k}")
                 forms = _option_forms(sc, cell.seg_exposed, cell.edge, v.nj[j], lengths)
                 for i, (opts, ed, ec, big) in enumerate(forms):
                     _with_options(prob, d, const, ed, ec, [v.y[s][o] for o in opts], big,
                                   f"chunk_dp_{s}_{ci}_{k}_{i}")
             pmax = max(cell.chunk_p2p)
             if fetch:
-                _add(prob, {**{x: a / V for x, a in fetch.items()}, v.Tc: -1.0}, pmax, pulp.LpConstraintLE,
+                _add(prob, {**{x: a / V for x, a in fetch.items()}, v.Tc: -1.0}, pmax, LE,
                      f"chunk_fetch_{s}_{ci}")
 
 
-def add_tail_constraints(prob: pulp.LpProblem, cc: CandidateCoeffs, v: _Vars) -> None:
+def add_tail_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
     dp = cc.candidate.dp
     lengths = [float(seg.length) for seg in cc.segments]
     for s, sc in enumerate(cc.stages):
@@ -362,7 +386,7 @@ def add_tail_constraints(prob: pulp.LpProblem, cc: CandidateCoeffs, v: _Vars) ->
                 for x, a in post.items():
                     d[x] = d.get(x, 0.0) + a
             d[v.X] = -1.0
-            _add(prob, d, 0.0, pulp.LpConstraintLE, f"tail_opt_{s}_{ci}")
+            _add(prob, d, 0.0, LE, f"tail_opt_{s}_{ci}")
             if dp == 1:
                 continue
             forms = _option_forms(sc, cell.seg_tail, cell.tail_edge, v.n[s], lengths)
@@ -370,7 +394,7 @@ def add_tail_constraints(prob: pulp.LpProblem, cc: CandidateCoeffs, v: _Vars) ->
                 _with_options(prob, d, 0.0, ed, ec, [v.y[s][o] for o in opts], big, f"tail_sync_{s}_{ci}_{i}")
 
 
-def add_memory_constraints(prob: pulp.LpProblem, cc: CandidateCoeffs, v: _Vars) -> None:
+def add_memory_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
     S, V = cc.candidate.num_stages, cc.candidate.virtual_stages
     G = len(cc.segments)
     for s, sc in enumerate(cc.stages):
@@ -393,7 +417,7 @@ def add_memory_constraints(prob: pulp.LpProblem, cc: CandidateCoeffs, v: _Vars) 
             P = _var(prob, f"P_{s}_{ci}", lowBound=0) if ckpt_any else None
             if P is not None:
                 for g in ckpt_any:
-                    _add(prob, {P: -1.0, v.h[s][g]: cell.seg_saved[g] / GIB}, 0.0, pulp.LpConstraintLE,
+                    _add(prob, {P: -1.0, v.h[s][g]: cell.seg_saved[g] / GIB}, 0.0, LE,
                          f"memory_recompute_{s}_{ci}_{g}")
 
             def kept(j: int) -> tuple[dict, float]:  # type: ignore[type-arg]
@@ -420,20 +444,20 @@ def add_memory_constraints(prob: pulp.LpProblem, cc: CandidateCoeffs, v: _Vars) 
                 for k in range(V):
                     kd, kc = kept(s + k * S)
                     kd[A] = -1.0
-                    _add(prob, kd, kc, pulp.LpConstraintLE, f"activations_{s}_{ci}_{k}")
+                    _add(prob, kd, kc, LE, f"activations_{s}_{ci}_{k}")
                 d[A] = 1.0
                 const = 0.0
-            _add(prob, d, const + loss - cell.capacity / GIB, pulp.LpConstraintLE, f"memory_{s}_{ci}")
+            _add(prob, d, const + loss - cell.capacity / GIB, LE, f"memory_{s}_{ci}")
             if freed_any:  # the end of backward: every gradient, no activations
-                _add(prob, dict(full), -cell.capacity / GIB, pulp.LpConstraintLE, f"memory_states_{s}_{ci}")
+                _add(prob, dict(full), -cell.capacity / GIB, LE, f"memory_states_{s}_{ci}")
             hkey = (cell.cpu_capacity, cell.nvme_capacity)
             if hkey in seen_host:
                 continue
             seen_host.add(hkey)
             if cpu:
-                _add(prob, cpu, -(cell.cpu_capacity or 0.0) / GIB, pulp.LpConstraintLE, f"host_memory_{s}_{ci}")
+                _add(prob, cpu, -(cell.cpu_capacity or 0.0) / GIB, LE, f"host_memory_{s}_{ci}")
             if nvme:
-                _add(prob, nvme, -(cell.nvme_capacity or 0.0) / GIB, pulp.LpConstraintLE, f"nvme_{s}_{ci}")
+                _add(prob, nvme, -(cell.nvme_capacity or 0.0) / GIB, LE, f"nvme_{s}_{ci}")
 
 
 MIP_REL_GAP = 1e-4
@@ -471,13 +495,87 @@ def choose_solver(requested: str) -> tuple[str, list[str]]:
                     "CBC; pip install highspy (or use solver='exhaustive' for small models)")
 
 
-def make_solver(name: str, time_limit_s: float, tmpdir: str, cutoff: float | None = None):  # type: ignore[no-untyped-def]
-    if name == "highs":
-        extra = {} if cutoff is None else {"objective_bound": cutoff}
-        return pulp.HiGHS(msg=False, timeLimit=time_limit_s, gapRel=MIP_REL_GAP, threads=1, **extra)
+def _solve_highs(prob: _Model, time_limit_s: float, cutoff: float | None) -> tuple[str, float, float]:
+    """Solve with HiGHS in-process: ``(status, objective, mip gap)``, column values into ``varValue``.
+    ``status``: ``optimal``, ``feasible`` (stopped with a solution), ``infeasible``, ``cutoff`` (nothing
+    below ``cutoff``) or ``no solution``."""
+    import highspy
+    import numpy as np
+
+    h = highspy.Highs()
+    for key, value in (("output_flag", False), ("mip_rel_gap", MIP_REL_GAP), ("threads", 1),
+                       ("time_limit", float(time_limit_s))):
+        h.setOptionValue(key, value)
+    if cutoff is not None:
+        h.setOptionValue("objective_bound", float(cutoff))
+    inf = highspy.kHighsInf
+    # columns: the variables that appear, sorted by name, as PuLP handed them to HiGHS (the same model
+    # gives the same optimum among the many ties of identical layers)
+    used = set(prob.objective)
+    for d, _const, _sense, _name in prob.rows:
+        used.update(d)
+    order = sorted(used, key=lambda x: x.name)
+    cols = {x: i for i, x in enumerate(order)}
+    n = len(order)
+    cost = np.array([prob.objective.get(x, 0.0) for x in order], dtype=float)
+    lower = np.array([-inf if x.lowBound is None else x.lowBound for x in order], dtype=float)
+    upper = np.array([inf if x.upBound is None else x.upBound for x in order], dtype=float)
+    h.addCols(n, cost, lower, upper, 0, np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32), np.zeros(0))
+    ints = np.array([i for i, x in enumerate(order) if x.integer], dtype=np.int32)
+    if len(ints):
+        h.changeColsIntegrality(len(ints), ints, np.full(len(ints), highspy.HighsVarType.kInteger))
+    lo, hi, starts, idx, val = [], [], [], [], []
+    for d, const, sense, _name in prob.rows:
+        lo.append(-const if sense != LE else -inf)
+        hi.append(-const if sense != GE else inf)
+        starts.append(len(idx))
+        for x, a in d.items():
+            if a != 0:
+                idx.append(cols[x])
+                val.append(a)
+    h.addRows(len(lo), np.array(lo, dtype=float), np.array(hi, dtype=float), len(idx),
+              np.array(starts, dtype=np.int32), np.array(idx, dtype=np.int32), np.array(val, dtype=float))
+    h.run()
+    ms, info = h.getModelStatus(), h.getInfo()
+    S = highspy.HighsModelStatus
+    if ms in (S.kInfeasible, S.kUnboundedOrInfeasible):
+        return "infeasible", math.inf, 0.0
+    if ms == S.kObjectiveBound:
+        return "cutoff", math.inf, 0.0
+    if info.primal_solution_status != 2:  # kSolutionStatusFeasible: no solution to read
+        return "no solution", math.inf, 0.0
+    for x, value in zip(order, h.getSolution().col_value):
+        x.varValue = value
+    if ms == S.kOptimal:
+        return "optimal", info.objective_function_value, 0.0
+    return "feasible", info.objective_function_value, float(info.mip_gap)
+
+
+def _solve_cbc(prob: _Model, time_limit_s: float) -> tuple[str, float, float]:
+    """Solve with CBC through PuLP (HiGHS unavailable, or asked for); same results as
+    :func:`_solve_highs`. PuLP 3 and 4 both (:func:`_expr`, :func:`_outcome`)."""
+    lp = pulp.LpProblem("whalepy_plan", pulp.LpMinimize)
+    cols = [pulp.LpVariable(x.name, x.lowBound, x.upBound, cat="Integer" if x.integer else "Continuous")
+            for x in prob.vars]
+    lp.setObjective(_expr({cols[x.index]: a for x, a in prob.objective.items()}))
+    for d, const, sense, name in prob.rows:
+        terms = {cols[x.index]: a for x, a in d.items()}
+        if _PULP4:
+            e = _expr(terms, const)
+            e.sense = sense
+            lp.addConstraint(e, name)
+        else:
+            lp.addConstraint(pulp.LpConstraint(_expr(terms), sense=sense, rhs=-const), name)
     solver = _cbc(msg=False, timeLimit=max(1, int(round(time_limit_s))), gapRel=MIP_REL_GAP)
-    solver.tmpDir = tmpdir
-    return solver
+    # CBC writes its model and solution files into tmpDir; the process's working directory is left alone
+    with tempfile.TemporaryDirectory(prefix="whalepy_ilp_") as tmp:
+        solver.tmpDir = tmp
+        outcome = _outcome(lp, lp.solve(solver))
+    if outcome in ("infeasible", "no solution"):
+        return outcome, math.inf, 0.0
+    for x, col in zip(prob.vars, cols):
+        x.varValue = col.varValue
+    return outcome, float(pulp.value(lp.objective)), math.nan if outcome == "feasible" else 0.0
 
 
 def solve_candidate(cc: CandidateCoeffs, *, allowed_stages: dict[int, tuple[int, int]],
@@ -486,15 +584,16 @@ def solve_candidate(cc: CandidateCoeffs, *, allowed_stages: dict[int, tuple[int,
     """Build and solve the ILP of one candidate; the returned evaluation is the costing of the solution.
 
     ``cutoff``: only solutions with a smaller objective are wanted (the incumbent of the outer search);
-    with HiGHS a candidate that cannot beat it comes back ``"infeasible"`` sooner. CBC ignores it."""
+    with HiGHS a candidate that cannot beat it comes back ``"no better than the incumbent"`` sooner. CBC
+    ignores it while solving."""
     t0 = time.perf_counter()
-    prob = pulp.LpProblem("whalepy_plan", pulp.LpMinimize)
+    prob = _Model()
     v = build_variables(prob, cc)
     M, S = cc.candidate.num_microbatches, cc.candidate.num_stages
     if v.Tc is None:
-        prob.setObjective(_expr({v.T: float(M + S - 1), v.X: 1.0}))
+        prob.objective = {v.T: float(M + S - 1), v.X: 1.0}
     else:
-        prob.setObjective(_expr({v.T: float(M), v.Tc: cc.chunk_coefficient, v.X: 1.0}))
+        prob.objective = {v.T: float(M), v.Tc: cc.chunk_coefficient, v.X: 1.0}
     add_partition_constraints(prob, cc, v)
     add_annotation_constraints(prob, cc, v, allowed_stages)
     add_checkpoint_constraints(prob, cc, v, allow_checkpointing)
@@ -502,23 +601,18 @@ def solve_candidate(cc: CandidateCoeffs, *, allowed_stages: dict[int, tuple[int,
     add_time_constraints(prob, cc, v)
     add_tail_constraints(prob, cc, v)
     add_memory_constraints(prob, cc, v)
-    # CBC writes its model and solution files into tmpDir; HiGHS runs in-process. The process's working
-    # directory is left alone.
-    with tempfile.TemporaryDirectory(prefix="whalepy_ilp_") as tmp:
-        outcome = _outcome(prob, prob.solve(make_solver(solver, time_limit_s, tmp, cutoff)))
-    nvars = len(prob.variables())
-    ncons = prob.numConstraints() if hasattr(prob, "numConstraints") else len(prob.constraints)
+    if solver == "highs":
+        status, objective, gap = _solve_highs(prob, time_limit_s, cutoff)
+    else:
+        status, objective, gap = _solve_cbc(prob, time_limit_s)
+    nvars, ncons = len(prob.vars), len(prob.rows)
     elapsed = time.perf_counter() - t0
-    if outcome == "infeasible":
-        return ILPResult("infeasible" if cutoff is None else "no better than the incumbent", None,
-                         float("inf"), 0.0, elapsed, nvars, ncons)
-    if outcome == "no solution":
-        return ILPResult("no solution", None, float("inf"), 0.0, elapsed, nvars, ncons)
-    if cutoff is not None and float(pulp.value(prob.objective)) >= cutoff:
-        return ILPResult("no better than the incumbent", None, float("inf"), 0.0, elapsed, nvars, ncons)
-    gap = 0.0 if outcome == "optimal" else _highs_gap(prob)
-    ev = _extract(cc, v)
-    return ILPResult(outcome, ev, float(pulp.value(prob.objective)), gap, elapsed, nvars, ncons)
+    if status in ("infeasible", "cutoff") or (cutoff is not None and objective >= cutoff):
+        status = "infeasible" if status == "infeasible" and cutoff is None else "no better than the incumbent"
+        return ILPResult(status, None, math.inf, 0.0, elapsed, nvars, ncons)
+    if status == "no solution":
+        return ILPResult(status, None, math.inf, 0.0, elapsed, nvars, ncons)
+    return ILPResult(status, _extract(cc, v), objective, gap, elapsed, nvars, ncons)
 
 
 def _outcome(prob: pulp.LpProblem, solved) -> str:  # type: ignore[no-untyped-def]
@@ -537,14 +631,6 @@ def _outcome(prob: pulp.LpProblem, solved) -> str:  # type: ignore[no-untyped-de
     if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
         return "no solution"
     return "optimal" if prob.sol_status == pulp.LpSolutionOptimal else "feasible"
-
-
-def _highs_gap(prob: pulp.LpProblem) -> float:
-    model = getattr(prob, "solverModel", None)
-    try:
-        return float(model.getInfo().mip_gap)  # type: ignore[union-attr]
-    except Exception:  # noqa: BLE001 - CBC or an older highspy: the gap is not reachable
-        return float("nan")
 
 
 def _extract(cc: CandidateCoeffs, v: _Vars) -> Evaluation:
