@@ -31,6 +31,7 @@ import torch
 import torch.fx as fx
 
 from whalepy._errors import CaptureError
+from whalepy._hf_compat import export_compat
 
 _FIXES = (
     "Usual fixes: for HuggingFace models set config.use_cache=False (a returned DynamicCache "
@@ -126,7 +127,8 @@ def _capture_export(model: torch.nn.Module, args: tuple, kwargs: dict) -> fx.Gra
     saved = getattr(fx_config, "do_not_emit_stack_traces", False)
     fx_config.do_not_emit_stack_traces = True
     try:
-        ep = torch.export.export(model, args, kwargs, strict=False)
+        with export_compat():  # models written for transformers 4.x (see whalepy._hf_compat)
+            ep = torch.export.export(model, args, kwargs, strict=False)
     finally:
         if had:
             fx_config.do_not_emit_stack_traces = saved

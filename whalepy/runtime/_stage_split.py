@@ -37,6 +37,7 @@ from torch.export.graph_signature import (
 )
 
 from whalepy._errors import CaptureError
+from whalepy._hf_compat import export_compat
 
 __all__ = ["retarget_device", "split_stages", "tied_parameters"]
 
@@ -134,9 +135,10 @@ def _check_stage_blocks(model: nn.Module, stage_blocks: list[tuple[str, ...]]) -
 
 def _export(model: nn.Module, args: tuple, kwargs: dict, paths: tuple[str, ...]) -> Any:
     try:
-        return torch.export.export(
-            model, args, kwargs, strict=False, preserve_module_call_signature=paths
-        )
+        with export_compat():  # models written for transformers 4.x (see whalepy._hf_compat)
+            return torch.export.export(
+                model, args, kwargs, strict=False, preserve_module_call_signature=paths
+            )
     except Exception as e:  # noqa: BLE001 - any trace failure is reported as a CaptureError
         raise CaptureError(
             f"torch.export could not trace {type(model).__name__} while preserving the call "
@@ -428,6 +430,8 @@ def _build_stage(
             needed_free.add(x)
             todo.extend(x.all_input_nodes)
 
+    needed_free |= _vmap_brackets(nodes, needed_free | set(own))
+
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     inputs = live_in(k)
@@ -458,6 +462,35 @@ def _build_stage(
         if target.startswith(_CONST_PREFIX):  # lifted constants are not model state
             _set_persistent(gm, target, persistent=False)
     return gm
+
+
+_VMAP_ENTER = "_vmap_increment_nesting"
+_VMAP_EXIT = "_vmap_decrement_nesting"
+
+
+def _vmap_brackets(nodes: list[fx.Node], selected: set[fx.Node]) -> set[fx.Node]:
+    """The ``_vmap_increment_nesting`` / ``_vmap_decrement_nesting`` calls around selected nodes.
+
+    ``torch.vmap`` in a forward (transformers 4.x builds its attention masks with it) is exported as
+    level-numbered batching ops between these two calls. They return nothing anyone uses, so a stage
+    built from the nodes its outputs depend on would drop them and run the batching ops outside any
+    vmap level; a stage that keeps a node inside such a region keeps the region's brackets too.
+    """
+    kept: set[fx.Node] = set()
+    open_regions: list[tuple[fx.Node, bool]] = []  # (enter node, does the region hold a selected node)
+    for n in nodes:
+        name = getattr(n.target, "__name__", "") if n.op == "call_function" else ""
+        if name == _VMAP_ENTER:
+            open_regions.append((n, False))
+        elif name == _VMAP_EXIT and open_regions:
+            enter, used = open_regions.pop()
+            if used:
+                kept |= {enter, n}
+                if open_regions:  # the enclosing region holds what this one holds
+                    open_regions[-1] = (open_regions[-1][0], True)
+        elif n in selected and open_regions:
+            open_regions[-1] = (open_regions[-1][0], True)
+    return kept
 
 
 # -- 4. state ownership ------------------------------------------------------------------------

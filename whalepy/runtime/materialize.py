@@ -8,7 +8,8 @@ its own ``_apply``) and fill them from one of three sources:
 - **initialisation** (default). Every tensor's FULL value is generated on the host, one module at a
   time, by that module's own initialiser run on a host copy of it (``init_fn(module)`` when given,
   otherwise ``module.reset_parameters()`` and then the root model's ``_init_weights(module)``, which is
-  HF's per-module initialiser and also recomputes HF's rotary tables). The random generator is seeded
+  HF's per-module initialiser and also recomputes HF's rotary tables; under transformers 4.x, whose
+  ``_init_weights`` does not, ``whalepy._hf_compat.init_rotary_tables`` does). The random generator is seeded
   from ``(seed, module path)``, so the values depend neither on the plan nor on the rank, and a
   single process (:func:`materialize`) gets the same weights. Only this rank's slice is kept.
 - **safetensors** (HF ``save_pretrained`` output: one file, or shards with
@@ -38,6 +39,7 @@ import torch
 from torch import nn
 
 from whalepy._errors import WhalepyError
+from whalepy._hf_compat import init_rotary_tables, relink_original_inv_freq
 
 __all__ = ["MaterializeStats", "Skeleton", "checkpoint_kind", "has_meta_tensors", "materialize",
            "materialize_modules", "snapshot"]
@@ -216,6 +218,7 @@ def init_module(skeleton: Skeleton, path: str, *, seed: int, init_fn: InitFn | N
                 host.reset_parameters()
             if callable(root_init):
                 root_init(host)
+            init_rotary_tables(host)  # transformers 4.x: _init_weights leaves them alone
     return host
 
 
@@ -375,6 +378,7 @@ def materialize_modules(
         from whalepy.runtime.checkpointing import load_model_state
 
         load_model_state(checkpoint, modules)
+    relink_original_inv_freq(modules)
     return MaterializeStats(share_bytes=share, peak_bytes=share + largest, largest_unit_bytes=largest,
                             num_tensors=len(targets))
 
