@@ -24,7 +24,9 @@ Variables
     stage ``s`` checkpoints ``sum_k c[s+kS][g]``; ``h[s][g]`` binary: any are;
     ``y[s][o]`` binary: stage ``s`` uses state option ``o`` (ZeRO stage x optimizer tier x parameter
     tier); ``Q[s][o] >= 0``: the stage's parameters per device if it uses ``o``, else 0
-    (disaggregation of the product ``y * Pl``);
+    (disaggregation of the product ``y * Pl``); ``Nb[j][o][g] >= 0``: blocks of segment ``g`` in
+    virtual stage ``j`` if its stage uses ``o``, else 0 (disaggregation of ``y * n``; only for segments
+    some option of the stage exposes communication on);
     ``T``: time of the slowest stage per micro-batch (all its chunks); ``Tc`` (interleaved only): time
     of the slowest chunk (virtual stage) per micro-batch; ``X``: the slowest stage's exposed gradient
     synchronisation plus optimizer step; per cell ``A`` (GiB of activations: in-flight chunks times the
@@ -46,15 +48,17 @@ Constraint families (each added by the function named)
     checkpointing (``add_checkpoint_constraints``): ``c[j][g] <= E[j+1][g] - E[j][g]``,
     ``L_g h[s][g] >= sum_k c[s+kS][g]``;
     state options (``add_state_option_constraints``): ``sum_o y = 1``, ``Q <= P_max y``,
-    ``sum_o Q[s][o] = Pl_s = sum_g n[s][g] p_g``;
+    ``sum_o Q[s][o] = Pl_s = sum_g n[s][g] p_g``; (``add_option_block_variables``)
+    ``Nb[j][o][g] <= L_g y[s][o]``, ``sum_o Nb[j][o][g] = E[j+1][g] - E[j][g]``;
     time (``add_time_constraints``), for every cell (stage, group, share):
-    ``T >= compute + p2p``, ``T >= fetch + p2p`` (overlapped transfers), and per state option ``o``
-    with exposed data-parallel communication ``T >= compute + dp_o + p2p - M_o (1 - y[s][o])`` (big-M:
-    ``dp_o = sum_g n[s][g] exposed_og + v edge_o`` is linear in the blocks but applies only to the
-    chosen option; ``M_o`` is its value with every block of the model on the stage);
+    ``T >= compute + p2p``, ``T >= fetch + p2p`` (overlapped transfers), and
+    ``T >= compute + p2p + sum_o (sum_{j of s} sum_g Nb[j][o][g] exposed_og + v edge_o y[s][o])``: the
+    chosen option's exposed data-parallel communication, zero for the others (no big-M: the older
+    ``T >= compute + dp_o + p2p - M_o (1 - y[s][o])`` per option had the same integer solutions but an LP
+    relaxation so weak that HiGHS took seconds to refute interleaved candidates);
     interleaved, per chunk ``k``: the same with the chunk's blocks, ``Tc >= fetch / v + max_k p2p_k``;
-    tail (``add_tail_constraints``): ``X >= opt + post``, and per option
-    ``X >= opt + post + sum_g n[s][g] tail_og + tail_edge_o - M_o (1 - y[s][o])`` per cell;
+    tail (``add_tail_constraints``): ``X >= opt + post``, and
+    ``X >= opt + post + sum_o (sum_{j of s} sum_g Nb[j][o][g] tail_og + tail_edge_o y[s][o])`` per cell;
     memory (``add_memory_constraints``): per cell ``A >= inflight * kept_k`` for every chunk ``k``,
     ``P >= saved_g h[s][g]`` for every segment (one checkpointed block is recomputed at a time) and
     ``states + buffers + A + P <= capacity``;
@@ -69,7 +73,7 @@ import math
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pulp
 
@@ -162,6 +166,7 @@ class _Vars:
     T: _Var
     Tc: _Var | None
     X: _Var
+    Nb: list[dict[StateOption, dict[int, _Var]]] = field(default_factory=list)
 
 
 def _var(prob: _Model, name: str, lowBound: float | None = None, upBound: float | None = None,
@@ -297,41 +302,50 @@ def add_state_option_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) ->
         _add(prob, d, const, EQ, f"option_params_sum_{s}")
 
 
-def _option_forms(sc, per: dict, edge: dict, n_rows, lengths: list[float]):  # type: ignore[no-untyped-def]
-    """The chosen option's extra ``sum_g n_g per[o][g] + edge[o]``, as ``(options, linear form, big-M)``
-    for each distinct nonzero ``(per, edge)`` (options lowered alike share one constraint; ``n_rows``:
-    the blocks per segment as linear forms). Big-M is the form's largest value, every block of every
-    segment on this stage."""
-    groups: dict[tuple, list] = {}  # type: ignore[type-arg]
-    for o in sc.options:
-        if any(per[o]) or edge[o]:
-            groups.setdefault((tuple(per[o]), edge[o]), []).append(o)
-    out = []
-    for (row, e), opts in groups.items():
-        d: dict = {}
-        const = e
-        for g, x in enumerate(row):
-            const += _acc(d, n_rows[g], x)
-        out.append((opts, d, const, sum(L * x for L, x in zip(lengths, row)) + e))
-    return out
+def add_option_block_variables(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
+    """``Nb[j][o][g]``: blocks of segment ``g`` in virtual stage ``j`` if its stage uses option ``o``,
+    else 0 (the disaggregation of ``y * n``, as ``Q`` is of ``y * Pl``): ``0 <= Nb <= L_g y``,
+    ``sum_o Nb[j][o][g] = n_j[g]``. The options' exposed communication is then one linear term per
+    option, ``sum_g Nb exposed_og``, in the time and tail constraints, with a tight LP relaxation (the
+    older big-M constraint per option, relaxed by the whole model's exposure when the option was not
+    chosen, left HiGHS at its time limit on interleaved candidates). Only for segments some option
+    exposes communication on, and only on stages with such an option."""
+    S, J = cc.candidate.num_stages, cc.candidate.num_virtual
+    v.Nb = [dict() for _ in range(J)]
+    for s, sc in enumerate(cc.stages):
+        active = [g for g in range(len(cc.segments))
+                  if any(c.seg_exposed[o][g] or c.seg_tail[o][g] for c in sc.cells for o in sc.options)]
+        if not active:
+            continue
+        for j in range(s, J, S):
+            for i, o in enumerate(sc.options):
+                v.Nb[j][o] = {g: _var(prob, f"Nb_{j}_{i}_{g}", lowBound=0) for g in active}
+            for g in active:
+                L = float(cc.segments[g].length)
+                for i, o in enumerate(sc.options):
+                    _add(prob, {v.Nb[j][o][g]: 1.0, v.y[s][o]: -L}, 0.0, LE, f"option_blocks_{j}_{g}_{i}")
+                d: dict = {v.Nb[j][o][g]: 1.0 for o in sc.options}
+                const = _acc(d, v.nj[j][g], -1.0)
+                _add(prob, d, const, EQ, f"option_blocks_sum_{j}_{g}")
 
 
-def _with_options(prob: _Model, base: dict, base_const: float, extra: dict, extra_const: float,  # type: ignore[type-arg]
-                  ys: list, big: float, name: str) -> None:
-    """``base + extra <= 0`` when one of ``ys`` is 1, relaxed by ``big`` otherwise (big-M; at most one
-    option of a stage is chosen)."""
+def _option_terms(base: dict, v: _Vars, s: int, sc, chunks: list[int], per: dict, edge: dict) -> dict | None:  # type: ignore[no-untyped-def, type-arg]
+    """``base + sum_o (sum_{j in chunks} sum_g Nb[j][o][g] per[o][g] + edge[o] y[s][o])`` (the chosen
+    option's exposed communication added), or None when no option exposes any."""
     d = dict(base)
-    for x, a in extra.items():
-        d[x] = d.get(x, 0.0) + a
-    for y in ys:
-        d[y] = d.get(y, 0.0) + big
-    _add(prob, d, base_const + extra_const - big, LE, name)
+    for o in sc.options:
+        if edge[o]:
+            d[v.y[s][o]] = d.get(v.y[s][o], 0.0) + edge[o]
+        for j in chunks:
+            for g, x in v.Nb[j].get(o, {}).items():
+                if per[o][g]:
+                    d[x] = d.get(x, 0.0) + per[o][g]
+    return d if len(d) > len(base) else None
 
 
 def add_time_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
     S, V = cc.candidate.num_stages, cc.candidate.virtual_stages
     G = len(cc.segments)
-    lengths = [float(seg.length) for seg in cc.segments]
     for s, sc in enumerate(cc.stages):
         for ci, cell in enumerate(sc.cells):
             d: dict = {v.T: -1.0}
@@ -342,9 +356,10 @@ def add_time_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
                     for x in _stage_ckpt(v, S, V, s, g):
                         d[x] = d.get(x, 0.0) + cell.seg_recompute[g]
             _add(prob, d, const, LE, f"time_compute_{s}_{ci}")
-            edges = {o: V * cell.edge[o] for o in sc.options}
-            for i, (opts, ed, ec, big) in enumerate(_option_forms(sc, cell.seg_exposed, edges, v.n[s], lengths)):
-                _with_options(prob, d, const, ed, ec, [v.y[s][o] for o in opts], big, f"time_dp_{s}_{ci}_{i}")
+            dd = _option_terms(d, v, s, sc, [s + k * S for k in range(V)], cell.seg_exposed,
+                               {o: V * cell.edge[o] for o in sc.options})
+            if dd is not None:
+                _add(prob, dd, const, LE, f"time_dp_{s}_{ci}")
             fetch = {v.Q[s][o]: cell.fetch_beta[o] * _BILLION for o in sc.options if cell.fetch_beta[o]}
             if fetch:
                 _add(prob, {**fetch, v.T: -1.0}, cell.p2p, LE, f"time_fetch_{s}_{ci}")
@@ -359,10 +374,9 @@ def add_time_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
                     if cell.seg_recompute[g]:
                         d[v.c[j][g]] = d.get(v.c[j][g], 0.0) + cell.seg_recompute[g]
                 _add(prob, d, const, LE, f"chunk_time_{s}_{ci}_{k}")
-                forms = _option_forms(sc, cell.seg_exposed, cell.edge, v.nj[j], lengths)
-                for i, (opts, ed, ec, big) in enumerate(forms):
-                    _with_options(prob, d, const, ed, ec, [v.y[s][o] for o in opts], big,
-                                  f"chunk_dp_{s}_{ci}_{k}_{i}")
+                dd = _option_terms(d, v, s, sc, [j], cell.seg_exposed, cell.edge)
+                if dd is not None:
+                    _add(prob, dd, const, LE, f"chunk_dp_{s}_{ci}_{k}")
             pmax = max(cell.chunk_p2p)
             if fetch:
                 _add(prob, {**{x: a / V for x, a in fetch.items()}, v.Tc: -1.0}, pmax, LE,
@@ -371,7 +385,7 @@ def add_time_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
 
 def add_tail_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
     dp = cc.candidate.dp
-    lengths = [float(seg.length) for seg in cc.segments]
+    S, V = cc.candidate.num_stages, cc.candidate.virtual_stages
     for s, sc in enumerate(cc.stages):
         post: dict = {}
         for o in sc.options:
@@ -389,9 +403,9 @@ def add_tail_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
             _add(prob, d, 0.0, LE, f"tail_opt_{s}_{ci}")
             if dp == 1:
                 continue
-            forms = _option_forms(sc, cell.seg_tail, cell.tail_edge, v.n[s], lengths)
-            for i, (opts, ed, ec, big) in enumerate(forms):
-                _with_options(prob, d, 0.0, ed, ec, [v.y[s][o] for o in opts], big, f"tail_sync_{s}_{ci}_{i}")
+            dd = _option_terms(d, v, s, sc, [s + k * S for k in range(V)], cell.seg_tail, cell.tail_edge)
+            if dd is not None:
+                _add(prob, dd, 0.0, LE, f"tail_sync_{s}_{ci}")
 
 
 def add_memory_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
@@ -598,6 +612,7 @@ def solve_candidate(cc: CandidateCoeffs, *, allowed_stages: dict[int, tuple[int,
     add_annotation_constraints(prob, cc, v, allowed_stages)
     add_checkpoint_constraints(prob, cc, v, allow_checkpointing)
     add_state_option_constraints(prob, cc, v)
+    add_option_block_variables(prob, cc, v)
     add_time_constraints(prob, cc, v)
     add_tail_constraints(prob, cc, v)
     add_memory_constraints(prob, cc, v)

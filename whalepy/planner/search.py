@@ -7,6 +7,8 @@ stages as if blocks were divisible, bubbles included, nothing else); once the bo
 no better than the incumbent, the rest cannot win and are not solved. The bound is below every plan of
 its candidate by construction (the argument is in its docstring), so the pruning never loses the
 optimum: ``tests/test_planner_bound.py`` checks this against a brute force without any pruning.
+Each ILP gets a short first look; those it does not settle are solved in full after the others, against
+the better incumbent found by then (:data:`FIRST_LOOK_S`).
 
 Mixed clusters. Two layouts are enumerated: ``"replicas"`` (each data-parallel replica is a whole
 pipeline on one group; replicas get uneven integer batch shares, tried from uniform to proportional to
@@ -17,6 +19,7 @@ counts). TP stays inside a node of one type by construction.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -337,6 +340,13 @@ def allowed_stage_ranges(cand: Candidate, cons: Constraints) -> dict[int, tuple[
     return out
 
 
+FIRST_LOOK_S = 0.15
+"""Time limit of a candidate's first look (first pass of :func:`run_search`); candidates whose ILP it
+does not settle are solved with the full ``ilp_time_limit_s`` after all others. Short, because the
+first look's job is to settle the easy candidates and find incumbents: many ILPs of the benchmark cases
+settle in under 0.1 s, and the hard ones did not settle in 0.5 s either (measured, docs/benchmarks.md)."""
+
+
 def run_search(profile: ModelProfile, hw: Hardware, G: int, opts, *,  # type: ignore[no-untyped-def]
                progress: Callable[[str], None], force_uniform: bool = False) -> SearchResult:
     t0 = time.perf_counter()
@@ -360,29 +370,53 @@ def run_search(profile: ModelProfile, hw: Hardware, G: int, opts, *,  # type: ig
     solved: list[tuple[Candidate, ILPResult]] = []
     best: tuple[float, Evaluation, ILPResult] | None = None
     hit_limit = False
-    for lb, _, cand in bounded:
-        if best is not None and lb >= best[0] * (1 - 1e-9):
-            rejections.append(Rejection(cand, f"pruned: its lower bound {lb:.4g} s is not below the best "
-                                        f"{best[0]:.4g} s", lb, kind=RejectionKind.PRUNED))
-            continue
-        remaining = opts.time_limit_s - (time.perf_counter() - t0)
-        if remaining <= 0:
-            hit_limit = True
-            rejections.append(Rejection(cand, f"time limit: the search's {opts.time_limit_s:g} s ran out "
-                                        "before it was solved", lb, kind=RejectionKind.TIME_LIMIT))
-            continue
-        cc = build_coefficients(ctx, cand, segments, options)
-        allowed = allowed_stage_ranges(cand, cons)
-        if solver == "exhaustive":
-            res = solve_exhaustive(cc, allowed_stages=allowed, allow_checkpointing=opts.allow_checkpointing)
-        else:
-            res = solve_candidate(cc, allowed_stages=allowed, allow_checkpointing=opts.allow_checkpointing,
-                                  solver=solver, time_limit_s=max(0.5, min(remaining, opts.ilp_time_limit_s)),
-                                  cutoff=best[0] * (1 - MIP_REL_GAP) if best is not None else None)
-        solved.append((cand, res))
-        if res.evaluation is not None and (best is None or res.evaluation.step_time_s < best[0]):
-            best = (res.evaluation.step_time_s, res.evaluation, res)
-            progress(f"  best so far {best[0]:.4g} s/step: {cand.describe(hw.groups)}")
+    # Two passes: a candidate whose ILP is not settled within a short first look (FIRST_LOOK_S) is set
+    # aside and solved in full after the others, when the incumbent they found
+    # lets HiGHS prove it cannot win in a fraction of the time. Its first-look solution, if any, is a
+    # real plan and counts as an incumbent meanwhile. Every candidate still ends pruned by its bound or
+    # solved with the full limit, so the optimum found is the same (a different tie is possible).
+    deferred: list[tuple[float, int, Candidate]] = []
+    first_look: dict[int, ILPResult] = {}
+    for pass_no, queue in ((0, bounded), (1, deferred)):
+        for lb, idx, cand in sorted(queue, key=lambda x: (x[0], x[1])):
+            if best is not None and lb >= best[0] * (1 - 1e-9):
+                rejections.append(Rejection(cand, f"pruned: its lower bound {lb:.4g} s is not below the best "
+                                            f"{best[0]:.4g} s", lb, kind=RejectionKind.PRUNED))
+                continue
+            remaining = opts.time_limit_s - (time.perf_counter() - t0)
+            if remaining <= 0:
+                hit_limit = True
+                rejections.append(Rejection(cand, f"time limit: the search's {opts.time_limit_s:g} s ran out "
+                                            "before it was solved", lb, kind=RejectionKind.TIME_LIMIT))
+                continue
+            cc = build_coefficients(ctx, cand, segments, options)
+            allowed = allowed_stage_ranges(cand, cons)
+            if solver == "exhaustive":
+                res = solve_exhaustive(cc, allowed_stages=allowed, allow_checkpointing=opts.allow_checkpointing)
+            else:
+                full = max(0.5, min(remaining, opts.ilp_time_limit_s))
+                limit = full if pass_no else min(full, FIRST_LOOK_S)
+                res = solve_candidate(cc, allowed_stages=allowed, allow_checkpointing=opts.allow_checkpointing,
+                                      solver=solver, time_limit_s=limit,
+                                      cutoff=best[0] * (1 - MIP_REL_GAP) if best is not None else None)
+                if pass_no == 0 and limit < full and res.status in ("feasible", "no solution"):
+                    deferred.append((lb, idx, cand))
+                    first_look[idx] = res
+                else:
+                    if best is not None and best[2] is first_look.get(idx) and res.evaluation is None:
+                        # its own first-look plan is still the incumbent: if nothing beats it (settled
+                        # before the time limit) it is proven within the gap, else it stays "feasible"
+                        proven = res.status != "no solution" and res.solve_time_s < 0.9 * limit
+                        res = best[2]
+                        if proven:
+                            res = dataclasses.replace(res, status="optimal", mip_gap=MIP_REL_GAP)
+                        best = (best[0], best[1], res)
+                    solved.append((cand, res))
+            if solver == "exhaustive":
+                solved.append((cand, res))
+            if res.evaluation is not None and (best is None or res.evaluation.step_time_s < best[0]):
+                best = (res.evaluation.step_time_s, res.evaluation, res)
+                progress(f"  best so far {best[0]:.4g} s/step: {cand.describe(hw.groups)}")
     elapsed = time.perf_counter() - t0
     progress(f"search done in {elapsed:.2f} s ({len(solved)} ILPs solved)")
     if hit_limit:
