@@ -1,5 +1,5 @@
 """How the runtime runs data parallelism, in the terms of the cost model: which wrapper a state option is
-lowered to (the runtime's own :func:`~whalepy.runtime.data_parallel.choose_kind`), which of its
+lowered to (the runtime's own :func:`~whalepy._capabilities.choose_lowering_kind`), which of its
 collectives overlap which compute (per block, with contention), what it holds beside the model states,
 and how much device memory is left to the allocator. Used by :mod:`whalepy.planner.costing`; formulas
 in docs/cost_model.md ("Overlap with compute", "Buffers and working sets", "Reserve").
@@ -17,10 +17,9 @@ from whalepy.cost_models.memory import (
     estimate_fixed_device_bytes,
     estimate_usable_device_bytes,
 )
+from whalepy._capabilities import LoweringKind, choose_lowering_kind, offloads_to_host
 from whalepy._errors import InfeasibleError
-from whalepy.plan import Tier
 from whalepy.planner.space import Candidate, GroupView, Segment, StateOption
-from whalepy.runtime.data_parallel import DataParallelKind, choose_kind
 
 CollectiveFn = Callable[[Collective, float, CommGroup], float]
 
@@ -61,10 +60,10 @@ def check_device_reserve(groups: tuple[GroupView, ...], world_size: int) -> None
 
 def lowering_kind(o: StateOption, cand: Candidate) -> str:
     """How the runtime lowers data parallelism for state option ``o`` in candidate ``cand`` (the
-    runtime's own :func:`~whalepy.runtime.data_parallel.choose_kind`: DDP, DDP + ZeroRedundancyOptimizer,
+    runtime's own :func:`~whalepy._capabilities.choose_lowering_kind`: DDP, DDP + ZeroRedundancyOptimizer,
     FSDP2, or nothing)."""
-    offload = Tier.CPU in (o.param_tier, o.optimizer_tier)
-    return choose_kind(o.zero, cand.dp, tp=cand.tp, pp=cand.num_stages, offload=offload)
+    offload = offloads_to_host(o.param_tier, o.optimizer_tier)
+    return choose_lowering_kind(o.zero, cand.dp, tp=cand.tp, pp=cand.num_stages, offload=offload)
 
 
 def grads_at_activation_peak(kind: str, cand: Candidate) -> bool:
@@ -81,7 +80,7 @@ def uses_autocast(kind: str, precision: str) -> bool:
     """Whether a 16-bit plan trains under ``torch.autocast`` over fp32 parameters (DDP and
     single-device paths) rather than FSDP2's ``MixedPrecisionPolicy`` with 16-bit parameters
     (design.md, Precision): autocast keeps 16-bit copies of the weights for backward."""
-    return precision != "fp32" and kind in (DataParallelKind.NONE, DataParallelKind.DDP, DataParallelKind.ZERO1)
+    return precision != "fp32" and kind in (LoweringKind.NONE, LoweringKind.DDP, LoweringKind.ZERO1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +112,7 @@ def build_dp_block_comm(collective: CollectiveFn, segments: tuple[Segment, ...],
 def post_step_affine(collective: CollectiveFn, kind: str, group: CommGroup | None) -> tuple[float, float]:
     """ZeroRedundancyOptimizer broadcasts every rank's updated shard after the step, an all-gather of
     the stage's 16-bit parameters that nothing overlaps; other kinds send nothing after the step."""
-    if group is None or kind != DataParallelKind.ZERO1:
+    if group is None or kind != LoweringKind.ZERO1:
         return 0.0, 0.0
     return affine_fit(lambda n: collective(Collective.ALL_GATHER, HALF_PRECISION_BYTES * n, group))
 
@@ -138,14 +137,14 @@ def exposed_dp(kind: str, zero3: bool, pipelined: bool, fwd: float, bwd: float, 
       before)."""
     ov = estimate_overlapped_time
     ag, rs = dp.all_gather[g], dp.reduce_scatter[g]
-    if kind == DataParallelKind.FSDP and not pipelined:
+    if kind == LoweringKind.FSDP and not pipelined:
         xb = ag if zero3 else 0.0
         return ov(fwd, ag) - fwd + ov(bwd, xb) - bwd, ov(bwd, xb + rs) - ov(bwd, xb)
-    if kind == DataParallelKind.FSDP:
+    if kind == LoweringKind.FSDP:
         if zero3:
             return ov(bwd, ag) - bwd, rs
         return 0.0, ov(fwd, ag) - fwd + rs
-    if kind in (DataParallelKind.DDP, DataParallelKind.ZERO1):
+    if kind in (LoweringKind.DDP, LoweringKind.ZERO1):
         return 0.0, ov(bwd, dp.all_reduce[g]) - bwd
     return 0.0, 0.0
 
@@ -154,10 +153,10 @@ def dp_edges(kind: str, zero3: bool, pipelined: bool, dp: DPComm) -> tuple[float
     """``(per micro-batch, per step)`` collectives with nothing to hide behind: a chunk's first block's
     gathers, and the last block's gradient reduction (see :func:`exposed_dp`)."""
     ag, rs, ar = dp.all_gather[dp.rep], dp.reduce_scatter[dp.rep], dp.all_reduce[dp.rep]
-    if kind == DataParallelKind.FSDP and not pipelined:
+    if kind == LoweringKind.FSDP and not pipelined:
         return ag * (2 if zero3 else 1), rs
-    if kind == DataParallelKind.FSDP:
+    if kind == LoweringKind.FSDP:
         return (ag, 0.0) if zero3 else (0.0, ag)
-    if kind in (DataParallelKind.DDP, DataParallelKind.ZERO1):
+    if kind in (LoweringKind.DDP, LoweringKind.ZERO1):
         return 0.0, ar
     return 0.0, 0.0

@@ -86,6 +86,7 @@ from whalepy.cost_models.memory import (
     estimate_offload_time,
     inflight_microbatches,
 )
+from whalepy._capabilities import LoweringKind
 from whalepy.plan import Tier, TPStyle, ZeroStage
 from whalepy.planner.space import Candidate, GroupView, Hardware, Segment, StateOption, build_layout
 from whalepy.planner._runtime_costs import (
@@ -99,7 +100,6 @@ from whalepy.planner._runtime_costs import (
     usable_device_bytes,
     uses_autocast,
 )
-from whalepy.runtime.data_parallel import DataParallelKind
 from whalepy.profile import BlockKind, BlockProfile, ModelProfile
 
 USABLE_HOST_MEMORY_FRACTION = 0.8
@@ -374,7 +374,7 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
             mem_beta[o], cpu_beta[o], nvme_beta[o] = st.resident, st.cpu, st.nvme
             split[o] = (st.params, st.grads, st.optimizer)
             freed[o] = not grads_at_activation_peak(kind, cand)
-            fsdp = kind == DataParallelKind.FSDP
+            fsdp = kind == LoweringKind.FSDP
             zero3 = o.zero is ZeroStage.PARAMETERS
             working[o] = (estimate_fsdp_working_bytes(block_params=max(seg_params), zero3=zero3, compute_bytes=low)
                           if fsdp else 0.0)
