@@ -565,11 +565,19 @@ def _solve_highs(prob: _Model, time_limit_s: float, cutoff: float | None) -> tup
     return "feasible", info.objective_function_value, float(info.mip_gap)
 
 
+def _pulp_var(lp: pulp.LpProblem, name: str, low: float | None, up: float | None, cat: str) -> pulp.LpVariable:
+    """A PuLP variable: PuLP >= 3.3 attaches variables to the model (``add_variable``; PuLP 4 has no
+    free-standing ``LpVariable(name, low, up, cat)``), older PuLP builds them free-standing."""
+    if hasattr(lp, "add_variable"):
+        return lp.add_variable(name, low, up, cat=cat)
+    return pulp.LpVariable(name, low, up, cat=cat)
+
+
 def _solve_cbc(prob: _Model, time_limit_s: float) -> tuple[str, float, float]:
     """Solve with CBC through PuLP (HiGHS unavailable, or asked for); same results as
     :func:`_solve_highs`. PuLP 3 and 4 both (:func:`_expr`, :func:`_outcome`)."""
     lp = pulp.LpProblem("whalepy_plan", pulp.LpMinimize)
-    cols = [pulp.LpVariable(x.name, x.lowBound, x.upBound, cat="Integer" if x.integer else "Continuous")
+    cols = [_pulp_var(lp, x.name, x.lowBound, x.upBound, "Integer" if x.integer else "Continuous")
             for x in prob.vars]
     lp.setObjective(_expr({cols[x.index]: a for x, a in prob.objective.items()}))
     for d, const, sense, name in prob.rows:
