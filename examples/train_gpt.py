@@ -46,16 +46,17 @@ def main() -> None:
                                 global_batch=args.batch).plan
     pm = whalepy.parallelize(model, cluster, example_inputs=(example,), loss_fn=loss_fn,
                              optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), global_batch=args.batch,
-                             plan=plan)
+                             plan=plan, max_grad_norm=1.0, log_every=1)
     if not hasattr(pm, "meshes"):
         return  # not launched: parallelize printed how to launch
     g = torch.Generator().manual_seed(1)
-    for step in range(args.steps):
+    for _ in range(args.steps):  # each step logs itself on rank 0 (log_every=1)
         x = torch.randint(0, cfg.vocab_size, (args.batch, cfg.block_size), generator=g)
-        y = torch.roll(x, -1, dims=1)
-        loss = pm.train_step(x, y)
-        if dist.get_rank() == 0:
-            print(f"step {step}: loss {loss.item():.4f}")
+        pm.train_step(x, torch.roll(x, -1, dims=1))
+    x = torch.randint(0, cfg.vocab_size, (args.batch, cfg.block_size), generator=g)
+    val = pm.evaluate(x, torch.roll(x, -1, dims=1))  # forward only, no update
+    if dist.get_rank() == 0:
+        print(f"held-out loss {val.item():.4f}")
     dist.destroy_process_group()
 
 

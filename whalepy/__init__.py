@@ -1,6 +1,7 @@
 """whalepy: annotate a PyTorch model, describe a (possibly mixed-GPU) cluster, get a hybrid-parallel plan
 found by an ILP over a hardware-aware cost model, and train it on PyTorch's native distributed stack."""
 
+import whalepy._log  # noqa: F401  (whalepy's default log handler)
 from whalepy._errors import (
     AnnotationError,
     CaptureError,

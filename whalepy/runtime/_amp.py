@@ -69,6 +69,12 @@ class AmpContext:
             return loss_fn
         return _ScaledLoss(loss_fn, self)
 
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        """fp16: divide the gradients by the loss scale now (before clipping); :meth:`step` then
+        steps without unscaling again. No-op in bf16 / fp32."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer.step()``; fp16: unscale, skip on inf/nan anywhere in the world, update the scale."""
         if self.scaler is None:

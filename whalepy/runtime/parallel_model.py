@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from whalepy._capabilities import check_pipeline
+from whalepy._log import info_once, is_rank0, warn_once
 from whalepy._errors import LaunchError, PlanError, WhalepyError
 from whalepy.plan import Plan, Tier, TPStyle
 from whalepy.runtime.checkpointing import (
@@ -62,6 +63,7 @@ from whalepy.runtime.materialize import (
 )
 from whalepy.runtime.mesh import RankMeshes, build_meshes, check_world, resolve_device_type
 from whalepy.runtime._amp import AmpContext
+from whalepy.runtime._report import StepReporter, plan_log_lines
 from whalepy.runtime.nvme import NvmeOptimizerStates, default_nvme_dir, prepare_nvme_dir
 from whalepy.runtime.tensor_parallel import apply_tensor_parallel
 
@@ -108,6 +110,8 @@ def parallelize(
     init_fn: InitFn | None = None,
     seed: int = 0,
     checkpoint: str | os.PathLike[str] | None = None,
+    max_grad_norm: float | None = None,
+    log_every: int | None = None,
     **options: Any,
 ) -> ParallelModel | UnlaunchedModel:
     """Plan ``model`` for ``cluster_spec`` (unless ``plan`` is given) and, inside a distributed launch,
@@ -129,9 +133,16 @@ def parallelize(
     safetensors) when given, else initialised by ``init_fn(module)`` or each module's own
     ``reset_parameters()`` and the model's ``_init_weights``, seeded per module from ``seed``, so the
     weights are the same under every plan (and as ``whalepy.materialize(model, seed=seed)``).
+
+    ``max_grad_norm`` clips the gradients to that global 2-norm before each optimizer step (the norm
+    over the whole model, whatever the layout; :attr:`ParallelModel.last_grad_norm`). ``log_every``
+    reports step, loss, step time, tokens/s, MFU and peak memory every that many steps on rank 0
+    (logger ``"whalepy"``; a ``rich`` progress line on a terminal when ``rich`` is installed). The plan
+    being lowered is logged on rank 0 in any case, one line per stage.
     """
     inputs = _as_tuple(example_inputs)
     _check_arguments(model, loss_fn, optimizer)
+    _check_training_options(max_grad_norm, log_every)
     if checkpoint is not None:
         checkpoint_kind(checkpoint)  # a bad path fails here, before planning and lowering
         if not has_meta_tensors(model):
@@ -179,7 +190,34 @@ def parallelize(
                          loss_fn=loss_fn, optimizer_factory=optimizer, profile=profile,
                          device_type=device_type, loss_parallel=loss_parallel,
                          sync_initial_weights=sync_initial_weights, nvme_dir=nvme_dir,
-                         init_fn=init_fn, seed=seed, checkpoint=checkpoint)
+                         init_fn=init_fn, seed=seed, checkpoint=checkpoint,
+                         max_grad_norm=max_grad_norm, log_every=log_every)
+
+
+def _explain_fsdp_view_warning() -> None:
+    """FSDP2 warns, once per wrapped module class and rank, that a module "returned a view tensor"
+    and an in-place op on it would drop FSDP2's pre-backward hook "and can produce wrong gradients".
+    Under tensor parallelism the views are ``DTensor.to_local()`` results of the parallel layers'
+    outputs; the hook is lost only if code outside the module modifies such an output in place. whalepy's
+    lowering never does, and the multi-process tests compare these layouts' gradients with a single
+    process. So the warning is replaced by one line that says this, once per job."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    info_once("fsdp-view", "whalepy: note: tensor-parallel outputs are views (DTensor.to_local); FSDP2's "
+              "'returned a view tensor' warning is silenced: gradients are right unless your code "
+              "modifies a block's output in place (whalepy's runtime does not)", log=log)
+
+
+def _check_training_options(max_grad_norm: Any, log_every: Any) -> None:
+    if max_grad_norm is not None and (isinstance(max_grad_norm, bool)
+                                      or not isinstance(max_grad_norm, (int, float))
+                                      or not max_grad_norm > 0 or max_grad_norm == float("inf")):
+        raise WhalepyError(f"max_grad_norm={max_grad_norm!r}: give a positive finite number (the global "
+                           "gradient 2-norm to clip to, e.g. 1.0), or None for no clipping")
+    if log_every is not None and (isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1):
+        raise WhalepyError(f"log_every={log_every!r}: give a positive number of steps between reports, or "
+                           "None for no step reports")
 
 
 def _check_arguments(model: nn.Module, loss_fn: Any, optimizer: Any) -> None:
@@ -255,7 +293,8 @@ class ParallelModel:
                  loss_fn: LossFn, optimizer_factory: OptimizerFactory, profile: Any,
                  device_type: str, loss_parallel: bool, sync_initial_weights: bool,
                  nvme_dir: str | os.PathLike[str] | None = None, init_fn: InitFn | None = None,
-                 seed: int = 0, checkpoint: str | os.PathLike[str] | None = None) -> None:
+                 seed: int = 0, checkpoint: str | os.PathLike[str] | None = None,
+                 max_grad_norm: float | None = None, log_every: int | None = None) -> None:
         check_pipeline(plan.schedule, num_stages=plan.pp_degree, virtual_stages=plan.virtual_stages,
                        num_microbatches=plan.num_microbatches,
                        sequence_parallel=any(r.style is TPStyle.SEQUENCE for r in plan.tensor_parallel),
@@ -263,6 +302,11 @@ class ParallelModel:
         self.plan = plan
         self.loss_fn = loss_fn
         self.loss_parallel = loss_parallel
+        self.max_grad_norm = max_grad_norm
+        self.last_grad_norm: float | None = None
+        if is_rank0():
+            for line in plan_log_lines(plan):
+                log.info("%s", line)
         self.meshes: RankMeshes = build_meshes(plan, device_type)
         m = self.meshes
         device = m.device
@@ -281,11 +325,14 @@ class ParallelModel:
         self.loss_scale = plan.batch_shares[m.replica] * dp / plan.global_batch
         offload = needs_offload_policy(stage.blocks)
         self.dp_kind = choose_kind(stage.zero_stage, dp, tp=tp, pp=pp, offload=offload)
-        if self.dp_kind == DataParallelKind.FSDP and stage.zero_stage < 2 and dp > 1 and dist.get_rank() == 0:
+        if self.dp_kind == DataParallelKind.FSDP and stage.zero_stage < 2 and dp > 1:
             # shards more than planned (less memory, the same gradient traffic): said, not silent
-            log.warning("whalepy: stage %d ZeRO-%d lowered to FSDP2 (reshard_after_forward=False): DDP "
-                     "does not compose with %s", stage.index, int(stage.zero_stage),
-                     "tensor parallelism" if tp > 1 else "pipeline stages or offload")
+            why = "tensor parallelism" if tp > 1 else "pipeline stages or offload"
+            warn_once(f"zero-as-fsdp:{int(stage.zero_stage)}:{why}",
+                      "whalepy: ZeRO-%d lowered to FSDP2 (reshard_after_forward=False): DDP does not "
+                      "compose with %s", int(stage.zero_stage), why, log=log)
+        if self.dp_kind == DataParallelKind.FSDP and tp > 1:
+            _explain_fsdp_view_warning()
 
         v = plan.virtual_stages
         self.num_stages = pp * v  # pipeline stages; physical stage s holds s, s + pp, ...
@@ -335,6 +382,7 @@ class ParallelModel:
                                                   init_fn=init_fn, checkpoint=checkpoint)
         # names of each tied parameter across stages (checkpoints carry its state under all of them)
         self._tied_aliases = [[n for _, n in holders] for holders, _ in tied_names]
+        self._tied_aliases_holders = [holders for holders, _ in tied_names]
         # tied parameters by name, after TP / FSDP2 replaced them with DTensors
         for holders, group in tied_names:
             found = {id(p): p for i, g in enumerate(self.stage_indices) for k, name in holders if k == g
@@ -367,6 +415,7 @@ class ParallelModel:
                 compute_dtype=self.amp.dtype)
         # contributions to the reported loss: one rank per replica (last stage, TP index 0)
         self._reports_loss = stage.index == pp - 1 and m.tp_index == 0
+        self.reporter = StepReporter(plan, device, log_every)
 
     # -- public --------------------------------------------------------------------------------
 
@@ -387,27 +436,88 @@ class ParallelModel:
 
     def train_step(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
         """One optimizer step on the global batch ``(inputs, targets)``; returns its mean loss."""
+        self.reporter.step_started()
+        inputs, targets = self._local_batch("train_step", inputs, targets)
+        if self.schedule is not None:
+            local = self._pipeline_step(inputs, targets)
+        else:
+            local = self._accumulate(inputs, targets)
+        if self.max_grad_norm is not None:
+            self.amp.unscale(self.optimizer)
+            self.last_grad_norm = float(self._clip_grads(self.max_grad_norm))
+        self.amp.step(self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+        report = self._mean_loss(local)
+        self.reporter.step_done(report, self._tokens(inputs))
+        return report
+
+    @torch.no_grad()
+    def evaluate(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
+        """The mean loss of ``loss_fn`` on the global batch ``(inputs, targets)``, forward only: no
+        gradients, no update, modules in eval mode (dropout off) for the call. Every rank passes the
+        whole batch, as to :meth:`train_step`; the same micro-batches and pipeline schedule run
+        forward."""
+        inputs, targets = self._local_batch("evaluate", inputs, targets)
+        was_training = [(mod, mod.training) for root in self._modules for mod in root.modules()]
+        for root in self._modules:
+            root.eval()
+        try:
+            if self.schedule is not None:
+                local = self._pipeline_step(inputs, targets, train=False)
+            else:
+                n = self.plan.num_microbatches
+                chunks = list(zip(*(x.chunk(n) for x in inputs), strict=True)) if inputs else [()] * n
+                total = torch.zeros((), device=self.device)
+                with self._loss_context():
+                    for xs, y in zip(chunks, targets.chunk(n), strict=True):
+                        with self.amp.autocast():
+                            loss = self.loss_fn(self._modules[0](*xs), y)
+                        total = total + _full(loss).detach().float()
+                local = total / n
+        finally:
+            for mod, flag in was_training:
+                mod.training = flag
+        return self._mean_loss(local)
+
+    def _local_batch(self, what: str, inputs: Any, targets: Any) -> tuple[tuple, torch.Tensor]:
+        """Check a global batch and take this replica's share of it, on this rank's device."""
         inputs = _as_tuple(inputs)
         for x in (*inputs, targets):
             if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] != self.plan.global_batch:
                 got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
                 raise WhalepyError(
-                    f"train_step got a tensor of shape {got}; every rank passes the whole global batch "
+                    f"{what} got a tensor of shape {got}; every rank passes the whole global batch "
                     f"({self.plan.global_batch} samples along dim 0) and whalepy takes this replica's "
                     f"share ({self.plan.batch_shares[self.meshes.replica]} samples)")
-        inputs = tuple(x[self._slice].to(self.device) for x in inputs)
-        targets = targets[self._slice].to(self.device)
-        if self.schedule is not None:
-            local = self._pipeline_step(inputs, targets)
-        else:
-            local = self._accumulate(inputs, targets)
-        self.amp.step(self.optimizer)
-        self.optimizer.zero_grad(set_to_none=True)
+        return (tuple(x[self._slice].to(self.device) for x in inputs),
+                targets[self._slice].to(self.device))
+
+    def _mean_loss(self, local: torch.Tensor) -> torch.Tensor:
+        """The global batch's mean loss on every rank, from this rank's share of it."""
         share = self.plan.batch_shares[self.meshes.replica] / self.plan.global_batch
         report = (local.detach().float() * share if self._reports_loss
                   else torch.zeros((), device=self.device))
         dist.all_reduce(report)
         return report
+
+    def _tokens(self, local_inputs: tuple) -> int | None:
+        """Tokens in one global batch: the plan's sequence length, else dim 1 of integer (token id)
+        inputs; None when the inputs are not token sequences."""
+        if self.plan.seq_len:
+            return self.plan.global_batch * self.plan.seq_len
+        x = local_inputs[0] if local_inputs else None
+        if isinstance(x, torch.Tensor) and x.dim() >= 2 and not x.is_floating_point():
+            return self.plan.global_batch * int(x.shape[1])
+        return None
+
+    def _clip_grads(self, max_norm: float) -> torch.Tensor:
+        from whalepy.runtime._clip import clip_grad_norm
+
+        params = [p for mod in self._modules for p in mod.parameters()]
+        tied = [(copies, max(len({k % self.plan.pp_degree for k, _ in holders}), 1))
+                for (copies, _), holders in zip(self._tied, self._tied_aliases_holders)]
+        return clip_grad_norm(params, max_norm, device=self.device,
+                              pp_group=self.meshes.pp_group if self.plan.pp_degree > 1 else None, tied=tied)
 
     def state_dict(self) -> dict[str, Any]:
         """Model and optimizer state keyed by the original module paths (DTensor values)."""
@@ -512,15 +622,16 @@ class ParallelModel:
             total = total + _full(loss).detach()
         return total / n
 
-    def _pipeline_step(self, inputs: tuple, targets: torch.Tensor) -> torch.Tensor:
+    def _pipeline_step(self, inputs: tuple, targets: torch.Tensor, train: bool = True) -> torch.Tensor:
         from whalepy.runtime.pipeline import run_pipeline_step
 
         first = 0 in self.stage_indices
         last = self.num_stages - 1 in self.stage_indices
         loss_scale = self.amp.loss_scale()  # fp16: the dynamic scale the schedule's losses carry
         with self.amp.autocast():
-            total = run_pipeline_step(self.schedule, first, last, inputs, targets)
-        self._sync_tied_grads()
+            total = run_pipeline_step(self.schedule, first, last, inputs, targets, train=train)
+        if train:
+            self._sync_tied_grads()
         if total is None:
             return torch.zeros((), device=self.device)
         return total / (self.loss_scale * loss_scale)  # the schedule's losses carry the share scale

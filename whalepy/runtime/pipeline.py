@@ -128,8 +128,10 @@ def run_pipeline_step(
     rank_stage_is_last: bool,
     inputs: tuple,
     targets: torch.Tensor | None,
+    train: bool = True,
 ) -> torch.Tensor | None:
-    """Run one step (forward and backward of every micro-batch) on this rank.
+    """Run one step (forward and backward of every micro-batch; forward only when not ``train``,
+    through the schedule's ``eval``) on this rank.
 
     ``inputs`` (the batch's model inputs, split into micro-batches along dim 0 by the schedule) are
     used where this rank holds stage 0, ``targets`` where it holds the last stage. Returns, on the
@@ -138,10 +140,11 @@ def run_pipeline_step(
     """
     losses: list[torch.Tensor] = []
     args = tuple(inputs) if rank_stage_is_first else ()
+    run = schedule.step if train else schedule.eval
     if rank_stage_is_last:
-        schedule.step(*args, target=targets, losses=losses)
+        run(*args, target=targets, losses=losses)
     else:
-        schedule.step(*args)
+        run(*args)
     if not rank_stage_is_last or not losses:
         return None
     total = torch.stack([loss.detach() for loss in losses]).sum()
