@@ -40,7 +40,7 @@ tr.chosen td{font-weight:bold;background:#eef6ee}
 .wp-bar{display:inline-block;width:180px;height:11px;background:#e9e9e9;margin-right:8px;vertical-align:-1px}
 .wp-bar .busy{display:block;height:100%;background:#59a14f}
 .wp-shares{display:flex;height:22px;border-radius:3px;overflow:hidden;margin:6px 0 4px}
-.wp-share{color:#fff;font-size:11px;text-align:center;line-height:22px;border-right:1px solid #fff;min-width:1px}
+.wp-share{font-size:11px;text-align:center;line-height:22px;box-shadow:inset 0 0 0 1px #888;min-width:1px}
 .caption{font-size:12px;color:#555;margin-top:6px}
 .notes li{font-size:12.5px;color:#444}
 pre{font-size:11.5px;overflow-x:auto;background:#f7f7f7;padding:8px}
