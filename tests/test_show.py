@@ -172,3 +172,17 @@ def test_cli_show_html_svg_and_diff(tmp_path, capsys) -> None:  # type: ignore[n
 def test_api_refuses_a_non_plan() -> None:
     with pytest.raises(PlanError, match="expected a whalepy.Plan"):
         plan_html("plan.json")  # type: ignore[arg-type]
+
+
+def test_plan_without_chunk_times_is_drawn_with_a_stated_split() -> None:
+    import dataclasses
+
+    base = uniform_plan(stages=2, microbatches=2, schedule=Schedule.GPIPE)
+    old = dataclasses.replace(base, stages=tuple(
+        dataclasses.replace(s, cost=dataclasses.replace(s.cost, chunk_forward_s=(), chunk_backward_s=()))
+        for s in base.stages))
+    tl = simulate(old)
+    fwd = [o.end_s - o.start_s for o in tl.ops if o.kind is OpKind.FORWARD]
+    assert fwd == pytest.approx([3.0 / 3] * 4)  # compute_s 3 s split 1 : 2 (BACKWARD_PER_FORWARD)
+    assert tl.notes and "1 : 2" in tl.notes[0]
+    assert "1 : 2 between forward and backward" in plan_html(old)

@@ -33,8 +33,8 @@ section{background:#fff;border:1px solid #dde1e6;border-radius:6px;padding:14px 
 .card{background:#fff;border:1px solid #dde1e6;border-radius:6px;padding:8px 14px;min-width:120px}
 .card b{display:block;font-size:19px} .card span{font-size:11px;color:#666;text-transform:uppercase}
 table{border-collapse:collapse;font-size:12.5px;width:100%}
-th,td{text-align:left;padding:4px 8px;border-bottom:1px solid #eceff2;vertical-align:top;overflow-wrap:anywhere}
-th{background:#f0f2f5;font-weight:600}
+th,td{text-align:left;padding:4px 8px;border-bottom:1px solid #eceff2;vertical-align:top}
+th{background:#f0f2f5;font-weight:600;white-space:nowrap} td.wrap{overflow-wrap:anywhere} td.nowrap{white-space:nowrap}
 tr.chosen td{font-weight:bold;background:#eef6ee}
 .sw{display:inline-block;width:11px;height:11px;border-radius:2px;border:1px solid #777;margin-right:6px;vertical-align:-1px}
 .wp-bar{display:inline-block;width:180px;height:11px;background:#e9e9e9;margin-right:8px;vertical-align:-1px}
@@ -102,7 +102,7 @@ def _stages_table(plan: Plan) -> str:
         chunks = f" (chunks {'+'.join(map(str, st.chunk_sizes))})" if st.chunk_sizes else ""
         out.append(f'<tr class="wp-stage" data-stage="{st.index}" data-blocks="{len(st.blocks)}">'
                    f'<td><span class="sw" style="background:{colour(STAGE_COLOURS, st.index)}"></span>{st.index}</td>'
-                   f'<td>{esc(compress_names(st.block_names))}{esc(chunks)}</td>'
+                   f'<td class="wrap">{esc(compress_names(st.block_names))}{esc(chunks)}</td>'
                    f'<td>{esc(devs)} [{esc(compress_ranks(st.all_ranks))}]</td><td>{st.tp_degree}</td>'
                    f'<td>{st.dp_degree}</td><td>{int(st.zero_stage)}</td>'
                    f'<td>{sum(b.checkpoint for b in st.blocks)}/{len(st.blocks)}</td><td>{esc(", ".join(tiers))}</td>'

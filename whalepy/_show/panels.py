@@ -222,7 +222,7 @@ def types_table(plan: Plan) -> str:
         out.append(f'<tr class="wp-type" data-device-type="{esc(name)}"><td><span class="sw" style="background:'
                    f'{colour(TYPE_COLOURS, colours[name])}"></span>{esc(name)}</td><td>{row["ranks"]}</td>'
                    f'<td>{esc(_share_text(plan, row["shares"]))}</td>'  # type: ignore[arg-type]
-                   f'<td>{esc(row["blocks"])}</td><td>{bar}</td></tr>')
+                   f'<td class="wrap">{esc(row["blocks"])}</td><td class="nowrap">{bar}</td></tr>')
     out.append("</table>")
     return "\n".join(out)
 
@@ -261,8 +261,9 @@ def alternatives_table(plan: Plan) -> str:
            f'</td><td>{fmt_time(chosen)}</td><td></td><td></td></tr>']
     for a in plan.alternatives:
         fits = not math.isinf(a.step_time_s)
-        rel = f"+{100 * (a.step_time_s / chosen - 1):.0f}%" if fits and chosen > 0 else "does not fit"
-        out.append(f'<tr class="wp-alt"><td>{esc(squeeze_repeats(a.description))}</td><td>{fmt_time(a.step_time_s) if fits else "-"}'
-                   f'</td><td>{rel}</td><td>{esc(a.reason)}</td></tr>')
+        pct = 100 * (a.step_time_s / chosen - 1) if fits and chosen > 0 else math.nan
+        rel = "-" if math.isnan(pct) else f"{pct:+.1f}%" if abs(pct) < 10 else f"{pct:+.0f}%"
+        out.append(f'<tr class="wp-alt"><td class="wrap">{esc(squeeze_repeats(a.description))}</td><td>{fmt_time(a.step_time_s) if fits else "-"}'
+                   f'</td><td>{rel}</td><td class="wrap">{esc(a.reason)}</td></tr>')
     out.append("</table>")
     return "\n".join(out)
