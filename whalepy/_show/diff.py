@@ -6,7 +6,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from whalepy._plan_format import _rate, compress_names
-from whalepy._show.svg import fmt_bytes, fmt_time
+from whalepy._show.svg import fmt_bytes, fmt_time, stage_devices
 
 if TYPE_CHECKING:
     from whalepy.plan import Plan
@@ -76,7 +76,7 @@ def _stages(a: Plan, b: Plan) -> list[str]:
         parts = []
         if x.block_names != y.block_names:
             parts.append(f"blocks {compress_names(x.block_names)} -> {compress_names(y.block_names)}")
-        dx, dy = _devices(x), _devices(y)
+        dx, dy = stage_devices(x), stage_devices(y)
         if dx != dy:
             parts.append(f"devices {dx} -> {dy}")
         if (x.dp_degree, x.tp_degree) != (y.dp_degree, y.tp_degree):
@@ -88,10 +88,6 @@ def _stages(a: Plan, b: Plan) -> list[str]:
         if parts:
             out.append(f"  stage {i}: " + "; ".join(parts))
     return out
-
-
-def _devices(st) -> str:  # type: ignore[no-untyped-def]
-    return ", ".join(f"{n} x{k * st.tp_degree}" for n, k in Counter(st.device_types).items())
 
 
 def _pct(a: float, b: float) -> str:

@@ -17,7 +17,7 @@ from whalepy._show.panels import (
     types_table,
 )
 from whalepy._show.schedule import simulate
-from whalepy._show.svg import STAGE_COLOURS, colour, esc, fmt_time
+from whalepy._show.svg import STAGE_COLOURS, colour, esc, fmt_time, stage_devices
 from whalepy._show.timeline import timeline_caption, timeline_svg
 
 if TYPE_CHECKING:
@@ -98,7 +98,7 @@ def _stages_table(plan: Plan) -> str:
     for st in plan.stages:
         k = st.cost
         tiers = sorted({f"{b.param_tier.value} / {b.optimizer_tier.value}" for b in st.blocks})
-        devs = ", ".join(f"{n} x{c * st.tp_degree}" for n, c in Counter(st.device_types).items())
+        devs = stage_devices(st)
         chunks = f" (chunks {'+'.join(map(str, st.chunk_sizes))})" if st.chunk_sizes else ""
         out.append(f'<tr class="wp-stage" data-stage="{st.index}" data-blocks="{len(st.blocks)}">'
                    f'<td><span class="sw" style="background:{colour(STAGE_COLOURS, st.index)}"></span>{st.index}</td>'

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import re
-from collections import Counter
 from typing import TYPE_CHECKING
 
 from whalepy._plan_format import compress_names, compress_ranks
@@ -20,6 +19,7 @@ from whalepy._show.svg import (
     fmt_time,
     ink,
     rect,
+    stage_devices,
     svg_open,
     text,
 )
@@ -33,11 +33,6 @@ WIDTH = 1140
 def type_index(plan: Plan) -> dict[str, int]:
     """Each GPU type's colour index, in the order the ranks first use them."""
     return {t: i for i, t in enumerate(dict.fromkeys(plan.rank_device_types))}
-
-
-def stage_label(st: StagePlan) -> str:
-    types = Counter(st.device_types)
-    return f"stage {st.index} · " + ", ".join(f"{n} x{k * st.tp_degree}" for n, k in types.items())
 
 
 # -- devices ---------------------------------------------------------------------------------------
@@ -117,7 +112,7 @@ def _tier_contents(st: StagePlan, tier: str) -> str:
 def memory_bars(plan: Plan) -> str:
     """Per stage (its tightest device): GPU memory by kind against usable capacity, then host and disk."""
     label_w, bar_w, row_h = 230, 640, 24
-    full = max(s.cost.capacity_bytes + s.cost.reserve_bytes for s in plan.stages) or 1
+    full = max(max(s.cost.capacity_bytes + s.cost.reserve_bytes, s.cost.memory_bytes) for s in plan.stages) or 1
     host = max(max(s.cost.host_state_bytes, s.cost.cpu_bytes) for s in plan.stages)
     disk = max(max(s.cost.nvme_state_bytes, s.cost.nvme_bytes) for s in plan.stages)
     tiers = [("gpu", full)] + ([("host", host)] if host else []) + ([("disk", disk)] if disk else [])
@@ -129,9 +124,10 @@ def memory_bars(plan: Plan) -> str:
         c = st.cost
         y0 = i * per_stage
         out.append(rect(4, y0 + 4, 8, len(tiers) * (row_h + 4) - 4, colour(STAGE_COLOURS, st.index)))
-        out.append(text(18, y0 + 16, stage_label(st), size=12, weight="bold"))
+        out.append(text(18, y0 + 16, f"stage {st.index} · {stage_devices(st)}", size=12, weight="bold",
+                        width=label_w - 60))
         out.append(text(18, y0 + 30, f"ranks {compress_ranks(st.all_ranks)}, ZeRO-{int(st.zero_stage)}", size=10,
-                        fill="#666"))
+                        fill="#666", width=label_w - 60))
         for k, (tier, top) in enumerate(tiers):
             y = y0 + k * (row_h + 4) + 2
             x = label_w
@@ -140,20 +136,22 @@ def memory_bars(plan: Plan) -> str:
             if tier == "gpu":
                 out.append(f'<g class="wp-mem" data-stage="{st.index}" data-tier="gpu" data-used="{c.memory_bytes}" '
                            f'data-capacity="{c.capacity_bytes}">')
+                cap_x = label_w + c.capacity_bytes * scale
+                out.append(rect(cap_x, y, c.reserve_bytes * scale, row_h, MEMORY_COLOURS["reserve"],
+                                cls="wp-mem-part", extra=f'data-part="reserve" data-bytes="{c.reserve_bytes}" '
+                                                         'data-name="reserved: CUDA context, NCCL, fragmentation"'))
                 for key, field, name in MEMORY_PARTS:
                     w = getattr(c, field) * scale
                     out.append(rect(x, y, w, row_h, MEMORY_COLOURS[key], cls="wp-mem-part",
                                     extra=f'data-part="{key}" data-bytes="{getattr(c, field)}" data-name="{name}"'))
                     x += w
-                cap_x = label_w + c.capacity_bytes * scale
-                out.append(rect(cap_x, y, c.reserve_bytes * scale, row_h, MEMORY_COLOURS["reserve"],
-                                cls="wp-mem-part", extra=f'data-part="reserve" data-bytes="{c.reserve_bytes}" '
-                                                         'data-name="reserved: CUDA context, NCCL, fragmentation"'))
                 out.append(f'<line x1="{cap_x:.2f}" y1="{y - 3}" x2="{cap_x:.2f}" y2="{y + row_h + 3}" '
                            'stroke="#222" stroke-width="2"/>')
                 pct = 100 * c.memory_bytes / c.capacity_bytes if c.capacity_bytes else 0.0
+                over = c.capacity_bytes and c.memory_bytes > c.capacity_bytes
                 out.append(text(label_w + bar_w + 10, y + 16, f"{fmt_bytes(c.memory_bytes)} / "
-                                f"{fmt_bytes(c.capacity_bytes)} usable ({pct:.0f}%)", size=11))
+                                f"{fmt_bytes(c.capacity_bytes)} usable ({pct:.0f}%)" + (": DOES NOT FIT" if over else ""),
+                                size=11, fill="#c0392b" if over else "#222", weight="bold" if over else "normal"))
                 out.append("</g>")
             else:
                 used = (max(c.host_state_bytes, c.cpu_bytes) if tier == "host"

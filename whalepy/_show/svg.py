@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 from html import escape
+from typing import TYPE_CHECKING
 
 from whalepy._plan_format import _t as fmt_time  # noqa: F401  (one time format for text and pictures)
+
+if TYPE_CHECKING:
+    from whalepy.plan import StagePlan
 
 STAGE_COLOURS = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7",
                  "#9c755f", "#bab0ac")
@@ -47,9 +52,22 @@ def rect(x: float, y: float, w: float, h: float, fill: str, *, cls: str = "", ex
 
 
 def text(x: float, y: float, s: object, *, size: int = 11, anchor: str = "start", fill: str = "#222",
-         weight: str = "normal", extra: str = "") -> str:
+         weight: str = "normal", extra: str = "", width: float | None = None) -> str:
+    """An SVG text; with ``width`` (pixels) a longer string is cut with an ellipsis and the whole of it
+    becomes the element's tooltip."""
+    s = str(s)
+    title = ""
+    if width is not None:
+        fit = int(width / (size * (0.62 if weight == "bold" else 0.56)))
+        if len(s) > fit:
+            title, s = f"<title>{esc(s)}</title>", s[:max(1, fit - 1)] + "\u2026"
     return (f'<text x="{x:.2f}" y="{y:.2f}" font-size="{size}" text-anchor="{anchor}" fill="{fill}" '
-            f'font-weight="{weight}"{" " + extra if extra else ""}>{esc(s)}</text>')
+            f'font-weight="{weight}"{" " + extra if extra else ""}>{title}{esc(s)}</text>')
+
+
+def stage_devices(st: StagePlan) -> str:
+    """``"A100-80GB x8, V100-32GB x8"``: a stage's GPUs by type."""
+    return ", ".join(f"{n} x{k * st.tp_degree}" for n, k in Counter(st.device_types).items())
 
 
 def nice_ticks(span: float, target: int = 8) -> list[float]:

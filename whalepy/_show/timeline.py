@@ -17,6 +17,7 @@ from whalepy._show.svg import (
     fmt_time,
     nice_ticks,
     rect,
+    stage_devices,
     svg_open,
     text,
 )
@@ -30,13 +31,6 @@ LANE_H = 26
 SEND_H = 5
 LANE_GAP = 10
 TOP = 34
-
-
-def _lane_label(plan: Plan, r: int) -> str:
-    st = plan.stages[r]
-    types = Counter(st.device_types)
-    dev = ", ".join(f"{n} x{k * st.tp_degree}" for n, k in types.items())
-    return f"stage {r} · {dev}"
 
 
 def _op_fill(kind: OpKind, chunk: int) -> str:
@@ -97,8 +91,8 @@ def timeline_svg(plan: Plan, timeline: Timeline | None = None) -> str:
                    f'data-backward="{counts[OpKind.BACKWARD]}" data-busy="{tl.busy_s(r):.6g}" '
                    f'data-bubble="{tl.bubble_s(r):.6g}">')
         out.append(rect(8, y + 3, 10, LANE_H - 6, colour(STAGE_COLOURS, r)))
-        out.append(text(24, y + 12, _lane_label(plan, r), size=11, weight="bold"))
-        out.append(text(24, y + 24, f"ranks {compress_ranks(st.all_ranks)}", size=10, fill="#666"))
+        out.append(text(24, y + 12, f"stage {r} · {stage_devices(st)}", size=11, weight="bold", width=LABEL_W - 30))
+        out.append(text(24, y + 24, f"ranks {compress_ranks(st.all_ranks)}", size=10, fill="#666", width=LABEL_W - 30))
         out.append(rect(LABEL_W, y, PLOT_W, LANE_H, "#fafafa", stroke="#eee"))
         for o in ops:
             x, w = LABEL_W + o.start_s * scale, (o.end_s - o.start_s) * scale
