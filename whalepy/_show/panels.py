@@ -40,14 +40,12 @@ def type_index(plan: Plan) -> dict[str, int]:
 def devices_grid(plan: Plan) -> str:
     """Every rank as a cell: fill by stage, top bar and label colour by GPU type."""
     n = plan.world_size
-    cols = 16 if n <= 128 else 32 if n <= 512 else 64
-    cols = min(cols, n)
-    cell = min(60.0, (WIDTH - 20) / cols - 4)
+    cols = min(n, 16 if n <= 128 else 32 if n <= 512 else 64 if n <= 2048 else 128)
+    gap = 4 if cols <= 32 else 2 if cols <= 64 else 1
+    cell = min(60.0, (WIDTH - 20) / cols - gap)
     rows = math.ceil(n / cols)
     types = type_index(plan)
-    legend_h = 16 + 18 * math.ceil((len(types) + plan.pp_degree) / 8)
-    h = rows * (cell + 4) + legend_h
-    out = [svg_open(WIDTH, h, cls="wp-devices", extra=f'data-devices="{n}" data-stages="{plan.pp_degree}"')]
+    out: list[str] = []
     where = {}
     for st in plan.stages:
         for d, row in enumerate(st.ranks):
@@ -55,14 +53,14 @@ def devices_grid(plan: Plan) -> str:
                 where[r] = (st.index, d, t)
     for r in range(n):
         s, d, t = where[r]
-        x, y = 10 + (r % cols) * (cell + 4), (r // cols) * (cell + 4)
+        x, y = 10 + (r % cols) * (cell + gap), (r // cols) * (cell + gap)
         dev = plan.rank_device_types[r]
         tc = colour(TYPE_COLOURS, types[dev])
         out.append(rect(x, y, cell, cell, colour(STAGE_COLOURS, s), cls="wp-device",
                         extra=(f'rx="3" data-rank="{r}" data-stage="{s}" '
                                f'data-replica="{d}" data-tp="{t}" data-device-type="{esc(dev)}"')))
-        bar = max(3.0, cell / 4.5)
-        if cell >= 8:
+        bar = max(2.0, cell / 4.5)
+        if cell >= 6:
             out.append(rect(x + 1, y + 1, cell - 2, bar, tc, stroke="#555", extra='stroke-width="0.5"'))
         if cell >= 44:
             out.append(text(x + cell / 2, y + bar - 2, dev[:10], size=8, anchor="middle", fill=ink(tc),
@@ -73,14 +71,14 @@ def devices_grid(plan: Plan) -> str:
         if cell >= 44:
             out.append(text(x + cell / 2, y + cell - 5, f"d{d} t{t}", size=9, anchor="middle", fill="#fff",
                             extra='pointer-events="none"'))
-    y = rows * (cell + 4) + 8
+    y = rows * (cell + gap) + 8
     x = 10.0
     for st in plan.stages:
         x, y = _legend_item(out, x, y, colour(STAGE_COLOURS, st.index), f"stage {st.index}")
     for name, i in types.items():
         x, y = _legend_item(out, x, y, colour(TYPE_COLOURS, i), f"{name} ({plan.rank_device_types.count(name)})")
-    out.append("</svg>")
-    return "\n".join(out)
+    head = svg_open(WIDTH, y + 20, cls="wp-devices", extra=f'data-devices="{n}" data-stages="{plan.pp_degree}"')
+    return "\n".join([head, *out, "</svg>"])
 
 
 def _legend_item(out: list[str], x: float, y: float, fill: str, label: str) -> tuple[float, float]:
