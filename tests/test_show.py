@@ -186,3 +186,16 @@ def test_plan_without_chunk_times_is_drawn_with_a_stated_split() -> None:
     assert fwd == pytest.approx([3.0 / 3] * 4)  # compute_s 3 s split 1 : 2 (BACKWARD_PER_FORWARD)
     assert tl.notes and "1 : 2" in tl.notes[0]
     assert "1 : 2 between forward and backward" in plan_html(old)
+
+
+@pytest.mark.parametrize("make", [homogeneous_3d, interleaved, mixed])
+def test_chunk_times_add_up_to_the_stage_busy_time(make) -> None:  # type: ignore[no-untyped-def]
+    # chunk_forward_s / chunk_backward_s (build.py, per chunk) against compute + TP + exposed DP per
+    # micro-batch (evaluate_stage, per stage): two paths through the cost model that must agree
+    plan = make()
+    for st in plan.stages:
+        c = st.cost
+        assert len(c.chunk_forward_s) == len(c.chunk_backward_s) == plan.virtual_stages
+        assert all(f > 0 and b > f for f, b in zip(c.chunk_forward_s, c.chunk_backward_s))
+        busy = sum(c.chunk_forward_s) + sum(c.chunk_backward_s)
+        assert busy == pytest.approx(c.compute_s + c.comm_s - c.p2p_s + c.dp_comm_s, rel=1e-9)

@@ -1,4 +1,4 @@
-"""The ``whalepy`` console script: ``plan``, ``show`` (and ``diff``, whalepy._show), ``estimate``, ``calibrate`` (whalepy._calibrate),
+"""The ``whalepy`` console script: ``plan``, ``show``, ``estimate``, ``calibrate`` (whalepy._calibrate),
 ``export`` and ``run`` (whalepy.launch).
 
 Errors whalepy raises on purpose print as one line and exit with code 2, without a traceback.
