@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import re
 from types import SimpleNamespace
+from xml.etree import ElementTree
 
 import pytest
 
-from tests.show_cases import homogeneous_3d, interleaved, mixed, uniform_plan
+from show_cases import homogeneous_3d, interleaved, mixed, uniform_plan
 from whalepy._errors import PlanError
 from whalepy._show import plan_diff, plan_html, plan_timeline_svg
 from whalepy._show.schedule import OpKind, gpipe_order, interleaved_order, one_f_one_b_order, simulate
@@ -48,7 +49,8 @@ class _RecordingStage:
         self.ops.append(("backward", self.stage_index, mb))
 
 
-def _run_torch_schedule(cls, num_stages: int, num_microbatches: int, stage: int) -> list[tuple[str, int, int]]:  # type: ignore[no-untyped-def]
+def _run_torch_schedule(cls, num_stages: int, num_microbatches: int,  # type: ignore[no-untyped-def]
+                        stage: int) -> list[tuple[str, int, int]]:
     """What torch's ScheduleGPipe / Schedule1F1B._step_microbatches executes on one stage."""
     sched = object.__new__(cls)
     rec = _RecordingStage(stage)
@@ -141,7 +143,9 @@ def test_page_draws_every_device_stage_and_microbatch(make) -> None:  # type: ig
             assert _count(html, rf'data-kind="{kind}" data-rank="{r}" ') == per_rank
     assert not re.search(r'(src|href)="(https?:)?//', html), "the page must not fetch anything"
     svg = plan_timeline_svg(plan)
-    assert svg.startswith("<svg") and _count(svg, r'data-kind="forward"') == plan.pp_degree * per_rank
+    root = ElementTree.fromstring(svg)  # a standalone .svg must be well-formed XML
+    assert root.tag == "{http://www.w3.org/2000/svg}svg"
+    assert _count(svg, r'data-kind="forward"') == plan.pp_degree * per_rank
 
 
 def test_diff_names_the_changes_and_the_effect() -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.show_cases import homogeneous_3d, interleaved, mixed
+from show_cases import homogeneous_3d, interleaved, mixed
 from whalepy.cli import main
 from whalepy.plan import Plan
 

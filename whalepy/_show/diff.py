@@ -97,7 +97,8 @@ def _pct(a: float, b: float) -> str:
 def _effect(a: Plan, b: Plan) -> list[str]:
     ca, cb = a.cost, b.cost
     out = ["predicted effect:",
-           f"  step time {fmt_time(ca.step_time_s)} -> {fmt_time(cb.step_time_s)}{_pct(ca.step_time_s, cb.step_time_s)}",
+           f"  step time {fmt_time(ca.step_time_s)} -> {fmt_time(cb.step_time_s)}"
+           f"{_pct(ca.step_time_s, cb.step_time_s)}",
            f"  throughput {_rate(ca.samples_per_s)} -> {_rate(cb.samples_per_s)} samples/s"
            f"{_pct(ca.samples_per_s, cb.samples_per_s)}",
            f"  MFU {100 * ca.mfu:.1f}% -> {100 * cb.mfu:.1f}%"]

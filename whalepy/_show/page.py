@@ -36,7 +36,8 @@ table{border-collapse:collapse;font-size:12.5px;width:100%}
 th,td{text-align:left;padding:4px 8px;border-bottom:1px solid #eceff2;vertical-align:top}
 th{background:#f0f2f5;font-weight:600;white-space:nowrap} td.wrap{overflow-wrap:anywhere} td.nowrap{white-space:nowrap}
 tr.chosen td{font-weight:bold;background:#eef6ee}
-.sw{display:inline-block;width:11px;height:11px;border-radius:2px;border:1px solid #777;margin-right:6px;vertical-align:-1px}
+.sw{display:inline-block;width:11px;height:11px;border-radius:2px;border:1px solid #777;margin-right:6px;
+vertical-align:-1px}
 .wp-bar{display:inline-block;width:180px;height:11px;background:#e9e9e9;margin-right:8px;vertical-align:-1px}
 .wp-bar .busy{display:block;height:100%;background:#59a14f}
 .wp-shares{display:flex;height:22px;border-radius:3px;overflow:hidden;margin:6px 0 4px}

@@ -148,7 +148,8 @@ def memory_bars(plan: Plan) -> str:
                 pct = 100 * c.memory_bytes / c.capacity_bytes if c.capacity_bytes else 0.0
                 over = c.capacity_bytes and c.memory_bytes > c.capacity_bytes
                 out.append(text(label_w + bar_w + 10, y + 16, f"{fmt_bytes(c.memory_bytes)} / "
-                                f"{fmt_bytes(c.capacity_bytes)} usable ({pct:.0f}%)" + (": DOES NOT FIT" if over else ""),
+                                f"{fmt_bytes(c.capacity_bytes)} usable ({pct:.0f}%)"
+                                + (": DOES NOT FIT" if over else ""),
                                 size=11, fill="#c0392b" if over else "#222", weight="bold" if over else "normal"))
                 out.append("</g>")
             else:
@@ -259,7 +260,8 @@ def alternatives_table(plan: Plan) -> str:
         fits = not math.isinf(a.step_time_s)
         pct = 100 * (a.step_time_s / chosen - 1) if fits and chosen > 0 else math.nan
         rel = "-" if math.isnan(pct) else f"{pct:+.1f}%" if abs(pct) < 10 else f"{pct:+.0f}%"
-        out.append(f'<tr class="wp-alt"><td class="wrap">{esc(squeeze_repeats(a.description))}</td><td>{fmt_time(a.step_time_s) if fits else "-"}'
+        out.append(f'<tr class="wp-alt"><td class="wrap">{esc(squeeze_repeats(a.description))}</td>'
+                   f'<td>{fmt_time(a.step_time_s) if fits else "-"}'
                    f'</td><td>{rel}</td><td class="wrap">{esc(a.reason)}</td></tr>')
     out.append("</table>")
     return "\n".join(out)

@@ -117,7 +117,8 @@ def timeline_svg(plan: Plan, timeline: Timeline | None = None) -> str:
 def timeline_caption(plan: Plan, tl: Timeline) -> str:
     """One sentence under the picture: what it shows and how it relates to the planner's step time."""
     bubble = max(tl.bubble_s(r) for r in range(tl.num_ranks))
-    return (f"{plan.schedule.value}" + (f" with {plan.virtual_stages} chunks per rank" if plan.virtual_stages > 1 else "")
+    chunks = f" with {plan.virtual_stages} chunks per rank" if plan.virtual_stages > 1 else ""
+    return (f"{plan.schedule.value}{chunks}"
             + f", {plan.num_microbatches} micro-batch{'es' if plan.num_microbatches > 1 else ''} per replica: the "
             f"schedule takes {fmt_time(tl.makespan_s)} "
             f"(largest bubble {fmt_time(bubble)}); the planner's step time, which adds the optimizer step, is "
