@@ -117,3 +117,13 @@ def test_pages_render_in_chromium(tmp_path: Path) -> None:
         dom.feed(out)
         _check_dom(plans[name], dom)
         _png_is_drawn(tmp_path / f"{name}.png")
+
+
+def test_missing_browser_fails_under_ci(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="CI=true but chromium is not installed"):
+        _chromium()
+    monkeypatch.setenv("CI", "")
+    with pytest.raises(pytest.skip.Exception, match="chromium is not installed"):
+        _chromium()
