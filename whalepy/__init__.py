@@ -33,7 +33,8 @@ from whalepy.profile import ModelProfile, profile
 __version__ = "0.1.0"
 
 _LAZY = {"parallelize": "whalepy.runtime", "ParallelModel": "whalepy.runtime", "calibrate": "whalepy._calibrate",
-         "materialize": "whalepy.runtime.materialize", "export_safetensors": "whalepy.export"}
+         "materialize": "whalepy.runtime.materialize", "export_safetensors": "whalepy.export",
+         "plan_html": "whalepy._show", "plan_timeline_svg": "whalepy._show", "plan_diff": "whalepy._show"}
 """Names whose modules import torch.distributed's heavier parts; loaded on first use, so planning
 from the command line does not pay for the runtime."""
 
@@ -63,6 +64,9 @@ __all__ = [
     "parallelize",
     "plan",
     "plan_from_profile",
+    "plan_diff",
+    "plan_html",
+    "plan_timeline_svg",
     "cluster",
     "replicate",
     "resolve_annotations",

@@ -100,9 +100,26 @@ def cmd_show(args: argparse.Namespace) -> int:
     from whalepy.plan import Plan
 
     plan = Plan.load(args.plan)
+    if args.html or args.svg:
+        from whalepy._show import plan_html, plan_timeline_svg, write_text
+
+        for path, render in ((args.html, plan_html), (args.svg, plan_timeline_svg)):
+            if path:
+                write_text(path, render(plan))
+                _err(f"wrote {path}")
+        if not args.explain:
+            return 0
     print(plan)
     if args.explain:
         print(plan.explain())
+    return 0
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from whalepy._show import plan_diff
+    from whalepy.plan import Plan
+
+    print(plan_diff(Plan.load(args.first), Plan.load(args.second)))
     return 0
 
 
@@ -165,7 +182,15 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("show", help="print a saved plan")
     sp.add_argument("plan")
     sp.add_argument("--explain", action="store_true")
+    sp.add_argument("--html", metavar="PATH", help="write a self-contained page: devices, memory, pipeline "
+                                                   "timeline, GPU types, alternatives (docs/show.md)")
+    sp.add_argument("--svg", metavar="PATH", help="write the pipeline timeline alone as SVG")
     sp.set_defaults(func=cmd_show)
+
+    sp = sub.add_parser("diff", help="what changed between two saved plans, and the predicted effect")
+    sp.add_argument("first")
+    sp.add_argument("second")
+    sp.set_defaults(func=cmd_diff)
 
     sp = sub.add_parser("estimate", help="predict one configuration")
     model_args(sp)

@@ -137,6 +137,14 @@ class StageCost:
     """Model states each device keeps in host memory (``cpu`` tiers)."""
     nvme_state_bytes: int = 0
     """Optimizer states each device keeps in files (``nvme`` tier)."""
+    chunk_forward_s: tuple[float, ...] = ()
+    """Per chunk (one without interleaving; virtual stage ``index + k S`` for chunk ``k``), forward
+    seconds per micro-batch: its blocks' forward passes and their TP all-reduces. Drawn by
+    ``whalepy show`` as the pipeline timeline; empty in plans written before it existed."""
+    chunk_backward_s: tuple[float, ...] = ()
+    """Per chunk, backward seconds per micro-batch: backward passes, recompute of checkpointed blocks,
+    TP all-reduces and exposed data-parallel communication (forward + backward = the chunk's busy time,
+    :func:`whalepy.planner.costing.chunk_busy_s`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -24,6 +24,7 @@ from whalepy.planner.costing import (
     CostContext,
     Evaluation,
     build_coefficients,
+    chunk_busy_s,
     evaluate_stage,
     memory_breakdown,
     stage_model_states,
@@ -106,7 +107,8 @@ def build_plan(ev: Evaluation, *, ctx: CostContext, global_batch: int, result: S
                            bubble_s=max(0.0, M * ev.T + ev.bubble_s - M * st.time_s),
                            memory_bytes=int(tight.memory_bytes), capacity_bytes=int(tight.cell.capacity),
                            **memory_breakdown(tight), tp_comm_s=worst.tp_s, p2p_s=worst.p2p_s,
-                           dp_comm_s=worst.dp_exposed_s, **_held_state_bytes(ctx, cand, st))))
+                           dp_comm_s=worst.dp_exposed_s, **_held_state_bytes(ctx, cand, st),
+                           **_chunk_phase_times(worst, st))))
     rank_types = tuple(d.device.name for d in hw.cluster.rank_devices())
     samples = global_batch / step
     model_flops = prof.train_flops * global_batch / prof.batch_size / step
@@ -125,6 +127,17 @@ def build_plan(ev: Evaluation, *, ctx: CostContext, global_batch: int, result: S
                 cost=cost, solver=report, alternatives=alternatives,
                 notes=tuple(notes) + compute_profile_notes(g.device for g in hw.groups),
                 precision=Precision(ctx.precision))
+
+
+def _chunk_phase_times(worst, st) -> dict[str, tuple[float, ...]]:  # type: ignore[no-untyped-def]
+    """StageCost's per-chunk forward and backward seconds per micro-batch of the slowest cell."""
+    c = worst.cell
+    counts = st.chunk_counts or (st.counts,)
+    ckpts = st.chunk_checkpoints or (st.checkpoints,)
+    # seg_recompute is one block's forward with its TP all-reduce: the forward pass of a block
+    fwd = [sum(n * x for n, x in zip(cn, c.seg_recompute)) for cn in counts]
+    busy = [chunk_busy_s(c, st.option, cn, ck) for cn, ck in zip(counts, ckpts)]
+    return {"chunk_forward_s": tuple(fwd), "chunk_backward_s": tuple(b - f for b, f in zip(busy, fwd))}
 
 
 def _held_state_bytes(ctx: CostContext, cand: Candidate, st) -> dict[str, int]:  # type: ignore[no-untyped-def]

@@ -654,6 +654,13 @@ class Evaluation:
         return self.coeffs.chunk_coefficient * self.Tc
 
 
+def chunk_busy_s(c: CellCoeffs, option: StateOption, counts: Sequence[int], ckpts: Sequence[int]) -> float:
+    """Per micro-batch, one chunk of a cell without its sends: its blocks' forward, backward and TP
+    all-reduces, recompute of its checkpointed blocks, and its exposed data-parallel communication."""
+    return (sum(n * (x + e) for n, x, e in zip(counts, c.seg_time, c.seg_exposed[option]))
+            + sum(k * x for k, x in zip(ckpts, c.seg_recompute)) + c.edge[option])
+
+
 def evaluate_stage(sc: StageCoeffs, chunk_counts: Sequence[Sequence[int]], chunk_ckpts: Sequence[Sequence[int]],
                    option: StateOption, *, dp: int) -> StageEval:
     """Cost of one physical stage: blocks and checkpointed blocks per segment of each of its chunks
@@ -671,10 +678,6 @@ def evaluate_stage(sc: StageCoeffs, chunk_counts: Sequence[Sequence[int]], chunk
     buffers = sc.buffer_beta[option] * pl + sc.working_bytes[option]
     cells = []
     for c in sc.cells:
-        def busy(cn: Sequence[int], ck: Sequence[int], edge: float) -> float:
-            return (sum(n * (x + e) for n, x, e in zip(cn, c.seg_time, c.seg_exposed[option]))
-                    + sum(k * x for k, x in zip(ck, c.seg_recompute)) + edge)
-
         compute = sum(n * x for n, x in zip(counts, c.seg_time)) + sum(k * x for k, x in zip(ckpts, c.seg_recompute))
         comm = sum(n * x for n, x in zip(counts, c.seg_comm))
         exposed = sum(n * e for n, e in zip(counts, c.seg_exposed[option])) + v * c.edge[option]
@@ -685,7 +688,7 @@ def evaluate_stage(sc: StageCoeffs, chunk_counts: Sequence[Sequence[int]], chunk
         if v == 1:
             chunk_time = time_s
         else:
-            chunk_time = max(max(busy(cn, ck, c.edge[option]), fetch / v) + p
+            chunk_time = max(max(chunk_busy_s(c, option, cn, ck), fetch / v) + p
                              for cn, ck, p in zip(chunk_counts, chunk_ckpts, c.chunk_p2p))
         peak = max((a for k, a in zip(ckpts, c.seg_saved) if k > 0), default=0.0)
         act = c.inflight * max(kept) + peak + c.autocast_bytes[option] + c.loss_bytes
