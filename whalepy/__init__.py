@@ -33,7 +33,8 @@ from whalepy.profile import ModelProfile, profile
 __version__ = "0.1.0"
 
 _LAZY = {"parallelize": "whalepy.runtime", "ParallelModel": "whalepy.runtime", "calibrate": "whalepy._calibrate",
-         "materialize": "whalepy.runtime.materialize", "export_safetensors": "whalepy.export"}
+         "materialize": "whalepy.runtime.materialize", "export_safetensors": "whalepy.export",
+         "trace_memory": "whalepy.trace", "MemoryTrace": "whalepy.trace"}
 """Names whose modules import torch.distributed's heavier parts; loaded on first use, so planning
 from the command line does not pay for the runtime."""
 
@@ -49,6 +50,7 @@ def __getattr__(name: str):  # noqa: ANN202 - module-level lazy attributes (PEP 
 
 __all__ = [
     "AnnotationError",
+    "MemoryTrace",
     "Cluster",
     "Replicate",
     "Split",
@@ -60,6 +62,7 @@ __all__ = [
     "export_safetensors",
     "homogeneous_baseline",
     "materialize",
+    "trace_memory",
     "parallelize",
     "plan",
     "plan_from_profile",
