@@ -72,6 +72,17 @@ def run_case(case: Case) -> dict[str, Any]:
             norms.append(pm.last_grad_norm)
         eval_after = pm.evaluate(*held_out).item()
         params = full_params(pm)
+        traced = None
+        if case.pp == 1 and case.tp == 1 and case.kind == "gpt":
+            import whalepy
+
+            # this rank's iteration: its share of the batch, whatever the data-parallel wrapper
+            share = pm.plan.batch_shares[pm.meshes.replica] // pm.plan.num_microbatches  # one micro-batch
+            local = whalepy.trace_memory(pm, data[0][0], data[0][1])
+            single = whalepy.trace_memory(build_model(case.kind, case.num_layers), data[0][0][:share],
+                                          data[0][1][:share], loss_fn=lm_loss)
+            traced = (local.activation_bytes, single.activation_bytes,
+                      sorted({e.phase for e in local.events}))
     finally:
         logging.getLogger("whalepy").removeHandler(records)
     rel = lambda a, b: abs(a - b) / max(abs(b), 1e-12)  # noqa: E731
@@ -85,6 +96,7 @@ def run_case(case: Case) -> dict[str, Any]:
         "param_err": max((params[k] - ref["params"][k]).abs().max().item() for k in params),
         "log": records.lines,
         "stages": len(pm.plan.stages),
+        "traced": traced,
     }
 
 

@@ -1,5 +1,6 @@
 """Training that reports itself: gradient clipping and ``evaluate`` under every layout against one
-process, the step log and the plan log on rank 0 only, warnings once per job.
+process, the step log and the plan log on rank 0 only, warnings once per job, and
+``whalepy.trace_memory`` of a parallel model's step against one process at the same batch.
 
 Clipping: ``max_grad_norm`` is small enough that every step clips, so the global norm whalepy
 assembles (local shards, summed over sharded mesh dimensions and pipeline stages, tied copies once)
@@ -33,10 +34,15 @@ def _check(per_rank: list[list[dict]]) -> None:
             for key, tol in (("loss_err", RTOL), ("norm_err", RTOL), ("eval_err", RTOL), ("param_err", ATOL)):
                 assert r[key] <= tol, (r["name"], key, r[key])
             assert r["eval_changed_params"] == 0.0, r["name"]
+            if r["traced"] is not None:  # trace_memory of a ParallelModel: the local iteration's
+                local, single, phases = r["traced"]  # activations equal one process at that batch
+                assert local == single and phases == ["backward", "forward", "optimizer"], (r["name"], r["traced"])
             steps = [x for x in r["log"] if re.match(r"whalepy: step \d+ \| loss [\d.]+ \| [\d.]+ m?s/step", x)]
             plan = [x for x in r["log"] if x.startswith("whalepy:   stage ")]
             if rank == 0:
-                assert len(steps) == 3 and all("tokens/s" in x for x in steps), (r["name"], r["log"])
+                # 3 training steps, and the traced one where the case traces
+                assert len(steps) == 3 + (r["traced"] is not None), (r["name"], r["log"])
+                assert all("tokens/s" in x for x in steps), (r["name"], r["log"])
                 assert len(plan) == r["stages"], (r["name"], r["log"])
             else:
                 assert steps == [] and plan == [], (r["name"], rank, r["log"])

@@ -34,7 +34,8 @@ __version__ = "0.1.0"
 
 _LAZY = {"parallelize": "whalepy.runtime", "ParallelModel": "whalepy.runtime", "calibrate": "whalepy._calibrate",
          "materialize": "whalepy.runtime.materialize", "export_safetensors": "whalepy.export",
-         "plan_html": "whalepy._show", "plan_timeline_svg": "whalepy._show", "plan_diff": "whalepy._show"}
+         "plan_html": "whalepy._show", "plan_timeline_svg": "whalepy._show", "plan_diff": "whalepy._show",
+         "trace_memory": "whalepy.trace", "MemoryTrace": "whalepy.trace"}
 """Names whose modules import torch.distributed's heavier parts; loaded on first use, so planning
 from the command line does not pay for the runtime."""
 
@@ -50,6 +51,7 @@ def __getattr__(name: str):  # noqa: ANN202 - module-level lazy attributes (PEP 
 
 __all__ = [
     "AnnotationError",
+    "MemoryTrace",
     "Cluster",
     "Replicate",
     "Split",
@@ -61,6 +63,7 @@ __all__ = [
     "export_safetensors",
     "homogeneous_baseline",
     "materialize",
+    "trace_memory",
     "parallelize",
     "plan",
     "plan_from_profile",

@@ -69,6 +69,10 @@ class PlannerOptions:
     homogeneous_baseline: bool = False
     """Plan as if every GPU were the cluster's slowest type (uniform batch shares), then cost that plan
     on the real cluster: the baseline hardware-aware planning is compared against."""
+    memory_trace: Any = None
+    """A :class:`~whalepy.trace.MemoryTrace` (or its JSON path) of one warm-up iteration of this model:
+    the planner charges its measured activation bytes per block instead of the profile's estimate
+    (:func:`whalepy.trace.apply_memory_trace`)."""
     notes: tuple[str, ...] = field(default=())
     """Lines copied into ``plan.notes`` (used by callers that adjust options, e.g. a solver fallback)."""
 
@@ -151,6 +155,10 @@ def plan_from_profile(profile: ModelProfile, cluster: ClusterSpec, *, global_bat
         return homogeneous_baseline(profile, cluster, global_batch=global_batch,
                                     **{k: getattr(opts, k) for k in _fields() if k != "homogeneous_baseline"})
     _check_sequence_parallel(profile, opts)
+    if opts.memory_trace is not None:
+        from whalepy.trace import apply_memory_trace
+
+        profile = apply_memory_trace(profile, opts.memory_trace)
     progress = _progress_fn(opts.progress)
     result = run_search(profile, hw, global_batch, opts, progress=progress)
     if result.best is None:
@@ -158,6 +166,8 @@ def plan_from_profile(profile: ModelProfile, cluster: ClusterSpec, *, global_bat
     best = result.best
     assert best is not None and result.best_result is not None and result.ctx is not None
     notes = list(opts.notes) + result.notes + _annotation_notes(result)
+    if opts.memory_trace is not None:
+        notes.append("activation bytes of the traced blocks are measured (memory_trace), not estimated")
     alts = build_alternatives(result, best, opts.top_k, hw)
     plan_ = build_plan(best, ctx=result.ctx, global_batch=global_batch, result=result,
                        solver_name=result.solver_used, status=result.best_result.status,

@@ -319,6 +319,7 @@ class ParallelModel:
                 _broadcast_weights(model)
         stage = m.stage
         block_modules = _resolve_block_modules(model, plan, profile)
+        self.block_modules = block_modules  # block name -> module paths (whalepy.trace_memory)
         start = sum(plan.batch_shares[: m.replica])
         self._slice = slice(start, start + plan.batch_shares[m.replica])
         dp, tp, pp = plan.dp_degree, stage.tp_degree, plan.pp_degree
