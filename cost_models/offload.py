@@ -163,7 +163,9 @@ def estimate_prefetch_exposed(*, compute_s: Sequence[float], hops_s: Sequence[Se
     computing (``d`` staging buffers ahead of the running block; ``d = 0`` fetches serially), so block
     ``i + 1`` comes from host and ``i + 2`` from disk while block ``i`` computes (ZeRO-Infinity,
     Rajbhandari et al., SC'21, section 6.2) when ``d >= 2``. Returns the pass's makespan less its compute:
-    the first fetch (nothing hides it) plus every stall."""
+    the first fetch (nothing hides it) plus every stall. For uniform blocks the steady-state period is
+    ``max(slowest hop, compute, (sum of hops + compute) / (d + 1))``: each link moves one block at a time
+    and a buffer's cycle (its block's hops, then its compute) is shared by ``d + 1`` buffers."""
     n = len(compute_s)
     if len(hops_s) != n or prefetch_depth < 0:
         raise ValueError(f"{n} blocks but {len(hops_s)} transfer rows, or prefetch_depth {prefetch_depth} < 0")

@@ -54,6 +54,22 @@ def test_prefetch_pipeline_by_hand() -> None:
     assert choose_prefetch_depth(compute_s=comp, hops_s=x)[0] == 1
 
 
+@pytest.mark.parametrize("compute", [0.05, 0.2, 1.0])
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_prefetch_steady_state(compute: float, depth: int) -> None:
+    """Many uniform blocks: past the first fetch the period per block is ``max(slowest hop, compute,
+    (sum of hops + compute) / (depth + 1))`` -- each link moves one block at a time, and a block's buffer
+    cycle (its hops, then its compute) is shared by ``depth + 1`` buffers -- so the exposure per block
+    is that period less the compute (measured between 300 and 600 blocks, past the start-up)."""
+    pcie, nvme = 1e9 / 25e9, 1e9 / 6e9
+
+    def exposed(n: int) -> float:
+        return estimate_prefetch_exposed(compute_s=[compute] * n, hops_s=[[nvme, pcie]] * n, prefetch_depth=depth)
+
+    period = max(nvme, pcie, compute, (nvme + pcie + compute) / (depth + 1))
+    assert (exposed(600) - exposed(300)) / 300 == pytest.approx(period - compute, abs=1e-9)
+
+
 def test_prefetch_depth_helps_uneven_blocks() -> None:
     # a large block behind small ones: fetching it earlier hides it behind several blocks' compute
     comp = [1.0, 1.0, 1.0, 1.0]

@@ -28,8 +28,8 @@ after TP:
   the last backward) plus the last block's, plus ZeroRedundancyOptimizer's parameter all-gather after
   the step. The ``tp`` DP groups of a stage share each node's NIC, so their inter-node bandwidth is
   divided by ``tp``;
-- ``opt``: the optimizer step on the GPU (roofline of :data:`ADAM_FLOPS_PER_PARAM` /
-  :data:`ADAM_BYTES_PER_PARAM`), or off it as :mod:`whalepy.cost_models.offload` prices each mode:
+- ``opt``: the optimizer step on the GPU (roofline of :data:`~whalepy.planner._offload_costs.ADAM_FLOPS_PER_PARAM` /
+  :data:`~whalepy.planner._offload_costs.ADAM_BYTES_PER_PARAM`), or off it as :mod:`whalepy.cost_models.offload` prices each mode:
   ZeRO-Offload (parameters on the GPU, optimizer on the host) streams gradients down and steps on the
   CPU beside the last micro-batch's backward, exposed only past it, then copies parameters back;
   host-resident parameters step on the CPU after backward; NVMe states are read and written around
@@ -78,7 +78,7 @@ from whalepy.cost_models.communication import (
     estimate_collective_time,
     estimate_p2p_time,
 )
-from whalepy.cost_models.compute import estimate_block_time, estimate_compute_time, estimate_kernels_time, precision_bytes
+from whalepy.cost_models.compute import estimate_block_time, estimate_kernels_time, precision_bytes
 from whalepy.cost_models.memory import (
     AUTOCAST_WEIGHT_COPY_BYTES,
     HALF_PRECISION_BYTES,
@@ -86,22 +86,13 @@ from whalepy.cost_models.memory import (
     MASTER_GRAD_BYTES,
     ModelStateBytes,
     estimate_model_state_bytes,
-    MASTER_PARAM_BYTES,
     inflight_microbatches,
 )
-from whalepy.cost_models.offload import (
-    device_step_nvme,
-    fetch_seconds_per_byte,
-    host_capacity_per_gpu,
-    host_step,
-    nvme_capacity_per_gpu,
-    nvme_io,
-    resolve_offload_rates,
-    zero_offload_step,
-)
+from whalepy.cost_models.offload import host_capacity_per_gpu, nvme_capacity_per_gpu
 from whalepy._capabilities import LoweringKind
 from whalepy.plan import Tier, TPStyle, ZeroStage
 from whalepy.planner.space import Candidate, GroupView, Hardware, Segment, StateOption, build_layout
+from whalepy.planner._offload_costs import offload_coefficients
 from whalepy.planner._runtime_costs import (
     DPComm,
     build_dp_block_comm,
@@ -114,15 +105,6 @@ from whalepy.planner._runtime_costs import (
     uses_autocast,
 )
 from whalepy.profile import BlockKind, BlockProfile, ModelProfile
-
-ADAM_FLOPS_PER_PARAM = 12.0
-"""Element-wise operations of one mixed-precision Adam update per parameter (moments, bias
-correction, square root, division, weight update)."""
-
-ADAM_BYTES_PER_PARAM = 28.0
-"""Device-memory traffic of one Adam update per parameter: read fp32 master, momentum and variance
-(12) and the 16-bit gradient (2); write the three fp32 tensors (12) and the 16-bit parameter (2)."""
-
 
 def _shared_nic(group: CommGroup, sharers: int) -> CommGroup:
     if sharers <= 1 or group.num_nodes <= 1:
@@ -276,7 +258,8 @@ class CandidateCoeffs:
     stages: list[StageCoeffs]
     ranks: tuple[tuple[tuple[int, ...], ...], ...]
     nodes: tuple[NodeShare, ...]
-    """Distinct node shares (host memory and NVMe constraints, one per share)."""
+    """Distinct node shares (host memory and NVMe constraints, one per share); empty when no stage may
+    keep states off the device."""
     bubble: float
     """``M + (S - 1)/v``: the step's coefficient of ``T`` when chunks are balanced (the lower bound's)."""
 
@@ -427,10 +410,21 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
                                   buffer_beta=buffer_beta,
                                   dp_ranks=dp_ranks))
     return CandidateCoeffs(candidate=cand, segments=segments, stages=stages, ranks=ranks,
-                           nodes=_node_shares(hw, ranks), bubble=cand.bubble_coefficient)
+                           nodes=_node_shares(hw, ranks) if any(_off_device(o) for st in stages for o in st.options)
+                           else (), bubble=cand.bubble_coefficient)
+
+
+def _off_device(o: StateOption) -> bool:
+    return o.param_tier is not Tier.GPU or o.optimizer_tier is not Tier.GPU
 
 
 def _node_shares(hw: Hardware, ranks) -> tuple[NodeShare, ...]:  # type: ignore[no-untyped-def]
+    if ranks not in hw.node_shares:
+        hw.node_shares[ranks] = _build_node_shares(hw, ranks)
+    return hw.node_shares[ranks]
+
+
+def _build_node_shares(hw: Hardware, ranks) -> tuple[NodeShare, ...]:  # type: ignore[no-untyped-def]
     placed = hw.cluster.rank_devices()
     per_node: dict[int, list[int]] = {}
     group_of: dict[int, str] = {}
@@ -541,7 +535,10 @@ def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: i
     p2p = sum(chunk_p2p)
     inflight = inflight_microbatches(cand.schedule, stage_index=s, num_stages=S, num_microbatches=M,
                                      virtual_stages=v)
-    opt_beta, opt_overlap, fetch_beta = _offload_coefficients(ctx, cand, g, allowed)
+    key = ("offload", g.index, d, t, S, allowed)
+    if key not in ctx._cache:  # the same for every cell of this group and degrees, across candidates
+        ctx._cache[key] = offload_coefficients(ctx, cand, g, allowed)
+    opt_beta, opt_overlap, fetch_beta = ctx._cache[key]  # type: ignore[misc]
     seg_exposed, edge, seg_tail, tail_edge, autocast_bytes = {}, {}, {}, {}, {}
     pipelined = S > 1
     for o in allowed:
@@ -567,43 +564,6 @@ def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: i
                       fetch_beta=fetch_beta,
                       seg_exposed=seg_exposed, edge=edge, seg_tail=seg_tail, tail_edge=tail_edge,
                       autocast_bytes=autocast_bytes, loss_bytes=loss_bytes)
-
-
-def _offload_coefficients(ctx: CostContext, cand: Candidate, g: GroupView, allowed: tuple[StateOption, ...]
-                          ) -> tuple[dict[StateOption, float], dict[StateOption, float], dict[StateOption, float]]:
-    """Per option, seconds per local parameter of the stage: the optimizer step after the last backward,
-    the part of it that runs beside that backward, and the parameter fetches per micro-batch
-    (:mod:`whalepy.cost_models.offload`; bytes from :func:`stage_model_states`)."""
-    d, low = cand.dp, precision_bytes(ctx.precision)
-    n = 1e9
-    gpu_step = estimate_compute_time(flops=ADAM_FLOPS_PER_PARAM * n, bytes_moved=ADAM_BYTES_PER_PARAM * n,
-                                     device=g.device, precision="fp32") / n
-    rates = None
-    if any(o.param_tier is not Tier.GPU or o.optimizer_tier is not Tier.GPU for o in allowed):
-        rates = resolve_offload_rates(g.device, gpus_per_node=g.gpus_per_node, nvme_read=g.nvme_read_bandwidth,
-                                      nvme_write=g.nvme_write_bandwidth)
-    opt, overlap, fetch = {}, {}, {}
-    for o in allowed:
-        kind = lowering_kind(o, cand)
-        # parameters whose optimizer states this rank steps: its shard under FSDP2 and ZeRO-1, else all
-        share = 1.0 / d if kind == LoweringKind.FSDP or o.zero >= ZeroStage.OPTIMIZER else 1.0
-        fetch[o], overlap[o] = 0.0, 0.0
-        if rates is None or (o.param_tier is Tier.GPU and o.optimizer_tier is Tier.GPU):
-            opt[o] = gpu_step * share
-            continue
-        nvme_bytes = stage_model_states(ctx, cand, o, 1.0).nvme  # per local parameter, already a shard
-        if o.param_tier is Tier.GPU and o.optimizer_tier is Tier.CPU:
-            traffic = zero_offload_step(rates, grad_bytes=low, param_bytes=low)
-            opt[o], overlap[o] = traffic.serial * share, traffic.overlap * share
-        elif o.param_tier is Tier.GPU:  # optimizer states in files, stepped on the device
-            opt[o] = gpu_step * share + device_step_nvme(rates, state_bytes=nvme_bytes).serial
-        else:  # parameters off the device: stepped on the host (FSDP2 CPUOffloadPolicy)
-            opt[o] = (host_step(rates, grad_bytes=MASTER_GRAD_BYTES).serial * share
-                      + nvme_io(rates, nvme_bytes))
-            passes = 2 if o.zero is ZeroStage.PARAMETERS else 1  # re-gathered for backward under ZeRO-3
-            fetch[o] = passes * MASTER_PARAM_BYTES * share * fetch_seconds_per_byte(
-                rates, from_nvme=o.param_tier is Tier.NVME)
-    return opt, overlap, fetch
 
 
 # -- evaluation of a fully specified configuration ----------------------------------------------------
