@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import validate_offload as vo  # noqa: E402
 
 from whalepy._capabilities import state_option_error  # noqa: E402
+from whalepy._plan_format import _t  # noqa: E402
 
 
 def test_capacity_frontier_holds() -> None:
@@ -30,3 +31,15 @@ def test_capacity_frontier_holds() -> None:
     # the table covers successes and failures of all three systems
     assert {r.case.system for r in rows if not r.pending and r.case.fits} >= {"ZeRO-Offload", "PatrickStar"}
     assert {r.case.system for r in rows if not r.case.fits} == {"ZeRO-Offload", "ZeRO-Infinity", "PatrickStar"}
+
+
+def test_plan_dump_shows_tiers_depth_and_exposed_offload() -> None:
+    """ZeRO-Offload's published 13B on one V100: the plan keeps states on the host and its dump names
+    each block's tiers, the prefetch depth of host-resident parameters and the exposed offload time."""
+    plan = vo._plan(vo.CASES[0])
+    text = str(plan)
+    st = next(s for s in plan.stages if any(b.param_tier.value != "gpu" for b in s.blocks))
+    assert st.cost.offload_s > 0 and st.cost.host_state_bytes > 0
+    assert "offload (tiers " in text and "cpu/cpu prefetch 1" in text, text
+    assert f"exposed {_t(st.cost.offload_s)} per step" in text, text
+    assert "fetched 1 block ahead" in text, text

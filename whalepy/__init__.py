@@ -32,7 +32,8 @@ from whalepy.profile import ModelProfile, profile
 __version__ = "0.1.0"
 
 _LAZY = {"parallelize": "whalepy.runtime", "ParallelModel": "whalepy.runtime", "calibrate": "whalepy._calibrate",
-         "materialize": "whalepy.runtime.materialize", "export_safetensors": "whalepy.export"}
+         "materialize": "whalepy.runtime.materialize", "export_safetensors": "whalepy.export",
+         "trace_memory": "whalepy._memory_trace", "MemoryTrace": "whalepy._memory_trace"}
 """Names whose modules import torch.distributed's heavier parts; loaded on first use, so planning
 from the command line does not pay for the runtime."""
 
@@ -84,4 +85,6 @@ __all__ = [
     "WhalepyError",
     "ZeroStage",
     "profile",
+    "trace_memory",
+    "MemoryTrace",
 ]
