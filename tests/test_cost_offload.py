@@ -157,3 +157,17 @@ def test_ilp_matches_exhaustive_with_every_tier(monkeypatch: pytest.MonkeyPatch,
     # both costed with the same functions: the ILP's plan is the optimum, within the solver's 0.5% gap
     assert ex * (1 - 1e-9) <= ilp <= ex * (1 + 5e-3), out
     assert any(b.optimizer_tier is not Tier.GPU for s in plans["highs"].stages for b in s.blocks)
+
+
+def test_host_memory_is_the_nodes() -> None:
+    """A node's host memory is shared by its GPUs whichever stages they run: a stage may use the share
+    of another stage that keeps its states on the device, but the node's total is a hard limit."""
+    from types import SimpleNamespace
+
+    from whalepy.planner.costing import NodeShare, node_fits
+
+    node = NodeShare(ranks_per_stage=(4, 4), cpu_capacity=100.0, nvme_capacity=None)
+    cc = SimpleNamespace(nodes=(node,))
+    assert node_fits(cc, [0.0, 24.0], [0.0, 0.0])  # 96 of 100, though 24 > 100 / 8 per GPU
+    assert not node_fits(cc, [2.0, 24.0], [0.0, 0.0])  # 8 + 96 > 100
+    assert not node_fits(cc, [0.0, 0.0], [0.0, 1.0])  # no NVMe on the node
