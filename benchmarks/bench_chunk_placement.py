@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 import whalepy
-from whalepy._chunk_placement import access_sequence, chunk_traffic, static_block_traffic
+from whalepy._chunk_placement import block_module_accesses, chunk_traffic, static_block_traffic
 from whalepy.models import GPT, GPTConfig
 from whalepy.profile import profile
 
@@ -22,11 +22,7 @@ def run(layers: int = 8, hidden: int = 512, seq: int = 128, batch: int = 2) -> l
     x = torch.randint(0, 1024, (batch, seq))
     prof = profile(model, (x,))
     trace = whalepy.trace_memory(model, x)
-    units = [m for b in prof.blocks for m in b.modules]
-    sizes = {u: sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-                    if n == u or n.startswith(u + ".")) for u in units}
-    sizes = {u: s for u, s in sizes.items() if s}
-    acc = [a for a in access_sequence(trace, list(sizes)) if a.unit in sizes]
+    acc, sizes = block_module_accesses(model, prof, trace)
     total = sum(sizes.values())
     chunk = max(sizes.values()) // 2
     rows = [f"GPT {layers} layers, hidden {hidden}, seq {seq}, batch {batch}: parameters {total / 2**20:.1f} MiB, "

@@ -77,15 +77,11 @@ def test_chunked_placement_by_hand() -> None:
 def test_chunked_placement_moves_less_than_static_blocks(small_gpt) -> None:  # type: ignore[no-untyped-def]
     """On the traced GPT with room for the activation peak and half the parameters, trace-driven chunks
     (room grows as activations are freed, units split across chunks) fetch less than fixed blocks."""
-    from whalepy._chunk_placement import access_sequence, chunk_traffic, static_block_traffic
+    from whalepy._chunk_placement import block_module_accesses, chunk_traffic, static_block_traffic
 
     model, x, prof = small_gpt
     trace = whalepy.trace_memory(model, x)
-    units = [m for b in prof.blocks for m in b.modules]
-    sizes = {u: sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-                    if n == u or n.startswith(u + ".")) for u in units}
-    sizes = {u: s for u, s in sizes.items() if s}
-    acc = [a for a in access_sequence(trace, list(sizes)) if a.unit in sizes]
+    acc, sizes = block_module_accesses(model, prof, trace)
     budget = trace.peak_saved_bytes + sum(sizes.values()) // 2
     static = static_block_traffic(acc, sizes, budget)
     chunked = chunk_traffic(acc, sizes, budget, chunk_bytes=max(sizes.values()) // 2)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Access", "access_sequence", "chunk_traffic", "static_block_traffic"]
+__all__ = ["Access", "access_sequence", "block_module_accesses", "chunk_traffic", "static_block_traffic"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +49,16 @@ def access_sequence(trace, units: Sequence[str]) -> list[Access]:  # type: ignor
     after = [level[u] for u in order[1:]] + [peak]
     backward = [Access(u, a) for u, a in reversed(list(zip(order, after)))]
     return forward + backward
+
+
+def block_module_accesses(model, profile, trace) -> tuple[list[Access], dict[str, int]]:  # type: ignore[no-untyped-def]
+    """The access sequence over the modules of ``profile``'s blocks that own parameters, and their
+    parameter bytes in ``model``."""
+    units = [m for b in profile.blocks for m in b.modules]
+    sizes = {u: sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                    if n == u or n.startswith(u + ".")) for u in units}
+    sizes = {u: s for u, s in sizes.items() if s}
+    return [a for a in access_sequence(trace, list(sizes)) if a.unit in sizes], sizes
 
 
 def static_block_traffic(accesses: Sequence[Access], sizes: dict[str, int], budget: int) -> int:
