@@ -43,3 +43,4 @@ def test_plan_dump_shows_tiers_depth_and_exposed_offload() -> None:
     assert "offload (tiers " in text and "cpu/cpu prefetch 1" in text, text
     assert f"exposed {_t(st.cost.offload_s)} per step" in text, text
     assert "fetched 1 block ahead" in text, text
+
