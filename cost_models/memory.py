@@ -1,5 +1,5 @@
-"""Memory per device: model states by ZeRO stage and tier, activations, pipeline in-flight micro-batches,
-and the exposed time of moving offloaded states. Formulas and sources are in docs/cost_model.md.
+"""Memory per device: model states by ZeRO stage and tier, activations, pipeline in-flight micro-batches
+(the time of moving offloaded states: :mod:`whalepy.cost_models.offload`). Formulas and sources are in docs/cost_model.md.
 
 Units are bytes (floats: per-device shares such as ``K * Psi / N_d`` need not be whole numbers).
 """
@@ -398,47 +398,3 @@ def estimate_device_bytes_for_usable(usable_bytes: float, *, num_communicators: 
     """The inverse of :func:`estimate_usable_device_bytes`: device memory that leaves ``usable_bytes``
     for the allocator with ``num_communicators`` NCCL communicators (for sizing test devices)."""
     return usable_bytes * (1 + ALLOCATOR_FRAGMENTATION) + estimate_fixed_device_bytes(num_communicators)
-
-
-# -- offload traffic ------------------------------------------------------------------------------
-
-
-def estimate_offload_time(
-    *,
-    bytes_to_move: float,
-    host_link_bandwidth: float,
-    nvme_read_bandwidth: float | None = None,
-    compute_time_s: float,
-    prefetch_depth: int = 1,
-) -> float:
-    """Exposed (not hidden) seconds of moving offloaded states to the GPU for one block, steady state.
-
-    ``bytes_to_move`` and ``compute_time_s`` are one block's transfer and compute (totals over a phase
-    work the same way, less the first fetch, which nothing hides). The path is PCIe (``bytes / host``),
-    preceded for NVMe-resident states by an NVMe read (``bytes / nvme``). ZeRO-Infinity (Rajbhandari et
-    al., SC'21) overlaps block i's compute, block i+1's CPU->GPU copy and block i+2's NVMe->CPU read:
-
-    - ``prefetch_depth`` 0: nothing overlaps, exposed = the whole serial transfer;
-    - depth at least the number of hops (1 from CPU, 2 from NVMe): the hops pipeline with compute and
-      each other, exposed = ``max(0, bytes / min(host, nvme) - compute)``;
-    - NVMe with depth 1: the two hops run back to back, overlapped with compute only.
-
-    Deeper prefetching does not hide more in steady state: the link is already busy with the other
-    blocks' transfers, so its throughput, not the buffer count, is the limit.
-    """
-    if bytes_to_move < 0 or compute_time_s < 0 or prefetch_depth < 0:
-        raise ValueError(
-            f"bytes_to_move ({bytes_to_move}), compute_time_s ({compute_time_s}) and prefetch_depth "
-            f"({prefetch_depth}) must be non-negative"
-        )
-    if host_link_bandwidth <= 0 or (nvme_read_bandwidth is not None and nvme_read_bandwidth <= 0):
-        raise ValueError(
-            f"bandwidths must be positive, got host {host_link_bandwidth} and nvme {nvme_read_bandwidth}"
-        )
-    hops = [bytes_to_move / host_link_bandwidth]
-    if nvme_read_bandwidth is not None:
-        hops.append(bytes_to_move / nvme_read_bandwidth)
-    if prefetch_depth == 0:
-        return sum(hops)
-    transfer = max(hops) if prefetch_depth >= len(hops) else sum(hops)
-    return max(0.0, transfer - compute_time_s)

@@ -1,4 +1,5 @@
-"""Memory model: ZeRO model states, transformer activations, in-flight micro-batches, offload time."""
+"""Memory model: ZeRO model states, transformer activations, in-flight micro-batches (offload time:
+test_cost_offload.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ from whalepy.cost_models.memory import (
     BlockActivations,
     Recompute,
     estimate_zero_paper_model_state_bytes,
-    estimate_offload_time,
     estimate_stage_activation_bytes,
     estimate_transformer_activation_bytes,
     inflight_microbatches,
@@ -192,41 +192,3 @@ def test_stage_activation_bytes():
     # Interleaved: in-flight counts chunks, each 1/v of the stage's blocks.
     interleaved = estimate_stage_activation_bytes(blocks=blocks, num_inflight=11, virtual_stages=2)
     assert interleaved == pytest.approx(11 * 40.0 / 2)
-
-
-# -- offload ---------------------------------------------------------------------------------------
-
-PCIE, NVME = 25e9, 6e9
-
-
-def test_offload_from_cpu():
-    nbytes = 1e9  # 40 ms over PCIe
-    kw = dict(bytes_to_move=nbytes, host_link_bandwidth=PCIE)
-    assert estimate_offload_time(**kw, compute_time_s=0.01, prefetch_depth=0) == pytest.approx(nbytes / PCIE)
-    assert estimate_offload_time(**kw, compute_time_s=0.01) == pytest.approx(nbytes / PCIE - 0.01)
-    assert estimate_offload_time(**kw, compute_time_s=1.0) == 0.0
-
-
-def test_offload_from_nvme_depends_on_prefetch_depth():
-    nbytes, compute = 1e9, 0.05
-    kw = dict(
-        bytes_to_move=nbytes, host_link_bandwidth=PCIE, nvme_read_bandwidth=NVME, compute_time_s=compute
-    )
-    serial = nbytes / PCIE + nbytes / NVME
-    assert estimate_offload_time(**kw, prefetch_depth=0) == pytest.approx(serial)
-    assert estimate_offload_time(**kw, prefetch_depth=1) == pytest.approx(serial - compute)
-    assert estimate_offload_time(**kw, prefetch_depth=2) == pytest.approx(nbytes / min(PCIE, NVME) - compute)
-    times = [estimate_offload_time(**kw, prefetch_depth=d) for d in range(5)]
-    assert times == sorted(times, reverse=True)
-    assert estimate_offload_time(**kw, prefetch_depth=2) > estimate_offload_time(
-        bytes_to_move=nbytes, host_link_bandwidth=PCIE, compute_time_s=compute, prefetch_depth=2
-    )
-
-
-def test_offload_validation():
-    with pytest.raises(ValueError):
-        estimate_offload_time(bytes_to_move=1.0, host_link_bandwidth=0.0, compute_time_s=0.0)
-    with pytest.raises(ValueError):
-        estimate_offload_time(
-            bytes_to_move=1.0, host_link_bandwidth=1.0, compute_time_s=0.0, prefetch_depth=-1
-        )

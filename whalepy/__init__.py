@@ -92,4 +92,6 @@ __all__ = [
     "WhalepyError",
     "ZeroStage",
     "profile",
+    "trace_memory",
+    "MemoryTrace",
 ]

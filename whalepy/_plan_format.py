@@ -124,6 +124,22 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def _tiers(stage) -> str:  # type: ignore[no-untyped-def]
+    """Each block's (parameter / optimizer) tier, runs of equal tiers compressed, with the prefetch depth
+    of blocks whose parameters are off the device."""
+    runs: list[list] = []  # type: ignore[type-arg]
+    for b in stage.blocks:
+        tier = f"{b.param_tier.value}/{b.optimizer_tier.value}"
+        depth = getattr(b, "prefetch_depth", 1)
+        if b.param_tier.value != "gpu":
+            tier += f" prefetch {depth}"
+        if runs and runs[-1][0] == tier:
+            runs[-1][1].append(b.name)
+        else:
+            runs.append([tier, [b.name]])
+    return ", ".join(f"{compress_names(names)} {tier}" for tier, names in runs)
+
+
 def _memory_lines(plan: Plan) -> list[str]:
     """Per stage: memory by kind on the tightest device, and exposed communication by kind."""
     out = []
@@ -137,8 +153,11 @@ def _memory_lines(plan: Plan) -> list[str]:
         out.append(f"  stage {s.index} memory GiB: params {k.params_bytes / GIB:.2f}, grads {k.grads_bytes / GIB:.2f}, "
                    f"optimizer {k.optimizer_bytes / GIB:.2f}, activations {k.activation_bytes / GIB:.2f}, "
                    f"buffers {k.buffer_bytes / GIB:.2f}; reserve {k.reserve_bytes / GIB:.2f}{host}")
+        off = ""
+        if any(b.param_tier.value != "gpu" or b.optimizer_tier.value != "gpu" for b in s.blocks):
+            off = f"; offload (tiers {_tiers(s)}) exposed {_t(k.offload_s)} per step"
         out.append(f"  stage {s.index} exposed comm: TP {_t(k.tp_comm_s)}, p2p {_t(k.p2p_s)}, DP {_t(k.dp_comm_s)} "
-                   f"per micro-batch; gradient sync {_t(k.grad_sync_s)} per step")
+                   f"per micro-batch; gradient sync {_t(k.grad_sync_s)} per step{off}")
     return out
 
 

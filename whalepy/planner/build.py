@@ -3,6 +3,7 @@ nothing fits, say which device group runs short, by how much, and what would mak
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from whalepy._errors import InfeasibleError
@@ -30,10 +31,13 @@ from whalepy.planner.costing import (
     stage_model_states,
     tp_applies,
 )
+from whalepy.planner._offload_costs import stage_prefetch
 from whalepy.planner.search import SearchResult
 from whalepy.planner.ilp import ILPResult
 from whalepy.planner.space import Candidate, Rejection, RejectionKind
 
+
+_HAS_PREFETCH_DEPTH = "prefetch_depth" in {f.name for f in dataclasses.fields(BlockPlan)}
 
 
 def gb(x: float) -> str:
@@ -79,8 +83,15 @@ def build_plan(ev: Evaluation, *, ctx: CostContext, global_batch: int, result: S
     starts = [0]
     for size in ev.boundaries:
         starts.append(starts[-1] + size)
+    positions = stage_blocks(ev)
     for s, st in enumerate(ev.stages):
         blocks = []
+        depth, _ = stage_prefetch(ctx, cand, st, max(st.cells, key=lambda c: c.time_s), positions[s])
+        # BlockPlan.prefetch_depth arrives with plan version 3 (issue 10 contract); set it once it exists
+        depth_field = {"prefetch_depth": depth} if _HAS_PREFETCH_DEPTH else {}
+        if st.option.param_tier is not Tier.GPU:
+            notes = [*notes, f"stage {s}: parameters on {st.option.param_tier.value}, fetched {depth} block"
+                     f"{'s' if depth > 1 else ''} ahead"]
         for k in range(V):
             j = s + k * S
             left = list(st.chunk_checkpoints[k]) if st.chunk_checkpoints else list(st.checkpoints)
@@ -89,7 +100,7 @@ def build_plan(ev: Evaluation, *, ctx: CostContext, global_batch: int, result: S
                 ck = left[g] > 0
                 left[g] -= ck
                 blocks.append(BlockPlan(name=prof.blocks[i].name, checkpoint=ck, param_tier=st.option.param_tier,
-                                        optimizer_tier=st.option.optimizer_tier))
+                                        optimizer_tier=st.option.optimizer_tier, **depth_field))
                 if cand.tp > 1 and tp_applies(prof.blocks[i], cand.tp):
                     rules.extend(prof.blocks[i].tp_rules)
         worst = max(st.cells, key=lambda c: c.time_s)

@@ -18,8 +18,9 @@ after TP:
   ZeroRedundancyOptimizer / FSDP2): FSDP2 all-gathers overlap only the neighbouring block's compute
   (one block of prefetch) and slow it while they do (:func:`~whalepy.planner._runtime_costs.exposed_dp`), plus the first block's
   gather of each chunk (nothing to hide behind);
-- ``fetch`` (parameters on CPU / NVMe): ``2 * 2 Pl / dp`` bytes per micro-batch over the host link
-  (:func:`estimate_offload_time`), overlapping compute: ``T_cell = max(compute + dp, fetch) + p2p``;
+- ``fetch`` (parameters on CPU / NVMe): the fp32 shard ``4 Pl / dp`` per gather (forward, and backward
+  under ZeRO-3) at the slowest hop's rate (:func:`~whalepy.cost_models.offload.fetch_seconds_per_byte`:
+  prefetched deep enough that the hops pipeline), overlapping compute: ``T_cell = max(compute + dp, fetch) + p2p``;
 - ``p2p``: one :func:`estimate_p2p_time` of the inter-stage activation per send (forward to the next
   (virtual) stage, gradient to the previous one), over the link the pair crosses;
 - ``sync`` per step: the gradient reduction of the last micro-batch not hidden by its backward (DDP
@@ -27,10 +28,12 @@ after TP:
   the last backward) plus the last block's, plus ZeroRedundancyOptimizer's parameter all-gather after
   the step. The ``tp`` DP groups of a stage share each node's NIC, so their inter-node bandwidth is
   divided by ``tp``;
-- ``opt``: the optimizer step on the GPU (roofline of :data:`ADAM_FLOPS_PER_PARAM` /
-  :data:`ADAM_BYTES_PER_PARAM`), or on the CPU (:data:`CPU_ADAM_PARAMS_PER_S_PER_NODE` shared by the
-  node's GPUs, plus gradients down and parameters up over PCIe; NVMe adds reading and writing the
-  12-byte states);
+- ``opt``: the optimizer step on the GPU (roofline of :data:`~whalepy.planner._offload_costs.ADAM_FLOPS_PER_PARAM` /
+  :data:`~whalepy.planner._offload_costs.ADAM_BYTES_PER_PARAM`), or off it as :mod:`whalepy.cost_models.offload` prices each mode:
+  ZeRO-Offload (parameters on the GPU, optimizer on the host) streams gradients down and steps on the
+  CPU beside the last micro-batch's backward, exposed only past it, then copies parameters back;
+  host-resident parameters step on the CPU after backward; NVMe states are read and written around
+  the step;
 - memory: model states (:func:`estimate_model_state_bytes`) + buffers (FSDP2's working set of gathered
   blocks and a block's unsharded gradient, :func:`estimate_fsdp_working_bytes`; unsharded gradients
   accumulated over micro-batches under FSDP2; autocast's 16-bit weight copies) +
@@ -75,7 +78,7 @@ from whalepy.cost_models.communication import (
     estimate_collective_time,
     estimate_p2p_time,
 )
-from whalepy.cost_models.compute import estimate_block_time, estimate_compute_time, estimate_kernels_time, precision_bytes
+from whalepy.cost_models.compute import estimate_block_time, estimate_kernels_time, precision_bytes
 from whalepy.cost_models.memory import (
     AUTOCAST_WEIGHT_COPY_BYTES,
     HALF_PRECISION_BYTES,
@@ -83,12 +86,13 @@ from whalepy.cost_models.memory import (
     MASTER_GRAD_BYTES,
     ModelStateBytes,
     estimate_model_state_bytes,
-    estimate_offload_time,
     inflight_microbatches,
 )
+from whalepy.cost_models.offload import host_capacity_per_gpu, nvme_capacity_per_gpu
 from whalepy._capabilities import LoweringKind
 from whalepy.plan import Tier, TPStyle, ZeroStage
 from whalepy.planner.space import Candidate, GroupView, Hardware, Segment, StateOption, build_layout
+from whalepy.planner._offload_costs import offload_coefficients
 from whalepy.planner._runtime_costs import (
     DPComm,
     build_dp_block_comm,
@@ -101,23 +105,6 @@ from whalepy.planner._runtime_costs import (
     uses_autocast,
 )
 from whalepy.profile import BlockKind, BlockProfile, ModelProfile
-
-USABLE_HOST_MEMORY_FRACTION = 0.8
-"""Fraction of a node's host memory available to offloaded states (the OS, data loading, pinned
-staging buffers keep the rest)."""
-
-ADAM_FLOPS_PER_PARAM = 12.0
-"""Element-wise operations of one mixed-precision Adam update per parameter (moments, bias
-correction, square root, division, weight update)."""
-
-ADAM_BYTES_PER_PARAM = 28.0
-"""Device-memory traffic of one Adam update per parameter: read fp32 master, momentum and variance
-(12) and the 16-bit gradient (2); write the three fp32 tensors (12) and the 16-bit parameter (2)."""
-
-CPU_ADAM_PARAMS_PER_S_PER_NODE = 4.5e9
-"""Parameters per second one node's CPUs update with a vectorised CPU Adam: ZeRO-Offload's CPU-Adam
-updates 1 B parameters in about 0.22 s (Ren et al., "ZeRO-Offload", USENIX ATC'21, Fig. 7). Shared by
-the node's GPUs."""
 
 def _shared_nic(group: CommGroup, sharers: int) -> CommGroup:
     if sharers <= 1 or group.num_nodes <= 1:
@@ -178,7 +165,8 @@ class CellCoeffs:
     capacity: float
     """Usable device memory, bytes."""
     cpu_capacity: float | None
-    """Host memory per GPU for offloaded states, bytes (None: no CPU offload possible)."""
+    """Host memory per GPU for offloaded states, bytes (None: no CPU offload possible); the constraint
+    is the node's (:class:`NodeShare`), this is the even share shown in plans."""
     nvme_capacity: float | None
     seg_time: list[float]
     """Per block of each segment: forward + backward + TP all-reduces, seconds per micro-batch."""
@@ -195,7 +183,11 @@ class CellCoeffs:
     """Per chunk ``k`` of the stage (virtual stage ``s + k S``): its own sends; they sum to ``p2p``."""
     inflight: int
     opt_beta: dict[StateOption, float]
-    """Optimizer step seconds per local parameter of the stage."""
+    """Optimizer step seconds per local parameter of the stage that nothing hides (after the last
+    backward)."""
+    opt_overlap: dict[StateOption, float]
+    """Optimizer-step seconds per local parameter that run beside the last micro-batch's backward
+    (ZeRO-Offload's gradient copies and CPU step): exposed only past the backward's length."""
     fetch_beta: dict[StateOption, float]
     """Parameter fetch seconds per micro-batch per local parameter (parameters off the GPU)."""
     seg_exposed: dict[StateOption, list[float]]
@@ -246,12 +238,28 @@ class StageCoeffs:
     dp_ranks: tuple[int, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class NodeShare:
+    """Nodes whose ranks split the same way over the stages: host memory and NVMe are the node's, shared
+    by its GPUs, whichever stages they run."""
+
+    ranks_per_stage: tuple[int, ...]
+    """Ranks of each stage on one such node."""
+    cpu_capacity: float | None
+    """Host bytes of the node for offloaded states (:func:`~whalepy.cost_models.offload.host_capacity_per_gpu`
+    times its GPUs); None: not given."""
+    nvme_capacity: float | None
+
+
 @dataclass(slots=True)
 class CandidateCoeffs:
     candidate: Candidate
     segments: tuple[Segment, ...]
     stages: list[StageCoeffs]
     ranks: tuple[tuple[tuple[int, ...], ...], ...]
+    nodes: tuple[NodeShare, ...]
+    """Distinct node shares (host memory and NVMe constraints, one per share); empty when no stage may
+    keep states off the device."""
     bubble: float
     """``M + (S - 1)/v``: the step's coefficient of ``T`` when chunks are balanced (the lower bound's)."""
 
@@ -402,7 +410,51 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
                                   buffer_beta=buffer_beta,
                                   dp_ranks=dp_ranks))
     return CandidateCoeffs(candidate=cand, segments=segments, stages=stages, ranks=ranks,
-                           bubble=cand.bubble_coefficient)
+                           nodes=_node_shares(hw, ranks) if any(_off_device(o) for st in stages for o in st.options)
+                           else (), bubble=cand.bubble_coefficient)
+
+
+def _off_device(o: StateOption) -> bool:
+    return o.param_tier is not Tier.GPU or o.optimizer_tier is not Tier.GPU
+
+
+def _node_shares(hw: Hardware, ranks) -> tuple[NodeShare, ...]:  # type: ignore[no-untyped-def]
+    if ranks not in hw.node_shares:
+        hw.node_shares[ranks] = _build_node_shares(hw, ranks)
+    return hw.node_shares[ranks]
+
+
+def _build_node_shares(hw: Hardware, ranks) -> tuple[NodeShare, ...]:  # type: ignore[no-untyped-def]
+    placed = hw.cluster.rank_devices()
+    per_node: dict[int, list[int]] = {}
+    group_of: dict[int, str] = {}
+    for s, row in enumerate(ranks):
+        for cell in row:
+            for rank in cell:
+                p = placed[rank]
+                per_node.setdefault(p.node, [0] * len(ranks))[s] += 1
+                group_of[p.node] = p.group
+    out = {}
+    for node, counts in per_node.items():
+        g = hw.group_by_name(group_of[node])
+        host = host_capacity_per_gpu(g.cpu_memory_bytes, g.gpus_per_node)
+        nvme = nvme_capacity_per_gpu(g.nvme_capacity_bytes, g.gpus_per_node)
+        share = NodeShare(ranks_per_stage=tuple(counts),
+                          cpu_capacity=None if host is None else host * g.gpus_per_node,
+                          nvme_capacity=None if nvme is None else nvme * g.gpus_per_node)
+        out[share] = None
+    return tuple(out)
+
+
+def node_fits(cc: CandidateCoeffs, cpu_bytes: Sequence[float], nvme_bytes: Sequence[float]) -> bool:
+    """Whether every node holds its ranks' offloaded states: ``cpu_bytes[s]`` / ``nvme_bytes[s]`` per rank
+    of stage ``s``, summed over the node's ranks, within its host memory and NVMe."""
+    for n in cc.nodes:
+        for per_rank, cap in ((cpu_bytes, n.cpu_capacity), (nvme_bytes, n.nvme_capacity)):
+            need = sum(k * b for k, b in zip(n.ranks_per_stage, per_rank))
+            if need > 0 and (cap is None or need > cap * (1 + 1e-6)):
+                return False
+    return True
 
 
 def stage_model_states(ctx: CostContext, cand: Candidate, option: StateOption, num_params: float, *,
@@ -483,29 +535,10 @@ def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: i
     p2p = sum(chunk_p2p)
     inflight = inflight_microbatches(cand.schedule, stage_index=s, num_stages=S, num_microbatches=M,
                                      virtual_stages=v)
-    opt_beta, fetch_beta = {}, {}
-    n = 1e9
-    host = g.device.host_link_bandwidth
-    for o in allowed:
-        per_local = 1.0 / d if o.zero >= ZeroStage.OPTIMIZER else 1.0
-        if o.optimizer_tier is Tier.GPU:
-            step = estimate_compute_time(flops=ADAM_FLOPS_PER_PARAM * n, bytes_moved=ADAM_BYTES_PER_PARAM * n,
-                                         device=g.device, precision="fp32") / n
-        else:
-            step = g.gpus_per_node / CPU_ADAM_PARAMS_PER_S_PER_NODE + 4.0 / host
-            if o.optimizer_tier is Tier.NVME:
-                # the node's NVMe drives serve all its GPUs at once
-                step += g.gpus_per_node * (12.0 / g.nvme_read_bandwidth  # type: ignore[operator]
-                                           + 12.0 / g.nvme_write_bandwidth)  # type: ignore[operator]
-        opt_beta[o] = step * per_local
-        if o.param_tier is Tier.GPU:
-            fetch_beta[o] = 0.0
-        else:
-            nvme = (g.nvme_read_bandwidth / g.gpus_per_node  # type: ignore[operator]
-                    if o.param_tier is Tier.NVME else None)  # shared by the node's GPUs
-            per_byte = estimate_offload_time(bytes_to_move=n, host_link_bandwidth=host, nvme_read_bandwidth=nvme,
-                                             compute_time_s=0.0, prefetch_depth=2) / n
-            fetch_beta[o] = per_byte * 2 * 2 / d
+    key = ("offload", g.index, d, t, S, allowed)
+    if key not in ctx._cache:  # the same for every cell of this group and degrees, across candidates
+        ctx._cache[key] = offload_coefficients(ctx, cand, g, allowed)
+    opt_beta, opt_overlap, fetch_beta = ctx._cache[key]  # type: ignore[misc]
     seg_exposed, edge, seg_tail, tail_edge, autocast_bytes = {}, {}, {}, {}, {}
     pipelined = S > 1
     for o in allowed:
@@ -521,14 +554,14 @@ def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: i
         out = ctx.profile.blocks[-1].output_bytes * ratio
         elem = torch.finfo(getattr(torch, ctx.profile.dtype)).bits // 8
         loss_bytes = out * ctx.byte_scale + out / elem * LOSS_LOGPROB_BYTES
-    cpu_cap = (g.cpu_memory_bytes * USABLE_HOST_MEMORY_FRACTION / g.gpus_per_node
-               if g.cpu_memory_bytes is not None else None)
-    nvme_cap = g.nvme_capacity_bytes / g.gpus_per_node if g.nvme_capacity_bytes is not None else None
+    cpu_cap = host_capacity_per_gpu(g.cpu_memory_bytes, g.gpus_per_node)
+    nvme_cap = nvme_capacity_per_gpu(g.nvme_capacity_bytes, g.gpus_per_node)
     return CellCoeffs(group=g, share=share, micro_batch=mb, replicas=reps,
                       capacity=usable_device_bytes(g, cand), cpu_capacity=cpu_cap,
                       nvme_capacity=nvme_cap, seg_time=seg_time, seg_recompute=seg_re, seg_fwd=seg_fwd,
                       seg_bwd=seg_bwd, seg_comm=seg_comm, seg_saved=seg_saved, seg_input=seg_input, p2p=p2p,
-                      chunk_p2p=chunk_p2p, inflight=inflight, opt_beta=opt_beta, fetch_beta=fetch_beta,
+                      chunk_p2p=chunk_p2p, inflight=inflight, opt_beta=opt_beta, opt_overlap=opt_overlap,
+                      fetch_beta=fetch_beta,
                       seg_exposed=seg_exposed, edge=edge, seg_tail=seg_tail, tail_edge=tail_edge,
                       autocast_bytes=autocast_bytes, loss_bytes=loss_bytes)
 
@@ -585,13 +618,8 @@ class CellEval:
 
     @property
     def fits(self) -> bool:
-        c = self.cell
-        ok = self.memory_bytes <= c.capacity * (1 + 1e-6)
-        if self.cpu_bytes > 0:
-            ok = ok and c.cpu_capacity is not None and self.cpu_bytes <= c.cpu_capacity * (1 + 1e-6)
-        if self.nvme_bytes > 0:
-            ok = ok and c.nvme_capacity is not None and self.nvme_bytes <= c.nvme_capacity * (1 + 1e-6)
-        return ok
+        """Device memory; host memory and NVMe are the node's (:func:`node_fits`)."""
+        return self.memory_bytes <= self.cell.capacity * (1 + 1e-6)
 
 
 def memory_breakdown(c: CellEval) -> dict[str, int]:
@@ -682,6 +710,7 @@ def evaluate_stage(sc: StageCoeffs, chunk_counts: Sequence[Sequence[int]], chunk
         comm = sum(n * x for n, x in zip(counts, c.seg_comm))
         exposed = sum(n * e for n, e in zip(counts, c.seg_exposed[option])) + v * c.edge[option]
         fetch = c.fetch_beta[option] * pl
+        backward = sum(n * x for n, x in zip(counts, c.seg_bwd))  # the last micro-batch's, hides ZeRO-Offload
         time_s = max(compute + exposed, fetch) + c.p2p
         kept = [sum(n * a + k * (i - a) for n, k, a, i in zip(cn, ck, c.seg_saved, c.seg_input))
                 for cn, ck in zip(chunk_counts, chunk_ckpts)]
@@ -699,7 +728,8 @@ def evaluate_stage(sc: StageCoeffs, chunk_counts: Sequence[Sequence[int]], chunk
         cells.append(CellEval(
             cell=c, compute_s=compute - comm, comm_s=comm + c.p2p, dp_exposed_s=exposed, fetch_s=fetch,
             time_s=time_s, chunk_time_s=chunk_time, exposed_sync_s=sync_s if dp > 1 else 0.0,
-            opt_s=c.opt_beta[option] * pl, memory_bytes=max(states - freed + act, states) + buffers,
+            opt_s=c.opt_beta[option] * pl + max(0.0, c.opt_overlap[option] * pl - backward),
+            memory_bytes=max(states - freed + act, states) + buffers,
             states_bytes=states, params_bytes=sp * pl, grads_bytes=grads_held, optimizer_bytes=so * pl,
             buffer_bytes=buffers, activation_bytes=act if at_act else 0.0, tp_s=comm,
             cpu_bytes=sc.cpu_beta[option] * pl, nvme_bytes=sc.nvme_beta[option] * pl))
@@ -777,8 +807,10 @@ def evaluate(cc: CandidateCoeffs, sizes: Sequence[int], ckpts: Sequence[Sequence
     T = max(st.time_s for st in stages)
     Tc = max(st.chunk_time_s for st in stages)
     X = max(st.tail_s for st in stages)
+    fits = all(st.fits for st in stages) and node_fits(
+        cc, [st.cells[0].cpu_bytes for st in stages], [st.cells[0].nvme_bytes for st in stages])
     return Evaluation(coeffs=cc, stages=stages, boundaries=tuple(sizes), T=T, X=X,
-                      step_time_s=step_time(cc, T, Tc, X), fits=all(st.fits for st in stages), Tc=Tc)
+                      step_time_s=step_time(cc, T, Tc, X), fits=fits, Tc=Tc)
 
 
 def step_time(cc: CandidateCoeffs, T: float, Tc: float, X: float) -> float:

@@ -57,12 +57,14 @@ Constraint families (each added by the function named)
     ``T >= compute + dp_o + p2p - M_o (1 - y[s][o])`` per option had the same integer solutions but an LP
     relaxation so weak that HiGHS took seconds to refute interleaved candidates);
     interleaved, per chunk ``k``: the same with the chunk's blocks, ``Tc >= fetch / v + max_k p2p_k``;
-    tail (``add_tail_constraints``): ``X >= opt + post``, and
+    tail (``add_tail_constraints``): ``X >= opt + post``, ``X >= opt + overlap - backward + post``
+    (ZeRO-Offload's gradient copies and CPU step beside the stage's last backward), and
     ``X >= opt + post + sum_o (sum_{j of s} sum_g Nb[j][o][g] tail_og + tail_edge_o y[s][o])`` per cell;
     memory (``add_memory_constraints``): per cell ``A >= inflight * kept_k`` for every chunk ``k``,
     ``P >= saved_g h[s][g]`` for every segment (one checkpointed block is recomputed at a time) and
     ``states + buffers + A + P <= capacity``;
-    offloaded states ``<=`` host memory (and NVMe) per GPU.
+    nodes (``add_node_constraints``): per node, the offloaded states of its ranks, whichever stages
+    they run, ``<=`` its host memory (and NVMe).
 
 Memory is written in GiB and parameters in billions to keep the coefficients well scaled.
 """
@@ -401,11 +403,22 @@ def add_tail_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
                     d[x] = d.get(x, 0.0) + a
             d[v.X] = -1.0
             _add(prob, d, 0.0, LE, f"tail_opt_{s}_{ci}")
-            if dp == 1:
-                continue
-            dd = _option_terms(d, v, s, sc, [s + k * S for k in range(V)], cell.seg_tail, cell.tail_edge)
-            if dd is not None:
-                _add(prob, dd, 0.0, LE, f"tail_sync_{s}_{ci}")
+            dd = None
+            if dp > 1:
+                dd = _option_terms(d, v, s, sc, [s + k * S for k in range(V)], cell.seg_tail, cell.tail_edge)
+                if dd is not None:
+                    _add(prob, dd, 0.0, LE, f"tail_sync_{s}_{ci}")
+            lap = {v.Q[s][o]: cell.opt_overlap[o] * _BILLION for o in sc.options if cell.opt_overlap[o]}
+            if lap:
+                # ZeRO-Offload: the gradient copies and CPU step beside the last backward are exposed
+                # past its end: X >= (the row above) + overlap - backward; below zero that row binds
+                dl = dict(dd if dd is not None else d)
+                for x, a in lap.items():
+                    dl[x] = dl.get(x, 0.0) + a
+                const = 0.0
+                for g in range(len(cc.segments)):
+                    const += _acc(dl, v.n[s][g], -cell.seg_bwd[g])
+                _add(prob, dl, const, LE, f"tail_offload_{s}_{ci}")
 
 
 def add_memory_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
@@ -422,9 +435,6 @@ def add_memory_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
                 states[v.y[s][o]] = states.get(v.y[s][o], 0.0) + sc.working_bytes[o] / GIB
                 full[v.y[s][o]] = full.get(v.y[s][o], 0.0) + sc.working_bytes[o] / GIB
         freed_any = any(sc.grads_freed[o] for o in sc.options)
-        cpu = {v.Q[s][o]: sc.cpu_beta[o] * _BILLION / GIB for o in sc.options if sc.cpu_beta[o]}
-        nvme = {v.Q[s][o]: sc.nvme_beta[o] * _BILLION / GIB for o in sc.options if sc.nvme_beta[o]}
-        seen_host = set()
         for ci, cell in enumerate(sc.cells):
             k_in = cell.inflight / GIB
             ckpt_any = [g for g in range(G) if cell.seg_saved[g] > 0]
@@ -464,14 +474,22 @@ def add_memory_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
             _add(prob, d, const + loss - cell.capacity / GIB, LE, f"memory_{s}_{ci}")
             if freed_any:  # the end of backward: every gradient, no activations
                 _add(prob, dict(full), -cell.capacity / GIB, LE, f"memory_states_{s}_{ci}")
-            hkey = (cell.cpu_capacity, cell.nvme_capacity)
-            if hkey in seen_host:
-                continue
-            seen_host.add(hkey)
-            if cpu:
-                _add(prob, cpu, -(cell.cpu_capacity or 0.0) / GIB, LE, f"host_memory_{s}_{ci}")
-            if nvme:
-                _add(prob, nvme, -(cell.nvme_capacity or 0.0) / GIB, LE, f"nvme_{s}_{ci}")
+
+
+def add_node_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
+    """Host memory and NVMe are the node's, shared by its GPUs whichever stages they run: per node,
+    ``sum_s (ranks of s on it) * sum_o beta_o Q[s][o] <= capacity``."""
+    for ni, node in enumerate(cc.nodes):
+        for kind, cap in (("host_memory", node.cpu_capacity), ("nvme", node.nvme_capacity)):
+            d: dict = {}
+            for s, sc in enumerate(cc.stages):
+                k = node.ranks_per_stage[s]
+                beta = sc.cpu_beta if kind == "host_memory" else sc.nvme_beta
+                for o in sc.options:
+                    if k and beta[o]:
+                        d[v.Q[s][o]] = k * beta[o] * _BILLION / GIB
+            if d:
+                _add(prob, d, -(cap or 0.0) / GIB, LE, f"{kind}_node_{ni}")
 
 
 MIP_REL_GAP = 1e-4
@@ -624,6 +642,7 @@ def solve_candidate(cc: CandidateCoeffs, *, allowed_stages: dict[int, tuple[int,
     add_time_constraints(prob, cc, v)
     add_tail_constraints(prob, cc, v)
     add_memory_constraints(prob, cc, v)
+    add_node_constraints(prob, cc, v)
     if solver == "highs":
         status, objective, gap = _solve_highs(prob, time_limit_s, cutoff)
     else:

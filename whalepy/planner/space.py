@@ -139,6 +139,8 @@ class Hardware:
         self.groups: tuple[GroupView, ...] = tuple(views)
         self.world_size = cluster.world_size
         self._comm = functools.lru_cache(maxsize=65536)(self._comm_uncached)
+        self.node_shares: dict = {}  # type: ignore[type-arg]
+        """Per rank layout, how its nodes' ranks split over the stages (``costing._node_shares``)."""
 
     def _comm_uncached(self, ranks: tuple[int, ...]) -> CommGroup:
         return self.cluster.comm_group(list(ranks))

@@ -1,0 +1,113 @@
+"""The offload side of a candidate's coefficients and of its plan: what each state option's optimizer
+step and parameter fetches cost per local parameter (priced by :mod:`whalepy.cost_models.offload`,
+bytes from :func:`~whalepy.planner.costing.stage_model_states`), and the prefetch depth a stage with
+parameters off the device is given."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from whalepy._capabilities import LoweringKind
+from whalepy.cost_models.compute import estimate_compute_time, precision_bytes
+from whalepy.cost_models.memory import MASTER_GRAD_BYTES, MASTER_PARAM_BYTES
+from whalepy.cost_models.offload import (
+    OffloadRates,
+    choose_prefetch_depth,
+    device_step_nvme,
+    fetch_hops,
+    fetch_seconds_per_byte,
+    host_step,
+    nvme_io,
+    resolve_offload_rates,
+    zero_offload_step,
+)
+from whalepy.plan import Tier, ZeroStage
+from whalepy.planner._runtime_costs import lowering_kind
+from whalepy.planner.space import Candidate, GroupView, StateOption
+
+if TYPE_CHECKING:
+    from whalepy.planner.costing import CellEval, CostContext, StageEval
+
+ADAM_FLOPS_PER_PARAM = 12.0
+"""Element-wise operations of one mixed-precision Adam update per parameter (moments, bias
+correction, square root, division, weight update)."""
+
+ADAM_BYTES_PER_PARAM = 28.0
+"""Device-memory traffic of one Adam update per parameter: read fp32 master, momentum and variance
+(12) and the 16-bit gradient (2); write the three fp32 tensors (12) and the 16-bit parameter (2)."""
+
+
+def group_rates(g: GroupView) -> OffloadRates:
+    return resolve_offload_rates(g.device, gpus_per_node=g.gpus_per_node, nvme_read=g.nvme_read_bandwidth,
+                                 nvme_write=g.nvme_write_bandwidth)
+
+
+def offload_coefficients(ctx: CostContext, cand: Candidate, g: GroupView, allowed: tuple[StateOption, ...]
+                          ) -> tuple[dict[StateOption, float], dict[StateOption, float], dict[StateOption, float]]:
+    """Per option, seconds per local parameter of the stage: the optimizer step after the last backward,
+    the part of it that runs beside that backward, and the parameter fetches per micro-batch
+    (:mod:`whalepy.cost_models.offload`; bytes from :func:`stage_model_states`)."""
+    d, low = cand.dp, precision_bytes(ctx.precision)
+    n = 1e9
+    gpu_step = estimate_compute_time(flops=ADAM_FLOPS_PER_PARAM * n, bytes_moved=ADAM_BYTES_PER_PARAM * n,
+                                     device=g.device, precision="fp32") / n
+    rates = None
+    if any(o.param_tier is not Tier.GPU or o.optimizer_tier is not Tier.GPU for o in allowed):
+        rates = group_rates(g)
+    opt, overlap, fetch = {}, {}, {}
+    for o in allowed:
+        kind = lowering_kind(o, cand)
+        # parameters whose optimizer states this rank steps: its shard under FSDP2 and ZeRO-1, else all
+        share = 1.0 / d if kind == LoweringKind.FSDP or o.zero >= ZeroStage.OPTIMIZER else 1.0
+        fetch[o], overlap[o] = 0.0, 0.0
+        if rates is None or (o.param_tier is Tier.GPU and o.optimizer_tier is Tier.GPU):
+            opt[o] = gpu_step * share
+            continue
+        nvme_bytes = _states(ctx, cand, o).nvme  # per local parameter, already a shard
+        if o.param_tier is Tier.GPU and o.optimizer_tier is Tier.CPU:
+            traffic = zero_offload_step(rates, grad_bytes=low, param_bytes=low)
+            opt[o], overlap[o] = traffic.serial * share, traffic.overlap * share
+        elif o.param_tier is Tier.GPU:  # optimizer states in files, stepped on the device
+            opt[o] = gpu_step * share + device_step_nvme(rates, state_bytes=nvme_bytes).serial
+        else:  # parameters off the device: stepped on the host (FSDP2 CPUOffloadPolicy)
+            opt[o] = (host_step(rates, grad_bytes=MASTER_GRAD_BYTES).serial * share
+                      + nvme_io(rates, nvme_bytes))
+            passes = 2 if o.zero is ZeroStage.PARAMETERS else 1  # re-gathered for backward under ZeRO-3
+            fetch[o] = passes * MASTER_PARAM_BYTES * share * fetch_seconds_per_byte(
+                rates, from_nvme=o.param_tier is Tier.NVME)
+    return opt, overlap, fetch
+
+
+def _states(ctx: CostContext, cand: Candidate, o: StateOption):  # type: ignore[no-untyped-def]
+    from whalepy.planner.costing import stage_model_states
+
+    return stage_model_states(ctx, cand, o, 1.0)
+
+
+def stage_prefetch(ctx: CostContext, cand: Candidate, st: StageEval, cell: CellEval,
+                   blocks: list[int]) -> tuple[int, float]:
+    """Prefetch depth for a stage whose parameters are off the device, and the exposed seconds of its
+    fetches per micro-batch at that depth (forward in block order, backward in reverse; the first fetch
+    of each pass included): :func:`~whalepy.cost_models.offload.choose_prefetch_depth` over the stage's
+    blocks (``(1, 0.0)`` for parameters on the device)."""
+    from whalepy.planner.costing import tp_applies
+
+    o = st.option
+    if o.param_tier is Tier.GPU or not blocks:
+        return 1, 0.0
+    g = cell.cell.group
+    rates = group_rates(g)
+    mb, t, d = cell.cell.micro_batch, cand.tp, cand.dp
+    prof = ctx.profile
+    times = [ctx.block_time(i, g.device.name, t, mb) for i in blocks]
+    hops = [fetch_hops(rates, MASTER_PARAM_BYTES * prof.blocks[i].num_params
+                       / (t if tp_applies(prof.blocks[i], t) else 1) / d, from_nvme=o.param_tier is Tier.NVME)
+            for i in blocks]
+    fwd = [f for f, _ in times]
+    depth, exposed = choose_prefetch_depth(compute_s=fwd, hops_s=hops)
+    if o.zero is ZeroStage.PARAMETERS:  # gathered again for backward, in reverse order
+        from whalepy.cost_models.offload import estimate_prefetch_exposed
+
+        exposed += estimate_prefetch_exposed(compute_s=[b for _, b in reversed(times)], hops_s=hops[::-1],
+                                             prefetch_depth=depth)
+    return depth, exposed
