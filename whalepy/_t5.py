@@ -51,8 +51,10 @@ T5_SIZES: dict[str, T5Config] = {
     # T5 v1.1 (configs of google/t5-v1_1-*): the same shapes with T5's 32128-token vocabulary
     "t5-v1_1-xl": T5Config(d_model=2048, d_ff=5120, num_heads=32, num_layers=24, vocab_size=32128),
     "t5-v1_1-xxl": T5Config(d_model=4096, d_ff=10240, num_heads=64, num_layers=24, vocab_size=32128),
+    # not published: small enough to train on CPU (``whalepy study zero t5-tiny --measure``, the tests)
+    "t5-tiny": T5Config(d_model=64, d_ff=128, num_heads=4, d_kv=16, num_layers=2, vocab_size=256),
 }
-"""Published configurations, by the name ``whalepy.zoo.build`` knows them under."""
+"""Configurations by the name ``whalepy.zoo.build`` knows them under."""
 
 
 class RMSNorm(nn.Module):
@@ -143,7 +145,7 @@ class RelativeBias(nn.Module):
         large = exact + (torch.log(rel.float().clamp(min=1) / exact) / math.log(self.max_distance / exact)
                          * (n - exact)).long()
         bucket = bucket + torch.where(rel < exact, rel, torch.clamp(large, max=n - 1))
-        bias = F.embedding(bucket, self.weight).permute(2, 0, 1).unsqueeze(0).to(like.dtype)  # [1, heads, q, k]
+        bias = F.embedding(bucket, self.weight).permute(2, 0, 1).unsqueeze(0).to(like.dtype).contiguous()  # [1, heads, q, k]
         if not self.bidirectional:
             causal = torch.ones(length, length, dtype=torch.bool, device=like.device).tril()
             bias = bias.masked_fill(~causal, torch.finfo(bias.dtype).min)

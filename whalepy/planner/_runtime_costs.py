@@ -85,6 +85,11 @@ def uses_autocast(kind: str, precision: str) -> bool:
     return precision != "fp32" and kind in (LoweringKind.NONE, LoweringKind.DDP, LoweringKind.ZERO1)
 
 
+LOSS_REPORT_BYTES = 4
+"""Payload of the one collective of a step that is not data parallelism: ``ParallelModel.train_step``
+all-reduces the step's mean loss, an fp32 scalar, over all ranks to return it."""
+
+
 def dp_payload_bytes_per_param(collective: Collective, precision: str) -> float:
     """Bytes per parameter of one data-parallel collective as the runtime issues it (the payload in
     :mod:`whalepy.cost_models.communication`'s size convention), in ``precision``:
