@@ -28,6 +28,7 @@ from whalepy.primitives import (
 from whalepy.estimate import Estimate, ParallelConfig, estimate
 from whalepy.planner import homogeneous_baseline, plan, plan_from_profile
 from whalepy.profile import ModelProfile, profile
+from whalepy.study import ZeroStudyRow, study_zero
 
 __version__ = "0.1.0"
 
@@ -67,6 +68,7 @@ __all__ = [
     "resolve_annotations",
     "split",
     "stage",
+    "study_zero",
     "CaptureError",
     "ClusterSpec",
     "ClusterSpecError",
@@ -83,5 +85,6 @@ __all__ = [
     "Tier",
     "WhalepyError",
     "ZeroStage",
+    "ZeroStudyRow",
     "profile",
 ]

@@ -34,8 +34,8 @@ def format_zero_study(rows: Sequence[ZeroStudyRow]) -> str:
     for r in rows:
         size = f"{r.num_params / 1e9:.2f}B" if r.num_params >= 1e8 else f"{r.num_params / 1e6:.3g}M"
         cells = [r.model, size, r.label, r.lowering.replace("+zero_redundancy_optimizer", "+zro"),
-                 f"{r.model_state_bytes / _GIB:.2f}", f"{r.host_state_bytes / _GIB:.2f}",
-                 f"{r.activation_bytes / _GIB:.2f}", f"{r.peak_bytes / _GIB:.1f}/{r.capacity_bytes / _GIB:.1f}",
+                 f"{r.model_state_bytes / _GIB:.3g}", f"{r.host_state_bytes / _GIB:.3g}",
+                 f"{r.activation_bytes / _GIB:.3g}", f"{r.peak_bytes / _GIB:.1f}/{r.capacity_bytes / _GIB:.1f}",
                  "yes" if r.fits else "NO", f"{r.comm_bytes / _GB:.3g}", f"{r.intra_node_bytes / _GB:.3g}",
                  f"{r.inter_node_bytes / _GB:.3g}", f"{r.step_time_s:.3g}", f"{r.samples_per_s:.4g}",
                  f"{r.tflops_per_gpu:.3g}"]
@@ -116,6 +116,7 @@ def plot_zero_study(rows: Sequence[ZeroStudyRow], path: str | Path) -> None:
     axes[0].axhline(usable, color="k", linestyle="--", linewidth=1, label="usable")
     axes[0].set_yscale("log")
     axes[1].set_yscale("log")
+    axes[2].set_yscale("log")
     axes[0].legend(fontsize=7)
     fig.suptitle(f"ZeRO stages on {rows[0].dp} GPUs, global batch {rows[0].global_batch} "
                  "(hatched: does not fit)", fontsize=10)
