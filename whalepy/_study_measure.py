@@ -38,9 +38,15 @@ MEASURE_TIMEOUT_S = 900.0
 """Longest a measurement may take before its processes are killed."""
 
 
-def check_measurable(cluster: ClusterSpec) -> None:
-    """Refuse a cluster whose ranks are not CPU processes: the counter is thread-local (on CUDA the
+def check_measurable(cluster: ClusterSpec, models: list[Any]) -> None:
+    """Refuse, before anything is profiled, a model the ranks cannot build (a profile, ``synthetic:``)
+    and a cluster whose ranks are not CPU processes: the counter is thread-local (on CUDA the
     backward's collectives run on the autograd device thread) and the study spawns the ranks itself."""
+    for spec in models:
+        if not isinstance(spec, str) or spec.startswith("synthetic:"):
+            raise WhalepyError(f"--measure needs a model to train (built-in name or package.module:function), "
+                               f"not {spec if isinstance(spec, str) else 'a profile'}: the ranks build it "
+                               "themselves")
     gpus = [g.name for g in cluster.groups if g.device.vendor != "cpu" and not g.simulated]
     if gpus:
         raise WhalepyError(f"--measure trains on CPU gloo processes, but group(s) {', '.join(gpus)} are GPUs; "
@@ -156,9 +162,7 @@ def measure_rows(spec: Any, prof: ModelProfile, cluster: ClusterSpec, rows: list
                  steps: int, precision: str | None, num_microbatches: int, checkpoint: bool) -> list[Any]:
     """``rows`` (one model's :class:`~whalepy.study.ZeroStudyRow`) with ``measured_*`` filled in: the
     largest held device (or, offloaded, host) bytes and the largest payload over the ranks."""
-    if not isinstance(spec, str):
-        raise WhalepyError("--measure needs the model by name (built-in or package.module:function), "
-                           "not a profile: the ranks build it themselves")
+    check_measurable(cluster, [spec])
     if steps < 3:
         raise WhalepyError(f"--measure needs at least 3 steps (the first two initialise), got {steps}")
     world = cluster.world_size

@@ -122,7 +122,7 @@ def study_zero(models: Sequence[str | ModelProfile] | str | ModelProfile, cluste
     if measure:
         from whalepy._study_measure import check_measurable
 
-        check_measurable(cluster)
+        check_measurable(cluster, names)
     say = progress or (lambda _m: None)
     group = cluster.comm_group(list(range(W)))
     rows: list[ZeroStudyRow] = []
