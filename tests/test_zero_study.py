@@ -82,8 +82,10 @@ def test_measured_matches_predicted_on_4_gloo_processes(tmp_path, capsys) -> Non
     spec = tmp_path / "cpu4.yaml"
     spec.write_text(CPU4_YAML)
     out = tmp_path / "study.csv"
+    # bf16: FSDP2 all-gathers 2 bytes per parameter but reduce-scatters 4, DDP all-reduces 4, so a wrong
+    # element size for any collective shows (fp32 would send 4 for all of them)
     code = main(["study", "zero", "t5-tiny", "--cluster", str(spec), "--seq-len", "32", "--global-batch", "8",
-                 "--measure", "--csv", str(out), "-q"])
+                 "--precision", "bf16", "--measure", "--csv", str(out), "-q"])
     assert code == 0
     table = capsys.readouterr().out
     assert "meas. states" in table and "ZeRO-3+cpu" in table
@@ -100,6 +102,8 @@ def test_measured_matches_predicted_on_4_gloo_processes(tmp_path, capsys) -> Non
                 assert float(r[f"measured_{key}"] or 0) == pytest.approx(float(r[key] or 0), rel=0.05), (kind, r)
     assert float(rows[3]["measured_state_bytes"]) < float(rows[1]["measured_state_bytes"]) < float(
         rows[0]["measured_state_bytes"])
+    P = int(rows[0]["num_params"])
+    assert float(rows[2]["measured_all_gather_bytes"]) == 2 * P and float(rows[2]["measured_reduce_scatter_bytes"]) == 4 * P
 
 
 def test_bad_input_is_one_line(tmp_path, capsys, monkeypatch) -> None:
