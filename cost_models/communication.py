@@ -265,6 +265,47 @@ def _hierarchical_time(collective: Collective, nbytes: float, group: CommGroup, 
     raise ValueError(f"unhandled collective {collective!r}")  # pragma: no cover
 
 
+def _flat_sent_bytes(collective: Collective, nbytes: float, p: int) -> float:
+    """Bytes one rank sends in a flat collective among ``p`` ranks (the algorithms of
+    :func:`estimate_flat_collective_time`, ring form)."""
+    if p == 1 or nbytes == 0:
+        return 0.0
+    if collective is Collective.ALL_REDUCE:
+        return 2 * (p - 1) / p * nbytes
+    if collective in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER, Collective.ALL_TO_ALL):
+        return (p - 1) / p * nbytes
+    return nbytes  # broadcast (pipelined along the ring: every rank but the last forwards it), send/recv
+
+
+def estimate_collective_link_bytes(collective: Collective | str, nbytes: float, group: CommGroup) -> tuple[float, float]:
+    """``(intra-node, inter-node)`` bytes the busiest rank sends for one collective of ``nbytes`` payload over
+    ``group``, phase by phase as :func:`estimate_collective_time` times it (ring algorithms):
+
+    - all-reduce: intra reduce-scatter + all-gather ``2 (r-1)/r n``; inter all-reduce of ``n/r``:
+      ``2 (m-1)/m n/r``;
+    - all-gather, reduce-scatter: intra ``(r-1)/r n``; inter ``(m-1)/m n/r``;
+    - all-to-all: intra ``(r-1) n/p``; inter ``(m-1)/m n``;
+    - broadcast: ``n`` on each level that has more than one participant (the node's leader rank forwards
+      it over the network); send/recv: ``n`` across nodes when the group spans nodes.
+    """
+    collective = Collective(collective)
+    _check_bytes(nbytes)
+    r, m, n = group.ranks_per_node, group.num_nodes, nbytes
+    if n == 0 or group.size == 1:
+        return 0.0, 0.0
+    if m == 1:
+        return _flat_sent_bytes(collective, n, r), 0.0
+    if r == 1 or collective is Collective.SEND_RECV:
+        return 0.0, _flat_sent_bytes(collective, n, m)
+    if collective is Collective.ALL_REDUCE:
+        return 2 * (r - 1) / r * n, _flat_sent_bytes(Collective.ALL_REDUCE, n / r, m)
+    if collective in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER):
+        return _flat_sent_bytes(collective, n, r), _flat_sent_bytes(collective, n / r, m)
+    if collective is Collective.ALL_TO_ALL:
+        return (r - 1) * n / (r * m), (m - 1) / m * n
+    return n, n  # broadcast
+
+
 def _check_bytes(nbytes: float) -> None:
     if nbytes < 0:
         raise ValueError(f"nbytes must be non-negative, got {nbytes}")

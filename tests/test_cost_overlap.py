@@ -18,6 +18,7 @@ from whalepy.cost_models.communication import (
 )
 from whalepy.estimate import estimate_from_profile
 from whalepy.planner.synthetic import gpt_profile
+from whalepy.planner._runtime_costs import dp_payload_bytes_per_param
 
 from planner_fixtures import cluster, group
 
@@ -106,7 +107,9 @@ def test_ddp_hides_its_all_reduce_except_the_last_block() -> None:
     ddp = estimate_from_profile(prof, c, dict(dp=16, zero_stage=0), global_batch=64)
     st = ddp.stages[0]
     assert st.comm.dp_s == 0.0  # nothing per micro-batch
-    full = estimate_collective_time(Collective.ALL_REDUCE, 2 * prof.total_params, ddp_group(c))
+    # DDP all-reduces the fp32 gradients of its fp32 parameters (autocast), 4 bytes per parameter
+    per_param = dp_payload_bytes_per_param(Collective.ALL_REDUCE, "bf16")
+    full = estimate_collective_time(Collective.ALL_REDUCE, per_param * prof.total_params, ddp_group(c))
     # the exposed reduction is far less than the whole all-reduce, but not nothing
     assert 0.0 < st.comm.sync_s < 0.5 * full
 

@@ -29,6 +29,7 @@ from whalepy.primitives import (
 from whalepy.estimate import Estimate, ParallelConfig, estimate
 from whalepy.planner import homogeneous_baseline, plan, plan_from_profile
 from whalepy.profile import ModelProfile, profile
+from whalepy.study import ZeroStudyRow, study_zero
 
 __version__ = "0.1.0"
 
@@ -75,6 +76,7 @@ __all__ = [
     "resolve_annotations",
     "split",
     "stage",
+    "study_zero",
     "CaptureError",
     "ClusterSpec",
     "ClusterSpecError",
@@ -91,6 +93,7 @@ __all__ = [
     "Tier",
     "WhalepyError",
     "ZeroStage",
+    "ZeroStudyRow",
     "profile",
     "trace_memory",
     "MemoryTrace",

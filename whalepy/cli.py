@@ -1,4 +1,5 @@
-"""The ``whalepy`` console script: ``plan``, ``show``, ``estimate``, ``calibrate`` (whalepy._calibrate),
+"""The ``whalepy`` console script: ``plan``, ``show``, ``estimate``, ``study zero`` (whalepy.study),
+``calibrate`` (whalepy._calibrate),
 ``export`` and ``run`` (whalepy.launch).
 
 Errors whalepy raises on purpose print as one line and exit with code 2, without a traceback.
@@ -137,6 +138,25 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     return 0 if est.feasible else 1
 
 
+def cmd_study_zero(args: argparse.Namespace) -> int:
+    from whalepy._study_format import format_zero_study, plot_zero_study, write_zero_study_csv
+    from whalepy.study import study_zero
+
+    progress = _err if not args.quiet else (lambda _m: None)
+    models = [m for m in ([args.model] if args.model else []) + (args.sizes.split(",") if args.sizes else []) if m]
+    rows = study_zero(models, _cluster(args.cluster), global_batch=args.global_batch, seq_len=args.seq_len,
+                      num_microbatches=args.microbatches, checkpoint=args.checkpoint, precision=args.precision,
+                      offload=not args.no_offload, measure=args.measure, progress=progress)
+    print(format_zero_study(rows))
+    if args.csv:
+        write_zero_study_csv(rows, args.csv)
+        progress(f"wrote {args.csv}")
+    if args.plot:
+        plot_zero_study(rows, args.plot)
+        progress(f"wrote {args.plot}")
+    return 0
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     import torch
 
@@ -203,6 +223,28 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--checkpoint", action="store_true")
     sp.add_argument("--offload", choices=("cpu", "nvme"))
     sp.set_defaults(func=cmd_estimate)
+
+    sp = sub.add_parser("study", help="studies of a model on a cluster (zero: the ZeRO-stage trade-off)")
+    studies = sp.add_subparsers(dest="study", required=True)
+    sp = studies.add_parser("zero", help="memory, communication and throughput of ZeRO stages 0-3 (and "
+                                         "offload) per model size")
+    sp.add_argument("model", nargs="?", default=None, help="built-in name, package.module:function, or "
+                                                          "synthetic:NAME (optional with --sizes)")
+    sp.add_argument("--cluster", required=True, help="cluster spec (YAML or JSON)")
+    sp.add_argument("--sizes", help="comma-separated built-in models or families: mt5 (mt5-base ... "
+                                    "mt5-xxl), t5 (t5-v1_1-xl, t5-v1_1-xxl)")
+    sp.add_argument("--global-batch", type=int, default=None, help="samples per step (default 8 per device)")
+    sp.add_argument("--seq-len", type=int, default=None, help="tokens per sample (built-in models)")
+    sp.add_argument("--microbatches", type=int, default=1, help="gradient-accumulation micro-batches")
+    sp.add_argument("--checkpoint", action="store_true", help="activation checkpointing of every block")
+    sp.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None)
+    sp.add_argument("--no-offload", action="store_true", help="leave out the CPU-offload rows")
+    sp.add_argument("--measure", action="store_true", help="also train each row a few steps on CPU gloo "
+                                                           "processes and show measured bytes (small models)")
+    sp.add_argument("--csv", help="write the rows as CSV")
+    sp.add_argument("--plot", help="write a plot image (needs matplotlib: whalepy[plot])")
+    sp.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+    sp.set_defaults(func=cmd_study_zero)
 
     from whalepy._calibrate import add_calibrate_subparser
 

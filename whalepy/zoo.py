@@ -1,5 +1,6 @@
 """Built-in models by name: HuggingFace configs built on the meta device (no weights), dropout off,
-``use_cache=False`` (a KV cache output breaks ``torch.export``), with example inputs.
+``use_cache=False`` (a KV cache output breaks ``torch.export``), with example inputs; and the T5 v1.1 / mT5 family (``mt5-base`` ... ``mt5-xxl``, ``t5-v1_1-xl``,
+``t5-v1_1-xxl``) as whalepy's own encoder-decoder (:mod:`whalepy._t5`, no transformers import).
 
 ``build("llama3-8b", batch=1, seq_len=8192)`` -> ``(model, example_inputs)``.
 """
@@ -61,14 +62,26 @@ MODELS: dict[str, tuple[Callable[[], Any], int]] = {
 }
 """Built-in model names and their default sequence lengths."""
 
+T5_DEFAULT_SEQ_LEN = 512
+"""Tokens per sample on each side of the built-in T5 v1.1 / mT5 models (whalepy's own encoder-decoder,
+:mod:`whalepy._t5`; no transformers import): the input length of T5's and mT5's pre-training."""
+
 
 def build(name: str, *, batch: int = 1, seq_len: int | None = None) -> tuple[Any, Any]:
     """``(model on the meta device, example inputs)`` for a built-in model name."""
     import torch
 
+    from whalepy._t5 import T5_SIZES, build_t5
+
     key = name.strip().lower()
+    if key in T5_SIZES:
+        seq = seq_len or T5_DEFAULT_SEQ_LEN
+        if batch < 1 or seq < 1:
+            raise WhalepyError(f"batch ({batch}) and seq_len ({seq}) must be positive")
+        return build_t5(key, batch=batch, seq_len=seq)
     if key not in MODELS:
-        raise WhalepyError(f"unknown built-in model {name!r}; built-in models are: {', '.join(MODELS)} "
+        raise WhalepyError(f"unknown built-in model {name!r}; built-in models are: "
+                           f"{', '.join([*MODELS, *T5_SIZES])} "
                            "(or give package.module:function returning (model, example_inputs))")
     factory, default_seq = MODELS[key]
     seq = seq_len or default_seq

@@ -7,13 +7,15 @@ in docs/cost_model.md ("Overlap with compute", "Buffers and working sets", "Rese
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from whalepy.cost_models.communication import Collective, CommGroup, estimate_overlapped_time
+from whalepy.cost_models.compute import precision_bytes
 from whalepy.cost_models.memory import (
     ALLOCATOR_FRAGMENTATION,
-    HALF_PRECISION_BYTES,
+    MASTER_GRAD_BYTES,
     estimate_fixed_device_bytes,
     estimate_usable_device_bytes,
 )
@@ -83,12 +85,70 @@ def uses_autocast(kind: str, precision: str) -> bool:
     return precision != "fp32" and kind in (LoweringKind.NONE, LoweringKind.DDP, LoweringKind.ZERO1)
 
 
+LOSS_REPORT_BYTES = 4
+"""Payload of the one collective of a step that is not data parallelism: ``ParallelModel.train_step``
+all-reduces the step's mean loss, an fp32 scalar, over all ranks to return it."""
+
+
+def dp_payload_bytes_per_param(collective: Collective, precision: str) -> float:
+    """Bytes per parameter of one data-parallel collective as the runtime issues it (the payload in
+    :mod:`whalepy.cost_models.communication`'s size convention), in ``precision``:
+
+    - FSDP2's all-gather: the compute dtype (``MixedPrecisionPolicy.param_dtype``; fp32 parameters in
+      an fp32 plan);
+    - FSDP2's reduce-scatter: fp32 (``reduce_dtype=float32``, the gradients are reduced in fp32 in
+      every precision);
+    - DDP's all-reduce: fp32 (the gradients of the fp32 parameters autocast trains);
+    - ZeroRedundancyOptimizer's broadcast of the updated parameters after the step: fp32 parameters.
+
+    Checked against the bytes counted at the process group on gloo (``whalepy study zero --measure``,
+    tests/test_zero_study.py)."""
+    if collective is Collective.ALL_GATHER:
+        return float(precision_bytes(precision))
+    if collective in (Collective.REDUCE_SCATTER, Collective.ALL_REDUCE, Collective.BROADCAST):
+        return float(MASTER_GRAD_BYTES)
+    raise ValueError(f"the runtime issues no data-parallel {collective.value}")
+
+
+def dp_step_payload_bytes(kind: str, *, zero3: bool, num_params: float, num_microbatches: int,
+                          precision: str) -> dict[Collective, float]:
+    """Payload bytes of one rank's data-parallel collectives in one training step without pipeline
+    stages (``num_params`` parameters on this rank, ``num_microbatches`` micro-batches accumulated by
+    whalepy's own loop), by collective, as the runtime issues them:
+
+    - FSDP2: every unit is all-gathered before its forward in every micro-batch (FSDP2 reshards after
+      backward) and, under ZeRO-3 (``reshard_after_forward=True``), again before its backward; the root
+      unit too (FSDP2 reshards it after forward as well, counted on torch 2.13). The gradients are
+      reduce-scattered once, in the last micro-batch (``set_requires_gradient_sync``);
+    - DDP: one all-reduce of the gradients, in the last micro-batch (``no_sync`` before); the
+      bucketing splits it into calls but adds no bytes;
+    - DDP + ZeroRedundancyOptimizer: that all-reduce, and each rank's updated partition broadcast
+      to the others after the step.
+
+    Not counted: FSDP2 pads every parameter's first dimension to a multiple of the dp degree (at most
+    ``dp - 1`` rows per parameter; none for the T5 / GPT shapes of the study on 4 or 8 ranks), and
+    one-time traffic (DDP's initial broadcast and its bucket rebuild in the second step)."""
+    if num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be at least 1, got {num_microbatches}")
+    b = functools.partial(dp_payload_bytes_per_param, precision=precision)
+    P = num_params
+    if kind == LoweringKind.FSDP:
+        gathers = num_microbatches * (2 if zero3 else 1)
+        return {Collective.ALL_GATHER: gathers * b(Collective.ALL_GATHER) * P,
+                Collective.REDUCE_SCATTER: b(Collective.REDUCE_SCATTER) * P}
+    if kind == LoweringKind.DDP:
+        return {Collective.ALL_REDUCE: b(Collective.ALL_REDUCE) * P}
+    if kind == LoweringKind.ZERO1:
+        return {Collective.ALL_REDUCE: b(Collective.ALL_REDUCE) * P, Collective.BROADCAST: b(Collective.BROADCAST) * P}
+    return {}
+
+
 @dataclass(frozen=True, slots=True)
 class DPComm:
     """Seconds of one block's data-parallel collectives over the stage's DP group, per segment."""
 
     all_gather: tuple[float, ...]
-    """All-gather of the block's 16-bit parameters."""
+    """All-gather of the block's parameters in the compute dtype."""
     reduce_scatter: tuple[float, ...]
     all_reduce: tuple[float, ...]
     rep: int
@@ -97,24 +157,28 @@ class DPComm:
 
 
 def build_dp_block_comm(collective: CollectiveFn, segments: tuple[Segment, ...], seg_params: list[float],
-                        group: CommGroup | None) -> DPComm:
+                        group: CommGroup | None, precision: str) -> DPComm:
     rep = max(range(len(segments)), key=lambda g: segments[g].length) if segments else 0
     if group is None:
         zeros = tuple(0.0 for _ in seg_params)
         return DPComm(zeros, zeros, zeros, rep)
-    c = collective
-    nbytes = [HALF_PRECISION_BYTES * p for p in seg_params]
-    return DPComm(tuple(c(Collective.ALL_GATHER, n, group) for n in nbytes),
-                   tuple(c(Collective.REDUCE_SCATTER, n, group) for n in nbytes),
-                   tuple(c(Collective.ALL_REDUCE, n, group) for n in nbytes), rep)
+
+    def times(kind: Collective) -> tuple[float, ...]:
+        per = dp_payload_bytes_per_param(kind, precision)
+        return tuple(collective(kind, per * p, group) for p in seg_params)
+
+    return DPComm(times(Collective.ALL_GATHER), times(Collective.REDUCE_SCATTER), times(Collective.ALL_REDUCE), rep)
 
 
-def post_step_affine(collective: CollectiveFn, kind: str, group: CommGroup | None) -> tuple[float, float]:
-    """ZeroRedundancyOptimizer broadcasts every rank's updated shard after the step, an all-gather of
-    the stage's 16-bit parameters that nothing overlaps; other kinds send nothing after the step."""
+def post_step_affine(collective: CollectiveFn, kind: str, group: CommGroup | None, precision: str
+                     ) -> tuple[float, float]:
+    """ZeroRedundancyOptimizer broadcasts every rank's updated fp32 partition after the step, which
+    nothing overlaps; timed as an all-gather of the stage's parameters (the same bytes reach every
+    rank); other kinds send nothing after the step."""
     if group is None or kind != LoweringKind.ZERO1:
         return 0.0, 0.0
-    return affine_fit(lambda n: collective(Collective.ALL_GATHER, HALF_PRECISION_BYTES * n, group))
+    per = dp_payload_bytes_per_param(Collective.BROADCAST, precision)
+    return affine_fit(lambda n: collective(Collective.ALL_GATHER, per * n, group))
 
 
 def exposed_dp(kind: str, zero3: bool, pipelined: bool, fwd: float, bwd: float, dp: DPComm, g: int

@@ -81,7 +81,6 @@ from whalepy.cost_models.communication import (
 from whalepy.cost_models.compute import estimate_block_time, estimate_kernels_time, precision_bytes
 from whalepy.cost_models.memory import (
     AUTOCAST_WEIGHT_COPY_BYTES,
-    HALF_PRECISION_BYTES,
     estimate_fsdp_working_bytes,
     MASTER_GRAD_BYTES,
     ModelStateBytes,
@@ -310,7 +309,7 @@ class CostContext:
                       group: CommGroup | None) -> DPComm:
         """:func:`build_dp_block_comm` of a stage's data-parallel group (cached)."""
         return self._cached("dp", segments, (seg_params, group), lambda: build_dp_block_comm(
-            self.collective, segments, list(seg_params), group))
+            self.collective, segments, list(seg_params), group, self.precision))
 
     def segment_costs(self, segments: tuple[Segment, ...], device_name: str, tp: int, micro_batch: float,
                       tp_group: CommGroup | None) -> tuple[tuple[float, ...], ...]:
@@ -377,7 +376,7 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
         low = precision_bytes(ctx.precision)
         for o in allowed:
             kind = lowering_kind(o, cand)
-            sync[o] = post_step_affine(ctx.collective, kind, dp_group)
+            sync[o] = post_step_affine(ctx.collective, kind, dp_group, ctx.precision)
             st = stage_model_states(ctx, cand, o, 1.0)  # what the runtime holds between uses
             mem_beta[o], cpu_beta[o], nvme_beta[o] = st.resident, st.cpu, st.nvme
             split[o] = (st.params, st.grads, st.optimizer)
