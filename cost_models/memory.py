@@ -106,15 +106,27 @@ def estimate_model_state_bytes(
       backward: ``b P`` working, ``b`` the bytes of the compute dtype.
     - Tiers: ``param_tier = optimizer_tier = cpu`` (FSDP2 ``CPUOffloadPolicy``) moves the parameter,
       gradient and optimizer shards to the host; ``optimizer_tier = nvme`` moves the optimizer part to
-      files. Combinations :func:`whalepy._capabilities.state_option_error` refuses raise ValueError.
+      files. ``param_tier = gpu, optimizer_tier = cpu`` (ZeRO-Offload, lowered to FSDP2,
+      :mod:`whalepy.runtime.host_optimizer`): the device keeps its fp32 parameter shard ``4 P / d``
+      and no gradients (each shard's gradient leaves for the host when FSDP2 has reduced it); the host
+      keeps an fp32 master copy, an fp32 gradient buffer and the optimizer states of that shard,
+      ``(4 + 4 + K) P / d``. Combinations :func:`whalepy._capabilities.state_option_error` refuses
+      raise ValueError.
     """
-    from whalepy._capabilities import LoweringKind, choose_lowering_kind, offloads_to_host, state_option_error
+    from whalepy._capabilities import (
+        LoweringKind,
+        choose_lowering_kind,
+        offloads_to_host,
+        state_option_error,
+        steps_on_host,
+        uses_cpu_offload_policy,
+    )
     from whalepy.cost_models.compute import precision_bytes
 
     zero_stage, param_tier, optimizer_tier = ZeroStage(zero_stage), Tier(param_tier), Tier(optimizer_tier)
     _check_sizes(num_params, dp_degree, optimizer_bytes_per_param=optimizer_bytes_per_param,
                  working_param_bytes=working_param_bytes)
-    reason = state_option_error(zero_stage, param_tier, optimizer_tier)
+    reason = state_option_error(zero_stage, param_tier, optimizer_tier, precision=precision)
     if reason is not None:
         raise ValueError(reason)
     offload = offloads_to_host(param_tier, optimizer_tier)
@@ -130,7 +142,11 @@ def estimate_model_state_bytes(
         optimizer = k * psi / d if kind is LoweringKind.ZERO1 else k * psi
         working = low * psi if low < MASTER_PARAM_BYTES else 0.0  # autocast's cast copies
     cpu = nvme = 0.0
-    if offload:
+    if steps_on_host(param_tier, optimizer_tier):
+        # the device shard stays; its master copy, gradient and optimizer states are on the host
+        return ModelStateBytes(params=params, grads=0.0, optimizer=0.0, working_params=working,
+                               cpu=MASTER_PARAM_BYTES * psi / d + grads + optimizer)
+    if uses_cpu_offload_policy(param_tier, optimizer_tier):
         cpu, params, grads = params + grads, 0.0, 0.0
     if optimizer_tier is Tier.CPU:
         cpu, optimizer = cpu + optimizer, 0.0

@@ -1,8 +1,17 @@
-"""Activation checkpointing per block, and distributed state dicts (model + optimizer).
+"""Activation checkpointing and activation offload per block, and distributed state dicts (model +
+optimizer).
 
 Activation checkpointing uses the composable ``torch.distributed._composable.checkpoint``
 (non-reentrant ``torch.utils.checkpoint`` under the hood): it wraps nothing, so parameter names do not
 change and FSDP2 can shard the same module afterwards.
+
+Activation offload (``BlockPlan.activation_offload``) keeps what a block's forward saves for backward in
+host memory: ``torch.autograd.graph.saved_tensors_hooks`` around the block's forward (entered and left
+by forward hooks, so nothing is wrapped either) pack each saved tensor into a host copy (pinned,
+``non_blocking`` on CUDA) and unpack it back onto the device in backward, as
+``torch.autograd.graph.save_on_cpu`` does, except that parameters are left where they are (FSDP2's
+gathered parameters and plain ones: they stay alive on the device anyway, a host copy would only add
+traffic). On a CPU device the copy is made all the same (same memory), so the path is exercised.
 
 State dicts go through ``torch.distributed.checkpoint.state_dict.get_state_dict`` /
 ``set_state_dict``: keys are the ORIGINAL module paths (FSDP and TP leave names alone; pipeline
@@ -30,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from whalepy._errors import WhalepyError
 
-__all__ = ["apply_activation_checkpointing", "gather_full_state_dict", "get_train_state", "load_model_state",
+__all__ = ["apply_activation_checkpointing", "apply_activation_offload", "gather_full_state_dict", "get_train_state", "load_model_state",
            "load_train_state", "save_train_state", "set_train_state"]
 
 
@@ -39,6 +48,38 @@ def apply_activation_checkpointing(modules: Sequence[nn.Module]) -> None:
 
     for m in modules:
         checkpoint(m, use_reentrant=False)
+
+
+def apply_activation_offload(modules: Sequence[nn.Module], device: torch.device) -> None:
+    """Keep the saved activations of each module in ``modules`` in host memory (module docstring)."""
+    pin = device.type == "cuda"
+
+    def pack(t: torch.Tensor) -> Any:
+        if type(t) is not torch.Tensor or t.device.type == "meta":
+            return t  # parameters (plain or FSDP2's gathered ones) and tensor subclasses stay
+        host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=pin and t.device.type == "cuda")
+        host.copy_(t, non_blocking=pin)
+        return (t.device, host)
+
+    def unpack(packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        dev, host = packed
+        return host.to(dev, non_blocking=pin)
+
+    for m in modules:
+        contexts: list[Any] = []
+
+        def enter(_m: nn.Module, _args: Any, contexts: list[Any] = contexts) -> None:
+            ctx = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+            ctx.__enter__()
+            contexts.append(ctx)
+
+        def leave(_m: nn.Module, _args: Any, _out: Any, contexts: list[Any] = contexts) -> None:
+            contexts.pop().__exit__(None, None, None)
+
+        m.register_forward_pre_hook(enter)
+        m.register_forward_hook(leave, always_call=True)
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:

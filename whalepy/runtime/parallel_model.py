@@ -6,7 +6,7 @@ Lowering order for this rank (see docs/runtime.md):
 2. meshes from the plan's rank grid (``mesh.build_meshes``);
 3. pipeline split into this rank's stage module(s), original module paths kept (``pipeline.py``);
 4. tensor parallelism from the plan's TP rules (``tensor_parallel.apply_tensor_parallel``);
-5. activation checkpointing of the blocks the plan marks;
+5. activation checkpointing, or activation offload to host memory, of the blocks the plan marks;
 6. DDP / ZeRO / FSDP2 over the ``dp`` axis, per block then root (``data_parallel``); a model built on
    the meta device has gone through 3-6 without memory and only now gets this rank's shards,
    initialised or loaded (``materialize``);
@@ -34,11 +34,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from whalepy._capabilities import check_pipeline
+from whalepy._capabilities import check_pipeline, steps_on_host
 from whalepy._errors import LaunchError, PlanError, WhalepyError
 from whalepy.plan import Plan, Tier, TPStyle
 from whalepy.runtime.checkpointing import (
     apply_activation_checkpointing,
+    apply_activation_offload,
     gather_full_state_dict,
     get_train_state,
     load_train_state,
@@ -50,7 +51,7 @@ from whalepy.runtime.data_parallel import (
     apply_data_parallel,
     build_optimizer,
     choose_kind,
-    needs_offload_policy,
+    offloads_any_block,
 )
 from whalepy.runtime.materialize import (
     InitFn,
@@ -62,6 +63,7 @@ from whalepy.runtime.materialize import (
 )
 from whalepy.runtime.mesh import RankMeshes, build_meshes, check_world, resolve_device_type
 from whalepy.runtime._amp import AmpContext
+from whalepy.runtime.host_optimizer import HostOptimizer
 from whalepy.runtime.nvme import NvmeOptimizerStates, default_nvme_dir, prepare_nvme_dir
 from whalepy.runtime.tensor_parallel import apply_tensor_parallel
 
@@ -279,7 +281,7 @@ class ParallelModel:
         self._slice = slice(start, start + plan.batch_shares[m.replica])
         dp, tp, pp = plan.dp_degree, stage.tp_degree, plan.pp_degree
         self.loss_scale = plan.batch_shares[m.replica] * dp / plan.global_batch
-        offload = needs_offload_policy(stage.blocks)
+        offload = offloads_any_block(stage.blocks)
         self.dp_kind = choose_kind(stage.zero_stage, dp, tp=tp, pp=pp, offload=offload)
         if self.dp_kind == DataParallelKind.FSDP and stage.zero_stage < 2 and dp > 1 and dist.get_rank() == 0:
             # shards more than planned (less memory, the same gradient traffic): said, not silent
@@ -318,6 +320,7 @@ class ParallelModel:
 
         self._modules: list[nn.Module] = []
         nvme_blocks: list[tuple[Any, list[nn.Module]]] = []
+        host_blocks: list[tuple[Any, list[nn.Module]]] = []
         for mod, chunk in zip(local, local_chunks):
             blocks = [(b, [mod.get_submodule(p) for p in block_modules[b.name]]) for b in chunk]
             if tp > 1:
@@ -325,10 +328,14 @@ class ParallelModel:
             ckpt = [x for b, mods in blocks if b.checkpoint for x in mods]
             if ckpt:
                 apply_activation_checkpointing(ckpt)
+            offloaded = [x for b, mods in blocks if b.activation_offload for x in mods]
+            if offloaded:
+                apply_activation_offload(offloaded, device)
             self._modules.append(apply_data_parallel(mod, blocks, m.dp_mesh, kind=self.dp_kind,
                                                      zero=stage.zero_stage, device_type=device_type,
                                                      precision=plan.precision))
             nvme_blocks += [(b, mods) for b, mods in blocks if b.optimizer_tier is Tier.NVME]
+            host_blocks += [(b, mods) for b, mods in blocks if steps_on_host(b.param_tier, b.optimizer_tier)]
         self.init_stats: MaterializeStats | None = None
         if skeleton is not None:
             self.init_stats = materialize_modules(self._modules, skeleton, device, seed=seed,
@@ -341,8 +348,21 @@ class ParallelModel:
                      for p in [self._modules[i].get_parameter(name)]}
             self._tied.append((list(found.values()), group))
         params = list({id(p): p for mod in self._modules for p in mod.parameters()}.values())
-        self.optimizer = build_optimizer(optimizer_factory, params, kind=self.dp_kind,
-                                         dp_mesh=m.dp_mesh)
+        # ZeRO-Offload blocks: their optimizer steps on the host during backward (after materialising,
+        # so the hooks sit on the final shards); parameters tied across pipeline stages stay with the
+        # device optimizer, their gradients are summed over the stages only after the backward
+        self.host_optimizer: HostOptimizer | None = None
+        if host_blocks:
+            tied = {id(p) for ps, _ in self._tied for p in ps}
+            self.host_optimizer = HostOptimizer(
+                optimizer_factory, [(b.name, [p for mod in mods for p in mod.parameters() if id(p) not in tied])
+                                    for b, mods in host_blocks], device)
+            on_host = {id(p) for p in self.host_optimizer.params}
+            params = [p for p in params if id(p) not in on_host]
+            log.info("whalepy: optimizer of %d blocks (%d parameter shards) steps on the host (ZeRO-Offload)",
+                     len(self.host_optimizer.blocks), len(on_host))
+        self.optimizer = (build_optimizer(optimizer_factory, params, kind=self.dp_kind, dp_mesh=m.dp_mesh)
+                          if params or self.host_optimizer is None else None)
         # optimizer_tier = nvme: those blocks' optimizer states live in files between steps (after
         # TP / FSDP2, so the blocks' parameters are the sharded ones the optimizer holds)
         self.nvme: NvmeOptimizerStates | None = None
@@ -397,12 +417,17 @@ class ParallelModel:
                     f"share ({self.plan.batch_shares[self.meshes.replica]} samples)")
         inputs = tuple(x[self._slice].to(self.device) for x in inputs)
         targets = targets[self._slice].to(self.device)
+        if self.host_optimizer is not None:
+            self.host_optimizer.start_step()
         if self.schedule is not None:
             local = self._pipeline_step(inputs, targets)
         else:
             local = self._accumulate(inputs, targets)
-        self.amp.step(self.optimizer)
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.host_optimizer is not None:
+            self.host_optimizer.finish()
+        if self.optimizer is not None:
+            self.amp.step(self.optimizer)
+            self.optimizer.zero_grad(set_to_none=True)
         share = self.plan.batch_shares[self.meshes.replica] / self.plan.global_batch
         report = (local.detach().float() * share if self._reports_loss
                   else torch.zeros((), device=self.device))
@@ -411,9 +436,18 @@ class ParallelModel:
 
     def state_dict(self) -> dict[str, Any]:
         """Model and optimizer state keyed by the original module paths (DTensor values)."""
+        self._check_checkpointable()
         return get_train_state(self._modules, self.optimizer)
 
+    def _check_checkpointable(self) -> None:
+        if self.host_optimizer is not None:
+            raise WhalepyError("state_dict()/save()/load() are not supported yet for plans with ZeRO-Offload "
+                               "blocks (param_tier='gpu', optimizer_tier='cpu'): their optimizer states live in "
+                               "host-side optimizers DCP does not see; use full_state_dict() for the weights, or "
+                               "plan with optimizer_tier 'gpu' or 'nvme' to checkpoint optimizer states")
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._check_checkpointable()
         set_train_state(self._modules, self.optimizer, state)
         if self.nvme is not None:
             self.nvme.offload()  # loaded states are fresh tensors: back into their files
@@ -428,6 +462,7 @@ class ParallelModel:
     def save(self, path: str | Path) -> None:
         """Write a distributed checkpoint (DCP) directory; loadable under any plan for this model.
         An HF model's config goes along as ``config.json`` (for ``whalepy export``)."""
+        self._check_checkpointable()
         save_train_state(path, self._modules, self.optimizer, aliases=self._tied_aliases)
         config, arch = self._hf_config
         if dist.get_rank() == 0 and callable(getattr(config, "to_diff_dict", None)):
@@ -436,6 +471,7 @@ class ParallelModel:
             (Path(path) / "config.json").write_text(text + "\n")
 
     def load(self, path: str | Path) -> None:
+        self._check_checkpointable()
         load_train_state(path, self._modules, self.optimizer)
         if self.nvme is not None:
             self.nvme.offload()

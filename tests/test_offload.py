@@ -1,0 +1,87 @@
+"""Offload modes per block: ZeRO-Offload (parameters on the device, optimizer on the host, stepped during
+backward) and activation offload (saved activations in host memory).
+
+The multi-process tests run every case in one launch of 2 gloo ranks each: numerics against the
+single-process run (``precision_cases.numerics``), and held bytes against the memory model
+(``precision_cases.held_vs_predicted``, where what is counted is described).
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+
+from dist_harness import run_distributed
+from precision_cases import held_vs_predicted, numerics
+from test_precision import LOSS_TOLERANCE
+from whalepy._capabilities import choose_lowering_kind, state_option_error, steps_on_host
+from whalepy.cost_models.memory import estimate_model_state_bytes
+
+HOST_OPT = {"optimizer_tier": "cpu"}
+ACT = {"activation_offload": True}
+
+
+def test_zero_offload_is_lowered_and_accounted():
+    assert state_option_error(z := 2, "gpu", "cpu") is None and steps_on_host("gpu", "cpu")
+    assert "fp16" in state_option_error(z, "gpu", "cpu", precision="fp16")
+    assert state_option_error(z, "gpu", "cpu", precision="bf16") is None
+    assert choose_lowering_kind(0, 2, tp=1, pp=1, offload=True).value == "fsdp2"
+    p, d = 1e9, 4
+    for zero in (0, 1, 2, 3):
+        held = estimate_model_state_bytes(num_params=p, zero_stage=zero, dp_degree=d, precision="bf16",
+                                          optimizer_tier="cpu")
+        # device: the fp32 shard; host: its fp32 master, gradient and Adam states
+        assert (held.params, held.grads, held.optimizer, held.cpu) == (4 * p / d, 0.0, 0.0, 16 * p / d)
+    with pytest.raises(ValueError, match="fp16"):
+        estimate_model_state_bytes(num_params=p, zero_stage=3, dp_degree=d, precision="fp16", optimizer_tier="cpu")
+
+
+CASES = [dict(name=f"ZeRO-Offload z{z}", precision="fp32", dp=2, zero=z, **HOST_OPT) for z in (0, 1, 2, 3)] + [
+    dict(name="ZeRO-Offload TP", precision="fp32", tp=2, **HOST_OPT),
+    dict(name="ZeRO-Offload PP", precision="fp32", pp=2, microbatches=2, schedule="1f1b", **HOST_OPT),
+    dict(name="ZeRO-Offload z3 bf16", precision="bf16", dp=2, zero=3, **HOST_OPT),
+    dict(name="activation offload z0", precision="fp32", dp=2, **ACT),
+    dict(name="activation offload z3", precision="fp32", dp=2, zero=3, **ACT),
+    dict(name="activation offload TP", precision="fp32", tp=2, **ACT),
+    dict(name="both z2", precision="fp32", dp=2, zero=2, **HOST_OPT, **ACT),
+]
+
+
+@pytest.mark.distributed
+def test_offload_modes_match_single_process():
+    """Every mode alone and with ZeRO stages 0-3 on dp=2, with TP and with PP, after 3 AdamW steps:
+    fp32 losses and parameters within 1e-5 of one process (the host optimizer's fused CPU AdamW and
+    the reference's loop differ only in rounding); the bf16 case within the tolerances of
+    ``test_precision`` (stated and justified there)."""
+    per_rank = run_distributed(numerics, 2, CASES, timeout=600)
+    names = set()
+    for results in per_rank:
+        for r in results:
+            names.add(r["name"])
+            assert r["loss_err"] <= LOSS_TOLERANCE[r["precision"]], r
+            if r["precision"] == "fp32":
+                assert r["param_err"] <= 1e-5, r
+            else:
+                assert 0 < r["precision_noise"] < 0.2, r
+                assert r["update_err"] <= 2 * r["precision_noise"], r
+    assert names == {c["name"] for c in CASES}
+
+
+HELD_CASES = [(z, "cpu-optimizer", "fp32") for z in (0, 1, 2, 3)] + [(3, "cpu-optimizer", "bf16")]
+
+
+@pytest.mark.distributed
+def test_zero_offload_held_bytes_match_the_memory_model():
+    """On every rank the device shards and the host's masters, gradient buffers and Adam states equal
+    :func:`estimate_model_state_bytes` for (gpu, cpu) within 1% (the acceptance bound)."""
+    with tempfile.TemporaryDirectory() as root:
+        per_rank = run_distributed(held_vs_predicted, 2, HELD_CASES, root, timeout=600)
+    for rank, results in enumerate(per_rank):
+        assert len(results) == len(HELD_CASES)
+        for r in results:
+            held = {place: sum(kind[place] for kind in r["held"].values()) for place in ("device", "host", "files")}
+            for place, predicted in r["predicted"].items():
+                assert held[place] == pytest.approx(predicted, rel=0.01, abs=0), (rank, r["case"], held, r)
+            assert r["held"]["grads"]["device"] == 0 and r["held"]["optimizer"]["device"] == 0, r
+            assert held["host"] > 0

@@ -1,0 +1,202 @@
+"""ZeRO-Offload: parameters on the device, their optimizer on the host, stepped during backward.
+
+For the blocks a plan gives ``param_tier = gpu, optimizer_tier = cpu`` (Ren et al., "ZeRO-Offload:
+Democratizing Billion-Scale Model Training", ATC'21). The stage is lowered to FSDP2
+(:mod:`whalepy.runtime.data_parallel`), so every parameter here is this rank's shard (a DTensor's local
+tensor) and what the host holds is partitioned over the replicas, as ZeRO-Offload partitions it:
+
+- device: the parameter shard, in the compute dtype of the plan's fp32 parameters (fp32; FSDP2's
+  ``MixedPrecisionPolicy`` casts it for the all-gather under bf16), no gradient between steps;
+- host (pinned when the device is CUDA): an fp32 master copy of the shard, an fp32 gradient buffer and
+  the optimizer's states, one optimizer per block built by the user's factory (its class and
+  hyper-parameters; Adam / AdamW and the others with a ``fused`` CPU kernel get ``fused=True``).
+
+The pipeline per step: FSDP2 reduce-scatters a block's gradients at the end of its backward and calls
+the parameters' post-accumulate-grad hooks (its post-reduce point, ``foreach_reduce``); the hook copies
+the shard's gradient into the host buffer (``non_blocking`` on CUDA, in FSDP2's reduce stream) and drops
+the device gradient. When every parameter of a block has its gradient, the block's step is queued on
+one background thread: wait for the copies, ``optimizer.step()`` on the master weights, copy them back
+into the device shards (on a side stream on CUDA). The steps of later blocks so run while the backward
+of earlier blocks goes on; :meth:`HostOptimizer.finish` (the training step's optimizer step) waits for
+the last ones and orders the device's next forward after the copies back.
+
+torchao's ``CPUOffloadOptimizer`` does this for one process and plain parameters; it is not used
+because it keeps the whole-model gradient copy on the host per parameter and knows nothing of FSDP2
+shards. Here each block is its own optimizer so that a block steps as soon as it is complete.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch import nn
+
+from whalepy._errors import WhalepyError
+
+__all__ = ["HostOptimizer"]
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+class _Block:
+    """One block's device parameters, host buffers and optimizer."""
+
+    def __init__(self, name: str, params: list[nn.Parameter], factory: OptimizerFactory, pin: bool) -> None:
+        self.name = name
+        self.params = params
+        self.masters: list[torch.Tensor] = []
+        self.grads: list[torch.Tensor] = []
+        for p in params:
+            local = _local(p.detach())
+            master = torch.empty(local.shape, dtype=torch.float32, pin_memory=pin)
+            master.copy_(local)
+            self.masters.append(nn.Parameter(master))
+            self.grads.append(torch.zeros(local.shape, dtype=torch.float32, pin_memory=pin))
+        self.optimizer = _cpu_optimizer(factory, self.masters, name)
+        self.arrived: set[int] = set()
+        self.events: list[Any] = []
+        self.copied: Any = None  # CUDA: the event after the last copy back
+
+
+def _cpu_optimizer(factory: OptimizerFactory, masters: list[nn.Parameter], name: str) -> torch.optim.Optimizer:
+    """The user's optimizer over ``masters``, with the fused CPU kernel where its class has one."""
+    opt = factory(masters)
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise WhalepyError(f"block {name!r}: the optimizer factory returned {type(opt).__name__}, not a "
+                           "torch.optim.Optimizer")
+    if {id(p) for g in opt.param_groups for p in g["params"]} != {id(p) for p in masters}:
+        raise WhalepyError(f"block {name!r}: the optimizer factory must optimise exactly the parameters it "
+                           "is given (optimizer_tier='cpu' builds one optimizer per block over its host copies)")
+    if "fused" in inspect.signature(type(opt).__init__).parameters and not any(
+            g.get("fused") or g.get("differentiable") for g in opt.param_groups):
+        groups = [{**g, "fused": True, "foreach": None} for g in opt.param_groups]
+        try:
+            return type(opt)(groups)
+        except (RuntimeError, ValueError, TypeError):
+            return opt  # this class or these hyper-parameters have no fused CPU kernel
+    return opt
+
+
+class HostOptimizer:
+    """The host side of ZeRO-Offload for one rank: see the module docstring.
+
+    ``blocks`` pairs each block name with its device parameters (FSDP2's sharded parameters, after
+    materialisation). A parameter shared by several blocks belongs to the first."""
+
+    def __init__(self, factory: OptimizerFactory, blocks: Sequence[tuple[str, Sequence[nn.Parameter]]],
+                 device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        seen: set[int] = set()
+        self.blocks: list[_Block] = []
+        self._owner: dict[int, tuple[_Block, int]] = {}
+        for name, params in blocks:
+            mine = [p for p in params if p.requires_grad and id(p) not in seen]
+            seen |= {id(p) for p in mine}
+            if not mine:
+                continue
+            b = _Block(name, mine, factory, pin=self.cuda)
+            self.blocks.append(b)
+            for i, p in enumerate(mine):
+                self._owner[id(p)] = (b, i)
+                p.register_post_accumulate_grad_hook(self._on_grad)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="whalepy-host-optimizer")
+        self._pending: list[Future[None]] = []
+        self._lock = threading.Lock()
+        self._copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.timeline: list[tuple[str, float, float]] = []
+        """``(block, start, end)`` of each host step of the last training step (``time.perf_counter``)."""
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """The device parameters this optimizer steps."""
+        return [p for b in self.blocks for p in b.params]
+
+    def held(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(kind, tensor)`` of what the host holds: ``params`` (masters), ``grads``, ``optimizer``
+        states (tensors with at least one dimension)."""
+        for b in self.blocks:
+            yield from (("params", m) for m in b.masters)
+            yield from (("grads", g) for g in b.grads)
+            for m in b.masters:
+                for v in b.optimizer.state.get(m, {}).values():
+                    if isinstance(v, torch.Tensor) and v.dim() > 0:
+                        yield "optimizer", v
+
+    # -- backward ------------------------------------------------------------------------------------
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        """FSDP2's post-reduce point for ``p``: its shard's gradient leaves the device."""
+        b, i = self._owner[id(p)]
+        grad = _local(p.grad)
+        b.grads[i].copy_(grad, non_blocking=self.cuda)
+        p.grad = None
+        b.arrived.add(i)
+        if self.cuda:
+            b.events.append(torch.cuda.current_stream().record_event())
+        if len(b.arrived) == len(b.params):
+            self._submit(b)
+
+    def _submit(self, b: _Block) -> None:
+        events, b.events = b.events, []
+        arrived = set(b.arrived)
+        b.arrived.clear()
+        self._pending.append(self._pool.submit(self._step_block, b, events, arrived))
+
+    def _step_block(self, b: _Block, events: list[Any], arrived: set[int]) -> None:
+        import time
+
+        start = time.perf_counter()
+        for e in events:
+            e.synchronize()
+        if b.copied is not None:
+            b.copied.synchronize()  # the last step's copy back has read the masters
+        for i, m in enumerate(b.masters):
+            m.grad = b.grads[i] if i in arrived else None
+        b.optimizer.step()
+        for m in b.masters:
+            m.grad = None
+        with torch.no_grad():
+            if self.cuda:
+                with torch.cuda.stream(self._copy_stream):
+                    for p, m in zip(b.params, b.masters):
+                        _local(p.data).copy_(m, non_blocking=True)
+                    b.copied = self._copy_stream.record_event()
+            else:
+                for p, m in zip(b.params, b.masters):
+                    _local(p.data).copy_(m)
+        with self._lock:
+            self.timeline.append((b.name, start, time.perf_counter()))
+
+    # -- the optimizer step ----------------------------------------------------------------------------
+
+    def finish(self) -> None:
+        """Step the blocks still waiting (parameters that got no gradient are skipped, as
+        ``torch.optim`` skips a ``None`` gradient), wait for every host step of this training step and
+        order the device after the copies back."""
+        for b in self.blocks:
+            if b.arrived:
+                self._submit(b)
+        pending, self._pending = self._pending, []
+        for f in pending:
+            f.result()  # re-raises a failed step here, in the training step
+        if self._copy_stream is not None:
+            torch.cuda.current_stream().wait_stream(self._copy_stream)
+
+    def start_step(self) -> None:
+        """Forget the last step's timeline (called at the start of each training step)."""
+        with self._lock:
+            self.timeline = []
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
