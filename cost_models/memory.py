@@ -315,6 +315,8 @@ class BlockActivations:
     input_bytes: float
     """Bytes of the block's input, all a checkpointed block keeps."""
     checkpoint: bool = False
+    offload: bool = False
+    """Saved activations kept in host memory (``BlockPlan.activation_offload``; excludes checkpoint)."""
 
 
 def estimate_stage_activation_bytes(
@@ -331,14 +333,33 @@ def estimate_stage_activation_bytes(
     counts chunks, each holding ``1/v`` of the stage's blocks). While a checkpointed block runs its
     backward its full activations are recomputed, one block at a time, so the largest such block's
     ``saved_bytes`` is added once.
+
+    An offloaded block (``offload``) keeps nothing on the device between its forward and its backward
+    (:func:`whalepy.runtime.checkpointing.apply_activation_offload` moves every saved tensor but
+    parameters, which are model states); in its backward its saved tensors come back, one block at a
+    time, so the largest such block's ``saved_bytes`` is the transient peak, as for recomputation (the
+    two never overlap: one block runs its backward at a time). Its host bytes:
+    :func:`estimate_stage_activation_host_bytes`.
     """
     if num_inflight < 0 or virtual_stages < 1:
         raise ValueError(
             f"num_inflight ({num_inflight}) must be >= 0 and virtual_stages ({virtual_stages}) >= 1"
         )
-    kept = sum(blk.input_bytes if blk.checkpoint else blk.saved_bytes for blk in blocks)
-    recompute_peak = max((blk.saved_bytes for blk in blocks if blk.checkpoint), default=0.0)
-    return num_inflight * kept / virtual_stages + recompute_peak
+    kept = sum(0.0 if blk.offload else blk.input_bytes if blk.checkpoint else blk.saved_bytes for blk in blocks)
+    transient = max((blk.saved_bytes for blk in blocks if blk.checkpoint or blk.offload), default=0.0)
+    return num_inflight * kept / virtual_stages + transient
+
+
+def estimate_stage_activation_host_bytes(*, blocks: Sequence[BlockActivations], num_inflight: int,
+                                         virtual_stages: int = 1) -> float:
+    """Host bytes of the saved activations of a stage's offloaded blocks at the peak: each offloaded
+    block's ``saved_bytes`` for every micro-batch in flight (the device side is
+    :func:`estimate_stage_activation_bytes`)."""
+    if num_inflight < 0 or virtual_stages < 1:
+        raise ValueError(
+            f"num_inflight ({num_inflight}) must be >= 0 and virtual_stages ({virtual_stages}) >= 1"
+        )
+    return num_inflight * sum(blk.saved_bytes for blk in blocks if blk.offload) / virtual_stages
 
 
 # -- working sets, buffers and the allocator's reserve ------------------------------------------------

@@ -1,4 +1,4 @@
-"""Exceptions raised for user mistakes.
+"""Exceptions raised for user mistakes, and :func:`log_once` for messages said once per job.
 
 Each one carries a message that names the cause (module path, annotation, device group, the numbers
 involved) and the fix, so a user never has to read a traceback from inside torch to learn what went
@@ -6,6 +6,8 @@ wrong.
 """
 
 from __future__ import annotations
+
+import logging
 
 
 class WhalepyError(Exception):
@@ -34,3 +36,24 @@ class PlanError(WhalepyError, ValueError):
 
 class LaunchError(WhalepyError, RuntimeError):
     """The distributed launch does not match the plan (world size, device types, model)."""
+
+
+_logged: set[str] = set()
+
+
+def log_once(logger: logging.Logger, level: int, key: str, msg: str, *args: object) -> bool:
+    """Log ``msg % args`` once per job: on global rank 0 only (every rank when no process group is up),
+    and once per process for each ``key`` (a message about a plan's lowering, say, is said once however
+    many blocks, stages or ``parallelize`` calls repeat it). Returns whether it was logged."""
+    if key in _logged:
+        return False
+    _logged.add(key)
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+            return False
+    except ImportError:  # pragma: no cover - torch is a dependency
+        pass
+    logger.log(level, msg, *args)
+    return True

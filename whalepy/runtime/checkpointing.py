@@ -11,7 +11,9 @@ by forward hooks, so nothing is wrapped either) pack each saved tensor into a ho
 ``non_blocking`` on CUDA) and unpack it back onto the device in backward, as
 ``torch.autograd.graph.save_on_cpu`` does, except that parameters are left where they are (FSDP2's
 gathered parameters and plain ones: they stay alive on the device anyway, a host copy would only add
-traffic). On a CPU device the copy is made all the same (same memory), so the path is exercised.
+traffic; views of parameters, such as the transposed weight a linear saves, stay too). A tensor saved
+twice in one forward is copied once. On a CPU device the copy is made all the same (same memory), so
+the path is exercised.
 
 State dicts go through ``torch.distributed.checkpoint.state_dict.get_state_dict`` /
 ``set_state_dict``: keys are the ORIGINAL module paths (FSDP and TP leave names alone; pipeline
@@ -54,12 +56,18 @@ def apply_activation_offload(modules: Sequence[nn.Module], device: torch.device)
     """Keep the saved activations of each module in ``modules`` in host memory (module docstring)."""
     pin = device.type == "cuda"
 
+    copies: dict[tuple, Any] = {}  # one forward's host copies: a tensor saved twice is copied once
+
     def pack(t: torch.Tensor) -> Any:
-        if type(t) is not torch.Tensor or t.device.type == "meta":
-            return t  # parameters (plain or FSDP2's gathered ones) and tensor subclasses stay
-        host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=pin and t.device.type == "cuda")
-        host.copy_(t, non_blocking=pin)
-        return (t.device, host)
+        if type(t) is not torch.Tensor or isinstance(t._base, nn.Parameter) or t.device.type == "meta":
+            return t  # parameters (plain or FSDP2's gathered ones), views of them (a linear's weight.t())
+            # and tensor subclasses stay
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
+        if key not in copies:
+            host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=pin and t.device.type == "cuda")
+            host.copy_(t, non_blocking=pin)
+            copies[key] = (t.device, host)
+        return copies[key]
 
     def unpack(packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
@@ -71,12 +79,14 @@ def apply_activation_offload(modules: Sequence[nn.Module], device: torch.device)
         contexts: list[Any] = []
 
         def enter(_m: nn.Module, _args: Any, contexts: list[Any] = contexts) -> None:
+            copies.clear()
             ctx = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
             ctx.__enter__()
             contexts.append(ctx)
 
         def leave(_m: nn.Module, _args: Any, _out: Any, contexts: list[Any] = contexts) -> None:
             contexts.pop().__exit__(None, None, None)
+            copies.clear()
 
         m.register_forward_pre_hook(enter)
         m.register_forward_hook(leave, always_call=True)

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from whalepy._capabilities import check_pipeline, steps_on_host
-from whalepy._errors import LaunchError, PlanError, WhalepyError
+from whalepy._errors import LaunchError, PlanError, WhalepyError, log_once
 from whalepy.plan import Plan, Tier, TPStyle
 from whalepy.runtime.checkpointing import (
     apply_activation_checkpointing,
@@ -283,11 +283,13 @@ class ParallelModel:
         self.loss_scale = plan.batch_shares[m.replica] * dp / plan.global_batch
         offload = offloads_any_block(stage.blocks)
         self.dp_kind = choose_kind(stage.zero_stage, dp, tp=tp, pp=pp, offload=offload)
-        if self.dp_kind == DataParallelKind.FSDP and stage.zero_stage < 2 and dp > 1 and dist.get_rank() == 0:
-            # shards more than planned (less memory, the same gradient traffic): said, not silent
-            log.warning("whalepy: stage %d ZeRO-%d lowered to FSDP2 (reshard_after_forward=False): DDP "
-                     "does not compose with %s", stage.index, int(stage.zero_stage),
-                     "tensor parallelism" if tp > 1 else "pipeline stages or offload")
+        if self.dp_kind == DataParallelKind.FSDP and stage.zero_stage < 2 and dp > 1:
+            # shards more than planned (less memory, the same gradient traffic): said, not silent; once
+            # per job (rank 0), not once per stage or per call
+            why = "tensor parallelism" if tp > 1 else "pipeline stages" if pp > 1 else "host offload"
+            log_once(log, logging.WARNING, f"fsdp-lowering-{why}",
+                     "whalepy: ZeRO-0/1 stages lowered to FSDP2 (reshard_after_forward=False): DDP does not "
+                     "compose with %s (same numerics; states sharded over the replicas)", why)
 
         v = plan.virtual_stages
         self.num_stages = pp * v  # pipeline stages; physical stage s holds s, s + pp, ...
@@ -359,8 +361,9 @@ class ParallelModel:
                                     for b, mods in host_blocks], device)
             on_host = {id(p) for p in self.host_optimizer.params}
             params = [p for p in params if id(p) not in on_host]
-            log.info("whalepy: optimizer of %d blocks (%d parameter shards) steps on the host (ZeRO-Offload)",
-                     len(self.host_optimizer.blocks), len(on_host))
+            log_once(log, logging.INFO, "zero-offload",
+                     "whalepy: the optimizer of %d blocks steps on the host during backward (ZeRO-Offload)",
+                     len(self.host_optimizer.blocks))
         self.optimizer = (build_optimizer(optimizer_factory, params, kind=self.dp_kind, dp_mesh=m.dp_mesh)
                           if params or self.host_optimizer is None else None)
         # optimizer_tier = nvme: those blocks' optimizer states live in files between steps (after
