@@ -281,5 +281,7 @@ def numerics(cases: list[dict[str, Any]], steps: int = 3) -> list[dict[str, Any]
             "name": c["name"], "precision": c["precision"], "kind": pm.dp_kind.value,
             "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
             "param_err": max((params[k] - ref_params[k]).abs().max().item() for k in params),
-            "losses": losses, "ref": ref_losses})
+            "losses": losses, "ref": ref_losses,
+            "host_blocks": (pm.host_optimizer.queued_in_backward, len(pm.host_optimizer.blocks))
+            if pm.host_optimizer is not None else None})
     return out

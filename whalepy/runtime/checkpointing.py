@@ -24,6 +24,7 @@ stages keep the original names), values are DTensors sharded as this plan shards
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -56,18 +57,22 @@ def apply_activation_offload(modules: Sequence[nn.Module], device: torch.device)
     """Keep the saved activations of each module in ``modules`` in host memory (module docstring)."""
     pin = device.type == "cuda"
 
-    copies: dict[tuple, Any] = {}  # one forward's host copies: a tensor saved twice is copied once
+    # one forward's host copies by tensor: a tensor saved twice is copied once. Keyed by id() and checked
+    # through a weak reference, so a tensor freed during the forward (its id and memory reused by
+    # another) is never mistaken for a new one
+    copies: dict[int, tuple[Any, int, Any]] = {}
 
     def pack(t: torch.Tensor) -> Any:
         if type(t) is not torch.Tensor or isinstance(t._base, nn.Parameter) or t.device.type == "meta":
             return t  # parameters (plain or FSDP2's gathered ones), views of them (a linear's weight.t())
             # and tensor subclasses stay
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
-        if key not in copies:
-            host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=pin and t.device.type == "cuda")
-            host.copy_(t, non_blocking=pin)
-            copies[key] = (t.device, host)
-        return copies[key]
+        hit = copies.get(id(t))
+        if hit is not None and hit[0]() is t and hit[1] == t._version:
+            return hit[2]
+        host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=pin and t.device.type == "cuda")
+        host.copy_(t, non_blocking=pin)
+        copies[id(t)] = (weakref.ref(t), t._version, (t.device, host))
+        return (t.device, host)
 
     def unpack(packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):

@@ -116,11 +116,19 @@ class HostOptimizer:
         self._copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.timeline: list[tuple[str, float, float]] = []
         """``(block, start, end)`` of each host step of the last training step (``time.perf_counter``)."""
+        self.queued_in_backward = 0
+        """Blocks of the last training step whose host step was queued during the backward (as their
+        gradients arrived) rather than by :meth:`finish`."""
 
     @property
     def params(self) -> list[nn.Parameter]:
         """The device parameters this optimizer steps."""
         return [p for b in self.blocks for p in b.params]
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The per-block host optimizers (for learning-rate schedules: one scheduler per optimizer)."""
+        return [b.optimizer for b in self.blocks]
 
     def held(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(kind, tensor)`` of what the host holds: ``params`` (masters), ``grads``, ``optimizer``
@@ -184,6 +192,7 @@ class HostOptimizer:
         """Step the blocks still waiting (parameters that got no gradient are skipped, as
         ``torch.optim`` skips a ``None`` gradient), wait for every host step of this training step and
         order the device after the copies back."""
+        self.queued_in_backward = len(self._pending)
         for b in self.blocks:
             if b.arrived:
                 self._submit(b)
