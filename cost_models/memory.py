@@ -107,8 +107,8 @@ def estimate_model_state_bytes(
     - Tiers: ``param_tier = optimizer_tier = cpu`` (FSDP2 ``CPUOffloadPolicy``) moves the parameter,
       gradient and optimizer shards to the host; ``optimizer_tier = nvme`` moves the optimizer part to
       files. ``param_tier = gpu, optimizer_tier = cpu`` (ZeRO-Offload, lowered to FSDP2,
-      :mod:`whalepy.runtime.host_optimizer`): the device keeps its fp32 parameter shard ``4 P / d``
-      and no gradients (each shard's gradient leaves for the host when FSDP2 has reduced it); the host
+      :mod:`whalepy.runtime.host_optimizer`): the device keeps its parameter shard in the compute
+      dtype, ``b P / d``, and no gradients (each shard's gradient leaves for the host when FSDP2 has reduced it); the host
       keeps an fp32 master copy, an fp32 gradient buffer and the optimizer states of that shard,
       ``(4 + 4 + K) P / d``. Combinations :func:`whalepy._capabilities.state_option_error` refuses
       raise ValueError.
@@ -143,9 +143,10 @@ def estimate_model_state_bytes(
         working = low * psi if low < MASTER_PARAM_BYTES else 0.0  # autocast's cast copies
     cpu = nvme = 0.0
     if steps_on_host(param_tier, optimizer_tier):
-        # the device shard stays; its master copy, gradient and optimizer states are on the host
-        return ModelStateBytes(params=params, grads=0.0, optimizer=0.0, working_params=working,
-                               cpu=MASTER_PARAM_BYTES * psi / d + grads + optimizer)
+        # the device shard stays, in the compute dtype; its fp32 master copy, gradient and optimizer
+        # states are on the host
+        return ModelStateBytes(params=min(low, MASTER_PARAM_BYTES) * psi / d, grads=0.0, optimizer=0.0,
+                               working_params=working, cpu=MASTER_PARAM_BYTES * psi / d + grads + optimizer)
     if uses_cpu_offload_policy(param_tier, optimizer_tier):
         cpu, params, grads = params + grads, 0.0, 0.0
     if optimizer_tier is Tier.CPU:

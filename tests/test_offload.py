@@ -29,10 +29,11 @@ def test_zero_offload_is_lowered_and_accounted():
     assert choose_lowering_kind(0, 2, tp=1, pp=1, offload=True).value == "fsdp2"
     p, d = 1e9, 4
     for zero in (0, 1, 2, 3):
-        held = estimate_model_state_bytes(num_params=p, zero_stage=zero, dp_degree=d, precision="bf16",
-                                          optimizer_tier="cpu")
-        # device: the fp32 shard; host: its fp32 master, gradient and Adam states
-        assert (held.params, held.grads, held.optimizer, held.cpu) == (4 * p / d, 0.0, 0.0, 16 * p / d)
+        for precision, b in (("bf16", 2), ("fp32", 4)):
+            held = estimate_model_state_bytes(num_params=p, zero_stage=zero, dp_degree=d, precision=precision,
+                                              optimizer_tier="cpu")
+            # device: the shard in the compute dtype; host: its fp32 master, gradient and Adam states
+            assert (held.params, held.grads, held.optimizer, held.cpu) == (b * p / d, 0.0, 0.0, 16 * p / d)
     with pytest.raises(ValueError, match="fp16"):
         estimate_model_state_bytes(num_params=p, zero_stage=3, dp_degree=d, precision="fp16", optimizer_tier="cpu")
 
@@ -75,7 +76,7 @@ def test_offload_modes_match_single_process():
     assert names == {c["name"] for c in CASES}
 
 
-HELD_CASES = [(z, "cpu-optimizer", "fp32") for z in (0, 1, 2, 3)] + [(3, "cpu-optimizer", "bf16")]
+HELD_CASES = [(z, "cpu-optimizer", "fp32") for z in (0, 1, 2, 3)] + [(z, "cpu-optimizer", "bf16") for z in (0, 3)]
 
 
 @pytest.mark.distributed

@@ -44,8 +44,8 @@ from whalepy._capabilities import offloads_to_host, state_option_error, uses_cpu
 from whalepy._errors import WhalepyError
 from whalepy.plan import BlockPlan, Precision, ZeroStage
 
-__all__ = ["DataParallelKind", "apply_data_parallel", "build_optimizer", "choose_kind", "compute_dtype",
-           "offloads_any_block"]
+__all__ = ["DataParallelKind", "apply_data_parallel", "build_optimizer", "cast_sharded_params", "choose_kind",
+           "compute_dtype", "offloads_any_block"]
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +105,43 @@ def apply_data_parallel(
     kwargs = {"offload_policy": root_policy} if root_policy is not None else {}
     fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard, **kwargs, **mp)
     return module
+
+
+def cast_sharded_params(modules: Iterable[nn.Module], params: Iterable[nn.Parameter],
+                        dtype: torch.dtype) -> dict[int, nn.Parameter]:
+    """Give FSDP2's sharded parameters ``params`` the dtype ``dtype`` (ZeRO-Offload: the device keeps
+    its parameters in the compute dtype, the host the fp32 masters), before the first forward.
+
+    FSDP2 supports parameters whose dtype changes between ``fully_shard`` and the first forward (its
+    ``reset_sharded_param`` re-pads the new local tensor, its mixed-precision dtypes are set lazily):
+    each parameter is replaced on its module(s) by a cast copy and FSDP2 re-reads it. A parameter
+    group (one FSDP unit) is cast whole or not at all, as FSDP2 wants one original dtype per unit.
+    Returns old parameter id -> new parameter for those cast."""
+    from torch.distributed.fsdp import FSDPModule
+
+    wanted = {id(p) for p in params}
+    out: dict[int, nn.Parameter] = {}
+    seen: set[int] = set()
+    for root in modules:
+        for m in root.modules():
+            if not isinstance(m, FSDPModule) or id(m) in seen:
+                continue
+            seen.add(id(m))
+            for group in m._get_fsdp_state()._fsdp_param_groups:
+                fps = group.fsdp_params
+                if not fps or not all(id(fp.sharded_param) in wanted for fp in fps):
+                    continue
+                with torch.no_grad():
+                    for fp in fps:
+                        old = fp.sharded_param
+                        new = nn.Parameter(old.detach().to(dtype), requires_grad=old.requires_grad)
+                        info = fp._module_info
+                        for mod, name in [(info.module, info.param_name),
+                                          *zip(info.shared_modules, info.shared_param_names)]:
+                            setattr(mod, name, new)
+                        fp.reset_sharded_param()
+                        out[id(old)] = new
+    return out
 
 
 def _shared_params(root: nn.Module, units: Sequence[nn.Module]) -> set[int]:

@@ -5,8 +5,10 @@ Democratizing Billion-Scale Model Training", ATC'21). The stage is lowered to FS
 (:mod:`whalepy.runtime.data_parallel`), so every parameter here is this rank's shard (a DTensor's local
 tensor) and what the host holds is partitioned over the replicas, as ZeRO-Offload partitions it:
 
-- device: the parameter shard, in the compute dtype of the plan's fp32 parameters (fp32; FSDP2's
-  ``MixedPrecisionPolicy`` casts it for the all-gather under bf16), no gradient between steps;
+- device: the parameter shard in the compute dtype (bf16 under a bf16 plan, fp32 under fp32), no
+  gradient between steps. FSDP2 reduce-scatters the gradients in fp32 (``reduce_dtype``) and hands
+  over the shard in the parameter's dtype, so under bf16 the gradient reaching the host is rounded to
+  bf16 once, as ZeRO-Offload's fp16 gradients are;
 - host (pinned when the device is CUDA): an fp32 master copy of the shard, an fp32 gradient buffer and
   the optimizer's states, one optimizer per block built by the user's factory (its class and
   hyper-parameters; Adam / AdamW and the others with a ``fused`` CPU kernel get ``fused=True``).
@@ -95,7 +97,8 @@ class HostOptimizer:
     materialisation). A parameter shared by several blocks belongs to the first."""
 
     def __init__(self, factory: OptimizerFactory, blocks: Sequence[tuple[str, Sequence[nn.Parameter]]],
-                 device: torch.device) -> None:
+                 device: torch.device,
+                 cast: Callable[[list[nn.Parameter]], dict[int, nn.Parameter]] | None = None) -> None:
         self.cuda = device.type == "cuda"
         seen: set[int] = set()
         self.blocks: list[_Block] = []
@@ -103,11 +106,14 @@ class HostOptimizer:
         for name, params in blocks:
             mine = [p for p in params if p.requires_grad and id(p) not in seen]
             seen |= {id(p) for p in mine}
-            if not mine:
-                continue
-            b = _Block(name, mine, factory, pin=self.cuda)
-            self.blocks.append(b)
-            for i, p in enumerate(mine):
+            if mine:
+                self.blocks.append(_Block(name, mine, factory, pin=self.cuda))
+        # the masters are fp32 copies of the shards as they are now; then the device may keep them in
+        # the compute dtype (``cast``: old parameter id -> its replacement)
+        swapped = cast([p for b in self.blocks for p in b.params]) if cast is not None else {}
+        for b in self.blocks:
+            b.params = [swapped.get(id(p), p) for p in b.params]
+            for i, p in enumerate(b.params):
                 self._owner[id(p)] = (b, i)
                 p.register_post_accumulate_grad_hook(self._on_grad)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="whalepy-host-optimizer")

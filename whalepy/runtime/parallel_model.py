@@ -50,7 +50,9 @@ from whalepy.runtime.data_parallel import (
     DataParallelKind,
     apply_data_parallel,
     build_optimizer,
+    cast_sharded_params,
     choose_kind,
+    compute_dtype,
     offloads_any_block,
 )
 from whalepy.runtime.materialize import (
@@ -356,9 +358,12 @@ class ParallelModel:
         self.host_optimizer: HostOptimizer | None = None
         if host_blocks:
             tied = {id(p) for ps, _ in self._tied for p in ps}
+            low = compute_dtype(plan.precision)
+            modules = self._modules
             self.host_optimizer = HostOptimizer(
                 optimizer_factory, [(b.name, [p for mod in mods for p in mod.parameters() if id(p) not in tied])
-                                    for b, mods in host_blocks], device)
+                                    for b, mods in host_blocks], device,
+                cast=(lambda ps: cast_sharded_params(modules, ps, low)) if low is not None else None)
             on_host = {id(p) for p in self.host_optimizer.params}
             params = [p for p in params if id(p) not in on_host]
             log_once(log, logging.INFO, "zero-offload",
