@@ -11,8 +11,8 @@ by forward hooks, so nothing is wrapped either) pack each saved tensor into a ho
 ``non_blocking`` on CUDA) and unpack it back onto the device in backward, as
 ``torch.autograd.graph.save_on_cpu`` does, except that parameters are left where they are (FSDP2's
 gathered parameters and plain ones: they stay alive on the device anyway, a host copy would only add
-traffic; views of parameters, such as the transposed weight a linear saves, stay too). A tensor saved
-twice in one forward is copied once. On a CPU device the copy is made all the same (same memory), so
+traffic; views of parameters, such as the transposed weight a linear saves, stay too). Saved tensors
+that view the same storage share one host copy of it, restored once in backward. On a CPU device the copy is made all the same (same memory), so
 the path is exercised.
 
 State dicts go through ``torch.distributed.checkpoint.state_dict.get_state_dict`` /
@@ -53,32 +53,51 @@ def apply_activation_checkpointing(modules: Sequence[nn.Module]) -> None:
         checkpoint(m, use_reentrant=False)
 
 
-def apply_activation_offload(modules: Sequence[nn.Module], device: torch.device) -> None:
-    """Keep the saved activations of each module in ``modules`` in host memory (module docstring)."""
+def apply_activation_offload(modules: Sequence[nn.Module], device: torch.device) -> list[int]:
+    """Keep the saved activations of each module in ``modules`` in host memory (module docstring).
+    Returns a list to which the host bytes of each forward of one of them are appended (for tests and
+    benchmarks; clear it as you like)."""
     pin = device.type == "cuda"
+    sizes: list[int] = []
 
-    # one forward's host copies by tensor: a tensor saved twice is copied once. Keyed by id() and checked
-    # through a weak reference, so a tensor freed during the forward (its id and memory reused by
-    # another) is never mistaken for a new one
-    copies: dict[int, tuple[Any, int, Any]] = {}
+    # One forward's host copies by storage: views saved by several ops (the q, k, v projections all
+    # save the same norm output) share one copy of the storage they view, which is what keeps device
+    # memory alive without offload too (and what the profile's saved bytes count). An entry holds the
+    # tensor it copied until the block's forward ends, so its storage cannot be freed and reused by
+    # another tensor in the meantime; an in-place change since (the version counter) makes a new copy.
+    copies: dict[tuple[int, torch.dtype], tuple[torch.Tensor, int, list[Any]]] = {}
 
     def pack(t: torch.Tensor) -> Any:
         if type(t) is not torch.Tensor or isinstance(t._base, nn.Parameter) or t.device.type == "meta":
             return t  # parameters (plain or FSDP2's gathered ones), views of them (a linear's weight.t())
             # and tensor subclasses stay
-        hit = copies.get(id(t))
-        if hit is not None and hit[0]() is t and hit[1] == t._version:
-            return hit[2]
-        host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=pin and t.device.type == "cuda")
-        host.copy_(t, non_blocking=pin)
-        copies[id(t)] = (weakref.ref(t), t._version, (t.device, host))
-        return (t.device, host)
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), t.dtype)
+        hit = copies.get(key)
+        if hit is None or hit[1] != t._version:
+            n, rest = divmod(storage.nbytes(), t.element_size())
+            if rest:  # a storage not of this dtype's size: copy the tensor alone
+                host = torch.empty(t.size(), dtype=t.dtype, pin_memory=pin)
+                host.copy_(t, non_blocking=pin)
+                return (t.device, [host, None], tuple(t.size()), host.stride(), 0)
+            with torch.no_grad():
+                whole = t.new_empty(0).set_(storage, 0, (n,), (1,))
+            host = torch.empty(n, dtype=t.dtype, pin_memory=pin)
+            host.copy_(whole, non_blocking=pin)
+            hit = copies[key] = (t, t._version, [host, None])
+        return (t.device, hit[2], tuple(t.size()), t.stride(), t.storage_offset())
 
     def unpack(packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
-        dev, host = packed
-        return host.to(dev, non_blocking=pin)
+        dev, box, size, stride, offset = packed
+        if box[1] is None:  # the storage comes back once for all the views saved of it
+            box[1] = box[0].to(dev, non_blocking=pin)
+        return box[1].as_strided(size, stride, offset)
+
+    def host_bytes() -> int:
+        """Bytes of the host copies made in the current (or last) forward of these modules."""
+        return sum(box[0].untyped_storage().nbytes() for _, _, box in copies.values())
 
     for m in modules:
         contexts: list[Any] = []
@@ -91,10 +110,12 @@ def apply_activation_offload(modules: Sequence[nn.Module], device: torch.device)
 
         def leave(_m: nn.Module, _args: Any, _out: Any, contexts: list[Any] = contexts) -> None:
             contexts.pop().__exit__(None, None, None)
+            sizes.append(host_bytes())
             copies.clear()
 
         m.register_forward_pre_hook(enter)
         m.register_forward_hook(leave, always_call=True)
+    return sizes
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:
