@@ -170,3 +170,23 @@ def test_offload_messages_are_said_once_per_job(caplog):
         said = [log_once(log, logging.WARNING, "offload-test-key", "offloaded block %d", i) for i in range(5)]
     assert said == [True, False, False, False, False]
     assert [r.getMessage() for r in caplog.records] == ["offloaded block 0"]
+
+
+@pytest.mark.distributed
+def test_zero_offload_checkpoints_resume_across_plans(tmp_path):
+    """Save after 2 steps, resume from a differently initialised model under another plan, train the
+    third step: ZeRO-Offload -> ZeRO-Offload (ZeRO-2 -> 3), ZeRO-Offload -> device optimizer, device
+    optimizer -> ZeRO-Offload; parameters and losses within 1e-5 of one uninterrupted process (a lost
+    Adam state would move the third step's parameters by about the learning rate, 1e-3)."""
+    from runtime_cases import Case, run_cases
+
+    def case(name: str, zero: int, **extra):  # type: ignore[no-untyped-def]
+        return Case(name, dp=2, zero=zero, steps=3, global_batch=8, extra=extra)
+
+    cases = [("resume", case("offload z2", 2, **HOST_OPT), case("offload z3", 3, **HOST_OPT), str(tmp_path / "a")),
+             ("resume", case("offload z3", 3, **HOST_OPT), case("device z2", 2), str(tmp_path / "b")),
+             ("resume", case("device z3", 3), case("offload z1", 1, **HOST_OPT), str(tmp_path / "c"))]
+    for results in run_distributed(run_cases, 2, cases, timeout=600):
+        assert len(results) == 3
+        for r in results:
+            assert r["load_err"] <= 1e-5 and r["loss_err"] <= 1e-5 and r["param_err"] <= 1e-5, r

@@ -118,10 +118,14 @@ def apply_activation_offload(modules: Sequence[nn.Module], device: torch.device)
     return sizes
 
 
-def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:
+Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer]
+
+
+def _check_optimizer(optimizer: Optimizers) -> None:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
+    if any(isinstance(o, ZeroRedundancyOptimizer) for o in
+           (optimizer if isinstance(optimizer, Sequence) else [optimizer])):
         raise WhalepyError(
             "state_dict()/save() are not supported with ZeRO-1 lowered to ZeroRedundancyOptimizer; "
             "use ZeRO stage 2 or 3 for this plan (same numerics) if you need checkpoints"
@@ -143,7 +147,7 @@ def _map_tensors(state: Any, fn: Any) -> Any:
     return fn(state)
 
 
-def get_train_state(modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def get_train_state(modules: Sequence[nn.Module], optimizer: Optimizers) -> dict[str, Any]:
     """``{"model": ..., "optim": ...}`` keyed by original module paths.
 
     DCP cannot describe ``_StridedShard`` chunks (fused projections under TP), so those tensors are
@@ -171,7 +175,7 @@ def _reshard_like(state: dict[str, Any], template: dict[str, Any]) -> dict[str, 
     return walk(state, template)
 
 
-def set_train_state(modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer,
+def set_train_state(modules: Sequence[nn.Module], optimizer: Optimizers,
                     state: dict[str, Any]) -> None:
     _check_optimizer(optimizer)
     target = list(modules) if len(modules) > 1 else modules[0]
@@ -208,14 +212,14 @@ def _add_aliases(state: dict[str, Any], aliases: Sequence[Sequence[str]]) -> dic
 
 
 def save_train_state(path: str | Path, modules: Sequence[nn.Module],
-                     optimizer: torch.optim.Optimizer,
+                     optimizer: Optimizers,
                      aliases: Sequence[Sequence[str]] = ()) -> None:
     state = get_train_state(modules, optimizer)
     dcp.save(_add_aliases(state, list(aliases) + tied_aliases(modules)), checkpoint_id=str(path))
 
 
 def load_train_state(path: str | Path, modules: Sequence[nn.Module],
-                     optimizer: torch.optim.Optimizer) -> None:
+                     optimizer: Optimizers) -> None:
     # the template carries this plan's shardings; DCP fills it from whatever plan wrote the files
     state = get_train_state(modules, optimizer)
     dcp.load(state, checkpoint_id=str(path))

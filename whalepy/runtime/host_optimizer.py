@@ -40,7 +40,7 @@ from torch import nn
 
 from whalepy._errors import WhalepyError
 
-__all__ = ["HostOptimizer"]
+__all__ = ["MASTER_KEY", "HostOptimizer"]
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -49,6 +49,30 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return t._local_tensor if isinstance(t, DTensor) else t
+
+
+MASTER_KEY = "whalepy_fp32_master"
+"""The optimizer-state key under which checkpoints carry a ZeRO-Offload parameter's fp32 master when the
+device keeps the parameter in another dtype."""
+
+
+def _like(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Host tensor ``v`` (a shard of ``p``, or a scalar) as a DTensor laid out like ``p``, sharing memory."""
+    from torch.distributed.tensor import DTensor
+
+    if v.dim() == 0 or not isinstance(p, DTensor):
+        return v
+    return DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+class _StateView(torch.optim.Optimizer):
+    """See :meth:`HostOptimizer.state_view`; it never steps."""
+
+    def __init__(self, groups: list[dict[str, Any]]) -> None:
+        super().__init__(groups, {})
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        raise WhalepyError("this is a view of the host optimizer's state for checkpoints; it does not step")
 
 
 class _Block:
@@ -84,9 +108,13 @@ def _cpu_optimizer(factory: OptimizerFactory, masters: list[nn.Parameter], name:
             g.get("fused") or g.get("differentiable") for g in opt.param_groups):
         groups = [{**g, "fused": True, "foreach": None} for g in opt.param_groups]
         try:
-            return type(opt)(groups)
+            fused = type(opt)(groups)
         except (RuntimeError, ValueError, TypeError):
             return opt  # this class or these hyper-parameters have no fused CPU kernel
+        # what the user's factory chose, for checkpoints (a plan stepping on the device loads them)
+        fused.whalepy_user_flags = [{k: g[k] for k in ("fused", "foreach") if k in g}  # type: ignore[attr-defined]
+                                    for g in opt.param_groups]
+        return fused
     return opt
 
 
@@ -146,6 +174,65 @@ class HostOptimizer:
                 for v in b.optimizer.state.get(m, {}).values():
                     if isinstance(v, torch.Tensor) and v.dim() > 0:
                         yield "optimizer", v
+
+    # -- checkpoints -----------------------------------------------------------------------------------
+
+    def state_view(self) -> torch.optim.Optimizer:
+        """A ``torch.optim.Optimizer`` over the device parameters whose state IS the host state: each
+        host tensor wrapped (not copied) as a DTensor laid out like its device shard, plus, where the
+        device keeps another dtype (bf16), the fp32 master under :data:`MASTER_KEY`. DCP's
+        ``get_state_dict`` / ``set_state_dict`` and ``dcp.save`` / ``dcp.load`` take it like any
+        optimizer, so a checkpoint holds the host optimizer's states under the parameters' names and a
+        load fills the host tensors in place. Call :meth:`after_load` once a load is done. States not
+        created yet are created first, as DCP does (a step with zero gradients at learning rate 0)."""
+        self._init_states()
+        with_master = any(p.dtype != torch.float32 for p in self.params)
+        # the blocks' groups with the same hyper-parameters become one group, in model order, as the
+        # factory would have built them over all the parameters at once (so a checkpoint loads under a
+        # plan that steps them on the device, and the other way round)
+        groups: dict[str, dict[str, Any]] = {}
+        state: dict[nn.Parameter, dict[str, Any]] = {}
+        for b in self.blocks:
+            device_of = {id(m): p for m, p in zip(b.masters, b.params)}
+            flags = getattr(b.optimizer, "whalepy_user_flags", [{}] * len(b.optimizer.param_groups))
+            for g, user in zip(b.optimizer.param_groups, flags):
+                hyper = {**{k: v for k, v in g.items() if k != "params"}, **user}
+                merged = groups.setdefault(repr(sorted(hyper.items())), {**hyper, "params": []})
+                merged["params"] += [device_of[id(m)] for m in g["params"]]
+            for m, p in zip(b.masters, b.params):
+                state[p] = {k: _like(p, v) for k, v in b.optimizer.state[m].items()}
+                if with_master:
+                    state[p][MASTER_KEY] = _like(p, m)
+        view = _StateView(list(groups.values()))
+        view.state.update(state)
+        return view
+
+    def after_load(self, view: torch.optim.Optimizer) -> None:
+        """After a checkpoint load through :meth:`state_view`'s ``view``: masters that the checkpoint
+        did not carry (fp32 device parameters are the masters) are taken from the device parameters."""
+        with torch.no_grad():
+            for b in self.blocks:
+                for m, p in zip(b.masters, b.params):
+                    if MASTER_KEY not in view.state.get(p, {}):
+                        m.copy_(_local(p.detach()))
+
+    def _init_states(self) -> None:
+        for b in self.blocks:
+            opt = b.optimizer
+            if opt.state:
+                continue
+            for m in b.masters:
+                m.grad = torch.zeros_like(m)
+            lrs = [g.get("lr") for g in opt.param_groups]
+            for g in opt.param_groups:
+                if "lr" in g:
+                    g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
+            opt.step()
+            for g, lr in zip(opt.param_groups, lrs):
+                if lr is not None:
+                    g["lr"] = lr
+            for m in b.masters:
+                m.grad = None
 
     # -- backward ------------------------------------------------------------------------------------
 

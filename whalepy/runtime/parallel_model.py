@@ -443,22 +443,25 @@ class ParallelModel:
         return report
 
     def state_dict(self) -> dict[str, Any]:
-        """Model and optimizer state keyed by the original module paths (DTensor values)."""
-        self._check_checkpointable()
-        return get_train_state(self._modules, self.optimizer)
+        """Model and optimizer state keyed by the original module paths (DTensor values). ZeRO-Offload
+        blocks' optimizer states are the host tensors themselves (``HostOptimizer.state_view``)."""
+        return get_train_state(self._modules, self._optimizers()[0])
 
-    def _check_checkpointable(self) -> None:
-        if self.host_optimizer is not None:
-            raise WhalepyError("state_dict()/save()/load() are not supported yet for plans with ZeRO-Offload "
-                               "blocks (param_tier='gpu', optimizer_tier='cpu'): their optimizer states live in "
-                               "host-side optimizers DCP does not see; use full_state_dict() for the weights, or "
-                               "plan with optimizer_tier 'gpu' or 'nvme' to checkpoint optimizer states")
+    def _optimizers(self) -> tuple[list[torch.optim.Optimizer], Any]:
+        """The optimizers a checkpoint covers, and the host optimizer's state view (or None)."""
+        view = self.host_optimizer.state_view() if self.host_optimizer is not None else None
+        return [o for o in (self.optimizer, view) if o is not None], view
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._check_checkpointable()
-        set_train_state(self._modules, self.optimizer, state)
+    def _after_load(self, view: Any) -> None:
+        if view is not None:
+            self.host_optimizer.after_load(view)  # type: ignore[union-attr]
         if self.nvme is not None:
             self.nvme.offload()  # loaded states are fresh tensors: back into their files
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        optimizers, view = self._optimizers()
+        set_train_state(self._modules, optimizers, state)
+        self._after_load(view)
 
     def full_state_dict(self, cpu_offload: bool = True) -> dict[str, torch.Tensor]:
         """The whole model's state dict, unsharded and under the original names, on rank 0 (``{}`` on
@@ -470,8 +473,7 @@ class ParallelModel:
     def save(self, path: str | Path) -> None:
         """Write a distributed checkpoint (DCP) directory; loadable under any plan for this model.
         An HF model's config goes along as ``config.json`` (for ``whalepy export``)."""
-        self._check_checkpointable()
-        save_train_state(path, self._modules, self.optimizer, aliases=self._tied_aliases)
+        save_train_state(path, self._modules, self._optimizers()[0], aliases=self._tied_aliases)
         config, arch = self._hf_config
         if dist.get_rank() == 0 and callable(getattr(config, "to_diff_dict", None)):
             # as save_pretrained writes it: with the model class, which from_pretrained needs
@@ -479,10 +481,9 @@ class ParallelModel:
             (Path(path) / "config.json").write_text(text + "\n")
 
     def load(self, path: str | Path) -> None:
-        self._check_checkpointable()
-        load_train_state(path, self._modules, self.optimizer)
-        if self.nvme is not None:
-            self.nvme.offload()
+        optimizers, view = self._optimizers()
+        load_train_state(path, self._modules, optimizers)
+        self._after_load(view)
 
     # -- tied parameters -----------------------------------------------------------------------
 
