@@ -106,15 +106,27 @@ def estimate_model_state_bytes(
       backward: ``b P`` working, ``b`` the bytes of the compute dtype.
     - Tiers: ``param_tier = optimizer_tier = cpu`` (FSDP2 ``CPUOffloadPolicy``) moves the parameter,
       gradient and optimizer shards to the host; ``optimizer_tier = nvme`` moves the optimizer part to
-      files. Combinations :func:`whalepy._capabilities.state_option_error` refuses raise ValueError.
+      files. ``param_tier = gpu, optimizer_tier = cpu`` (ZeRO-Offload, lowered to FSDP2,
+      :mod:`whalepy.runtime.host_optimizer`): the device keeps its parameter shard in the compute
+      dtype, ``b P / d``, and no gradients (each shard's gradient leaves for the host when FSDP2 has reduced it); the host
+      keeps an fp32 master copy, an fp32 gradient buffer and the optimizer states of that shard,
+      ``(4 + 4 + K) P / d``. Combinations :func:`whalepy._capabilities.state_option_error` refuses
+      raise ValueError.
     """
-    from whalepy._capabilities import LoweringKind, choose_lowering_kind, offloads_to_host, state_option_error
+    from whalepy._capabilities import (
+        LoweringKind,
+        choose_lowering_kind,
+        offloads_to_host,
+        state_option_error,
+        steps_on_host,
+        uses_cpu_offload_policy,
+    )
     from whalepy.cost_models.compute import precision_bytes
 
     zero_stage, param_tier, optimizer_tier = ZeroStage(zero_stage), Tier(param_tier), Tier(optimizer_tier)
     _check_sizes(num_params, dp_degree, optimizer_bytes_per_param=optimizer_bytes_per_param,
                  working_param_bytes=working_param_bytes)
-    reason = state_option_error(zero_stage, param_tier, optimizer_tier)
+    reason = state_option_error(zero_stage, param_tier, optimizer_tier, precision=precision)
     if reason is not None:
         raise ValueError(reason)
     offload = offloads_to_host(param_tier, optimizer_tier)
@@ -130,7 +142,12 @@ def estimate_model_state_bytes(
         optimizer = k * psi / d if kind is LoweringKind.ZERO1 else k * psi
         working = low * psi if low < MASTER_PARAM_BYTES else 0.0  # autocast's cast copies
     cpu = nvme = 0.0
-    if offload:
+    if steps_on_host(param_tier, optimizer_tier):
+        # the device shard stays, in the compute dtype; its fp32 master copy, gradient and optimizer
+        # states are on the host
+        return ModelStateBytes(params=min(low, MASTER_PARAM_BYTES) * psi / d, grads=0.0, optimizer=0.0,
+                               working_params=working, cpu=MASTER_PARAM_BYTES * psi / d + grads + optimizer)
+    if uses_cpu_offload_policy(param_tier, optimizer_tier):
         cpu, params, grads = params + grads, 0.0, 0.0
     if optimizer_tier is Tier.CPU:
         cpu, optimizer = cpu + optimizer, 0.0
@@ -299,6 +316,8 @@ class BlockActivations:
     input_bytes: float
     """Bytes of the block's input, all a checkpointed block keeps."""
     checkpoint: bool = False
+    offload: bool = False
+    """Saved activations kept in host memory (``BlockPlan.activation_offload``; excludes checkpoint)."""
 
 
 def estimate_stage_activation_bytes(
@@ -315,14 +334,33 @@ def estimate_stage_activation_bytes(
     counts chunks, each holding ``1/v`` of the stage's blocks). While a checkpointed block runs its
     backward its full activations are recomputed, one block at a time, so the largest such block's
     ``saved_bytes`` is added once.
+
+    An offloaded block (``offload``) keeps nothing on the device between its forward and its backward
+    (:func:`whalepy.runtime.checkpointing.apply_activation_offload` moves every saved tensor but
+    parameters, which are model states); in its backward its saved tensors come back, one block at a
+    time, so the largest such block's ``saved_bytes`` is the transient peak, as for recomputation (the
+    two never overlap: one block runs its backward at a time). Its host bytes:
+    :func:`estimate_stage_activation_host_bytes`.
     """
     if num_inflight < 0 or virtual_stages < 1:
         raise ValueError(
             f"num_inflight ({num_inflight}) must be >= 0 and virtual_stages ({virtual_stages}) >= 1"
         )
-    kept = sum(blk.input_bytes if blk.checkpoint else blk.saved_bytes for blk in blocks)
-    recompute_peak = max((blk.saved_bytes for blk in blocks if blk.checkpoint), default=0.0)
-    return num_inflight * kept / virtual_stages + recompute_peak
+    kept = sum(0.0 if blk.offload else blk.input_bytes if blk.checkpoint else blk.saved_bytes for blk in blocks)
+    transient = max((blk.saved_bytes for blk in blocks if blk.checkpoint or blk.offload), default=0.0)
+    return num_inflight * kept / virtual_stages + transient
+
+
+def estimate_stage_activation_host_bytes(*, blocks: Sequence[BlockActivations], num_inflight: int,
+                                         virtual_stages: int = 1) -> float:
+    """Host bytes of the saved activations of a stage's offloaded blocks at the peak: each offloaded
+    block's ``saved_bytes`` for every micro-batch in flight (the device side is
+    :func:`estimate_stage_activation_bytes`)."""
+    if num_inflight < 0 or virtual_stages < 1:
+        raise ValueError(
+            f"num_inflight ({num_inflight}) must be >= 0 and virtual_stages ({virtual_stages}) >= 1"
+        )
+    return num_inflight * sum(blk.saved_bytes for blk in blocks if blk.offload) / virtual_stages
 
 
 # -- working sets, buffers and the allocator's reserve ------------------------------------------------

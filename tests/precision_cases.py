@@ -11,6 +11,11 @@ gradients and the optimizer states created by the first step are all alive):
   ``exp_avg_sq``; under ZeRO-1 the wrapped per-rank optimizer's), not the 0-dim ``step`` counters
   (4 bytes per tensor, which the memory model does not charge either).
 
+ZeRO-Offload blocks (``param_tier = gpu, optimizer_tier = cpu``) are measured after the host optimizer
+has finished the step (its :meth:`~whalepy.runtime.host_optimizer.HostOptimizer.finish`): the device
+shards, and on the host what :meth:`~whalepy.runtime.host_optimizer.HostOptimizer.held` yields (fp32
+masters, gradient buffers, optimizer states).
+
 Each storage is counted once. Where it lives: "files" when it is an NVMe-tier mapping of
 :class:`~whalepy.runtime.nvme.NvmeOptimizerStates`; "host" when it belongs to a parameter FSDP2
 offloads (``CPUOffloadPolicy``: its parameter, gradient and optimizer states), or is a CPU tensor of
@@ -75,6 +80,7 @@ def measure_held(pm: Any) -> dict[str, dict[str, int]]:
     params = list({id(p): p for m in modules for p in m.parameters()}.values())
     offloaded = _offloaded_params(modules)
     opt = pm.optimizer.optim if isinstance(pm.optimizer, ZeroRedundancyOptimizer) else pm.optimizer
+    # ZeRO-Offload: the host copies are separate tensors (counted below), whatever the device is
     on_cpu_device = pm.device.type == "cpu"
     seen: set[int] = set()
     out = {k: {"device": 0, "host": 0, "files": 0} for k in ("params", "grads", "optimizer")}
@@ -97,16 +103,26 @@ def measure_held(pm: Any) -> dict[str, dict[str, int]]:
         if p.grad is not None:
             add("grads", p.grad, p)
     for p in params:
-        for v in opt.state.get(p, {}).values():
+        for v in (opt.state.get(p, {}).values() if opt is not None else ()):
             if isinstance(v, torch.Tensor) and v.dim() > 0:
                 add("optimizer", v, p, mapped=pm.nvme is not None and pm.nvme.is_mapped(v))
+    if pm.host_optimizer is not None:
+        for kind, t in pm.host_optimizer.held():
+            ptr, nbytes = _storage(t)
+            if ptr not in seen and nbytes:
+                seen.add(ptr)
+                out[kind]["host"] += nbytes
     return out
 
 
 def held_vs_predicted(cases: list[tuple[int, str | None, str]], nvme_root: str) -> list[dict[str, Any]]:
     """For each ``(zero_stage, offload tier, precision)``: the plan ``whalepy.estimate`` makes for dp =
     world size, lowered by ``parallelize``; this rank's held bytes at the second step's optimizer step
-    and the plan's prediction for its stage."""
+    and the plan's prediction for its stage. Offload ``"cpu-optimizer"`` (ZeRO-Offload, which
+    ``ParallelConfig.offload`` does not name) is the device-only plan with every block's
+    ``optimizer_tier`` set to cpu, predicted by the memory model's
+    :func:`~whalepy.cost_models.memory.estimate_model_state_bytes` for that option."""
+    import dataclasses
     import torch.distributed as dist
 
     from whalepy.estimate import ParallelConfig, estimate_from_profile
@@ -118,27 +134,45 @@ def held_vs_predicted(cases: list[tuple[int, str | None, str]], nvme_root: str) 
     data = batches(GLOBAL_BATCH, 2)
     results = []
     for zero, offload, precision in cases:
-        est = estimate_from_profile(prof, cluster, ParallelConfig(dp=world, zero_stage=zero, offload=offload),
+        host_opt = offload == "cpu-optimizer"
+        est = estimate_from_profile(prof, cluster, ParallelConfig(dp=world, zero_stage=zero,
+                                                                  offload=None if host_opt else offload),
                                     global_batch=GLOBAL_BATCH, precision=precision)
         plan = est.plan
+        if host_opt:
+            plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, blocks=tuple(
+                dataclasses.replace(b, optimizer_tier="cpu") for b in s.blocks)) for s in plan.stages))
         pm = parallelize(build_model("gpt"), cluster, example_inputs=(data[0][0][:2],), loss_fn=lm_loss,
                          optimizer=adamw, global_batch=GLOBAL_BATCH, plan=plan, profile=prof,
                          nvme_dir=os.path.join(nvme_root, f"z{zero}-{offload}-{precision}"))
         seen: list[dict[str, dict[str, int]]] = []
-        step = pm.optimizer.step
+        owner = pm.host_optimizer if host_opt else pm.optimizer
+        name = "finish" if host_opt else "step"
+        step = getattr(owner, name)
 
-        def measured_step(*args: Any, _step: Any = step, _pm: Any = pm, **kwargs: Any) -> Any:
-            seen.append(measure_held(_pm))
-            return _step(*args, **kwargs)
+        def measured_step(*args: Any, _step: Any = step, _pm: Any = pm, _after: bool = host_opt,
+                          **kwargs: Any) -> Any:
+            if not _after:
+                seen.append(measure_held(_pm))
+            out = _step(*args, **kwargs)
+            if _after:
+                seen.append(measure_held(_pm))
+            return out
 
-        pm.optimizer.step = measured_step
+        setattr(owner, name, measured_step)
         for x, y in data:
             pm.train_step(x, y)
         cost = plan.stages[0].cost
+        predicted = {"device": cost.model_state_bytes, "host": cost.host_state_bytes, "files": cost.nvme_state_bytes}
+        if host_opt:
+            from whalepy.cost_models.memory import estimate_model_state_bytes
+
+            held = estimate_model_state_bytes(num_params=sum(b.num_params for b in prof.blocks), zero_stage=zero,
+                                              dp_degree=world, precision=precision, optimizer_tier="cpu")
+            predicted = {"device": round(held.resident), "host": round(held.cpu), "files": 0}
         results.append({
             "case": (zero, offload, precision), "kind": str(pm.dp_kind.value), "held": seen[-1],
-            "predicted": {"device": cost.model_state_bytes, "host": cost.host_state_bytes,
-                          "files": cost.nvme_state_bytes},
+            "predicted": predicted,
             "num_params": sum(b.num_params for b in prof.blocks)})
         if pm.nvme is not None:
             pm.nvme.close()
@@ -202,8 +236,13 @@ class _Holder:
         self.module = module
 
 
+OFFLOAD_KEYS = ("param_tier", "optimizer_tier", "activation_offload")
+"""Case keys passed through to ``make_plan`` for every block."""
+
+
 def numerics(cases: list[dict[str, Any]], steps: int = 3) -> list[dict[str, Any]]:
-    """For each case (``name``, ``precision``, ``dp``/``tp``/``pp``/``zero``): losses and final
+    """For each case (``name``, ``precision``, ``dp``/``tp``/``pp``/``zero``, optionally the
+    :data:`OFFLOAD_KEYS`): losses and final
     parameters of the lowered plan against the single-process run with its precision policy."""
     from runtime_cases import Case, full_params, make_case_plan
     from whalepy.runtime import parallelize
@@ -215,7 +254,8 @@ def numerics(cases: list[dict[str, Any]], steps: int = 3) -> list[dict[str, Any]
     for c in cases:
         case = Case(c["name"], dp=c.get("dp", 1), tp=c.get("tp", 1), pp=c.get("pp", 1), zero=c.get("zero", 0),
                     microbatches=c.get("microbatches", 1), schedule=c.get("schedule", "1f1b"),
-                    global_batch=GLOBAL_BATCH, steps=steps, extra={"precision": c["precision"]})
+                    global_batch=GLOBAL_BATCH, steps=steps,
+                    extra={"precision": c["precision"], **{k: c[k] for k in OFFLOAD_KEYS if k in c}})
         plan = make_case_plan(case)
         pm = parallelize(build_model("gpt"), None, example_inputs=(data[0][0][:2],), loss_fn=lm_loss,
                          optimizer=adamw, global_batch=GLOBAL_BATCH, plan=plan, profile=case_profile("gpt"))
@@ -241,5 +281,7 @@ def numerics(cases: list[dict[str, Any]], steps: int = 3) -> list[dict[str, Any]
             "name": c["name"], "precision": c["precision"], "kind": pm.dp_kind.value,
             "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
             "param_err": max((params[k] - ref_params[k]).abs().max().item() for k in params),
-            "losses": losses, "ref": ref_losses})
+            "losses": losses, "ref": ref_losses,
+            "host_blocks": (pm.host_optimizer.queued_in_backward, len(pm.host_optimizer.blocks))
+            if pm.host_optimizer is not None else None})
     return out

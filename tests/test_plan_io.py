@@ -51,3 +51,36 @@ def test_malformed_plans_are_plan_errors() -> None:
         Plan.from_json("[1, 2]")
     with pytest.raises(PlanError, match="num_microbatches must be a positive integer"):
         make_plan(["b0", "b1"], dp=2, global_batch=8, num_microbatches=0)
+
+
+def test_offload_fields_round_trip_and_version_2_loads(plan: Plan) -> None:
+    import dataclasses
+
+    from whalepy.plan import BlockPlan, PLAN_VERSION
+
+    assert PLAN_VERSION == 3
+    s0 = plan.stages[0]
+    blocks = list(s0.blocks)
+    blocks[0] = dataclasses.replace(blocks[0], checkpoint=False, activation_offload=True, prefetch_depth=2)
+    changed = dataclasses.replace(plan, stages=(dataclasses.replace(s0, blocks=tuple(blocks)),) + plan.stages[1:])
+    again = Plan.from_json(changed.to_json())
+    assert again == changed
+    assert (again.stages[0].blocks[0].activation_offload, again.stages[0].blocks[0].prefetch_depth) == (True, 2)
+    assert "act:cpu" in str(again)
+    # a version-2 file has neither field: it loads with the defaults
+    data = json.loads(plan.to_json())
+    data["version"] = 2
+    for stage in data["stages"]:
+        for b in stage["blocks"]:
+            del b["activation_offload"], b["prefetch_depth"]
+    old = Plan.from_dict(data)
+    assert old.version == 3 and old == plan
+    assert all(not b.activation_offload and b.prefetch_depth == 1 for s in old.stages for b in s.blocks)
+    # checked on load: offload excludes recomputation, the depth is a positive integer
+    bad = json.loads(changed.to_json())
+    bad["stages"][0]["blocks"][0]["checkpoint"] = True
+    with pytest.raises(PlanError, match="activation_offload and checkpoint"):
+        Plan.from_dict(bad)
+    for depth in (0, -1, 1.5, True):
+        with pytest.raises(PlanError, match="prefetch_depth must be an integer >= 1"):
+            BlockPlan(name="b", prefetch_depth=depth)

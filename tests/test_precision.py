@@ -65,7 +65,7 @@ def test_version_1_plans_load_as_fp32():
         for key in ("model_state_bytes", "host_state_bytes", "nvme_state_bytes"):
             del stage["cost"][key]
     old = Plan.from_dict(data)
-    assert old.precision is Precision.FP32 and old.version == 2
+    assert old.precision is Precision.FP32 and old.version == 3
 
 
 # -- what the runtime lowers -----------------------------------------------------------------------
@@ -75,9 +75,11 @@ def test_state_options_offered_are_the_ones_lowered():
     options = build_state_options((0, 1, 2, 3), allow_offload=True)
     assert options and all(state_option_error(o.zero, o.param_tier, o.optimizer_tier) is None for o in options)
     tiers = {(o.optimizer_tier, o.param_tier) for o in options}
-    assert tiers == {(Tier.GPU, Tier.GPU), (Tier.CPU, Tier.CPU), (Tier.NVME, Tier.GPU), (Tier.NVME, Tier.CPU)}
+    assert tiers == {(Tier.GPU, Tier.GPU), (Tier.CPU, Tier.CPU), (Tier.NVME, Tier.GPU), (Tier.NVME, Tier.CPU),
+                     (Tier.CPU, Tier.GPU)}
     assert "nvme" in state_option_error(3, "nvme", "cpu")
-    assert "CPUOffloadPolicy" in state_option_error(2, "gpu", "cpu")
+    assert "CPUOffloadPolicy" in state_option_error(2, "cpu", "gpu")
+    assert "fp16" in state_option_error(2, "gpu", "cpu", precision="fp16")
 
 
 def test_model_state_accounting_by_lowering_kind():
@@ -99,7 +101,7 @@ def test_model_state_accounting_by_lowering_kind():
     nvme = estimate_model_state_bytes(num_params=p, zero_stage=0, dp_degree=d, optimizer_tier="nvme")
     assert (nvme.resident, nvme.nvme) == (8 * p, 8 * p)
     with pytest.raises(ValueError, match="CPUOffloadPolicy"):
-        estimate_model_state_bytes(num_params=p, zero_stage=2, dp_degree=d, optimizer_tier="cpu")
+        estimate_model_state_bytes(num_params=p, zero_stage=2, dp_degree=d, param_tier="cpu")
 
 
 # -- held vs predicted, per rank (2 gloo ranks, one launch) ------------------------------------------

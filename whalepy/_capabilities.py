@@ -43,6 +43,8 @@ __all__ = [
     "schedule_error",
     "sequence_parallel_error",
     "state_option_error",
+    "steps_on_host",
+    "uses_cpu_offload_policy",
 ]
 
 
@@ -64,7 +66,9 @@ def choose_lowering_kind(zero: ZeroStage | int, dp: int, *, tp: int, pp: int, of
 
     FSDP2 for ZeRO-2/3, and for ZeRO-0/1 whenever DDP cannot be used: DDP does not compose with DTensor
     tensor parallelism, a pipeline stage is kept under one wrapper, and host offload is FSDP2's
-    ``CPUOffloadPolicy``. ``offload`` is whether any block of the stage has a ``cpu`` tier."""
+    ``CPUOffloadPolicy`` or whalepy's host optimizer over FSDP2's sharded parameters (ZeRO-Offload
+    partitions what the host holds over the replicas, as FSDP2 shards). ``offload`` is whether any
+    block of the stage has a ``cpu`` tier (:func:`offloads_to_host`)."""
     zero = ZeroStage(zero)
     if dp == 1 and not offload:
         return LoweringKind.NONE
@@ -74,28 +78,48 @@ def choose_lowering_kind(zero: ZeroStage | int, dp: int, *, tp: int, pp: int, of
 
 
 def offloads_to_host(param_tier: Tier | str, optimizer_tier: Tier | str) -> bool:
-    """Whether a block with these tiers is lowered with FSDP2's ``CPUOffloadPolicy`` (a ``cpu`` tier;
-    ``nvme`` optimizer states are kept in files around the optimizer instead)."""
+    """Whether a block with these tiers keeps model states in host memory (a ``cpu`` tier); such a
+    stage is lowered to FSDP2 (:func:`choose_lowering_kind`). ``nvme`` optimizer states are kept in
+    files around the optimizer instead."""
     return Tier.CPU in (Tier(param_tier), Tier(optimizer_tier))
 
 
-def state_option_error(zero: ZeroStage | int, param_tier: Tier | str, optimizer_tier: Tier | str) -> str | None:
+def uses_cpu_offload_policy(param_tier: Tier | str, optimizer_tier: Tier | str) -> bool:
+    """Whether a block is lowered with FSDP2's ``CPUOffloadPolicy`` (parameters, gradients and
+    optimizer states on the host): its parameters are on the host."""
+    return Tier(param_tier) is Tier.CPU
+
+
+def steps_on_host(param_tier: Tier | str, optimizer_tier: Tier | str) -> bool:
+    """Whether a block is lowered ZeRO-Offload style (:mod:`whalepy.runtime.host_optimizer`): parameters
+    on the device, fp32 master weights, gradients and optimizer states on the host, stepped there."""
+    return Tier(param_tier) is Tier.GPU and Tier(optimizer_tier) is Tier.CPU
+
+
+def state_option_error(zero: ZeroStage | int, param_tier: Tier | str, optimizer_tier: Tier | str, *,
+                       precision: Precision | str | None = None) -> str | None:
     """Why the runtime cannot lower this state option, or None when it can.
 
     Lowered: any ZeRO stage with everything on the device; ``optimizer_tier = nvme`` with parameters
     on the device or the host (optimizer states in memory-mapped files, :mod:`whalepy.runtime.nvme`);
     parameters AND optimizer states on the host (FSDP2 ``CPUOffloadPolicy``, which moves parameters,
-    gradients and optimizer states together; any ZeRO stage, lowered to FSDP2). Not lowered:
-    parameters on NVMe, and only one of parameters / optimizer states on the host."""
+    gradients and optimizer states together; any ZeRO stage, lowered to FSDP2); parameters on the
+    device with optimizer states on the host (ZeRO-Offload, :mod:`whalepy.runtime.host_optimizer`;
+    any ZeRO stage, lowered to FSDP2; not under fp16, see below). Not lowered: parameters on NVMe,
+    parameters on the host with optimizer states on the device.
+
+    ``precision`` (when given): fp16's dynamic loss scaling skips a step when any gradient anywhere
+    overflowed, which is known only after the whole backward, while ZeRO-Offload steps each block's
+    optimizer during the backward; so ``(gpu, cpu)`` is refused under fp16."""
     ZeroStage(zero)
     pt, ot = Tier(param_tier), Tier(optimizer_tier)
     if pt is Tier.NVME:
         return ("param_tier='nvme' is not lowered: FSDP2 offloads parameters to host memory only; use "
                 "param_tier='cpu' (optimizer_tier may stay 'nvme') or 'gpu'")
-    if pt is Tier.GPU and ot is Tier.CPU:
-        return ("optimizer_tier='cpu' with param_tier='gpu' is not lowered: FSDP2's CPUOffloadPolicy moves "
-                "parameters and gradients to the host together with the optimizer states; set both tiers "
-                "to 'cpu', or use optimizer_tier='nvme'")
+    if pt is Tier.GPU and ot is Tier.CPU and precision is not None and Precision(precision) is Precision.FP16:
+        return ("optimizer_tier='cpu' with param_tier='gpu' (ZeRO-Offload) is not lowered under fp16: the "
+                "host optimizer steps during backward, before loss scaling knows whether to skip the step; "
+                "use precision 'bf16' or 'fp32', or set both tiers to 'cpu'")
     if pt is Tier.CPU and ot is Tier.GPU:
         return ("param_tier='cpu' with optimizer_tier='gpu' is not lowered: FSDP2's CPUOffloadPolicy keeps "
                 "optimizer states with the parameters on the host; set optimizer_tier to 'cpu' or 'nvme'")
@@ -103,9 +127,9 @@ def state_option_error(zero: ZeroStage | int, param_tier: Tier | str, optimizer_
 
 
 def check_state_option(zero: ZeroStage | int, param_tier: Tier | str, optimizer_tier: Tier | str, *,
-                       where: str = "") -> None:
+                       where: str = "", precision: Precision | str | None = None) -> None:
     """Raise :class:`PlanError` (prefixed by ``where``) when :func:`state_option_error` refuses."""
-    reason = state_option_error(zero, param_tier, optimizer_tier)
+    reason = state_option_error(zero, param_tier, optimizer_tier, precision=precision)
     if reason is not None:
         raise PlanError(f"{where}{': ' if where else ''}{reason}")
 

@@ -1,4 +1,4 @@
-"""Exceptions raised for user mistakes.
+"""Exceptions raised for user mistakes, and :func:`log_once` for messages said once per job.
 
 Each one carries a message that names the cause (module path, annotation, device group, the numbers
 involved) and the fix, so a user never has to read a traceback from inside torch to learn what went
@@ -6,6 +6,8 @@ wrong.
 """
 
 from __future__ import annotations
+
+import logging
 
 
 class WhalepyError(Exception):
@@ -34,3 +36,13 @@ class PlanError(WhalepyError, ValueError):
 
 class LaunchError(WhalepyError, RuntimeError):
     """The distributed launch does not match the plan (world size, device types, model)."""
+
+
+
+
+def log_once(logger: logging.Logger, level: int, key: str, msg: str, *args: object) -> bool:
+    """Log ``msg % args`` once per job (rank 0, once per ``key``): :func:`whalepy._log.warn_once`'s rule
+    at any level. Returns whether it was logged."""
+    from whalepy._log import log_once_at
+
+    return log_once_at(level, key, msg, *args, log=logger)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import sys
 
-__all__ = ["info_once", "is_rank0", "logger", "warn_once"]
+__all__ = ["info_once", "is_rank0", "log_once_at", "logger", "warn_once"]
 
 logger = logging.getLogger("whalepy")
 
@@ -57,6 +57,11 @@ def _once(level: int, key: str, msg: str, *args: object, log: logging.Logger | N
     _seen.add(key)
     (log or logger).log(level, msg, *args)
     return True
+
+
+def log_once_at(level: int, key: str, msg: str, *args: object, log: logging.Logger | None = None) -> bool:
+    """As :func:`warn_once`, at ``level``."""
+    return _once(level, key, msg, *args, log=log)
 
 
 def warn_once(key: str, msg: str, *args: object, log: logging.Logger | None = None) -> bool:

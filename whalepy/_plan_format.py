@@ -94,7 +94,8 @@ def format_plan(plan: Plan) -> str:
         dev = ", ".join(f"{n} x{k * s.tp_degree}" for n, k in devs.items()) + f" [{compress_ranks(s.all_ranks)}]"
         ck = sum(b.checkpoint for b in s.blocks)
         tiers = sorted({f"opt:{b.optimizer_tier.value}" for b in s.blocks if b.optimizer_tier.value != "gpu"}
-                       | {f"params:{b.param_tier.value}" for b in s.blocks if b.param_tier.value != "gpu"})
+                       | {f"params:{b.param_tier.value}" for b in s.blocks if b.param_tier.value != "gpu"}
+                       | {"act:cpu" for b in s.blocks if b.activation_offload})
         k = s.cost
         mem = (f"{k.memory_bytes / GIB:.1f} / {k.capacity_bytes / GIB:.1f} GiB" if k.capacity_bytes else "-")
         rows.append((str(s.index), compress_names(s.block_names), dev, str(s.tp_degree), str(s.dp_degree),

@@ -23,8 +23,9 @@ from typing import Any
 from whalepy._errors import PlanError
 from whalepy.cost_models.compute import Precision
 
-PLAN_VERSION = 2
-"""Version 2 added :attr:`Plan.precision`. Version 1 plans still load (see :meth:`Plan.from_dict`)."""
+PLAN_VERSION = 3
+"""Version 3 added :attr:`BlockPlan.activation_offload` and :attr:`BlockPlan.prefetch_depth`; version 2
+added :attr:`Plan.precision`. Version 1 and 2 plans still load (see :meth:`Plan.from_dict`)."""
 
 
 class Schedule(str, enum.Enum):
@@ -86,10 +87,23 @@ class BlockPlan:
     """Where parameters (and, under ZeRO-3, their shards) rest between uses."""
     optimizer_tier: Tier = Tier.GPU
     """Where optimizer states and fp32 master weights live."""
+    activation_offload: bool = False
+    """Keep this block's saved activations in host memory between its forward and its backward
+    (instead of on the device, or recomputing them); excludes :attr:`checkpoint`."""
+    prefetch_depth: int = 1
+    """For parameters off the device (``param_tier`` cpu / nvme): how many blocks ahead they are
+    fetched. Kept 1 otherwise."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "param_tier", Tier(self.param_tier))
         object.__setattr__(self, "optimizer_tier", Tier(self.optimizer_tier))
+        if self.activation_offload and self.checkpoint:
+            raise PlanError(f"block {self.name!r}: activation_offload and checkpoint are both set; a block "
+                            "either recomputes its activations or keeps them in host memory: set one of them")
+        if isinstance(self.prefetch_depth, bool) or not isinstance(self.prefetch_depth, int) \
+                or self.prefetch_depth < 1:
+            raise PlanError(f"block {self.name!r}: prefetch_depth must be an integer >= 1, got "
+                            f"{self.prefetch_depth!r}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -399,11 +413,16 @@ class Plan:
             # A version-1 plan has no precision: the runtime of that version trained in the model's own
             # dtype (fp32 for every model it was used with), whatever the planner had costed. It loads
             # as fp32 so that it keeps training, and resuming its checkpoints, exactly as it did.
-            data = {**data, "version": PLAN_VERSION, "precision": Precision.FP32.value}
+            data = {**data, "version": 2, "precision": Precision.FP32.value}
+            version = 2
+        if version == 2:
+            # version 2 had no activation_offload / prefetch_depth: their defaults (absent fields
+            # take them) are what its runtime did
+            data = {**data, "version": PLAN_VERSION}
             version = PLAN_VERSION
         if version != PLAN_VERSION:
             raise PlanError(
-                f"plan file has version {version!r}; this whalepy reads versions 1 and {PLAN_VERSION}. "
+                f"plan file has version {version!r}; this whalepy reads versions 1 to {PLAN_VERSION}. "
                 "Re-create the plan with whalepy.plan() or `whalepy plan`."
             )
         try:

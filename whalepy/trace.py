@@ -306,17 +306,20 @@ def trace_memory(target: Any, inputs: Any, targets: Any = None, *,
 def _trace_parallel_step(pm: Any, tracker: _Tracker, inputs: tuple, targets: Any) -> None:
     """One ``train_step``; the phase switches to backward at the first backward hook and to optimizer
     when the step reaches the optimizer."""
-    step = pm.optimizer.step
+    opt = pm.optimizer  # None when every block of the rank steps on the host (ZeRO-Offload)
+    step = opt.step if opt is not None else None
 
     def traced_step(*a: Any, **k: Any) -> Any:
         tracker.phase, tracker.block = "optimizer", None
         return step(*a, **k)
 
-    pm.optimizer.step = traced_step
+    if opt is not None:
+        opt.step = traced_step
     try:
         pm.train_step(inputs if len(inputs) > 1 else inputs[0], targets)
     finally:
-        pm.optimizer.step = step
+        if opt is not None:
+            opt.step = step
 
 
 _DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}

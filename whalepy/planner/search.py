@@ -358,7 +358,7 @@ def run_search(profile: ModelProfile, hw: Hardware, G: int, opts, *,  # type: ig
     ctx = CostContext(profile, hw, precision=opts.precision, sequence_parallel=opts.sequence_parallel)
     cons = read_annotations(profile, hw)
     segments = build_segments(profile)
-    options = build_state_options(opts.zero_stages, opts.allow_offload)
+    options = build_state_options(opts.zero_stages, opts.allow_offload, opts.precision)
     rejections: list[Rejection] = []
     progress(f"enumerating candidates for {hw.world_size} devices, global batch {G}")
     cands = enumerate_candidates(ctx, G, opts, cons, rejections, force_uniform=force_uniform)

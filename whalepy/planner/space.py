@@ -82,9 +82,11 @@ class StateOption:
         return s
 
 
-def build_state_options(zero_stages: tuple[int, ...], allow_offload: bool) -> tuple[StateOption, ...]:
+def build_state_options(zero_stages: tuple[int, ...], allow_offload: bool,
+                        precision: str | None = None) -> tuple[StateOption, ...]:
     """Every combination the planner may pick per stage: those the runtime lowers
-    (:func:`whalepy._capabilities.state_option_error`), on the device only unless ``allow_offload``."""
+    (:func:`whalepy._capabilities.state_option_error`, in ``precision`` when given), on the device only
+    unless ``allow_offload``."""
     from whalepy._capabilities import state_option_error
 
     out = []
@@ -93,7 +95,7 @@ def build_state_options(zero_stages: tuple[int, ...], allow_offload: bool) -> tu
         zs = ZeroStage(z)
         for ot in tiers:
             for pt in tiers:
-                if state_option_error(zs, pt, ot) is None:
+                if state_option_error(zs, pt, ot, precision=precision) is None:
                     out.append(StateOption(zs, ot, pt))
     return tuple(out)
 

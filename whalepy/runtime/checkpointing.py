@@ -1,8 +1,19 @@
-"""Activation checkpointing per block, and distributed state dicts (model + optimizer).
+"""Activation checkpointing and activation offload per block, and distributed state dicts (model +
+optimizer).
 
 Activation checkpointing uses the composable ``torch.distributed._composable.checkpoint``
 (non-reentrant ``torch.utils.checkpoint`` under the hood): it wraps nothing, so parameter names do not
 change and FSDP2 can shard the same module afterwards.
+
+Activation offload (``BlockPlan.activation_offload``) keeps what a block's forward saves for backward in
+host memory: ``torch.autograd.graph.saved_tensors_hooks`` around the block's forward (entered and left
+by forward hooks, so nothing is wrapped either) pack each saved tensor into a host copy (pinned,
+``non_blocking`` on CUDA) and unpack it back onto the device in backward, as
+``torch.autograd.graph.save_on_cpu`` does, except that parameters are left where they are (FSDP2's
+gathered parameters and plain ones: they stay alive on the device anyway, a host copy would only add
+traffic; views of parameters, such as the transposed weight a linear saves, stay too). Saved tensors
+that view the same storage share one host copy of it, restored once in backward. On a CPU device the copy is made all the same (same memory), so
+the path is exercised.
 
 State dicts go through ``torch.distributed.checkpoint.state_dict.get_state_dict`` /
 ``set_state_dict``: keys are the ORIGINAL module paths (FSDP and TP leave names alone; pipeline
@@ -13,6 +24,7 @@ stages keep the original names), values are DTensors sharded as this plan shards
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -30,7 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from whalepy._errors import WhalepyError
 
-__all__ = ["apply_activation_checkpointing", "gather_full_state_dict", "get_train_state", "load_model_state",
+__all__ = ["apply_activation_checkpointing", "apply_activation_offload", "gather_full_state_dict", "get_train_state", "load_model_state",
            "load_train_state", "save_train_state", "set_train_state"]
 
 
@@ -41,10 +53,79 @@ def apply_activation_checkpointing(modules: Sequence[nn.Module]) -> None:
         checkpoint(m, use_reentrant=False)
 
 
-def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:
+def apply_activation_offload(modules: Sequence[nn.Module], device: torch.device) -> list[int]:
+    """Keep the saved activations of each module in ``modules`` in host memory (module docstring).
+    Returns a list to which the host bytes of each forward of one of them are appended (for tests and
+    benchmarks; clear it as you like)."""
+    pin = device.type == "cuda"
+    sizes: list[int] = []
+
+    # One forward's host copies by storage: views saved by several ops (the q, k, v projections all
+    # save the same norm output) share one copy of the storage they view, which is what keeps device
+    # memory alive without offload too (and what the profile's saved bytes count). An entry holds the
+    # tensor it copied until the block's forward ends, so its storage cannot be freed and reused by
+    # another tensor in the meantime; an in-place change since (the version counter) makes a new copy.
+    copies: dict[tuple[int, torch.dtype], tuple[torch.Tensor, int, list[Any]]] = {}
+
+    def pack(t: torch.Tensor) -> Any:
+        if type(t) is not torch.Tensor or isinstance(t._base, nn.Parameter) or t.device.type == "meta":
+            return t  # parameters (plain or FSDP2's gathered ones), views of them (a linear's weight.t())
+            # and tensor subclasses stay
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), t.dtype)
+        hit = copies.get(key)
+        if hit is None or hit[1] != t._version:
+            n, rest = divmod(storage.nbytes(), t.element_size())
+            if rest:  # a storage not of this dtype's size: copy the tensor alone
+                host = torch.empty(t.size(), dtype=t.dtype, pin_memory=pin)
+                host.copy_(t, non_blocking=pin)
+                return (t.device, [host, None], tuple(t.size()), host.stride(), 0)
+            with torch.no_grad():
+                whole = t.new_empty(0).set_(storage, 0, (n,), (1,))
+            host = torch.empty(n, dtype=t.dtype, pin_memory=pin)
+            host.copy_(whole, non_blocking=pin)
+            hit = copies[key] = (t, t._version, [host, None])
+        return (t.device, hit[2], tuple(t.size()), t.stride(), t.storage_offset())
+
+    def unpack(packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        dev, box, size, stride, offset = packed
+        if box[1] is None:  # the storage comes back once for all the views saved of it
+            box[1] = box[0].to(dev, non_blocking=pin)
+        return box[1].as_strided(size, stride, offset)
+
+    def host_bytes() -> int:
+        """Bytes of the host copies made in the current (or last) forward of these modules."""
+        return sum(box[0].untyped_storage().nbytes() for _, _, box in copies.values())
+
+    for m in modules:
+        contexts: list[Any] = []
+
+        def enter(_m: nn.Module, _args: Any, contexts: list[Any] = contexts) -> None:
+            copies.clear()
+            ctx = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+            ctx.__enter__()
+            contexts.append(ctx)
+
+        def leave(_m: nn.Module, _args: Any, _out: Any, contexts: list[Any] = contexts) -> None:
+            contexts.pop().__exit__(None, None, None)
+            sizes.append(host_bytes())
+            copies.clear()
+
+        m.register_forward_pre_hook(enter)
+        m.register_forward_hook(leave, always_call=True)
+    return sizes
+
+
+Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer]
+
+
+def _check_optimizer(optimizer: Optimizers) -> None:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
+    if any(isinstance(o, ZeroRedundancyOptimizer) for o in
+           (optimizer if isinstance(optimizer, Sequence) else [optimizer])):
         raise WhalepyError(
             "state_dict()/save() are not supported with ZeRO-1 lowered to ZeroRedundancyOptimizer; "
             "use ZeRO stage 2 or 3 for this plan (same numerics) if you need checkpoints"
@@ -66,7 +147,7 @@ def _map_tensors(state: Any, fn: Any) -> Any:
     return fn(state)
 
 
-def get_train_state(modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def get_train_state(modules: Sequence[nn.Module], optimizer: Optimizers) -> dict[str, Any]:
     """``{"model": ..., "optim": ...}`` keyed by original module paths.
 
     DCP cannot describe ``_StridedShard`` chunks (fused projections under TP), so those tensors are
@@ -94,7 +175,7 @@ def _reshard_like(state: dict[str, Any], template: dict[str, Any]) -> dict[str, 
     return walk(state, template)
 
 
-def set_train_state(modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer,
+def set_train_state(modules: Sequence[nn.Module], optimizer: Optimizers,
                     state: dict[str, Any]) -> None:
     _check_optimizer(optimizer)
     target = list(modules) if len(modules) > 1 else modules[0]
@@ -131,14 +212,14 @@ def _add_aliases(state: dict[str, Any], aliases: Sequence[Sequence[str]]) -> dic
 
 
 def save_train_state(path: str | Path, modules: Sequence[nn.Module],
-                     optimizer: torch.optim.Optimizer,
+                     optimizer: Optimizers,
                      aliases: Sequence[Sequence[str]] = ()) -> None:
     state = get_train_state(modules, optimizer)
     dcp.save(_add_aliases(state, list(aliases) + tied_aliases(modules)), checkpoint_id=str(path))
 
 
 def load_train_state(path: str | Path, modules: Sequence[nn.Module],
-                     optimizer: torch.optim.Optimizer) -> None:
+                     optimizer: Optimizers) -> None:
     # the template carries this plan's shardings; DCP fills it from whatever plan wrote the files
     state = get_train_state(modules, optimizer)
     dcp.load(state, checkpoint_id=str(path))

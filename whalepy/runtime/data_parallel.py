@@ -11,9 +11,11 @@ DDP does not compose with DTensor tensor parallelism, and a pipeline stage is si
 one wrapper, so with ``tp > 1`` or ``pp > 1`` ZeRO-0/1 are lowered to FSDP2 with
 ``reshard_after_forward=False`` (ZeRO-2 behaviour: same numerics, less memory) and a log line says
 so. The kind is decided by :func:`whalepy._capabilities.choose_lowering_kind`, which the memory
-model consults too. A block whose tiers are ``cpu`` gets FSDP2's ``CPUOffloadPolicy`` (parameters,
-gradients and optimizer states on the host; ``pin_memory`` only with CUDA); such blocks are always
-lowered to FSDP2. ``optimizer_tier = nvme`` needs nothing here (any kind): the optimizer's states of
+model consults too. A block whose parameters are on the ``cpu`` tier gets FSDP2's ``CPUOffloadPolicy``
+(parameters, gradients and optimizer states on the host; ``pin_memory`` only with CUDA); a block with
+parameters on the device and optimizer states on the ``cpu`` tier (ZeRO-Offload) is sharded like any
+other here and :mod:`whalepy.runtime.host_optimizer` takes its gradients and steps it on the host.
+A stage with any ``cpu`` tier is always lowered to FSDP2. ``optimizer_tier = nvme`` needs nothing here (any kind): the optimizer's states of
 those blocks are kept in files by :mod:`whalepy.runtime.nvme`. Tier combinations the runtime does not
 lower (:func:`whalepy._capabilities.state_option_error`) raise :class:`~whalepy.WhalepyError`.
 
@@ -38,12 +40,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from whalepy._capabilities import LoweringKind as DataParallelKind
 from whalepy._capabilities import choose_lowering_kind as choose_kind
-from whalepy._capabilities import offloads_to_host, state_option_error
+from whalepy._capabilities import offloads_to_host, state_option_error, uses_cpu_offload_policy
 from whalepy._errors import WhalepyError
 from whalepy.plan import BlockPlan, Precision, ZeroStage
 
-__all__ = ["DataParallelKind", "apply_data_parallel", "build_optimizer", "choose_kind", "compute_dtype",
-           "needs_offload_policy"]
+__all__ = ["DataParallelKind", "apply_data_parallel", "build_optimizer", "cast_sharded_params", "choose_kind",
+           "compute_dtype", "offloads_any_block"]
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +57,9 @@ def compute_dtype(precision: Precision) -> torch.dtype | None:
     return {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}.get(Precision(precision))
 
 
-def needs_offload_policy(blocks: Iterable[BlockPlan]) -> bool:
-    """Whether any block asks for FSDP2's CPU offload (a ``cpu`` tier; ``nvme`` optimizer states are
-    handled around the optimizer, ``nvme`` parameters are refused)."""
+def offloads_any_block(blocks: Iterable[BlockPlan]) -> bool:
+    """Whether any block keeps states in host memory (a ``cpu`` tier: FSDP2's ``CPUOffloadPolicy`` or
+    the host optimizer; ``nvme`` optimizer states are handled around the optimizer)."""
     return any(offloads_to_host(b.param_tier, b.optimizer_tier) for b in blocks)
 
 
@@ -75,7 +77,7 @@ def apply_data_parallel(
 
     ``blocks`` pairs each block plan with the submodules it covers (sharded one FSDP unit each)."""
     for bp, _ in blocks:
-        reason = state_option_error(zero, bp.param_tier, bp.optimizer_tier)
+        reason = state_option_error(zero, bp.param_tier, bp.optimizer_tier, precision=precision)
         if reason is not None:
             raise WhalepyError(f"block {bp.name!r}: the plan's {reason}")
     if kind == DataParallelKind.NONE:
@@ -105,6 +107,43 @@ def apply_data_parallel(
     return module
 
 
+def cast_sharded_params(modules: Iterable[nn.Module], params: Iterable[nn.Parameter],
+                        dtype: torch.dtype) -> dict[int, nn.Parameter]:
+    """Give FSDP2's sharded parameters ``params`` the dtype ``dtype`` (ZeRO-Offload: the device keeps
+    its parameters in the compute dtype, the host the fp32 masters), before the first forward.
+
+    FSDP2 supports parameters whose dtype changes between ``fully_shard`` and the first forward (its
+    ``reset_sharded_param`` re-pads the new local tensor, its mixed-precision dtypes are set lazily):
+    each parameter is replaced on its module(s) by a cast copy and FSDP2 re-reads it. A parameter
+    group (one FSDP unit) is cast whole or not at all, as FSDP2 wants one original dtype per unit.
+    Returns old parameter id -> new parameter for those cast."""
+    from torch.distributed.fsdp import FSDPModule
+
+    wanted = {id(p) for p in params}
+    out: dict[int, nn.Parameter] = {}
+    seen: set[int] = set()
+    for root in modules:
+        for m in root.modules():
+            if not isinstance(m, FSDPModule) or id(m) in seen:
+                continue
+            seen.add(id(m))
+            for group in m._get_fsdp_state()._fsdp_param_groups:
+                fps = group.fsdp_params
+                if not fps or not all(id(fp.sharded_param) in wanted for fp in fps):
+                    continue
+                with torch.no_grad():
+                    for fp in fps:
+                        old = fp.sharded_param
+                        new = nn.Parameter(old.detach().to(dtype), requires_grad=old.requires_grad)
+                        info = fp._module_info
+                        for mod, name in [(info.module, info.param_name),
+                                          *zip(info.shared_modules, info.shared_param_names)]:
+                            setattr(mod, name, new)
+                        fp.reset_sharded_param()
+                        out[id(old)] = new
+    return out
+
+
 def _shared_params(root: nn.Module, units: Sequence[nn.Module]) -> set[int]:
     """Ids of parameters that a unit shares with anything outside it (tied weights)."""
     shared: set[int] = set()
@@ -123,9 +162,9 @@ def _shared_params(root: nn.Module, units: Sequence[nn.Module]) -> set[int]:
 
 
 def _offload_policy(bp: BlockPlan, device_type: str) -> CPUOffloadPolicy | None:
-    if offloads_to_host(bp.param_tier, bp.optimizer_tier):
+    if uses_cpu_offload_policy(bp.param_tier, bp.optimizer_tier):
         # FSDP2 has one policy for parameters, gradients and optimizer states together (which is why
-        # state_option_error refuses a cpu tier for only one of them)
+        # state_option_error refuses parameters on the host with optimizer states on the device)
         return CPUOffloadPolicy(pin_memory=device_type == "cuda")
     return None
 

@@ -108,6 +108,7 @@ def make_plan(
     tensor_parallel: Sequence[TPRule] = (),
     param_tier: Tier | str = Tier.GPU,
     optimizer_tier: Tier | str = Tier.GPU,
+    activation_offload: bool | Sequence[str] = False,
     device_type: str = "CPU",
     model_name: str = "model",
     model_fingerprint: str = "unchecked",
@@ -116,7 +117,8 @@ def make_plan(
     """A valid :class:`Plan` for a fixed layout, without the planner (tests, benchmarks, users who
     know what they want). Ranks are laid out ``pp``-major, then ``dp``, then ``tp`` (TP innermost, as
     torchrun numbers ranks node by node). ``checkpoint`` is ``True`` for every block or a list of
-    block names. Blocks are split over stages evenly unless ``stage_sizes`` gives the counts.
+    block names, and so is ``activation_offload`` (saved activations in host memory). Blocks are split
+    over stages evenly unless ``stage_sizes`` gives the counts.
 
     ``virtual_stages = v > 1`` makes an interleaved plan (schedule ``interleaved_1f1b`` unless another
     is given): the blocks are cut into ``pp * v`` pipeline stages in model order, evenly unless
@@ -161,6 +163,7 @@ def make_plan(
         raise PlanError(f"stage sizes {list(stage_sizes)} do not split {len(blocks)} blocks into {pp} "
                         "stages")
     ckpt = set(blocks) if checkpoint is True else set(checkpoint or ())
+    act_off = set(blocks) if activation_offload is True else set(activation_offload or ())
     if batch_shares is None and global_batch % dp:
         raise PlanError(f"global batch {global_batch} does not split evenly over {dp} data-parallel replicas; "
                         "give batch_shares (samples per replica) or a batch divisible by dp")
@@ -173,7 +176,8 @@ def make_plan(
         stages.append(StagePlan(
             index=s,
             blocks=tuple(BlockPlan(name=n, checkpoint=n in ckpt, param_tier=Tier(param_tier),
-                                   optimizer_tier=Tier(optimizer_tier)) for n in names),
+                                   optimizer_tier=Tier(optimizer_tier), activation_offload=n in act_off)
+                   for n in names),
             ranks=tuple(tuple(s * dp * tp + d * tp + t for t in range(tp)) for d in range(dp)),
             device_types=(device_type,) * dp,
             zero_stage=ZeroStage(zero_stage),

@@ -6,7 +6,7 @@ Lowering order for this rank (see docs/runtime.md):
 2. meshes from the plan's rank grid (``mesh.build_meshes``);
 3. pipeline split into this rank's stage module(s), original module paths kept (``pipeline.py``);
 4. tensor parallelism from the plan's TP rules (``tensor_parallel.apply_tensor_parallel``);
-5. activation checkpointing of the blocks the plan marks;
+5. activation checkpointing, or activation offload to host memory, of the blocks the plan marks;
 6. DDP / ZeRO / FSDP2 over the ``dp`` axis, per block then root (``data_parallel``); a model built on
    the meta device has gone through 3-6 without memory and only now gets this rank's shards,
    initialised or loaded (``materialize``);
@@ -34,12 +34,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from whalepy._capabilities import check_pipeline
-from whalepy._log import info_once, is_rank0, warn_once
+from whalepy._capabilities import check_pipeline, steps_on_host
 from whalepy._errors import LaunchError, PlanError, WhalepyError
+from whalepy._log import info_once, is_rank0, warn_once
 from whalepy.plan import Plan, Tier, TPStyle
 from whalepy.runtime.checkpointing import (
     apply_activation_checkpointing,
+    apply_activation_offload,
     gather_full_state_dict,
     get_train_state,
     load_train_state,
@@ -50,8 +51,10 @@ from whalepy.runtime.data_parallel import (
     DataParallelKind,
     apply_data_parallel,
     build_optimizer,
+    cast_sharded_params,
     choose_kind,
-    needs_offload_policy,
+    compute_dtype,
+    offloads_any_block,
 )
 from whalepy.runtime.materialize import (
     InitFn,
@@ -64,6 +67,7 @@ from whalepy.runtime.materialize import (
 from whalepy.runtime.mesh import RankMeshes, build_meshes, check_world, resolve_device_type
 from whalepy.runtime._amp import AmpContext
 from whalepy.runtime._report import StepReporter, plan_log_lines
+from whalepy.runtime.host_optimizer import HostOptimizer
 from whalepy.runtime.nvme import NvmeOptimizerStates, default_nvme_dir, prepare_nvme_dir
 from whalepy.runtime.tensor_parallel import apply_tensor_parallel
 
@@ -304,6 +308,11 @@ class ParallelModel:
         self.loss_parallel = loss_parallel
         self.max_grad_norm = max_grad_norm
         self.last_grad_norm: float | None = None
+        if max_grad_norm is not None and any(steps_on_host(b.param_tier, b.optimizer_tier)
+                                             for s in plan.stages for b in s.blocks):
+            raise WhalepyError("max_grad_norm with ZeRO-Offload blocks (param_tier='gpu', optimizer_tier="
+                               "'cpu'): their optimizer steps on the host during backward, before the global "
+                               "gradient norm is known; drop max_grad_norm, or plan with allow_offload=False")
         if is_rank0():
             for line in plan_log_lines(plan):
                 log.info("%s", line)
@@ -324,14 +333,15 @@ class ParallelModel:
         self._slice = slice(start, start + plan.batch_shares[m.replica])
         dp, tp, pp = plan.dp_degree, stage.tp_degree, plan.pp_degree
         self.loss_scale = plan.batch_shares[m.replica] * dp / plan.global_batch
-        offload = needs_offload_policy(stage.blocks)
+        offload = offloads_any_block(stage.blocks)
         self.dp_kind = choose_kind(stage.zero_stage, dp, tp=tp, pp=pp, offload=offload)
         if self.dp_kind == DataParallelKind.FSDP and stage.zero_stage < 2 and dp > 1:
-            # shards more than planned (less memory, the same gradient traffic): said, not silent
-            why = "tensor parallelism" if tp > 1 else "pipeline stages or offload"
-            warn_once(f"zero-as-fsdp:{int(stage.zero_stage)}:{why}",
-                      "whalepy: ZeRO-%d lowered to FSDP2 (reshard_after_forward=False): DDP does not "
-                      "compose with %s", int(stage.zero_stage), why, log=log)
+            # shards more than planned (less memory, the same gradient traffic): said, not silent; once
+            # per job (rank 0), not once per stage or per call
+            why = "tensor parallelism" if tp > 1 else "pipeline stages" if pp > 1 else "host offload"
+            warn_once(f"fsdp-lowering-{why}",
+                      "whalepy: ZeRO-0/1 stages lowered to FSDP2 (reshard_after_forward=False): DDP does not "
+                      "compose with %s (same numerics; states sharded over the replicas)", why, log=log)
         if self.dp_kind == DataParallelKind.FSDP and tp > 1:
             _explain_fsdp_view_warning()
 
@@ -366,6 +376,7 @@ class ParallelModel:
 
         self._modules: list[nn.Module] = []
         nvme_blocks: list[tuple[Any, list[nn.Module]]] = []
+        host_blocks: list[tuple[Any, list[nn.Module]]] = []
         for mod, chunk in zip(local, local_chunks):
             blocks = [(b, [mod.get_submodule(p) for p in block_modules[b.name]]) for b in chunk]
             if tp > 1:
@@ -373,10 +384,14 @@ class ParallelModel:
             ckpt = [x for b, mods in blocks if b.checkpoint for x in mods]
             if ckpt:
                 apply_activation_checkpointing(ckpt)
+            offloaded = [x for b, mods in blocks if b.activation_offload for x in mods]
+            if offloaded:
+                apply_activation_offload(offloaded, device)
             self._modules.append(apply_data_parallel(mod, blocks, m.dp_mesh, kind=self.dp_kind,
                                                      zero=stage.zero_stage, device_type=device_type,
                                                      precision=plan.precision))
             nvme_blocks += [(b, mods) for b, mods in blocks if b.optimizer_tier is Tier.NVME]
+            host_blocks += [(b, mods) for b, mods in blocks if steps_on_host(b.param_tier, b.optimizer_tier)]
         self.init_stats: MaterializeStats | None = None
         if skeleton is not None:
             self.init_stats = materialize_modules(self._modules, skeleton, device, seed=seed,
@@ -390,8 +405,25 @@ class ParallelModel:
                      for p in [self._modules[i].get_parameter(name)]}
             self._tied.append((list(found.values()), group))
         params = list({id(p): p for mod in self._modules for p in mod.parameters()}.values())
-        self.optimizer = build_optimizer(optimizer_factory, params, kind=self.dp_kind,
-                                         dp_mesh=m.dp_mesh)
+        # ZeRO-Offload blocks: their optimizer steps on the host during backward (after materialising,
+        # so the hooks sit on the final shards); parameters tied across pipeline stages stay with the
+        # device optimizer, their gradients are summed over the stages only after the backward
+        self.host_optimizer: HostOptimizer | None = None
+        if host_blocks:
+            tied = {id(p) for ps, _ in self._tied for p in ps}
+            low = compute_dtype(plan.precision)
+            modules = self._modules
+            self.host_optimizer = HostOptimizer(
+                optimizer_factory, [(b.name, [p for mod in mods for p in mod.parameters() if id(p) not in tied])
+                                    for b, mods in host_blocks], device,
+                cast=(lambda ps: cast_sharded_params(modules, ps, low)) if low is not None else None)
+            on_host = {id(p) for p in self.host_optimizer.params}
+            params = [p for p in params if id(p) not in on_host]
+            info_once("zero-offload",
+                      "whalepy: the optimizer of %d blocks steps on the host during backward (ZeRO-Offload)",
+                      len(self.host_optimizer.blocks), log=log)
+        self.optimizer = (build_optimizer(optimizer_factory, params, kind=self.dp_kind, dp_mesh=m.dp_mesh)
+                          if params or self.host_optimizer is None else None)
         # optimizer_tier = nvme: those blocks' optimizer states live in files between steps (after
         # TP / FSDP2, so the blocks' parameters are the sharded ones the optimizer holds)
         self.nvme: NvmeOptimizerStates | None = None
@@ -439,15 +471,20 @@ class ParallelModel:
         """One optimizer step on the global batch ``(inputs, targets)``; returns its mean loss."""
         self.reporter.step_started()
         inputs, targets = self._local_batch("train_step", inputs, targets)
+        if self.host_optimizer is not None:
+            self.host_optimizer.start_step()
         if self.schedule is not None:
             local = self._pipeline_step(inputs, targets)
         else:
             local = self._accumulate(inputs, targets)
-        if self.max_grad_norm is not None:
-            self.amp.unscale(self.optimizer)
-            self.last_grad_norm = float(self._clip_grads(self.max_grad_norm))
-        self.amp.step(self.optimizer)
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.host_optimizer is not None:
+            self.host_optimizer.finish()
+        if self.optimizer is not None:
+            if self.max_grad_norm is not None:
+                self.amp.unscale(self.optimizer)
+                self.last_grad_norm = float(self._clip_grads(self.max_grad_norm))
+            self.amp.step(self.optimizer)
+            self.optimizer.zero_grad(set_to_none=True)
         report = self._mean_loss(local)
         self.reporter.step_done(report, self._tokens(inputs))
         return report
@@ -521,13 +558,25 @@ class ParallelModel:
                               pp_group=self.meshes.pp_group if self.plan.pp_degree > 1 else None, tied=tied)
 
     def state_dict(self) -> dict[str, Any]:
-        """Model and optimizer state keyed by the original module paths (DTensor values)."""
-        return get_train_state(self._modules, self.optimizer)
+        """Model and optimizer state keyed by the original module paths (DTensor values). ZeRO-Offload
+        blocks' optimizer states are the host tensors themselves (``HostOptimizer.state_view``)."""
+        return get_train_state(self._modules, self._optimizers()[0])
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_train_state(self._modules, self.optimizer, state)
+    def _optimizers(self) -> tuple[list[torch.optim.Optimizer], Any]:
+        """The optimizers a checkpoint covers, and the host optimizer's state view (or None)."""
+        view = self.host_optimizer.state_view() if self.host_optimizer is not None else None
+        return [o for o in (self.optimizer, view) if o is not None], view
+
+    def _after_load(self, view: Any) -> None:
+        if view is not None:
+            self.host_optimizer.after_load(view)  # type: ignore[union-attr]
         if self.nvme is not None:
             self.nvme.offload()  # loaded states are fresh tensors: back into their files
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        optimizers, view = self._optimizers()
+        set_train_state(self._modules, optimizers, state)
+        self._after_load(view)
 
     def full_state_dict(self, cpu_offload: bool = True) -> dict[str, torch.Tensor]:
         """The whole model's state dict, unsharded and under the original names, on rank 0 (``{}`` on
@@ -539,7 +588,7 @@ class ParallelModel:
     def save(self, path: str | Path) -> None:
         """Write a distributed checkpoint (DCP) directory; loadable under any plan for this model.
         An HF model's config goes along as ``config.json`` (for ``whalepy export``)."""
-        save_train_state(path, self._modules, self.optimizer, aliases=self._tied_aliases)
+        save_train_state(path, self._modules, self._optimizers()[0], aliases=self._tied_aliases)
         config, arch = self._hf_config
         if dist.get_rank() == 0 and callable(getattr(config, "to_diff_dict", None)):
             # as save_pretrained writes it: with the model class, which from_pretrained needs
@@ -547,9 +596,9 @@ class ParallelModel:
             (Path(path) / "config.json").write_text(text + "\n")
 
     def load(self, path: str | Path) -> None:
-        load_train_state(path, self._modules, self.optimizer)
-        if self.nvme is not None:
-            self.nvme.offload()
+        optimizers, view = self._optimizers()
+        load_train_state(path, self._modules, optimizers)
+        self._after_load(view)
 
     # -- tied parameters -----------------------------------------------------------------------
 

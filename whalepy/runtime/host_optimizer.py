@@ -1,0 +1,304 @@
+"""ZeRO-Offload: parameters on the device, their optimizer on the host, stepped during backward.
+
+For the blocks a plan gives ``param_tier = gpu, optimizer_tier = cpu`` (Ren et al., "ZeRO-Offload:
+Democratizing Billion-Scale Model Training", ATC'21). The stage is lowered to FSDP2
+(:mod:`whalepy.runtime.data_parallel`), so every parameter here is this rank's shard (a DTensor's local
+tensor) and what the host holds is partitioned over the replicas, as ZeRO-Offload partitions it:
+
+- device: the parameter shard in the compute dtype (bf16 under a bf16 plan, fp32 under fp32), no
+  gradient between steps. FSDP2 reduce-scatters the gradients in fp32 (``reduce_dtype``) and hands
+  over the shard in the parameter's dtype, so under bf16 the gradient reaching the host is rounded to
+  bf16 once, as ZeRO-Offload's fp16 gradients are;
+- host (pinned when the device is CUDA): an fp32 master copy of the shard, an fp32 gradient buffer and
+  the optimizer's states, one optimizer per block built by the user's factory (its class and
+  hyper-parameters; Adam / AdamW and the others with a ``fused`` CPU kernel get ``fused=True``).
+
+The pipeline per step: FSDP2 reduce-scatters a block's gradients at the end of its backward and calls
+the parameters' post-accumulate-grad hooks (its post-reduce point, ``foreach_reduce``); the hook copies
+the shard's gradient into the host buffer (``non_blocking`` on CUDA, in FSDP2's reduce stream) and drops
+the device gradient. When every parameter of a block has its gradient, the block's step is queued on
+one background thread: wait for the copies, ``optimizer.step()`` on the master weights, copy them back
+into the device shards (on a side stream on CUDA). The steps of later blocks so run while the backward
+of earlier blocks goes on; :meth:`HostOptimizer.finish` (the training step's optimizer step) waits for
+the last ones and orders the device's next forward after the copies back.
+
+torchao's ``CPUOffloadOptimizer`` does this for one process and plain parameters; it is not used
+because it keeps the whole-model gradient copy on the host per parameter and knows nothing of FSDP2
+shards. Here each block is its own optimizer so that a block steps as soon as it is complete.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch import nn
+
+from whalepy._errors import WhalepyError
+
+__all__ = ["MASTER_KEY", "HostOptimizer"]
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+MASTER_KEY = "whalepy_fp32_master"
+"""The optimizer-state key under which checkpoints carry a ZeRO-Offload parameter's fp32 master when the
+device keeps the parameter in another dtype."""
+
+
+def _like(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Host tensor ``v`` (a shard of ``p``, or a scalar) as a DTensor laid out like ``p``, sharing memory."""
+    from torch.distributed.tensor import DTensor
+
+    if v.dim() == 0 or not isinstance(p, DTensor):
+        return v
+    return DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+class _StateView(torch.optim.Optimizer):
+    """See :meth:`HostOptimizer.state_view`; it never steps."""
+
+    def __init__(self, groups: list[dict[str, Any]]) -> None:
+        super().__init__(groups, {})
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        raise WhalepyError("this is a view of the host optimizer's state for checkpoints; it does not step")
+
+
+class _Block:
+    """One block's device parameters, host buffers and optimizer."""
+
+    def __init__(self, name: str, params: list[nn.Parameter], factory: OptimizerFactory, pin: bool) -> None:
+        self.name = name
+        self.params = params
+        self.masters: list[torch.Tensor] = []
+        self.grads: list[torch.Tensor] = []
+        for p in params:
+            local = _local(p.detach())
+            master = torch.empty(local.shape, dtype=torch.float32, pin_memory=pin)
+            master.copy_(local)
+            self.masters.append(nn.Parameter(master))
+            self.grads.append(torch.zeros(local.shape, dtype=torch.float32, pin_memory=pin))
+        self.optimizer = _cpu_optimizer(factory, self.masters, name)
+        self.arrived: set[int] = set()
+        self.events: list[Any] = []
+        self.copied: Any = None  # CUDA: the event after the last copy back
+
+
+def _cpu_optimizer(factory: OptimizerFactory, masters: list[nn.Parameter], name: str) -> torch.optim.Optimizer:
+    """The user's optimizer over ``masters``, with the fused CPU kernel where its class has one."""
+    opt = factory(masters)
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise WhalepyError(f"block {name!r}: the optimizer factory returned {type(opt).__name__}, not a "
+                           "torch.optim.Optimizer")
+    if {id(p) for g in opt.param_groups for p in g["params"]} != {id(p) for p in masters}:
+        raise WhalepyError(f"block {name!r}: the optimizer factory must optimise exactly the parameters it "
+                           "is given (optimizer_tier='cpu' builds one optimizer per block over its host copies)")
+    if "fused" in inspect.signature(type(opt).__init__).parameters and not any(
+            g.get("fused") or g.get("differentiable") for g in opt.param_groups):
+        groups = [{**g, "fused": True, "foreach": None} for g in opt.param_groups]
+        try:
+            fused = type(opt)(groups)
+        except (RuntimeError, ValueError, TypeError):
+            return opt  # this class or these hyper-parameters have no fused CPU kernel
+        # what the user's factory chose, for checkpoints (a plan stepping on the device loads them)
+        fused.whalepy_user_flags = [{k: g[k] for k in ("fused", "foreach") if k in g}  # type: ignore[attr-defined]
+                                    for g in opt.param_groups]
+        return fused
+    return opt
+
+
+class HostOptimizer:
+    """The host side of ZeRO-Offload for one rank: see the module docstring.
+
+    ``blocks`` pairs each block name with its device parameters (FSDP2's sharded parameters, after
+    materialisation). A parameter shared by several blocks belongs to the first."""
+
+    def __init__(self, factory: OptimizerFactory, blocks: Sequence[tuple[str, Sequence[nn.Parameter]]],
+                 device: torch.device,
+                 cast: Callable[[list[nn.Parameter]], dict[int, nn.Parameter]] | None = None) -> None:
+        self.cuda = device.type == "cuda"
+        seen: set[int] = set()
+        self.blocks: list[_Block] = []
+        self._owner: dict[int, tuple[_Block, int]] = {}
+        for name, params in blocks:
+            mine = [p for p in params if p.requires_grad and id(p) not in seen]
+            seen |= {id(p) for p in mine}
+            if mine:
+                self.blocks.append(_Block(name, mine, factory, pin=self.cuda))
+        # the masters are fp32 copies of the shards as they are now; then the device may keep them in
+        # the compute dtype (``cast``: old parameter id -> its replacement)
+        swapped = cast([p for b in self.blocks for p in b.params]) if cast is not None else {}
+        for b in self.blocks:
+            b.params = [swapped.get(id(p), p) for p in b.params]
+            for i, p in enumerate(b.params):
+                self._owner[id(p)] = (b, i)
+                p.register_post_accumulate_grad_hook(self._on_grad)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="whalepy-host-optimizer")
+        self._pending: list[Future[None]] = []
+        self._lock = threading.Lock()
+        self._copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.timeline: list[tuple[str, float, float]] = []
+        """``(block, start, end)`` of each host step of the last training step (``time.perf_counter``)."""
+        self.queued_in_backward = 0
+        """Blocks of the last training step whose host step was queued during the backward (as their
+        gradients arrived) rather than by :meth:`finish`."""
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """The device parameters this optimizer steps."""
+        return [p for b in self.blocks for p in b.params]
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The per-block host optimizers (for learning-rate schedules: one scheduler per optimizer)."""
+        return [b.optimizer for b in self.blocks]
+
+    def held(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(kind, tensor)`` of what the host holds: ``params`` (masters), ``grads``, ``optimizer``
+        states (tensors with at least one dimension)."""
+        for b in self.blocks:
+            yield from (("params", m) for m in b.masters)
+            yield from (("grads", g) for g in b.grads)
+            for m in b.masters:
+                for v in b.optimizer.state.get(m, {}).values():
+                    if isinstance(v, torch.Tensor) and v.dim() > 0:
+                        yield "optimizer", v
+
+    # -- checkpoints -----------------------------------------------------------------------------------
+
+    def state_view(self) -> torch.optim.Optimizer:
+        """A ``torch.optim.Optimizer`` over the device parameters whose state IS the host state: each
+        host tensor wrapped (not copied) as a DTensor laid out like its device shard, plus, where the
+        device keeps another dtype (bf16), the fp32 master under :data:`MASTER_KEY`. DCP's
+        ``get_state_dict`` / ``set_state_dict`` and ``dcp.save`` / ``dcp.load`` take it like any
+        optimizer, so a checkpoint holds the host optimizer's states under the parameters' names and a
+        load fills the host tensors in place. Call :meth:`after_load` once a load is done. States not
+        created yet are created first, as DCP does (a step with zero gradients at learning rate 0)."""
+        self._init_states()
+        with_master = any(p.dtype != torch.float32 for p in self.params)
+        # the blocks' groups with the same hyper-parameters become one group, in model order, as the
+        # factory would have built them over all the parameters at once (so a checkpoint loads under a
+        # plan that steps them on the device, and the other way round)
+        groups: dict[str, dict[str, Any]] = {}
+        state: dict[nn.Parameter, dict[str, Any]] = {}
+        for b in self.blocks:
+            device_of = {id(m): p for m, p in zip(b.masters, b.params)}
+            flags = getattr(b.optimizer, "whalepy_user_flags", [{}] * len(b.optimizer.param_groups))
+            for g, user in zip(b.optimizer.param_groups, flags):
+                hyper = {**{k: v for k, v in g.items() if k != "params"}, **user}
+                merged = groups.setdefault(repr(sorted(hyper.items())), {**hyper, "params": []})
+                merged["params"] += [device_of[id(m)] for m in g["params"]]
+            for m, p in zip(b.masters, b.params):
+                state[p] = {k: _like(p, v) for k, v in b.optimizer.state[m].items()}
+                if with_master:
+                    state[p][MASTER_KEY] = _like(p, m)
+        view = _StateView(list(groups.values()))
+        view.state.update(state)
+        return view
+
+    def after_load(self, view: torch.optim.Optimizer) -> None:
+        """After a checkpoint load through :meth:`state_view`'s ``view``: masters that the checkpoint
+        did not carry (fp32 device parameters are the masters) are taken from the device parameters."""
+        with torch.no_grad():
+            for b in self.blocks:
+                for m, p in zip(b.masters, b.params):
+                    if MASTER_KEY not in view.state.get(p, {}):
+                        m.copy_(_local(p.detach()))
+
+    def _init_states(self) -> None:
+        for b in self.blocks:
+            opt = b.optimizer
+            if opt.state:
+                continue
+            for m in b.masters:
+                m.grad = torch.zeros_like(m)
+            lrs = [g.get("lr") for g in opt.param_groups]
+            for g in opt.param_groups:
+                if "lr" in g:
+                    g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
+            opt.step()
+            for g, lr in zip(opt.param_groups, lrs):
+                if lr is not None:
+                    g["lr"] = lr
+            for m in b.masters:
+                m.grad = None
+
+    # -- backward ------------------------------------------------------------------------------------
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        """FSDP2's post-reduce point for ``p``: its shard's gradient leaves the device."""
+        b, i = self._owner[id(p)]
+        grad = _local(p.grad)
+        b.grads[i].copy_(grad, non_blocking=self.cuda)
+        p.grad = None
+        b.arrived.add(i)
+        if self.cuda:
+            b.events.append(torch.cuda.current_stream().record_event())
+        if len(b.arrived) == len(b.params):
+            self._submit(b)
+
+    def _submit(self, b: _Block) -> None:
+        events, b.events = b.events, []
+        arrived = set(b.arrived)
+        b.arrived.clear()
+        self._pending.append(self._pool.submit(self._step_block, b, events, arrived))
+
+    def _step_block(self, b: _Block, events: list[Any], arrived: set[int]) -> None:
+        import time
+
+        start = time.perf_counter()
+        for e in events:
+            e.synchronize()
+        if b.copied is not None:
+            b.copied.synchronize()  # the last step's copy back has read the masters
+        for i, m in enumerate(b.masters):
+            m.grad = b.grads[i] if i in arrived else None
+        b.optimizer.step()
+        for m in b.masters:
+            m.grad = None
+        with torch.no_grad():
+            if self.cuda:
+                with torch.cuda.stream(self._copy_stream):
+                    for p, m in zip(b.params, b.masters):
+                        _local(p.data).copy_(m, non_blocking=True)
+                    b.copied = self._copy_stream.record_event()
+            else:
+                for p, m in zip(b.params, b.masters):
+                    _local(p.data).copy_(m)
+        with self._lock:
+            self.timeline.append((b.name, start, time.perf_counter()))
+
+    # -- the optimizer step ----------------------------------------------------------------------------
+
+    def finish(self) -> None:
+        """Step the blocks still waiting (parameters that got no gradient are skipped, as
+        ``torch.optim`` skips a ``None`` gradient), wait for every host step of this training step and
+        order the device after the copies back."""
+        self.queued_in_backward = len(self._pending)
+        for b in self.blocks:
+            if b.arrived:
+                self._submit(b)
+        pending, self._pending = self._pending, []
+        for f in pending:
+            f.result()  # re-raises a failed step here, in the training step
+        if self._copy_stream is not None:
+            torch.cuda.current_stream().wait_stream(self._copy_stream)
+
+    def start_step(self) -> None:
+        """Forget the last step's timeline (called at the start of each training step)."""
+        with self._lock:
+            self.timeline = []
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
