@@ -28,6 +28,7 @@ from whalepy.primitives import (
 from whalepy.estimate import Estimate, ParallelConfig, estimate
 from whalepy.planner import homogeneous_baseline, plan, plan_from_profile
 from whalepy.profile import ModelProfile, profile
+from whalepy._pseudo_to_real import delink, pseudo_to_real
 
 __version__ = "0.1.0"
 
@@ -55,6 +56,7 @@ __all__ = [
     "annotate",
     "calibrate",
     "clear_annotations",
+    "delink",
     "estimate",
     "export_safetensors",
     "homogeneous_baseline",
@@ -62,6 +64,7 @@ __all__ = [
     "parallelize",
     "plan",
     "plan_from_profile",
+    "pseudo_to_real",
     "cluster",
     "replicate",
     "resolve_annotations",
