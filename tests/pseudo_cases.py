@@ -54,7 +54,7 @@ def reference(data: list) -> dict[str, Any]:
 
 
 def make_plans() -> tuple:
-    """``(pseudo plan, pseudo profile, real plan, real profile)`` for 4 ranks: the pseudo model on
+    """``(pseudo plan, pseudo profile, real plan, real profile, too big)`` for 4 ranks: the pseudo model on
     PP 2 x DP 2 under ZeRO-3 (layers h.0, h.1 on stage 0 and h.2, h.3 on stage 1, so both stages hold
     a copy of the shared weights), the real model on PP 2 x DP 2 under ZeRO-2 with another stage split
     (its checkpoint is resharded by DCP)."""
@@ -69,7 +69,9 @@ def make_plans() -> tuple:
                          global_batch=GLOBAL_BATCH, zero_stage=zero, num_microbatches=2,
                          stage_sizes=sizes)
         out += [plan, dataclasses.replace(prof, graph=None)]
-    return tuple(out)
+    too_big = make_plan([b.name for b in prof.blocks], dp=4, pp=2, global_batch=GLOBAL_BATCH,
+                        num_microbatches=2)
+    return (*out, too_big)
 
 
 def as_shared(key: str) -> str:
@@ -86,7 +88,7 @@ def max_err(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], rename:
     return max((v.float() - want[rename(k)].float()).abs().max().item() for k, v in got.items())
 
 
-def run_delink(pseudo_plan, pseudo_prof, real_plan, real_prof, ckpt: str) -> dict[str, Any]:
+def run_delink(pseudo_plan, pseudo_prof, real_plan, real_prof, too_big, ckpt: str) -> dict[str, Any]:
     """Per rank: pseudo phase under ``pseudo_plan``, save a checkpoint, delink onto ``real_plan``,
     train; then load the pre-delink checkpoint into the real model and take the first real step
     again. Every figure is compared with :func:`reference`."""
@@ -106,6 +108,12 @@ def run_delink(pseudo_plan, pseudo_prof, real_plan, real_prof, ckpt: str) -> dic
     pseudo_losses = [pm.train_step(x, y).item() for x, y in data[:PSEUDO_STEPS]]
     pm.save(ckpt)
     dist.barrier()
+    # a plan the job cannot run (8 ranks): a clear error naming where the state was saved
+    try:
+        whalepy.delink(pm, plan=too_big, profile=real_prof, checkpoint_dir=ckpt + "-big")
+        too_big_error = None
+    except whalepy.LaunchError as e:
+        too_big_error = str(e)
     real = whalepy.delink(pm, plan=real_plan, profile=real_prof)
     delinked = full_params(real)
     real_losses = []
@@ -123,6 +131,7 @@ def run_delink(pseudo_plan, pseudo_prof, real_plan, real_prof, ckpt: str) -> dic
 
     return {
         "tied_copies": tied_copies,
+        "too_big_error": too_big_error,
         "pseudo_loss_err": max(abs(a - b) for a, b in zip(pseudo_losses, ref["pseudo_losses"])),
         "real_loss_err": max(abs(a - b) for a, b in zip(real_losses, ref["real_losses"])),
         "first_real_vs_pseudo_loss": abs(real_losses[0] - ref["next_pseudo_loss"]),

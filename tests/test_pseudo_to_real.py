@@ -195,6 +195,10 @@ def test_delink_under_pp2_dp2_matches_one_process(tmp_path):
         # each stage holds one copy of each shared tensor, its gradient summed over the two stages
         assert r["tied_copies"] == len(list(gpt_model(1).transformer.h[0].parameters())), (rank, r)
         assert r["pseudo_loss_err"] <= ATOL, (rank, r)
+        # a plan for more devices than the job has: one clear error, naming where the state is
+        assert r["too_big_error"].startswith("delink: the real model (55,488 parameters"), r
+        assert "this job has 4 processes but the plan is for 8" in r["too_big_error"], r
+        assert "pseudo_ckpt-big: relaunch" in r["too_big_error"], r
         # after delink: every layer's parameters (and the rest) equal the shared weights
         assert r["delinked_vs_shared"] <= ATOL, (rank, r)
         # the first real step: the pseudo model's loss, and the one-process real model's parameters
