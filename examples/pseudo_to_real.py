@@ -63,8 +63,10 @@ def worker(rank: int, store: str, pseudo_steps: int, real_steps: int) -> None:
     model = whalepy.pseudo_to_real(GPT(CFG), layers="transformer.h")
     cluster = whalepy.ClusterSpec.local(WORLD)
     example = (torch.zeros(2, CFG.block_size, dtype=torch.long),)
+    # ZeRO-1 as ZeroRedundancyOptimizer cannot be checkpointed, so delink could not hand it over
+    no_zero1 = {"zero_stages": (0, 2, 3)}
     pm = whalepy.parallelize(model, cluster, example_inputs=example, loss_fn=loss_fn,
-                             optimizer=optimizer, global_batch=BATCH)
+                             optimizer=optimizer, global_batch=BATCH, **no_zero1)
     params = sum(p.numel() for p in model.parameters())
     say(f"pseudo model: {params:,} parameters ({CFG.num_layers} layers sharing one set), "
         f"plan {layout(pm.plan)}")
@@ -72,7 +74,7 @@ def worker(rank: int, store: str, pseudo_steps: int, real_steps: int) -> None:
     for step in range(pseudo_steps):
         loss = pm.train_step(*batch(step)).item()
         say(f"{step:>5}  {'pseudo':<7} {loss:>8.4f}")
-    real = whalepy.delink(pm)  # re-planned for the real model; its plan may differ
+    real = whalepy.delink(pm, **no_zero1)  # re-planned for the real model; its plan may differ
     params = sum(p.numel() for p in GPT(CFG).parameters())
     say(f"--- delinked: real model {params:,} parameters, plan {layout(real.plan)} ---")
     for step in range(pseudo_steps, pseudo_steps + real_steps):

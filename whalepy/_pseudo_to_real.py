@@ -36,7 +36,8 @@ if TYPE_CHECKING:
     from whalepy.plan import Plan
     from whalepy.runtime.parallel_model import ParallelModel
 
-__all__ = ["PseudoBuild", "PseudoLayers", "delink", "meta_copy", "pseudo_layers", "pseudo_to_real", "record_pseudo"]
+__all__ = ["PseudoBuild", "PseudoLayers", "delink", "meta_copy", "pseudo_layers", "pseudo_to_real",
+           "record_pseudo"]
 
 log = logging.getLogger("whalepy.pseudo_to_real")
 
@@ -129,10 +130,10 @@ def delink(
       saves ``pm`` to ``checkpoint_dir`` (a DCP directory; default a temporary one, which every rank
       must see: pass a shared path on several nodes), builds the real model on the meta device,
       lowers it with ``plan`` (and the real model's ``profile``, as ``parallelize`` takes them) or
-      a new plan from the planner (``planner_options``) on the same cluster, fills it and its optimizer from the checkpoint, and returns the new
-      :class:`ParallelModel`. A checkpoint saved from the pseudo model holds every layer's weights
-      and optimizer state under the layer's own names, so ``real_pm.load(path)`` also delinks a
-      checkpoint made before delinking.
+      a new plan from the planner (``planner_options``) on the same cluster, fills it and its
+      optimizer from the checkpoint, and returns the new :class:`ParallelModel`. A checkpoint
+      saved from the pseudo model holds every layer's weights and optimizer state under the layer's
+      own names, so ``real_pm.load(path)`` also delinks a checkpoint made before delinking.
     """
     if isinstance(target, nn.Module):
         if plan is not None or profile is not None or checkpoint_dir is not None or planner_options:
@@ -259,6 +260,13 @@ def _delink_parallel(pm: ParallelModel, plan: Plan | None, profile: Any, checkpo
     if pm.pseudo is None:
         raise WhalepyError("delink: this ParallelModel was not built from a pseudo model; call "
                            "whalepy.pseudo_to_real(model, layers=...) before whalepy.parallelize")
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    if isinstance(pm.optimizer, ZeroRedundancyOptimizer):  # refused before anything is written
+        raise WhalepyError("delink: the pseudo model's plan runs ZeRO-1 as ZeroRedundancyOptimizer, whose "
+                           "state cannot be checkpointed, so it cannot be handed to the real model; plan "
+                           "the pseudo model without it (zero_stages=(0, 2, 3): ZeRO-2 has the same "
+                           "numerics)")
     args = pm.pseudo
     real = _delink_module(copy.deepcopy(args.skeleton), None)
     box: list[Any] = [str(checkpoint_dir) if checkpoint_dir is not None else None]
