@@ -198,11 +198,7 @@ def _truncated_raw(
         if own != (template.num_params, template.param_bytes):
             raise _Fallback(f"{run.template}'s block does not own exactly its parameters")
         extra = []
-        template_ids = {id(p) for p in model.get_submodule(run.template).parameters()}
         for m in run.members[run.keep:]:
-            if any(id(p) in template_ids for p in model.get_submodule(m).parameters()):
-                # layers tied by pseudo_to_real: the copies own nothing; the full capture says so
-                raise _Fallback(f"{m} shares parameters with {run.template}")
             counted = _own_params(model.get_submodule(m))
             assert counted == own, f"{m} has other parameters than {run.template}"
             extra.append(_copy(template, run.template, m))
