@@ -106,6 +106,7 @@ def run_delink(pseudo_plan, pseudo_prof, real_plan, real_prof, too_big, ckpt: st
                              profile=pseudo_prof)
     tied_copies = len(pm.tied_parameters)
     pseudo_losses = [pm.train_step(x, y).item() for x, y in data[:PSEUDO_STEPS]]
+    pseudo_state_bytes = optimizer_state_bytes(pm.optimizer)
     pm.save(ckpt)
     dist.barrier()
     # a plan the job cannot run (8 ranks): a clear error naming where the state was saved
@@ -122,6 +123,7 @@ def run_delink(pseudo_plan, pseudo_prof, real_plan, real_prof, too_big, ckpt: st
         real_losses.append(real.train_step(x, y).item())
         if after_first is None:
             after_first = full_params(real)
+            real_state_bytes = optimizer_state_bytes(real.optimizer)
     # a checkpoint made before delinking loads into the real model: back to the shared weights and
     # state, and the first real step again
     real.load(ckpt)
@@ -132,6 +134,8 @@ def run_delink(pseudo_plan, pseudo_prof, real_plan, real_prof, too_big, ckpt: st
     return {
         "tied_copies": tied_copies,
         "too_big_error": too_big_error,
+        "pseudo_state_bytes": pseudo_state_bytes,
+        "real_state_bytes": real_state_bytes,
         "pseudo_loss_err": max(abs(a - b) for a, b in zip(pseudo_losses, ref["pseudo_losses"])),
         "real_loss_err": max(abs(a - b) for a, b in zip(real_losses, ref["real_losses"])),
         "first_real_vs_pseudo_loss": abs(real_losses[0] - ref["next_pseudo_loss"]),
@@ -144,6 +148,15 @@ def run_delink(pseudo_plan, pseudo_prof, real_plan, real_prof, too_big, ckpt: st
         "reloaded_vs_shared": max_err(reloaded, ref["shared"], as_shared),
         "again_err": max_err(again, ref["after_first"]),
     }
+
+
+def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of this rank's optimizer state tensors (local shards; not the scalar step counts)."""
+    from torch.distributed.tensor import DTensor
+
+    local = [v._local_tensor if isinstance(v, DTensor) else v
+             for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in local if t.dim() > 0)
 
 
 def copy_model_and_optimizer(model: torch.nn.Module, opt: torch.optim.Optimizer,

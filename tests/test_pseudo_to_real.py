@@ -1,5 +1,5 @@
 """Pseudo-to-Real (whalepy.pseudo_to_real / whalepy.delink): tying, errors, what the profile, the
-planner and the optimizer count, the exact meaning of "the first real step equals a step of the pseudo
+planner and the optimizer count (one process, and per rank under PP x DP), the exact meaning of "the first real step equals a step of the pseudo
 model" in one process, and the same under PP 2 x DP 2 on 4 gloo processes against one process.
 
 Tolerance: fp32, 1e-5 absolute on parameters and losses (the issue's figure). Parallel runs reorder
@@ -196,9 +196,22 @@ def test_meta_pseudo_model_delinks_to_a_meta_real_model():
 def test_delink_under_pp2_dp2_matches_one_process(tmp_path):
     from dist_harness import run_distributed
 
-    results = run_distributed(run_delink, 4, *make_plans(), str(tmp_path / "pseudo_ckpt"), timeout=600)
+    plans = make_plans()
+    results = run_distributed(run_delink, 4, *plans, str(tmp_path / "pseudo_ckpt"), timeout=600)
+    # optimizer state per rank (AdamW: 8 bytes per parameter, sharded over the 2 replicas, no padding
+    # at these shapes): the pseudo model's stages hold their other blocks and ONE layer each
+    model = gpt_model(NUM_LAYERS)
+    layer = _layer_numel(model)
+    embed = sum(p.numel() for p in model.transformer.wte.parameters()) + model.transformer.wpe.weight.numel()
+    head = model.lm_head.weight.numel() + sum(p.numel() for p in model.transformer.ln_f.parameters())
+    pseudo_stage = {0: embed + layer, 1: layer + head}       # h.0, h.1 | h.2, h.3: one copy each
+    real_stage = {0: embed + layer, 1: 3 * layer + head}     # h.0 | h.1, h.2, h.3
     seen: set[str] = set()
     for rank, r in enumerate(results):
+        stage = next(s.index for s in plans[0].stages if any(rank in row for row in s.ranks))
+        assert r["pseudo_state_bytes"] == 8 * pseudo_stage[stage] // 2, (rank, r)
+        stage = next(s.index for s in plans[2].stages if any(rank in row for row in s.ranks))
+        assert r["real_state_bytes"] == 8 * real_stage[stage] // 2, (rank, r)
         # each stage holds one copy of each shared tensor, its gradient summed over the two stages
         assert r["tied_copies"] == len(list(gpt_model(1).transformer.h[0].parameters())), (rank, r)
         assert r["pseudo_loss_err"] <= ATOL, (rank, r)
