@@ -35,8 +35,8 @@ import torch.distributed as dist
 from torch import nn
 
 from whalepy._capabilities import check_pipeline
-from whalepy._pseudo_to_real import PseudoBuild, record_pseudo
 from whalepy._errors import LaunchError, PlanError, WhalepyError
+from whalepy._pseudo_to_real import PseudoBuild, record_pseudo
 from whalepy.plan import Plan, Tier, TPStyle
 from whalepy.runtime.checkpointing import (
     apply_activation_checkpointing,
@@ -264,7 +264,8 @@ class ParallelModel:
         self.plan = plan
         self.loss_fn = loss_fn
         self.loss_parallel = loss_parallel
-        # a pseudo model (layers tied by whalepy.pseudo_to_real): what whalepy.delink builds the real from
+        # a pseudo model (layers tied by whalepy.pseudo_to_real): what whalepy.delink builds the real
+        # model from (a meta copy made before lowering changes ``model``)
         self.pseudo: PseudoBuild | None = record_pseudo(
             model, cluster_spec=cluster_spec, example_inputs=example_inputs,
             optimizer_factory=optimizer_factory, nvme_dir=nvme_dir)
