@@ -30,6 +30,7 @@ from whalepy.estimate import Estimate, ParallelConfig, estimate
 from whalepy.planner import homogeneous_baseline, plan, plan_from_profile
 from whalepy.profile import ModelProfile, profile
 from whalepy.study import ZeroStudyRow, study_zero
+from whalepy._pseudo_to_real import delink, pseudo_to_real
 
 __version__ = "0.1.0"
 
@@ -60,6 +61,7 @@ __all__ = [
     "annotate",
     "calibrate",
     "clear_annotations",
+    "delink",
     "estimate",
     "export_safetensors",
     "homogeneous_baseline",
@@ -71,6 +73,7 @@ __all__ = [
     "plan_diff",
     "plan_html",
     "plan_timeline_svg",
+    "pseudo_to_real",
     "cluster",
     "replicate",
     "resolve_annotations",

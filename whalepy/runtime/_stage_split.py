@@ -65,7 +65,6 @@ def split_stages(
     _attach_blocks(stages, stage_blocks, model)
     _attach_unused_state(stages, model)
     _order_like(stages, model)
-    _check_disjoint(stages)
     shapes = tuple(tuple(t.shape) for t in pytree.tree_leaves((example_args, example_kwargs or {}))
                    if isinstance(t, torch.Tensor))
     device = _trace_device(example_args, example_kwargs, model)
@@ -557,24 +556,6 @@ def tied_parameters(stages: Sequence[nn.Module]) -> list[list[tuple[int, str]]]:
         for name, p in s.named_parameters():  # first name per stage (duplicates removed)
             holders.setdefault(id(p), []).append((k, name))
     return sorted((h for h in holders.values() if len(h) > 1), key=lambda h: h[0])
-
-
-def _check_disjoint(stages: list[fx.GraphModule]) -> None:
-    """Stages may share a parameter (tied weights: the block owning it sits in each of them; the
-    caller keeps the copies equal, see ``tied_parameters``), but a shared parameter must keep one
-    name inside a stage so that it has one name on every rank that holds it."""
-    for k, s in enumerate(stages):
-        names: dict[int, list[str]] = {}
-        for name, p in s.named_parameters(remove_duplicate=False):
-            names.setdefault(id(p), []).append(name)
-        for ids, ns in names.items():
-            if len(ns) > 1 and any(ids in {id(q) for q in o.parameters()} for j, o in enumerate(stages)
-                                   if j != k):
-                raise CaptureError(
-                    f"stage {k} holds the tied parameter {ns[0]!r} under several names ({ns}) and "
-                    "another stage holds it too; put the blocks that share it in one stage or in "
-                    "different stages, not both"
-                )
 
 
 def _set_path(root: nn.Module, path: str, value: Any, *, persistent: bool = True) -> None:

@@ -222,7 +222,12 @@ def load_train_state(path: str | Path, modules: Sequence[nn.Module],
                      optimizer: Optimizers) -> None:
     # the template carries this plan's shardings; DCP fills it from whatever plan wrote the files
     state = get_train_state(modules, optimizer)
+    own = [list(g["params"]) for g in state["optim"].get("param_groups", [])]
     dcp.load(state, checkpoint_id=str(path))
+    # each param group's list of parameter names is one object in the files, written by one rank;
+    # under another plan (other pipeline stages, layers delinked) this rank's names are its own
+    for group, names in zip(state["optim"].get("param_groups", []), own):
+        group["params"] = names
     set_train_state(modules, optimizer, state)
 
 

@@ -37,6 +37,7 @@ from torch import nn
 from whalepy._capabilities import check_pipeline, steps_on_host
 from whalepy._errors import LaunchError, PlanError, WhalepyError
 from whalepy._log import info_once, is_rank0, warn_once
+from whalepy._pseudo_to_real import PseudoBuild, record_pseudo
 from whalepy.plan import Plan, Tier, TPStyle
 from whalepy.runtime.checkpointing import (
     apply_activation_checkpointing,
@@ -316,6 +317,11 @@ class ParallelModel:
         if is_rank0():
             for line in plan_log_lines(plan):
                 log.info("%s", line)
+        # a pseudo model (layers tied by whalepy.pseudo_to_real): what whalepy.delink builds the real
+        # model from (a meta copy made before lowering changes ``model``)
+        self.pseudo: PseudoBuild | None = record_pseudo(
+            model, cluster_spec=cluster_spec, example_inputs=example_inputs,
+            optimizer_factory=optimizer_factory, nvme_dir=nvme_dir)
         self.meshes: RankMeshes = build_meshes(plan, device_type)
         m = self.meshes
         device = m.device
