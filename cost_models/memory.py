@@ -87,6 +87,8 @@ def estimate_model_state_bytes(
     optimizer_tier: Tier | str = Tier.GPU,
     optimizer_bytes_per_param: float = ADAM_STATE_BYTES_PER_PARAM,
     working_param_bytes: float = 0.0,
+    largest_block_params: float = 0.0,
+    prefetch_depth: int = 1,
 ) -> ModelStateBytes:
     """Model-state bytes per device that whalepy's runtime holds for ``num_params`` (P) local parameters
     (this rank's, after tensor and pipeline parallelism) on ``dp_degree`` (d) replicas.
@@ -106,7 +108,14 @@ def estimate_model_state_bytes(
       backward: ``b P`` working, ``b`` the bytes of the compute dtype.
     - Tiers: ``param_tier = optimizer_tier = cpu`` (FSDP2 ``CPUOffloadPolicy``) moves the parameter,
       gradient and optimizer shards to the host; ``optimizer_tier = nvme`` moves the optimizer part to
-      files. Combinations :func:`whalepy._capabilities.state_option_error` refuses raise ValueError.
+      files; ``param_tier = nvme`` (FSDP2 host shards homed in files) moves the parameter shards to
+      files and keeps the gradient shards on the host. Combinations
+      :func:`whalepy._capabilities.state_option_error` refuses raise ValueError.
+    - Disk tier (:mod:`whalepy.runtime.nvme`): files hold ``FILE_GENERATIONS`` (2) generations of
+      what they hold; the host holds ``staging_slots(prefetch_depth)`` staging buffers, each the
+      file-homed bytes of the largest block (``largest_block_params`` local parameters before the dp
+      split: ``4`` bytes each for nvme parameters plus ``K`` for nvme optimizer states, divided by d
+      where the lowering shards them).
     """
     from whalepy._capabilities import LoweringKind, choose_lowering_kind, offloads_to_host, state_option_error
     from whalepy.cost_models.compute import precision_bytes
@@ -130,12 +139,22 @@ def estimate_model_state_bytes(
         optimizer = k * psi / d if kind is LoweringKind.ZERO1 else k * psi
         working = low * psi if low < MASTER_PARAM_BYTES else 0.0  # autocast's cast copies
     cpu = nvme = 0.0
-    if offload:
+    if param_tier is Tier.NVME:
+        nvme, cpu, params, grads = params, grads, 0.0, 0.0
+    elif offload:
         cpu, params, grads = params + grads, 0.0, 0.0
     if optimizer_tier is Tier.CPU:
         cpu, optimizer = cpu + optimizer, 0.0
     elif optimizer_tier is Tier.NVME:
-        nvme, optimizer = optimizer, 0.0
+        nvme, optimizer = nvme + optimizer, 0.0
+    if nvme:
+        from whalepy._capabilities import FILE_GENERATIONS, staging_slots
+
+        nvme *= FILE_GENERATIONS
+        share = largest_block_params if kind is LoweringKind.DDP else largest_block_params / d
+        slot = ((MASTER_PARAM_BYTES if param_tier is Tier.NVME else 0.0)
+                + (k if optimizer_tier is Tier.NVME else 0.0)) * share
+        cpu += staging_slots(prefetch_depth) * slot
     return ModelStateBytes(params=params, grads=grads, optimizer=optimizer, working_params=working,
                            cpu=cpu, nvme=nvme)
 

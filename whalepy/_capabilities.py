@@ -33,6 +33,7 @@ from whalepy.cost_models.devices import DeviceType
 from whalepy.plan import Schedule, Tier, ZeroStage
 
 __all__ = [
+    "FILE_GENERATIONS",
     "LoweringKind",
     "check_pipeline",
     "check_state_option",
@@ -42,6 +43,7 @@ __all__ = [
     "resolve_precision",
     "schedule_error",
     "sequence_parallel_error",
+    "staging_slots",
     "state_option_error",
 ]
 
@@ -74,24 +76,39 @@ def choose_lowering_kind(zero: ZeroStage | int, dp: int, *, tp: int, pp: int, of
 
 
 def offloads_to_host(param_tier: Tier | str, optimizer_tier: Tier | str) -> bool:
-    """Whether a block with these tiers is lowered with FSDP2's ``CPUOffloadPolicy`` (a ``cpu`` tier;
-    ``nvme`` optimizer states are kept in files around the optimizer instead)."""
-    return Tier.CPU in (Tier(param_tier), Tier(optimizer_tier))
+    """Whether a block with these tiers is lowered with FSDP2's ``CPUOffloadPolicy``: a ``cpu`` tier, or
+    parameters on ``nvme`` (host shards whose home is a file). ``nvme`` optimizer states alone are kept
+    in files around the optimizer instead."""
+    return Tier.CPU in (Tier(param_tier), Tier(optimizer_tier)) or Tier(param_tier) is Tier.NVME
+
+
+FILE_GENERATIONS = 2
+"""Generations of every disk-tier file: the last committed step's and the one being written
+(:mod:`whalepy.runtime._durable`), so a crash mid-write leaves the committed one whole."""
+
+
+def staging_slots(prefetch_depth: int) -> int:
+    """Staging buffers of a rank's disk tier (:mod:`whalepy.runtime._swap`), each the size of its largest
+    block's file-homed tensors: the block in use, ``prefetch_depth`` blocks ahead, one being written back."""
+    return max(1, prefetch_depth) + 2
 
 
 def state_option_error(zero: ZeroStage | int, param_tier: Tier | str, optimizer_tier: Tier | str) -> str | None:
     """Why the runtime cannot lower this state option, or None when it can.
 
     Lowered: any ZeRO stage with everything on the device; ``optimizer_tier = nvme`` with parameters
-    on the device or the host (optimizer states in memory-mapped files, :mod:`whalepy.runtime.nvme`);
-    parameters AND optimizer states on the host (FSDP2 ``CPUOffloadPolicy``, which moves parameters,
-    gradients and optimizer states together; any ZeRO stage, lowered to FSDP2). Not lowered:
-    parameters on NVMe, and only one of parameters / optimizer states on the host."""
+    on the device or the host (optimizer states in files, stepped block by block,
+    :mod:`whalepy.runtime.nvme`); parameters AND optimizer states on the host (FSDP2
+    ``CPUOffloadPolicy``, which moves parameters, gradients and optimizer states together; any ZeRO
+    stage, lowered to FSDP2); parameters on NVMe with optimizer states on NVMe or the host
+    (ZeRO-Infinity: FSDP2 ``CPUOffloadPolicy`` host shards whose home is a file, staged ahead of use;
+    any ZeRO stage, lowered to FSDP2). Not lowered: only one of parameters / optimizer states on the
+    host, and parameters on NVMe with optimizer states on the device."""
     ZeroStage(zero)
     pt, ot = Tier(param_tier), Tier(optimizer_tier)
-    if pt is Tier.NVME:
-        return ("param_tier='nvme' is not lowered: FSDP2 offloads parameters to host memory only; use "
-                "param_tier='cpu' (optimizer_tier may stay 'nvme') or 'gpu'")
+    if pt is Tier.NVME and ot is Tier.GPU:
+        return ("param_tier='nvme' with optimizer_tier='gpu' is not lowered: NVMe parameters are FSDP2 host "
+                "shards, which keep their optimizer states on the host; set optimizer_tier to 'nvme' or 'cpu'")
     if pt is Tier.GPU and ot is Tier.CPU:
         return ("optimizer_tier='cpu' with param_tier='gpu' is not lowered: FSDP2's CPUOffloadPolicy moves "
                 "parameters and gradients to the host together with the optimizer states; set both tiers "

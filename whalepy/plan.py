@@ -86,6 +86,9 @@ class BlockPlan:
     """Where parameters (and, under ZeRO-3, their shards) rest between uses."""
     optimizer_tier: Tier = Tier.GPU
     """Where optimizer states and fp32 master weights live."""
+    prefetch_depth: int = 1
+    """For blocks whose parameters are off the device (param_tier cpu|nvme): how many blocks ahead
+    their parameters are fetched. Ignored (and kept 1) otherwise."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "param_tier", Tier(self.param_tier))

@@ -108,6 +108,7 @@ def make_plan(
     tensor_parallel: Sequence[TPRule] = (),
     param_tier: Tier | str = Tier.GPU,
     optimizer_tier: Tier | str = Tier.GPU,
+    prefetch_depth: int = 1,
     device_type: str = "CPU",
     model_name: str = "model",
     model_fingerprint: str = "unchecked",
@@ -173,7 +174,8 @@ def make_plan(
         stages.append(StagePlan(
             index=s,
             blocks=tuple(BlockPlan(name=n, checkpoint=n in ckpt, param_tier=Tier(param_tier),
-                                   optimizer_tier=Tier(optimizer_tier)) for n in names),
+                                   optimizer_tier=Tier(optimizer_tier), prefetch_depth=prefetch_depth)
+                          for n in names),
             ranks=tuple(tuple(s * dp * tp + d * tp + t for t in range(tp)) for d in range(dp)),
             device_types=(device_type,) * dp,
             zero_stage=ZeroStage(zero_stage),

@@ -1,0 +1,122 @@
+"""Per-rank workers for the disk-tier tests (no tests here): ZeRO-Infinity layouts (parameters and / or
+optimizer states in files) against the single-process run, and the bytes they hold against the memory
+model.
+
+Held bytes, measured after the third step (both file generations exist and the staging pool is in its
+steady state):
+
+- files: the sizes of the tier's files on disk (``stat``), both generations;
+- host: the staging pool's buffers (:attr:`SwapEngine.staging_bytes`), plus every parameter,
+  gradient and optimizer-state storage FSDP2 offloads to the host that is not homed in a file;
+- device: every other parameter / optimizer-state storage, and the gradients of device parameters.
+
+Gradients are measured at the third step's optimizer step (they are freed after it); parameters and
+states after it. On these CPU runs device and host are the same memory: the split follows FSDP2's own
+record of what it offloaded, as in ``precision_cases.measure_held``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from precision_cases import _offloaded_params, _storage
+from runtime_cases import (
+    Case, adamw, batches, build_model, case_profile, full_params, lm_loss, make_case_plan, reference_run)
+
+
+def _held(pm: Any, grads: dict[str, int]) -> dict[str, int]:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    modules = pm.module if isinstance(pm.module, list) else [pm.module]
+    params = list({id(p): p for m in modules for p in m.parameters()}.values())
+    offloaded = _offloaded_params(modules)
+    opt = pm.optimizer.optim if isinstance(pm.optimizer, ZeroRedundancyOptimizer) else pm.optimizer
+    nv = pm.nvme
+    out = {"device": grads["device"], "host": grads["host"] + (nv.engine.staging_bytes if nv else 0),
+           "files": nv.engine.file_bytes if nv else 0}
+    seen: set[int] = set()
+    tensors = [(p, p) for p in params] + [(v, p) for p in params for v in opt.state.get(p, {}).values()
+                                          if isinstance(v, torch.Tensor) and v.dim() > 0]
+    for t, owner in tensors:
+        ptr, nbytes = _storage(t)
+        if ptr in seen or nbytes == 0:
+            continue
+        seen.add(ptr)
+        if nv is not None and nv.is_mapped(t):
+            continue  # homed in a file: counted by the files' sizes
+        out["host" if id(owner) in offloaded else "device"] += nbytes
+    return out
+
+
+def _grads(pm: Any) -> dict[str, int]:
+    modules = pm.module if isinstance(pm.module, list) else [pm.module]
+    offloaded = _offloaded_params(modules)
+    out = {"device": 0, "host": 0}
+    seen: set[int] = set()
+    for p in {id(p): p for m in modules for p in m.parameters()}.values():
+        if p.grad is None:
+            continue
+        ptr, nbytes = _storage(p.grad)
+        if ptr not in seen:
+            seen.add(ptr)
+            out["host" if id(p) in offloaded else "device"] += nbytes
+    return out
+
+
+def predicted(case: Case, kind: str) -> dict[str, float]:
+    """The memory model's bytes for this rank (one pipeline stage: all blocks)."""
+    from whalepy.cost_models.memory import estimate_model_state_bytes
+
+    prof = case_profile(case.kind, case.num_layers)
+    extra = case.extra
+    est = estimate_model_state_bytes(
+        num_params=sum(b.num_params for b in prof.blocks), zero_stage=case.zero, dp_degree=case.dp,
+        precision="fp32", param_tier=extra.get("param_tier", "gpu"),
+        optimizer_tier=extra.get("optimizer_tier", "gpu"),
+        largest_block_params=max(b.num_params for b in prof.blocks),
+        prefetch_depth=extra.get("prefetch_depth", 1))
+    return {"device": est.resident, "host": est.cpu, "files": est.nvme}
+
+
+def infinity_case(case: Case, root: str) -> dict[str, Any]:
+    """Per rank: train the reference and the lowered plan for ``case.steps`` steps; compare; measure."""
+    from whalepy.runtime import parallelize
+
+    data = batches(case.global_batch, case.steps)
+    ref_losses, ref_params = reference_run(case.kind, data, case.num_layers)
+    nvme_dir = os.path.join(root, case.name.replace(" ", "_"))
+    pm = parallelize(build_model(case.kind, case.num_layers), None, example_inputs=(data[0][0][:2],),
+                     loss_fn=lm_loss, optimizer=adamw, global_batch=case.global_batch,
+                     plan=make_case_plan(case), profile=case_profile(case.kind, case.num_layers),
+                     nvme_dir=nvme_dir)
+    seen: list[dict[str, int]] = []
+    inner = pm.optimizer.step
+
+    def measured_step(*args: Any, **kwargs: Any) -> Any:
+        seen.append(_grads(pm))
+        return inner(*args, **kwargs)
+
+    pm.optimizer.step = measured_step
+    losses = [pm.train_step(x, y).item() for x, y in data]
+    if pm.nvme is not None:
+        pm.nvme.engine.settle(wait=True)
+    held = _held(pm, seen[-1])
+    params = full_params(pm)
+    directory = pm.nvme.directory if pm.nvme is not None else None
+    out = {"name": case.name, "kind": pm.dp_kind.value, "held": held, "predicted": predicted(case, pm.dp_kind),
+           "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
+           "param_err": max((params[k] - ref_params[k]).abs().max().item() for k in params),
+           "param_files": pm.nvme.param_nbytes if pm.nvme is not None else 0}
+    pm.close()
+    out["removed"] = directory is None or not directory.exists()
+    return out
+
+
+def infinity_cases(cases: list[Case], root: str) -> list[dict[str, Any]]:
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+    return [infinity_case(c, root) for c in cases]
