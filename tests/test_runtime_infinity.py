@@ -1,0 +1,129 @@
+"""The disk tier on 2 gloo ranks and its durability.
+
+Every lowered (param_tier, optimizer_tier) pair with a file or host tier, under the ZeRO stages it
+composes with, trains 3 AdamW steps and must match the single-process run (losses 1e-5 relative,
+parameters 1e-5 absolute: fp32, the same arithmetic in another order), and hold on device, host and in
+files exactly what :func:`estimate_model_state_bytes` predicts for the rank (within 1%; FSDP2 pads
+shards and the staging slots align tensors to 64 bytes). All cases run in one launch (workers:
+``infinity_cases.py``). Durability: a process killed in the middle of writing a step leaves the last
+committed step loadable and no torn file.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_harness import run_distributed
+from durability_child import state_checksum, tiny_blocks, tiny_model, train_forever
+from infinity_cases import infinity_cases
+from runtime_cases import Case
+from whalepy._errors import WhalepyError
+from whalepy.runtime._durable import TMP_SUFFIX, check_free_space
+from whalepy.runtime.nvme import NvmeTier, prepare_nvme_dir
+
+LOSS_RTOL = 1e-5
+PARAM_ATOL = 1e-5
+HELD_RTOL = 0.01
+
+
+def _tiers(p: str, o: str, **kw: object) -> dict:
+    return {"param_tier": p, "optimizer_tier": o, **kw}
+
+
+CASES = [
+    Case("nvme/nvme zero3", dp=2, zero=3, extra=_tiers("nvme", "nvme")),
+    Case("nvme/nvme zero2 depth2 2mb", dp=2, zero=2, microbatches=2, extra=_tiers("nvme", "nvme", prefetch_depth=2)),
+    Case("nvme/nvme zero0 checkpoint", dp=2, zero=0, checkpoint=True, extra=_tiers("nvme", "nvme")),
+    Case("nvme/cpu zero3", dp=2, zero=3, extra=_tiers("nvme", "cpu")),
+    Case("nvme/nvme zero1", dp=2, zero=1, extra=_tiers("nvme", "nvme")),
+    Case("gpu/nvme ddp", dp=2, zero=0, extra=_tiers("gpu", "nvme")),
+    Case("gpu/nvme zero3", dp=2, zero=3, extra=_tiers("gpu", "nvme")),
+    Case("cpu/nvme zero3", dp=2, zero=3, extra=_tiers("cpu", "nvme")),
+    Case("cpu/cpu zero3 depth2", dp=2, zero=3, extra=_tiers("cpu", "cpu", prefetch_depth=2)),
+]
+
+
+@pytest.mark.distributed
+def test_disk_and_host_tiers_match_single_process_and_memory_model(tmp_path):
+    per_rank = run_distributed(infinity_cases, 2, CASES, str(tmp_path), timeout=600)
+    for rank, results in enumerate(per_rank):
+        for r in results:
+            assert r["loss_err"] <= LOSS_RTOL, (rank, r)
+            assert r["param_err"] <= PARAM_ATOL, (rank, r)
+            for place, predicted in r["predicted"].items():
+                assert r["held"][place] == pytest.approx(predicted, rel=HELD_RTOL, abs=0), (rank, r)
+            assert r["removed"], r  # close() removed the rank's directory
+            if r["name"].startswith("nvme/"):
+                assert r["kind"] == "fsdp2" and r["param_files"] > 0 and r["held"]["files"] > 0, r
+    names = {r["name"] for r in per_rank[0]}
+    assert names == {c.name for c in CASES}
+
+
+# -- durability ---------------------------------------------------------------------------------------
+
+
+def test_a_crash_mid_write_resumes_from_the_last_committed_step(tmp_path):
+    """SIGKILL a process while it writes a step's files (a temporary file is present): a new process on
+    the directory finds the last committed step's states, whole, and no temporary file."""
+    ctx = mp.get_context("spawn")
+    directory = tmp_path / "tier"
+    for _attempt in range(5):  # the kill must land inside a write; retried when it does not
+        report = ctx.Queue()
+        child = ctx.Process(target=train_forever, args=(str(directory), report))
+        child.start()
+        committed: dict[int, float] = {}
+        torn = False
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not torn:
+            while not report.empty():
+                step, total = report.get()
+                committed[step] = total
+            if len(committed) >= 2 and any(directory.glob(f"*{TMP_SUFFIX}")):
+                os.kill(child.pid, signal.SIGKILL)
+                torn = any(directory.glob(f"*{TMP_SUFFIX}"))  # still there after the kill
+        child.join()
+        if not torn:
+            child.kill()
+            continue
+        while not report.empty():
+            step, total = report.get()
+            committed[step] = total
+        model, opt = tiny_model(seed=1)
+        tier = NvmeTier(opt, Path(directory), keep=True)  # a restart: removes the torn temporaries
+        tiny_blocks(tier, model)
+        assert not any(directory.glob(f"*{TMP_SUFFIX}"))
+        assert tier.resume()
+        step = tier.engine.step_count
+        # the manifest is the commit point: it names the last step whose files are all written, which
+        # the child reported (or had just committed when it was killed, before reporting)
+        assert step >= max(committed)
+        if step in committed:
+            assert state_checksum(opt) == committed[step]
+        sizes = {f.name: f.stat().st_size for f in directory.glob("*.bin")}
+        for b in tier.engine.blocks:
+            for it in b.items:
+                assert sizes[f"b{b.index:04d}.{it.name}.g{b.parity}.bin"] == it.nbytes
+        # and training goes on from there
+        tier.install()
+        model(torch.randn(8, 512)).square().mean().backward()
+        opt.step()
+        tier.close()
+        return
+    pytest.fail("the kill never landed inside a write in 5 attempts")
+
+
+def test_unwritable_and_full_directories_are_clear_errors(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(WhalepyError, match=r"nvme_dir .*a-file/nvme.* is not writable"):
+        prepare_nvme_dir(blocker / "nvme" / "whalepy-nvme-1-rank0", user_dir=blocker / "nvme")
+    with pytest.raises(WhalepyError, match=r"GiB free but this rank's disk tier needs .* larger drive"):
+        check_free_space(tmp_path, 1e18, user_dir=tmp_path)
+    check_free_space(tmp_path, 1.0)
