@@ -115,8 +115,42 @@ def infinity_case(case: Case, root: str) -> dict[str, Any]:
     return out
 
 
-def infinity_cases(cases: list[Case], root: str) -> list[dict[str, Any]]:
+def restart_case(case: Case, root: str, split: int = 2) -> dict[str, Any]:
+    """Per rank: train ``split`` steps with ``nvme_keep=True``, abandon the run (as a crash would: no
+    close), start again from a differently initialised model on the same ``nvme_dir`` and train the
+    rest: parameters and optimizer states come from the files of the last committed step."""
+    from whalepy.runtime import parallelize
+
+    data = batches(case.global_batch, case.steps)
+    ref_losses, ref_params = reference_run(case.kind, data, case.num_layers)
+    nvme_dir = os.path.join(root, "restart-" + case.name.replace(" ", "_"))
+
+    def launch(model: torch.nn.Module) -> Any:
+        return parallelize(model, None, example_inputs=(data[0][0][:2],), loss_fn=lm_loss, optimizer=adamw,
+                           global_batch=case.global_batch, plan=make_case_plan(case),
+                           profile=case_profile(case.kind, case.num_layers), nvme_dir=nvme_dir, nvme_keep=True)
+
+    first = launch(build_model(case.kind, case.num_layers))
+    losses = [first.train_step(x, y).item() for x, y in data[:split]]
+    first.nvme.engine.flush()  # the step is committed; the process "dies" here
+    torch.manual_seed(123)
+    other = build_model(case.kind, case.num_layers)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.normal_()
+    second = launch(other)
+    resumed_at = second.nvme.engine.step_count
+    losses += [second.train_step(x, y).item() for x, y in data[split:]]
+    params = full_params(second)
+    second.close()
+    return {"name": "restart " + case.name, "resumed_at": resumed_at, "kept": os.path.isdir(nvme_dir),
+            "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
+            "param_err": max((params[k] - ref_params[k]).abs().max().item() for k in params)}
+
+
+def infinity_cases(cases: list[Any], root: str) -> list[dict[str, Any]]:
+    """Each item: a :class:`Case` (:func:`infinity_case`) or ``("restart", case)`` (:func:`restart_case`)."""
     import warnings
 
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
-    return [infinity_case(c, root) for c in cases]
+    return [restart_case(c[1], root) if isinstance(c, tuple) else infinity_case(c, root) for c in cases]
