@@ -33,6 +33,7 @@ from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -123,6 +124,7 @@ class SwapEngine:
         self.extra: dict = {}
         """JSON-able data committed with each manifest (the optimizer's scalar states)."""
         self._free: list[torch.Tensor] = []
+        self._events: dict[int, Any] = {}  # staging buffer -> CUDA event after its last use
         self._allocated = 0
         self._clock = 0
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="whalepy-nvme")
@@ -208,6 +210,12 @@ class SwapEngine:
         return self._free.pop()
 
     def _give_back(self, block: _Block) -> None:
+        if block.slot is not None and self.pin and torch.cuda.is_available():
+            # a copy from this buffer to the device may still be queued (FSDP2 copies non-blocking):
+            # the next read into it waits for this point of the stream first
+            event = torch.cuda.Event()
+            event.record()
+            self._events[block.slot.data_ptr()] = event
         if block.slot is not None:
             if block.slot.numel() >= self.slot_bytes:
                 self._free.append(block.slot)
@@ -240,7 +248,7 @@ class SwapEngine:
         prev, parity, slot = block.reading, block.parity, block.slot
         paths = [(it, self._file(block, it, parity)) for it in items]
         block.loaded |= {it.name for it in items}
-        block.reading = self._io.submit(_read_into, slot, paths, prev)
+        block.reading = self._io.submit(_read_into, slot, paths, prev, self._events.pop(slot.data_ptr(), None))
 
     def stage(self, index: int, kinds: Iterable[str] = ("param",), protect: set[int] = frozenset()) -> None:
         """Point the block's ``kinds`` items at its staging slot (reading them first if needed)."""
@@ -426,9 +434,12 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
 
-def _read_into(slot: torch.Tensor, paths: list[tuple[Item, Path]], prev: Future | None) -> None:
+def _read_into(slot: torch.Tensor, paths: list[tuple[Item, Path]], prev: Future | None,
+               free_after: Any = None) -> None:
     if prev is not None:
         prev.result()
+    if free_after is not None:
+        free_after.synchronize()
     buf = slot.numpy()
     for it, path in paths:
         with open(path, "rb", buffering=0) as f:
