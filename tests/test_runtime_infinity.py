@@ -39,7 +39,9 @@ def _tiers(p: str, o: str, **kw: object) -> dict:
 
 CASES = [
     Case("nvme/nvme zero3", dp=2, zero=3, extra=_tiers("nvme", "nvme")),
-    Case("nvme/nvme zero2 depth2 2mb", dp=2, zero=2, microbatches=2, extra=_tiers("nvme", "nvme", prefetch_depth=2)),
+    # 4 layers: 6 blocks, more than the 4 staging buffers of depth 2 (evictions)
+    Case("nvme/nvme zero2 depth2 2mb", dp=2, zero=2, microbatches=2, num_layers=4,
+         extra=_tiers("nvme", "nvme", prefetch_depth=2)),
     Case("nvme/nvme zero0 checkpoint", dp=2, zero=0, checkpoint=True, extra=_tiers("nvme", "nvme")),
     Case("nvme/cpu zero3", dp=2, zero=3, extra=_tiers("nvme", "cpu")),
     Case("nvme/nvme zero1", dp=2, zero=1, extra=_tiers("nvme", "nvme")),

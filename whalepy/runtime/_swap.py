@@ -217,9 +217,10 @@ class SwapEngine:
             event.record()
             self._events[block.slot.data_ptr()] = event
         if block.slot is not None:
-            if block.slot.numel() >= self.slot_bytes:
+            others = sum(1 for b in self.blocks if b.slot is not None and b is not block) + len(self._free)
+            if block.slot.numel() >= self.slot_bytes and others < self.num_slots:
                 self._free.append(block.slot)
-            else:
+            else:  # too small for the largest block now, or one more than the pool holds
                 self._allocated -= block.slot.numel()
             block.slot = None
         block.loaded.clear()
@@ -308,6 +309,8 @@ class SwapEngine:
             flats[item.name] = _flat_of(item, item.views[0].tensor)
         self._layout(block)
         need = block.nbytes
+        if block.slot is None:
+            block.slot = self._take_slot({index})
         if block.slot is None or block.slot.numel() < need:
             old = block.slot.numel() if block.slot is not None else 0
             grown = torch.empty(need, dtype=torch.uint8)
@@ -327,7 +330,9 @@ class SwapEngine:
         """Done with the block: back to its mappings (``dirty``: written to the next generation first)."""
         block = self.blocks[index]
         if block.slot is None:
-            return
+            if not (dirty and block.items):
+                return
+            self.capture(index)  # stepped on its mappings (no buffer was free): keep those values
         if block.reading is not None:
             block.reading.result()
             block.reading = None
