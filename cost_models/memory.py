@@ -89,6 +89,7 @@ def estimate_model_state_bytes(
     working_param_bytes: float = 0.0,
     largest_block_params: float = 0.0,
     prefetch_depth: int = 1,
+    num_blocks: int | None = None,
 ) -> ModelStateBytes:
     """Model-state bytes per device that whalepy's runtime holds for ``num_params`` (P) local parameters
     (this rank's, after tensor and pipeline parallelism) on ``dp_degree`` (d) replicas.
@@ -112,7 +113,8 @@ def estimate_model_state_bytes(
       files and keeps the gradient shards on the host. Combinations
       :func:`whalepy._capabilities.state_option_error` refuses raise ValueError.
     - Disk tier (:mod:`whalepy.runtime.nvme`): files hold ``FILE_GENERATIONS`` (2) generations of
-      what they hold; the host holds ``staging_slots(prefetch_depth)`` staging buffers, each the
+      what they hold; the host holds ``staging_slots(prefetch_depth, num_blocks)`` staging buffers
+      (``num_blocks``: the stage's blocks on the disk tier, when known), each the
       file-homed bytes of the largest block (``largest_block_params`` local parameters before the dp
       split: ``4`` bytes each for nvme parameters plus ``K`` for nvme optimizer states, divided by d
       where the lowering shards them).
@@ -154,7 +156,7 @@ def estimate_model_state_bytes(
         share = largest_block_params if kind is LoweringKind.DDP else largest_block_params / d
         slot = ((MASTER_PARAM_BYTES if param_tier is Tier.NVME else 0.0)
                 + (k if optimizer_tier is Tier.NVME else 0.0)) * share
-        cpu += staging_slots(prefetch_depth) * slot
+        cpu += staging_slots(prefetch_depth, num_blocks) * slot
     return ModelStateBytes(params=params, grads=grads, optimizer=optimizer, working_params=working,
                            cpu=cpu, nvme=nvme)
 

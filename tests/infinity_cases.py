@@ -66,18 +66,21 @@ def _grads(pm: Any) -> dict[str, int]:
     return out
 
 
-def predicted(case: Case, kind: str) -> dict[str, float]:
-    """The memory model's bytes for this rank (one pipeline stage: all blocks)."""
+def predicted(case: Case, stage: Any) -> dict[str, float] | None:
+    """The memory model's bytes for a rank of plan stage ``stage`` (None under TP: the local share of
+    each parameter is the planner's business, not this test's)."""
     from whalepy.cost_models.memory import estimate_model_state_bytes
 
+    if case.tp > 1:
+        return None
     prof = case_profile(case.kind, case.num_layers)
+    sizes = [prof.block(b.name).num_params for b in stage.blocks]
     extra = case.extra
     est = estimate_model_state_bytes(
-        num_params=sum(b.num_params for b in prof.blocks), zero_stage=case.zero, dp_degree=case.dp,
+        num_params=sum(sizes), zero_stage=case.zero, dp_degree=case.dp, pp_degree=case.pp,
         precision="fp32", param_tier=extra.get("param_tier", "gpu"),
-        optimizer_tier=extra.get("optimizer_tier", "gpu"),
-        largest_block_params=max(b.num_params for b in prof.blocks),
-        prefetch_depth=extra.get("prefetch_depth", 1))
+        optimizer_tier=extra.get("optimizer_tier", "gpu"), largest_block_params=max(sizes),
+        prefetch_depth=extra.get("prefetch_depth", 1), num_blocks=len(sizes))
     return {"device": est.resident, "host": est.cpu, "files": est.nvme}
 
 
@@ -106,7 +109,7 @@ def infinity_case(case: Case, root: str) -> dict[str, Any]:
     held = _held(pm, seen[-1])
     params = full_params(pm)
     directory = pm.nvme.directory if pm.nvme is not None else None
-    out = {"name": case.name, "kind": pm.dp_kind.value, "held": held, "predicted": predicted(case, pm.dp_kind),
+    out = {"name": case.name, "kind": pm.dp_kind.value, "held": held, "predicted": predicted(case, pm.meshes.stage),
            "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
            "param_err": max((params[k] - ref_params[k]).abs().max().item() for k in params),
            "param_files": pm.nvme.param_nbytes if pm.nvme is not None else 0}

@@ -87,10 +87,12 @@ FILE_GENERATIONS = 2
 (:mod:`whalepy.runtime._durable`), so a crash mid-write leaves the committed one whole."""
 
 
-def staging_slots(prefetch_depth: int) -> int:
+def staging_slots(prefetch_depth: int, num_blocks: int | None = None) -> int:
     """Staging buffers of a rank's disk tier (:mod:`whalepy.runtime._swap`), each the size of its largest
-    block's file-homed tensors: the block in use, ``prefetch_depth`` blocks ahead, one being written back."""
-    return max(1, prefetch_depth) + 2
+    block's file-homed tensors: the block in use, ``prefetch_depth`` blocks ahead, one being written back;
+    never more than the ``num_blocks`` blocks of the tier (one buffer per block at most)."""
+    n = max(1, prefetch_depth) + 2
+    return n if num_blocks is None else max(1, min(n, num_blocks))
 
 
 def state_option_error(zero: ZeroStage | int, param_tier: Tier | str, optimizer_tier: Tier | str) -> str | None:

@@ -131,6 +131,9 @@ class NvmeTier:
     def install(self) -> None:
         """Replace the optimizer's ``step`` by the per-block step; commit generation 0."""
         if self._step is None:
+            from whalepy._capabilities import staging_slots
+
+            self.engine.num_slots = staging_slots(self.engine.prefetch_depth, len(self.engine.blocks))
             self._step = self.optimizer.step
             self.optimizer.step = self.step  # type: ignore[method-assign]
             self.engine.commit()
