@@ -44,7 +44,6 @@ CASES = [
          extra=_tiers("nvme", "nvme", prefetch_depth=2)),
     Case("nvme/nvme zero0 checkpoint", dp=2, zero=0, checkpoint=True, extra=_tiers("nvme", "nvme")),
     Case("nvme/cpu zero3", dp=2, zero=3, extra=_tiers("nvme", "cpu")),
-    Case("nvme/nvme zero1", dp=2, zero=1, extra=_tiers("nvme", "nvme")),
     Case("gpu/nvme ddp", dp=2, zero=0, extra=_tiers("gpu", "nvme")),
     Case("gpu/nvme zero3", dp=2, zero=3, extra=_tiers("gpu", "nvme")),
     Case("cpu/nvme zero3", dp=2, zero=3, extra=_tiers("cpu", "nvme")),

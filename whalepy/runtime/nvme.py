@@ -181,17 +181,22 @@ class NvmeTier:
     # -- the step ----------------------------------------------------------------------------------
 
     def step(self, closure: Any = None) -> Any:
-        """The optimizer step, block by block (see the module docstring)."""
+        """The optimizer step, block by block (see the module docstring): the optimizer's ``step`` runs
+        once for the parameters outside the tier and once per tier block (its step hooks with it);
+        ``closure`` is evaluated once, first."""
         opt, eng = self.optimizer, self.engine
         groups = opt.param_groups
         full = [g["params"] for g in groups]
         tiered = {id(p) for ps in self._params for p in ps}
         loss = None
+        if closure is not None:  # evaluated once, not once per block
+            with torch.enable_grad():
+                loss = closure()
         try:
             for g, ps in zip(groups, full, strict=True):
                 g["params"] = [p for p in ps if id(p) not in tiered]
             if any(g["params"] for g in groups):
-                loss = self._step(closure)
+                self._step()
             order = list(range(len(self._params)))
             d = eng.prefetch_depth
             eng.settle()
@@ -204,8 +209,7 @@ class NvmeTier:
                 mine = {id(p) for p in self._params[i]}
                 for g, ps in zip(groups, full, strict=True):
                     g["params"] = [p for p in ps if id(p) in mine]
-                out = self._step(closure)
-                loss = out if loss is None else loss
+                self._step()
                 self._adopt(i)
                 eng.release(i, dirty=True)
         finally:
