@@ -42,3 +42,15 @@ def train_forever(directory: str, report: Any) -> None:
         opt.zero_grad(set_to_none=True)
         tier.engine.flush()  # this step's manifest is committed: report what it holds
         report.put((tier.engine.step_count, state_checksum(opt)))
+
+
+def exit_without_close(removed: str, kept: str) -> None:
+    """Train one step in two tiers, one with ``keep``, and return without closing either: the
+    interpreter's exit must remove the first directory and leave the second."""
+    for directory, keep in ((removed, False), (kept, True)):
+        model, opt = tiny_model()
+        tier = NvmeTier(opt, prepare_nvme_dir(Path(directory), keep=keep), keep=keep)
+        tiny_blocks(tier, model)
+        tier.install()
+        model(torch.randn(8, 512)).square().mean().backward()
+        opt.step()

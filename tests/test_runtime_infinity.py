@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from dist_harness import run_distributed
-from durability_child import state_checksum, tiny_blocks, tiny_model, train_forever
+from durability_child import exit_without_close, state_checksum, tiny_blocks, tiny_model, train_forever
 from infinity_cases import infinity_cases
 from runtime_cases import Case
 from whalepy._errors import WhalepyError
@@ -125,6 +125,17 @@ def test_a_crash_mid_write_resumes_from_the_last_committed_step(tmp_path):
         tier.close()
         return
     pytest.fail("the kill never landed inside a write in 5 attempts")
+
+
+def test_files_are_removed_at_interpreter_exit_unless_kept(tmp_path):
+    removed, kept = tmp_path / "removed", tmp_path / "kept"
+    child = mp.get_context("spawn").Process(target=exit_without_close, args=(str(removed), str(kept)))
+    child.start()
+    child.join(timeout=120)
+    assert child.exitcode == 0
+    assert not removed.exists()
+    # 2 blocks x (weight, bias) x (exp_avg, exp_avg_sq), one generation after one step
+    assert (kept / "manifest.json").exists() and len(list(kept.glob("*.bin"))) == 2 * 2 * 2
 
 
 def test_unwritable_and_full_directories_are_clear_errors(tmp_path):
