@@ -26,7 +26,7 @@ from infinity_cases import infinity_cases
 from runtime_cases import Case
 from whalepy._errors import WhalepyError
 from whalepy.runtime._durable import TMP_SUFFIX, check_free_space
-from whalepy.runtime.nvme import NvmeTier, prepare_nvme_dir
+from whalepy.runtime.nvme import NvmeTier
 
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-5
@@ -138,11 +138,25 @@ def test_files_are_removed_at_interpreter_exit_unless_kept(tmp_path):
     assert (kept / "manifest.json").exists() and len(list(kept.glob("*.bin"))) == 2 * 2 * 2
 
 
-def test_unwritable_and_full_directories_are_clear_errors(tmp_path):
-    blocker = tmp_path / "a-file"
-    blocker.write_text("not a directory")
-    with pytest.raises(WhalepyError, match=r"nvme_dir .*a-file/nvme.* is not writable"):
-        prepare_nvme_dir(blocker / "nvme" / "whalepy-nvme-1-rank0", user_dir=blocker / "nvme")
+def test_a_full_disk_is_a_clear_error_before_training(tmp_path):
+    """The free space check ``build_nvme_tier`` runs before writing anything (an unwritable directory:
+    test_runtime_nvme.py)."""
     with pytest.raises(WhalepyError, match=r"GiB free but this rank's disk tier needs .* larger drive"):
         check_free_space(tmp_path, 1e18, user_dir=tmp_path)
     check_free_space(tmp_path, 1.0)
+    # the tier checks before it writes a byte: 1 MiB free for two generations of the first layer's
+    # AdamW states (525312 parameters x 8 bytes x 2 = 8.0 MiB)
+    import shutil
+    from collections import namedtuple
+
+    from whalepy.plan import BlockPlan
+    from whalepy.runtime.nvme import build_nvme_tier
+
+    model, opt = tiny_model()
+    usage = namedtuple("usage", "total used free")
+    with pytest.MonkeyPatch.context() as mp_:
+        mp_.setattr(shutil, "disk_usage", lambda _path: usage(2**40, 2**40 - 2**20, 2**20))
+        with pytest.raises(WhalepyError, match=r"has 0.00 GiB free but this rank's disk tier needs 0.01 GiB"):
+            build_nvme_tier(opt, [(BlockPlan(name="l0", optimizer_tier="nvme"), model, [model[0]])], rank=0,
+                            nvme_dir=tmp_path / "small")
+    assert not list((tmp_path / "small").rglob("*.bin"))
