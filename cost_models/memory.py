@@ -117,7 +117,9 @@ def estimate_model_state_bytes(
       (``num_blocks``: the stage's blocks on the disk tier, when known), each the
       file-homed bytes of the largest block (``largest_block_params`` local parameters before the dp
       split: ``4`` bytes each for nvme parameters plus ``K`` for nvme optimizer states, divided by d
-      where the lowering shards them).
+      where the lowering shards them). Device parameters with nvme optimizer states add the stepped
+      block's states (``K`` times the largest block's share) to the working set: the step's device
+      copy (none on CPU runs, where the device is the host).
     """
     from whalepy._capabilities import LoweringKind, choose_lowering_kind, offloads_to_host, state_option_error
     from whalepy.cost_models.compute import precision_bytes
@@ -157,6 +159,8 @@ def estimate_model_state_bytes(
         slot = ((MASTER_PARAM_BYTES if param_tier is Tier.NVME else 0.0)
                 + (k if optimizer_tier is Tier.NVME else 0.0)) * share
         cpu += staging_slots(prefetch_depth, num_blocks) * slot
+        if param_tier is Tier.GPU:  # the step copies the stepped block's states to the device
+            working += k * share
     return ModelStateBytes(params=params, grads=grads, optimizer=optimizer, working_params=working,
                            cpu=cpu, nvme=nvme)
 

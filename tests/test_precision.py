@@ -100,9 +100,10 @@ def test_model_state_accounting_by_lowering_kind():
     nvme = estimate_model_state_bytes(num_params=p, zero_stage=0, dp_degree=d, optimizer_tier="nvme")
     assert (nvme.resident, nvme.nvme, nvme.cpu) == (8 * p, 2 * 8 * p, 0.0)  # two file generations
     # staging: prefetch_depth + 2 buffers of the largest block's file-homed bytes (DDP: whole tensors)
-    staged = estimate_model_state_bytes(num_params=p, zero_stage=0, dp_degree=d, optimizer_tier="nvme",
+    staged = estimate_model_state_bytes(num_params=p, zero_stage=0, dp_degree=d, optimizer_tier="nvme", precision="fp32",
                                         largest_block_params=p / 10, prefetch_depth=2)
     assert staged.cpu == 4 * 8 * p / 10
+    assert staged.working_params == 8 * p / 10  # the stepped block's states copied to the device
     inf = estimate_model_state_bytes(num_params=p, zero_stage=3, dp_degree=d, param_tier="nvme",
                                      optimizer_tier="nvme", largest_block_params=p / 10)
     assert (inf.resident, inf.nvme, inf.cpu) == (0.0, 2 * 12 * p / d, 4 * p / d + 3 * 12 * p / 10 / d)
