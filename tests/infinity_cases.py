@@ -27,6 +27,17 @@ from runtime_cases import (
     Case, adamw, batches, build_model, case_profile, full_params, lm_loss, make_case_plan, reference_run)
 
 
+_REFERENCES: dict[tuple, Any] = {}
+
+
+def _reference(case: Case, data: list) -> Any:
+    """The single-process run of ``case``'s model on ``data`` (cached: several cases share one)."""
+    key = (case.kind, case.num_layers, case.global_batch, case.steps)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = reference_run(case.kind, data, case.num_layers)
+    return _REFERENCES[key]
+
+
 def _held(pm: Any, grads: dict[str, int]) -> dict[str, int]:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -89,7 +100,7 @@ def infinity_case(case: Case, root: str) -> dict[str, Any]:
     from whalepy.runtime import parallelize
 
     data = batches(case.global_batch, case.steps)
-    ref_losses, ref_params = reference_run(case.kind, data, case.num_layers)
+    ref_losses, ref_params = _reference(case, data)
     nvme_dir = os.path.join(root, case.name.replace(" ", "_"))
     pm = parallelize(build_model(case.kind, case.num_layers), None, example_inputs=(data[0][0][:2],),
                      loss_fn=lm_loss, optimizer=adamw, global_batch=case.global_batch,
@@ -125,7 +136,7 @@ def restart_case(case: Case, root: str, split: int = 2) -> dict[str, Any]:
     from whalepy.runtime import parallelize
 
     data = batches(case.global_batch, case.steps)
-    ref_losses, ref_params = reference_run(case.kind, data, case.num_layers)
+    ref_losses, ref_params = _reference(case, data)
     nvme_dir = os.path.join(root, "restart-" + case.name.replace(" ", "_"))
 
     def launch(model: torch.nn.Module) -> Any:

@@ -45,7 +45,6 @@ CASES = [
     Case("nvme/nvme zero0 checkpoint", dp=2, zero=0, checkpoint=True, extra=_tiers("nvme", "nvme")),
     Case("nvme/cpu zero3", dp=2, zero=3, extra=_tiers("nvme", "cpu")),
     Case("gpu/nvme ddp", dp=2, zero=0, extra=_tiers("gpu", "nvme")),
-    Case("gpu/nvme zero3", dp=2, zero=3, extra=_tiers("gpu", "nvme")),
     Case("cpu/nvme zero3", dp=2, zero=3, extra=_tiers("cpu", "nvme")),
     Case("cpu/cpu zero3 depth2", dp=2, zero=3, extra=_tiers("cpu", "cpu", prefetch_depth=2)),
     Case("nvme/nvme pp2", pp=2, microbatches=2, schedule="gpipe", extra=_tiers("nvme", "nvme")),
