@@ -246,4 +246,6 @@ def test_reads_of_the_next_block_overlap_the_step(tmp_path, monkeypatch):
     opt.step()
     took = time.perf_counter() - start
     assert 1.0 <= took < 1.4, took
+    eng = tier.engine  # the pool stayed bounded: prefetch_depth + 2 buffers of the largest block
+    assert eng.num_slots == 3 and 0 < eng.staging_bytes <= eng.num_slots * eng.slot_bytes
     tier.close()

@@ -196,18 +196,18 @@ class SwapEngine:
                 buf = buf.pin_memory()
             self._allocated += need
             return buf
-        # evict: finished write-backs first, then the least recently used clean block
-        for b in self.blocks:
-            if b.writing is not None:
-                self._settle_block(b, wait=True)
-                if self._free:
-                    return self._free.pop()
-        victims = sorted((b for b in self.blocks if b.slot is not None and b.index not in protect
-                          and b.writing is None), key=lambda b: b.last_use)
+        # make room, then try again: a write-back finishes (blocks not in use first), else the least
+        # recently used clean block goes back to its mappings
+        writing = sorted((b for b in self.blocks if b.writing is not None), key=lambda b: b.index in protect)
+        if writing:
+            self._settle_block(writing[0], wait=True)
+            return self._take_slot(protect)
+        victims = sorted((b for b in self.blocks if b.slot is not None and b.index not in protect),
+                         key=lambda b: b.last_use)
         if not victims:
             return None
         self.release(victims[0].index)
-        return self._free.pop()
+        return self._take_slot(protect)
 
     def _give_back(self, block: _Block) -> None:
         if block.slot is not None and self.pin and torch.cuda.is_available():
