@@ -284,9 +284,11 @@ class SwapEngine:
                 pending.result()
         block.writing = block.reading = None
         if block.slot is None:
-            block.slot = self._take_slot({index})
-            if block.slot is None:
-                raise RuntimeError("whalepy: no staging slot free for the disk tier")
+            # a buffer of its own, not one from the pool: making room there would send another block
+            # back to its files and lose what was written into it in place (released when written back)
+            buf = torch.empty(block.nbytes, dtype=torch.uint8)
+            block.slot = buf.pin_memory() if self.pin else buf
+            self._allocated += block.nbytes
         storage = block.slot.untyped_storage()
         for it in block.items:
             block.slot[it.slot_offset: it.slot_offset + it.nbytes].view(it.dtype).copy_(flats[it.name])

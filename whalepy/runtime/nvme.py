@@ -19,8 +19,9 @@ PyTorch has no disk tier, so whalepy adds one around FSDP2 and the user's optimi
 
 Between steps every file-homed tensor is a view of a private (read-only use) mapping of its current
 file, so ``optimizer.state_dict()``, ``get_state_dict`` and DCP read it like any other tensor
-(checkpoints are unchanged). After ``optimizer.load_state_dict`` (fresh tensors) call
-:meth:`NvmeTier.offload` to re-home them. Scalar states (AdamW's ``step``) stay in memory and are
+(checkpoints are unchanged). After ``optimizer.load_state_dict`` (fresh tensors), or any write into
+these tensors in place outside a step (``pm.load`` and ``pm.load_state_dict`` do it themselves), call
+:meth:`NvmeTier.offload`: a private mapping does not carry such writes to the file. Scalar states (AdamW's ``step``) stay in memory and are
 recorded in the manifest. Files are written atomically in two generations with a manifest as commit
 point (docs/runtime.md, "Disk tier"); the directory is removed at exit unless ``keep``.
 """
@@ -251,7 +252,8 @@ class NvmeTier:
     @torch.no_grad()
     def offload(self) -> None:
         """Write the current values of parameters and states (a checkpoint load may have written them
-        in place, or replaced the state tensors) to their files."""
+        in place, or replaced the state tensors) to their files. Block by block, and no block goes back
+        to its files before its own values are taken (:meth:`SwapEngine.capture`)."""
         for i in range(len(self._params)):
             self.engine.capture(i)
             self._adopt(i)
