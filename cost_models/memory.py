@@ -87,6 +87,9 @@ def estimate_model_state_bytes(
     optimizer_tier: Tier | str = Tier.GPU,
     optimizer_bytes_per_param: float = ADAM_STATE_BYTES_PER_PARAM,
     working_param_bytes: float = 0.0,
+    largest_block_params: float = 0.0,
+    prefetch_depth: int = 1,
+    num_blocks: int | None = None,
 ) -> ModelStateBytes:
     """Model-state bytes per device that whalepy's runtime holds for ``num_params`` (P) local parameters
     (this rank's, after tensor and pipeline parallelism) on ``dp_degree`` (d) replicas.
@@ -106,12 +109,21 @@ def estimate_model_state_bytes(
       backward: ``b P`` working, ``b`` the bytes of the compute dtype.
     - Tiers: ``param_tier = optimizer_tier = cpu`` (FSDP2 ``CPUOffloadPolicy``) moves the parameter,
       gradient and optimizer shards to the host; ``optimizer_tier = nvme`` moves the optimizer part to
-      files. ``param_tier = gpu, optimizer_tier = cpu`` (ZeRO-Offload, lowered to FSDP2,
-      :mod:`whalepy.runtime.host_optimizer`): the device keeps its parameter shard in the compute
-      dtype, ``b P / d``, and no gradients (each shard's gradient leaves for the host when FSDP2 has reduced it); the host
-      keeps an fp32 master copy, an fp32 gradient buffer and the optimizer states of that shard,
-      ``(4 + 4 + K) P / d``. Combinations :func:`whalepy._capabilities.state_option_error` refuses
-      raise ValueError.
+      files; ``param_tier = nvme`` (FSDP2 host shards homed in files) moves the parameter shards to
+      files and keeps the gradient shards on the host. ``param_tier = gpu, optimizer_tier = cpu``
+      (ZeRO-Offload, lowered to FSDP2, :mod:`whalepy.runtime.host_optimizer`): the device keeps its
+      parameter shard in the compute dtype, ``b P / d``, and no gradients (each shard's gradient leaves
+      for the host when FSDP2 has reduced it); the host keeps an fp32 master copy, an fp32 gradient
+      buffer and the optimizer states of that shard, ``(4 + 4 + K) P / d``. Combinations
+      :func:`whalepy._capabilities.state_option_error` refuses raise ValueError.
+    - Disk tier (:mod:`whalepy.runtime.nvme`): files hold ``FILE_GENERATIONS`` (2) generations of
+      what they hold; the host holds ``staging_slots(prefetch_depth, num_blocks)`` staging buffers
+      (``num_blocks``: the stage's blocks on the disk tier, when known), each the
+      file-homed bytes of the largest block (``largest_block_params`` local parameters before the dp
+      split: ``4`` bytes each for nvme parameters plus ``K`` for nvme optimizer states, divided by d
+      where the lowering shards them). Device parameters with nvme optimizer states add the stepped
+      block's states (``K`` times the largest block's share) to the working set: the step's device
+      copy (none on CPU runs, where the device is the host).
     """
     from whalepy._capabilities import (
         LoweringKind,
@@ -147,12 +159,24 @@ def estimate_model_state_bytes(
         # states are on the host
         return ModelStateBytes(params=min(low, MASTER_PARAM_BYTES) * psi / d, grads=0.0, optimizer=0.0,
                                working_params=working, cpu=MASTER_PARAM_BYTES * psi / d + grads + optimizer)
-    if uses_cpu_offload_policy(param_tier, optimizer_tier):
+    if param_tier is Tier.NVME:
+        nvme, cpu, params, grads = params, grads, 0.0, 0.0
+    elif uses_cpu_offload_policy(param_tier, optimizer_tier):
         cpu, params, grads = params + grads, 0.0, 0.0
     if optimizer_tier is Tier.CPU:
         cpu, optimizer = cpu + optimizer, 0.0
     elif optimizer_tier is Tier.NVME:
-        nvme, optimizer = optimizer, 0.0
+        nvme, optimizer = nvme + optimizer, 0.0
+    if nvme:
+        from whalepy._capabilities import FILE_GENERATIONS, staging_slots
+
+        nvme *= FILE_GENERATIONS
+        share = largest_block_params if kind is LoweringKind.DDP else largest_block_params / d
+        slot = ((MASTER_PARAM_BYTES if param_tier is Tier.NVME else 0.0)
+                + (k if optimizer_tier is Tier.NVME else 0.0)) * share
+        cpu += staging_slots(prefetch_depth, num_blocks) * slot
+        if param_tier is Tier.GPU:  # the step copies the stepped block's states to the device
+            working += k * share
     return ModelStateBytes(params=params, grads=grads, optimizer=optimizer, working_params=working,
                            cpu=cpu, nvme=nvme)
 

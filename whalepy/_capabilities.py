@@ -33,6 +33,7 @@ from whalepy.cost_models.devices import DeviceType
 from whalepy.plan import Schedule, Tier, ZeroStage
 
 __all__ = [
+    "FILE_GENERATIONS",
     "LoweringKind",
     "check_pipeline",
     "check_state_option",
@@ -42,6 +43,7 @@ __all__ = [
     "resolve_precision",
     "schedule_error",
     "sequence_parallel_error",
+    "staging_slots",
     "state_option_error",
     "steps_on_host",
     "uses_cpu_offload_policy",
@@ -78,16 +80,31 @@ def choose_lowering_kind(zero: ZeroStage | int, dp: int, *, tp: int, pp: int, of
 
 
 def offloads_to_host(param_tier: Tier | str, optimizer_tier: Tier | str) -> bool:
-    """Whether a block with these tiers keeps model states in host memory (a ``cpu`` tier); such a
-    stage is lowered to FSDP2 (:func:`choose_lowering_kind`). ``nvme`` optimizer states are kept in
-    files around the optimizer instead."""
-    return Tier.CPU in (Tier(param_tier), Tier(optimizer_tier))
+    """Whether a block with these tiers keeps model states off the device through the host: a ``cpu``
+    tier (FSDP2's ``CPUOffloadPolicy`` or whalepy's host optimizer) or parameters on ``nvme`` (host shards
+    whose home is a file); such a stage is lowered to FSDP2 (:func:`choose_lowering_kind`). ``nvme``
+    optimizer states alone are kept in files around the optimizer instead."""
+    return Tier.CPU in (Tier(param_tier), Tier(optimizer_tier)) or Tier(param_tier) is Tier.NVME
+
+
+FILE_GENERATIONS = 2
+"""Generations of every disk-tier file: the last committed step's and the one being written
+(:mod:`whalepy.runtime._durable`), so a crash mid-write leaves the committed one whole."""
+
+
+def staging_slots(prefetch_depth: int, num_blocks: int | None = None) -> int:
+    """Staging buffers of a rank's disk tier (:mod:`whalepy.runtime._swap`), each the size of its largest
+    block's file-homed tensors: the block in use, ``prefetch_depth`` blocks ahead, one being written back;
+    never more than the ``num_blocks`` blocks of the tier (one buffer per block at most)."""
+    n = max(1, prefetch_depth) + 2
+    return n if num_blocks is None else max(1, min(n, num_blocks))
 
 
 def uses_cpu_offload_policy(param_tier: Tier | str, optimizer_tier: Tier | str) -> bool:
     """Whether a block is lowered with FSDP2's ``CPUOffloadPolicy`` (parameters, gradients and
-    optimizer states on the host): its parameters are on the host."""
-    return Tier(param_tier) is Tier.CPU
+    optimizer states on the host): its parameters are on the host, or on NVMe (host shards homed in
+    files)."""
+    return Tier(param_tier) in (Tier.CPU, Tier.NVME)
 
 
 def steps_on_host(param_tier: Tier | str, optimizer_tier: Tier | str) -> bool:
@@ -101,21 +118,23 @@ def state_option_error(zero: ZeroStage | int, param_tier: Tier | str, optimizer_
     """Why the runtime cannot lower this state option, or None when it can.
 
     Lowered: any ZeRO stage with everything on the device; ``optimizer_tier = nvme`` with parameters
-    on the device or the host (optimizer states in memory-mapped files, :mod:`whalepy.runtime.nvme`);
-    parameters AND optimizer states on the host (FSDP2 ``CPUOffloadPolicy``, which moves parameters,
-    gradients and optimizer states together; any ZeRO stage, lowered to FSDP2); parameters on the
-    device with optimizer states on the host (ZeRO-Offload, :mod:`whalepy.runtime.host_optimizer`;
-    any ZeRO stage, lowered to FSDP2; not under fp16, see below). Not lowered: parameters on NVMe,
-    parameters on the host with optimizer states on the device.
+    on the device or the host (optimizer states in files, stepped block by block,
+    :mod:`whalepy.runtime.nvme`); parameters AND optimizer states on the host (FSDP2
+    ``CPUOffloadPolicy``, which moves parameters, gradients and optimizer states together; any ZeRO
+    stage, lowered to FSDP2); parameters on the device with optimizer states on the host (ZeRO-Offload,
+    :mod:`whalepy.runtime.host_optimizer`; any ZeRO stage, lowered to FSDP2; not under fp16, see below);
+    parameters on NVMe with optimizer states on NVMe or the host (ZeRO-Infinity: FSDP2
+    ``CPUOffloadPolicy`` host shards whose home is a file, staged ahead of use; any ZeRO stage, lowered
+    to FSDP2). Not lowered: parameters on the host or NVMe with optimizer states on the device.
 
     ``precision`` (when given): fp16's dynamic loss scaling skips a step when any gradient anywhere
     overflowed, which is known only after the whole backward, while ZeRO-Offload steps each block's
     optimizer during the backward; so ``(gpu, cpu)`` is refused under fp16."""
     ZeroStage(zero)
     pt, ot = Tier(param_tier), Tier(optimizer_tier)
-    if pt is Tier.NVME:
-        return ("param_tier='nvme' is not lowered: FSDP2 offloads parameters to host memory only; use "
-                "param_tier='cpu' (optimizer_tier may stay 'nvme') or 'gpu'")
+    if pt is Tier.NVME and ot is Tier.GPU:
+        return ("param_tier='nvme' with optimizer_tier='gpu' is not lowered: NVMe parameters are FSDP2 host "
+                "shards, which keep their optimizer states on the host; set optimizer_tier to 'nvme' or 'cpu'")
     if pt is Tier.GPU and ot is Tier.CPU and precision is not None and Precision(precision) is Precision.FP16:
         return ("optimizer_tier='cpu' with param_tier='gpu' (ZeRO-Offload) is not lowered under fp16: the "
                 "host optimizer steps during backward, before loss scaling knows whether to skip the step; "

@@ -12,11 +12,14 @@ one wrapper, so with ``tp > 1`` or ``pp > 1`` ZeRO-0/1 are lowered to FSDP2 with
 ``reshard_after_forward=False`` (ZeRO-2 behaviour: same numerics, less memory) and a log line says
 so. The kind is decided by :func:`whalepy._capabilities.choose_lowering_kind`, which the memory
 model consults too. A block whose parameters are on the ``cpu`` tier gets FSDP2's ``CPUOffloadPolicy``
-(parameters, gradients and optimizer states on the host; ``pin_memory`` only with CUDA); a block with
-parameters on the device and optimizer states on the ``cpu`` tier (ZeRO-Offload) is sharded like any
-other here and :mod:`whalepy.runtime.host_optimizer` takes its gradients and steps it on the host.
-A stage with any ``cpu`` tier is always lowered to FSDP2. ``optimizer_tier = nvme`` needs nothing here (any kind): the optimizer's states of
-those blocks are kept in files by :mod:`whalepy.runtime.nvme`. Tier combinations the runtime does not
+(parameters, gradients and optimizer states on the host; ``pin_memory`` only with CUDA), and with
+``param_tier`` cpu or nvme FSDP2's explicit prefetching fetches the next ``prefetch_depth`` blocks
+(:func:`set_prefetch`). ``param_tier = nvme`` is the same lowering, the host shards then being homed in
+files by :mod:`whalepy.runtime.nvme`. A block with parameters on the device and optimizer states on
+the ``cpu`` tier (ZeRO-Offload) is sharded like any other here and
+:mod:`whalepy.runtime.host_optimizer` takes its gradients and steps it on the host. A stage with any
+such tier is always lowered to FSDP2. ``optimizer_tier = nvme`` needs nothing here (any kind): the
+optimizer's states of those blocks are kept in files by :mod:`whalepy.runtime.nvme`. Tier combinations the runtime does not
 lower (:func:`whalepy._capabilities.state_option_error`) raise :class:`~whalepy.WhalepyError`.
 
 Precision: under FSDP2 every unit gets ``MixedPrecisionPolicy(param_dtype=<bf16|fp16>,
@@ -42,10 +45,10 @@ from whalepy._capabilities import LoweringKind as DataParallelKind
 from whalepy._capabilities import choose_lowering_kind as choose_kind
 from whalepy._capabilities import offloads_to_host, state_option_error, uses_cpu_offload_policy
 from whalepy._errors import WhalepyError
-from whalepy.plan import BlockPlan, Precision, ZeroStage
+from whalepy.plan import BlockPlan, Precision, Tier, ZeroStage
 
 __all__ = ["DataParallelKind", "apply_data_parallel", "build_optimizer", "cast_sharded_params", "choose_kind",
-           "compute_dtype", "offloads_any_block"]
+           "compute_dtype", "fsdp_units", "offloads_any_block", "set_prefetch"]
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +61,9 @@ def compute_dtype(precision: Precision) -> torch.dtype | None:
 
 
 def offloads_any_block(blocks: Iterable[BlockPlan]) -> bool:
-    """Whether any block keeps states in host memory (a ``cpu`` tier: FSDP2's ``CPUOffloadPolicy`` or
-    the host optimizer; ``nvme`` optimizer states are handled around the optimizer)."""
+    """Whether any block keeps states off the device through the host (a ``cpu`` tier: FSDP2's
+    ``CPUOffloadPolicy`` or the host optimizer; or ``nvme`` parameters: host shards homed in files;
+    ``nvme`` optimizer states alone are handled around the optimizer)."""
     return any(offloads_to_host(b.param_tier, b.optimizer_tier) for b in blocks)
 
 
@@ -104,6 +108,7 @@ def apply_data_parallel(
     root_policy = next((p for p in (_offload_policy(bp, device_type) for bp, _ in blocks) if p), None)
     kwargs = {"offload_policy": root_policy} if root_policy is not None else {}
     fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard, **kwargs, **mp)
+    set_prefetch(module, blocks)
     return module
 
 
@@ -164,9 +169,39 @@ def _shared_params(root: nn.Module, units: Sequence[nn.Module]) -> set[int]:
 def _offload_policy(bp: BlockPlan, device_type: str) -> CPUOffloadPolicy | None:
     if uses_cpu_offload_policy(bp.param_tier, bp.optimizer_tier):
         # FSDP2 has one policy for parameters, gradients and optimizer states together (which is why
-        # state_option_error refuses parameters on the host with optimizer states on the device)
-        return CPUOffloadPolicy(pin_memory=device_type == "cuda")
+        # state_option_error refuses a cpu tier for only one of them). NVMe parameters: the shards'
+        # home is a file and the pinned memory is the disk tier's staging buffers (runtime.nvme)
+        return CPUOffloadPolicy(pin_memory=device_type == "cuda" and bp.param_tier is not Tier.NVME)
     return None
+
+
+def fsdp_units(module: nn.Module, mods: Sequence[nn.Module]) -> list[nn.Module]:
+    """The FSDP2 units among a block's modules (not the root, which every block shares)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in mods if m is not module and isinstance(m, FSDPModule)]
+
+
+def set_prefetch(module: nn.Module, blocks: Sequence[tuple[BlockPlan, Sequence[nn.Module]]]) -> int:
+    """FSDP2's explicit prefetching for blocks whose parameters are off the device: the last unit of
+    block ``i`` all-gathers the units of the next ``prefetch_depth`` blocks in forward
+    (``set_modules_to_forward_prefetch``) and of the previous ones in backward
+    (``set_modules_to_backward_prefetch``). NVMe blocks prefetch one block this way (host to device);
+    their disk reads ``prefetch_depth`` ahead are the disk tier's. Returns the blocks configured."""
+    units = [fsdp_units(module, mods) for _, mods in blocks]
+    n = 0
+    for i, (bp, _) in enumerate(blocks):
+        if bp.param_tier is Tier.GPU or not units[i]:
+            continue
+        depth = 1 if bp.param_tier is Tier.NVME else max(1, bp.prefetch_depth)
+        ahead = [u for us in units[i + 1: i + 1 + depth] for u in us]
+        behind = [u for us in units[max(0, i - depth): i][::-1] for u in us]
+        if ahead:
+            units[i][-1].set_modules_to_forward_prefetch(ahead)
+        if behind:
+            units[i][0].set_modules_to_backward_prefetch(behind)
+        n += 1
+    return n
 
 
 def build_optimizer(

@@ -109,6 +109,7 @@ def make_plan(
     param_tier: Tier | str = Tier.GPU,
     optimizer_tier: Tier | str = Tier.GPU,
     activation_offload: bool | Sequence[str] = False,
+    prefetch_depth: int = 1,
     device_type: str = "CPU",
     model_name: str = "model",
     model_fingerprint: str = "unchecked",
@@ -176,7 +177,8 @@ def make_plan(
         stages.append(StagePlan(
             index=s,
             blocks=tuple(BlockPlan(name=n, checkpoint=n in ckpt, param_tier=Tier(param_tier),
-                                   optimizer_tier=Tier(optimizer_tier), activation_offload=n in act_off)
+                                   optimizer_tier=Tier(optimizer_tier), activation_offload=n in act_off,
+                                   prefetch_depth=prefetch_depth)
                    for n in names),
             ranks=tuple(tuple(s * dp * tp + d * tp + t for t in range(tp)) for d in range(dp)),
             device_types=(device_type,) * dp,

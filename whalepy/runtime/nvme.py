@@ -1,84 +1,68 @@
-"""The ``nvme`` tier for optimizer states (ZeRO-Infinity's optimizer offload to NVMe).
+"""The ``nvme`` tier: optimizer states (ZeRO-Infinity's optimizer offload) and parameters
+(ZeRO-Infinity's parameter offload) kept in files, swapped per block through pinned staging buffers.
 
-PyTorch has no NVMe tier, so whalepy adds one around the user's optimizer. Blocks whose
-``BlockPlan.optimizer_tier`` is ``nvme`` keep the tensor states of their parameters (AdamW's
-``exp_avg`` / ``exp_avg_sq``: the local shards under FSDP2, whole tensors under DDP) in files under
-``nvme_dir`` between steps.
+PyTorch has no disk tier, so whalepy adds one around FSDP2 and the user's optimizer
+(:mod:`whalepy.runtime._swap` moves the bytes, :mod:`whalepy.runtime._durable` makes them durable):
 
-Mechanism: every such state tensor is re-homed, right after the step that created it, into a file
-mapped into memory (``torch.from_file(path, shared=True)``, a ``MAP_SHARED`` mapping) and the
-optimizer's state entry is replaced by a tensor over that mapping (a DTensor over it, with the same
-mesh, placements, shape and stride, when the state is a DTensor). The file, not anonymous memory,
-is then the home of the state: the kernel writes the dirty pages back to the file and may drop them
-under memory pressure, and pages them back in on access.
+* ``optimizer_tier = nvme``: the tensor states of the block's parameters (AdamW's ``exp_avg`` /
+  ``exp_avg_sq``: the local shards under FSDP2, whole tensors under DDP) live in files between steps.
+  The optimizer step runs **per block**: block ``i``'s states are read into a staging slot (copied to
+  the device for device parameters), the optimizer steps over block ``i``'s parameters only, and the
+  updated states are written back by the I/O thread while block ``i + 1`` steps; the next
+  ``prefetch_depth`` blocks are read ahead meanwhile.
+* ``param_tier = nvme``: the block's FSDP2 shards (host shards: FSDP2's ``CPUOffloadPolicy``) live in
+  files too. Forward pre-hooks (and, for backward, hooks on the blocks' outputs, in reverse order)
+  stage block ``i`` and read the next ``prefetch_depth`` blocks in the direction of travel, so FSDP2's
+  all-gather of block ``i`` copies from a staging slot while the I/O thread reads the blocks after it;
+  FSDP2's own prefetching (:func:`whalepy.runtime.data_parallel.set_prefetch`) moves the next block to
+  the device. The updated shards are written back with the states after the step.
 
-* Parameters whose local tensors are on the CPU (CPU training, or FSDP2's ``CPUOffloadPolicy``):
-  the optimizer updates the mapped tensors in place (AdamW's ``lerp_`` / ``mul_`` / ``addcmul_``), so
-  there is no copy at all after the first step; paging is the OS's job.
-* Parameters on an accelerator: an optimizer step pre-hook swaps the states in (one device tensor per
-  state, copied from the mapping), the step runs on the device, and the post-hook swaps them out
-  (copied back into the mapping) and frees the device copies. Between steps the device holds none of
-  the NVMe blocks' optimizer states.
-
-Why a mapping rather than ``torch.save`` / ``torch.load`` per step: the state stays an ordinary
-tensor of the optimizer between steps, so ``optimizer.state_dict()``, ``get_state_dict`` and DCP
-read and write it like any other (checkpoints are unchanged), and on the CPU the step itself needs
-no staging buffer. ZeRO-Infinity (Rajbhandari et al., SC'21) swaps per parameter group with
-prefetch overlapping the step; here a swap covers all offloaded states of the optimizer at once and
-is not overlapped with compute (see docs/runtime.md, Limitations). Scalar states (AdamW's ``step``)
-stay in memory. After ``optimizer.load_state_dict`` (which builds fresh tensors) call
-:meth:`NvmeOptimizerStates.offload` to re-home them at once; otherwise the next step does it.
+Between steps every file-homed tensor is a view of a private (read-only use) mapping of its current
+file, so ``optimizer.state_dict()``, ``get_state_dict`` and DCP read it like any other tensor
+(checkpoints are unchanged). After ``optimizer.load_state_dict`` (fresh tensors), or any write into
+these tensors in place outside a step (``pm.load`` and ``pm.load_state_dict`` do it themselves), call
+:meth:`NvmeTier.offload`: a private mapping does not carry such writes to the file. Scalar states (AdamW's ``step``) stay in memory and are
+recorded in the manifest. Files are written atomically in two generations with a manifest as commit
+point (docs/runtime.md, "Disk tier"); the directory is removed at exit unless ``keep``.
 """
 
 from __future__ import annotations
 
-import atexit
 import itertools
 import os
-import re
-import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
-from whalepy._errors import WhalepyError
+from whalepy.runtime._durable import prepare_dir
+from whalepy.runtime._swap import Item, SwapEngine, View
 
-__all__ = ["NvmeOptimizerStates", "default_nvme_dir", "prepare_nvme_dir"]
+__all__ = ["NvmeOptimizerStates", "NvmeTier", "build_nvme_tier", "default_nvme_dir", "prepare_nvme_dir"]
 
 _counter = itertools.count()
+_BOTH = ("param", "state")
 
 
-def default_nvme_dir(root: str | os.PathLike[str] | None, rank: int) -> Path:
-    """This process's directory for one optimizer's NVMe states: ``<root>/whalepy-nvme-<pid>-rank<r>``
-    (a ``-<n>`` suffix for the second and later optimizers of the process); ``root`` defaults to
-    :func:`tempfile.gettempdir`."""
+def default_nvme_dir(root: str | os.PathLike[str] | None, rank: int, *, stable: bool = False) -> Path:
+    """This process's directory for its disk tier: ``<root>/whalepy-nvme-<pid>-rank<r>`` (a ``-<n>``
+    suffix for the second and later tiers of the process); ``stable`` (files kept for a restart):
+    ``<root>/whalepy-nvme-rank<r>``. ``root`` defaults to :func:`tempfile.gettempdir`."""
     base = Path(root) if root is not None else Path(tempfile.gettempdir())
+    if stable:
+        return base / f"whalepy-nvme-rank{rank}"
     n = next(_counter)
     return base / (f"whalepy-nvme-{os.getpid()}-rank{rank}" + (f"-{n}" if n else ""))
 
 
-def prepare_nvme_dir(path: Path, *, user_dir: str | os.PathLike[str] | None = None) -> Path:
-    """Create ``path`` and check that files can be written there; :class:`WhalepyError` naming the
-    directory otherwise. Registers its removal at interpreter exit (the files are swap space, not a
-    checkpoint)."""
-    shown = os.fspath(user_dir) if user_dir is not None else os.fspath(path)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".whalepy-probe"
-        with open(probe, "wb") as f:
-            f.write(b"\0" * 8)
-        probe.unlink()
-    except OSError as e:
-        raise WhalepyError(
-            f"nvme_dir {shown!r} is not writable ({e.strerror or e}); optimizer states of blocks with "
-            "optimizer_tier='nvme' are kept in files there. Pass parallelize(..., nvme_dir=...) a "
-            "writable directory on the node's NVMe drive") from None
-    atexit.register(shutil.rmtree, path, ignore_errors=True)
-    return path
+def prepare_nvme_dir(path: Path, *, user_dir: str | os.PathLike[str] | None = None, keep: bool = False) -> Path:
+    """Create ``path``, check it is writable (:class:`WhalepyError` naming it otherwise) and, unless
+    ``keep``, remove it at interpreter exit."""
+    return prepare_dir(Path(path), user_dir=user_dir, keep=keep)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -88,10 +72,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _rewrap(like: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """``local`` in the DTensor form of ``like`` (same spec: mesh, placements, global shape, stride).
-
-    Built as FSDP2 builds its CPU-offloaded shards (``DTensor(local, spec)``): ``DTensor.from_local``
-    would move a CPU ``local`` onto a GPU mesh's device."""
+    """``local`` in the DTensor form of ``like`` (same spec), built as FSDP2 builds its CPU shards."""
     from torch.distributed.tensor import DTensor
 
     if not isinstance(like, DTensor):
@@ -100,112 +81,280 @@ def _rewrap(like: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 
 
 def _span(t: torch.Tensor) -> int:
-    """Elements of storage a dense tensor of ``t``'s sizes and strides needs."""
+    """Elements of storage a tensor of ``t``'s sizes and strides needs."""
     if t.numel() == 0:
         return 0
     return 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
 
 
-class NvmeOptimizerStates:
-    """Keeps the tensor states of ``params`` in ``optimizer`` in memory-mapped files under
-    ``directory`` between steps (see the module docstring).
+class NvmeTier:
+    """Blocks whose parameters and / or optimizer states live in files under ``directory`` (see the
+    module docstring). Add blocks in model order with :meth:`add_block`, then :meth:`install`."""
 
-    ``always_swap=True`` uses the explicit swap-in / swap-out path even for CPU parameters (the path
-    accelerator parameters take; tests use it to exercise that path without a GPU)."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, params: Iterable[nn.Parameter],
-                 directory: Path, *, always_swap: bool = False) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, directory: Path, *, prefetch_depth: int = 1,
+                 pin: bool = False, keep: bool = False, fsync: bool = True) -> None:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         # under ZeRO-1 the states live in the wrapped per-rank optimizer, which ZeRO's step calls
         self.optimizer = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
         self.directory = Path(directory)
-        self.always_swap = always_swap
-        self._index: dict[int, int] = {}
-        self._params: list[nn.Parameter] = []
-        for p in params:
-            if id(p) not in self._index:
-                self._index[id(p)] = len(self._params)
-                self._params.append(p)
-        # (param index, state key) -> the mapped local tensor that is the state's home
-        self._homes: dict[tuple[int, str], torch.Tensor] = {}
-        self._pre = self.optimizer.register_step_pre_hook(lambda *_: self.swap_in())
-        self._post = self.optimizer.register_step_post_hook(lambda *_: self.offload())
+        self.engine = SwapEngine(self.directory, prefetch_depth=prefetch_depth, pin=pin, fsync=fsync, keep=keep)
+        self._params: list[list[nn.Parameter]] = []  # per block, the optimizer's parameters
+        self._states: list[bool] = []
+        self._param_blocks: list[int] = []  # blocks with file-homed parameters, in model order
+        self._handles: list[Any] = []
+        self._step = None
 
-    # -- what is offloaded ---------------------------------------------------------------------
+    # -- setup -------------------------------------------------------------------------------------
 
-    def _entries(self) -> Iterable[tuple[int, nn.Parameter, dict[str, Any], str, torch.Tensor]]:
-        for p in self._params:
-            state = self.optimizer.state.get(p)
-            if not state:
-                continue
-            for key, v in list(state.items()):
-                if isinstance(v, torch.Tensor) and v.dim() > 0:
-                    yield self._index[id(p)], p, state, key, v
+    def add_block(self, name: str, params: Iterable[nn.Parameter], *, fsdp_params: Sequence[Any] = (),
+                  modules: Sequence[nn.Module] = (), states: bool = True, write: bool = True) -> int:
+        """A block: ``params`` are stepped together; with ``states`` their optimizer states live in
+        files; ``fsdp_params`` (FSDP2 ``FSDPParam``s of host-offloaded shards) live in files too, staged
+        around the forward and backward of ``modules``."""
+        i = self.engine.add_block(name)
+        self._params.append(list({id(p): p for p in params}.values()))
+        self._states.append(states)
+        for k, fp in enumerate(fsdp_params):
+            flat, local = fp._sharded_param_data, fp.sharded_param._local_tensor
+            if flat.device.type != "cpu":
+                raise ValueError("param_tier='nvme' needs FSDP2's CPUOffloadPolicy (host shards)")
+            views = [View.of(flat), View(local, local.storage_offset() - flat.storage_offset(),
+                                         tuple(local.shape), tuple(local.stride()))]
+            self.engine.add_item(i, Item(f"p{k}", flat.dtype, flat.numel(), views), write=write)
+        if fsdp_params:
+            self._param_blocks.append(i)
+            for m in modules:
+                self._handles.append(m.register_forward_pre_hook(self._pre_forward(i), prepend=True))
+                self._handles.append(m.register_forward_hook(self._post_forward(i), prepend=True))
+        return i
 
-    def _swaps(self, p: nn.Parameter) -> bool:
-        return self.always_swap or _local(p).device.type != "cpu"
+    def install(self) -> None:
+        """Replace the optimizer's ``step`` by the per-block step; commit generation 0."""
+        if self._step is None:
+            from whalepy._capabilities import staging_slots
+
+            self.engine.num_slots = staging_slots(self.engine.prefetch_depth, len(self.engine.blocks))
+            self._step = self.optimizer.step
+            self.optimizer.step = self.step  # type: ignore[method-assign]
+            self.engine.commit()
+
+    def close(self) -> None:
+        """Remove the hooks, finish the I/O, remove the files unless ``keep``."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        if self._step is not None:
+            self.optimizer.step = self._step  # type: ignore[method-assign]
+            self._step = None
+        self.engine.close()
+
+    # -- forward / backward ----------------------------------------------------------------------
+
+    def _use(self, i: int, forward: bool) -> None:
+        order = self._param_blocks
+        pos = order.index(i)
+        d = self.engine.prefetch_depth
+        ahead = order[pos + 1: pos + 1 + d] if forward else order[max(0, pos - d): pos][::-1]
+        protect = {i, *ahead}
+        self.engine.settle()
+        self.engine.stage(i, ("param",), protect)
+        for j in ahead:
+            self.engine.prefetch(j, ("param",), protect)
+
+    def _pre_forward(self, i: int) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            self._use(i, forward=True)
+        return hook
+
+    def _post_forward(self, i: int) -> Any:
+        def on_grad(grad: torch.Tensor) -> None:
+            self._use(i, forward=False)
+
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if not torch.is_grad_enabled():
+                return
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(on_grad)
+        return hook
+
+    # -- the step ----------------------------------------------------------------------------------
+
+    def step(self, closure: Any = None) -> Any:
+        """The optimizer step, block by block (see the module docstring): the optimizer's ``step`` runs
+        once for the parameters outside the tier and once per tier block (its step hooks with it);
+        ``closure`` is evaluated once, first."""
+        opt, eng = self.optimizer, self.engine
+        groups = opt.param_groups
+        full = [g["params"] for g in groups]
+        tiered = {id(p) for ps in self._params for p in ps}
+        loss = None
+        if closure is not None:  # evaluated once, not once per block
+            with torch.enable_grad():
+                loss = closure()
+        try:
+            for g, ps in zip(groups, full, strict=True):
+                g["params"] = [p for p in ps if id(p) not in tiered]
+            if any(g["params"] for g in groups):
+                self._step()
+            order = list(range(len(self._params)))
+            d = eng.prefetch_depth
+            eng.settle()
+            for pos, i in enumerate(order):
+                ahead = order[pos + 1: pos + 1 + d]
+                protect = {i, *ahead}
+                eng.stage(i, _BOTH, protect)
+                for j in ahead:
+                    eng.prefetch(j, _BOTH, protect)
+                mine = {id(p) for p in self._params[i]}
+                for g, ps in zip(groups, full, strict=True):
+                    g["params"] = [p for p in ps if id(p) in mine]
+                self._step()
+                self._adopt(i)
+                eng.release(i, dirty=True)
+        finally:
+            for g, ps in zip(groups, full, strict=True):
+                g["params"] = ps
+        eng.extra = {"scalars": self._scalars()}
+        eng.commit()
+        return loss
+
+    def _adopt(self, i: int) -> None:
+        """Give new (first step) or replaced (``load_state_dict``) tensor states of block ``i`` a home."""
+        if not self._states[i]:
+            return
+        block = self.engine.blocks[i]
+        by_name = {it.name: it for it in block.items}
+        for k, p in enumerate(self._params[i]):
+            for key, v in self.optimizer.state.get(p, {}).items():
+                if not isinstance(v, torch.Tensor) or v.dim() == 0:
+                    continue
+                loc = _local(v)
+                name = f"s{k}.{key}"
+                old = by_name.get(name)
+                if old is not None and old.views[0].tensor is loc:
+                    continue
+                dev = loc.device if loc.device.type != "cpu" else None
+                item = Item(name, loc.dtype, _span(loc), [View(loc, 0, tuple(loc.shape), tuple(loc.stride()))],
+                            kind="state", device=dev)
+                self.engine.adopt(i, item, replace=old)
+
+    def _scalars(self) -> dict[str, dict[str, float]]:
+        out: dict[str, dict[str, float]] = {}
+        for i, ps in enumerate(self._params):
+            for k, p in enumerate(ps):
+                for key, v in self.optimizer.state.get(p, {}).items():
+                    if isinstance(v, torch.Tensor) and v.dim() == 0:
+                        out.setdefault(f"{i}.{k}", {})[key] = float(v)
+        return out
+
+    @torch.no_grad()
+    def offload(self) -> None:
+        """Write the current values of parameters and states (a checkpoint load may have written them
+        in place, or replaced the state tensors) to their files. Block by block, and no block goes back
+        to its files before its own values are taken (:meth:`SwapEngine.capture`)."""
+        for i in range(len(self._params)):
+            self.engine.capture(i)
+            self._adopt(i)
+            self.engine.release(i, dirty=True)
+        self.engine.commit()
+        self.engine.flush()
+
+    def resume(self) -> bool:
+        """Point parameters and optimizer states at the last committed generation in ``directory`` (a
+        restart after a crash with ``keep``); False when there is none. Tensor states take the
+        parameter's layout (AdamW's states do)."""
+        manifest = self.engine.last_manifest(self.directory)
+        if manifest is None or manifest.get("step", 0) < 1:
+            return False
+        self.engine.resume(manifest)
+        scalars = manifest.get("extra", {}).get("scalars", {})
+        for i, (ps, saved) in enumerate(zip(self._params, manifest["blocks"], strict=True)):
+            for name, (dtype, numel, size, stride) in saved["items"].items():
+                if not name.startswith("s"):
+                    continue
+                k, key = name[1:].split(".", 1)
+                p = ps[int(k)]
+                dt = getattr(torch, dtype.split(".")[-1])
+                local = torch.empty(0, dtype=dt)  # pointed at the file's mapping just below
+                self.optimizer.state.setdefault(p, {})[key] = _rewrap(p, local)
+                item = Item(name, dt, numel, [View(local, 0, tuple(size), tuple(stride))], kind="state")
+                self.engine.blocks[i].items.append(item)
+                self.engine._map(self.engine.blocks[i], item, self.engine.blocks[i].parity)
+            self.engine._layout(self.engine.blocks[i])
+            for k, p in enumerate(ps):
+                for key, val in scalars.get(f"{i}.{k}", {}).items():
+                    self.optimizer.state.setdefault(p, {})[key] = torch.tensor(val, dtype=torch.float32)
+        return True
+
+    # -- inspection ---------------------------------------------------------------------------------
 
     def files(self) -> list[Path]:
-        """The state files written so far."""
+        """The files of the tier (both generations)."""
         return sorted(self.directory.glob("*.bin"))
 
     @property
     def nbytes(self) -> int:
-        """Bytes of optimizer state held in files."""
-        return sum(t.numel() * t.element_size() for t in self._homes.values())
+        """Bytes of optimizer state held in files (one generation)."""
+        return sum(it.nbytes for b in self.engine.blocks for it in b.items if it.kind == "state")
+
+    @property
+    def param_nbytes(self) -> int:
+        """Bytes of parameter shards held in files (one generation)."""
+        return sum(it.nbytes for b in self.engine.blocks for it in b.items if it.kind == "param")
 
     def is_mapped(self, t: torch.Tensor) -> bool:
-        """Whether state tensor ``t`` is (a DTensor over) one of the file mappings."""
-        loc = _local(t)
-        return any(h.data_ptr() == loc.data_ptr() and h.shape == loc.shape for h in self._homes.values())
+        """Whether ``t`` (a DTensor's local tensor) is a view of one of the file mappings."""
+        ptr = _local(t).untyped_storage().data_ptr()
+        return any(it.mapped is not None and it.mapped.untyped_storage().data_ptr() == ptr
+                   for b in self.engine.blocks for it in b.items)
 
-    # -- moving states -------------------------------------------------------------------------
 
-    def _home(self, i: int, key: str, like: torch.Tensor) -> torch.Tensor:
-        """The mapped tensor for state ``key`` of parameter ``i``, with ``like``'s local sizes, strides
-        and dtype (a new file when there is none yet or the layout changed)."""
-        old = self._homes.get((i, key))
-        if (old is not None and old.shape == like.shape and old.stride() == like.stride()
-                and old.dtype == like.dtype):
-            return old
-        name = re.sub(r"[^A-Za-z0-9_.-]", "_", key)
-        path = self.directory / f"p{i:05d}.{name}.bin"
-        span = _span(like)
-        with open(path, "wb") as f:  # exact size: a shorter file would fault, a longer one misreport
-            f.truncate(span * like.element_size())
-        flat = torch.from_file(os.fspath(path), shared=True, size=span, dtype=like.dtype)
-        home = flat.as_strided(like.shape, like.stride())
-        self._homes[(i, key)] = home
-        return home
+def NvmeOptimizerStates(optimizer: torch.optim.Optimizer, params: Iterable[nn.Parameter], directory: Path,
+                        **kwargs: Any) -> NvmeTier:  # noqa: N802 - the name callers know
+    """A tier of one block: the optimizer states of ``params`` in files under ``directory``."""
+    tier = NvmeTier(optimizer, directory, **kwargs)
+    tier.add_block("states", params)
+    tier.install()
+    return tier
 
-    @torch.no_grad()
-    def offload(self) -> None:
-        """Move every offloaded state that is not in its file yet (new after a first step, swapped in
-        for an accelerator step, or replaced by ``load_state_dict``) into its file, and point the
-        optimizer's state entry at the mapping."""
-        for i, _p, state, key, v in self._entries():
-            loc = _local(v)
-            home = self._homes.get((i, key))
-            if home is not None and home.data_ptr() == loc.data_ptr() and home.shape == loc.shape:
-                continue
-            home = self._home(i, key, loc)
-            home.copy_(loc)
-            state[key] = _rewrap(v, home)
 
-    @torch.no_grad()
-    def swap_in(self) -> None:
-        """Before a step: copy the states of accelerator parameters from their files to the device."""
-        for i, p, state, key, v in self._entries():
-            home = self._homes.get((i, key))
-            if not self._swaps(p) or home is None or home.data_ptr() != _local(v).data_ptr():
-                continue
-            dev = torch.empty_strided(_local(v).shape, _local(v).stride(), dtype=v.dtype,
-                                      device=_local(p).device)
-            dev.copy_(_local(v))
-            state[key] = _rewrap(v, dev)
+def build_nvme_tier(optimizer: torch.optim.Optimizer, blocks: Sequence[tuple[Any, nn.Module, Sequence[nn.Module]]],
+                    *, rank: int, nvme_dir: str | os.PathLike[str] | None, keep: bool = False, pin: bool = False,
+                    planned_file_bytes: float = 0.0) -> NvmeTier:
+    """The disk tier of this rank for ``blocks`` (``(BlockPlan, wrapped root, block modules)`` in model
+    order, after FSDP2 and materialisation): checks the directory and its free space before anything
+    is written, homes the blocks' parameter shards (``param_tier = nvme``) and optimizer states
+    (``optimizer_tier = nvme``) in files and, with ``keep``, resumes the last committed step there."""
+    from whalepy._capabilities import FILE_GENERATIONS
+    from whalepy.cost_models.memory import ADAM_STATE_BYTES_PER_PARAM, MASTER_PARAM_BYTES
+    from whalepy.plan import Tier
+    from whalepy.runtime._durable import check_free_space
+    from whalepy.runtime.data_parallel import fsdp_units
 
-    def close(self) -> None:
-        """Remove the hooks (the files stay until exit)."""
-        self._pre.remove()
-        self._post.remove()
+    directory = prepare_nvme_dir(default_nvme_dir(nvme_dir, rank, stable=keep), user_dir=nvme_dir, keep=keep)
+    seen: set[int] = set()
+    layout = []
+    need = 0.0
+    for bp, root, mods in blocks:
+        params = [p for m in mods for p in m.parameters() if id(p) not in seen]
+        seen |= {id(p) for p in params}
+        units = fsdp_units(root, mods) if bp.param_tier is Tier.NVME else []
+        groups = [u._get_fsdp_state()._fsdp_param_group for u in units]
+        fsdp_params = [fp for g in groups if g is not None for fp in g.fsdp_params]
+        per_param = ((MASTER_PARAM_BYTES if fsdp_params else 0)
+                     + (ADAM_STATE_BYTES_PER_PARAM if bp.optimizer_tier is Tier.NVME else 0))
+        need += per_param * sum(_local(p).numel() for p in params)
+        layout.append((bp, params, fsdp_params, units))
+    check_free_space(directory, max(FILE_GENERATIONS * need, planned_file_bytes), user_dir=nvme_dir)
+    depth = max((bp.prefetch_depth for bp, _, fps, _ in layout if fps), default=1)
+    tier = NvmeTier(optimizer, directory, prefetch_depth=depth, pin=pin, keep=keep)
+    resuming = keep and (tier.engine.last_manifest(directory) or {}).get("step", 0) >= 1
+    for bp, params, fsdp_params, units in layout:
+        tier.add_block(bp.name, params, fsdp_params=fsdp_params, modules=units,
+                       states=bp.optimizer_tier is Tier.NVME, write=not resuming)
+    if resuming:
+        tier.resume()
+    tier.install()
+    return tier

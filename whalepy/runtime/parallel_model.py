@@ -69,7 +69,7 @@ from whalepy.runtime.mesh import RankMeshes, build_meshes, check_world, resolve_
 from whalepy.runtime._amp import AmpContext
 from whalepy.runtime._report import StepReporter, plan_log_lines
 from whalepy.runtime.host_optimizer import HostOptimizer
-from whalepy.runtime.nvme import NvmeOptimizerStates, default_nvme_dir, prepare_nvme_dir
+from whalepy.runtime.nvme import NvmeTier, build_nvme_tier
 from whalepy.runtime.tensor_parallel import apply_tensor_parallel
 
 if TYPE_CHECKING:
@@ -112,6 +112,7 @@ def parallelize(
     loss_parallel: bool = False,
     sync_initial_weights: bool = True,
     nvme_dir: str | os.PathLike[str] | None = None,
+    nvme_keep: bool = False,
     init_fn: InitFn | None = None,
     seed: int = 0,
     checkpoint: str | os.PathLike[str] | None = None,
@@ -128,10 +129,13 @@ def parallelize(
     computed when needed. ``loss_parallel=True`` keeps an LM head's logits vocab-sharded and runs
     ``loss_fn`` under ``torch.distributed.tensor.parallel.loss_parallel`` (``loss_fn`` must then be a
     cross-entropy over DTensor logits). ``sync_initial_weights`` broadcasts rank 0's weights first, so
-    ranks need not seed identically. ``nvme_dir`` is where blocks with ``optimizer_tier = nvme`` keep
-    their optimizer states between steps (this rank's files go in a subdirectory
-    ``whalepy-nvme-<pid>-rank<r>``, removed at exit; default: under :func:`tempfile.gettempdir`);
-    :class:`WhalepyError` if it is not writable. Other ``options`` go to the planner.
+    ranks need not seed identically. ``nvme_dir`` is where blocks with an ``nvme`` tier keep their
+    parameters and / or optimizer states (this rank's files go in a subdirectory
+    ``whalepy-nvme-<pid>-rank<r>``, removed at :meth:`ParallelModel.close` and at exit; default: under
+    :func:`tempfile.gettempdir`); :class:`WhalepyError` before training if it is not writable or lacks
+    the space. ``nvme_keep=True`` keeps the files (subdirectory ``whalepy-nvme-rank<r>``) and, when it
+    already holds a committed step of the same model and plan (a run that crashed), resumes the
+    parameters and optimizer states from it. Other ``options`` go to the planner.
 
     A model built on the meta device is lowered as it is and only this rank's shards are then
     allocated (:mod:`whalepy.runtime.materialize`): filled from ``checkpoint`` (a DCP directory or HF
@@ -196,7 +200,7 @@ def parallelize(
                          device_type=device_type, loss_parallel=loss_parallel,
                          sync_initial_weights=sync_initial_weights, nvme_dir=nvme_dir,
                          init_fn=init_fn, seed=seed, checkpoint=checkpoint,
-                         max_grad_norm=max_grad_norm, log_every=log_every)
+                         max_grad_norm=max_grad_norm, log_every=log_every, nvme_keep=nvme_keep)
 
 
 def _explain_fsdp_view_warning() -> None:
@@ -299,7 +303,8 @@ class ParallelModel:
                  device_type: str, loss_parallel: bool, sync_initial_weights: bool,
                  nvme_dir: str | os.PathLike[str] | None = None, init_fn: InitFn | None = None,
                  seed: int = 0, checkpoint: str | os.PathLike[str] | None = None,
-                 max_grad_norm: float | None = None, log_every: int | None = None) -> None:
+                 max_grad_norm: float | None = None, log_every: int | None = None,
+                 nvme_keep: bool = False) -> None:
         check_pipeline(plan.schedule, num_stages=plan.pp_degree, virtual_stages=plan.virtual_stages,
                        num_microbatches=plan.num_microbatches,
                        sequence_parallel=any(r.style is TPStyle.SEQUENCE for r in plan.tensor_parallel),
@@ -381,7 +386,7 @@ class ParallelModel:
             local_chunks = [list(stage.blocks)]
 
         self._modules: list[nn.Module] = []
-        nvme_blocks: list[tuple[Any, list[nn.Module]]] = []
+        nvme_blocks: list[tuple[Any, nn.Module, list[nn.Module]]] = []
         host_blocks: list[tuple[Any, list[nn.Module]]] = []
         for mod, chunk in zip(local, local_chunks):
             blocks = [(b, [mod.get_submodule(p) for p in block_modules[b.name]]) for b in chunk]
@@ -396,7 +401,8 @@ class ParallelModel:
             self._modules.append(apply_data_parallel(mod, blocks, m.dp_mesh, kind=self.dp_kind,
                                                      zero=stage.zero_stage, device_type=device_type,
                                                      precision=plan.precision))
-            nvme_blocks += [(b, mods) for b, mods in blocks if b.optimizer_tier is Tier.NVME]
+            nvme_blocks += [(b, self._modules[-1], mods) for b, mods in blocks
+                            if Tier.NVME in (b.optimizer_tier, b.param_tier)]
             host_blocks += [(b, mods) for b, mods in blocks if steps_on_host(b.param_tier, b.optimizer_tier)]
         self.init_stats: MaterializeStats | None = None
         if skeleton is not None:
@@ -430,15 +436,14 @@ class ParallelModel:
                       len(self.host_optimizer.blocks), log=log)
         self.optimizer = (build_optimizer(optimizer_factory, params, kind=self.dp_kind, dp_mesh=m.dp_mesh)
                           if params or self.host_optimizer is None else None)
-        # optimizer_tier = nvme: those blocks' optimizer states live in files between steps (after
-        # TP / FSDP2, so the blocks' parameters are the sharded ones the optimizer holds)
-        self.nvme: NvmeOptimizerStates | None = None
-        nvme_params = [p for _, mods in nvme_blocks for mod in mods for p in mod.parameters()]
-        if nvme_params:
-            directory = prepare_nvme_dir(default_nvme_dir(nvme_dir, rank=m.rank), user_dir=nvme_dir)
-            self.nvme = NvmeOptimizerStates(self.optimizer, nvme_params, directory)
-            log.info("whalepy: optimizer states of %d blocks (%d parameters) kept in files under %s",
-                     len(nvme_blocks), len(self.nvme._params), directory)
+        # the disk tier (after TP / FSDP2 and materialisation, so its files hold this rank's shards)
+        self.nvme: NvmeTier | None = None
+        if nvme_blocks:
+            self.nvme = build_nvme_tier(self.optimizer, nvme_blocks, rank=m.rank, nvme_dir=nvme_dir,
+                                        keep=nvme_keep, pin=device_type == "cuda",
+                                        planned_file_bytes=stage.cost.nvme_state_bytes)
+            log.info("whalepy: %d blocks keep parameters and / or optimizer states in files under %s",
+                     len(nvme_blocks), self.nvme.directory)
         self.amp = AmpContext(plan.precision, device)
         self.schedule = None
         if pp > 1:
@@ -605,6 +610,12 @@ class ParallelModel:
         optimizers, view = self._optimizers()
         load_train_state(path, self._modules, optimizers)
         self._after_load(view)
+
+    def close(self) -> None:
+        """Finish the disk tier's writes and remove its files (kept with ``nvme_keep``)."""
+        if self.nvme is not None:
+            self.nvme.close()
+            self.nvme = None
 
     # -- tied parameters -----------------------------------------------------------------------
 

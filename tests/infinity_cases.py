@@ -1,0 +1,170 @@
+"""Per-rank workers for the disk-tier tests (no tests here): ZeRO-Infinity layouts (parameters and / or
+optimizer states in files) against the single-process run, and the bytes they hold against the memory
+model.
+
+Held bytes, measured after the third step (both file generations exist and the staging pool is in its
+steady state):
+
+- files: the sizes of the tier's files on disk (``stat``), both generations;
+- host: the staging pool's buffers (:attr:`SwapEngine.staging_bytes`), plus every parameter,
+  gradient and optimizer-state storage FSDP2 offloads to the host that is not homed in a file;
+- device: every other parameter / optimizer-state storage, and the gradients of device parameters.
+
+Gradients are measured at the third step's optimizer step (they are freed after it); parameters and
+states after it. On these CPU runs device and host are the same memory: the split follows FSDP2's own
+record of what it offloaded, as in ``precision_cases.measure_held``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from precision_cases import _offloaded_params, _storage
+from runtime_cases import (
+    Case, adamw, batches, build_model, case_profile, full_params, lm_loss, make_case_plan, reference_run)
+
+
+_REFERENCES: dict[tuple, Any] = {}
+
+
+def _reference(case: Case, data: list) -> Any:
+    """The single-process run of ``case``'s model on ``data`` (cached: several cases share one)."""
+    key = (case.kind, case.num_layers, case.global_batch, case.steps)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = reference_run(case.kind, data, case.num_layers)
+    return _REFERENCES[key]
+
+
+def _held(pm: Any, grads: dict[str, int]) -> dict[str, int]:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    modules = pm.module if isinstance(pm.module, list) else [pm.module]
+    params = list({id(p): p for m in modules for p in m.parameters()}.values())
+    offloaded = _offloaded_params(modules)
+    opt = pm.optimizer.optim if isinstance(pm.optimizer, ZeroRedundancyOptimizer) else pm.optimizer
+    nv = pm.nvme
+    out = {"device": grads["device"], "host": grads["host"] + (nv.engine.staging_bytes if nv else 0),
+           "files": nv.engine.file_bytes if nv else 0}
+    seen: set[int] = set()
+    tensors = [(p, p) for p in params] + [(v, p) for p in params for v in opt.state.get(p, {}).values()
+                                          if isinstance(v, torch.Tensor) and v.dim() > 0]
+    for t, owner in tensors:
+        ptr, nbytes = _storage(t)
+        if ptr in seen or nbytes == 0:
+            continue
+        seen.add(ptr)
+        if nv is not None and nv.is_mapped(t):
+            continue  # homed in a file: counted by the files' sizes
+        out["host" if id(owner) in offloaded else "device"] += nbytes
+    return out
+
+
+def _grads(pm: Any) -> dict[str, int]:
+    modules = pm.module if isinstance(pm.module, list) else [pm.module]
+    offloaded = _offloaded_params(modules)
+    out = {"device": 0, "host": 0}
+    seen: set[int] = set()
+    for p in {id(p): p for m in modules for p in m.parameters()}.values():
+        if p.grad is None:
+            continue
+        ptr, nbytes = _storage(p.grad)
+        if ptr not in seen:
+            seen.add(ptr)
+            out["host" if id(p) in offloaded else "device"] += nbytes
+    return out
+
+
+def predicted(case: Case, stage: Any) -> dict[str, float] | None:
+    """The memory model's bytes for a rank of plan stage ``stage`` (None under TP: the local share of
+    each parameter is the planner's business, not this test's)."""
+    from whalepy.cost_models.memory import estimate_model_state_bytes
+
+    if case.tp > 1:
+        return None
+    prof = case_profile(case.kind, case.num_layers)
+    sizes = [prof.block(b.name).num_params for b in stage.blocks]
+    extra = case.extra
+    est = estimate_model_state_bytes(
+        num_params=sum(sizes), zero_stage=case.zero, dp_degree=case.dp, pp_degree=case.pp,
+        precision="fp32", param_tier=extra.get("param_tier", "gpu"),
+        optimizer_tier=extra.get("optimizer_tier", "gpu"), largest_block_params=max(sizes),
+        prefetch_depth=extra.get("prefetch_depth", 1), num_blocks=len(sizes))
+    return {"device": est.resident, "host": est.cpu, "files": est.nvme}
+
+
+def infinity_case(case: Case, root: str) -> dict[str, Any]:
+    """Per rank: train the reference and the lowered plan for ``case.steps`` steps; compare; measure."""
+    from whalepy.runtime import parallelize
+
+    data = batches(case.global_batch, case.steps)
+    ref_losses, ref_params = _reference(case, data)
+    nvme_dir = os.path.join(root, case.name.replace(" ", "_"))
+    pm = parallelize(build_model(case.kind, case.num_layers), None, example_inputs=(data[0][0][:2],),
+                     loss_fn=lm_loss, optimizer=adamw, global_batch=case.global_batch,
+                     plan=make_case_plan(case), profile=case_profile(case.kind, case.num_layers),
+                     nvme_dir=nvme_dir)
+    seen: list[dict[str, int]] = []
+    inner = pm.optimizer.step
+
+    def measured_step(*args: Any, **kwargs: Any) -> Any:
+        seen.append(_grads(pm))
+        return inner(*args, **kwargs)
+
+    pm.optimizer.step = measured_step
+    losses = [pm.train_step(x, y).item() for x, y in data]
+    if pm.nvme is not None:
+        pm.nvme.engine.settle(wait=True)
+    held = _held(pm, seen[-1])
+    params = full_params(pm)
+    directory = pm.nvme.directory if pm.nvme is not None else None
+    out = {"name": case.name, "kind": pm.dp_kind.value, "held": held, "predicted": predicted(case, pm.meshes.stage),
+           "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
+           "param_err": max((params[k] - ref_params[k]).abs().max().item() for k in params),
+           "param_files": pm.nvme.param_nbytes if pm.nvme is not None else 0}
+    pm.close()
+    out["removed"] = directory is None or not directory.exists()
+    return out
+
+
+def restart_case(case: Case, root: str, split: int = 2) -> dict[str, Any]:
+    """Per rank: train ``split`` steps with ``nvme_keep=True``, abandon the run (as a crash would: no
+    close), start again from a differently initialised model on the same ``nvme_dir`` and train the
+    rest: parameters and optimizer states come from the files of the last committed step."""
+    from whalepy.runtime import parallelize
+
+    data = batches(case.global_batch, case.steps)
+    ref_losses, ref_params = _reference(case, data)
+    nvme_dir = os.path.join(root, "restart-" + case.name.replace(" ", "_"))
+
+    def launch(model: torch.nn.Module) -> Any:
+        return parallelize(model, None, example_inputs=(data[0][0][:2],), loss_fn=lm_loss, optimizer=adamw,
+                           global_batch=case.global_batch, plan=make_case_plan(case),
+                           profile=case_profile(case.kind, case.num_layers), nvme_dir=nvme_dir, nvme_keep=True)
+
+    first = launch(build_model(case.kind, case.num_layers))
+    losses = [first.train_step(x, y).item() for x, y in data[:split]]
+    first.nvme.engine.flush()  # the step is committed; the process "dies" here
+    torch.manual_seed(123)
+    other = build_model(case.kind, case.num_layers)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.normal_()
+    second = launch(other)
+    resumed_at = second.nvme.engine.step_count
+    losses += [second.train_step(x, y).item() for x, y in data[split:]]
+    params = full_params(second)
+    second.close()
+    return {"name": "restart " + case.name, "resumed_at": resumed_at, "kept": os.path.isdir(nvme_dir),
+            "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
+            "param_err": max((params[k] - ref_params[k]).abs().max().item() for k in params)}
+
+
+def infinity_cases(cases: list[Any], root: str) -> list[dict[str, Any]]:
+    """Each item: a :class:`Case` (:func:`infinity_case`) or ``("restart", case)`` (:func:`restart_case`)."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+    return [restart_case(c[1], root) if isinstance(c, tuple) else infinity_case(c, root) for c in cases]
