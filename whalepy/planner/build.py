@@ -118,7 +118,10 @@ def build_plan(ev: Evaluation, *, ctx: CostContext, global_batch: int, result: S
                            bubble_s=max(0.0, M * ev.T + ev.bubble_s - M * st.time_s),
                            memory_bytes=int(tight.memory_bytes), capacity_bytes=int(tight.cell.capacity),
                            **memory_breakdown(tight), tp_comm_s=worst.tp_s, p2p_s=worst.p2p_s,
-                           dp_comm_s=worst.dp_exposed_s, **_held_state_bytes(ctx, cand, st),
+                           dp_comm_s=worst.dp_exposed_s,
+                           **_held_state_bytes(ctx, cand, st, [prof.blocks[i] for k in range(V)
+                                                              for i in range(starts[s + k * S], starts[s + k * S + 1])],
+                                               depth),
                            **_chunk_phase_times(worst, st))))
     rank_types = tuple(d.device.name for d in hw.cluster.rank_devices())
     samples = global_batch / step
@@ -151,9 +154,14 @@ def _chunk_phase_times(worst, st) -> dict[str, tuple[float, ...]]:  # type: igno
     return {"chunk_forward_s": tuple(fwd), "chunk_backward_s": tuple(b - f for b, f in zip(busy, fwd))}
 
 
-def _held_state_bytes(ctx: CostContext, cand: Candidate, st) -> dict[str, int]:  # type: ignore[no-untyped-def]
-    """StageCost's model-state fields: what a device of the stage holds between uses, by place."""
-    held = stage_model_states(ctx, cand, st.option, st.local_params)
+def _held_state_bytes(ctx: CostContext, cand: Candidate, st, blocks, depth: int) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    """StageCost's model-state fields: what a device of the stage holds between uses, by place (with
+    the disk tier's staging buffers: its largest block's local parameters, the prefetch depth and the
+    stage's block count, as the runtime sizes them)."""
+    largest = max((b.num_params / cand.tp if cand.tp > 1 and tp_applies(b, cand.tp) else b.num_params
+                   for b in blocks), default=0.0)
+    held = stage_model_states(ctx, cand, st.option, st.local_params, largest_block_params=largest,
+                              prefetch_depth=depth, num_blocks=len(blocks))
     return {"model_state_bytes": round(held.resident), "host_state_bytes": round(held.cpu),
             "nvme_state_bytes": round(held.nvme)}
 

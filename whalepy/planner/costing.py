@@ -457,13 +457,16 @@ def node_fits(cc: CandidateCoeffs, cpu_bytes: Sequence[float], nvme_bytes: Seque
 
 
 def stage_model_states(ctx: CostContext, cand: Candidate, option: StateOption, num_params: float, *,
-                       working_param_bytes: float = 0.0) -> ModelStateBytes:
+                       working_param_bytes: float = 0.0, largest_block_params: float = 0.0,
+                       prefetch_depth: int = 1, num_blocks: int | None = None) -> ModelStateBytes:
     """Model-state bytes per device of a stage of ``cand`` with ``num_params`` local parameters under
-    ``option``, as the runtime lowers it (:func:`estimate_model_state_bytes`)."""
+    ``option``, as the runtime lowers it (:func:`estimate_model_state_bytes`; the last three size the
+    disk tier's staging buffers)."""
     return estimate_model_state_bytes(
         num_params=num_params, zero_stage=option.zero, dp_degree=cand.dp, tp_degree=cand.tp,
         pp_degree=cand.num_stages, precision=ctx.precision, param_tier=option.param_tier,
-        optimizer_tier=option.optimizer_tier, working_param_bytes=working_param_bytes)
+        optimizer_tier=option.optimizer_tier, working_param_bytes=working_param_bytes,
+        largest_block_params=largest_block_params, prefetch_depth=prefetch_depth, num_blocks=num_blocks)
 
 
 def _undominated(options, sync, mem, cpu, nvme, working, buffers, cells):  # type: ignore[no-untyped-def]
