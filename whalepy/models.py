@@ -115,7 +115,8 @@ class GPT(nn.Module):
         )
         # untied by default: a tied head makes the embedding and the head one pipeline-crossing parameter
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.apply(self._init_weights)
+        if not self.lm_head.weight.is_meta:  # on meta there is nothing to fill; materialisation runs
+            self.apply(self._init_weights)   # _init_weights per module (whalepy.runtime.materialize)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.transformer.wte.weight
 
