@@ -10,7 +10,8 @@
    before the first run is one ``EMBEDDING`` block ``"embed"``, everything after the last run one
    ``HEAD`` block ``"head"``, and what runs between two runs (T5's encoder final norm and decoder
    embedding) an ``OTHER`` block ``"glue.<k>"``. Empty ones are left out; a model without runs is
-   one ``OTHER`` block ``"model"``.
+   one ``OTHER`` block ``"model"``. When one of these would hold modules of different ``stage()``
+   scopes, each module opening a stage scope becomes an ``OTHER`` block of its own (named by its path).
 3. **Nodes.** A node inside a run member (by its innermost module path) belongs to that member's
    block. Every other node (code of a container such as the attention-mask construction in
    ``GPT2Model.forward``, the loss in the root module, nodes without a module path) belongs to the
@@ -32,12 +33,14 @@ import re
 import hashlib
 from dataclasses import dataclass
 
+from collections.abc import Mapping
+
 import torch
 import torch.fx as fx
 
 from whalepy.passes.manager import PassContext
 from whalepy.passes.shapes import op_name
-from whalepy.profile import BlockKind
+from whalepy.profile import BlockAnnotations, BlockKind
 
 _CALLS = ("call_function", "call_method", "call_module")
 
@@ -141,9 +144,57 @@ def _top_module(path: str, containers: set[str]) -> str | None:
     return None
 
 
-def assign_blocks(gm: fx.GraphModule, ctx: PassContext, model: torch.nn.Module) -> None:
+def assign_blocks(gm: fx.GraphModule, ctx: PassContext, model: torch.nn.Module,
+                  annotations: Mapping[str, BlockAnnotations] | None = None) -> None:
     """Find the blocks of ``model`` and assign every computing node of ``gm`` to one (see module doc)."""
     runs = find_runs(model)
+    _assign(gm, ctx, model, runs, frozenset())
+    if annotations:
+        promoted = _stage_scopes_to_split(gm, ctx, model, runs, annotations)
+        if promoted:
+            _assign(gm, ctx, model, [*runs, *(Run(_parent(p), (p,)) for p in promoted)], frozenset(promoted))
+
+
+def _parent(path: str) -> str:
+    return path.rsplit(".", 1)[0] if "." in path else ""
+
+
+def _stage_scopes_to_split(gm: fx.GraphModule, ctx: PassContext, model: torch.nn.Module, runs: list[Run],
+                           annotations: Mapping[str, BlockAnnotations]) -> list[str]:
+    """Modules that open a ``stage()`` scope inside a block that would otherwise hold several stages
+    (a model without repeated layers, ``Net`` with a stage for its embedding and one for its MLP): each
+    becomes a block of its own, so the user's stage boundaries are block boundaries."""
+    from whalepy.passes.annotate import lookup
+
+    stages: dict[int, set[int]] = {}
+    for node in ctx.nodes(gm):
+        b = node.meta.get("whalepy.block")
+        path = node.meta.get("whalepy.module_path")
+        if b is not None and path is not None:
+            st = lookup(annotations, path).stage
+            if st is not None:
+                stages.setdefault(b, set()).add(st)
+    specs = gm.meta["whalepy.blocks"]
+    mixed = [specs[b] for b, v in stages.items() if len(v) > 1 and specs[b].kind is not BlockKind.LAYER]
+    if not mixed:
+        return []
+    member_of = _MemberIndex(runs)
+    out = []
+    for path, _ in model.named_modules():
+        if not path or member_of(path) is not None:
+            continue
+        st = lookup(annotations, path).stage
+        if st is None or st == lookup(annotations, _parent(path)).stage:
+            continue
+        if any(path == m or path.startswith(m + ".") or m.startswith(path + ".") for spec in mixed
+               for m in spec.modules) and not any(path.startswith(p + ".") for p in out):
+            out.append(path)
+    return out
+
+
+def _assign(gm: fx.GraphModule, ctx: PassContext, model: torch.nn.Module, runs: list[Run],
+            promoted: frozenset[str]) -> None:
+    """Blocks from ``runs`` (``promoted``: single-module runs made of stage scopes, OTHER blocks)."""
     member_of = _MemberIndex(runs)
     calls = [n for n in gm.graph.nodes if n.op in _CALLS]
     owner = [member_of(n.meta.get("whalepy.module_path", "")) for n in calls]
@@ -189,7 +240,8 @@ def assign_blocks(gm: fx.GraphModule, ctx: PassContext, model: torch.nn.Module) 
         if o is not None:
             block = by_member.get(o[0])
             if block is None:
-                block = by_member[o[0]] = open_block(o[0], BlockKind.LAYER)
+                kind = BlockKind.OTHER if o[0] in promoted else BlockKind.LAYER
+                block = by_member[o[0]] = open_block(o[0], kind)
             current = block
         elif i < first[run_order[0]]:
             block = segment.get("embed")

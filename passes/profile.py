@@ -52,7 +52,7 @@ def analysis_passes(
         ("requires_grad", mark_requires_grad),
         ("annotate", partial(annotate_nodes, annotations=annotations)),
         ("flops", count_flops),
-        ("blocks", partial(assign_blocks, model=model)),
+        ("blocks", partial(assign_blocks, model=model, annotations=annotations)),
         ("memory", count_bytes),
         ("tp_patterns", partial(find_tp_patterns, sequence_parallel=sequence_parallel)),
     ]

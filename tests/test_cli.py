@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -45,6 +47,39 @@ def test_plan_builtin_gpt2_with_capture(cluster_file, tmp_path, capsys) -> None:
                  "--out", str(out)]) == 0
     text = capsys.readouterr()
     assert "captured" in text.err and "samples/s" in text.out
+    assert text.out.startswith("Plan for gpt2 on ")  # the built-in's name, not its class's
+
+
+def _whalepy(*args: str, stdout: int | None = subprocess.PIPE) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", "import sys; from whalepy.cli import main; sys.exit(main())",
+                           *args], stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=300)
+
+
+def test_help_and_version_import_neither_torch_nor_the_planner() -> None:
+    code = ("import sys; from whalepy.cli import main\n"
+            "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    assert e.code == 0, e.code\n"
+            "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'pulp', "
+            "'highspy', 'networkx') or m.startswith('whalepy.planner'))\nprint('HEAVY', heavy)")
+    for args in (["--help"], ["--version"], ["plan", "--help"]):
+        r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert "HEAVY []" in r.stdout, (args, r.stdout[-400:])
+    from whalepy import __version__
+
+    assert _whalepy("--version").stdout.strip() == f"whalepy {__version__}"
+
+
+def test_output_into_a_closed_pipe_ends_quietly(cluster_file) -> None:  # type: ignore[no-untyped-def]
+    """``whalepy plan ... | head -1``: the reader goes away. Here it closes the pipe before the first
+    write, so the write fails every time (with ``head`` that depends on timing and output size)."""
+    cmd = [sys.executable, "-c", "import sys; from whalepy.cli import main; sys.exit(main())", "plan",
+           "synthetic:gpt2", "--cluster", cluster_file, "--global-batch", "16", "--explain", "-q"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.stdout is not None and p.stderr is not None
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=300) == 141, err  # 128 + SIGPIPE, as a shell reports it
+    assert err == "", err  # no BrokenPipeError traceback, nor "Exception ignored ... flush"
 
 
 def test_user_errors_are_one_line_with_exit_code_2(cluster_file, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]

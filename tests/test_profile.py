@@ -126,14 +126,48 @@ def test_stage_annotations_land_on_blocks() -> None:
     assert prof.block("embed").annotations.stage is None
 
 
-def test_stage_boundary_inside_a_block_is_refused() -> None:
+def test_stage_boundary_inside_a_layer_is_refused() -> None:
     model, inputs = _model("gpt2")
-    whalepy.annotate(model, {"transformer.wte": whalepy.stage(), "transformer.wpe": whalepy.stage()})
+    whalepy.annotate(model, {"transformer.h.0.attn": whalepy.stage(), "transformer.h.0.mlp": whalepy.stage()})
     with pytest.raises(whalepy.AnnotationError, match="must fall on a block boundary") as info:
         build_profile(model, inputs)
     msg = str(info.value)
+    assert "block transformer.h.0 contains modules of different stages" in msg
     assert "embed (transformer.wte, transformer.wpe, transformer.drop)" in msg
-    assert "transformer.h.0" in msg
+
+
+def test_stage_scopes_outside_layers_open_blocks() -> None:
+    """Stage scopes that would share a block outside the repeated layers (the embedding's two tables;
+    a model without repeated layers at all) make their modules blocks of their own."""
+    model, inputs = _model("gpt2")
+    whalepy.annotate(model, {"transformer.wte": whalepy.stage(), "transformer.{wpe,h.0-1}": whalepy.stage()})
+    prof = build_profile(model, inputs)
+    assert prof.block("transformer.wte").annotations.stage == 0
+    assert prof.block("transformer.wpe").annotations.stage == 1
+    assert prof.block("transformer.wte").kind is BlockKind.OTHER
+    assert sum(b.num_params for b in prof.blocks) == sum(p.numel() for p in model.parameters())
+
+    class Net(torch.nn.Module):  # the README's class-decorator example
+        def __init__(self) -> None:
+            super().__init__()
+            with whalepy.stage():
+                self.embed = torch.nn.Embedding(64, 32)
+            with whalepy.stage(), whalepy.replicate():
+                self.mlp = MLP()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.mlp(self.embed(x))
+
+    @whalepy.split(4)
+    class MLP(torch.nn.Sequential):
+        def __init__(self) -> None:
+            super().__init__(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 32))
+
+    prof = build_profile(Net(), (torch.zeros(2, 8, dtype=torch.long),))
+    assert [(b.name, b.annotations.stage, b.annotations.split) for b in prof.blocks] == [
+        ("embed", 0, None), ("mlp", 1, 4)]
+    plan = whalepy.plan_from_profile(prof, whalepy.ClusterSpec.local(8), global_batch=8)
+    assert plan.pp_degree == 2 and plan.stages[1].tp_degree == 4  # replicate() over split(4): DP of TP
 
 
 def test_explicit_annotations_argument() -> None:

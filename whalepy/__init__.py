@@ -1,7 +1,15 @@
 """whalepy: annotate a PyTorch model, describe a (possibly mixed-GPU) cluster, get a hybrid-parallel plan
-found by an ILP over a hardware-aware cost model, and train it on PyTorch's native distributed stack."""
+found by an ILP over a hardware-aware cost model, and train it on PyTorch's native distributed stack.
 
-import whalepy._log  # noqa: F401  (whalepy's default log handler)
+``import whalepy`` is cheap: the public names below are imported from their modules on first use
+(PEP 562), so the ``whalepy`` command answers ``--help`` without importing torch.
+"""
+
+import importlib
+import sys
+import types
+
+import whalepy._log  # noqa: F401  (whalepy's default log handler; logging only, no torch)
 from whalepy._errors import (
     AnnotationError,
     CaptureError,
@@ -11,49 +19,70 @@ from whalepy._errors import (
     PlanError,
     WhalepyError,
 )
-from whalepy.cluster import ClusterSpec
-from whalepy.plan import Plan, Precision, Schedule, Tier, ZeroStage
-from whalepy.primitives import (
-    Cluster,
-    Replicate,
-    Split,
-    Stage,
-    annotate,
-    clear_annotations,
-    cluster,
-    replicate,
-    resolve_annotations,
-    split,
-    stage,
-)
-from whalepy.estimate import Estimate, ParallelConfig, estimate
-from whalepy.planner import homogeneous_baseline, plan, plan_from_profile
-from whalepy.profile import ModelProfile, profile
-from whalepy.study import ZeroStudyRow, study_zero
-from whalepy._pseudo_to_real import delink, pseudo_to_real
 
 __version__ = "0.1.0"
 
-_LAZY = {"parallelize": "whalepy.runtime", "ParallelModel": "whalepy.runtime", "calibrate": "whalepy._calibrate",
-         "materialize": "whalepy.runtime.materialize", "export_safetensors": "whalepy.export",
-         "plan_html": "whalepy._show", "plan_timeline_svg": "whalepy._show", "plan_diff": "whalepy._show",
-         "trace_memory": "whalepy.trace", "MemoryTrace": "whalepy.trace"}
-"""Names whose modules import torch.distributed's heavier parts; loaded on first use, so planning
-from the command line does not pay for the runtime."""
+_LAZY = {
+    "ClusterSpec": "whalepy.cluster",
+    **dict.fromkeys(("Plan", "Precision", "Schedule", "Tier", "ZeroStage"), "whalepy.plan"),
+    **dict.fromkeys(("Cluster", "Replicate", "Split", "Stage", "annotate", "clear_annotations", "cluster",
+                     "replicate", "resolve_annotations", "split", "stage"), "whalepy.primitives"),
+    **dict.fromkeys(("Estimate", "ParallelConfig", "estimate"), "whalepy.estimate"),
+    **dict.fromkeys(("homogeneous_baseline", "plan", "plan_from_profile"), "whalepy.planner"),
+    **dict.fromkeys(("ModelProfile", "profile"), "whalepy.profile"),
+    "parallelize": "whalepy.runtime", "ParallelModel": "whalepy.runtime", "calibrate": "whalepy._calibrate",
+    "materialize": "whalepy.runtime.materialize", "export_safetensors": "whalepy.export",
+    **dict.fromkeys(("plan_html", "plan_timeline_svg", "plan_diff"), "whalepy._show"),
+    **dict.fromkeys(("trace_memory", "MemoryTrace"), "whalepy.trace"),
+    **dict.fromkeys(("study_zero", "ZeroStudyRow"), "whalepy.study"),
+    **dict.fromkeys(("delink", "pseudo_to_real"), "whalepy._pseudo_to_real"),
+}
+"""Public name -> the module defining it, imported on first use."""
 
 
 def __getattr__(name: str):  # noqa: ANN202 - module-level lazy attributes (PEP 562)
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(_LAZY[name]), name)
+    module = _LAZY.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
         globals()[name] = value
         return value
+    try:  # a submodule not imported yet (``whalepy.cost_models`` after a bare ``import whalepy``)
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as e:
+        if e.name != f"{__name__}.{name}":
+            raise
     raise AttributeError(f"module 'whalepy' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+class _Package(types.ModuleType):
+    """Four public functions share their names with submodules (``whalepy.plan`` the function and
+    ``whalepy/plan.py``, likewise ``profile``, ``estimate``, ``cluster``). Importing such a submodule
+    sets the package attribute to the module; the function keeps the name, as it did when this
+    package imported everything eagerly."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in _LAZY and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 __all__ = [
     "AnnotationError",
     "MemoryTrace",
+    "ZeroStudyRow",
+    "delink",
+    "plan_diff",
+    "plan_html",
+    "plan_timeline_svg",
+    "pseudo_to_real",
+    "study_zero",
+    "trace_memory",
     "Cluster",
     "Replicate",
     "Split",
@@ -61,25 +90,18 @@ __all__ = [
     "annotate",
     "calibrate",
     "clear_annotations",
-    "delink",
     "estimate",
     "export_safetensors",
     "homogeneous_baseline",
     "materialize",
-    "trace_memory",
     "parallelize",
     "plan",
     "plan_from_profile",
-    "plan_diff",
-    "plan_html",
-    "plan_timeline_svg",
-    "pseudo_to_real",
     "cluster",
     "replicate",
     "resolve_annotations",
     "split",
     "stage",
-    "study_zero",
     "CaptureError",
     "ClusterSpec",
     "ClusterSpecError",
@@ -96,8 +118,5 @@ __all__ = [
     "Tier",
     "WhalepyError",
     "ZeroStage",
-    "ZeroStudyRow",
     "profile",
-    "trace_memory",
-    "MemoryTrace",
 ]

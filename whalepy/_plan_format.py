@@ -110,11 +110,9 @@ def format_plan(plan: Plan) -> str:
                  f"{c.model_tflops_per_gpu:.1f} TFLOP/s per GPU, MFU {100 * c.mfu:.1f}%")
     if len(types) > 1:
         for name, busy in c.busy_by_device_type:
-            share = sum(b for b, s in zip(plan.batch_shares, range(plan.dp_degree))
-                        if any(st.device_types[s] == name for st in plan.stages))
             blocks = [b for st in plan.stages if name in st.device_types for b in st.block_names]
             idle = max(0.0, c.step_time_s - busy)
-            lines.append(f"  {name}: batch share {share}/{plan.global_batch}, blocks {compress_names(blocks)}, "
+            lines.append(f"  {name}: {_samples_by_stage(plan, name)}, blocks {compress_names(blocks)}, "
                          f"busy {_t(busy)}, idle {_t(idle)} per step")
     sv = plan.solver
     gap = "n/a" if math.isnan(sv.mip_gap) else f"{100 * sv.mip_gap:.2g}%"
@@ -139,6 +137,22 @@ def _tiers(stage) -> str:  # type: ignore[no-untyped-def]
         else:
             runs.append([tier, [b.name]])
     return ", ".join(f"{compress_names(names)} {tier}" for tier, names in runs)
+
+
+def _samples_by_stage(plan: Plan, device_type: str) -> str:
+    """Which stages a GPU type runs and how many of each step's samples it processes in them:
+    ``"stage 0: all 512 samples"`` when a pipeline puts one type per stage, ``"stages 0-3: 320/512
+    samples"`` when replicas of one stage are of several types."""
+    by_share: dict[int, list[int]] = {}
+    for st in plan.stages:
+        share = sum(b for b, t in zip(plan.batch_shares, st.device_types) if t == device_type)
+        if share:
+            by_share.setdefault(share, []).append(st.index)
+    parts = []
+    for share, stages in by_share.items():
+        amount = f"all {share} samples" if share == plan.global_batch else f"{share}/{plan.global_batch} samples"
+        parts.append(f"stage{'s' if len(stages) > 1 else ''} {compress_ranks(stages)}: {amount}")
+    return "; ".join(parts)
 
 
 def _memory_lines(plan: Plan) -> list[str]:
@@ -168,6 +182,8 @@ def format_explanation(plan: Plan) -> str:
     if not plan.alternatives:
         lines.append("  no alternatives recorded")
     for a in plan.alternatives:
-        t = "-" if math.isinf(a.step_time_s) else _t(a.step_time_s)
-        lines.append(f"  {a.description}: {t} -- {a.reason}")
+        if math.isinf(a.step_time_s):  # never costed: pruned by its bound, or not allowed
+            lines.append(f"  {a.description}: {a.reason}")
+        else:
+            lines.append(f"  {a.description}: {_t(a.step_time_s)} -- {a.reason}")
     return "\n".join(lines)

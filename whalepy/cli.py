@@ -2,20 +2,26 @@
 ``calibrate`` (whalepy._calibrate),
 ``export`` and ``run`` (whalepy.launch).
 
-Errors whalepy raises on purpose print as one line and exit with code 2, without a traceback.
+Errors whalepy raises on purpose print as one line and exit with code 2, without a traceback. Each
+subcommand's module is imported only when it runs (``COMMANDS``); output piped into ``head`` ends
+quietly with exit code 141.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from whalepy._errors import WhalepyError
 
 EXIT_USER_ERROR = 2
+EXIT_BROKEN_PIPE = 141
+"""128 + SIGPIPE, what a shell reports for a command whose reader closed the pipe."""
 
 
 def _err(msg: str) -> None:
@@ -56,7 +62,8 @@ def _profile(args: argparse.Namespace, progress) -> Any:  # type: ignore[no-unty
     model, inputs = loaded
     progress(f"capturing {args.model}")
     t0 = time.perf_counter()
-    prof = profile(model, inputs)
+    builtin = ":" not in args.model  # a plan of the built-in gpt3-175b is titled gpt3-175b, not by its class
+    prof = profile(model, inputs, model_name=args.model.strip().lower() if builtin else None)
     progress(f"captured {len(prof.blocks)} blocks in {time.perf_counter() - t0:.2f} s")
     return prof
 
@@ -170,23 +177,21 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="whalepy", description="Plan hybrid-parallel training of a PyTorch model.")
-    sub = p.add_subparsers(dest="command", required=True)
+def _model_args(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("model", help="built-in name (gpt2, llama3-8b, ...), package.module:function returning "
+                                  "(model, example_inputs), or synthetic:NAME")
+    sp.add_argument("--cluster", required=True, help="cluster spec (YAML or JSON)")
+    sp.add_argument("--global-batch", type=int, default=None, help="samples per step (default 8 per device)")
+    sp.add_argument("--seq-len", type=int, default=None, help="tokens per sample (built-in models)")
+    sp.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+    sp.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None,
+                    help="training precision (default: bf16 where every device supports it, fp16 on "
+                         "V100/T4-class GPUs, fp32 on CPU device types)")
 
-    def model_args(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("model", help="built-in name (gpt2, llama3-8b, ...), package.module:function returning "
-                                      "(model, example_inputs), or synthetic:NAME")
-        sp.add_argument("--cluster", required=True, help="cluster spec (YAML or JSON)")
-        sp.add_argument("--global-batch", type=int, default=None, help="samples per step (default 8 per device)")
-        sp.add_argument("--seq-len", type=int, default=None, help="tokens per sample (built-in models)")
-        sp.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
-        sp.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None,
-                        help="training precision (default: bf16 where every device supports it, fp16 on "
-                             "V100/T4-class GPUs, fp32 on CPU device types)")
 
-    sp = sub.add_parser("plan", help="find the fastest plan that fits")
-    model_args(sp)
+def _add_plan(sub: Any) -> None:
+    sp = sub.add_parser("plan", help=COMMANDS["plan"].help)
+    _model_args(sp)
     sp.add_argument("--out", help="write the plan as JSON")
     sp.add_argument("--solver", default="highs", choices=("highs", "cbc", "exhaustive"))
     sp.add_argument("--time-limit", type=float, default=60.0, help="search budget in seconds")
@@ -199,7 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--explain", action="store_true", help="also list the alternatives and why they lost")
     sp.set_defaults(func=cmd_plan)
 
-    sp = sub.add_parser("show", help="print a saved plan")
+
+def _add_show(sub: Any) -> None:
+    sp = sub.add_parser("show", help=COMMANDS["show"].help)
     sp.add_argument("plan")
     sp.add_argument("--explain", action="store_true")
     sp.add_argument("--html", metavar="PATH", help="write a self-contained page: devices, memory, pipeline "
@@ -207,13 +214,16 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--svg", metavar="PATH", help="write the pipeline timeline alone as SVG")
     sp.set_defaults(func=cmd_show)
 
-    sp = sub.add_parser("diff", help="what changed between two saved plans, and the predicted effect")
+
+def _add_diff(sub: Any) -> None:
+    sp = sub.add_parser("diff", help=COMMANDS["diff"].help)
     sp.add_argument("first")
     sp.add_argument("second")
     sp.set_defaults(func=cmd_diff)
 
-    sp = sub.add_parser("estimate", help="predict one configuration")
-    model_args(sp)
+def _add_estimate(sub: Any) -> None:
+    sp = sub.add_parser("estimate", help=COMMANDS["estimate"].help)
+    _model_args(sp)
     sp.add_argument("--dp", type=int, required=True)
     sp.add_argument("--tp", type=int, default=1)
     sp.add_argument("--pp", type=int, default=1)
@@ -224,7 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--offload", choices=("cpu", "nvme"))
     sp.set_defaults(func=cmd_estimate)
 
-    sp = sub.add_parser("study", help="studies of a model on a cluster (zero: the ZeRO-stage trade-off)")
+
+def _add_study(sub: Any) -> None:
+    sp = sub.add_parser("study", help=COMMANDS["study"].help)
     studies = sp.add_subparsers(dest="study", required=True)
     sp = studies.add_parser("zero", help="memory, communication and throughput of ZeRO stages 0-3 (and "
                                          "offload) per model size")
@@ -246,11 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
     sp.set_defaults(func=cmd_study_zero)
 
-    from whalepy._calibrate import add_calibrate_subparser
 
-    add_calibrate_subparser(sub)
-
-    sp = sub.add_parser("export", help="write a checkpoint's weights as HF safetensors")
+def _add_export(sub: Any) -> None:
+    sp = sub.add_parser("export", help=COMMANDS["export"].help)
     sp.add_argument("checkpoint", help="DCP directory written by ParallelModel.save (under any plan)")
     sp.add_argument("--to", required=True, help="output directory (loadable with from_pretrained)")
     sp.add_argument("--config", help="the model's HF config.json (default: the one in the checkpoint)")
@@ -260,24 +270,80 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("-q", "--quiet", action="store_true")
     sp.set_defaults(func=cmd_export)
 
-    try:
-        from whalepy import launch
-    except ImportError:
-        launch = None  # type: ignore[assignment]
-    if launch is not None and hasattr(launch, "add_run_subparser"):
-        launch.add_run_subparser(sub)
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    help: str
+    """One line for ``whalepy --help``."""
+    register: str
+    """``module:function`` that adds the subcommand to an argparse sub-parser set (``add_parser(name,
+    ...)``, its arguments, ``set_defaults(func=handler)``); imported only when that subcommand runs, so
+    ``whalepy --help`` imports neither torch nor the planner."""
+
+
+COMMANDS: dict[str, Command] = {
+    "plan": Command("find the fastest plan that fits", "whalepy.cli:_add_plan"),
+    "show": Command("print a saved plan", "whalepy.cli:_add_show"),
+    "diff": Command("what changed between two saved plans, and the predicted effect", "whalepy.cli:_add_diff"),
+    "estimate": Command("predict one configuration", "whalepy.cli:_add_estimate"),
+    "study": Command("studies of a model on a cluster (zero: the ZeRO-stage trade-off)", "whalepy.cli:_add_study"),
+    "calibrate": Command("measure this device and write its device profile (JSON)",
+                         "whalepy._calibrate:add_calibrate_subparser"),
+    "export": Command("write a checkpoint's weights as HF safetensors", "whalepy.cli:_add_export"),
+    "run": Command("launch a training script on N processes (a thin wrapper over torchrun)",
+                   "whalepy.launch:add_run_subparser"),
+}
+"""The subcommands, in the order ``--help`` lists them. Adding one is one entry here plus its
+registering function."""
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser, with every subcommand's arguments when ``command`` is None, else with only those of
+    ``command`` (the others listed by name and help)."""
+    from whalepy import __version__
+
+    p = argparse.ArgumentParser(prog="whalepy", description="Plan hybrid-parallel training of a PyTorch model.")
+    p.add_argument("--version", action="version", version=f"whalepy {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, c in COMMANDS.items():
+        if command is None or name == command:
+            mod_name, fn_name = c.register.split(":")
+            getattr(importlib.import_module(mod_name), fn_name)(sub)
+        else:
+            sub.add_parser(name, help=c.help)
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def _command_in(argv: list[str]) -> str | None:
+    """The subcommand ``argv`` names (its first non-option word), if it is one."""
+    word = next((a for a in argv if not a.startswith("-")), None)
+    return word if word in COMMANDS else None
+
+
+def _quiet_broken_pipe() -> int:
+    """stdout's reader went away (``whalepy plan ... | head``): stop without a traceback, and point
+    stdout at /dev/null so the interpreter's final flush does not raise again."""
     try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    return EXIT_BROKEN_PIPE
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        parser = build_parser(_command_in(argv) or "")
+        args = parser.parse_args(argv)
         if getattr(args, "global_batch", "absent") is None:
             from whalepy.cluster import ClusterSpec
 
             args.global_batch = 8 * ClusterSpec.load(args.cluster).world_size
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        return _quiet_broken_pipe()
     except WhalepyError as e:
         _err(f"error: {e}")
         return EXIT_USER_ERROR

@@ -31,6 +31,11 @@ class GPTConfig:
     """MLP hidden width as a multiple of ``hidden_size``."""
     dropout: float = 0.0
     bias: bool = True
+    tie_embeddings: bool = False
+    """``lm_head`` shares ``transformer.wte``'s weight (GPT-2 and GPT-3 do; the runtime keeps the two
+    copies equal when they land in different pipeline stages)."""
+    gelu_approximate: str = "none"
+    """``nn.GELU``'s ``approximate``: ``"tanh"`` is GPT-2's ``gelu_new``."""
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads:
@@ -72,7 +77,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.fc_in = nn.Linear(cfg.hidden_size, cfg.mlp_ratio * cfg.hidden_size, bias=cfg.bias)
-        self.act = nn.GELU()
+        self.act = nn.GELU(approximate=cfg.gelu_approximate)
         self.fc_out = nn.Linear(cfg.mlp_ratio * cfg.hidden_size, cfg.hidden_size, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
 
@@ -108,9 +113,12 @@ class GPT(nn.Module):
                 ln_f=nn.LayerNorm(cfg.hidden_size),
             )
         )
-        # untied: a tied head would make the embedding and the head one pipeline-crossing parameter
+        # untied by default: a tied head makes the embedding and the head one pipeline-crossing parameter
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.apply(self._init_weights)
+        if not self.lm_head.weight.is_meta:  # on meta there is nothing to fill; materialisation runs
+            self.apply(self._init_weights)   # _init_weights per module (whalepy.runtime.materialize)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.transformer.wte.weight
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:

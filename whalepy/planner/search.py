@@ -103,6 +103,9 @@ def read_annotations(profile: ModelProfile, hw: Hardware) -> Constraints:
             splits.setdefault(a.split, _source(b, f"split({a.split})"))
         if a.replicate is not None:
             reps.setdefault(a.replicate, _source(b, f"replicate({a.replicate})"))
+            if a.replicate == 0 and a.split is None:  # replicate() alone: pure data parallel, TP 1
+                c.tp_one = True                       # (a split inside it gives DP over its TP groups)
+                c.sources.setdefault("replicate", _source(b, "replicate()"))
         if a.stage is not None:
             stages.add(a.stage)
             c.stage_of_block[b.index] = a.stage
@@ -135,9 +138,6 @@ def read_annotations(profile: ModelProfile, hw: Hardware) -> Constraints:
     if rpos:
         c.dp = rpos.pop()
         c.sources["replicate"] = reps[c.dp]
-    if 0 in reps:
-        c.tp_one = True
-        c.sources.setdefault("replicate", reps[0])
     if c.tp_one and (c.tp_above_one or (c.tp or 1) > 1):
         raise AnnotationError(f"{c.sources['replicate']} needs TP 1 but {c.sources['split']} needs TP > 1")
     if stages:

@@ -208,8 +208,13 @@ class Candidate:
             if self.layout == "stages":
                 s += " stages on " + ",".join(groups[row[0]].name for row in self.cell_groups)
             elif self.layout == "replicas":
-                s += " shares " + ",".join(
-                    f"{groups[g].name}:{b}" for g, b in zip(self.cell_groups[0], self.batch_shares))
+                runs: list[list] = []  # "v100:20 x8,t4:12 x8", not sixteen entries
+                for item in (f"{groups[g].name}:{b}" for g, b in zip(self.cell_groups[0], self.batch_shares)):
+                    if runs and runs[-1][0] == item:
+                        runs[-1][1] += 1
+                    else:
+                        runs.append([item, 1])
+                s += " shares " + ",".join(f"{i} x{k}" if k > 1 else i for i, k in runs)
         return s
 
 
