@@ -3,6 +3,7 @@ found by an ILP over a hardware-aware cost model, and train it on PyTorch's nati
 
 from whalepy._errors import (
     AnnotationError,
+    ArgumentError,
     CaptureError,
     ClusterSpecError,
     InfeasibleError,
@@ -48,6 +49,7 @@ def __getattr__(name: str):  # noqa: ANN202 - module-level lazy attributes (PEP 
 
 __all__ = [
     "AnnotationError",
+    "ArgumentError",
     "Cluster",
     "Replicate",
     "Split",

@@ -34,3 +34,9 @@ class PlanError(WhalepyError, ValueError):
 
 class LaunchError(WhalepyError, RuntimeError):
     """The distributed launch does not match the plan (world size, device types, model)."""
+
+
+class ArgumentError(WhalepyError, TypeError, ValueError):
+    """An argument of a whalepy call has the wrong type, value or shape (a model that is not an
+    ``nn.Module``, example inputs the model cannot take, a batch of the wrong size, a loss that is not a
+    scalar). A ``TypeError`` and a ``ValueError`` too, so code catching either keeps working."""

@@ -100,10 +100,28 @@ def cmd_show(args: argparse.Namespace) -> int:
     from whalepy.plan import Plan
 
     plan = Plan.load(args.plan)
+    if args.check:
+        check_plan_cli(plan, args)
     print(plan)
     if args.explain:
         print(plan.explain())
     return 0
+
+
+def check_plan_cli(plan: Any, args: argparse.Namespace) -> None:
+    """``whalepy show --check``: stale costs, and with ``--model`` the plan against that model."""
+    from whalepy._plan_check import check_costs
+
+    check_costs(plan)
+    if args.model:
+        from whalepy.profile import ModelProfile
+
+        loaded = load_model(args.model, batch=1, seq_len=args.seq_len or plan.seq_len)
+        if isinstance(loaded, ModelProfile):
+            plan.check_against(profile=loaded)
+        else:
+            plan.check_against(loaded[0], example_inputs=loaded[1])
+    _err(f"checked {args.plan}: {'consistent with ' + args.model if args.model else 'costs up to date'}")
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
@@ -165,6 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("show", help="print a saved plan")
     sp.add_argument("plan")
     sp.add_argument("--explain", action="store_true")
+    sp.add_argument("--check", action="store_true", help="validate the plan (stale costs; with --model, "
+                    "blocks, TP rules and annotations against the model); exit 2 on a problem")
+    sp.add_argument("--model", help="with --check: the model the plan is for (as for `whalepy plan`)")
+    sp.add_argument("--seq-len", type=int, default=None, help="with --model: tokens per sample (built-in)")
     sp.set_defaults(func=cmd_show)
 
     sp = sub.add_parser("estimate", help="predict one configuration")
@@ -206,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        from whalepy._cli_args import check_cli_args
+
+        check_cli_args(args)
         if getattr(args, "global_batch", "absent") is None:
             from whalepy.cluster import ClusterSpec
 

@@ -447,7 +447,10 @@ class ClusterSpec:
         try:
             data = yaml.safe_load(_read_spec_file(path))
         except yaml.YAMLError as e:
-            raise ClusterSpecError(f"{str(path)!r} is not valid YAML ({e}); fix the syntax") from e
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            what = getattr(e, "problem", None) or " ".join(str(e).split())
+            raise ClusterSpecError(f"{str(path)!r} is not valid YAML: {what}{where}; fix the syntax") from e
         return cls._from_file_data(data, path)
 
     @classmethod

@@ -174,8 +174,13 @@ def estimate(model: Any, cluster: ClusterSpec, config: ParallelConfig | dict[str
              example_inputs: Any, global_batch: int, precision: str | None = None) -> Estimate:
     """Predicted step time and memory of ``config``; ``precision`` None resolves from the cluster as
     the planner does (``PlannerOptions.precision``)."""
+    from whalepy._validate import as_cluster, check_example_inputs, check_model
     from whalepy.profile import profile
 
+    check_model(model, "whalepy.estimate()")
+    cluster = as_cluster(cluster, "whalepy.estimate()")
+    _coerce(config)  # a bad configuration fails before the capture
+    check_example_inputs(model, example_inputs, "whalepy.estimate()")
     return estimate_from_profile(profile(model, example_inputs), cluster, config, global_batch=global_batch,
                                  precision=precision)
 
@@ -230,6 +235,10 @@ def estimate_from_profile(profile: ModelProfile, cluster: ClusterSpec, config: P
 
     from whalepy._capabilities import check_state_option, resolve_precision
 
+    from whalepy._validate import as_cluster, check_positive_int
+
+    cluster = as_cluster(cluster, "whalepy.estimate()")
+    check_positive_int(global_batch, "global_batch", "whalepy.estimate()")
     cfg = _coerce(config)
     sp = sequence_parallel_error(sequence_parallel=has_sequence_rules(profile) and cfg.tp > 1, num_stages=cfg.pp)
     if sp is not None:

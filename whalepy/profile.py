@@ -192,6 +192,9 @@ class ModelProfile:
 def profile(model: Any, example_inputs: Any, **kwargs: Any) -> ModelProfile:
     """Capture ``model`` on ``example_inputs`` (a tuple of tensors, or a dict of keyword inputs) and
     return its :class:`ModelProfile`. Weights are never materialised."""
+    from whalepy._validate import check_example_inputs, check_model
     from whalepy.passes.profile import build_profile
 
+    check_model(model, "whalepy.profile()")
+    check_example_inputs(model, example_inputs, "whalepy.profile()")
     return build_profile(model, example_inputs, **kwargs)

@@ -71,7 +71,7 @@ def build(name: str, *, batch: int = 1, seq_len: int | None = None) -> tuple[Any
         raise WhalepyError(f"unknown built-in model {name!r}; built-in models are: {', '.join(MODELS)} "
                            "(or give package.module:function returning (model, example_inputs))")
     factory, default_seq = MODELS[key]
-    seq = seq_len or default_seq
+    seq = default_seq if seq_len is None else seq_len
     if batch < 1 or seq < 1:
         raise WhalepyError(f"batch ({batch}) and seq_len ({seq}) must be positive")
     kind, cfg = factory()

@@ -35,7 +35,8 @@ import torch.distributed as dist
 from torch import nn
 
 from whalepy._capabilities import check_pipeline
-from whalepy._errors import LaunchError, PlanError, WhalepyError
+from whalepy._validate import check_scalar_loss, max_positions
+from whalepy._errors import ArgumentError, LaunchError, PlanError, WhalepyError
 from whalepy.plan import Plan, Tier, TPStyle
 from whalepy.runtime.checkpointing import (
     apply_activation_checkpointing,
@@ -62,6 +63,7 @@ from whalepy.runtime.materialize import (
 )
 from whalepy.runtime.mesh import RankMeshes, build_meshes, check_world, resolve_device_type
 from whalepy.runtime._amp import AmpContext
+from whalepy.runtime._exit import install_error_hook
 from whalepy.runtime.nvme import NvmeOptimizerStates, default_nvme_dir, prepare_nvme_dir
 from whalepy.runtime.tensor_parallel import apply_tensor_parallel
 
@@ -130,8 +132,18 @@ def parallelize(
     ``reset_parameters()`` and the model's ``_init_weights``, seeded per module from ``seed``, so the
     weights are the same under every plan (and as ``whalepy.materialize(model, seed=seed)``).
     """
-    inputs = _as_tuple(example_inputs)
+    from whalepy._validate import as_cluster, check_example_inputs, check_positive_int
+
+    if is_distributed_launch():
+        install_error_hook()  # a user error below prints once and ends every rank (runtime/_exit.py)
     _check_arguments(model, loss_fn, optimizer)
+    cluster_spec = as_cluster(cluster_spec, "whalepy.parallelize()")
+    check_positive_int(global_batch, "global_batch", "whalepy.parallelize()")
+    check_example_inputs(model, example_inputs, "whalepy.parallelize()")
+    if plan is not None and not isinstance(plan, Plan):
+        raise ArgumentError(f"parallelize(plan=...) takes a whalepy.Plan, got {type(plan).__name__}; load one "
+                            "with whalepy.Plan.load('plan.json', model=model)")
+    inputs = _as_tuple(example_inputs)
     if checkpoint is not None:
         checkpoint_kind(checkpoint)  # a bad path fails here, before planning and lowering
         if not has_meta_tensors(model):
@@ -153,7 +165,8 @@ def parallelize(
         else:
             plan = solve()
     elif options:
-        raise TypeError(f"parallelize() got unexpected options {sorted(options)} with a given plan")
+        raise ArgumentError(f"parallelize() got planner options {sorted(options)} together with a plan; the "
+                            "plan is used as it is: drop the options, or drop plan= to re-plan with them")
     if plan.global_batch != global_batch:
         raise PlanError(f"the plan is for a global batch of {plan.global_batch}, parallelize() was "
                         f"given global_batch={global_batch}; re-plan or pass the plan's batch")
@@ -175,6 +188,13 @@ def parallelize(
                 plan.check_model(profile.fingerprint)
             except PlanError as e:
                 raise LaunchError(str(e)) from None
+    if profile is not None:
+        from whalepy._plan_check import check_plan
+
+        check_plan(plan, profile, model)  # a hand-edited plan fails here, not inside torch
+    if plan.costs_stale and rank == 0:
+        log.warning("whalepy: the plan was edited after its costs were computed; its predicted figures are "
+                    "stale (re-run `whalepy plan` or `whalepy estimate` to update them)")
     return ParallelModel(model, plan, cluster_spec=cluster_spec, example_inputs=inputs,
                          loss_fn=loss_fn, optimizer_factory=optimizer, profile=profile,
                          device_type=device_type, loss_parallel=loss_parallel,
@@ -183,17 +203,21 @@ def parallelize(
 
 
 def _check_arguments(model: nn.Module, loss_fn: Any, optimizer: Any) -> None:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"parallelize() needs an nn.Module, got {type(model).__name__}")
+    from whalepy._validate import check_model
+
+    check_model(model, "whalepy.parallelize()")
     if isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
+        raise ArgumentError(
             f"parallelize(optimizer=...) takes a factory, got a {type(optimizer).__name__} instance: its "
             "parameters are about to be replaced by shards. Pass e.g. "
             "optimizer=lambda params: torch.optim.AdamW(params, lr=3e-4)")
     if not callable(optimizer):
-        raise TypeError(f"parallelize(optimizer=...) must be callable (params -> Optimizer), got {optimizer!r}")
+        raise ArgumentError(f"parallelize(optimizer=...) must be callable (params -> Optimizer), got "
+                            f"{optimizer!r:.60}; pass e.g. optimizer=lambda params: torch.optim.AdamW(params)")
     if not callable(loss_fn):
-        raise TypeError(f"parallelize(loss_fn=...) must be callable (output, targets) -> loss, got {loss_fn!r}")
+        raise ArgumentError(f"parallelize(loss_fn=...) must be callable (output, targets) -> loss, got "
+                            f"{loss_fn!r:.60}; pass e.g. loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), "
+                            "y.flatten())")
 
 
 def _init_process_group(cluster_spec: ClusterSpec) -> str:
@@ -261,7 +285,9 @@ class ParallelModel:
                        sequence_parallel=any(r.style is TPStyle.SEQUENCE for r in plan.tensor_parallel),
                        where="the plan cannot be lowered (whalepy.plan never makes such a plan: re-plan)")
         self.plan = plan
-        self.loss_fn = loss_fn
+        self.loss_fn = _checked_loss(loss_fn)
+        self._example_shapes = [tuple(x.shape[1:]) for x in example_inputs if isinstance(x, torch.Tensor)]
+        self._max_positions = max_positions(model)
         self.loss_parallel = loss_parallel
         self.meshes: RankMeshes = build_meshes(plan, device_type)
         m = self.meshes
@@ -388,10 +414,11 @@ class ParallelModel:
     def train_step(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
         """One optimizer step on the global batch ``(inputs, targets)``; returns its mean loss."""
         inputs = _as_tuple(inputs)
+        self._check_batch(inputs)
         for x in (*inputs, targets):
             if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] != self.plan.global_batch:
                 got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-                raise WhalepyError(
+                raise ArgumentError(
                     f"train_step got a tensor of shape {got}; every rank passes the whole global batch "
                     f"({self.plan.global_batch} samples along dim 0) and whalepy takes this replica's "
                     f"share ({self.plan.batch_shares[self.meshes.replica]} samples)")
@@ -408,6 +435,22 @@ class ParallelModel:
                   else torch.zeros((), device=self.device))
         dist.all_reduce(report)
         return report
+
+    def _check_batch(self, inputs: tuple) -> None:
+        """Inputs a pipeline can run (the shapes it was built for) and the model can take (its positions)."""
+        for i, x in enumerate(inputs):
+            if not isinstance(x, torch.Tensor) or x.dim() < 2:
+                continue
+            if self._max_positions and not x.is_floating_point() and x.shape[1] > self._max_positions[0]:
+                raise ArgumentError(
+                    f"train_step: inputs[{i}] has {x.shape[1]} tokens per sample but the model has "
+                    f"{self._max_positions[0]} positions ({self._max_positions[1]}); shorten the sequences")
+            if self.schedule is not None and i < len(self._example_shapes) \
+                    and tuple(x.shape[1:]) != self._example_shapes[i]:
+                raise ArgumentError(
+                    f"train_step: inputs[{i}] has per-sample shape {tuple(x.shape[1:])}, the pipeline was built "
+                    f"for {self._example_shapes[i]} (the example inputs); pass batches of that shape, or "
+                    "parallelize with example inputs of this one")
 
     def state_dict(self) -> dict[str, Any]:
         """Model and optimizer state keyed by the original module paths (DTensor values)."""
@@ -527,6 +570,16 @@ class ParallelModel:
 
 
 # -- helpers ---------------------------------------------------------------------------------------
+
+
+def _checked_loss(loss_fn: LossFn) -> LossFn:
+    """``loss_fn`` whose result is checked to be a scalar before anything differentiates it."""
+    def checked(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+        loss = loss_fn(outputs, targets)
+        check_scalar_loss(loss)
+        return loss
+
+    return checked
 
 
 class _Null:
