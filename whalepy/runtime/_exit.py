@@ -3,7 +3,7 @@
 Without this, a whalepy error raised on every rank prints a traceback per rank, and an error on one rank
 leaves its peers blocked in a collective until they time out (or fail with a gloo / NCCL error of their
 own, another traceback each). :func:`install_error_hook` (called by ``parallelize`` in a launch) sets a
-``sys.excepthook`` that, for an uncaught :class:`~whalepy.WhalepyError`:
+``sys.excepthook`` (outside torch's own, which ``init_process_group`` installs) that, for an uncaught :class:`~whalepy.WhalepyError`:
 
 1. counts the failure in the job's c10d store (the store torchrun's agent or the user's
    ``init_process_group`` set up, which outlives any one rank);
@@ -29,7 +29,6 @@ from whalepy._errors import WhalepyError
 __all__ = ["install_error_hook", "report_failure"]
 
 _KEY = "whalepy/failures"
-_installed = False
 
 
 def _store() -> Any:
@@ -84,14 +83,21 @@ def _exit(code: int) -> None:
     os._exit(code)
 
 
+_active = False
+"""True while the outermost whalepy hook runs (an inner one, reached through torch's own hook, defers)."""
+
+
 def _hook(previous: Any) -> Any:
     def hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
-        if issubclass(exc_type, KeyboardInterrupt):
+        global _active
+        if _active or issubclass(exc_type, KeyboardInterrupt):
             previous(exc_type, exc, tb)
             return
+        _active = True
         if issubclass(exc_type, WhalepyError):
             if report_failure() == 1:
-                print(f"whalepy: error (rank {_rank()}): {exc}", file=sys.stderr)
+                # sys.__stderr__: torch's own excepthook swaps sys.stderr for a buffer around its inner hook
+                print(f"whalepy: error (rank {_rank()}): {exc}", file=sys.__stderr__)
             _exit(1)
         if _failed_before():
             _exit(1)  # a consequence of a peer's failure, which has been printed
@@ -99,13 +105,14 @@ def _hook(previous: Any) -> Any:
         previous(exc_type, exc, tb)
         _exit(1)
 
+    hook._whalepy = True  # type: ignore[attr-defined]
     return hook
 
 
 def install_error_hook() -> None:
-    """Install the hook once per process (idempotent)."""
-    global _installed
-    if _installed:
+    """Make the whalepy hook the outermost ``sys.excepthook``. Call it again after
+    ``init_process_group``, which wraps the hook in torch's own (that one prefixes each line with the
+    rank and buffers stderr, which would swallow a traceback printed before ``os._exit``)."""
+    if getattr(sys.excepthook, "_whalepy", False):
         return
-    _installed = True
     sys.excepthook = _hook(sys.excepthook)

@@ -134,10 +134,15 @@ def parallelize(
     """
     from whalepy._validate import as_cluster, check_example_inputs, check_positive_int
 
-    if is_distributed_launch():
+    launched = is_distributed_launch()
+    if launched:
         install_error_hook()  # a user error below prints once and ends every rank (runtime/_exit.py)
+    if cluster_spec is not None or (plan is None and not os.environ.get("WHALEPY_PLAN")):
+        cluster_spec = as_cluster(cluster_spec, "whalepy.parallelize()")  # None: only with a given plan
+    if launched:
+        _init_process_group(cluster_spec)  # first: the hook then counts failures in the job's store
+        install_error_hook()
     _check_arguments(model, loss_fn, optimizer)
-    cluster_spec = as_cluster(cluster_spec, "whalepy.parallelize()")
     check_positive_int(global_batch, "global_batch", "whalepy.parallelize()")
     check_example_inputs(model, example_inputs, "whalepy.parallelize()")
     if plan is not None and not isinstance(plan, Plan):
