@@ -48,8 +48,8 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "num_microbatches", "virtual_stages"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise PlanError(f"ParallelConfig.{name} must be a positive integer, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise PlanError(f"ParallelConfig.{name} must be a positive integer, got {v!r}; e.g. {name}=2")
         try:
             object.__setattr__(self, "schedule", Schedule(self.schedule))
         except ValueError:
@@ -63,7 +63,11 @@ class ParallelConfig:
         if self.tp & (self.tp - 1):
             raise PlanError(f"tp={self.tp} must be a power of two")
         if self.offload is not None:
-            object.__setattr__(self, "offload", Tier(self.offload))
+            try:
+                object.__setattr__(self, "offload", Tier(self.offload))
+            except ValueError:
+                raise PlanError(f"offload={self.offload!r}: use 'cpu' or 'nvme', or leave it out (None) for no "
+                                "offload") from None
         if isinstance(self.checkpoint, list):
             object.__setattr__(self, "checkpoint", tuple(self.checkpoint))
         if isinstance(self.checkpoint, tuple) and len(self.checkpoint) != self.pp:

@@ -264,13 +264,10 @@ class UnlaunchedModel:
     def optimizer(self) -> None:
         return None
 
-    def train_step(self, inputs: Any, targets: Any) -> torch.Tensor:
+    def train_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         raise LaunchError(f"not inside a distributed launch: {launch_hint(self.plan.world_size)}")
 
-    def state_dict(self) -> dict[str, Any]:
-        raise LaunchError(f"not inside a distributed launch: {launch_hint(self.plan.world_size)}")
-
-    save = load = load_state_dict = state_dict  # type: ignore[assignment]
+    state_dict = save = load = load_state_dict = evaluate = full_state_dict = train_step  # type: ignore[assignment]
 
 
 class ParallelModel:
