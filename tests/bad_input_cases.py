@@ -3,6 +3,7 @@ that an error is a one-line whalepy error naming the cause and the fix."""
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -61,10 +62,23 @@ def write(tmp: Path, name: str, text: str) -> str:
     return str(path)
 
 
-def edited_plan_json(tmp: Path, edit: Callable[[dict], None], model: Any = None) -> str:
+@functools.cache
+def _base_plan_json() -> str:
+    return whalepy.estimate(tiny(), cluster4(), whalepy.ParallelConfig(dp=2, tp=2), example_inputs=(TOKENS,),
+                            global_batch=8).plan.to_json()
+
+
+def edited_plan_json(tmp: Path, edit: Callable[[dict], None]) -> str:
     """A real plan of ``tiny()`` (pp 1, dp 2, tp 2 on cpu4), saved, edited as JSON by ``edit``."""
-    plan = whalepy.estimate(model or tiny(), cluster4(), whalepy.ParallelConfig(dp=2, tp=2),
-                            example_inputs=(TOKENS,), global_batch=8).plan
-    data = json.loads(plan.to_json())
+    data = json.loads(_base_plan_json())
     edit(data)
     return write(tmp, "plan.json", json.dumps(data))
+
+
+def tiny_model_and_inputs() -> tuple[Any, tuple]:
+    """For the command line: ``bad_input_cases:tiny_model_and_inputs``."""
+    return tiny(), (TOKENS,)
+
+
+def not_a_pair() -> Any:
+    return tiny()
