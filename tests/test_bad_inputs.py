@@ -17,6 +17,7 @@ import whalepy
 from whalepy import (
     AnnotationError,
     ArgumentError,
+    CaptureError,
     ClusterSpecError,
     InfeasibleError,
     LaunchError,
@@ -314,3 +315,85 @@ def test_device_too_small_says_what_to_fix() -> None:
         "groups": [{"name": "t", "gpu": "Tiny", "gpus_per_node": 1, "intra_node": "pcie3"}]})
     assert_clear(lambda: whalepy.plan(tiny(), tiny_gpu, **plan_kw()), InfeasibleError,
                  "'Tiny'", "0.5 GiB", "give the device's real memory_gb")
+
+
+class _NestedSplits(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        with whalepy.split(2), whalepy.split(4):
+            self.fc = torch.nn.Linear(4, 4)
+
+
+class _NestedStages(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        with whalepy.stage(), whalepy.stage():
+            self.fc = torch.nn.Linear(4, 4)
+
+
+def _decorate_plain_class() -> None:
+    @whalepy.split(2)
+    class Plain:  # not an nn.Module
+        pass
+
+
+MORE = [
+    ("nested splits of different degrees", lambda: whalepy.resolve_annotations(_NestedSplits()), AnnotationError,
+     ("split(4)", "nested inside split(2)", "Fix")),
+    ("nested stages", lambda: whalepy.resolve_annotations(_NestedStages()), AnnotationError,
+     ("stages cannot nest", "Fix")),
+    ("split decorating a plain class", _decorate_plain_class, AnnotationError, ("nn.Module subclasses", "Fix")),
+    ("glob range beyond the layers", lambda: whalepy.annotate(tiny(), {"transformer.h.0-9": whalepy.stage()}),
+     AnnotationError, ("range 0-9", "indices 2-9", "Fix")),
+    ("glob range backwards", lambda: whalepy.annotate(tiny(), {"transformer.h.1-0": whalepy.split(2)}),
+     AnnotationError, ("runs backwards", "write 0-1")),
+    ("stage scopes not dividing the world", lambda: whalepy.plan(tiny(**{
+        "transformer.h.0": whalepy.stage(), "transformer.h.1": whalepy.stage(), "lm_head": whalepy.stage()}),
+        cluster4(), **plan_kw()), AnnotationError, ("3 pipeline stages", "3 does not divide 4")),
+    ("stage scopes interleaved", lambda: (lambda s0, s1: whalepy.plan(tiny(**{
+        "transformer.h.0": s0, "transformer.h.1": s1, "lm_head": s0}), cluster4(), **plan_kw()))(
+        whalepy.stage(), whalepy.stage()), AnnotationError, ("contiguous", "Fix")),
+    ("cluster(count=) part of a group", lambda: whalepy.plan(tiny(**{
+        "transformer.h.0": whalepy.cluster(gpu="CPU", count=2)}), cluster4(), **plan_kw()), AnnotationError,
+     ("count=2 asks for part", "node group of their own")),
+    ("profile option misspelt", lambda: whalepy.profile(tiny(), (TOKENS,), sequence_paralel=True), ArgumentError,
+     ("'sequence_paralel'", "sequence_parallel")),
+    ("capture fails on keyword inputs", lambda: whalepy.profile(tiny(), {"input_ids": TOKENS}), CaptureError,
+     ("could not capture GPT", "'input_ids'", "Usual fixes")),
+    ("plan_from_profile of a model", lambda: whalepy.plan_from_profile(tiny(), cluster4(), global_batch=8),
+     PlanError, ("ModelProfile", "whalepy.profile(model")),
+    ("ClusterSpec.load(None)", lambda: ClusterSpec.load(None), ClusterSpecError, ("path of a YAML / JSON spec",)),
+    ("groups not a list", lambda: ClusterSpec.from_dict({"groups": {"name": "a"}}), ClusterSpecError,
+     ("non-empty list under 'groups:'",)),
+    ("group not a mapping", lambda: ClusterSpec.from_dict({"groups": [["a"]]}), ClusterSpecError,
+     ("groups[0] must be a mapping",)),
+    ("network a string", lambda: ClusterSpec.from_dict({"network": "fast", "groups": [_group()]}), ClusterSpecError,
+     ("network must be a mapping",)),
+    ("GPUs without an intra-node link", lambda: ClusterSpec.from_dict({"groups": [
+        {"name": "g", "gpu": "A100-80GB", "gpus_per_node": 8}]}), ClusterSpecError, ("no intra-node link", "nvswitch")),
+    ("two groups without a network", lambda: ClusterSpec.from_dict({"groups": [
+        {"name": "g", "gpu": "A100-80GB", "gpus_per_node": 8, "intra_node": "nvswitch"},
+        {"name": "h", "gpu": "T4", "gpus_per_node": 4, "intra_node": "pcie3"}]}), ClusterSpecError,
+     ("no network bandwidth", "bandwidth_gbps")),
+    ("estimate boundaries", _estimate({"dp": 2, "pp": 2, "num_microbatches": 2, "boundaries": (1, 1)}), PlanError,
+     ("boundaries [1, 1]", "summing to 4")),
+    ("estimate batch shares", _estimate({"dp": 4, "batch_shares": (1, 1, 1, 1)}), PlanError,
+     ("batch_shares [1, 1, 1, 1]", "summing to 8")),
+    ("estimate checkpoint counts", _estimate({"dp": 2, "pp": 2, "num_microbatches": 2, "checkpoint": (1,)}),
+     PlanError, ("1 counts for 2 stages",)),
+    ("estimate layout", _estimate({"dp": 4, "layout": "rows"}), PlanError, ("'replicas' or 'stages'",)),
+    ("estimate micro-batches", _estimate({"dp": 4, "num_microbatches": 3}), PlanError, ("3 equal micro-batches",)),
+    ("estimate interleaved without pipeline", _estimate({"dp": 4, "schedule": "interleaved_1f1b",
+                                                         "virtual_stages": 2}), PlanError, ("virtual_stages=2",)),
+    ("estimate precision", lambda: whalepy.estimate(tiny(), cluster4(), {"dp": 4}, **plan_kw(), precision="int8"),
+     PlanError, ("'int8'", "bf16, fp16 or fp32")),
+    ("export of a missing checkpoint", lambda: whalepy.export_safetensors("/nonexistent", "/tmp/whalepy-out"),
+     WhalepyError, ("/nonexistent", "ParallelModel.save")),
+    ("materialize a built model", lambda: whalepy.materialize(tiny()), WhalepyError, ("meta device",)),
+    ("calibrate an unknown device", lambda: whalepy.calibrate(device="tpu"), ArgumentError, ("'tpu'", "'cpu'")),
+]
+
+
+@pytest.mark.parametrize("fn, exc, needles", [c[1:] for c in MORE], ids=[c[0] for c in MORE])
+def test_more_mistakes(fn, exc, needles) -> None:
+    assert_clear(fn, exc, *needles)

@@ -90,11 +90,15 @@ def _check_blocks(plan: Plan, profile: Any) -> None:
 
 def _check_tensor_parallel(plan: Plan, profile: Any, model: Any) -> None:
     found = {(r.module, r.style) for b in profile.blocks for r in b.tp_rules}
+    # a profile made without sequence_parallel=True has no SEQUENCE rules to compare the plan's with
+    sequence_profiled = any(st is TPStyle.SEQUENCE for _, st in found)
     modules = dict(model.named_modules()) if model is not None else None
     for rule in plan.tensor_parallel:
         if modules is not None and rule.module not in modules:
             raise PlanError(f"TP rule {rule.style.value} on {rule.module!r}: the model has no such module; "
                             f"{_REPLAN}")
+        if rule.style is TPStyle.SEQUENCE and not sequence_profiled:
+            continue
         if (rule.module, rule.style) not in found:
             styles = sorted(st.value for m, st in found if m == rule.module)
             raise PlanError(
@@ -106,12 +110,14 @@ def _check_tensor_parallel(plan: Plan, profile: Any, model: Any) -> None:
             continue
         for name in s.block_names:
             block = profile.block(name)
+            own = {r.module for r in block.tp_rules if r.style is not TPStyle.REPLICATE}
+            if not own:
+                continue  # no TP pattern: the block runs replicated inside the TP group, as planned
             if s.tp_degree not in block.tp_degrees:
                 raise PlanError(
                     f"stage {s.index} runs block {name!r} with TP {s.tp_degree}, but its shapes (heads, features, "
                     f"vocabulary) divide only by {', '.join(map(str, block.tp_degrees))}; {_REPLAN}")
-            own = {r.module for r in block.tp_rules if r.style is not TPStyle.REPLICATE}
-            if own and not own & ruled:
+            if not own & ruled:
                 raise PlanError(
                     f"stage {s.index} has TP {s.tp_degree} but the plan has no tensor-parallel rule for block "
                     f"{name!r} (e.g. {sorted(own)[0]}), so it would run unsplit; {_REPLAN}")

@@ -464,6 +464,9 @@ class ClusterSpec:
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> ClusterSpec:
         """``from_json`` for ``*.json``, ``from_yaml`` otherwise."""
+        if not isinstance(path, (str, os.PathLike)):
+            raise ClusterSpecError(f"ClusterSpec.load() takes the path of a YAML / JSON spec, got "
+                                   f"{type(path).__name__} {path!r:.60}; e.g. ClusterSpec.load('examples/clusters/cpu4.yaml')")
         return cls.from_json(path) if str(path).endswith(".json") else cls.from_yaml(path)
 
     @classmethod

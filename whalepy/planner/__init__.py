@@ -183,6 +183,9 @@ def plan_from_profile(profile: ModelProfile, cluster: ClusterSpec, *, global_bat
     """:func:`plan` for a profile already made (by capture or :mod:`whalepy.planner.synthetic`)."""
     from whalepy._validate import as_cluster
 
+    if not isinstance(profile, ModelProfile):
+        raise PlanError(f"plan_from_profile() takes a whalepy.ModelProfile, got {type(profile).__name__}; make "
+                        "one with whalepy.profile(model, example_inputs), or call whalepy.plan(model, ...)")
     cluster = as_cluster(cluster, "whalepy.plan()")
     opts = _with_precision(make_options(options), cluster)
     _check_global_batch(global_batch)

@@ -162,7 +162,7 @@ def _check_degrees_fit(c: Constraints, W: int) -> None:
     if c.tp is not None:
         fits(c.tp, "tensor-parallel devices", c.sources["split"])
     if c.num_stages is not None:
-        fits(c.num_stages, "pipeline stages", c.sources["stage"])
+        fits(c.num_stages, "pipeline stages (one per stage() scope of the model)", c.sources["stage"])
     fixed = [(n, c.sources[k]) for n, k in ((c.dp, "replicate"), (c.tp, "split"), (c.num_stages, "stage")) if n]
     product = math.prod(n for n, _ in fixed)
     if len(fixed) > 1 and (product > W or W % product):

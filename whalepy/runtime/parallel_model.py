@@ -187,7 +187,7 @@ def parallelize(
     check_world(plan)
     _check_device(plan, cluster_spec, rank)
     if plan.model_fingerprint != "unchecked":
-        profile = profile if profile is not None else _profile_or_none(model, example_inputs)
+        profile = profile if profile is not None else _profile_or_none(model, example_inputs, plan)
         if profile is not None:
             try:
                 plan.check_model(profile.fingerprint)
@@ -630,13 +630,14 @@ def _broadcast_weights(model: nn.Module) -> None:
                 dist.broadcast(t.data, src=0)
 
 
-def _profile_or_none(model: nn.Module, example_inputs: Any) -> Any:
+def _profile_or_none(model: nn.Module, example_inputs: Any, plan: Plan) -> Any:
     try:
         from whalepy.profile import profile
     except ImportError:
         return None
     try:
-        return profile(model, example_inputs)
+        return profile(model, example_inputs,
+                       sequence_parallel=any(r.style is TPStyle.SEQUENCE for r in plan.tensor_parallel))
     except (ImportError, NotImplementedError) as e:
         log.warning("whalepy: cannot profile the model to check the plan's fingerprint (%s)", e)
         return None
