@@ -1,5 +1,5 @@
 """A user error inside a real ``whalepy run`` (torchrun) launch of 2 gloo processes: one line, printed
-once, every rank exits promptly with a non-zero code (whalepy/runtime/_exit.py, whalepy/_torchrun.py).
+once, every rank exits promptly with a non-zero code (whalepy/_launch_errors.py, whalepy/_torchrun.py).
 
 Two launches: every rank makes the same mistake (a loss that is not a scalar: the message must appear
 once, not once per rank), and one rank makes a mistake while the other waits for it in a collective (the

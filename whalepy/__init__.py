@@ -1,6 +1,8 @@
 """whalepy: annotate a PyTorch model, describe a (possibly mixed-GPU) cluster, get a hybrid-parallel plan
 found by an ILP over a hardware-aware cost model, and train it on PyTorch's native distributed stack."""
 
+import os as _os
+
 from whalepy._errors import (
     AnnotationError,
     ArgumentError,
@@ -31,6 +33,12 @@ from whalepy.planner import homogeneous_baseline, plan, plan_from_profile
 from whalepy.profile import ModelProfile, profile
 
 __version__ = "0.1.0"
+
+if "RANK" in _os.environ and "WORLD_SIZE" in _os.environ:
+    # under torchrun / whalepy run: a whalepy error anywhere in the script is one line, printed once
+    from whalepy._launch_errors import install_error_hook as _install_error_hook
+
+    _install_error_hook()
 
 _LAZY = {"parallelize": "whalepy.runtime", "ParallelModel": "whalepy.runtime", "calibrate": "whalepy._calibrate",
          "materialize": "whalepy.runtime.materialize", "export_safetensors": "whalepy.export"}

@@ -63,7 +63,7 @@ from whalepy.runtime.materialize import (
 )
 from whalepy.runtime.mesh import RankMeshes, build_meshes, check_world, resolve_device_type
 from whalepy.runtime._amp import AmpContext
-from whalepy.runtime._exit import install_error_hook
+from whalepy._launch_errors import install_error_hook
 from whalepy.runtime.nvme import NvmeOptimizerStates, default_nvme_dir, prepare_nvme_dir
 from whalepy.runtime.tensor_parallel import apply_tensor_parallel
 
@@ -136,7 +136,7 @@ def parallelize(
 
     launched = is_distributed_launch()
     if launched:
-        install_error_hook()  # a user error below prints once and ends every rank (runtime/_exit.py)
+        install_error_hook()  # a user error below prints once and ends every rank (_launch_errors.py)
     if cluster_spec is not None or (plan is None and not os.environ.get("WHALEPY_PLAN")):
         cluster_spec = as_cluster(cluster_spec, "whalepy.parallelize()")  # None: only with a given plan
     if launched:

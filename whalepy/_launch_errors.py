@@ -2,8 +2,9 @@
 
 Without this, a whalepy error raised on every rank prints a traceback per rank, and an error on one rank
 leaves its peers blocked in a collective until they time out (or fail with a gloo / NCCL error of their
-own, another traceback each). :func:`install_error_hook` (called by ``parallelize`` in a launch) sets a
-``sys.excepthook`` (outside torch's own, which ``init_process_group`` installs) that, for an uncaught :class:`~whalepy.WhalepyError`:
+own, another traceback each). :func:`install_error_hook` (called when whalepy is imported
+under a launch, and again by ``parallelize`` after ``init_process_group`` has wrapped it in torch's own
+hook) sets a ``sys.excepthook`` that, for an uncaught :class:`~whalepy.WhalepyError`:
 
 1. counts the failure in the job's c10d store (the store torchrun's agent or the user's
    ``init_process_group`` set up, which outlives any one rank);
@@ -103,7 +104,10 @@ def _hook(previous: Any) -> Any:
             _exit(1)  # a consequence of a peer's failure, which has been printed
         report_failure()
         previous(exc_type, exc, tb)
-        _exit(1)
+        if sys.excepthook is hook:
+            _exit(1)
+        # inside torch's hook (the user called init_process_group after importing whalepy): it prints
+        # what ``previous`` wrote to its buffer once we return, so no os._exit here
 
     hook._whalepy = True  # type: ignore[attr-defined]
     return hook
