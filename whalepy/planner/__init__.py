@@ -170,6 +170,9 @@ def plan(model: Any, cluster: ClusterSpec, *, example_inputs: Any, global_batch:
     _check_global_batch(global_batch)
     opts = _with_precision(make_options(options), cluster)  # bad options fail before the capture
     check_example_inputs(model, example_inputs, "whalepy.plan()")
+    from whalepy.planner.search import check_annotation_degrees
+
+    check_annotation_degrees(model, cluster.world_size)
     progress = _progress_fn(opts.progress)
     progress("capturing the model")
     from whalepy.profile import profile as build
