@@ -194,3 +194,24 @@ def test_run_mistakes(tmp_path: Path, capsys) -> None:
     script = write(tmp_path, "s.py", "")
     assert main(["run", "-n", "2", "--plan", str(tmp_path / "p.json"), script]) == 2
     assert "no plan file at" in capsys.readouterr().err
+
+
+USAGE = [
+    ("unknown command", ["frobnicate"], ("invalid choice: 'frobnicate'", "`whalepy --help`")),
+    ("missing model and cluster", ["plan"], ("required: model, --cluster", "`whalepy plan --help`")),
+    ("non-integer --dp", EST + ["--dp", "x"], ("--dp: invalid int value: 'x'", "`whalepy estimate --help`")),
+    ("unknown --offload", EST + ["--dp", "4", "--offload", "gpu"], ("invalid choice: 'gpu'",)),
+    ("unknown --solver", PLAN + ["--solver", "gurobi"], ("invalid choice: 'gurobi'",)),
+    ("unknown flag", PLAN + ["--dp", "4"], ("unrecognized arguments: --dp",)),
+]
+
+
+@pytest.mark.parametrize("argv, needles", [c[1:] for c in USAGE], ids=[c[0] for c in USAGE])
+def test_usage_mistakes_are_one_line(capsys, argv, needles) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("[whalepy] error: whalepy"), err
+    for needle in needles:
+        assert needle in err[0], f"{needle!r} not in {err[0]!r}"

@@ -11,7 +11,7 @@ import argparse
 
 from whalepy._errors import ArgumentError
 
-__all__ = ["check_cli_args"]
+__all__ = ["check_cli_args", "one_line_usage_errors"]
 
 _SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
@@ -60,3 +60,22 @@ def check_cli_args(args: argparse.Namespace) -> None:
     if model and ":" in model and not model.startswith("synthetic:") and getattr(args, "seq_len", None):
         raise ArgumentError(f"--seq-len applies to built-in and synthetic: models; {model} returns its own "
                             "example inputs: give them the sequence length you want instead")
+
+
+def one_line_usage_errors(parser: argparse.ArgumentParser) -> None:
+    """argparse's own errors (an unknown choice, a missing or non-integer value) as one ``[whalepy] error:``
+    line pointing at ``--help``, instead of the usage block followed by the error."""
+    def patch(p: argparse.ArgumentParser) -> None:
+        def error(message: str) -> None:  # argparse's signature; it must not return
+            import sys
+
+            print(f"[whalepy] error: {p.prog}: {message}; see `{p.prog} --help`", file=sys.stderr)
+            raise SystemExit(2)
+
+        p.error = error  # type: ignore[method-assign]
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    patch(sub)
+
+    patch(parser)

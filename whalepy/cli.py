@@ -225,7 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from whalepy._cli_args import one_line_usage_errors
+
     parser = build_parser()
+    one_line_usage_errors(parser)
     args = parser.parse_args(argv)
     try:
         from whalepy._cli_args import check_cli_args
