@@ -137,8 +137,8 @@ def parallelize(
     launched = is_distributed_launch()
     if launched:
         install_error_hook()  # a user error below prints once and ends every rank (_launch_errors.py)
-    if cluster_spec is not None or (plan is None and not os.environ.get("WHALEPY_PLAN")):
-        cluster_spec = as_cluster(cluster_spec, "whalepy.parallelize()")  # None: only with a given plan
+    if cluster_spec is not None:  # None works with a given plan; planning without one says so
+        cluster_spec = as_cluster(cluster_spec, "whalepy.parallelize()")
     if launched:
         _init_process_group(cluster_spec)  # first: the hook then counts failures in the job's store
         install_error_hook()
