@@ -159,6 +159,11 @@ CLI = [
     ("estimate --microbatches 0", EST + ["--dp", "4", "--microbatches", "0"], ("--microbatches 0",)),
     ("estimate degrees", EST + ["--dp", "3"], ("dp(3) * tp(1) * pp(1) = 3 != world size (4)",)),
     ("show missing plan", ["show", "nope.json"], ("no plan file at nope.json",)),
+    ("run -n 0", ["run", "-n", "0", "train.py"], ("-n 0", "positive integer", "-n 4")),
+    ("run -n abc", ["run", "-n", "abc", "train.py"], ("-n abc",)),
+    ("run --nnodes 3:2", ["run", "-n", "2", "--nnodes", "3:2", "train.py"], ("--nnodes 3:2", "MIN <= MAX")),
+    ("run --master-port 70000", ["run", "-n", "2", "--master-port", "70000", "train.py"], ("1 to 65535",)),
+    ("calibrate on a missing device", ["calibrate", "--device", "tpu", "--quick"], ("'tpu'", "'cpu'")),
 ]
 
 

@@ -41,6 +41,23 @@ def _comma_list(args: argparse.Namespace, dest: str, allowed: tuple[str, ...]) -
                             f"{','.join(allowed[:2])}")
 
 
+def _check_run(args: argparse.Namespace) -> None:
+    """``whalepy run``'s launch flags, which torchrun would otherwise refuse with a traceback."""
+    n = getattr(args, "nproc_per_node", None)
+    if n is not None and n not in ("gpu", "cpu", "auto") and not (n.isdigit() and int(n) > 0):
+        raise ArgumentError(f"-n {n}: processes per node is a positive integer or gpu / cpu / auto; e.g. -n 4")
+    nnodes = getattr(args, "nnodes", None)
+    if nnodes is not None:
+        parts = str(nnodes).split(":")
+        if len(parts) > 2 or not all(p.isdigit() and int(p) > 0 for p in parts) or (
+                len(parts) == 2 and int(parts[0]) > int(parts[1])):
+            raise ArgumentError(f"--nnodes {nnodes}: give a positive node count, or MIN:MAX with MIN <= MAX; "
+                                "e.g. --nnodes 2")
+    port = getattr(args, "master_port", None)
+    if port is not None and not 0 < port < 65536:
+        raise ArgumentError(f"--master-port {port}: a TCP port is 1 to 65535")
+
+
 def check_cli_args(args: argparse.Namespace) -> None:
     """Raise :class:`ArgumentError` for a value no command can use; a no-op for commands without them."""
     for dest in ("global_batch", "seq_len", "dp", "tp", "pp", "microbatches", "max_tp"):
@@ -56,6 +73,7 @@ def check_cli_args(args: argparse.Namespace) -> None:
     max_tp = getattr(args, "max_tp", None)
     if max_tp and max_tp & (max_tp - 1):
         raise ArgumentError(f"--max-tp {max_tp}: must be a power of two (1, 2, 4, 8, ...)")
+    _check_run(args)
     model = getattr(args, "model", None)
     if model and ":" in model and not model.startswith("synthetic:") and getattr(args, "seq_len", None):
         raise ArgumentError(f"--seq-len applies to built-in and synthetic: models; {model} returns its own "
