@@ -397,3 +397,42 @@ MORE = [
 @pytest.mark.parametrize("fn, exc, needles", [c[1:] for c in MORE], ids=[c[0] for c in MORE])
 def test_more_mistakes(fn, exc, needles) -> None:
     assert_clear(fn, exc, *needles)
+
+
+@pytest.fixture()
+def one_rank_launch(tmp_path: Path, monkeypatch):  # type: ignore[no-untyped-def]
+    """This process as a 1-rank gloo launch (the train_step checks need a ParallelModel, not processes)."""
+    import sys
+
+    import torch.distributed as dist
+
+    hook = sys.excepthook
+    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1").items():
+        monkeypatch.setenv(k, v)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        sys.excepthook = hook
+
+
+def test_train_step_mistakes(one_rank_launch) -> None:
+    one = ClusterSpec.local(1)
+    pm = whalepy.parallelize(tiny(), one, example_inputs=(TOKENS,), loss_fn=mean_loss, optimizer=sgd,
+                             global_batch=4)
+    ok = torch.zeros(4, 8, dtype=torch.long)
+    pm.train_step(ok, ok)  # the happy path runs
+    assert_clear(lambda: pm.train_step(ok[:3], ok[:3]), ArgumentError, "shape (3, 8)", "whole global batch (4")
+    assert_clear(lambda: pm.train_step(ok, ok[:2]), ArgumentError, "shape (2, 8)")
+    assert_clear(lambda: pm.train_step([[1, 2]], ok), ArgumentError, "got a list where a tensor is expected")
+    assert_clear(lambda: pm.train_step({"idx": ok}, ok), ArgumentError, "tuple of tensors", "got dict")
+    long = torch.zeros(4, 32, dtype=torch.long)
+    assert_clear(lambda: pm.train_step(long, long), ArgumentError, "32 tokens", "16 positions", "shorten")
+    vector = whalepy.parallelize(tiny(), one, example_inputs=(TOKENS,), optimizer=sgd, global_batch=4,
+                                 loss_fn=lambda out, y: out.float().mean(dim=-1))
+    assert_clear(lambda: vector.train_step(ok, ok), ArgumentError, "not a scalar", ".mean()")
+    other = whalepy.estimate(tiny(), ClusterSpec.local(2), {"dp": 2}, **plan_kw()).plan
+    assert_clear(lambda: whalepy.parallelize(tiny(), one, example_inputs=(TOKENS,), loss_fn=mean_loss,
+                                             optimizer=sgd, global_batch=8, plan=other),
+                 LaunchError, "2", "torchrun --nproc-per-node 2")

@@ -418,7 +418,10 @@ class ParallelModel:
         inputs = _as_tuple(inputs)
         self._check_batch(inputs)
         for x in (*inputs, targets):
-            if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] != self.plan.global_batch:
+            if not isinstance(x, torch.Tensor):
+                raise ArgumentError(f"train_step got a {type(x).__name__} where a tensor is expected; pass the "
+                                    "global batch's inputs and targets as tensors")
+            if x.dim() == 0 or x.shape[0] != self.plan.global_batch:
                 got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
                 raise ArgumentError(
                     f"train_step got a tensor of shape {got}; every rank passes the whole global batch "
@@ -612,8 +615,8 @@ def _as_tuple(x: Any) -> tuple:
         return (x,)
     if isinstance(x, (tuple, list)):
         return tuple(x)
-    raise WhalepyError(f"inputs must be a tensor or a tuple of tensors (positional model inputs), got "
-                       f"{type(x).__name__}")
+    raise ArgumentError(f"inputs must be a tensor or a tuple of tensors (positional model inputs), got "
+                        f"{type(x).__name__}; pass e.g. (tokens,)")
 
 
 def _resize_batch(x: torch.Tensor, n: int) -> torch.Tensor:
