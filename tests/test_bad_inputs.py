@@ -411,7 +411,7 @@ def one_rank_launch(tmp_path: Path, monkeypatch):  # type: ignore[no-untyped-def
         monkeypatch.setenv(k, v)
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
-        yield
+        yield tmp_path
     finally:
         dist.destroy_process_group()
         sys.excepthook = hook
@@ -432,6 +432,13 @@ def test_train_step_mistakes(one_rank_launch) -> None:
     vector = whalepy.parallelize(tiny(), one, example_inputs=(TOKENS,), optimizer=sgd, global_batch=4,
                                  loss_fn=lambda out, y: out.float().mean(dim=-1))
     assert_clear(lambda: vector.train_step(ok, ok), ArgumentError, "not a scalar", ".mean()")
+    pm.save(str(one_rank_launch / "ckpt"))
+    wider = whalepy.models.GPT(whalepy.models.GPTConfig(vocab_size=32, block_size=16, num_layers=2, num_heads=2,
+                                                        hidden_size=32))
+    pw = whalepy.parallelize(wider, one, example_inputs=(TOKENS,), loss_fn=mean_loss, optimizer=sgd, global_batch=4)
+    assert_clear(lambda: pw.load(str(one_rank_launch / "ckpt")), WhalepyError, "shape [32, 16]", "[32, 32]",
+                 "other sizes")
+    assert_clear(lambda: pw.load(str(one_rank_launch)), WhalepyError, "no .metadata", "pm.save()")
     other = whalepy.estimate(tiny(), ClusterSpec.local(2), {"dp": 2}, **plan_kw()).plan
     assert_clear(lambda: whalepy.parallelize(tiny(), one, example_inputs=(TOKENS,), loss_fn=mean_loss,
                                              optimizer=sgd, global_batch=8, plan=other),
