@@ -31,9 +31,9 @@ def default_example_inputs(plan: Plan, model: Any) -> tuple:
     """Token ids of the plan's sequence length, for a model that starts with an embedding."""
     import torch
 
-    from whalepy._validate import _first_embedding
+    from whalepy._validate import first_embedding
 
-    if plan.seq_len is None or _first_embedding(model) is None:
+    if plan.seq_len is None or first_embedding(model) is None:
         raise ArgumentError(
             f"checking a plan against {type(model).__name__} needs its example inputs: pass "
             "example_inputs=(...) (the ones the plan was made with), or profile=whalepy.profile(model, inputs)")

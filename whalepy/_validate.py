@@ -15,7 +15,7 @@ from typing import Any
 from whalepy._errors import ArgumentError, ClusterSpecError
 
 __all__ = ["as_cluster", "check_model", "check_example_inputs", "max_positions", "check_positive_int",
-           "check_scalar_loss"]
+           "check_scalar_loss", "first_embedding", "token_dtype_hint"]
 
 _POSITION_FIELDS = ("block_size", "n_positions", "max_position_embeddings")
 """Config fields that bound the sequence length: whalepy's GPTConfig, HF GPT-2, HF Llama / BERT."""
@@ -46,12 +46,18 @@ def check_model(model: Any, where: str) -> None:
 
 
 def max_positions(model: Any) -> tuple[int, str] | None:
-    """``(longest sequence, "config.FIELD")`` from the model's config, or None when it does not say."""
+    """``(longest sequence, "config.FIELD")`` for a model with a learned position table (an
+    ``nn.Embedding`` of that many rows, as GPT-2 and BERT have), or None: rotary models (Llama) take longer
+    sequences than their config's ``max_position_embeddings``."""
+    import torch.nn as nn
+
     cfg = getattr(model, "config", None)
     for name in _POSITION_FIELDS:
         value = getattr(cfg, name, None)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value, f"config.{name}"
+            if any(isinstance(m, nn.Embedding) and m.num_embeddings == value for m in model.modules()):
+                return value, f"config.{name}"
+            return None
     return None
 
 
@@ -64,9 +70,8 @@ def _describe(x: Any) -> str:
 
 
 def check_example_inputs(model: Any, example_inputs: Any, where: str) -> None:
-    """Example inputs are tensors (a tensor, a tuple / list of them, or a dict of keyword inputs) that
-    fit the model: integer token ids where its first layer is an embedding, no longer than its
-    positions."""
+    """Example inputs are tensors (a tensor, a tuple / list of them, or a dict of keyword inputs), with a
+    batch, no longer than the model's learned positions."""
     import torch
 
     if example_inputs is None:
@@ -89,12 +94,6 @@ def check_example_inputs(model: Any, example_inputs: Any, where: str) -> None:
                                 "torch.tensor(...) of the shape and dtype the model's forward takes")
     if not tensors:
         return
-    name, first = tensors[0]
-    embed = _first_embedding(model)
-    if embed is not None and first.is_floating_point() and not isinstance(example_inputs, Mapping):
-        raise ArgumentError(
-            f"{where}: {name} is {_describe(first)} but {type(model).__name__} starts with an embedding "
-            f"({embed}) that takes integer token ids; pass e.g. torch.zeros{tuple(first.shape)}.long()")
     limit = max_positions(model)
     for name, x in tensors:
         if limit is not None and not x.is_floating_point() and x.dim() >= 2 and x.shape[1] > limit[0]:
@@ -107,7 +106,20 @@ def check_example_inputs(model: Any, example_inputs: Any, where: str) -> None:
                                 "least one sample")
 
 
-def _first_embedding(model: Any) -> str | None:
+def token_dtype_hint(model: Any, example_inputs: Any) -> ArgumentError | None:
+    """After a failed capture: the error to raise instead when the first input is floating point and the
+    model starts with an embedding (token ids expected). Not checked before the capture: a model may
+    register a position embedding first and take float features."""
+    first = example_inputs[0] if isinstance(example_inputs, (tuple, list)) and example_inputs else example_inputs
+    embed = first_embedding(model)
+    if embed is None or not getattr(first, "is_floating_point", lambda: False)():
+        return None
+    return ArgumentError(
+        f"the model could not be captured: the first example input is {_describe(first)} but {type(model).__name__} starts with an "
+        f"embedding ({embed}) that takes integer token ids; pass e.g. torch.zeros{tuple(first.shape)}.long()")
+
+
+def first_embedding(model: Any) -> str | None:
     """Path of the first registered leaf module when it is an ``nn.Embedding`` (a token embedding)."""
     import torch.nn as nn
 

@@ -204,10 +204,17 @@ def _check_profile_options(kwargs: dict[str, Any]) -> None:
 def profile(model: Any, example_inputs: Any, **kwargs: Any) -> ModelProfile:
     """Capture ``model`` on ``example_inputs`` (a tuple of tensors, or a dict of keyword inputs) and
     return its :class:`ModelProfile`. Weights are never materialised."""
-    from whalepy._validate import check_example_inputs, check_model
+    from whalepy._errors import CaptureError
+    from whalepy._validate import check_example_inputs, check_model, token_dtype_hint
     from whalepy.passes.profile import build_profile
 
     check_model(model, "whalepy.profile()")
     _check_profile_options(kwargs)
     check_example_inputs(model, example_inputs, "whalepy.profile()")
-    return build_profile(model, example_inputs, **kwargs)
+    try:
+        return build_profile(model, example_inputs, **kwargs)
+    except CaptureError:
+        hint = token_dtype_hint(model, example_inputs)
+        if hint is None:
+            raise
+        raise hint from None
