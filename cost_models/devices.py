@@ -161,6 +161,11 @@ def closest_device_names(name: str, names: list[str], n: int = 3) -> list[str]:
     return list(dict.fromkeys(hits + prefixed))[:n]
 
 
+def ambiguous_device_options(name: str) -> tuple[str, ...]:
+    """The catalog names ``name`` could mean when it is ambiguous (``"V100"``), else ``()``."""
+    return _AMBIGUOUS.get(_norm(name), ())
+
+
 def resolve_device_type(name: str, custom: Mapping[str, DeviceType] | None = None) -> DeviceType:
     """The device type called ``name``: a custom type first, then the catalog, then an alias.
 

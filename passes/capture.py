@@ -98,8 +98,10 @@ class _Skipped(Exception):
     """Export was not attempted."""
 
 
-def _short(e: BaseException, limit: int = 600) -> str:
-    text = f"{type(e).__name__}: {e}".strip()
+def _short(e: BaseException, limit: int = 300) -> str:
+    """The error's first line (torch appends the FX node and a stack to it): messages stay one line."""
+    first = next((line for line in str(e).splitlines() if line.strip()), "")
+    text = f"{type(e).__name__}: {first}".strip()
     return text if len(text) <= limit else text[:limit] + " ..."
 
 

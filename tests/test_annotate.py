@@ -157,10 +157,10 @@ def test_per_layer_stages_by_comprehension():
 
 
 def test_list_values_and_natural_nesting_order_whatever_the_dict_order():
-    model = annotate(toy(), {"h.*": split(2), "h.0-3": [replicate(), stage()], "h": cluster("A100")})
+    model = annotate(toy(), {"h.*": split(2), "h.0-3": [replicate(), stage()], "h": cluster("A100-80GB")})
     assert [a.kind for a in module_annotations(model["h"][2])] == ["stage", "replicate", "split"]
     got = resolve_annotations(model)["h.2.1"]
-    assert (got.cluster_gpu, got.stage, got.replicate, got.split) == ("A100", 0, 0, 2)
+    assert (got.cluster_gpu, got.stage, got.replicate, got.split) == ("A100-80GB", 0, 0, 2)
 
 
 def test_annotate_on_top_of_scopes_and_decorators():

@@ -10,8 +10,11 @@ import sys
 import types
 
 import whalepy._log  # noqa: F401  (whalepy's default log handler; logging only, no torch)
+import os as _os
+
 from whalepy._errors import (
     AnnotationError,
+    ArgumentError,
     CaptureError,
     ClusterSpecError,
     InfeasibleError,
@@ -21,6 +24,12 @@ from whalepy._errors import (
 )
 
 __version__ = "0.1.0"
+
+if "RANK" in _os.environ and "WORLD_SIZE" in _os.environ:
+    # under torchrun / whalepy run: a whalepy error anywhere in the script is one line, printed once
+    from whalepy._launch_errors import install_error_hook as _install_error_hook
+
+    _install_error_hook()
 
 _LAZY = {
     "ClusterSpec": "whalepy.cluster",
@@ -83,6 +92,7 @@ __all__ = [
     "pseudo_to_real",
     "study_zero",
     "trace_memory",
+    "ArgumentError",
     "Cluster",
     "Replicate",
     "Split",

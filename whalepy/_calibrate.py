@@ -69,13 +69,27 @@ def _sizes(device: torch.device, quick: bool) -> dict[str, Any]:
                 disk=64 << 20 if quick else 2 << 30, comm=[1 << s for s in range(10, 31, 2 if not quick else 6)])
 
 
+def _parse_device(device: Any) -> torch.device:
+    from whalepy._errors import ArgumentError
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ArgumentError(f"calibrate(device={device!r}): not a torch device; use 'cuda', 'cuda:1' or "
+                            "'cpu'") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ArgumentError(f"calibrate(device={device!r}): CUDA is not available on this machine; use "
+                            "device='cpu' or run on a GPU machine")
+    return dev
+
+
 def calibrate(*, quick: bool = False, out: str | Path | None = None, device: str | None = None,
               disk_dir: str | None = None, progress: Any = None) -> Path:
     """Run the micro-benchmarks on ``device`` (default: the current CUDA device, else CPU), fit the
     compute model and write the profile JSON; returns its path. ``quick`` uses a few small shapes
     (seconds on a CPU)."""
     say = progress or (lambda _m: None)
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = _parse_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     row, reported = _device_type(dev)
     sz = _sizes(dev, quick)
     precision = "bf16" if sz["dtype"] is torch.bfloat16 else "fp32"

@@ -40,6 +40,12 @@ class LaunchError(WhalepyError, RuntimeError):
 
 
 
+class ArgumentError(WhalepyError, TypeError, ValueError):
+    """An argument of a whalepy call has the wrong type, value or shape (a model that is not an
+    ``nn.Module``, example inputs the model cannot take, a batch of the wrong size, a loss that is not a
+    scalar). A ``TypeError`` and a ``ValueError`` too, so code catching either keeps working."""
+
+
 def log_once(logger: logging.Logger, level: int, key: str, msg: str, *args: object) -> bool:
     """Log ``msg % args`` once per job (rank 0, once per ``key``): :func:`whalepy._log.warn_once`'s rule
     at any level. Returns whether it was logged."""

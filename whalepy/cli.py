@@ -108,6 +108,8 @@ def cmd_show(args: argparse.Namespace) -> int:
     from whalepy.plan import Plan
 
     plan = Plan.load(args.plan)
+    if args.check:
+        check_plan_cli(plan, args)
     if args.html or args.svg:
         from whalepy._show import plan_html, plan_timeline_svg, write_text
 
@@ -129,6 +131,22 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
     print(plan_diff(Plan.load(args.first), Plan.load(args.second)))
     return 0
+
+
+def check_plan_cli(plan: Any, args: argparse.Namespace) -> None:
+    """``whalepy show --check``: stale costs, and with ``--model`` the plan against that model."""
+    from whalepy._plan_check import check_costs
+
+    check_costs(plan)
+    if args.model:
+        from whalepy.profile import ModelProfile
+
+        loaded = load_model(args.model, batch=1, seq_len=args.seq_len or plan.seq_len)
+        if isinstance(loaded, ModelProfile):
+            plan.check_against(profile=loaded)
+        else:
+            plan.check_against(loaded[0], example_inputs=loaded[1])
+    _err(f"checked {args.plan}: {'consistent with ' + args.model if args.model else 'costs up to date'}")
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
@@ -212,6 +230,10 @@ def _add_show(sub: Any) -> None:
     sp.add_argument("--html", metavar="PATH", help="write a self-contained page: devices, memory, pipeline "
                                                    "timeline, GPU types, alternatives (docs/show.md)")
     sp.add_argument("--svg", metavar="PATH", help="write the pipeline timeline alone as SVG")
+    sp.add_argument("--check", action="store_true", help="validate the plan (stale costs; with --model, "
+                    "blocks, TP rules and annotations against the model); exit 2 on a problem")
+    sp.add_argument("--model", help="with --check: the model the plan is for (as for `whalepy plan`)")
+    sp.add_argument("--seq-len", type=int, default=None, help="with --model: tokens per sample (built-in)")
     sp.set_defaults(func=cmd_show)
 
 
@@ -331,10 +353,16 @@ def _quiet_broken_pipe() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from whalepy._cli_args import one_line_usage_errors
+
     argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(_command_in(argv) or "")
+    one_line_usage_errors(parser)
+    args = parser.parse_args(argv)
     try:
-        parser = build_parser(_command_in(argv) or "")
-        args = parser.parse_args(argv)
+        from whalepy._cli_args import check_cli_args
+
+        check_cli_args(args)
         if getattr(args, "global_batch", "absent") is None:
             from whalepy.cluster import ClusterSpec
 

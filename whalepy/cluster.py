@@ -447,7 +447,10 @@ class ClusterSpec:
         try:
             data = yaml.safe_load(_read_spec_file(path))
         except yaml.YAMLError as e:
-            raise ClusterSpecError(f"{str(path)!r} is not valid YAML ({e}); fix the syntax") from e
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            what = getattr(e, "problem", None) or " ".join(str(e).split())
+            raise ClusterSpecError(f"{str(path)!r} is not valid YAML: {what}{where}; fix the syntax") from e
         return cls._from_file_data(data, path)
 
     @classmethod
@@ -461,6 +464,9 @@ class ClusterSpec:
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> ClusterSpec:
         """``from_json`` for ``*.json``, ``from_yaml`` otherwise."""
+        if not isinstance(path, (str, os.PathLike)):
+            raise ClusterSpecError(f"ClusterSpec.load() takes the path of a YAML / JSON spec, got "
+                                   f"{type(path).__name__} {path!r:.60}; e.g. ClusterSpec.load('examples/clusters/cpu4.yaml')")
         return cls.from_json(path) if str(path).endswith(".json") else cls.from_yaml(path)
 
     @classmethod

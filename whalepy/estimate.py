@@ -48,8 +48,8 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "num_microbatches", "virtual_stages"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise PlanError(f"ParallelConfig.{name} must be a positive integer, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise PlanError(f"ParallelConfig.{name} must be a positive integer, got {v!r}; e.g. {name}=2")
         try:
             object.__setattr__(self, "schedule", Schedule(self.schedule))
         except ValueError:
@@ -63,7 +63,11 @@ class ParallelConfig:
         if self.tp & (self.tp - 1):
             raise PlanError(f"tp={self.tp} must be a power of two")
         if self.offload is not None:
-            object.__setattr__(self, "offload", Tier(self.offload))
+            try:
+                object.__setattr__(self, "offload", Tier(self.offload))
+            except ValueError:
+                raise PlanError(f"offload={self.offload!r}: use 'cpu' or 'nvme', or leave it out (None) for no "
+                                "offload") from None
         if isinstance(self.checkpoint, list):
             object.__setattr__(self, "checkpoint", tuple(self.checkpoint))
         if isinstance(self.checkpoint, tuple) and len(self.checkpoint) != self.pp:
@@ -174,8 +178,13 @@ def estimate(model: Any, cluster: ClusterSpec, config: ParallelConfig | dict[str
              example_inputs: Any, global_batch: int, precision: str | None = None) -> Estimate:
     """Predicted step time and memory of ``config``; ``precision`` None resolves from the cluster as
     the planner does (``PlannerOptions.precision``)."""
+    from whalepy._validate import as_cluster, check_example_inputs, check_model
     from whalepy.profile import profile
 
+    check_model(model, "whalepy.estimate()")
+    cluster = as_cluster(cluster, "whalepy.estimate()")
+    _coerce(config)  # a bad configuration fails before the capture
+    check_example_inputs(model, example_inputs, "whalepy.estimate()")
     return estimate_from_profile(profile(model, example_inputs), cluster, config, global_batch=global_batch,
                                  precision=precision)
 
@@ -230,6 +239,10 @@ def estimate_from_profile(profile: ModelProfile, cluster: ClusterSpec, config: P
 
     from whalepy._capabilities import check_state_option, resolve_precision
 
+    from whalepy._validate import as_cluster, check_positive_int
+
+    cluster = as_cluster(cluster, "whalepy.estimate()")
+    check_positive_int(global_batch, "global_batch", "whalepy.estimate()")
     cfg = _coerce(config)
     sp = sequence_parallel_error(sequence_parallel=has_sequence_rules(profile) and cfg.tp > 1, num_stages=cfg.pp)
     if sp is not None:

@@ -84,7 +84,8 @@ def main_run(args: argparse.Namespace) -> int:
         print(" ".join(cmd))
         return 0
     try:
-        return subprocess.call(cmd, env=env)
+        # the same torchrun, through whalepy._torchrun: a failed rank ends in one line, not torchrun's report
+        return subprocess.call([cmd[0], "-m", "whalepy._torchrun", *cmd[3:]], env=env)
     except KeyboardInterrupt:
         return 130
 

@@ -286,12 +286,33 @@ class Plan:
     gradient reduction and optimizer states; fp16 with dynamic loss scaling) or ``fp32``. The planner
     sets it from the cluster (``whalepy._capabilities.resolve_precision``); a hand-made plan trains in
     fp32 unless it says otherwise."""
+    costs_for: str = ""
+    """:meth:`decision_hash` of the decisions the predicted costs (``cost``, stage costs, alternatives) were
+    computed for; set on construction. A plan file edited by hand keeps the old hash, so
+    :attr:`costs_stale` tells that its costs no longer describe it."""
     version: int = PLAN_VERSION
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "schedule", Schedule(self.schedule))
         object.__setattr__(self, "precision", Precision(self.precision))
         self._validate()
+        if not self.costs_for:
+            object.__setattr__(self, "costs_for", self.decision_hash())
+
+    def decision_hash(self) -> str:
+        """16 hex digits over what the runtime lowers (ranks, stages, blocks, degrees, batch shares, TP
+        rules, schedule, precision), not over the predictions."""
+        import hashlib
+
+        data = {k: v for k, v in _to_jsonable(self).items() if k not in _NOT_DECISIONS}
+        for st in data["stages"]:
+            st.pop("cost", None)
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+    @property
+    def costs_stale(self) -> bool:
+        """True when the plan's decisions changed after its costs were computed (a hand-edited file)."""
+        return self.costs_for != self.decision_hash()
 
     def _validate(self) -> None:
         for name in ("world_size", "global_batch", "num_microbatches", "virtual_stages"):
@@ -441,15 +462,44 @@ class Plan:
         return cls.from_dict(data)
 
     @classmethod
-    def load(cls, path: str | Path, *, model_fingerprint: str | None = None) -> Plan:
-        """Load a plan; with ``model_fingerprint`` refuse a plan made for a different model."""
+    def load(cls, path: str | Path, *, model_fingerprint: str | None = None, model: Any = None,
+             example_inputs: Any = None, profile: Any = None) -> Plan:
+        """Load a plan; with ``model_fingerprint`` refuse a plan made for a different model. With ``model``
+        (and its ``example_inputs``, default: token ids of the plan's ``seq_len`` for a model that starts
+        with an embedding) or its ``profile``, check the plan against the model and its annotations
+        (:func:`whalepy._plan_check.check_plan`): a hand-edited plan that cannot lower as written is a
+        PlanError here, not a failure inside torch later."""
         p = Path(path)
         if not p.exists():
-            raise PlanError(f"no plan file at {p}")
-        plan = cls.from_json(p.read_text())
+            raise PlanError(f"no plan file at {p}; give the path of a JSON plan written by `whalepy plan --out` "
+                            "or Plan.save()")
+        if p.is_dir():
+            raise PlanError(f"{p} is a directory, not a plan file; give the path of the JSON plan in it")
+        try:
+            text = p.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise PlanError(f"cannot read plan file {p}: {e}; give a readable JSON plan file") from None
+        plan = cls.from_json(text)
         if model_fingerprint is not None:
             plan.check_model(model_fingerprint)
+        if model is not None or profile is not None:
+            plan.check_against(model, example_inputs=example_inputs, profile=profile)
         return plan
+
+    def check_against(self, model: Any = None, *, example_inputs: Any = None, profile: Any = None) -> None:
+        """Raise :class:`PlanError` where this plan cannot lower ``model`` as written (blocks, TP rules,
+        annotations, fingerprint); see :mod:`whalepy._plan_check`."""
+        from whalepy._plan_check import check_plan, default_example_inputs
+
+        if profile is None:
+            from whalepy._validate import check_model
+            from whalepy.profile import profile as build
+
+            check_model(model, "Plan.load(model=...)")
+            inputs = example_inputs if example_inputs is not None else default_example_inputs(self, model)
+            profile = build(model, inputs, sequence_parallel=any(r.style is TPStyle.SEQUENCE
+                                                                 for r in self.tensor_parallel))
+        check_plan(self, profile, model)
 
     def check_model(self, model_fingerprint: str) -> None:
         if model_fingerprint != self.model_fingerprint:
@@ -462,7 +512,11 @@ class Plan:
     def __str__(self) -> str:
         from whalepy._plan_format import format_plan
 
-        return format_plan(self)
+        text = format_plan(self)
+        if self.costs_stale:
+            text = (f"STALE COSTS: this plan was edited after its costs were computed; the figures below describe "
+                    f"the plan before the edit. Re-run `whalepy plan` or `whalepy estimate`.\n{text}")
+        return text
 
     def summary(self) -> str:
         return str(self)
@@ -474,6 +528,10 @@ class Plan:
 
 
 # -- JSON helpers ----------------------------------------------------------------------------------
+
+_NOT_DECISIONS = frozenset({"model_name", "cost", "solver", "alternatives", "notes", "costs_for", "version"})
+"""Plan fields that describe or predict rather than decide (left out of :meth:`Plan.decision_hash`)."""
+
 
 def _to_jsonable(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj):

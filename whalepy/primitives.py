@@ -173,6 +173,20 @@ def _check_name(field_name: str, value: Any) -> str | None:
     )
 
 
+def _refuse_ambiguous_gpu(gpu: str | None) -> None:
+    """``cluster(gpu="V100")`` names two memory sizes that plan differently: refused at once. An unknown
+    name may be a type the cluster spec defines under ``devices:``; the planner checks it."""
+    if gpu is None:
+        return
+    from whalepy.cost_models.devices import ambiguous_device_options
+
+    options = ambiguous_device_options(gpu)
+    if options:
+        raise AnnotationError(
+            f"cluster(gpu={gpu!r}): {gpu!r} is ambiguous, it comes in several memory sizes. Fix: write "
+            f"{' or '.join(repr(o) for o in options)}")
+
+
 def _check_count(field_name: str, value: Any) -> int | None:
     if value is None:
         return None
@@ -203,6 +217,7 @@ class Cluster(Annotation):
                 f"@whalepy.cluster or @whalepy.cluster(gpu=...)"
             )
         object.__setattr__(self, "gpu", _check_name("gpu", self.gpu))
+        _refuse_ambiguous_gpu(self.gpu)
         object.__setattr__(self, "group", _check_name("group", self.group))
         object.__setattr__(self, "nodes", _check_count("nodes", self.nodes))
         object.__setattr__(self, "count", _check_count("count", self.count))

@@ -189,9 +189,32 @@ class ModelProfile:
         return format_profile(self)
 
 
+def _check_profile_options(kwargs: dict[str, Any]) -> None:
+    import inspect
+
+    from whalepy._errors import ArgumentError
+    from whalepy.passes.profile import build_profile
+
+    known = [n for n, p in inspect.signature(build_profile).parameters.items() if p.kind is p.KEYWORD_ONLY]
+    unknown = sorted(set(kwargs) - set(known))
+    if unknown:
+        raise ArgumentError(f"whalepy.profile(): unknown option(s) {unknown}; options are: {', '.join(known)}")
+
+
 def profile(model: Any, example_inputs: Any, **kwargs: Any) -> ModelProfile:
     """Capture ``model`` on ``example_inputs`` (a tuple of tensors, or a dict of keyword inputs) and
     return its :class:`ModelProfile`. Weights are never materialised."""
+    from whalepy._errors import CaptureError
+    from whalepy._validate import check_example_inputs, check_model, token_dtype_hint
     from whalepy.passes.profile import build_profile
 
-    return build_profile(model, example_inputs, **kwargs)
+    check_model(model, "whalepy.profile()")
+    _check_profile_options(kwargs)
+    check_example_inputs(model, example_inputs, "whalepy.profile()")
+    try:
+        return build_profile(model, example_inputs, **kwargs)
+    except CaptureError:
+        hint = token_dtype_hint(model, example_inputs)
+        if hint is None:
+            raise
+        raise hint from None

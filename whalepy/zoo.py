@@ -95,7 +95,7 @@ def build(name: str, *, batch: int = 1, seq_len: int | None = None) -> tuple[Any
                            f"{', '.join([*MODELS, *T5_SIZES])} "
                            "(or give package.module:function returning (model, example_inputs))")
     factory, default_seq = MODELS[key]
-    seq = seq_len or default_seq
+    seq = default_seq if seq_len is None else seq_len
     if batch < 1 or seq < 1:
         raise WhalepyError(f"batch ({batch}) and seq_len ({seq}) must be positive")
     kind, cfg = factory()

@@ -77,6 +77,7 @@ class PlannerOptions:
     """Lines copied into ``plan.notes`` (used by callers that adjust options, e.g. a solver fallback)."""
 
     def __post_init__(self) -> None:
+        _check_option_types(self)
         if self.solver not in SOLVERS:
             raise PlanError(f"solver={self.solver!r}: choose one of {', '.join(SOLVERS)}")
         if not self.time_limit_s > 0:
@@ -110,6 +111,38 @@ class PlannerOptions:
             raise PlanError(f"max_microbatches must be >= 1, got {self.max_microbatches}")
 
 
+_NUMBER_FIELDS = ("time_limit_s", "ilp_time_limit_s")
+_INT_FIELDS = ("top_k", "max_tp", "max_microbatches")
+_BOOL_FIELDS = ("allow_checkpointing", "allow_offload", "sequence_parallel", "homogeneous_baseline")
+
+
+def _check_option_types(opts: PlannerOptions) -> None:
+    def bad(name: str, want: str) -> PlanError:
+        value = getattr(opts, name)
+        return PlanError(f"planner option {name}={value!r} is a {type(value).__name__}; give {want}")
+
+    for name in _NUMBER_FIELDS:
+        v = getattr(opts, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise bad(name, "a number of seconds, e.g. 60")
+    for name in _INT_FIELDS:
+        v = getattr(opts, name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+            raise bad(name, "an integer" + (" or None" if name != "top_k" else ""))
+    for name in _BOOL_FIELDS:
+        if not isinstance(getattr(opts, name), bool):
+            raise bad(name, "True or False")
+    if isinstance(opts.schedules, str) or not isinstance(opts.schedules, (tuple, list)):
+        raise bad("schedules", "a tuple of names, e.g. ('1f1b', 'gpipe')")
+    if isinstance(opts.zero_stages, (str, int)) or not isinstance(opts.zero_stages, (tuple, list)):
+        raise bad("zero_stages", "a tuple of stages, e.g. (0, 1, 2, 3)")
+    if not isinstance(opts.virtual_stages, (tuple, list)) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in opts.virtual_stages):
+        raise bad("virtual_stages", "a tuple of integers, e.g. (2,)")
+    if not (isinstance(opts.progress, bool) or callable(opts.progress)):
+        raise bad("progress", "True, False or a callable taking one line")
+
+
 def _progress_fn(opt: bool | Callable[[str], None]) -> Callable[[str], None]:
     if callable(opt):
         return opt
@@ -134,7 +167,16 @@ def plan(model: Any, cluster: ClusterSpec, *, example_inputs: Any, global_batch:
     """The fastest predicted plan for training ``model`` on ``cluster`` with ``global_batch`` samples per
     step. ``options`` are the fields of :class:`PlannerOptions`. Raises
     :class:`~whalepy.InfeasibleError` when nothing fits, saying what runs short and what to relax."""
-    opts = make_options(options)
+    from whalepy._validate import as_cluster, check_example_inputs, check_model
+
+    check_model(model, "whalepy.plan()")
+    cluster = as_cluster(cluster, "whalepy.plan()")
+    _check_global_batch(global_batch)
+    opts = _with_precision(make_options(options), cluster)  # bad options fail before the capture
+    check_example_inputs(model, example_inputs, "whalepy.plan()")
+    from whalepy.planner.search import check_annotation_degrees
+
+    check_annotation_degrees(model, cluster.world_size)
     progress = _progress_fn(opts.progress)
     progress("capturing the model")
     from whalepy.profile import profile as build
@@ -146,9 +188,14 @@ def plan(model: Any, cluster: ClusterSpec, *, example_inputs: Any, global_batch:
 
 def plan_from_profile(profile: ModelProfile, cluster: ClusterSpec, *, global_batch: int, **options: Any) -> Plan:
     """:func:`plan` for a profile already made (by capture or :mod:`whalepy.planner.synthetic`)."""
+    from whalepy._validate import as_cluster
+
+    if not isinstance(profile, ModelProfile):
+        raise PlanError(f"plan_from_profile() takes a whalepy.ModelProfile, got {type(profile).__name__}; make "
+                        "one with whalepy.profile(model, example_inputs), or call whalepy.plan(model, ...)")
+    cluster = as_cluster(cluster, "whalepy.plan()")
     opts = _with_precision(make_options(options), cluster)
-    if not isinstance(global_batch, int) or global_batch < 1:
-        raise PlanError(f"global_batch must be a positive integer, got {global_batch!r}")
+    _check_global_batch(global_batch)
     hw = Hardware(cluster)
     check_device_reserve(hw.groups, hw.world_size)
     if opts.homogeneous_baseline:
@@ -174,6 +221,12 @@ def plan_from_profile(profile: ModelProfile, cluster: ClusterSpec, *, global_bat
                        mip_gap=result.best_result.mip_gap, notes=notes, alternatives=alts)
     progress(f"plan: {plan_.cost.step_time_s:.4g} s/step, {plan_.cost.samples_per_s:.4g} samples/s")
     return plan_
+
+
+def _check_global_batch(global_batch: Any) -> None:
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise PlanError(f"global_batch must be a positive integer, got {global_batch!r}; pass the samples per "
+                        "step, e.g. global_batch=256")
 
 
 def _with_precision(opts: PlannerOptions, cluster: ClusterSpec) -> PlannerOptions:
@@ -222,7 +275,11 @@ def homogeneous_baseline(profile: ModelProfile, cluster: ClusterSpec, *, global_
     from whalepy.planner.costing import CostContext
     from whalepy.planner.search import evaluate_fixed
 
+    from whalepy._validate import as_cluster
+
+    cluster = as_cluster(cluster, "whalepy.homogeneous_baseline()")
     opts = _with_precision(make_options(options), cluster)
+    _check_global_batch(global_batch)
     hw = Hardware(cluster)
     slow = min((g.device for g in hw.groups), key=lambda d: (d.peak_flops_16, d.memory_bytes))
     small = min(g.device.memory_bytes for g in hw.groups)

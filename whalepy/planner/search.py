@@ -144,7 +144,55 @@ def read_annotations(profile: ModelProfile, hw: Hardware) -> Constraints:
         if sorted(stages) != list(range(len(stages))):
             raise AnnotationError(f"stage scopes are numbered {sorted(stages)}; expected 0..{len(stages) - 1}")
         c.num_stages = len(stages)
+    _check_degrees_fit(c, hw.world_size)
     return c
+
+
+def check_annotation_degrees(model, W: int) -> None:  # type: ignore[no-untyped-def]
+    """Before any capture: the degrees the model's annotations fix (one each; conflicts are reported
+    with the block structure, after capture) and its number of stage scopes fit a world of ``W``."""
+    from whalepy.primitives import resolve_annotations
+
+    c = Constraints()
+    stages = set()
+    for path, a in resolve_annotations(model).items():
+        def src(kind: str, n: int | None) -> str:
+            return next((s for s in a.sources if s.startswith(kind)), f"{kind}({n or ''}) on {path or '<root>'}")
+
+        if a.split and c.tp is None:
+            c.tp, c.sources["split"] = a.split, src("split", a.split)
+        if a.replicate and c.dp is None:
+            c.dp, c.sources["replicate"] = a.replicate, src("replicate", a.replicate)
+        if a.stage is not None:
+            stages.add(a.stage)
+            c.sources.setdefault("stage", src("stage", None))
+    c.num_stages = len(stages) or None
+    _check_degrees_fit(c, W)
+
+
+def _check_degrees_fit(c: Constraints, W: int) -> None:
+    """Degrees the annotations fix must fit the world: said with the numbers, before any search."""
+    def fits(n: int, what: str, src: str,
+             fix: str = "use a degree that divides {W}, or leave the degree out to let the planner choose") -> None:
+        if n > W or W % n:
+            raise AnnotationError(
+                f"{src} asks for {n} {what} but the cluster has {W} devices"
+                f"{' (' + str(n) + ' > ' + str(W) + ')' if n > W else f', and {n} does not divide {W}'}; "
+                + fix.format(W=W))
+
+    if c.dp is not None:
+        fits(c.dp, "data-parallel replicas", c.sources["replicate"])
+    if c.tp is not None:
+        fits(c.tp, "tensor-parallel devices", c.sources["split"])
+    if c.num_stages is not None:
+        fits(c.num_stages, "pipeline stages (one per stage() scope of the model)", c.sources["stage"],
+             "use a number of stage() scopes that divides {W}, or drop them to let the planner split the model")
+    fixed = [(n, c.sources[k]) for n, k in ((c.dp, "replicate"), (c.tp, "split"), (c.num_stages, "stage")) if n]
+    product = math.prod(n for n, _ in fixed)
+    if len(fixed) > 1 and (product > W or W % product):
+        raise AnnotationError(
+            f"{' x '.join(f'{src} ({n})' for n, src in fixed)} = {product} devices, but the cluster has {W}; "
+            f"the fixed degrees must multiply to a divisor of {W}: change one of them or leave it out")
 
 
 def _dev(name: str) -> str:
@@ -152,12 +200,13 @@ def _dev(name: str) -> str:
 
 
 def _gpu_matches(device_name: str, wanted: str) -> bool:
-    try:
-        from whalepy.cost_models.devices import resolve_device_type
+    from whalepy._errors import ClusterSpecError
+    from whalepy.cost_models.devices import resolve_device_type
 
+    try:
         return resolve_device_type(wanted).name == device_name
-    except Exception:  # noqa: BLE001 - an ambiguous or unknown name matches by prefix
-        return device_name.lower().startswith(_dev(wanted))
+    except ClusterSpecError:  # a type defined under the spec's devices: matches by its own name
+        return _dev(device_name) == _dev(wanted)
 
 
 # -- enumeration ------------------------------------------------------------------------------------

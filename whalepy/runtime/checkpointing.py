@@ -218,11 +218,30 @@ def save_train_state(path: str | Path, modules: Sequence[nn.Module],
     dcp.save(_add_aliases(state, list(aliases) + tied_aliases(modules)), checkpoint_id=str(path))
 
 
+def check_checkpoint_fits(path: str | Path, model_state: dict[str, Any]) -> None:
+    """A DCP directory written by :func:`save_train_state` for this model (same tensor names and global
+    shapes; any plan): otherwise one line naming the first tensor that differs, before DCP reads a byte."""
+    if not (Path(path) / ".metadata").is_file():
+        raise WhalepyError(f"{path} is not a checkpoint directory written by ParallelModel.save (no .metadata); "
+                           "give the directory pm.save() wrote")
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    for name, t in model_state.items():
+        meta = saved.get(f"model.{name}")
+        if meta is None:
+            raise WhalepyError(f"the checkpoint {path} has no tensor 'model.{name}': it was saved from another "
+                               "model; load a checkpoint of this model (under any plan)")
+        size = tuple(getattr(meta, "size", ()))
+        if isinstance(t, torch.Tensor) and size and size != tuple(t.shape):
+            raise WhalepyError(f"the checkpoint {path} holds {name} with shape {list(size)}, this model has "
+                               f"{list(t.shape)}: it was saved from a model of other sizes")
+
+
 def load_train_state(path: str | Path, modules: Sequence[nn.Module],
                      optimizer: Optimizers) -> None:
     # the template carries this plan's shardings; DCP fills it from whatever plan wrote the files
     state = get_train_state(modules, optimizer)
     own = [list(g["params"]) for g in state["optim"].get("param_groups", [])]
+    check_checkpoint_fits(path, state["model"])
     dcp.load(state, checkpoint_id=str(path))
     # each param group's list of parameter names is one object in the files, written by one rank;
     # under another plan (other pipeline stages, layers delinked) this rank's names are its own

@@ -35,9 +35,10 @@ import torch.distributed as dist
 from torch import nn
 
 from whalepy._capabilities import check_pipeline, steps_on_host
-from whalepy._errors import LaunchError, PlanError, WhalepyError
+from whalepy._errors import ArgumentError, LaunchError, PlanError, WhalepyError
 from whalepy._log import info_once, is_rank0, warn_once
 from whalepy._pseudo_to_real import PseudoBuild, record_pseudo
+from whalepy._validate import check_scalar_loss, max_positions
 from whalepy.plan import Plan, Tier, TPStyle
 from whalepy.runtime.checkpointing import (
     apply_activation_checkpointing,
@@ -70,6 +71,7 @@ from whalepy.runtime._amp import AmpContext
 from whalepy.runtime._report import StepReporter, plan_log_lines
 from whalepy.runtime.host_optimizer import HostOptimizer
 from whalepy.runtime.nvme import NvmeTier, build_nvme_tier
+from whalepy._launch_errors import install_error_hook
 from whalepy.runtime.tensor_parallel import apply_tensor_parallel
 
 if TYPE_CHECKING:
@@ -149,9 +151,24 @@ def parallelize(
     (logger ``"whalepy"``; a ``rich`` progress line on a terminal when ``rich`` is installed). The plan
     being lowered is logged on rank 0 in any case, one line per stage.
     """
-    inputs = _as_tuple(example_inputs)
+    from whalepy._validate import as_cluster, check_example_inputs, check_positive_int
+
+    launched = is_distributed_launch()
+    if launched:
+        install_error_hook()  # a user error below prints once and ends every rank (_launch_errors.py)
+    if cluster_spec is not None:  # None works with a given plan; planning without one says so
+        cluster_spec = as_cluster(cluster_spec, "whalepy.parallelize()")
+    if launched:
+        _init_process_group(cluster_spec)  # first: the hook then counts failures in the job's store
+        install_error_hook()
     _check_arguments(model, loss_fn, optimizer)
     _check_training_options(max_grad_norm, log_every)
+    check_positive_int(global_batch, "global_batch", "whalepy.parallelize()")
+    check_example_inputs(model, example_inputs, "whalepy.parallelize()")
+    if plan is not None and not isinstance(plan, Plan):
+        raise ArgumentError(f"parallelize(plan=...) takes a whalepy.Plan, got {type(plan).__name__}; load one "
+                            "with whalepy.Plan.load('plan.json', model=model)")
+    inputs = _as_tuple(example_inputs)
     if checkpoint is not None:
         checkpoint_kind(checkpoint)  # a bad path fails here, before planning and lowering
         if not has_meta_tensors(model):
@@ -173,7 +190,8 @@ def parallelize(
         else:
             plan = solve()
     elif options:
-        raise TypeError(f"parallelize() got unexpected options {sorted(options)} with a given plan")
+        raise ArgumentError(f"parallelize() got planner options {sorted(options)} together with a plan; the "
+                            "plan is used as it is: drop the options, or drop plan= to re-plan with them")
     if plan.global_batch != global_batch:
         raise PlanError(f"the plan is for a global batch of {plan.global_batch}, parallelize() was "
                         f"given global_batch={global_batch}; re-plan or pass the plan's batch")
@@ -189,12 +207,19 @@ def parallelize(
     check_world(plan)
     _check_device(plan, cluster_spec, rank)
     if plan.model_fingerprint != "unchecked":
-        profile = profile if profile is not None else _profile_or_none(model, example_inputs)
+        profile = profile if profile is not None else _profile_or_none(model, example_inputs, plan)
         if profile is not None:
             try:
                 plan.check_model(profile.fingerprint)
             except PlanError as e:
                 raise LaunchError(str(e)) from None
+    if profile is not None:
+        from whalepy._plan_check import check_plan
+
+        check_plan(plan, profile, model)  # a hand-edited plan fails here, not inside torch
+    if plan.costs_stale and rank == 0:
+        log.warning("whalepy: the plan was edited after its costs were computed; its predicted figures are "
+                    "stale (re-run `whalepy plan` or `whalepy estimate` to update them)")
     return ParallelModel(model, plan, cluster_spec=cluster_spec, example_inputs=inputs,
                          loss_fn=loss_fn, optimizer_factory=optimizer, profile=profile,
                          device_type=device_type, loss_parallel=loss_parallel,
@@ -230,17 +255,21 @@ def _check_training_options(max_grad_norm: Any, log_every: Any) -> None:
 
 
 def _check_arguments(model: nn.Module, loss_fn: Any, optimizer: Any) -> None:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"parallelize() needs an nn.Module, got {type(model).__name__}")
+    from whalepy._validate import check_model
+
+    check_model(model, "whalepy.parallelize()")
     if isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
+        raise ArgumentError(
             f"parallelize(optimizer=...) takes a factory, got a {type(optimizer).__name__} instance: its "
             "parameters are about to be replaced by shards. Pass e.g. "
             "optimizer=lambda params: torch.optim.AdamW(params, lr=3e-4)")
     if not callable(optimizer):
-        raise TypeError(f"parallelize(optimizer=...) must be callable (params -> Optimizer), got {optimizer!r}")
+        raise ArgumentError(f"parallelize(optimizer=...) must be callable (params -> Optimizer), got "
+                            f"{optimizer!r:.60}; pass e.g. optimizer=lambda params: torch.optim.AdamW(params)")
     if not callable(loss_fn):
-        raise TypeError(f"parallelize(loss_fn=...) must be callable (output, targets) -> loss, got {loss_fn!r}")
+        raise ArgumentError(f"parallelize(loss_fn=...) must be callable (output, targets) -> loss, got "
+                            f"{loss_fn!r:.60}; pass e.g. loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), "
+                            "y.flatten())")
 
 
 def _init_process_group(cluster_spec: ClusterSpec) -> str:
@@ -282,13 +311,10 @@ class UnlaunchedModel:
     def optimizer(self) -> None:
         return None
 
-    def train_step(self, inputs: Any, targets: Any) -> torch.Tensor:
+    def train_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         raise LaunchError(f"not inside a distributed launch: {launch_hint(self.plan.world_size)}")
 
-    def state_dict(self) -> dict[str, Any]:
-        raise LaunchError(f"not inside a distributed launch: {launch_hint(self.plan.world_size)}")
-
-    save = load = load_state_dict = state_dict  # type: ignore[assignment]
+    state_dict = save = load = load_state_dict = evaluate = full_state_dict = train_step  # type: ignore[assignment]
 
 
 class ParallelModel:
@@ -310,7 +336,9 @@ class ParallelModel:
                        sequence_parallel=any(r.style is TPStyle.SEQUENCE for r in plan.tensor_parallel),
                        where="the plan cannot be lowered (whalepy.plan never makes such a plan: re-plan)")
         self.plan = plan
-        self.loss_fn = loss_fn
+        self.loss_fn = _checked_loss(loss_fn)
+        self._example_shapes = [tuple(x.shape[1:]) for x in example_inputs if isinstance(x, torch.Tensor)]
+        self._max_positions = max_positions(model)
         self.loss_parallel = loss_parallel
         self.max_grad_norm = max_grad_norm
         self.last_grad_norm: float | None = None
@@ -531,10 +559,14 @@ class ParallelModel:
     def _local_batch(self, what: str, inputs: Any, targets: Any) -> tuple[tuple, torch.Tensor]:
         """Check a global batch and take this replica's share of it, on this rank's device."""
         inputs = _as_tuple(inputs)
+        self._check_batch(inputs)
         for x in (*inputs, targets):
-            if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] != self.plan.global_batch:
+            if not isinstance(x, torch.Tensor):
+                raise ArgumentError(f"{what} got a {type(x).__name__} where a tensor is expected; pass the "
+                                    "global batch's inputs and targets as tensors")
+            if x.dim() == 0 or x.shape[0] != self.plan.global_batch:
                 got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-                raise WhalepyError(
+                raise ArgumentError(
                     f"{what} got a tensor of shape {got}; every rank passes the whole global batch "
                     f"({self.plan.global_batch} samples along dim 0) and whalepy takes this replica's "
                     f"share ({self.plan.batch_shares[self.meshes.replica]} samples)")
@@ -558,6 +590,22 @@ class ParallelModel:
         if isinstance(x, torch.Tensor) and x.dim() >= 2 and not x.is_floating_point():
             return self.plan.global_batch * int(x.shape[1])
         return None
+
+    def _check_batch(self, inputs: tuple) -> None:
+        """Inputs a pipeline can run (the shapes it was built for) and the model can take (its positions)."""
+        for i, x in enumerate(inputs):
+            if not isinstance(x, torch.Tensor) or x.dim() < 2:
+                continue
+            if self._max_positions and not x.is_floating_point() and x.shape[1] > self._max_positions[0]:
+                raise ArgumentError(
+                    f"train_step: inputs[{i}] has {x.shape[1]} tokens per sample but the model has "
+                    f"{self._max_positions[0]} positions ({self._max_positions[1]}); shorten the sequences")
+            if self.schedule is not None and i < len(self._example_shapes) \
+                    and tuple(x.shape[1:]) != self._example_shapes[i]:
+                raise ArgumentError(
+                    f"train_step: inputs[{i}] has per-sample shape {tuple(x.shape[1:])}, the pipeline was built "
+                    f"for {self._example_shapes[i]} (the example inputs); pass batches of that shape, or "
+                    "parallelize with example inputs of this one")
 
     def _clip_grads(self, max_norm: float) -> torch.Tensor:
         from whalepy.runtime._clip import clip_grad_norm
@@ -707,6 +755,16 @@ class ParallelModel:
 # -- helpers ---------------------------------------------------------------------------------------
 
 
+def _checked_loss(loss_fn: LossFn) -> LossFn:
+    """``loss_fn`` whose result is checked to be a scalar before anything differentiates it."""
+    def checked(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+        loss = loss_fn(outputs, targets)
+        check_scalar_loss(loss)
+        return loss
+
+    return checked
+
+
 class _Null:
     def __enter__(self) -> None:
         return None
@@ -735,8 +793,8 @@ def _as_tuple(x: Any) -> tuple:
         return (x,)
     if isinstance(x, (tuple, list)):
         return tuple(x)
-    raise WhalepyError(f"inputs must be a tensor or a tuple of tensors (positional model inputs), got "
-                       f"{type(x).__name__}")
+    raise ArgumentError(f"inputs must be a tensor or a tuple of tensors (positional model inputs), got "
+                        f"{type(x).__name__}; pass e.g. (tokens,)")
 
 
 def _resize_batch(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -753,13 +811,14 @@ def _broadcast_weights(model: nn.Module) -> None:
                 dist.broadcast(t.data, src=0)
 
 
-def _profile_or_none(model: nn.Module, example_inputs: Any) -> Any:
+def _profile_or_none(model: nn.Module, example_inputs: Any, plan: Plan) -> Any:
     try:
         from whalepy.profile import profile
     except ImportError:
         return None
     try:
-        return profile(model, example_inputs)
+        return profile(model, example_inputs,
+                       sequence_parallel=any(r.style is TPStyle.SEQUENCE for r in plan.tensor_parallel))
     except (ImportError, NotImplementedError) as e:
         log.warning("whalepy: cannot profile the model to check the plan's fingerprint (%s)", e)
         return None

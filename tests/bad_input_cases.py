@@ -1,0 +1,84 @@
+"""Shared pieces of the bad-input tests (tests/test_bad_inputs*.py): a tiny model, clusters, and the check
+that an error is a one-line whalepy error naming the cause and the fix."""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import whalepy
+from whalepy._errors import WhalepyError
+from whalepy.cluster import ClusterSpec
+from whalepy.models import GPT, GPTConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU4 = str(ROOT / "examples" / "clusters" / "cpu4.yaml")
+TOKENS = torch.zeros(1, 8, dtype=torch.long)
+
+
+def tiny(**annotations: Any) -> GPT:
+    """A 2-layer GPT with 16 positions; ``annotations`` are glob -> annotation (``whalepy.annotate``)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=32, block_size=16, num_layers=2, num_heads=2, hidden_size=16))
+    return whalepy.annotate(model, annotations) if annotations else model
+
+
+def cluster4() -> ClusterSpec:
+    return ClusterSpec.load(CPU4)
+
+
+def a100(nodes: int = 2) -> ClusterSpec:
+    return ClusterSpec.from_dict({"network": {"bandwidth_gbps": 200}, "groups": [
+        {"name": "a100", "gpu": "A100-80GB", "gpus_per_node": 8, "nodes": nodes, "intra_node": "nvswitch"}]})
+
+
+def plan_kw(**kw: Any) -> dict[str, Any]:
+    return {"example_inputs": (TOKENS,), "global_batch": 8, **kw}
+
+
+def assert_clear(fn: Callable[[], Any], exc: type[BaseException], *needles: str) -> str:
+    """``fn()`` raises ``exc`` (a whalepy error), as one line holding every needle (the cause's numbers
+    and names, and the fix)."""
+    assert issubclass(exc, WhalepyError)
+    with pytest.raises(exc) as info:
+        fn()
+    message = str(info.value)
+    assert "\n" not in message, message
+    assert len(message) < 600, message
+    for needle in needles:
+        assert needle in message, f"{needle!r} not in {message!r}"
+    return message
+
+
+def write(tmp: Path, name: str, text: str) -> str:
+    path = tmp / name
+    path.write_text(text)
+    return str(path)
+
+
+@functools.cache
+def _base_plan_json() -> str:
+    return whalepy.estimate(tiny(), cluster4(), whalepy.ParallelConfig(dp=2, tp=2), example_inputs=(TOKENS,),
+                            global_batch=8).plan.to_json()
+
+
+def edited_plan_json(tmp: Path, edit: Callable[[dict], None]) -> str:
+    """A real plan of ``tiny()`` (pp 1, dp 2, tp 2 on cpu4), saved, edited as JSON by ``edit``."""
+    data = json.loads(_base_plan_json())
+    edit(data)
+    return write(tmp, "plan.json", json.dumps(data))
+
+
+def tiny_model_and_inputs() -> tuple[Any, tuple]:
+    """For the command line: ``bad_input_cases:tiny_model_and_inputs``."""
+    return tiny(), (TOKENS,)
+
+
+def not_a_pair() -> Any:
+    return tiny()
