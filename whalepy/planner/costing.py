@@ -91,7 +91,7 @@ from whalepy.cost_models.offload import host_capacity_per_gpu, nvme_capacity_per
 from whalepy._capabilities import LoweringKind
 from whalepy.plan import Tier, TPStyle, ZeroStage
 from whalepy.planner.space import Candidate, GroupView, Hardware, Segment, StateOption, build_layout
-from whalepy.planner._offload_costs import offload_coefficients
+from whalepy.planner._offload_costs import activation_offload_coefficients, offload_coefficients
 from whalepy.planner._runtime_costs import (
     DPComm,
     build_dp_block_comm,
@@ -207,6 +207,13 @@ class CellCoeffs:
     """Per option: activation bytes autocast keeps beyond the 16-bit ones, the fp32 residual input of
     every block (``2 sbh`` per GPT block, measured; see ``AUTOCAST_WEIGHT_COPY_BYTES``). Autocast
     applies only without pipelining, so the stage holds every block and this is a constant."""
+    seg_offload: list[float] | None = None
+    """Per block: exposed seconds per micro-batch of keeping its saved activations in host memory
+    (:func:`~whalepy.cost_models.offload.estimate_activation_offload_time`); None where the group has
+    no host memory given (activation offload not possible)."""
+    seg_host: list[float] | None = None
+    """Per block: host bytes per rank of its offloaded activations over the micro-batches in flight
+    (:func:`~whalepy.cost_models.memory.estimate_stage_activation_host_bytes`)."""
 
 
 @dataclass(slots=True)
@@ -410,7 +417,27 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
                                   dp_ranks=dp_ranks))
     return CandidateCoeffs(candidate=cand, segments=segments, stages=stages, ranks=ranks,
                            nodes=_node_shares(hw, ranks) if any(_off_device(o) for st in stages for o in st.options)
-                           else (), bubble=cand.bubble_coefficient)
+                           or any(stage_offloadable(st) for st in stages) else (), bubble=cand.bubble_coefficient)
+
+
+def stage_offloadable(sc: StageCoeffs) -> list[int]:
+    """Segments whose blocks may keep their activations in host memory on stage ``sc`` (the space the
+    ILP, the exhaustive solver and the brute force share): every cell's group has host memory, the
+    block saves something, and its exposed copies cost less than recomputing it on every cell (where
+    they do not, checkpointing the block is as fast and needs no host memory)."""
+    if not sc.cells or any(c.seg_offload is None for c in sc.cells):
+        return []
+    return [g for g in range(len(sc.seg_params))
+            if any(c.seg_saved[g] > 0 for c in sc.cells)
+            and all(c.seg_offload[g] < c.seg_recompute[g] for c in sc.cells)]  # type: ignore[index]
+
+
+def stage_host_activation(sc: StageCoeffs) -> list[float]:
+    """Per block of each segment: host bytes per rank of the stage when offloaded (the largest over its
+    cells, so every replica's host share is covered; 0 where not offloadable)."""
+    ok = set(stage_offloadable(sc))
+    return [max(c.seg_host[g] for c in sc.cells) if g in ok else 0.0  # type: ignore[index]
+            for g in range(len(sc.seg_params))]
 
 
 def _off_device(o: StateOption) -> bool:
@@ -555,6 +582,8 @@ def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: i
         loss_bytes = out * ctx.byte_scale + out / elem * LOSS_LOGPROB_BYTES
     cpu_cap = host_capacity_per_gpu(g.cpu_memory_bytes, g.gpus_per_node)
     nvme_cap = nvme_capacity_per_gpu(g.nvme_capacity_bytes, g.gpus_per_node)
+    seg_offload, seg_host = activation_offload_coefficients(g, saved=seg_saved, fwd=seg_fwd, bwd=seg_bwd,
+                                                            inflight=inflight, virtual_stages=v)
     return CellCoeffs(group=g, share=share, micro_batch=mb, replicas=reps,
                       capacity=usable_device_bytes(g, cand), cpu_capacity=cpu_cap,
                       nvme_capacity=nvme_cap, seg_time=seg_time, seg_recompute=seg_re, seg_fwd=seg_fwd,
@@ -562,7 +591,8 @@ def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: i
                       chunk_p2p=chunk_p2p, inflight=inflight, opt_beta=opt_beta, opt_overlap=opt_overlap,
                       fetch_beta=fetch_beta,
                       seg_exposed=seg_exposed, edge=edge, seg_tail=seg_tail, tail_edge=tail_edge,
-                      autocast_bytes=autocast_bytes, loss_bytes=loss_bytes)
+                      autocast_bytes=autocast_bytes, loss_bytes=loss_bytes, seg_offload=seg_offload,
+                      seg_host=seg_host)
 
 
 # -- evaluation of a fully specified configuration ----------------------------------------------------
@@ -571,7 +601,8 @@ def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: i
 class CellEval:
     cell: CellCoeffs
     compute_s: float
-    """Per micro-batch: block compute (and recompute), without communication."""
+    """Per micro-batch: block compute (and recompute), without communication or the exposed copies of
+    offloaded activations (:func:`offload_s`, in ``time_s``)."""
     comm_s: float
     """Per micro-batch: exposed TP collectives and pipeline sends."""
     dp_exposed_s: float
@@ -643,6 +674,17 @@ class StageEval:
     chunk_counts: tuple[tuple[int, ...], ...] = ()
     """Per chunk (virtual stage ``index + k S``), blocks per segment."""
     chunk_checkpoints: tuple[tuple[int, ...], ...] = ()
+    chunk_offloads: tuple[tuple[int, ...], ...] = ()
+    """Per chunk, blocks per segment whose saved activations are kept in host memory."""
+    host_activation_bytes: float = 0.0
+    """Host bytes per rank of the offloaded activations (included in each cell's ``cpu_bytes``)."""
+
+    @property
+    def offloads(self) -> tuple[int, ...]:
+        """Blocks per segment with activations offloaded on this stage (all chunks)."""
+        if not self.chunk_offloads:
+            return (0,) * len(self.counts)
+        return tuple(sum(col) for col in zip(*self.chunk_offloads))
 
     @property
     def time_s(self) -> float:
@@ -681,21 +723,40 @@ class Evaluation:
         return self.coeffs.chunk_coefficient * self.Tc
 
 
-def chunk_busy_s(c: CellCoeffs, option: StateOption, counts: Sequence[int], ckpts: Sequence[int]) -> float:
+def chunk_busy_s(c: CellCoeffs, option: StateOption, counts: Sequence[int], ckpts: Sequence[int],
+                 offs: Sequence[int] = ()) -> float:
     """Per micro-batch, one chunk of a cell without its sends: its blocks' forward, backward and TP
-    all-reduces, recompute of its checkpointed blocks, and its exposed data-parallel communication."""
+    all-reduces, recompute of its checkpointed blocks, the exposed host copies of its blocks with
+    offloaded activations, and its exposed data-parallel communication."""
     return (sum(n * (x + e) for n, x, e in zip(counts, c.seg_time, c.seg_exposed[option]))
-            + sum(k * x for k, x in zip(ckpts, c.seg_recompute)) + c.edge[option])
+            + sum(k * x for k, x in zip(ckpts, c.seg_recompute)) + offload_s(c, offs) + c.edge[option])
+
+
+def offload_s(c: CellCoeffs, offs: Sequence[int]) -> float:
+    """Exposed activation-offload seconds per micro-batch of ``offs`` blocks per segment."""
+    if not any(offs):
+        return 0.0
+    if c.seg_offload is None:
+        raise ValueError(f"activation offload on group {c.group.device.name!r}, which has no host memory given")
+    return sum(k * x for k, x in zip(offs, c.seg_offload))
 
 
 def evaluate_stage(sc: StageCoeffs, chunk_counts: Sequence[Sequence[int]], chunk_ckpts: Sequence[Sequence[int]],
-                   option: StateOption, *, dp: int) -> StageEval:
-    """Cost of one physical stage: blocks and checkpointed blocks per segment of each of its chunks
-    (one chunk without interleaving) and its state option."""
+                   option: StateOption, *, dp: int, chunk_offs: Sequence[Sequence[int]] | None = None) -> StageEval:
+    """Cost of one physical stage: blocks, checkpointed blocks and blocks with offloaded activations
+    (``chunk_offs``, None: none) per segment of each of its chunks (one chunk without interleaving) and
+    its state option."""
     v = len(chunk_counts)
     G = len(sc.seg_params)
+    if chunk_offs is None:
+        chunk_offs = [[0] * G for _ in range(v)]
     counts = [sum(row[g] for row in chunk_counts) for g in range(G)]
     ckpts = [sum(row[g] for row in chunk_ckpts) for g in range(G)]
+    offs = [sum(row[g] for row in chunk_offs) for g in range(G)]
+    if any(k + o > n for k, o, n in zip(ckpts, offs, counts)) or any(
+            k + o > n for cn, ck, co in zip(chunk_counts, chunk_ckpts, chunk_offs) for n, k, o in zip(cn, ck, co)):
+        raise ValueError(f"stage {sc.index}: checkpointed {ckpts} plus offloaded {offs} blocks exceed {counts}")
+    host_act = sum(o * x for o, x in zip(offs, stage_host_activation(sc))) if any(offs) else 0.0
     pl = sum(n * p for n, p in zip(counts, sc.seg_params))
     alpha, beta = sc.sync[option]
     post = alpha + beta * pl if dp > 1 and pl > 0 else 0.0
@@ -705,37 +766,42 @@ def evaluate_stage(sc: StageCoeffs, chunk_counts: Sequence[Sequence[int]], chunk
     buffers = sc.buffer_beta[option] * pl + sc.working_bytes[option]
     cells = []
     for c in sc.cells:
-        compute = sum(n * x for n, x in zip(counts, c.seg_time)) + sum(k * x for k, x in zip(ckpts, c.seg_recompute))
+        off_s = offload_s(c, offs)
+        compute = (sum(n * x for n, x in zip(counts, c.seg_time)) + sum(k * x for k, x in zip(ckpts, c.seg_recompute))
+                   + off_s)
         comm = sum(n * x for n, x in zip(counts, c.seg_comm))
         exposed = sum(n * e for n, e in zip(counts, c.seg_exposed[option])) + v * c.edge[option]
         fetch = c.fetch_beta[option] * pl
         backward = sum(n * x for n, x in zip(counts, c.seg_bwd))  # the last micro-batch's, hides ZeRO-Offload
         time_s = max(compute + exposed, fetch) + c.p2p
-        kept = [sum(n * a + k * (i - a) for n, k, a, i in zip(cn, ck, c.seg_saved, c.seg_input))
-                for cn, ck in zip(chunk_counts, chunk_ckpts)]
+        # an offloaded block keeps nothing on the device between its forward and its backward
+        kept = [sum(n * a + k * (i - a) - o * a for n, k, o, a, i in zip(cn, ck, co, c.seg_saved, c.seg_input))
+                for cn, ck, co in zip(chunk_counts, chunk_ckpts, chunk_offs)]
         if v == 1:
             chunk_time = time_s
         else:
-            chunk_time = max(max(chunk_busy_s(c, option, cn, ck), fetch / v) + p
-                             for cn, ck, p in zip(chunk_counts, chunk_ckpts, c.chunk_p2p))
-        peak = max((a for k, a in zip(ckpts, c.seg_saved) if k > 0), default=0.0)
+            chunk_time = max(max(chunk_busy_s(c, option, cn, ck, co), fetch / v) + p
+                             for cn, ck, co, p in zip(chunk_counts, chunk_ckpts, chunk_offs, c.chunk_p2p))
+        # recomputed or fetched back in backward, one block at a time
+        peak = max((a for k, o, a in zip(ckpts, offs, c.seg_saved) if k + o > 0), default=0.0)
         act = c.inflight * max(kept) + peak + c.autocast_bytes[option] + c.loss_bytes
         # the peak: end of forward (activations, gradients not yet created if freed) or end of backward
         at_act = states - freed + buffers + act >= states + buffers
         grads_held = sg * pl if (not freed or not at_act) else 0.0
         sync_s = sum(n * x for n, x in zip(counts, c.seg_tail[option])) + c.tail_edge[option] + post
         cells.append(CellEval(
-            cell=c, compute_s=compute - comm, comm_s=comm + c.p2p, dp_exposed_s=exposed, fetch_s=fetch,
+            cell=c, compute_s=compute - comm - off_s, comm_s=comm + c.p2p, dp_exposed_s=exposed, fetch_s=fetch,
             time_s=time_s, chunk_time_s=chunk_time, exposed_sync_s=sync_s if dp > 1 else 0.0,
             opt_s=c.opt_beta[option] * pl + max(0.0, c.opt_overlap[option] * pl - backward),
             memory_bytes=max(states - freed + act, states) + buffers,
             states_bytes=states, params_bytes=sp * pl, grads_bytes=grads_held, optimizer_bytes=so * pl,
             buffer_bytes=buffers, activation_bytes=act if at_act else 0.0, tp_s=comm,
-            cpu_bytes=sc.cpu_beta[option] * pl, nvme_bytes=sc.nvme_beta[option] * pl))
+            cpu_bytes=sc.cpu_beta[option] * pl + host_act, nvme_bytes=sc.nvme_beta[option] * pl))
     return StageEval(index=sc.index, counts=tuple(counts), checkpoints=tuple(ckpts), option=option,
                      local_params=pl, sync_s=max(c.exposed_sync_s for c in cells), cells=cells,
                      chunk_counts=tuple(tuple(r) for r in chunk_counts),
-                     chunk_checkpoints=tuple(tuple(r) for r in chunk_ckpts))
+                     chunk_checkpoints=tuple(tuple(r) for r in chunk_ckpts),
+                     chunk_offloads=tuple(tuple(r) for r in chunk_offs), host_activation_bytes=host_act)
 
 
 def chunk_counts_from_sizes(cc: CandidateCoeffs, sizes: Sequence[int]) -> list[list[int]]:
@@ -777,10 +843,11 @@ def split_stage_checkpoints(chunk_counts: Sequence[Sequence[int]], stage_ckpts: 
 
 
 def evaluate(cc: CandidateCoeffs, sizes: Sequence[int], ckpts: Sequence[Sequence[int]],
-             options: Sequence[StateOption]) -> Evaluation:
+             options: Sequence[StateOption], offs: Sequence[Sequence[int]] | None = None) -> Evaluation:
     """Cost of a fully specified configuration: virtual-stage ``sizes``, checkpointed blocks per segment
     of every virtual stage (``J`` rows, model order; ``S`` rows of per-stage counts are spread over each
-    stage's chunks first chunk first), and a state option per stage."""
+    stage's chunks first chunk first), and a state option per stage; ``offs``: blocks per segment with
+    activations offloaded to host memory, ``J`` rows (None: none)."""
     cand = cc.candidate
     S, v = cand.num_stages, cand.virtual_stages
     if len(sizes) != cand.num_virtual or sum(sizes) != cc.num_blocks or min(sizes) < 1:
@@ -797,12 +864,15 @@ def evaluate(cc: CandidateCoeffs, sizes: Sequence[int], ckpts: Sequence[Sequence
                 chunk_ckpts[s + k * S] = rows[k]
     else:
         raise ValueError(f"{len(ckpts)} checkpoint rows for {cand.num_virtual} virtual stages")
+    if offs is not None and len(offs) != cand.num_virtual:
+        raise ValueError(f"{len(offs)} activation-offload rows for {cand.num_virtual} virtual stages")
     stages = []
     for s, sc in enumerate(cc.stages):
         if options[s] not in sc.options:
             raise ValueError(f"stage {s}: state option {options[s]} is not available there")
         stages.append(evaluate_stage(sc, [chunk_counts[s + k * S] for k in range(v)],
-                                     [chunk_ckpts[s + k * S] for k in range(v)], options[s], dp=cand.dp))
+                                     [chunk_ckpts[s + k * S] for k in range(v)], options[s], dp=cand.dp,
+                                     chunk_offs=None if offs is None else [offs[s + k * S] for k in range(v)]))
     T = max(st.time_s for st in stages)
     Tc = max(st.chunk_time_s for st in stages)
     X = max(st.tail_s for st in stages)
