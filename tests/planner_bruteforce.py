@@ -43,9 +43,11 @@ def _splits(n: int, k: int):  # type: ignore[no-untyped-def]
 
 
 def stage_outcomes(sc, chunks, dp: int, allow_checkpointing: bool,  # type: ignore[no-untyped-def]
-                   allow_activation_offload: bool = True) -> set[tuple[float, float, float, bool, float, float]]:
+                   allow_activation_offload: bool = True,
+                   nodes: bool = True) -> set[tuple[float, float, float, bool, float, float]]:
     """``(T_s, Tc_s, X_s, fits, host bytes, NVMe bytes)`` of every choice of one stage: checkpointed and
-    activation-offloaded counts per segment of each chunk, and state option."""
+    activation-offloaded counts per segment of each chunk, and state option (``nodes`` False: nothing
+    is off the device, the bytes are left 0 so that equal outcomes merge)."""
     out = set()
     G = len(chunks[0])
     off_ok = set(stage_offloadable(sc)) if allow_activation_offload else set()
@@ -56,7 +58,8 @@ def stage_outcomes(sc, chunks, dp: int, allow_checkpointing: bool,  # type: igno
         offs = [[split[k * G + g][1] for g in range(G)] for k in range(len(chunks))]
         for o in sc.sync:  # every option the stage's groups can hold, dominated ones included
             ev = evaluate_stage(sc, chunks, rows, o, dp=dp, chunk_offs=offs)
-            out.add((ev.time_s, ev.chunk_time_s, ev.tail_s, ev.fits, ev.cells[0].cpu_bytes, ev.cells[0].nvme_bytes))
+            off = (ev.cells[0].cpu_bytes, ev.cells[0].nvme_bytes) if nodes else (0.0, 0.0)
+            out.add((ev.time_s, ev.chunk_time_s, ev.tail_s, ev.fits, *off))
     return out
 
 
@@ -70,7 +73,8 @@ def candidate_optimum(cc, allow_checkpointing: bool = True,  # type: ignore[no-u
     for sizes in _splits(cc.num_blocks, cand.num_virtual):
         rows = chunk_counts_from_sizes(cc, sizes)
         per_stage = [sorted(stage_outcomes(cc.stages[s], [rows[s + k * S] for k in range(v)], cand.dp,
-                                           allow_checkpointing, allow_activation_offload)) for s in range(S)]
+                                           allow_checkpointing, allow_activation_offload, bool(cc.nodes)))
+                     for s in range(S)]
         for combo in itertools.product(*per_stage):
             t = step_time(cc, max(c[0] for c in combo), max(c[1] for c in combo), max(c[2] for c in combo))
             best_any = min(best_any, t)

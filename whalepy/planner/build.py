@@ -347,6 +347,8 @@ def raise_infeasible(result: SearchResult, opts, global_batch: int) -> None:  # 
     fixes = [f"more devices (about {math.ceil(ratio * 10) / 10:g}x the memory of this group)"]
     if not opts.allow_checkpointing:
         fixes.append("allow_checkpointing=True")
+    if not opts.allow_activation_offload and all(gr.cpu_memory_bytes is not None for gr in ctx.hw.groups):
+        fixes.append("allow_activation_offload=True (activations in host memory)")
     if 3 not in opts.zero_stages:
         fixes.append("ZeRO-3 (zero_stages including 3)")
     if "replicate" in cons.sources and cons.dp is not None:

@@ -4,7 +4,8 @@
 For an outer :class:`~whalepy.planner.space.Candidate` it computes *coefficients* (per block of each
 segment, per stage, per ``(stage, device group, batch share)`` cell) from the pure functions in
 ``whalepy.cost_models``; every predicted figure is then a linear function of the inner decisions
-(blocks per stage per segment ``n``, checkpointed blocks ``c``, state option per stage), which is what
+(blocks per stage per segment ``n``, checkpointed blocks ``c``, blocks with activations in host memory
+``o``, state option per stage), which is what
 lets the ILP use exactly the same numbers as :func:`evaluate`.
 
 Per cell of stage ``s`` (device D, micro-batch ``m``), with ``Pl`` the stage's parameters per device
@@ -12,7 +13,9 @@ after TP:
 
 - ``compute = sum_g n_g * (fwd + bwd + 2 tp_ar) + c_g * (fwd + tp_ar)`` per micro-batch: block times by
   ``CostContext.block_time``, TP all-reduces of ``tp_comm_bytes`` forward and backward, repeated on
-  recompute; the runtime does not overlap DTensor's TP collectives, so they are exposed;
+  recompute; the runtime does not overlap DTensor's TP collectives, so they are exposed; plus
+  ``o_g * offload_g``, the copies of an offloaded block's saved activations its own forward and
+  backward do not hide (:func:`~whalepy.planner._offload_costs.activation_offload_coefficients`);
 - ``dp`` per micro-batch: data-parallel collectives not hidden by compute, per block as the runtime
   lowers the stage's state option (:func:`lowering_kind`, the runtime's own choice of DDP /
   ZeroRedundancyOptimizer / FSDP2): FSDP2 all-gathers overlap only the neighbouring block's compute
@@ -37,10 +40,11 @@ after TP:
 - memory: model states (:func:`estimate_model_state_bytes`) + buffers (FSDP2's working set of gathered
   blocks and a block's unsharded gradient, :func:`estimate_fsdp_working_bytes`; unsharded gradients
   accumulated over micro-batches under FSDP2; autocast's 16-bit weight copies) +
-  ``inflight * max_k sum_g (n_kg saved_g + c_kg (input_g - saved_g))`` over the stage's
+  ``inflight * max_k sum_g (n_kg saved_g + c_kg (input_g - saved_g) - o_kg saved_g)`` over the stage's
   chunks ``k`` (``inflight`` counts chunk activations; with balanced chunks this is Narayanan et al.'s
   ``inflight / v`` of the stage, with unbalanced ones the largest chunk is charged for every one in
-  flight) + the largest checkpointed block's saved bytes (recomputed one block at a time), against
+  flight) + the largest checkpointed or offloaded block's saved bytes (recomputed or fetched back one
+  block at a time), against
   :func:`usable_device_bytes` (device memory less the CUDA context, NCCL buffers and the allocator's
   fragmentation).
 
@@ -265,7 +269,7 @@ class CandidateCoeffs:
     ranks: tuple[tuple[tuple[int, ...], ...], ...]
     nodes: tuple[NodeShare, ...]
     """Distinct node shares (host memory and NVMe constraints, one per share); empty when no stage may
-    keep states off the device."""
+    keep states or activations off the device."""
     bubble: float
     """``M + (S - 1)/v``: the step's coefficient of ``T`` when chunks are balanced (the lower bound's)."""
 
@@ -900,7 +904,7 @@ def lower_bound(cc: CandidateCoeffs) -> float:
        optimizer step, both non-negative).
     2. Per cell, ``time_s = max(compute, gather, fetch) + p2p >= compute`` (a max is at least its first
        argument, ``p2p >= 0``), and ``compute = sum_g n_g seg_time_g + sum_g c_g seg_recompute_g
-       >= sum_g n_g seg_time_g =: C_s`` (recompute is non-negative). So ``T >= max_s C_s`` for every
+       >= sum_g n_g seg_time_g =: C_s`` (recompute and exposed activation copies are non-negative). So ``T >= max_s C_s`` for every
        replica's cells.
     3. A chunk's time is ``max(compute_k, ...) + p2p_k >= compute_k`` and the chunks' ``compute_k`` sum
        to the stage's ``compute``, so ``Tc >= max_s C_s / v``; with ``v = 1`` the chunk is the stage and
