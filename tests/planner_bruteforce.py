@@ -78,7 +78,8 @@ def candidate_optimum(cc, allow_checkpointing: bool = True,  # type: ignore[no-u
         for combo in itertools.product(*per_stage):
             t = step_time(cc, max(c[0] for c in combo), max(c[1] for c in combo), max(c[2] for c in combo))
             best_any = min(best_any, t)
-            if all(c[3] for c in combo) and node_fits(cc, [c[4] for c in combo], [c[5] for c in combo]):
+            if t < best_fit and all(c[3] for c in combo) and node_fits(cc, [c[4] for c in combo],
+                                                                        [c[5] for c in combo]):
                 best_fit = min(best_fit, t)
     return best_fit, best_any
 

@@ -752,15 +752,17 @@ def evaluate_stage(sc: StageCoeffs, chunk_counts: Sequence[Sequence[int]], chunk
     its state option."""
     v = len(chunk_counts)
     G = len(sc.seg_params)
-    if chunk_offs is None:
-        chunk_offs = [[0] * G for _ in range(v)]
     counts = [sum(row[g] for row in chunk_counts) for g in range(G)]
     ckpts = [sum(row[g] for row in chunk_ckpts) for g in range(G)]
-    offs = [sum(row[g] for row in chunk_offs) for g in range(G)]
-    if any(k + o > n for k, o, n in zip(ckpts, offs, counts)) or any(
-            k + o > n for cn, ck, co in zip(chunk_counts, chunk_ckpts, chunk_offs) for n, k, o in zip(cn, ck, co)):
-        raise ValueError(f"stage {sc.index}: checkpointed {ckpts} plus offloaded {offs} blocks exceed {counts}")
-    host_act = sum(o * x for o, x in zip(offs, stage_host_activation(sc))) if any(offs) else 0.0
+    if chunk_offs is None or not any(map(any, chunk_offs)):
+        chunk_offs = [[0] * G for _ in range(v)]
+        offs = [0] * G
+        host_act = 0.0
+    else:
+        offs = [sum(row[g] for row in chunk_offs) for g in range(G)]
+        if any(k + o > n for cn, ck, co in zip(chunk_counts, chunk_ckpts, chunk_offs) for n, k, o in zip(cn, ck, co)):
+            raise ValueError(f"stage {sc.index}: checkpointed {ckpts} plus offloaded {offs} blocks exceed {counts}")
+        host_act = sum(o * x for o, x in zip(offs, stage_host_activation(sc)))
     pl = sum(n * p for n, p in zip(counts, sc.seg_params))
     alpha, beta = sc.sync[option]
     post = alpha + beta * pl if dp > 1 and pl > 0 else 0.0
