@@ -2,9 +2,10 @@
 
 ``brute_force`` walks every outer candidate (each schedule enumerated on its own, so the search's rule
 that drops GPipe where 1F1B ties it plays no part), every contiguous split of the blocks into virtual
-stages, every checkpoint count per segment of every chunk and every state option a stage's group can
-hold (including those :func:`costing._undominated` drops), costs each stage with the planner's own
-:func:`evaluate_stage` and every combination of stages with :func:`step_time`. No lower bound, no
+stages, every split of every chunk's blocks per segment into checkpointed, activation-offloaded and plain
+ones and every state option a stage's group can hold (including those :func:`costing._undominated`
+drops), costs each stage with the planner's own :func:`evaluate_stage` and every combination of stages
+with :func:`step_time`, keeping those whose nodes hold their host and NVMe bytes (:func:`node_fits`). No lower bound, no
 incumbent, no Pareto front, no dominance: only identical per-stage outcomes are merged, which loses
 nothing. What it shares with the planner is the definition of the space and of the cost.
 """
@@ -24,6 +25,8 @@ from whalepy.planner.costing import (
     build_coefficients,
     chunk_counts_from_sizes,
     evaluate_stage,
+    node_fits,
+    stage_offloadable,
     step_time,
 )
 from whalepy.planner.search import enumerate_candidates, read_annotations
@@ -39,32 +42,44 @@ def _splits(n: int, k: int):  # type: ignore[no-untyped-def]
         yield tuple(b[i + 1] - b[i] for i in range(k))
 
 
-def stage_outcomes(sc, chunks, dp: int, allow_checkpointing: bool) -> set[tuple[float, float, float, bool]]:  # type: ignore[no-untyped-def]
-    """``(T_s, Tc_s, X_s, fits)`` of every choice of one stage: checkpoint counts and state option."""
+def stage_outcomes(sc, chunks, dp: int, allow_checkpointing: bool,  # type: ignore[no-untyped-def]
+                   allow_activation_offload: bool = True,
+                   nodes: bool = True) -> set[tuple[float, float, float, bool, float, float]]:
+    """``(T_s, Tc_s, X_s, fits, host bytes, NVMe bytes)`` of every choice of one stage: checkpointed and
+    activation-offloaded counts per segment of each chunk, and state option (``nodes`` False: nothing
+    is off the device, the bytes are left 0 so that equal outcomes merge)."""
     out = set()
-    flat = [n for row in chunks for n in row]
     G = len(chunks[0])
-    for ck in itertools.product(*[range(n + 1) if allow_checkpointing else (0,) for n in flat]):
-        rows = [list(ck[k * G:(k + 1) * G]) for k in range(len(chunks))]
+    off_ok = set(stage_offloadable(sc)) if allow_activation_offload else set()
+    per = [[(c, o) for c in (range(n + 1) if allow_checkpointing else (0,))
+            for o in (range(n - c + 1) if g in off_ok else (0,))] for row in chunks for g, n in enumerate(row)]
+    for split in itertools.product(*per):
+        rows = [[split[k * G + g][0] for g in range(G)] for k in range(len(chunks))]
+        offs = [[split[k * G + g][1] for g in range(G)] for k in range(len(chunks))]
         for o in sc.sync:  # every option the stage's groups can hold, dominated ones included
-            ev = evaluate_stage(sc, chunks, rows, o, dp=dp)
-            out.add((ev.time_s, ev.chunk_time_s, ev.tail_s, ev.fits))
+            ev = evaluate_stage(sc, chunks, rows, o, dp=dp, chunk_offs=offs)
+            off = (ev.cells[0].cpu_bytes, ev.cells[0].nvme_bytes) if nodes else (0.0, 0.0)
+            out.add((ev.time_s, ev.chunk_time_s, ev.tail_s, ev.fits, *off))
     return out
 
 
-def candidate_optimum(cc, allow_checkpointing: bool = True) -> tuple[float, float]:  # type: ignore[no-untyped-def]
-    """``(best feasible step time, best step time ignoring memory)`` of one candidate, by enumeration."""
+def candidate_optimum(cc, allow_checkpointing: bool = True,  # type: ignore[no-untyped-def]
+                      allow_activation_offload: bool = True) -> tuple[float, float]:
+    """``(best feasible step time, best step time ignoring memory)`` of one candidate, by enumeration
+    (feasible: every device, and every node's host memory and NVMe)."""
     cand = cc.candidate
     S, v = cand.num_stages, cand.virtual_stages
     best_fit, best_any = math.inf, math.inf
     for sizes in _splits(cc.num_blocks, cand.num_virtual):
         rows = chunk_counts_from_sizes(cc, sizes)
         per_stage = [sorted(stage_outcomes(cc.stages[s], [rows[s + k * S] for k in range(v)], cand.dp,
-                                           allow_checkpointing)) for s in range(S)]
+                                           allow_checkpointing, allow_activation_offload, bool(cc.nodes)))
+                     for s in range(S)]
         for combo in itertools.product(*per_stage):
             t = step_time(cc, max(c[0] for c in combo), max(c[1] for c in combo), max(c[2] for c in combo))
             best_any = min(best_any, t)
-            if all(c[3] for c in combo):
+            if t < best_fit and all(c[3] for c in combo) and node_fits(cc, [c[4] for c in combo],
+                                                                        [c[5] for c in combo]):
                 best_fit = min(best_fit, t)
     return best_fit, best_any
 
@@ -90,11 +105,11 @@ def brute_force(profile, cluster_spec, global_batch: int, **options) -> float:  
                       sequence_parallel=opts.sequence_parallel)
     cands, opts = outer_candidates(ctx, global_batch, **options)
     segments = build_segments(profile)
-    state = build_state_options(opts.zero_stages, opts.allow_offload)
+    state = build_state_options(opts.zero_stages, opts.allow_offload, opts.precision)
     best = math.inf
     for cand in cands:
         cc = build_coefficients(ctx, cand, segments, state)
-        best = min(best, candidate_optimum(cc, opts.allow_checkpointing)[0])
+        best = min(best, candidate_optimum(cc, opts.allow_checkpointing, opts.allow_activation_offload)[0])
     return best
 
 

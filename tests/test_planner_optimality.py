@@ -70,7 +70,8 @@ def test_ilp_matches_exhaustive(seed: int) -> None:
 
 
 def test_instances_exercise_memory_tradeoffs() -> None:
-    """The generator is tight enough that checkpointing, ZeRO or offload decide some plans."""
+    """The generator is tight enough that checkpointing, activation offload, ZeRO or offload decide some
+    plans."""
     used = set()
     for seed in range(NUM_INSTANCES):
         p = _plan(seed, "highs")
@@ -83,4 +84,6 @@ def test_instances_exercise_memory_tradeoffs() -> None:
                 used.add("ckpt")
             if any(b.optimizer_tier.value != "gpu" for b in s.blocks):
                 used.add("offload")
-    assert "ckpt" in used and ({"zero2", "zero3"} & used), used
+            if any(b.activation_offload for b in s.blocks):
+                used.add("activation offload")
+    assert "ckpt" in used and "activation offload" in used and ({"zero2", "zero3"} & used), used

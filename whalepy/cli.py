@@ -90,6 +90,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         opts["allow_checkpointing"] = False
     if args.no_offload:
         opts["allow_offload"] = False
+    if args.no_activation_offload:
+        opts["allow_activation_offload"] = False
     if args.max_tp:
         opts["max_tp"] = args.max_tp
     if args.baseline:
@@ -217,6 +219,8 @@ def _add_plan(sub: Any) -> None:
     sp.add_argument("--zero-stages", help="comma-separated ZeRO stages to consider, e.g. 0,1,2,3")
     sp.add_argument("--no-checkpointing", action="store_true")
     sp.add_argument("--no-offload", action="store_true")
+    sp.add_argument("--no-activation-offload", action="store_true",
+                    help="never keep activations in host memory (allow_activation_offload=False)")
     sp.add_argument("--max-tp", type=int)
     sp.add_argument("--baseline", action="store_true", help="homogeneous-slowest baseline instead")
     sp.add_argument("--explain", action="store_true", help="also list the alternatives and why they lost")

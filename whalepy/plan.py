@@ -117,7 +117,8 @@ class StageCost:
     grad_sync_s: float = 0.0
     """Data-parallel / ZeRO gradient synchronisation per step."""
     offload_s: float = 0.0
-    """Exposed transfer time to and from CPU / NVMe per step."""
+    """Exposed transfer time to and from CPU / NVMe per step (parameter fetches, the offloaded optimizer
+    step, activations kept in host memory)."""
     bubble_s: float = 0.0
     """Idle time in the pipeline per step."""
     memory_bytes: int = 0
@@ -135,7 +136,7 @@ class StageCost:
     reserve_bytes: int = 0
     """Device memory kept back: CUDA context, NCCL buffers, allocator fragmentation."""
     cpu_bytes: int = 0
-    """Host memory per GPU of offloaded states."""
+    """Host memory per GPU of offloaded states and activations."""
     nvme_bytes: int = 0
     tp_comm_s: float = 0.0
     """Exposed tensor-parallel collectives per micro-batch."""

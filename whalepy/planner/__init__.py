@@ -44,6 +44,10 @@ class PlannerOptions:
     """ZeRO stages a pipeline stage may use."""
     allow_checkpointing: bool = True
     """Let the planner recompute activations of chosen blocks in backward."""
+    allow_activation_offload: bool = True
+    """Let the planner keep the saved activations of chosen blocks in host memory between their forward
+    and backward (``BlockPlan.activation_offload``), where the copies cost less than recomputation and
+    the node's host memory (``cpu_memory_gb`` of the cluster spec) holds them."""
     allow_offload: bool = True
     """Offload optimizer states (and, under ZeRO-3, parameters) to CPU, or NVMe where a group has it."""
     max_tp: int | None = None
@@ -299,7 +303,8 @@ def homogeneous_baseline(profile: ModelProfile, cluster: ClusterSpec, *, global_
     ctx = CostContext(profile, hw, precision=opts.precision, sequence_parallel=opts.sequence_parallel)
     S = cand.num_stages
     ckpts = [list(ev.stages[j % S].chunk_checkpoints[j // S]) for j in range(cand.num_virtual)]
-    real = evaluate_fixed(ctx, cand, ev.boundaries, ckpts, [st.option for st in ev.stages])
+    offs = [list(ev.stages[j % S].chunk_offloads[j // S]) for j in range(cand.num_virtual)]
+    real = evaluate_fixed(ctx, cand, ev.boundaries, ckpts, [st.option for st in ev.stages], offs)
     notes = [f"homogeneous baseline: planned as if all {hw.world_size} GPUs were {slow.name} with "
              f"{small / 2**30:.0f} GiB, costed on the real cluster"]
     return build_plan(real, ctx=ctx, global_batch=global_batch, result=result, solver_name=result.solver_used,

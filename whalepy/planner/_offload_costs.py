@@ -111,3 +111,28 @@ def stage_prefetch(ctx: CostContext, cand: Candidate, st: StageEval, cell: CellE
         exposed += estimate_prefetch_exposed(compute_s=[b for _, b in reversed(times)], hops_s=hops[::-1],
                                              prefetch_depth=depth)
     return depth, exposed
+
+
+def activation_offload_coefficients(g: GroupView, *, saved: list[float], fwd: list[float], bwd: list[float],
+                                    inflight: int, virtual_stages: int
+                                    ) -> tuple[list[float] | None, list[float] | None]:
+    """Per block of each segment of a cell on group ``g``: the exposed seconds per micro-batch of
+    keeping its saved activations in host memory instead of on the device (copied down in its forward,
+    up in its backward, each hidden behind that pass:
+    :func:`~whalepy.cost_models.offload.estimate_activation_offload_time`), and the host bytes per rank
+    they take with ``inflight`` micro-batches in flight
+    (:func:`~whalepy.cost_models.memory.estimate_stage_activation_host_bytes`). ``(None, None)`` where
+    the group has no host memory given."""
+    from whalepy.cost_models.memory import BlockActivations, estimate_stage_activation_host_bytes
+    from whalepy.cost_models.offload import estimate_activation_offload_time
+
+    if g.cpu_memory_bytes is None:
+        return None, None
+    rates = group_rates(g)
+    time_s = [estimate_activation_offload_time(rates, saved_bytes=a, forward_s=f, backward_s=b)
+              for a, f, b in zip(saved, fwd, bwd)]
+    host = [estimate_stage_activation_host_bytes(blocks=[BlockActivations(saved_bytes=a, input_bytes=0.0,
+                                                                           offload=True)],
+                                                 num_inflight=inflight, virtual_stages=virtual_stages)
+            for a in saved]
+    return time_s, host

@@ -28,6 +28,7 @@ from whalepy.planner.costing import (
     chunk_busy_s,
     evaluate_stage,
     memory_breakdown,
+    offload_s,
     stage_model_states,
     tp_applies,
 )
@@ -95,11 +96,16 @@ def build_plan(ev: Evaluation, *, ctx: CostContext, global_batch: int, result: S
         for k in range(V):
             j = s + k * S
             left = list(st.chunk_checkpoints[k]) if st.chunk_checkpoints else list(st.checkpoints)
+            off_left = list(st.chunk_offloads[k]) if st.chunk_offloads else [0] * len(left)
             for i in range(starts[j], starts[j + 1]):
                 g = seg_of[i]
                 ck = left[g] > 0
                 left[g] -= ck
-                blocks.append(BlockPlan(name=prof.blocks[i].name, checkpoint=ck, param_tier=st.option.param_tier,
+                # identical blocks of a segment: the first ones checkpointed, the next ones offloaded
+                off = not ck and off_left[g] > 0
+                off_left[g] -= off
+                blocks.append(BlockPlan(name=prof.blocks[i].name, checkpoint=ck, activation_offload=off,
+                                        param_tier=st.option.param_tier,
                                         optimizer_tier=st.option.optimizer_tier, **depth_field))
                 if cand.tp > 1 and tp_applies(prof.blocks[i], cand.tp):
                     rules.extend(prof.blocks[i].tp_rules)
@@ -114,7 +120,8 @@ def build_plan(ev: Evaluation, *, ctx: CostContext, global_batch: int, result: S
             zero_stage=st.option.zero, chunk_sizes=chunks[s],
             cost=StageCost(compute_s=worst.compute_s, comm_s=worst.comm_s, grad_sync_s=worst.exposed_sync_s,
                            offload_s=M * max(0.0, worst.fetch_s - worst.compute_s - worst.comm_s + worst.cell.p2p)
-                           + (worst.opt_s if st.option.optimizer_tier is not Tier.GPU else 0.0),
+                           + (worst.opt_s if st.option.optimizer_tier is not Tier.GPU else 0.0)
+                           + M * offload_s(worst.cell, st.offloads),
                            bubble_s=max(0.0, M * ev.T + ev.bubble_s - M * st.time_s),
                            memory_bytes=int(tight.memory_bytes), capacity_bytes=int(tight.cell.capacity),
                            **memory_breakdown(tight), tp_comm_s=worst.tp_s, p2p_s=worst.p2p_s,
@@ -150,7 +157,8 @@ def _chunk_phase_times(worst, st) -> dict[str, tuple[float, ...]]:  # type: igno
     ckpts = st.chunk_checkpoints or (st.checkpoints,)
     # seg_recompute is one block's forward with its TP all-reduce: the forward pass of a block
     fwd = [sum(n * x for n, x in zip(cn, c.seg_recompute)) for cn in counts]
-    busy = [chunk_busy_s(c, st.option, cn, ck) for cn, ck in zip(counts, ckpts)]
+    offs = st.chunk_offloads or (st.offloads,)
+    busy = [chunk_busy_s(c, st.option, cn, ck, co) for cn, ck, co in zip(counts, ckpts, offs)]
     return {"chunk_forward_s": tuple(fwd), "chunk_backward_s": tuple(b - f for b, f in zip(busy, fwd))}
 
 
@@ -217,7 +225,8 @@ def _resolve(result: SearchResult, cand: Candidate) -> ILPResult:
     solver = result.solver_used if result.solver_used in ("highs", "cbc") else "highs"
     return solve_candidate(cc, allowed_stages=allowed_stage_ranges(cand, result.constraints),
                            allow_checkpointing=result.allow_checkpointing, solver=solver,
-                           time_limit_s=ALTERNATIVE_RESOLVE_TIME_S)
+                           time_limit_s=ALTERNATIVE_RESOLVE_TIME_S,
+                           allow_activation_offload=result.allow_activation_offload)
 
 
 def _outcome(result: SearchResult, cand: Candidate, res: ILPResult, best: Evaluation,  # type: ignore[no-untyped-def]
@@ -346,6 +355,8 @@ def raise_infeasible(result: SearchResult, opts, global_batch: int) -> None:  # 
     fixes = [f"more devices (about {math.ceil(ratio * 10) / 10:g}x the memory of this group)"]
     if not opts.allow_checkpointing:
         fixes.append("allow_checkpointing=True")
+    if not opts.allow_activation_offload and all(gr.cpu_memory_bytes is not None for gr in ctx.hw.groups):
+        fixes.append("allow_activation_offload=True (activations in host memory)")
     if 3 not in opts.zero_stages:
         fixes.append("ZeRO-3 (zero_stages including 3)")
     if "replicate" in cons.sources and cons.dp is not None:

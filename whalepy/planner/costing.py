@@ -4,7 +4,8 @@
 For an outer :class:`~whalepy.planner.space.Candidate` it computes *coefficients* (per block of each
 segment, per stage, per ``(stage, device group, batch share)`` cell) from the pure functions in
 ``whalepy.cost_models``; every predicted figure is then a linear function of the inner decisions
-(blocks per stage per segment ``n``, checkpointed blocks ``c``, state option per stage), which is what
+(blocks per stage per segment ``n``, checkpointed blocks ``c``, blocks with activations in host memory
+``o``, state option per stage), which is what
 lets the ILP use exactly the same numbers as :func:`evaluate`.
 
 Per cell of stage ``s`` (device D, micro-batch ``m``), with ``Pl`` the stage's parameters per device
@@ -12,7 +13,9 @@ after TP:
 
 - ``compute = sum_g n_g * (fwd + bwd + 2 tp_ar) + c_g * (fwd + tp_ar)`` per micro-batch: block times by
   ``CostContext.block_time``, TP all-reduces of ``tp_comm_bytes`` forward and backward, repeated on
-  recompute; the runtime does not overlap DTensor's TP collectives, so they are exposed;
+  recompute; the runtime does not overlap DTensor's TP collectives, so they are exposed; plus
+  ``o_g * offload_g``, the copies of an offloaded block's saved activations its own forward and
+  backward do not hide (:func:`~whalepy.planner._offload_costs.activation_offload_coefficients`);
 - ``dp`` per micro-batch: data-parallel collectives not hidden by compute, per block as the runtime
   lowers the stage's state option (:func:`lowering_kind`, the runtime's own choice of DDP /
   ZeroRedundancyOptimizer / FSDP2): FSDP2 all-gathers overlap only the neighbouring block's compute
@@ -37,10 +40,11 @@ after TP:
 - memory: model states (:func:`estimate_model_state_bytes`) + buffers (FSDP2's working set of gathered
   blocks and a block's unsharded gradient, :func:`estimate_fsdp_working_bytes`; unsharded gradients
   accumulated over micro-batches under FSDP2; autocast's 16-bit weight copies) +
-  ``inflight * max_k sum_g (n_kg saved_g + c_kg (input_g - saved_g))`` over the stage's
+  ``inflight * max_k sum_g (n_kg saved_g + c_kg (input_g - saved_g) - o_kg saved_g)`` over the stage's
   chunks ``k`` (``inflight`` counts chunk activations; with balanced chunks this is Narayanan et al.'s
   ``inflight / v`` of the stage, with unbalanced ones the largest chunk is charged for every one in
-  flight) + the largest checkpointed block's saved bytes (recomputed one block at a time), against
+  flight) + the largest checkpointed or offloaded block's saved bytes (recomputed or fetched back one
+  block at a time), against
   :func:`usable_device_bytes` (device memory less the CUDA context, NCCL buffers and the allocator's
   fragmentation).
 
@@ -91,7 +95,7 @@ from whalepy.cost_models.offload import host_capacity_per_gpu, nvme_capacity_per
 from whalepy._capabilities import LoweringKind
 from whalepy.plan import Tier, TPStyle, ZeroStage
 from whalepy.planner.space import Candidate, GroupView, Hardware, Segment, StateOption, build_layout
-from whalepy.planner._offload_costs import offload_coefficients
+from whalepy.planner._offload_costs import activation_offload_coefficients, offload_coefficients
 from whalepy.planner._runtime_costs import (
     DPComm,
     build_dp_block_comm,
@@ -207,6 +211,13 @@ class CellCoeffs:
     """Per option: activation bytes autocast keeps beyond the 16-bit ones, the fp32 residual input of
     every block (``2 sbh`` per GPT block, measured; see ``AUTOCAST_WEIGHT_COPY_BYTES``). Autocast
     applies only without pipelining, so the stage holds every block and this is a constant."""
+    seg_offload: list[float] | None = None
+    """Per block: exposed seconds per micro-batch of keeping its saved activations in host memory
+    (:func:`~whalepy.cost_models.offload.estimate_activation_offload_time`); None where the group has
+    no host memory given (activation offload not possible)."""
+    seg_host: list[float] | None = None
+    """Per block: host bytes per rank of its offloaded activations over the micro-batches in flight
+    (:func:`~whalepy.cost_models.memory.estimate_stage_activation_host_bytes`)."""
 
 
 @dataclass(slots=True)
@@ -258,7 +269,7 @@ class CandidateCoeffs:
     ranks: tuple[tuple[tuple[int, ...], ...], ...]
     nodes: tuple[NodeShare, ...]
     """Distinct node shares (host memory and NVMe constraints, one per share); empty when no stage may
-    keep states off the device."""
+    keep states or activations off the device."""
     bubble: float
     """``M + (S - 1)/v``: the step's coefficient of ``T`` when chunks are balanced (the lower bound's)."""
 
@@ -410,7 +421,27 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
                                   dp_ranks=dp_ranks))
     return CandidateCoeffs(candidate=cand, segments=segments, stages=stages, ranks=ranks,
                            nodes=_node_shares(hw, ranks) if any(_off_device(o) for st in stages for o in st.options)
-                           else (), bubble=cand.bubble_coefficient)
+                           or any(stage_offloadable(st) for st in stages) else (), bubble=cand.bubble_coefficient)
+
+
+def stage_offloadable(sc: StageCoeffs) -> list[int]:
+    """Segments whose blocks may keep their activations in host memory on stage ``sc`` (the space the
+    ILP, the exhaustive solver and the brute force share): every cell's group has host memory, the
+    block saves something, and its exposed copies cost less than recomputing it on every cell (where
+    they do not, checkpointing the block is as fast and needs no host memory)."""
+    if not sc.cells or any(c.seg_offload is None for c in sc.cells):
+        return []
+    return [g for g in range(len(sc.seg_params))
+            if any(c.seg_saved[g] > 0 for c in sc.cells)
+            and all(c.seg_offload[g] < c.seg_recompute[g] for c in sc.cells)]  # type: ignore[index]
+
+
+def stage_host_activation(sc: StageCoeffs) -> list[float]:
+    """Per block of each segment: host bytes per rank of the stage when offloaded (the largest over its
+    cells, so every replica's host share is covered; 0 where not offloadable)."""
+    ok = set(stage_offloadable(sc))
+    return [max(c.seg_host[g] for c in sc.cells) if g in ok else 0.0  # type: ignore[index]
+            for g in range(len(sc.seg_params))]
 
 
 def _off_device(o: StateOption) -> bool:
@@ -558,6 +589,8 @@ def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: i
         loss_bytes = out * ctx.byte_scale + out / elem * LOSS_LOGPROB_BYTES
     cpu_cap = host_capacity_per_gpu(g.cpu_memory_bytes, g.gpus_per_node)
     nvme_cap = nvme_capacity_per_gpu(g.nvme_capacity_bytes, g.gpus_per_node)
+    seg_offload, seg_host = activation_offload_coefficients(g, saved=seg_saved, fwd=seg_fwd, bwd=seg_bwd,
+                                                            inflight=inflight, virtual_stages=v)
     return CellCoeffs(group=g, share=share, micro_batch=mb, replicas=reps,
                       capacity=usable_device_bytes(g, cand), cpu_capacity=cpu_cap,
                       nvme_capacity=nvme_cap, seg_time=seg_time, seg_recompute=seg_re, seg_fwd=seg_fwd,
@@ -565,7 +598,8 @@ def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: i
                       chunk_p2p=chunk_p2p, inflight=inflight, opt_beta=opt_beta, opt_overlap=opt_overlap,
                       fetch_beta=fetch_beta,
                       seg_exposed=seg_exposed, edge=edge, seg_tail=seg_tail, tail_edge=tail_edge,
-                      autocast_bytes=autocast_bytes, loss_bytes=loss_bytes)
+                      autocast_bytes=autocast_bytes, loss_bytes=loss_bytes, seg_offload=seg_offload,
+                      seg_host=seg_host)
 
 
 # -- evaluation of a fully specified configuration ----------------------------------------------------
@@ -574,7 +608,8 @@ def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: i
 class CellEval:
     cell: CellCoeffs
     compute_s: float
-    """Per micro-batch: block compute (and recompute), without communication."""
+    """Per micro-batch: block compute (and recompute), without communication or the exposed copies of
+    offloaded activations (:func:`offload_s`, in ``time_s``)."""
     comm_s: float
     """Per micro-batch: exposed TP collectives and pipeline sends."""
     dp_exposed_s: float
@@ -646,6 +681,17 @@ class StageEval:
     chunk_counts: tuple[tuple[int, ...], ...] = ()
     """Per chunk (virtual stage ``index + k S``), blocks per segment."""
     chunk_checkpoints: tuple[tuple[int, ...], ...] = ()
+    chunk_offloads: tuple[tuple[int, ...], ...] = ()
+    """Per chunk, blocks per segment whose saved activations are kept in host memory."""
+    host_activation_bytes: float = 0.0
+    """Host bytes per rank of the offloaded activations (included in each cell's ``cpu_bytes``)."""
+
+    @property
+    def offloads(self) -> tuple[int, ...]:
+        """Blocks per segment with activations offloaded on this stage (all chunks)."""
+        if not self.chunk_offloads:
+            return (0,) * len(self.counts)
+        return tuple(sum(col) for col in zip(*self.chunk_offloads))
 
     @property
     def time_s(self) -> float:
@@ -684,21 +730,42 @@ class Evaluation:
         return self.coeffs.chunk_coefficient * self.Tc
 
 
-def chunk_busy_s(c: CellCoeffs, option: StateOption, counts: Sequence[int], ckpts: Sequence[int]) -> float:
+def chunk_busy_s(c: CellCoeffs, option: StateOption, counts: Sequence[int], ckpts: Sequence[int],
+                 offs: Sequence[int] = ()) -> float:
     """Per micro-batch, one chunk of a cell without its sends: its blocks' forward, backward and TP
-    all-reduces, recompute of its checkpointed blocks, and its exposed data-parallel communication."""
+    all-reduces, recompute of its checkpointed blocks, the exposed host copies of its blocks with
+    offloaded activations, and its exposed data-parallel communication."""
     return (sum(n * (x + e) for n, x, e in zip(counts, c.seg_time, c.seg_exposed[option]))
-            + sum(k * x for k, x in zip(ckpts, c.seg_recompute)) + c.edge[option])
+            + sum(k * x for k, x in zip(ckpts, c.seg_recompute)) + offload_s(c, offs) + c.edge[option])
+
+
+def offload_s(c: CellCoeffs, offs: Sequence[int]) -> float:
+    """Exposed activation-offload seconds per micro-batch of ``offs`` blocks per segment."""
+    if not any(offs):
+        return 0.0
+    if c.seg_offload is None:
+        raise ValueError(f"activation offload on group {c.group.device.name!r}, which has no host memory given")
+    return sum(k * x for k, x in zip(offs, c.seg_offload))
 
 
 def evaluate_stage(sc: StageCoeffs, chunk_counts: Sequence[Sequence[int]], chunk_ckpts: Sequence[Sequence[int]],
-                   option: StateOption, *, dp: int) -> StageEval:
-    """Cost of one physical stage: blocks and checkpointed blocks per segment of each of its chunks
-    (one chunk without interleaving) and its state option."""
+                   option: StateOption, *, dp: int, chunk_offs: Sequence[Sequence[int]] | None = None) -> StageEval:
+    """Cost of one physical stage: blocks, checkpointed blocks and blocks with offloaded activations
+    (``chunk_offs``, None: none) per segment of each of its chunks (one chunk without interleaving) and
+    its state option."""
     v = len(chunk_counts)
     G = len(sc.seg_params)
     counts = [sum(row[g] for row in chunk_counts) for g in range(G)]
     ckpts = [sum(row[g] for row in chunk_ckpts) for g in range(G)]
+    if chunk_offs is None or not any(map(any, chunk_offs)):
+        chunk_offs = [[0] * G for _ in range(v)]
+        offs = [0] * G
+        host_act = 0.0
+    else:
+        offs = [sum(row[g] for row in chunk_offs) for g in range(G)]
+        if any(k + o > n for cn, ck, co in zip(chunk_counts, chunk_ckpts, chunk_offs) for n, k, o in zip(cn, ck, co)):
+            raise ValueError(f"stage {sc.index}: checkpointed {ckpts} plus offloaded {offs} blocks exceed {counts}")
+        host_act = sum(o * x for o, x in zip(offs, stage_host_activation(sc)))
     pl = sum(n * p for n, p in zip(counts, sc.seg_params))
     alpha, beta = sc.sync[option]
     post = alpha + beta * pl if dp > 1 and pl > 0 else 0.0
@@ -708,37 +775,42 @@ def evaluate_stage(sc: StageCoeffs, chunk_counts: Sequence[Sequence[int]], chunk
     buffers = sc.buffer_beta[option] * pl + sc.working_bytes[option]
     cells = []
     for c in sc.cells:
-        compute = sum(n * x for n, x in zip(counts, c.seg_time)) + sum(k * x for k, x in zip(ckpts, c.seg_recompute))
+        off_s = offload_s(c, offs)
+        compute = (sum(n * x for n, x in zip(counts, c.seg_time)) + sum(k * x for k, x in zip(ckpts, c.seg_recompute))
+                   + off_s)
         comm = sum(n * x for n, x in zip(counts, c.seg_comm))
         exposed = sum(n * e for n, e in zip(counts, c.seg_exposed[option])) + v * c.edge[option]
         fetch = c.fetch_beta[option] * pl
         backward = sum(n * x for n, x in zip(counts, c.seg_bwd))  # the last micro-batch's, hides ZeRO-Offload
         time_s = max(compute + exposed, fetch) + c.p2p
-        kept = [sum(n * a + k * (i - a) for n, k, a, i in zip(cn, ck, c.seg_saved, c.seg_input))
-                for cn, ck in zip(chunk_counts, chunk_ckpts)]
+        # an offloaded block keeps nothing on the device between its forward and its backward
+        kept = [sum(n * a + k * (i - a) - o * a for n, k, o, a, i in zip(cn, ck, co, c.seg_saved, c.seg_input))
+                for cn, ck, co in zip(chunk_counts, chunk_ckpts, chunk_offs)]
         if v == 1:
             chunk_time = time_s
         else:
-            chunk_time = max(max(chunk_busy_s(c, option, cn, ck), fetch / v) + p
-                             for cn, ck, p in zip(chunk_counts, chunk_ckpts, c.chunk_p2p))
-        peak = max((a for k, a in zip(ckpts, c.seg_saved) if k > 0), default=0.0)
+            chunk_time = max(max(chunk_busy_s(c, option, cn, ck, co), fetch / v) + p
+                             for cn, ck, co, p in zip(chunk_counts, chunk_ckpts, chunk_offs, c.chunk_p2p))
+        # recomputed or fetched back in backward, one block at a time
+        peak = max((a for k, o, a in zip(ckpts, offs, c.seg_saved) if k + o > 0), default=0.0)
         act = c.inflight * max(kept) + peak + c.autocast_bytes[option] + c.loss_bytes
         # the peak: end of forward (activations, gradients not yet created if freed) or end of backward
         at_act = states - freed + buffers + act >= states + buffers
         grads_held = sg * pl if (not freed or not at_act) else 0.0
         sync_s = sum(n * x for n, x in zip(counts, c.seg_tail[option])) + c.tail_edge[option] + post
         cells.append(CellEval(
-            cell=c, compute_s=compute - comm, comm_s=comm + c.p2p, dp_exposed_s=exposed, fetch_s=fetch,
+            cell=c, compute_s=compute - comm - off_s, comm_s=comm + c.p2p, dp_exposed_s=exposed, fetch_s=fetch,
             time_s=time_s, chunk_time_s=chunk_time, exposed_sync_s=sync_s if dp > 1 else 0.0,
             opt_s=c.opt_beta[option] * pl + max(0.0, c.opt_overlap[option] * pl - backward),
             memory_bytes=max(states - freed + act, states) + buffers,
             states_bytes=states, params_bytes=sp * pl, grads_bytes=grads_held, optimizer_bytes=so * pl,
             buffer_bytes=buffers, activation_bytes=act if at_act else 0.0, tp_s=comm,
-            cpu_bytes=sc.cpu_beta[option] * pl, nvme_bytes=sc.nvme_beta[option] * pl))
+            cpu_bytes=sc.cpu_beta[option] * pl + host_act, nvme_bytes=sc.nvme_beta[option] * pl))
     return StageEval(index=sc.index, counts=tuple(counts), checkpoints=tuple(ckpts), option=option,
                      local_params=pl, sync_s=max(c.exposed_sync_s for c in cells), cells=cells,
                      chunk_counts=tuple(tuple(r) for r in chunk_counts),
-                     chunk_checkpoints=tuple(tuple(r) for r in chunk_ckpts))
+                     chunk_checkpoints=tuple(tuple(r) for r in chunk_ckpts),
+                     chunk_offloads=tuple(tuple(r) for r in chunk_offs), host_activation_bytes=host_act)
 
 
 def chunk_counts_from_sizes(cc: CandidateCoeffs, sizes: Sequence[int]) -> list[list[int]]:
@@ -780,10 +852,11 @@ def split_stage_checkpoints(chunk_counts: Sequence[Sequence[int]], stage_ckpts: 
 
 
 def evaluate(cc: CandidateCoeffs, sizes: Sequence[int], ckpts: Sequence[Sequence[int]],
-             options: Sequence[StateOption]) -> Evaluation:
+             options: Sequence[StateOption], offs: Sequence[Sequence[int]] | None = None) -> Evaluation:
     """Cost of a fully specified configuration: virtual-stage ``sizes``, checkpointed blocks per segment
     of every virtual stage (``J`` rows, model order; ``S`` rows of per-stage counts are spread over each
-    stage's chunks first chunk first), and a state option per stage."""
+    stage's chunks first chunk first), and a state option per stage; ``offs``: blocks per segment with
+    activations offloaded to host memory, ``J`` rows (None: none)."""
     cand = cc.candidate
     S, v = cand.num_stages, cand.virtual_stages
     if len(sizes) != cand.num_virtual or sum(sizes) != cc.num_blocks or min(sizes) < 1:
@@ -800,12 +873,15 @@ def evaluate(cc: CandidateCoeffs, sizes: Sequence[int], ckpts: Sequence[Sequence
                 chunk_ckpts[s + k * S] = rows[k]
     else:
         raise ValueError(f"{len(ckpts)} checkpoint rows for {cand.num_virtual} virtual stages")
+    if offs is not None and len(offs) != cand.num_virtual:
+        raise ValueError(f"{len(offs)} activation-offload rows for {cand.num_virtual} virtual stages")
     stages = []
     for s, sc in enumerate(cc.stages):
         if options[s] not in sc.options:
             raise ValueError(f"stage {s}: state option {options[s]} is not available there")
         stages.append(evaluate_stage(sc, [chunk_counts[s + k * S] for k in range(v)],
-                                     [chunk_ckpts[s + k * S] for k in range(v)], options[s], dp=cand.dp))
+                                     [chunk_ckpts[s + k * S] for k in range(v)], options[s], dp=cand.dp,
+                                     chunk_offs=None if offs is None else [offs[s + k * S] for k in range(v)]))
     T = max(st.time_s for st in stages)
     Tc = max(st.chunk_time_s for st in stages)
     X = max(st.tail_s for st in stages)
@@ -833,7 +909,7 @@ def lower_bound(cc: CandidateCoeffs) -> float:
        optimizer step, both non-negative).
     2. Per cell, ``time_s = max(compute, gather, fetch) + p2p >= compute`` (a max is at least its first
        argument, ``p2p >= 0``), and ``compute = sum_g n_g seg_time_g + sum_g c_g seg_recompute_g
-       >= sum_g n_g seg_time_g =: C_s`` (recompute is non-negative). So ``T >= max_s C_s`` for every
+       >= sum_g n_g seg_time_g =: C_s`` (recompute and exposed activation copies are non-negative). So ``T >= max_s C_s`` for every
        replica's cells.
     3. A chunk's time is ``max(compute_k, ...) + p2p_k >= compute_k`` and the chunks' ``compute_k`` sum
        to the stage's ``compute``, so ``Tc >= max_s C_s / v``; with ``v = 1`` the chunk is the stage and

@@ -2,10 +2,13 @@
 functions (:func:`whalepy.planner.costing.evaluate_stage`).
 
 For one outer candidate it walks every contiguous partition of the blocks into virtual stages, and per
-stage every checkpoint count per segment of each chunk and every state option. The objective
-``M max_s T_s + (S - 1) max_s Tc_s + max_s X_s`` is monotone in each stage's ``(T_s, Tc_s, X_s)``, so
-per stage only the Pareto-optimal feasible choices are kept and combined stage by stage, which is exact. Meant for small
-instances (tests of the ILP); :data:`MAX_PARTITIONS` bounds the work.
+stage every split of each chunk's blocks per segment into checkpointed, activation-offloaded and
+plain ones, and every state option. The objective ``M max_s T_s + (S - 1) max_s Tc_s + max_s X_s`` is
+monotone in each stage's ``(T_s, Tc_s, X_s)``, and host memory and NVMe are the node's (a sum over its
+ranks' stages), so per stage only the choices Pareto-optimal in ``(T_s, Tc_s, X_s, host bytes, NVMe
+bytes)`` are kept and combined stage by stage (keeping each stage's bytes), and a combination counts
+only where every node holds them (:func:`~whalepy.planner.costing.node_fits`), which is exact. Meant
+for small instances (tests of the ILP); :data:`MAX_PARTITIONS` bounds the work.
 
 It is exhaustive over one candidate's inner space only: as ``solver="exhaustive"`` it runs inside the
 outer search, which prunes candidates by their lower bound like it does for the ILP. The check of the
@@ -19,7 +22,15 @@ import math
 import time
 
 from whalepy._errors import PlanError
-from whalepy.planner.costing import CandidateCoeffs, chunk_counts_from_sizes, evaluate, evaluate_stage, step_time
+from whalepy.planner.costing import (
+    CandidateCoeffs,
+    chunk_counts_from_sizes,
+    evaluate,
+    evaluate_stage,
+    node_fits,
+    stage_offloadable,
+    step_time,
+)
 from whalepy.planner.ilp import ILPResult
 
 MAX_PARTITIONS = 20000
@@ -43,18 +54,25 @@ def _compositions(n: int, k: int):  # type: ignore[no-untyped-def]
         yield tuple(bounds[i + 1] - bounds[i] for i in range(k))
 
 
-def _pareto(points: list[tuple[float, float, float, object]]) -> list[tuple[float, float, float, object]]:
-    """Points no other point beats or ties on all of ``(T, Tc, X)``."""
-    points.sort(key=lambda p: (p[0], p[1], p[2]))
-    out: list[tuple[float, float, float, object]] = []
+def _pareto(points: list[tuple]) -> list[tuple]:  # type: ignore[type-arg]
+    """Points no other point beats or ties on all of their numbers (every entry but the last)."""
+    points.sort(key=lambda p: p[:-1])
+    out: list[tuple] = []  # type: ignore[type-arg]
     for p in points:
-        if not any(q[0] <= p[0] + 1e-15 and q[1] <= p[1] + 1e-15 and q[2] <= p[2] + 1e-15 for q in out):
+        if not any(all(a <= b + 1e-15 for a, b in zip(q[:-1], p[:-1])) for q in out):
             out.append(p)
     return out
 
 
+def _splits(n: int, ckpt: bool, off: bool):  # type: ignore[no-untyped-def]
+    """``(checkpointed, offloaded)`` counts of ``n`` blocks."""
+    for c in range(n + 1 if ckpt else 1):
+        for o in range(n - c + 1 if off else 1):
+            yield c, o
+
+
 def solve_exhaustive(cc: CandidateCoeffs, *, allowed_stages: dict[int, tuple[int, int]],
-                     allow_checkpointing: bool) -> ILPResult:
+                     allow_checkpointing: bool, allow_activation_offload: bool = True) -> ILPResult:
     t0 = time.perf_counter()
     cand = cc.candidate
     J, N, S, v = cand.num_virtual, cc.num_blocks, cand.num_stages, cand.virtual_stages
@@ -67,15 +85,18 @@ def solve_exhaustive(cc: CandidateCoeffs, *, allowed_stages: dict[int, tuple[int
         if key not in stage_cache:
             sc = cc.stages[s]
             pts = []
-            flat = [n for row in chunks for n in row]
-            ranges = [range(n + 1) if allow_checkpointing else range(1) for n in flat]
             G = len(chunks[0])
-            for ck in itertools.product(*ranges):
-                rows = [list(ck[k * G:(k + 1) * G]) for k in range(len(chunks))]
+            off_ok = set(stage_offloadable(sc)) if allow_activation_offload else set()
+            ranges = [list(_splits(n, allow_checkpointing, g in off_ok)) for row in chunks for g, n in enumerate(row)]
+            for split in itertools.product(*ranges):
+                rows = [[split[k * G + g][0] for g in range(G)] for k in range(len(chunks))]
+                offs = [[split[k * G + g][1] for g in range(G)] for k in range(len(chunks))]
                 for o in sc.options:
-                    ev = evaluate_stage(sc, chunks, rows, o, dp=cand.dp)
+                    ev = evaluate_stage(sc, chunks, rows, o, dp=cand.dp, chunk_offs=offs)
                     if ev.fits:
-                        pts.append((ev.time_s, ev.chunk_time_s, ev.tail_s, (rows, o)))
+                        c0 = ev.cells[0]
+                        pts.append((ev.time_s, ev.chunk_time_s, ev.tail_s, c0.cpu_bytes if cc.nodes else 0.0,
+                                    c0.nvme_bytes if cc.nodes else 0.0, (rows, o, offs)))
             stage_cache[key] = _pareto(pts)
         return stage_cache[key]
 
@@ -84,27 +105,32 @@ def solve_exhaustive(cc: CandidateCoeffs, *, allowed_stages: dict[int, tuple[int
         if any(not _ok(i, starts, sizes, allowed_stages) for i in allowed_stages):
             continue
         cc_rows = chunk_counts_from_sizes(cc, sizes)
-        combined = [(0.0, 0.0, 0.0, ())]
+        # (T, Tc, X, host and NVMe bytes per rank of each stage so far, choices)
+        combined: list = [(0.0, 0.0, 0.0, ())]  # type: ignore[type-arg]
         for s in range(S):
             f = front(s, tuple(tuple(cc_rows[s + k * S]) for k in range(v)))
             if not f:
                 combined = []
                 break
-            combined = _pareto([(max(a, b), max(ac, bc), max(x, y), ch + (c,))
-                                for a, ac, x, ch in combined for b, bc, y, c in f])
-        for T, Tc, X, choice in combined:
-            obj = step_time(cc, T, Tc, X)
+            combined = _pareto([(max(a[0], b[0]), max(a[1], b[1]), max(a[2], b[2]), *a[3:-1], b[3], b[4],
+                                 a[-1] + (b[-1],)) for a in combined for b in f])
+        for pt in combined:
+            if cc.nodes and not node_fits(cc, [pt[3 + 2 * s] for s in range(S)], [pt[4 + 2 * s] for s in range(S)]):
+                continue
+            obj = step_time(cc, pt[0], pt[1], pt[2])
             if obj < best[0]:
-                best = (obj, (sizes, choice))
+                best = (obj, (sizes, pt[-1]))
     elapsed = time.perf_counter() - t0
     if best[1] is None:
         return ILPResult("infeasible", None, math.inf, 0.0, elapsed, 0, 0)
     sizes, choice = best[1]
     ckpts: list[list[int]] = [[] for _ in range(J)]
-    for s, (rows, _) in enumerate(choice):
+    offs: list[list[int]] = [[] for _ in range(J)]
+    for s, (rows, _, orows) in enumerate(choice):
         for k, row in enumerate(rows):
             ckpts[s + k * S] = row
-    ev = evaluate(cc, sizes, ckpts, [c[1] for c in choice])
+            offs[s + k * S] = orows[k]
+    ev = evaluate(cc, sizes, ckpts, [c[1] for c in choice], offs)
     return ILPResult("optimal", ev, best[0], 0.0, elapsed, 0, 0)
 
 

@@ -81,7 +81,7 @@ import pulp
 
 from whalepy._errors import PlanError
 from whalepy.cost_models.devices import GIB
-from whalepy.planner.costing import CandidateCoeffs, Evaluation, evaluate
+from whalepy.planner.costing import CandidateCoeffs, Evaluation, evaluate, stage_host_activation, stage_offloadable
 from whalepy.planner.space import StateOption
 
 _BILLION = 1e9
@@ -169,6 +169,8 @@ class _Vars:
     Tc: _Var | None
     X: _Var
     Nb: list[dict[StateOption, dict[int, _Var]]] = field(default_factory=list)
+    o: list[dict[int, _Var]] = field(default_factory=list)
+    """Blocks of segment g in virtual stage j whose activations are offloaded (only where allowed)."""
 
 
 def _var(prob: _Model, name: str, lowBound: float | None = None, upBound: float | None = None,
@@ -291,6 +293,33 @@ def add_checkpoint_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars, allo
             _add(prob, d, 0.0, GE, f"any_ckpt_{s}_{g}")
 
 
+def add_activation_offload_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars, allow: bool) -> None:
+    """``o[j][g]``: blocks of segment ``g`` in virtual stage ``j`` whose saved activations live in host
+    memory, only on stages whose every cell has host memory (:func:`stage_offloadable`);
+    ``c[j][g] + o[j][g] <= E[j+1][g] - E[j][g]`` (a block is checkpointed or offloaded, not both) and
+    ``L_g h[s][g] >= sum_k (c + o)``, so ``P`` also covers the largest offloaded block, fetched back one
+    at a time in backward."""
+    S, V = cc.candidate.num_stages, cc.candidate.virtual_stages
+    v.o = [dict() for _ in range(cc.candidate.num_virtual)]
+    if not allow:
+        return
+    for s, sc in enumerate(cc.stages):
+        for g in stage_offloadable(sc):
+            L = cc.segments[g].length
+            for k in range(V):
+                j = s + k * S
+                x = v.o[j][g] = _var(prob, f"o_{j}_{g}", lowBound=0, upBound=L, cat="Integer")
+                d: dict = {x: 1.0, v.c[j][g]: 1.0}
+                const = _acc(d, v.nj[j][g], -1.0)
+                _add(prob, d, const, LE, f"offload_le_count_{j}_{g}")
+            d = {v.o[s + k * S][g]: -1.0 for k in range(V)}
+            for x in _stage_ckpt(v, S, V, s, g):
+                d[x] = -1.0
+            d[v.h[s][g]] = float(L)
+            _add(prob, d, 0.0, GE, f"any_offload_{s}_{g}")
+            v.h[s][g].upBound = 1
+
+
 def add_state_option_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
     for s, sc in enumerate(cc.stages):
         pmax = sum(seg.length * p for seg, p in zip(cc.segments, sc.seg_params)) / _BILLION
@@ -357,6 +386,10 @@ def add_time_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
                 if cell.seg_recompute[g]:
                     for x in _stage_ckpt(v, S, V, s, g):
                         d[x] = d.get(x, 0.0) + cell.seg_recompute[g]
+                for k in range(V):
+                    x = v.o[s + k * S].get(g)
+                    if x is not None and cell.seg_offload[g]:  # type: ignore[index]
+                        d[x] = cell.seg_offload[g]  # type: ignore[index]
             _add(prob, d, const, LE, f"time_compute_{s}_{ci}")
             dd = _option_terms(d, v, s, sc, [s + k * S for k in range(V)], cell.seg_exposed,
                                {o: V * cell.edge[o] for o in sc.options})
@@ -375,6 +408,9 @@ def add_time_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
                     const += _acc(d, v.nj[j][g], cell.seg_time[g])
                     if cell.seg_recompute[g]:
                         d[v.c[j][g]] = d.get(v.c[j][g], 0.0) + cell.seg_recompute[g]
+                    x = v.o[j].get(g)
+                    if x is not None and cell.seg_offload[g]:  # type: ignore[index]
+                        d[x] = cell.seg_offload[g]  # type: ignore[index]
                 _add(prob, d, const, LE, f"chunk_time_{s}_{ci}_{k}")
                 dd = _option_terms(d, v, s, sc, [j], cell.seg_exposed, cell.edge)
                 if dd is not None:
@@ -452,6 +488,9 @@ def add_memory_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
                     extra = k_in * (cell.seg_input[g] - cell.seg_saved[g])
                     if extra:
                         d[v.c[j][g]] = d.get(v.c[j][g], 0.0) + extra
+                    x = v.o[j].get(g)
+                    if x is not None:  # an offloaded block keeps nothing on the device
+                        d[x] = -k_in * cell.seg_saved[g]
                 return d, const
 
             d = dict(states)
@@ -488,6 +527,13 @@ def add_node_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
                 for o in sc.options:
                     if k and beta[o]:
                         d[v.Q[s][o]] = k * beta[o] * _BILLION / GIB
+                if kind == "host_memory" and k and any(v.o[s + kk * cc.candidate.num_stages]
+                                                       for kk in range(cc.candidate.virtual_stages)):
+                    host = stage_host_activation(sc)  # offloaded activations, per rank
+                    for kk in range(cc.candidate.virtual_stages):
+                        for g, x in v.o[s + kk * cc.candidate.num_stages].items():
+                            if host[g]:
+                                d[x] = d.get(x, 0.0) + k * host[g] / GIB
             if d:
                 _add(prob, d, -(cap or 0.0) / GIB, LE, f"{kind}_node_{ni}")
 
@@ -620,7 +666,7 @@ def _solve_cbc(prob: _Model, time_limit_s: float) -> tuple[str, float, float]:
 
 def solve_candidate(cc: CandidateCoeffs, *, allowed_stages: dict[int, tuple[int, int]],
                     allow_checkpointing: bool, solver: str, time_limit_s: float,
-                    cutoff: float | None = None) -> ILPResult:
+                    cutoff: float | None = None, allow_activation_offload: bool = True) -> ILPResult:
     """Build and solve the ILP of one candidate; the returned evaluation is the costing of the solution.
 
     ``cutoff``: only solutions with a smaller objective are wanted (the incumbent of the outer search);
@@ -637,6 +683,7 @@ def solve_candidate(cc: CandidateCoeffs, *, allowed_stages: dict[int, tuple[int,
     add_partition_constraints(prob, cc, v)
     add_annotation_constraints(prob, cc, v, allowed_stages)
     add_checkpoint_constraints(prob, cc, v, allow_checkpointing)
+    add_activation_offload_constraints(prob, cc, v, allow_activation_offload)
     add_state_option_constraints(prob, cc, v)
     add_option_block_variables(prob, cc, v)
     add_time_constraints(prob, cc, v)
@@ -651,8 +698,6 @@ def solve_candidate(cc: CandidateCoeffs, *, allowed_stages: dict[int, tuple[int,
     elapsed = time.perf_counter() - t0
     if status in ("infeasible", "cutoff") or (cutoff is not None and objective >= cutoff):
         status = "infeasible" if status == "infeasible" and cutoff is None else "no better than the incumbent"
-        return ILPResult(status, None, math.inf, 0.0, elapsed, nvars, ncons)
-    if status == "no solution":
         return ILPResult(status, None, math.inf, 0.0, elapsed, nvars, ncons)
     return ILPResult(status, _extract(cc, v), objective, gap, elapsed, nvars, ncons)
 
@@ -684,6 +729,8 @@ def _extract(cc: CandidateCoeffs, v: _Vars) -> Evaluation:
     bounds.append(N)
     sizes = [bounds[j + 1] - bounds[j] for j in range(J)]
     ckpts = [[int(round(c.varValue or 0)) for c in row] for row in v.c]
+    G = len(cc.segments)
+    offs = [[int(round(row[g].varValue or 0)) if g in row else 0 for g in range(G)] for row in v.o]
     options = [max(sc.options, key=lambda o: v.y[s][o].varValue or 0.0) for s, sc in enumerate(cc.stages)]
-    return evaluate(cc, sizes, ckpts, options)
+    return evaluate(cc, sizes, ckpts, options, offs if any(map(any, offs)) else None)
 
