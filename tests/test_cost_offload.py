@@ -114,6 +114,8 @@ def test_state_options_follow_the_capability() -> None:
     assert new <= set(build_state_options((3,), True, precision="bf16"))
     fp16 = set(build_state_options((3,), True, precision="fp16"))
     assert zero_offload not in fp16 and new - {zero_offload} <= fp16
+    clipped = set(build_state_options((3,), True, precision="bf16", clip_gradients=True))
+    assert zero_offload not in clipped and new - {zero_offload} <= clipped
 
 
 @pytest.mark.parametrize("seed", [4, 12, 18])  # seeds whose plan offloads (checked below)

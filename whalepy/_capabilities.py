@@ -114,7 +114,7 @@ def steps_on_host(param_tier: Tier | str, optimizer_tier: Tier | str) -> bool:
 
 
 def state_option_error(zero: ZeroStage | int, param_tier: Tier | str, optimizer_tier: Tier | str, *,
-                       precision: Precision | str | None = None) -> str | None:
+                       precision: Precision | str | None = None, clip_gradients: bool = False) -> str | None:
     """Why the runtime cannot lower this state option, or None when it can.
 
     Lowered: any ZeRO stage with everything on the device; ``optimizer_tier = nvme`` with parameters
@@ -129,12 +129,18 @@ def state_option_error(zero: ZeroStage | int, param_tier: Tier | str, optimizer_
 
     ``precision`` (when given): fp16's dynamic loss scaling skips a step when any gradient anywhere
     overflowed, which is known only after the whole backward, while ZeRO-Offload steps each block's
-    optimizer during the backward; so ``(gpu, cpu)`` is refused under fp16."""
+    optimizer during the backward; so ``(gpu, cpu)`` is refused under fp16, and for the same reason when
+    ``clip_gradients`` (``parallelize(max_grad_norm=...)``: the global norm is known only after the
+    whole backward)."""
     ZeroStage(zero)
     pt, ot = Tier(param_tier), Tier(optimizer_tier)
     if pt is Tier.NVME and ot is Tier.GPU:
         return ("param_tier='nvme' with optimizer_tier='gpu' is not lowered: NVMe parameters are FSDP2 host "
                 "shards, which keep their optimizer states on the host; set optimizer_tier to 'nvme' or 'cpu'")
+    if pt is Tier.GPU and ot is Tier.CPU and clip_gradients:
+        return ("optimizer_tier='cpu' with param_tier='gpu' (ZeRO-Offload) with gradient clipping "
+                "(max_grad_norm): the host optimizer steps each block during backward, before the global "
+                "gradient norm is known; drop max_grad_norm, or set both tiers to 'cpu'")
     if pt is Tier.GPU and ot is Tier.CPU and precision is not None and Precision(precision) is Precision.FP16:
         return ("optimizer_tier='cpu' with param_tier='gpu' (ZeRO-Offload) is not lowered under fp16: the "
                 "host optimizer steps during backward, before loss scaling knows whether to skip the step; "

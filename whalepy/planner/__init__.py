@@ -73,6 +73,9 @@ class PlannerOptions:
     homogeneous_baseline: bool = False
     """Plan as if every GPU were the cluster's slowest type (uniform batch shares), then cost that plan
     on the real cluster: the baseline hardware-aware planning is compared against."""
+    clip_gradients: bool = False
+    """The run clips gradients by their global norm (``parallelize(max_grad_norm=...)`` sets it): the
+    planner then does not offer ZeRO-Offload, whose host optimizer steps before that norm is known."""
     memory_trace: Any = None
     """A :class:`~whalepy.trace.MemoryTrace` (or its JSON path) of one warm-up iteration of this model:
     the planner charges its measured activation bytes per block instead of the profile's estimate

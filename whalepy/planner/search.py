@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from whalepy._capabilities import microbatch_error, schedule_error, sequence_parallel_error
 from whalepy._errors import AnnotationError, InfeasibleError
-from whalepy.plan import Schedule
+from whalepy.plan import Schedule, Tier
 from whalepy.planner.costing import (
     CandidateCoeffs,
     CostContext,
@@ -408,7 +408,10 @@ def run_search(profile: ModelProfile, hw: Hardware, G: int, opts, *,  # type: ig
     ctx = CostContext(profile, hw, precision=opts.precision, sequence_parallel=opts.sequence_parallel)
     cons = read_annotations(profile, hw)
     segments = build_segments(profile)
-    options = build_state_options(opts.zero_stages, opts.allow_offload, opts.precision)
+    options = build_state_options(opts.zero_stages, opts.allow_offload, opts.precision, opts.clip_gradients)
+    if all(g.device.vendor == "cpu" for g in hw.groups):
+        # a CPU device's memory is the host's: a host tier adds no capacity, only copies
+        options = tuple(o for o in options if Tier.CPU not in (o.param_tier, o.optimizer_tier))
     rejections: list[Rejection] = []
     progress(f"enumerating candidates for {hw.world_size} devices, global batch {G}")
     cands = enumerate_candidates(ctx, G, opts, cons, rejections, force_uniform=force_uniform)

@@ -86,10 +86,10 @@ class StateOption:
 
 
 def build_state_options(zero_stages: tuple[int, ...], allow_offload: bool,
-                        precision: str | None = None) -> tuple[StateOption, ...]:
+                        precision: str | None = None, clip_gradients: bool = False) -> tuple[StateOption, ...]:
     """Every combination the planner may pick per stage: those the runtime lowers
-    (:func:`whalepy._capabilities.state_option_error`, in ``precision`` when given), on the device only
-    unless ``allow_offload``."""
+    (:func:`whalepy._capabilities.state_option_error`, in ``precision`` when given, with gradient
+    clipping when ``clip_gradients``), on the device only unless ``allow_offload``."""
     from whalepy._capabilities import state_option_error
 
     out = []
@@ -98,7 +98,7 @@ def build_state_options(zero_stages: tuple[int, ...], allow_offload: bool,
         zs = ZeroStage(z)
         for ot in tiers:
             for pt in tiers:
-                if state_option_error(zs, pt, ot, precision=precision) is None:
+                if state_option_error(zs, pt, ot, precision=precision, clip_gradients=clip_gradients) is None:
                     out.append(StateOption(zs, ot, pt))
     return tuple(out)
 

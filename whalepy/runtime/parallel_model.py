@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from whalepy._capabilities import check_pipeline, steps_on_host
+from whalepy._capabilities import check_pipeline, state_option_error, steps_on_host
 from whalepy._errors import ArgumentError, LaunchError, PlanError, WhalepyError
 from whalepy._log import info_once, is_rank0, warn_once
 from whalepy._pseudo_to_real import PseudoBuild, record_pseudo
@@ -179,6 +179,9 @@ def parallelize(
         plan = Plan.load(os.environ["WHALEPY_PLAN"])  # from `whalepy run --plan`
     if plan is None:
         from whalepy.planner import plan as make_plan_
+
+        if max_grad_norm is not None:  # ZeRO-Offload steps before the global gradient norm is known
+            options.setdefault("clip_gradients", True)
 
         def solve() -> Plan:
             return make_plan_(model, cluster_spec, example_inputs=example_inputs, global_batch=global_batch,
@@ -342,11 +345,13 @@ class ParallelModel:
         self.loss_parallel = loss_parallel
         self.max_grad_norm = max_grad_norm
         self.last_grad_norm: float | None = None
-        if max_grad_norm is not None and any(steps_on_host(b.param_tier, b.optimizer_tier)
-                                             for s in plan.stages for b in s.blocks):
-            raise WhalepyError("max_grad_norm with ZeRO-Offload blocks (param_tier='gpu', optimizer_tier="
-                               "'cpu'): their optimizer steps on the host during backward, before the global "
-                               "gradient norm is known; drop max_grad_norm, or plan with allow_offload=False")
+        if max_grad_norm is not None:
+            for st in plan.stages:
+                for b in st.blocks:
+                    reason = state_option_error(st.zero_stage, b.param_tier, b.optimizer_tier, clip_gradients=True)
+                    if reason is not None:
+                        raise WhalepyError(f"block {b.name}: {reason} (whalepy.plan(..., clip_gradients=True) "
+                                           "plans without it)")
         if is_rank0():
             for line in plan_log_lines(plan):
                 log.info("%s", line)
