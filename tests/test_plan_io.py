@@ -58,7 +58,7 @@ def test_offload_fields_round_trip_and_version_2_loads(plan: Plan) -> None:
 
     from whalepy.plan import BlockPlan, PLAN_VERSION
 
-    assert PLAN_VERSION == 3
+    assert PLAN_VERSION == 4
     s0 = plan.stages[0]
     blocks = list(s0.blocks)
     blocks[0] = dataclasses.replace(blocks[0], checkpoint=False, activation_offload=True, prefetch_depth=2)
@@ -72,10 +72,17 @@ def test_offload_fields_round_trip_and_version_2_loads(plan: Plan) -> None:
     data["version"] = 2
     for stage in data["stages"]:
         for b in stage["blocks"]:
-            del b["activation_offload"], b["prefetch_depth"]
+            del b["activation_offload"], b["prefetch_depth"], b["tiles"]
     old = Plan.from_dict(data)
-    assert old.version == 3 and old == plan
+    assert old.version == 4 and old == plan
     assert all(not b.activation_offload and b.prefetch_depth == 1 for s in old.stages for b in s.blocks)
+    # a version-3 file has no tiles: untiled
+    data = json.loads(plan.to_json())
+    data["version"] = 3
+    for stage in data["stages"]:
+        for b in stage["blocks"]:
+            del b["tiles"]
+    assert Plan.from_dict(data) == plan and all(b.tiles == 1 for s in plan.stages for b in s.blocks)
     # checked on load: offload excludes recomputation, the depth is a positive integer
     bad = json.loads(changed.to_json())
     bad["stages"][0]["blocks"][0]["checkpoint"] = True

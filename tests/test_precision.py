@@ -65,7 +65,7 @@ def test_version_1_plans_load_as_fp32():
         for key in ("model_state_bytes", "host_state_bytes", "nvme_state_bytes"):
             del stage["cost"][key]
     old = Plan.from_dict(data)
-    assert old.precision is Precision.FP32 and old.version == 3
+    assert old.precision is Precision.FP32 and old.version == 4
 
 
 # -- what the runtime lowers -----------------------------------------------------------------------

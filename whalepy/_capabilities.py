@@ -18,6 +18,8 @@ Pipeline shape:
 - :func:`sequence_parallel_error`: sequence parallelism together with pipeline stages.
 - :func:`check_pipeline`: all three, raising :class:`~whalepy.PlanError`.
 
+Memory-centric tiling: :func:`tiling_error` (``BlockPlan.tiles``).
+
 Each ``*_error`` returns why not (one line that names the fix), or None when the runtime lowers it.
 Kept free of ``torch.distributed`` imports so the planner and the cost models can consult it.
 """
@@ -34,6 +36,7 @@ from whalepy.plan import Schedule, Tier, ZeroStage
 
 __all__ = [
     "FILE_GENERATIONS",
+    "tiling_error",
     "LoweringKind",
     "check_pipeline",
     "check_state_option",
@@ -254,3 +257,20 @@ def check_pipeline(schedule: Schedule | str, *, num_stages: int, virtual_stages:
                    sequence_parallel_error(sequence_parallel=sequence_parallel, num_stages=num_stages)):
         if reason is not None:
             raise PlanError(f"{where}{': ' if where else ''}{reason}")
+
+
+def tiling_error(tiles: int, *, zero: ZeroStage | int, tp: int) -> str | None:
+    """Why a block cannot be lowered with ``tiles`` linear tiles (``BlockPlan.tiles``), or None.
+
+    Tiles are FSDP2 units of their own (:mod:`whalepy.runtime.tiling`), which lowers tiling only where
+    each unit's parameters are gathered for its own use: ZeRO-3. Tensor parallelism is refused: a
+    tensor-parallel linear is already split (across devices), and a tile of a DTensor shard is not
+    lowered."""
+    if tiles == 1:
+        return None
+    if int(zero) != int(ZeroStage.PARAMETERS):
+        return (f"tiles={tiles} needs ZeRO-3 (tiles are gathered one at a time), got ZeRO-{int(zero)}; "
+                "set zero_stage=3 or tiles=1")
+    if tp != 1:
+        return f"tiles={tiles} with tensor parallelism (tp={tp}) is not lowered; use tp=1 or tiles=1"
+    return None

@@ -23,9 +23,10 @@ from typing import Any
 from whalepy._errors import PlanError
 from whalepy.cost_models.compute import Precision
 
-PLAN_VERSION = 3
-"""Version 3 added :attr:`BlockPlan.activation_offload` and :attr:`BlockPlan.prefetch_depth`; version 2
-added :attr:`Plan.precision`. Version 1 and 2 plans still load (see :meth:`Plan.from_dict`)."""
+PLAN_VERSION = 4
+"""Version 4 added :attr:`BlockPlan.tiles`; version 3 :attr:`BlockPlan.activation_offload` and
+:attr:`BlockPlan.prefetch_depth`; version 2 :attr:`Plan.precision`. Older plans still load (see
+:meth:`Plan.from_dict`)."""
 
 
 class Schedule(str, enum.Enum):
@@ -93,6 +94,12 @@ class BlockPlan:
     prefetch_depth: int = 1
     """For parameters off the device (``param_tier`` cpu / nvme): how many blocks ahead they are
     fetched. Kept 1 otherwise."""
+    tiles: int = 1
+    """Memory-centric tiling (ZeRO-Infinity, Rajbhandari et al. SC'21, sec. 5.1.3): every ``nn.Linear``
+    of the block is split along its output features into ``tiles`` linears, each its own FSDP2 unit,
+    so ZeRO-3 gathers (and reduce-scatters) one tile at a time and the working set is one tile, not
+    the block. 1: not tiled. Only with ZeRO-3 and tp 1
+    (:func:`whalepy._capabilities.tiling_error`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "param_tier", Tier(self.param_tier))
@@ -104,6 +111,8 @@ class BlockPlan:
                 or self.prefetch_depth < 1:
             raise PlanError(f"block {self.name!r}: prefetch_depth must be an integer >= 1, got "
                             f"{self.prefetch_depth!r}")
+        if isinstance(self.tiles, bool) or not isinstance(self.tiles, int) or self.tiles < 1:
+            raise PlanError(f"block {self.name!r}: tiles must be an integer >= 1, got {self.tiles!r}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -437,9 +446,9 @@ class Plan:
             # as fp32 so that it keeps training, and resuming its checkpoints, exactly as it did.
             data = {**data, "version": 2, "precision": Precision.FP32.value}
             version = 2
-        if version == 2:
-            # version 2 had no activation_offload / prefetch_depth: their defaults (absent fields
-            # take them) are what its runtime did
+        if version in (2, 3):
+            # version 2 had no activation_offload / prefetch_depth, version 3 no tiles: their defaults
+            # (absent fields take them) are what those runtimes did
             data = {**data, "version": PLAN_VERSION}
             version = PLAN_VERSION
         if version != PLAN_VERSION:

@@ -136,6 +136,12 @@ class BlockProfile:
     backward moves the same amount again."""
     tp_degrees: tuple[int, ...] = (1,)
     """TP degrees every sharded dimension of the block (heads, features, vocab) divides by."""
+    linear_params: int = 0
+    """Parameters of the block's ``nn.Linear`` modules (weights and biases; 0: unknown or none). With
+    :attr:`largest_linear_params` it sizes the FSDP2 units of a tiled block (``BlockPlan.tiles``)."""
+    largest_linear_params: int = 0
+    """Parameters of the block's largest ``nn.Linear`` (0: unknown or none; then the planner does not
+    tile the block)."""
     annotations: BlockAnnotations = field(default_factory=BlockAnnotations)
     kernels: BlockKernels | None = None
     """GEMM and attention shapes, memory-bound bytes and launches of the forward; None when unknown

@@ -1,0 +1,42 @@
+"""Which linears memory-centric tiling splits (``BlockPlan.tiles``), in one place: the profile counts
+their parameters (``BlockProfile.linear_params`` / ``largest_linear_params``) and the runtime
+(:mod:`whalepy.runtime.tiling`) splits exactly these, so the planner's working set is the runtime's.
+
+Memory-centric tiling is ZeRO-Infinity's (Rajbhandari et al., SC'21, sec. 5.1.3): a large operator is
+split into tiles run one after another; with ZeRO-3 each tile's parameters are gathered, and its
+gradients reduced, on their own, so the working set is one tile rather than the whole operator. whalepy
+splits each ``nn.Linear`` along its output features (``torch.tensor_split`` sizes: the first
+``out % tiles`` tiles have one row more), which computes the same outputs, concatenated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+__all__ = ["linear_param_counts", "tileable_linears"]
+
+
+def tileable_linears(model: Any, paths: Iterable[str]) -> list[tuple[str, Any]]:
+    """``(qualified name, module)`` of every ``torch.nn.Linear`` under the module paths ``paths`` of
+    ``model``, in module order, each once; a linear whose weight another module also uses (tied, e.g. a
+    language-model head sharing the embedding) is left out: splitting it would untie it."""
+    from torch import nn
+
+    users: dict[int, int] = {}
+    for _, m in model.named_modules(remove_duplicate=False):
+        for p in m.parameters(recurse=False):
+            users[id(p)] = users.get(id(p), 0) + 1
+    out: dict[int, tuple[str, Any]] = {}
+    for path in paths:
+        root = model.get_submodule(path) if path else model
+        for name, m in root.named_modules(prefix=path):
+            if isinstance(m, nn.Linear) and id(m) not in out and users.get(id(m.weight), 0) == 1:
+                out[id(m)] = (name, m)
+    return list(out.values())
+
+
+def linear_param_counts(model: Any, paths: Iterable[str]) -> tuple[int, int]:
+    """``(sum, largest)`` parameter counts (weight + bias) over :func:`tileable_linears`."""
+    sizes = [sum(p.numel() for p in m.parameters(recurse=False)) for _, m in tileable_linears(model, paths)]
+    return sum(sizes), max(sizes, default=0)
