@@ -95,7 +95,8 @@ def format_plan(plan: Plan) -> str:
         ck = sum(b.checkpoint for b in s.blocks)
         tiers = sorted({f"opt:{b.optimizer_tier.value}" for b in s.blocks if b.optimizer_tier.value != "gpu"}
                        | {f"params:{b.param_tier.value}" for b in s.blocks if b.param_tier.value != "gpu"}
-                       | {"act:cpu" for b in s.blocks if b.activation_offload})
+                       | {"act:cpu" for b in s.blocks if b.activation_offload}
+                       | {f"tiles:{b.tiles}" for b in s.blocks if getattr(b, "tiles", 1) > 1})
         k = s.cost
         mem = (f"{k.memory_bytes / GIB:.1f} / {k.capacity_bytes / GIB:.1f} GiB" if k.capacity_bytes else "-")
         rows.append((str(s.index), compress_names(s.block_names), dev, str(s.tp_degree), str(s.dp_degree),
@@ -132,6 +133,8 @@ def _tiers(stage) -> str:  # type: ignore[no-untyped-def]
         depth = getattr(b, "prefetch_depth", 1)
         if b.param_tier.value != "gpu":
             tier += f" prefetch {depth}"
+        if getattr(b, "tiles", 1) > 1:
+            tier += f" tiles {b.tiles}"
         if runs and runs[-1][0] == tier:
             runs[-1][1].append(b.name)
         else:

@@ -36,7 +36,8 @@ def tileable_linears(model: Any, paths: Iterable[str]) -> list[tuple[str, Any]]:
     return list(out.values())
 
 
-def linear_param_counts(model: Any, paths: Iterable[str]) -> tuple[int, int]:
-    """``(sum, largest)`` parameter counts (weight + bias) over :func:`tileable_linears`."""
+def linear_param_counts(model: Any, paths: Iterable[str]) -> tuple[int, int, int]:
+    """``(sum, largest, count)``: parameter counts (weight + bias) over :func:`tileable_linears`, and
+    how many there are."""
     sizes = [sum(p.numel() for p in m.parameters(recurse=False)) for _, m in tileable_linears(model, paths)]
-    return sum(sizes), max(sizes, default=0)
+    return sum(sizes), max(sizes, default=0), len(sizes)

@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from whalepy._capabilities import check_pipeline, sequence_parallel_error
+from whalepy._capabilities import check_pipeline, sequence_parallel_error, tiling_error
 from whalepy._errors import PlanError
 from whalepy.cluster import ClusterSpec
 from whalepy.plan import Plan, Schedule, Tier, ZeroStage
@@ -41,6 +41,9 @@ class ParallelConfig:
     offload: Tier | str | None = None
     """``"cpu"``: parameters, gradients and optimizer states on the host (FSDP2's ``CPUOffloadPolicy``);
     ``"nvme"``: optimizer states in files, parameters on the device."""
+    tiles: int = 1
+    """Memory-centric tiling (``BlockPlan.tiles``): each linear of every block split into this many FSDP2
+    units; ZeRO-3 and tp 1 only."""
     layout: str | None = None
     """Mixed clusters: ``"replicas"`` (each replica on one group) or ``"stages"`` (each stage on one
     group, in cluster order); default: replicas when every group holds whole pipelines."""
@@ -62,6 +65,11 @@ class ParallelConfig:
                        num_microbatches=self.num_microbatches, sequence_parallel=False, where="ParallelConfig")
         if self.tp & (self.tp - 1):
             raise PlanError(f"tp={self.tp} must be a power of two")
+        if isinstance(self.tiles, bool) or not isinstance(self.tiles, int) or self.tiles < 1:
+            raise PlanError(f"ParallelConfig.tiles must be a positive integer, got {self.tiles!r}; e.g. tiles=4")
+        reason = tiling_error(self.tiles, zero=self.zero_stage, tp=self.tp)
+        if reason is not None:
+            raise PlanError(f"ParallelConfig: {reason}")
         if self.offload is not None:
             try:
                 object.__setattr__(self, "offload", Tier(self.offload))
@@ -249,7 +257,7 @@ def estimate_from_profile(profile: ModelProfile, cluster: ClusterSpec, config: P
         raise PlanError(f"ParallelConfig: {sp}")
     precision = resolve_precision((g.device for g in cluster.groups), precision).value
     tier = Tier(cfg.offload) if cfg.offload is not None else Tier.GPU
-    option = StateOption(ZeroStage(cfg.zero_stage), tier, Tier.CPU if tier is Tier.CPU else Tier.GPU)
+    option = StateOption(ZeroStage(cfg.zero_stage), tier, Tier.CPU if tier is Tier.CPU else Tier.GPU, cfg.tiles)
     check_state_option(option.zero, option.param_tier, option.optimizer_tier, where=f"offload={tier.value}")
     hw = Hardware(cluster)
     check_device_reserve(hw.groups, hw.world_size)

@@ -192,6 +192,14 @@ class StagePlan:
         object.__setattr__(self, "zero_stage", ZeroStage(self.zero_stage))
         if not self.blocks:
             raise PlanError(f"stage {self.index} has no blocks; every stage needs at least one")
+        if any(b.tiles > 1 for b in self.blocks):
+            from whalepy._capabilities import tiling_error
+
+            tp = len(self.ranks[0]) if self.ranks else 1
+            for b in self.blocks:
+                reason = tiling_error(b.tiles, zero=self.zero_stage, tp=tp)
+                if reason is not None:
+                    raise PlanError(f"stage {self.index}, block {b.name!r}: {reason}")
         if self.chunk_sizes and (sum(self.chunk_sizes) != len(self.blocks) or min(self.chunk_sizes) < 1):
             raise PlanError(
                 f"stage {self.index}: chunk sizes {list(self.chunk_sizes)} must be positive and sum to its "

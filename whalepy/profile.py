@@ -142,6 +142,8 @@ class BlockProfile:
     largest_linear_params: int = 0
     """Parameters of the block's largest ``nn.Linear`` (0: unknown or none; then the planner does not
     tile the block)."""
+    num_linears: int = 0
+    """How many ``nn.Linear`` modules the tiling counts (each becomes ``tiles`` FSDP2 units)."""
     annotations: BlockAnnotations = field(default_factory=BlockAnnotations)
     kernels: BlockKernels | None = None
     """GEMM and attention shapes, memory-bound bytes and launches of the forward; None when unknown

@@ -106,7 +106,9 @@ def build_plan(ev: Evaluation, *, ctx: CostContext, global_batch: int, result: S
                 off_left[g] -= off
                 blocks.append(BlockPlan(name=prof.blocks[i].name, checkpoint=ck, activation_offload=off,
                                         param_tier=st.option.param_tier,
-                                        optimizer_tier=st.option.optimizer_tier, **depth_field))
+                                        optimizer_tier=st.option.optimizer_tier,
+                                        tiles=st.option.tiles if prof.blocks[i].largest_linear_params else 1,
+                                        **depth_field))
                 if cand.tp > 1 and tp_applies(prof.blocks[i], cand.tp):
                     rules.extend(prof.blocks[i].tp_rules)
         worst = max(st.cells, key=lambda c: c.time_s)
@@ -347,6 +349,8 @@ def raise_infeasible(result: SearchResult, opts, global_batch: int) -> None:  # 
     assert best is not None
     ratio, cand, st, cell = best
     g = cell.cell.group
+    if ratio <= 1.0:
+        raise InfeasibleError(_host_shortfall_text(ctx, cand, st, cell, opts))
     head = (f"no plan fits: even the least-memory candidate ({cand.describe(ctx.hw.groups)}, "
             f"{st.option}, {'all blocks checkpointed' if opts.allow_checkpointing else 'no checkpointing'}): "
             f"stage {st.index} on group {g.name!r} ({g.device.name}) needs {gb(cell.memory_bytes)} per device, "
@@ -383,3 +387,27 @@ def raise_infeasible(result: SearchResult, opts, global_batch: int) -> None:  # 
 
 
 __all__ = ["build_alternatives", "build_plan", "raise_infeasible"]
+
+
+def _host_shortfall_text(ctx, cand: Candidate, st, cell, opts) -> str:  # type: ignore[no-untyped-def]
+    """The least-memory candidate fits its devices: what rules it out is host memory or NVMe (per GPU of
+    the node: the node's capacity shared by its GPUs), or the annotations."""
+    g = cell.cell.group
+    where = (f"the least-memory candidate ({cand.describe(ctx.hw.groups)}, {st.option}) fits the devices of "
+             f"group {g.name!r} ({gb(cell.memory_bytes)} of {gb(cell.cell.capacity)} usable)")
+    short = []
+    for what, need, cap in (("host memory", cell.cpu_bytes, cell.cell.cpu_capacity),
+                            ("NVMe", cell.nvme_bytes, cell.cell.nvme_capacity)):
+        if need > 0 and (cap is None or need > cap):
+            has = "none given" if cap is None else f"{gb(cap)}"
+            short.append(f"{what}: {gb(need)} per GPU, the node has {has} per GPU")
+    if not short:
+        return (f"no plan fits: {where}, so the annotated stage boundaries or the host memory / NVMe of "
+                "the nodes rule every candidate out. To fit: relax the annotations, or give more host memory "
+                "/ NVMe per node (cpu_memory_gb, nvme in the cluster spec).")
+    fixes = ["more nodes (the offloaded states shard over more hosts)",
+             "more host memory / NVMe per node (cpu_memory_gb, nvme in the cluster spec)"]
+    if not opts.allow_offload:
+        fixes.append("allow_offload=True")
+    return (f"no plan fits: {where}, but its offloaded states and activations do not fit the nodes: "
+            f"{'; '.join(short)}. To fit: {'; '.join(fixes)}.")

@@ -96,6 +96,7 @@ from whalepy._capabilities import LoweringKind
 from whalepy.plan import Tier, TPStyle, ZeroStage
 from whalepy.planner.space import Candidate, GroupView, Hardware, Segment, StateOption, build_layout
 from whalepy.planner._offload_costs import activation_offload_coefficients, offload_coefficients
+from whalepy.planner._tiling_costs import tiled_options, tiling_latency_s, unit_params
 from whalepy.planner._runtime_costs import (
     DPComm,
     build_dp_block_comm,
@@ -385,6 +386,13 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
         allowed = tuple(o for o in options if all(_tier_ok(hw.groups[g], o) for g in groups_here))
         sync, mem_beta, cpu_beta, nvme_beta, working, buffer_beta, split, freed = {}, {}, {}, {}, {}, {}, {}, {}
         low = precision_bytes(ctx.precision)
+        stage_blocks = [seg.block for seg in segments]
+        allowed = tiled_options(
+            allowed, stage_blocks, tp=t,
+            working_bytes=lambda p: estimate_fsdp_working_bytes(block_params=p, zero3=True, compute_bytes=low),
+            capacity_bytes=min(usable_device_bytes(hw.groups[g], cand) for g in groups_here))
+        tile_extra = {o: [tiling_latency_s(ctx.collective, b, o.tiles, dp_group) for b in stage_blocks]
+                      for o in allowed if o.tiles > 1}
         for o in allowed:
             kind = lowering_kind(o, cand)
             sync[o] = post_step_affine(ctx.collective, kind, dp_group, ctx.precision)
@@ -394,7 +402,8 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
             freed[o] = not grads_at_activation_peak(kind, cand)
             fsdp = kind == LoweringKind.FSDP
             zero3 = o.zero is ZeroStage.PARAMETERS
-            working[o] = (estimate_fsdp_working_bytes(block_params=max(seg_params), zero3=zero3, compute_bytes=low)
+            unit = max(seg_params) if o.tiles == 1 else max(unit_params(b, o.tiles) for b in stage_blocks)
+            working[o] = (estimate_fsdp_working_bytes(block_params=unit, zero3=zero3, compute_bytes=low)
                           if fsdp else 0.0)
             # below ZeRO-3 FSDP2 keeps the stage's parameters gathered, in the compute dtype, from
             # forward to backward (reshard_after_forward=False)
@@ -412,7 +421,8 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
             keyed.setdefault((cand.cell_groups[s][r], cand.batch_shares[r]), []).append(r)
         cells = []
         for (g, share), reps in keyed.items():
-            cells.append(_cell(ctx, cand, segments, s, hw.groups[g], share, tuple(reps), ranks, allowed, dp_comm))
+            cells.append(_cell(ctx, cand, segments, s, hw.groups[g], share, tuple(reps), ranks, allowed, dp_comm,
+                               tile_extra))
         allowed = _undominated(allowed, sync, mem_beta, cpu_beta, nvme_beta, working, buffer_beta, cells)
         stages.append(StageCoeffs(index=s, cells=cells, seg_params=seg_params, options=allowed, sync=sync,
                                   mem_beta=mem_beta, cpu_beta=cpu_beta, nvme_beta=nvme_beta,
@@ -540,7 +550,7 @@ def _tier_ok(g: GroupView, o: StateOption) -> bool:
 
 def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: int, g: GroupView,
           share: int, reps: tuple[int, ...], ranks, allowed: tuple[StateOption, ...],  # type: ignore[no-untyped-def]
-          dp_comm: DPComm) -> CellCoeffs:
+          dp_comm: DPComm, tile_extra: dict[StateOption, list[float]] | None = None) -> CellCoeffs:
     hw, t, d, M = ctx.hw, cand.tp, cand.dp, cand.num_microbatches
     S, v = cand.num_stages, cand.virtual_stages
     mb = share / M
@@ -578,6 +588,8 @@ def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: i
         kind, z3 = lowering_kind(o, cand), o.zero is ZeroStage.PARAMETERS
         rows = [exposed_dp(kind, z3, pipelined, f, b, dp_comm, i) for i, (f, b) in enumerate(zip(seg_fwd, seg_bwd))]
         seg_exposed[o] = [r[0] for r in rows]
+        if tile_extra and o in tile_extra:  # memory-centric tiling's extra collectives (exposed)
+            seg_exposed[o] = [x + e for x, e in zip(seg_exposed[o], tile_extra[o])]
         seg_tail[o] = [r[1] for r in rows]
         edge[o], tail_edge[o] = dp_edges(kind, z3, pipelined, dp_comm) if rows else (0.0, 0.0)
         autocast_bytes[o] = (sum(seg.length * x for seg, x in zip(segments, seg_input))

@@ -75,6 +75,8 @@ class StateOption:
     zero: ZeroStage
     optimizer_tier: Tier = Tier.GPU
     param_tier: Tier = Tier.GPU
+    tiles: int = 1
+    """Memory-centric tiling of the stage's linears (``BlockPlan.tiles``; 1: none)."""
 
     def __str__(self) -> str:
         s = f"ZeRO-{int(self.zero)}"
@@ -82,6 +84,8 @@ class StateOption:
             s += f" opt->{self.optimizer_tier.value}"
         if self.param_tier is not Tier.GPU:
             s += f" params->{self.param_tier.value}"
+        if self.tiles > 1:
+            s += f" tiles={self.tiles}"
         return s
 
 

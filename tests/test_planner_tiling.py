@@ -1,0 +1,105 @@
+"""Memory-centric tiling in the planner (``BlockPlan.tiles``): offered where a block's FSDP2 working set
+is what keeps ZeRO-3 from fitting, charged as the runtime holds it (one tile gathered, not the block),
+and never with tensor parallelism or below ZeRO-3 (what the runtime lowers)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from whalepy._errors import PlanError
+from whalepy.cost_models.devices import CATALOG
+from whalepy.cost_models.memory import estimate_fsdp_working_bytes
+from whalepy.estimate import estimate_from_profile
+from whalepy.plan import Plan, ZeroStage
+from whalepy.planner import plan_from_profile
+from whalepy.planner._tiling_costs import TILED_WORKING_SHARE, tiled_options, unit_params
+from whalepy.planner.space import StateOption
+from whalepy.planner.synthetic import transformer_profile
+
+from planner_fixtures import cluster, group
+
+# hidden 12288 (GPT-3 175B's width): one layer is 1.81B parameters, its largest linear (h x 4h) 604M
+PROF = transformer_profile(num_layers=4, hidden=12288, seq_len=1024, vocab=32000, num_heads=96, batch=1,
+                           name="wide")
+
+
+def _cluster(gib: float):  # type: ignore[no-untyped-def]
+    dev = CATALOG["A100-80GB"].replace(name=f"a100-{gib}g", memory_bytes=int(gib * 2**30))
+    return cluster(group("a", dev.name, 8, 1, custom={dev.name: dev}), custom=[dev])
+
+
+def test_unit_is_the_largest_tile_or_what_the_block_keeps() -> None:
+    layer, embed, head = PROF.blocks[1], PROF.blocks[0], PROF.blocks[-1]
+    h = 12288
+    assert layer.num_linears == 4 and layer.largest_linear_params == 4 * h * h
+    assert unit_params(layer, 1) == layer.num_params
+    assert unit_params(layer, 4) == pytest.approx(h * h)
+    # tiled to nothing, a layer's unit is what is not in its linears (norms, biases)
+    assert unit_params(layer, 10**9) == layer.num_params - layer.linear_params
+    assert unit_params(embed, 8) == embed.num_params  # no linears: never tiled
+
+
+def test_tiled_variant_only_where_the_working_set_is_large() -> None:
+    z3, z0 = StateOption(ZeroStage.PARAMETERS), StateOption(ZeroStage.NONE)
+    work = lambda p: estimate_fsdp_working_bytes(block_params=p, zero3=True, compute_bytes=2)  # noqa: E731
+    untiled = work(PROF.blocks[1].num_params)
+    small = tiled_options((z0, z3), PROF.blocks, tp=1, working_bytes=work, capacity_bytes=untiled / TILED_WORKING_SHARE)
+    assert small == (z0, z3)
+    big = tiled_options((z0, z3), PROF.blocks, tp=1, working_bytes=work, capacity_bytes=untiled)
+    assert big[:2] == (z0, z3) and len(big) == 3
+    t = big[2].tiles
+    assert big[2] == dataclasses.replace(z3, tiles=t) and t > 1
+    # the fewest tiles: the working set with half as many is above the share, or tiles reached the
+    # embedding (the largest unit tiling leaves whole)
+    floor = PROF.blocks[0].num_params
+    assert work(unit_params(PROF.blocks[1], t)) <= TILED_WORKING_SHARE * untiled or unit_params(PROF.blocks[1], t) <= floor
+    assert work(unit_params(PROF.blocks[1], t // 2)) > TILED_WORKING_SHARE * untiled
+    assert unit_params(PROF.blocks[1], t // 2) > floor
+    # never with tensor parallelism
+    assert tiled_options((z3,), PROF.blocks, tp=2, working_bytes=work, capacity_bytes=untiled) == (z3,)
+
+
+def test_planner_tiles_when_the_block_working_set_does_not_fit() -> None:
+    c = _cluster(22)
+    plan = plan_from_profile(PROF, c, global_batch=8, max_microbatches=1, max_tp=1)
+    (stage,) = plan.stages
+    assert stage.zero_stage is ZeroStage.PARAMETERS and stage.tp_degree == 1
+    tiles = [b.tiles for b in stage.blocks]
+    assert tiles[0] == 1 and min(tiles[1:]) > 1  # the embedding has no linears; layers and head tiled
+    assert len(set(tiles[1:])) == 1
+    ck = sum(b.checkpoint for b in stage.blocks)
+    cfg = dict(dp=8, zero_stage=3, checkpoint=(ck,))
+    # the same configuration untiled does not fit; tiled, the estimate is the plan's own prediction
+    assert not estimate_from_profile(PROF, c, {**cfg, "tiles": 1}, global_batch=8).feasible
+    est = estimate_from_profile(PROF, c, {**cfg, "tiles": tiles[1]}, global_batch=8)
+    assert est.feasible
+    assert est.step_time_s == pytest.approx(plan.cost.step_time_s, rel=1e-9)
+    assert est.plan.stages[0].cost.memory_bytes == stage.cost.memory_bytes
+    # the plan says so, and survives a round trip
+    assert f"tiles:{tiles[1]}" in str(plan)
+    assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_tiling_costs_time_and_is_not_chosen_when_not_needed() -> None:
+    c = _cluster(80)
+    plan = plan_from_profile(PROF, c, global_batch=8, max_microbatches=1, max_tp=1, zero_stages=(3,))
+    assert all(b.tiles == 1 for s in plan.stages for b in s.blocks)
+    cfg = dict(dp=8, zero_stage=3, checkpoint=True)
+    one = estimate_from_profile(PROF, c, {**cfg, "tiles": 1}, global_batch=8)
+    four = estimate_from_profile(PROF, c, {**cfg, "tiles": 4}, global_batch=8)
+    assert four.step_time_s > one.step_time_s
+    assert four.plan.stages[0].cost.buffer_bytes < one.plan.stages[0].cost.buffer_bytes
+
+
+def test_tiles_refused_below_zero3_and_with_tp() -> None:
+    c = _cluster(80)
+    with pytest.raises(PlanError, match="tiles=2 needs ZeRO-3"):
+        estimate_from_profile(PROF, c, dict(dp=8, zero_stage=2, tiles=2), global_batch=8)
+    with pytest.raises(PlanError, match="tensor parallelism"):
+        estimate_from_profile(PROF, c, dict(dp=4, tp=2, zero_stage=3, tiles=2), global_batch=8)
+    plan = estimate_from_profile(PROF, c, dict(dp=8, zero_stage=3, tiles=2), global_batch=8).plan
+    s0 = plan.stages[0]
+    with pytest.raises(PlanError, match="block 'h.0': tiles=2 needs ZeRO-3"):
+        dataclasses.replace(s0, zero_stage=ZeroStage.GRADIENTS)
