@@ -18,7 +18,8 @@ Pipeline shape:
 - :func:`sequence_parallel_error`: sequence parallelism together with pipeline stages.
 - :func:`check_pipeline`: all three, raising :class:`~whalepy.PlanError`.
 
-Memory-centric tiling: :func:`tiling_error` (``BlockPlan.tiles``).
+Memory-centric tiling: :func:`tiling_error` (``BlockPlan.tiles``). Gradient reduction every
+micro-batch: :func:`reduce_every_microbatch_error` (``StagePlan.reduce_every_microbatch``).
 
 Each ``*_error`` returns why not (one line that names the fix), or None when the runtime lowers it.
 Kept free of ``torch.distributed`` imports so the planner and the cost models can consult it.
@@ -36,6 +37,7 @@ from whalepy.plan import Schedule, Tier, ZeroStage
 
 __all__ = [
     "FILE_GENERATIONS",
+    "reduce_every_microbatch_error",
     "tiling_error",
     "LoweringKind",
     "check_pipeline",
@@ -273,4 +275,25 @@ def tiling_error(tiles: int, *, zero: ZeroStage | int, tp: int) -> str | None:
                 "set zero_stage=3 or tiles=1")
     if tp != 1:
         return f"tiles={tiles} with tensor parallelism (tp={tp}) is not lowered; use tp=1 or tiles=1"
+    return None
+
+
+def reduce_every_microbatch_error(kind: LoweringKind | str, *, pp: int, param_tier: Tier | str,
+                                  optimizer_tier: Tier | str) -> str | None:
+    """Why a stage cannot reduce its gradients every micro-batch (``StagePlan.reduce_every_microbatch``),
+    or None. Lowered where whalepy's own accumulation loop drives FSDP2
+    (``set_requires_gradient_sync(True)`` for every micro-batch): FSDP2 lowering, no pipeline stages
+    (``torch.distributed.pipelining`` decides when a stage's gradients are reduced), and not ZeRO-Offload
+    (``(gpu, cpu)``: its host optimizer steps a block as soon as its gradients are reduced, which must
+    happen once per step)."""
+    if LoweringKind(kind) is not LoweringKind.FSDP:
+        return ("reduce_every_microbatch needs the FSDP2 lowering (ZeRO-3, or ZeRO-1/2 with offload); "
+                f"this stage lowers to {LoweringKind(kind).value}: drop it")
+    if pp > 1:
+        return ("reduce_every_microbatch with pipeline stages is not lowered: the pipeline schedule "
+                "reduces each stage's gradients once, after its last backward; drop it or use pp=1")
+    if steps_on_host(param_tier, optimizer_tier):
+        return ("reduce_every_microbatch with ZeRO-Offload (parameters on the device, optimizer states on "
+                "the host) is not lowered: the host optimizer steps each block when its gradients are "
+                "reduced; drop it, or set both tiers to 'cpu'")
     return None

@@ -96,7 +96,8 @@ def format_plan(plan: Plan) -> str:
         tiers = sorted({f"opt:{b.optimizer_tier.value}" for b in s.blocks if b.optimizer_tier.value != "gpu"}
                        | {f"params:{b.param_tier.value}" for b in s.blocks if b.param_tier.value != "gpu"}
                        | {"act:cpu" for b in s.blocks if b.activation_offload}
-                       | {f"tiles:{b.tiles}" for b in s.blocks if getattr(b, "tiles", 1) > 1})
+                       | {f"tiles:{b.tiles}" for b in s.blocks if getattr(b, "tiles", 1) > 1}
+                       | ({"reduce:every-mb"} if getattr(s, "reduce_every_microbatch", False) else set()))
         k = s.cost
         mem = (f"{k.memory_bytes / GIB:.1f} / {k.capacity_bytes / GIB:.1f} GiB" if k.capacity_bytes else "-")
         rows.append((str(s.index), compress_names(s.block_names), dev, str(s.tp_degree), str(s.dp_degree),

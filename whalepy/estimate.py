@@ -44,6 +44,9 @@ class ParallelConfig:
     tiles: int = 1
     """Memory-centric tiling (``BlockPlan.tiles``): each linear of every block split into this many FSDP2
     units; ZeRO-3 and tp 1 only."""
+    reduce_every_microbatch: bool = False
+    """Reduce-scatter the gradients every micro-batch (``StagePlan.reduce_every_microbatch``): FSDP2
+    lowering without pipeline stages only."""
     layout: str | None = None
     """Mixed clusters: ``"replicas"`` (each replica on one group) or ``"stages"`` (each stage on one
     group, in cluster order); default: replicas when every group holds whole pipelines."""
@@ -257,7 +260,8 @@ def estimate_from_profile(profile: ModelProfile, cluster: ClusterSpec, config: P
         raise PlanError(f"ParallelConfig: {sp}")
     precision = resolve_precision((g.device for g in cluster.groups), precision).value
     tier = Tier(cfg.offload) if cfg.offload is not None else Tier.GPU
-    option = StateOption(ZeroStage(cfg.zero_stage), tier, Tier.CPU if tier is Tier.CPU else Tier.GPU, cfg.tiles)
+    option = StateOption(ZeroStage(cfg.zero_stage), tier, Tier.CPU if tier is Tier.CPU else Tier.GPU, cfg.tiles,
+                         cfg.reduce_every_microbatch)
     check_state_option(option.zero, option.param_tier, option.optimizer_tier, where=f"offload={tier.value}")
     hw = Hardware(cluster)
     check_device_reserve(hw.groups, hw.world_size)
@@ -301,6 +305,14 @@ def estimate_from_profile(profile: ModelProfile, cluster: ClusterSpec, config: P
     cand = Candidate(num_stages=cfg.pp, tp=cfg.tp, dp=cfg.dp, num_microbatches=cfg.num_microbatches,
                      schedule=Schedule(cfg.schedule), virtual_stages=cfg.virtual_stages, cell_groups=cell_groups,
                      batch_shares=tuple(shares), layout=layout)
+    if option.reduce_each:
+        from whalepy._capabilities import reduce_every_microbatch_error
+        from whalepy.planner._runtime_costs import lowering_kind
+
+        reason = reduce_every_microbatch_error(lowering_kind(option, cand), pp=cfg.pp, param_tier=option.param_tier,
+                                               optimizer_tier=option.optimizer_tier)
+        if reason is not None:
+            raise PlanError(f"ParallelConfig: {reason}")
     ctx = CostContext(profile, hw, precision=precision)
     cc = build_coefficients(ctx, cand, build_segments(profile), (option,))
     for sc in cc.stages:

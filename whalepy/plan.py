@@ -24,7 +24,7 @@ from whalepy._errors import PlanError
 from whalepy.cost_models.compute import Precision
 
 PLAN_VERSION = 4
-"""Version 4 added :attr:`BlockPlan.tiles`; version 3 :attr:`BlockPlan.activation_offload` and
+"""Version 4 added :attr:`BlockPlan.tiles` and :attr:`StagePlan.reduce_every_microbatch`; version 3 :attr:`BlockPlan.activation_offload` and
 :attr:`BlockPlan.prefetch_depth`; version 2 :attr:`Plan.precision`. Older plans still load (see
 :meth:`Plan.from_dict`)."""
 
@@ -187,6 +187,12 @@ class StagePlan:
     virtual stages over ``S`` ranks groups, chunk ``j`` of stage ``s`` is pipeline stage ``s + j*S``.
     Empty means one chunk holding every block."""
     cost: StageCost = field(default_factory=StageCost)
+    reduce_every_microbatch: bool = False
+    """FSDP2 reduce-scatters each micro-batch's gradients into the sharded gradients (as ZeRO-3 does in
+    DeepSpeed) instead of accumulating unsharded gradients over the micro-batches and reducing once
+    (``set_requires_gradient_sync(False)`` until the last one): ``M`` times the reduce-scatters, no
+    unsharded fp32 gradient of the whole stage on the device. FSDP2 lowering without pipeline stages
+    only (:func:`whalepy._capabilities.reduce_every_microbatch_error`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "zero_stage", ZeroStage(self.zero_stage))
@@ -455,7 +461,8 @@ class Plan:
             data = {**data, "version": 2, "precision": Precision.FP32.value}
             version = 2
         if version in (2, 3):
-            # version 2 had no activation_offload / prefetch_depth, version 3 no tiles: their defaults
+            # version 2 had no activation_offload / prefetch_depth, version 3 no tiles or
+            # reduce_every_microbatch: their defaults
             # (absent fields take them) are what those runtimes did
             data = {**data, "version": PLAN_VERSION}
             version = PLAN_VERSION

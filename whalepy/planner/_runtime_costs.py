@@ -181,8 +181,8 @@ def post_step_affine(collective: CollectiveFn, kind: str, group: CommGroup | Non
     return affine_fit(lambda n: collective(Collective.ALL_GATHER, per * n, group))
 
 
-def exposed_dp(kind: str, zero3: bool, pipelined: bool, fwd: float, bwd: float, dp: DPComm, g: int
-                ) -> tuple[float, float]:
+def exposed_dp(kind: str, zero3: bool, pipelined: bool, fwd: float, bwd: float, dp: DPComm, g: int,
+               reduce_each: bool = False) -> tuple[float, float]:
     """``(exposed per micro-batch, exposed per step)`` seconds of the data-parallel collectives of one
     block of segment ``g`` (forward ``fwd`` and backward ``bwd`` seconds per micro-batch), as the
     runtime runs them; each overlapped by :func:`estimate_overlapped_time` (the compute they run
@@ -191,7 +191,8 @@ def exposed_dp(kind: str, zero3: bool, pipelined: bool, fwd: float, bwd: float, 
     - FSDP2, whalepy's own accumulation loop (no pipeline): the block's all-gather runs one block
       ahead, beside the previous block's forward, every micro-batch (FSDP2 reshards after backward),
       and under ZeRO-3 again beside the next block's backward; its reduce-scatter, in the last
-      micro-batch only (``set_requires_gradient_sync``), beside the next block's backward;
+      micro-batch only (``set_requires_gradient_sync``), beside the next block's backward; with
+      ``reduce_each`` (``StagePlan.reduce_every_microbatch``) in every micro-batch;
     - FSDP2 under ``torch.distributed.pipelining``: the stage keeps parameters gathered after
       backward (``set_reshard_after_backward(False)``), so below ZeRO-3 each block is gathered once per
       step, beside the first forward, and under ZeRO-3 once per micro-batch beside the backward; all
@@ -203,6 +204,8 @@ def exposed_dp(kind: str, zero3: bool, pipelined: bool, fwd: float, bwd: float, 
     ag, rs = dp.all_gather[g], dp.reduce_scatter[g]
     if kind == LoweringKind.FSDP and not pipelined:
         xb = ag if zero3 else 0.0
+        if reduce_each:
+            return ov(fwd, ag) - fwd + ov(bwd, xb + rs) - bwd, 0.0
         return ov(fwd, ag) - fwd + ov(bwd, xb) - bwd, ov(bwd, xb + rs) - ov(bwd, xb)
     if kind == LoweringKind.FSDP:
         if zero3:
@@ -213,11 +216,14 @@ def exposed_dp(kind: str, zero3: bool, pipelined: bool, fwd: float, bwd: float, 
     return 0.0, 0.0
 
 
-def dp_edges(kind: str, zero3: bool, pipelined: bool, dp: DPComm) -> tuple[float, float]:
+def dp_edges(kind: str, zero3: bool, pipelined: bool, dp: DPComm, reduce_each: bool = False
+             ) -> tuple[float, float]:
     """``(per micro-batch, per step)`` collectives with nothing to hide behind: a chunk's first block's
     gathers, and the last block's gradient reduction (see :func:`exposed_dp`)."""
     ag, rs, ar = dp.all_gather[dp.rep], dp.reduce_scatter[dp.rep], dp.all_reduce[dp.rep]
     if kind == LoweringKind.FSDP and not pipelined:
+        if reduce_each:
+            return ag * (2 if zero3 else 1) + rs, 0.0
         return ag * (2 if zero3 else 1), rs
     if kind == LoweringKind.FSDP:
         return (ag, 0.0) if zero3 else (0.0, ag)

@@ -119,7 +119,7 @@ def build_plan(ev: Evaluation, *, ctx: CostContext, global_batch: int, result: S
         stages.append(StagePlan(
             index=s, blocks=tuple(blocks), ranks=cc.ranks[s],
             device_types=tuple(hw.groups[cand.cell_groups[s][r]].device.name for r in range(cand.dp)),
-            zero_stage=st.option.zero, chunk_sizes=chunks[s],
+            zero_stage=st.option.zero, chunk_sizes=chunks[s], reduce_every_microbatch=st.option.reduce_each,
             cost=StageCost(compute_s=worst.compute_s, comm_s=worst.comm_s, grad_sync_s=worst.exposed_sync_s,
                            offload_s=M * max(0.0, worst.fetch_s - worst.compute_s - worst.comm_s + worst.cell.p2p)
                            + (worst.opt_s if st.option.optimizer_tier is not Tier.GPU else 0.0)

@@ -391,6 +391,7 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
             allowed, stage_blocks, tp=t,
             working_bytes=lambda p: estimate_fsdp_working_bytes(block_params=p, zero3=True, compute_bytes=low),
             capacity_bytes=min(usable_device_bytes(hw.groups[g], cand) for g in groups_here))
+        allowed = reduce_each_options(allowed, cand)
         tile_extra = {o: [tiling_latency_s(ctx.collective, b, o.tiles, dp_group) for b in stage_blocks]
                       for o in allowed if o.tiles > 1}
         for o in allowed:
@@ -410,7 +411,9 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
             gathered = low if fsdp and not zero3 else 0.0
             # FSDP2 without gradient sync (every micro-batch but the last) accumulates unsharded
             # gradients in its reduce dtype (fp32)
-            accumulate = MASTER_GRAD_BYTES - st.grads if fsdp and cand.num_microbatches > 1 else 0.0
+            # (none when every micro-batch's gradients are reduce-scattered into the sharded ones)
+            accumulate = (MASTER_GRAD_BYTES - st.grads if fsdp and cand.num_microbatches > 1 and not o.reduce_each
+                          else 0.0)
             autocast = AUTOCAST_WEIGHT_COPY_BYTES if uses_autocast(kind, ctx.precision) else 0.0
             # DDP's gradient buckets are views of the gradients (gradient_as_bucket_view=True): no copy
             buffer_beta[o] = gathered + max(0.0, accumulate) + autocast
@@ -432,6 +435,20 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
     return CandidateCoeffs(candidate=cand, segments=segments, stages=stages, ranks=ranks,
                            nodes=_node_shares(hw, ranks) if any(_off_device(o) for st in stages for o in st.options)
                            or any(stage_offloadable(st) for st in stages) else (), bubble=cand.bubble_coefficient)
+
+
+def reduce_each_options(options: tuple[StateOption, ...], cand: Candidate) -> tuple[StateOption, ...]:
+    """``options`` plus, with several micro-batches, the variant of each that reduce-scatters every
+    micro-batch (no unsharded gradient accumulation; ``StagePlan.reduce_every_microbatch``) where the
+    runtime lowers it (:func:`whalepy._capabilities.reduce_every_microbatch_error`)."""
+    from whalepy._capabilities import reduce_every_microbatch_error
+
+    if cand.num_microbatches == 1:
+        return options
+    extra = [dataclasses.replace(o, reduce_each=True) for o in options if not o.reduce_each
+             and reduce_every_microbatch_error(lowering_kind(o, cand), pp=cand.num_stages,
+                                               param_tier=o.param_tier, optimizer_tier=o.optimizer_tier) is None]
+    return tuple(options) + tuple(e for e in extra if e not in options)
 
 
 def stage_offloadable(sc: StageCoeffs) -> list[int]:
@@ -586,12 +603,13 @@ def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: i
     pipelined = S > 1
     for o in allowed:
         kind, z3 = lowering_kind(o, cand), o.zero is ZeroStage.PARAMETERS
-        rows = [exposed_dp(kind, z3, pipelined, f, b, dp_comm, i) for i, (f, b) in enumerate(zip(seg_fwd, seg_bwd))]
+        rows = [exposed_dp(kind, z3, pipelined, f, b, dp_comm, i, o.reduce_each)
+                for i, (f, b) in enumerate(zip(seg_fwd, seg_bwd))]
         seg_exposed[o] = [r[0] for r in rows]
         if tile_extra and o in tile_extra:  # memory-centric tiling's extra collectives (exposed)
             seg_exposed[o] = [x + e for x, e in zip(seg_exposed[o], tile_extra[o])]
         seg_tail[o] = [r[1] for r in rows]
-        edge[o], tail_edge[o] = dp_edges(kind, z3, pipelined, dp_comm) if rows else (0.0, 0.0)
+        edge[o], tail_edge[o] = dp_edges(kind, z3, pipelined, dp_comm, o.reduce_each) if rows else (0.0, 0.0)
         autocast_bytes[o] = (sum(seg.length * x for seg, x in zip(segments, seg_input))
                              if uses_autocast(kind, ctx.precision) else 0.0)
     loss_bytes = 0.0

@@ -699,6 +699,8 @@ def solve_candidate(cc: CandidateCoeffs, *, allowed_stages: dict[int, tuple[int,
     if status in ("infeasible", "cutoff") or (cutoff is not None and objective >= cutoff):
         status = "infeasible" if status == "infeasible" and cutoff is None else "no better than the incumbent"
         return ILPResult(status, None, math.inf, 0.0, elapsed, nvars, ncons)
+    if status == "no solution":  # stopped (time limit) before finding one: nothing to read back
+        return ILPResult(status, None, math.inf, math.inf, elapsed, nvars, ncons)
     return ILPResult(status, _extract(cc, v), objective, gap, elapsed, nvars, ncons)
 
 

@@ -77,6 +77,8 @@ class StateOption:
     param_tier: Tier = Tier.GPU
     tiles: int = 1
     """Memory-centric tiling of the stage's linears (``BlockPlan.tiles``; 1: none)."""
+    reduce_each: bool = False
+    """Gradients reduce-scattered every micro-batch (``StagePlan.reduce_every_microbatch``)."""
 
     def __str__(self) -> str:
         s = f"ZeRO-{int(self.zero)}"
@@ -86,6 +88,8 @@ class StateOption:
             s += f" params->{self.param_tier.value}"
         if self.tiles > 1:
             s += f" tiles={self.tiles}"
+        if self.reduce_each:
+            s += " reduce every micro-batch"
         return s
 
 

@@ -114,6 +114,7 @@ def make_plan(
     model_name: str = "model",
     model_fingerprint: str = "unchecked",
     precision: Precision | str = Precision.FP32,
+    reduce_every_microbatch: bool = False,
 ) -> Plan:
     """A valid :class:`Plan` for a fixed layout, without the planner (tests, benchmarks, users who
     know what they want). Ranks are laid out ``pp``-major, then ``dp``, then ``tp`` (TP innermost, as
@@ -125,7 +126,8 @@ def make_plan(
     is given): the blocks are cut into ``pp * v`` pipeline stages in model order, evenly unless
     ``chunk_sizes[s][j]`` gives the blocks of chunk ``j`` of physical stage ``s`` (pipeline stage
     ``s + j * pp``); each physical stage holds its ``v`` chunks (``StagePlan.chunk_sizes``).
-    ``precision`` is what the runtime trains in (fp32 unless given)."""
+    ``precision`` is what the runtime trains in (fp32 unless given); ``reduce_every_microbatch`` sets
+    :attr:`StagePlan.reduce_every_microbatch` on every stage."""
     blocks = list(block_names)
     v = int(virtual_stages)
     if v < 1:
@@ -184,6 +186,7 @@ def make_plan(
             device_types=(device_type,) * dp,
             zero_stage=ZeroStage(zero_stage),
             chunk_sizes=tuple(chunk_sizes[s]) if v > 1 else (),
+            reduce_every_microbatch=reduce_every_microbatch,
         ))
     world = pp * dp * tp
     return Plan(

@@ -338,6 +338,7 @@ class ParallelModel:
                        num_microbatches=plan.num_microbatches,
                        sequence_parallel=any(r.style is TPStyle.SEQUENCE for r in plan.tensor_parallel),
                        where="the plan cannot be lowered (whalepy.plan never makes such a plan: re-plan)")
+        _check_reduce_every_microbatch(plan)
         self.plan = plan
         self.loss_fn = _checked_loss(loss_fn)
         self._example_shapes = [tuple(x.shape[1:]) for x in example_inputs if isinstance(x, torch.Tensor)]
@@ -735,7 +736,9 @@ class ParallelModel:
         total = torch.zeros((), device=self.device)
         for i, (xs, y) in enumerate(zip(chunks, tchunks, strict=True)):
             last = i == n - 1
-            with _sync_context(module, self.dp_kind, last), self._loss_context():
+            # reduce_every_microbatch: FSDP2 reduce-scatters every micro-batch into the sharded gradients
+            sync = last or self.plan.stages[self.stage_indices[0]].reduce_every_microbatch
+            with _sync_context(module, self.dp_kind, sync), self._loss_context():
                 with self.amp.autocast():
                     loss = self.loss_fn(module(*xs), y)
                 self.amp.scale(loss * (self.loss_scale / n)).backward()
@@ -768,6 +771,23 @@ def _checked_loss(loss_fn: LossFn) -> LossFn:
         return loss
 
     return checked
+
+
+def _check_reduce_every_microbatch(plan: Plan) -> None:
+    """Refuse a stage's ``reduce_every_microbatch`` where the runtime cannot lower it (one rule,
+    :func:`reduce_every_microbatch_error`), before anything is built."""
+    from whalepy._capabilities import choose_lowering_kind, reduce_every_microbatch_error
+
+    for st in plan.stages:
+        if not st.reduce_every_microbatch:
+            continue
+        kind = choose_lowering_kind(st.zero_stage, plan.dp_degree, tp=st.tp_degree, pp=plan.pp_degree,
+                                    offload=offloads_any_block(st.blocks))
+        for b in st.blocks:
+            reason = reduce_every_microbatch_error(kind, pp=plan.pp_degree, param_tier=b.param_tier,
+                                                   optimizer_tier=b.optimizer_tier)
+            if reason is not None:
+                raise PlanError(f"stage {st.index}: {reason}")
 
 
 class _Null:
