@@ -39,6 +39,13 @@ MALFORMED = [
     ("rank used twice", lambda d: _stage(d).update(ranks=[[0, 1], [1, 3]]), ("exactly once",)),
     ("device types per replica", lambda d: _stage(d).update(device_types=["CPU"]), ("1 device types for 2",)),
     ("wrong device type", lambda d: _stage(d).update(device_types=["CPU", "T4"]), ("'T4'",)),
+    ("tiles 0", lambda d: _stage(d)["blocks"][0].update(tiles=0), ("tiles must be an integer >= 1",)),
+    ("tiles below ZeRO-3", lambda d: (_stage(d)["blocks"][0].update(tiles=2), _stage(d).update(zero_stage=2)),
+     ("tiles=2 needs ZeRO-3", "set zero_stage=3 or tiles=1")),
+    ("tiles with tensor parallelism", lambda d: (_stage(d)["blocks"][0].update(tiles=2), _stage(d).update(zero_stage=3)),
+     ("tensor parallelism (tp=2)", "use tp=1 or tiles=1")),
+    ("reduce every micro-batch not a bool", lambda d: _stage(d).update(reduce_every_microbatch="yes"),
+     ("reduce_every_microbatch must be true or false",)),
 ]
 
 

@@ -198,6 +198,9 @@ class StagePlan:
         object.__setattr__(self, "zero_stage", ZeroStage(self.zero_stage))
         if not self.blocks:
             raise PlanError(f"stage {self.index} has no blocks; every stage needs at least one")
+        if not isinstance(self.reduce_every_microbatch, bool):
+            raise PlanError(f"stage {self.index}: reduce_every_microbatch must be true or false, got "
+                            f"{self.reduce_every_microbatch!r}")
         if any(b.tiles > 1 for b in self.blocks):
             from whalepy._capabilities import tiling_error
 
