@@ -16,6 +16,7 @@ and offinf of issue 10) is reported as ``PENDING`` with the reason, not as a pas
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 
@@ -175,10 +176,16 @@ def _lean_margin(case: Case) -> tuple[float, str, str]:
 
     W = case.gpus_per_node * case.nodes
     offload = None if not case.allow_offload else ("nvme" if case.nvme else "cpu")
-    est = estimate_from_profile(profile_of(case.model), cluster_of(case),
-                                dict(dp=W, zero_stage=3, checkpoint=True, offload=offload), global_batch=W)
+    cfg = dict(dp=W, zero_stage=3, checkpoint=True, offload=offload, offload_params=offload == "nvme")
+    prof = profile_of(case.model)
+    # tiles: as many as take the layers' working set down to the embedding's (the largest untileable unit)
+    layer = max(prof.blocks, key=lambda b: b.largest_linear_params)
+    cfg["tiles"] = max(1, min(64, 2 ** max(0, math.ceil(math.log2(layer.largest_linear_params
+                                                                  / max(1, prof.blocks[0].num_params))))))
+    est = estimate_from_profile(prof, cluster_of(case), cfg, global_batch=W)
     m = min(_node_margins(est.plan, cluster_of(case)))
-    return m[0], m[1], "ZeRO-3 over all GPUs, all blocks checkpointed" + (f", offload={offload}" if offload else "")
+    what = "ZeRO-3 over all GPUs, all blocks checkpointed" + (f", offload={offload}" if offload else "")
+    return m[0], m[1], what + (" (parameters too)" if offload == "nvme" else "") + f", tiles={cfg['tiles']}"
 
 
 def _pending(case: Case) -> str:

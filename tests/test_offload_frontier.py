@@ -17,15 +17,16 @@ from whalepy._plan_format import _t  # noqa: E402
 
 
 KNOWN_GAPS = {
-    "1T fine-tuned on one DGX-2 with NVMe": "memory-centric tiling",
-    "32T on 512 V100-32GB (32 DGX-2) with NVMe": "memory-centric tiling",
+    "32T on 512 V100-32GB (32 DGX-2) with NVMe": "activation checkpoints",
 }
-"""Published ZeRO-Infinity successes the planner calls infeasible, and why: ZeRO-Infinity fits them with
-memory-centric tiling (large operators split into tiles so a layer's parameters and gradients never
-sit on the GPU whole; Rajbhandari et al. sec. 5.1.3) and activation-checkpoint offload to host memory.
-whalepy's lowering gathers a whole layer shard (FSDP2 unit) in the compute dtype with its fp32
-gradient, so the GPU runs out first. The test keeps them failing on purpose: when either holds, this
-list must shrink (docs/cost_model.md shows both rows as WRONG)."""
+"""Published successes the planner calls infeasible, and why. ZeRO-Infinity's 32T on 512 V100 (our
+shape: 620 layers of hidden 65536, one sample per GPU): with tiling the working set fits, but every
+layer's checkpointed input (1024 x 65536 x 2 bytes) makes 82 GiB per GPU, and in host memory 1.3 TB per
+DGX-2, above the usable share of its 1.5 TB. ZeRO-Infinity partitions activation checkpoints across its
+model-parallel ranks and offloads them to the host (sec. 5.1.2); whalepy keeps a checkpointed block's
+input on the device and has no sequence-parallel rules for this synthetic profile. The test keeps the
+row failing on purpose, on GPU memory: when it holds, this list must shrink (docs/cost_model.md shows it
+as WRONG)."""
 
 
 def test_capacity_frontier_holds() -> None:

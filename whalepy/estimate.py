@@ -41,6 +41,9 @@ class ParallelConfig:
     offload: Tier | str | None = None
     """``"cpu"``: parameters, gradients and optimizer states on the host (FSDP2's ``CPUOffloadPolicy``);
     ``"nvme"``: optimizer states in files, parameters on the device."""
+    offload_params: bool = False
+    """With ``offload="nvme"``: parameters in files too (ZeRO-Infinity's parameter offload; their
+    optimizer states in files with them)."""
     tiles: int = 1
     """Memory-centric tiling (``BlockPlan.tiles``): each linear of every block split into this many FSDP2
     units; ZeRO-3 and tp 1 only."""
@@ -79,6 +82,9 @@ class ParallelConfig:
             except ValueError:
                 raise PlanError(f"offload={self.offload!r}: use 'cpu' or 'nvme', or leave it out (None) for no "
                                 "offload") from None
+        if self.offload_params and self.offload is not Tier.NVME:
+            raise PlanError("offload_params=True goes with offload='nvme' (with offload='cpu' the parameters "
+                            "are on the host already); set offload='nvme' or drop offload_params")
         if isinstance(self.checkpoint, list):
             object.__setattr__(self, "checkpoint", tuple(self.checkpoint))
         if isinstance(self.checkpoint, tuple) and len(self.checkpoint) != self.pp:
@@ -260,7 +266,8 @@ def estimate_from_profile(profile: ModelProfile, cluster: ClusterSpec, config: P
         raise PlanError(f"ParallelConfig: {sp}")
     precision = resolve_precision((g.device for g in cluster.groups), precision).value
     tier = Tier(cfg.offload) if cfg.offload is not None else Tier.GPU
-    option = StateOption(ZeroStage(cfg.zero_stage), tier, Tier.CPU if tier is Tier.CPU else Tier.GPU, cfg.tiles,
+    param_tier = Tier.CPU if tier is Tier.CPU else Tier.NVME if cfg.offload_params else Tier.GPU
+    option = StateOption(ZeroStage(cfg.zero_stage), tier, param_tier, cfg.tiles,
                          cfg.reduce_every_microbatch)
     check_state_option(option.zero, option.param_tier, option.optimizer_tier, where=f"offload={tier.value}")
     hw = Hardware(cluster)
