@@ -99,7 +99,8 @@ def test_model_state_accounting_by_lowering_kind():
     cpu = estimate_model_state_bytes(num_params=p, zero_stage=3, dp_degree=d, param_tier="cpu", optimizer_tier="cpu")
     assert (cpu.resident, cpu.cpu) == (0.0, 16 * p / d)
     nvme = estimate_model_state_bytes(num_params=p, zero_stage=0, dp_degree=d, optimizer_tier="nvme")
-    assert (nvme.resident, nvme.nvme, nvme.cpu) == (8 * p, 2 * 8 * p, 0.0)  # two file generations
+    # two file generations while a step writes, one between steps
+    assert (nvme.resident, nvme.nvme, nvme.nvme_between_steps, nvme.cpu) == (8 * p, 2 * 8 * p, 8 * p, 0.0)
     # staging: prefetch_depth + 2 buffers of the largest block's file-homed bytes (DDP: whole tensors)
     staged = estimate_model_state_bytes(num_params=p, zero_stage=0, dp_degree=d, optimizer_tier="nvme", precision="fp32",
                                         largest_block_params=p / 10, prefetch_depth=2)
@@ -107,7 +108,15 @@ def test_model_state_accounting_by_lowering_kind():
     assert staged.working_params == 8 * p / 10  # the stepped block's states copied to the device
     inf = estimate_model_state_bytes(num_params=p, zero_stage=3, dp_degree=d, param_tier="nvme",
                                      optimizer_tier="nvme", largest_block_params=p / 10)
-    assert (inf.resident, inf.nvme, inf.cpu) == (0.0, 2 * 12 * p / d, 4 * p / d + 3 * 12 * p / 10 / d)
+    # gradients in files too (4 p / d <= one generation, 12 p / d: the peak stays two generations);
+    # the host keeps only the staging buffers
+    assert (inf.resident, inf.nvme, inf.nvme_between_steps, inf.cpu) == (0.0, 2 * 12 * p / d, 12 * p / d,
+                                                                         3 * 12 * p / 10 / d)
+    # parameters in files, states on the host: S = G = 4 p / d, peak S + max(S, G) = 8 p / d
+    inf_cpu = estimate_model_state_bytes(num_params=p, zero_stage=3, dp_degree=d, param_tier="nvme",
+                                         optimizer_tier="cpu", largest_block_params=p / 10)
+    assert (inf_cpu.nvme, inf_cpu.nvme_between_steps, inf_cpu.cpu) == (8 * p / d, 4 * p / d,
+                                                                       8 * p / d + 3 * 4 * p / 10 / d)
     with pytest.raises(ValueError, match="CPUOffloadPolicy"):
         estimate_model_state_bytes(num_params=p, zero_stage=2, dp_degree=d, param_tier="cpu")
 
