@@ -36,11 +36,25 @@ from runtime_cases import (
 _REFERENCES: dict[tuple, Any] = {}
 
 
-def _reference(case: Case, data: list) -> Any:
-    """The single-process run of ``case``'s model on ``data`` (cached: several cases share one)."""
-    key = (case.kind, case.num_layers, case.global_batch, case.steps)
+def _reference(case: Case, data: list, max_grad_norm: float | None = None) -> Any:
+    """The single-process run of ``case``'s model on ``data`` (cached: several cases share one); with
+    ``max_grad_norm``, gradients clipped by ``torch.nn.utils.clip_grad_norm_`` before each step."""
+    key = (case.kind, case.num_layers, case.global_batch, case.steps, max_grad_norm)
     if key not in _REFERENCES:
-        _REFERENCES[key] = reference_run(case.kind, data, case.num_layers)
+        if max_grad_norm is None:
+            _REFERENCES[key] = reference_run(case.kind, data, case.num_layers)
+        else:
+            model = build_model(case.kind, case.num_layers)
+            opt = adamw(model.parameters())
+            losses = []
+            for x, y in data:
+                loss = lm_loss(model(x), y)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                losses.append(loss.item())
+            _REFERENCES[key] = losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
     return _REFERENCES[key]
 
 
@@ -149,14 +163,16 @@ def infinity_case(case: Case, root: str) -> dict[str, Any]:
     import dataclasses
 
     check_accumulation = case.extra.get("check_accumulation", False)
-    case = dataclasses.replace(case, extra={k: v for k, v in case.extra.items() if k != "check_accumulation"})
+    max_grad_norm = case.extra.get("max_grad_norm")
+    case = dataclasses.replace(case, extra={k: v for k, v in case.extra.items()
+                                            if k not in ("check_accumulation", "max_grad_norm")})
     data = batches(case.global_batch, case.steps)
-    ref_losses, ref_params = _reference(case, data)
+    ref_losses, ref_params = _reference(case, data, max_grad_norm)
     nvme_dir = os.path.join(root, case.name.replace(" ", "_"))
     pm = parallelize(build_model(case.kind, case.num_layers), None, example_inputs=(data[0][0][:2],),
                      loss_fn=lm_loss, optimizer=adamw, global_batch=case.global_batch,
                      plan=make_case_plan(case), profile=case_profile(case.kind, case.num_layers),
-                     nvme_dir=nvme_dir)
+                     nvme_dir=nvme_dir, max_grad_norm=max_grad_norm)
     seen: list[dict[str, int]] = []
     inner = pm.optimizer.step
     nv = pm.nvme
@@ -195,7 +211,8 @@ def infinity_case(case: Case, root: str) -> dict[str, Any]:
            "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
            "param_err": max((params[k] - ref_params[k]).abs().max().item() for k in params),
            "param_files": pm.nvme.param_nbytes if pm.nvme is not None else 0,
-           "grads_in_files": seen[-1].get("grads_in_files", (0, 0))}
+           "grads_in_files": seen[-1].get("grads_in_files", (0, 0)),
+           "grad_norm": pm.last_grad_norm if max_grad_norm is not None else None}
     if check_accumulation:
         out["accumulated"] = accumulates_in_files(pm, *data[0])
     pm.close()

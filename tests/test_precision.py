@@ -159,6 +159,8 @@ NUMERICS_CASES = [
     dict(name="ZeRO-3 fp16", precision="fp16", dp=2, zero=3),
     dict(name="PP fp16", precision="fp16", pp=2, microbatches=2, schedule="1f1b"),
     dict(name="ZeRO-3 fp32", precision="fp32", dp=2, zero=3),  # fp32 layouts: test_runtime_parallel etc.
+    # ZeRO-Infinity under fp16: the scaler unscales the file-mapped gradients in place
+    dict(name="ZeRO-3 fp16 nvme", precision="fp16", dp=2, zero=3, param_tier="nvme", optimizer_tier="nvme"),
 ]
 
 LOSS_TOLERANCE = {"bf16": 2.0**-8, "fp16": 2.0**-11, "fp32": 1e-5}

@@ -45,6 +45,8 @@ CASES = [
          extra=_tiers("nvme", "nvme", prefetch_depth=2)),
     Case("nvme/nvme zero0 checkpoint", dp=2, zero=0, checkpoint=True, extra=_tiers("nvme", "nvme")),
     Case("nvme/cpu zero3", dp=2, zero=3, extra=_tiers("nvme", "cpu")),
+    # clipping scales the file-mapped gradients in place (0.05: below the norms of all 3 steps)
+    Case("nvme/nvme zero2 clipped", dp=2, zero=2, extra=_tiers("nvme", "nvme", max_grad_norm=0.05)),
     Case("gpu/nvme ddp", dp=2, zero=0, extra=_tiers("gpu", "nvme")),
     Case("cpu/nvme zero3", dp=2, zero=3, extra=_tiers("cpu", "nvme")),
     Case("cpu/cpu zero3 depth2", dp=2, zero=3, extra=_tiers("cpu", "cpu", prefetch_depth=2)),
@@ -74,6 +76,8 @@ def test_disk_and_host_tiers_match_single_process_and_memory_model(tmp_path):
                 # every gradient of a file-homed parameter is in a shared file mapping, not anonymous memory
                 total, mapped = r["grads_in_files"]
                 assert total == mapped > 0, r
+            if r["grad_norm"] is not None:  # clipping really engaged
+                assert r["grad_norm"] > 0.05, r
             if "accumulated" in r:  # a second backward adds into the same mappings, in place
                 acc = r["accumulated"]
                 assert acc["in_place"] and acc["doubled"] and acc["files"][0] == acc["files"][1] > 0, r
