@@ -125,7 +125,8 @@ def test_model_state_accounting_by_lowering_kind():
 
 HELD_CASES = [(z, None, prec) for prec in ("fp32", "bf16") for z in (0, 1, 2, 3)] + [
     (z, "cpu", prec) for prec in ("fp32", "bf16") for z in (0, 3)]
-"""The disk tier (files in two generations, staging buffers) is measured in test_runtime_infinity.py."""
+"""The disk tier (files at their peak and between steps, staging buffers) is measured in
+test_runtime_infinity.py."""
 
 
 @pytest.mark.distributed

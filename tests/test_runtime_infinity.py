@@ -158,8 +158,8 @@ def test_a_full_disk_is_a_clear_error_before_training(tmp_path):
     with pytest.raises(WhalepyError, match=r"GiB free but this rank's disk tier needs .* larger drive"):
         check_free_space(tmp_path, 1e18, user_dir=tmp_path)
     check_free_space(tmp_path, 1.0)
-    # the tier checks before it writes a byte: 1 MiB free for two generations of the first layer's
-    # AdamW states (525312 parameters x 8 bytes x 2 = 8.0 MiB)
+    # the tier checks before it writes a byte: 1 MiB free for the peak (two generations, while a step
+    # writes) of the first layer's AdamW states (525312 parameters x 8 bytes x 2 = 8.0 MiB)
     import shutil
     from collections import namedtuple
 

@@ -118,7 +118,7 @@ def disk_tier_file_bytes(generation: float, gradients: float = 0.0) -> DiskTierF
     ``S + sum_{b <= i} s_b + sum_{b > i} g_b``. A block's gradient never outweighs its generation
     (``g_b <= s_b``: its parameter shard alone is as large), so the peak is the end of the step,
     ``2 S``, or the start, ``S + G``: ``S + max(S, G)``."""
-    return DiskTierFileBytes(generation, generation + max(generation, gradients))
+    return DiskTierFileBytes(generation, generation + max((FILE_GENERATIONS - 1) * generation, gradients))
 
 
 def staging_slots(prefetch_depth: int, num_blocks: int | None = None) -> int:

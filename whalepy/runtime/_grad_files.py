@@ -45,12 +45,19 @@ class GradFiles:
         self._touched: set[int] = set()  # ... that FSDP2 has reduced into since
         self._live: dict[int, int] = {}  # id of a live mapping -> its bytes
         self._count = itertools.count()
+        self._handles: list[Any] = []
 
     def add_block(self, index: int, fsdp_params: Sequence[Any]) -> None:
         self._blocks[index] = list(fsdp_params)
         for fp in fsdp_params:
             # FSDP2 calls a sharded parameter's post-accumulate-grad hooks after it reduced into .grad
-            fp.sharded_param.register_post_accumulate_grad_hook(self._mark)
+            self._handles.append(fp.sharded_param.register_post_accumulate_grad_hook(self._mark))
+
+    def close(self) -> None:
+        """Remove the hooks (gradients attached now stay until dropped or zeroed to None)."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
 
     def _mark(self, param: torch.Tensor) -> None:
         self._touched.add(id(param))

@@ -155,6 +155,7 @@ class NvmeTier:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self.grads.close()
         if self._step is not None:
             self.optimizer.step = self._step  # type: ignore[method-assign]
             self._step = None
