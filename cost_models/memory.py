@@ -50,7 +50,10 @@ class ModelStateBytes:
     cpu: float = 0.0
     """States offloaded to host memory."""
     nvme: float = 0.0
-    """States offloaded to NVMe."""
+    """States offloaded to NVMe: the disk tier's peak file bytes, while a step writes
+    (:func:`whalepy._capabilities.disk_tier_file_bytes`)."""
+    nvme_between_steps: float = 0.0
+    """The disk tier's file bytes between steps (one generation)."""
 
     @property
     def resident(self) -> float:
@@ -110,14 +113,18 @@ def estimate_model_state_bytes(
     - Tiers: ``param_tier = optimizer_tier = cpu`` (FSDP2 ``CPUOffloadPolicy``) moves the parameter,
       gradient and optimizer shards to the host; ``optimizer_tier = nvme`` moves the optimizer part to
       files; ``param_tier = nvme`` (FSDP2 host shards homed in files) moves the parameter shards to
-      files and keeps the gradient shards on the host. ``param_tier = gpu, optimizer_tier = cpu``
+      files and its gradient shards to files too (shared mappings FSDP2 reduces into,
+      :mod:`whalepy.runtime._grad_files`). ``param_tier = gpu, optimizer_tier = cpu``
       (ZeRO-Offload, lowered to FSDP2, :mod:`whalepy.runtime.host_optimizer`): the device keeps its
       parameter shard in the compute dtype, ``b P / d``, and no gradients (each shard's gradient leaves
       for the host when FSDP2 has reduced it); the host keeps an fp32 master copy, an fp32 gradient
       buffer and the optimizer states of that shard, ``(4 + 4 + K) P / d``. Combinations
       :func:`whalepy._capabilities.state_option_error` refuses raise ValueError.
-    - Disk tier (:mod:`whalepy.runtime.nvme`): files hold ``FILE_GENERATIONS`` (2) generations of
-      what they hold; the host holds ``staging_slots(prefetch_depth, num_blocks)`` staging buffers
+    - Disk tier (:mod:`whalepy.runtime.nvme`): with S the bytes of one generation of the parameter and
+      state files and G the gradient files (``4 P / d`` for nvme parameters, else 0), ``nvme`` is the
+      peak ``S + max(S, G)`` (= ``2 S``: old and new generation at the end of a step) and
+      ``nvme_between_steps`` is ``S`` (:func:`whalepy._capabilities.disk_tier_file_bytes`); the host
+      holds ``staging_slots(prefetch_depth, num_blocks)`` staging buffers
       (``num_blocks``: the stage's blocks on the disk tier, when known), each the
       file-homed bytes of the largest block (``largest_block_params`` local parameters before the dp
       split: ``4`` bytes each for nvme parameters plus ``K`` for nvme optimizer states, divided by d
@@ -153,24 +160,25 @@ def estimate_model_state_bytes(
         params, grads = MASTER_PARAM_BYTES * psi, MASTER_GRAD_BYTES * psi
         optimizer = k * psi / d if kind is LoweringKind.ZERO1 else k * psi
         working = low * psi if low < MASTER_PARAM_BYTES else 0.0  # autocast's cast copies
-    cpu = nvme = 0.0
+    cpu = nvme = file_grads = 0.0
     if steps_on_host(param_tier, optimizer_tier):
         # the device shard stays, in the compute dtype; its fp32 master copy, gradient and optimizer
         # states are on the host
         return ModelStateBytes(params=min(low, MASTER_PARAM_BYTES) * psi / d, grads=0.0, optimizer=0.0,
                                working_params=working, cpu=MASTER_PARAM_BYTES * psi / d + grads + optimizer)
-    if param_tier is Tier.NVME:
-        nvme, cpu, params, grads = params, grads, 0.0, 0.0
+    if param_tier is Tier.NVME:  # parameter and gradient shards in files
+        nvme, file_grads, params, grads = params, grads, 0.0, 0.0
     elif uses_cpu_offload_policy(param_tier, optimizer_tier):
         cpu, params, grads = params + grads, 0.0, 0.0
     if optimizer_tier is Tier.CPU:
         cpu, optimizer = cpu + optimizer, 0.0
     elif optimizer_tier is Tier.NVME:
         nvme, optimizer = nvme + optimizer, 0.0
+    rest = 0.0
     if nvme:
-        from whalepy._capabilities import FILE_GENERATIONS, staging_slots
+        from whalepy._capabilities import disk_tier_file_bytes, staging_slots
 
-        nvme *= FILE_GENERATIONS
+        rest, nvme = disk_tier_file_bytes(nvme, file_grads)
         share = largest_block_params if kind is LoweringKind.DDP else largest_block_params / d
         slot = ((MASTER_PARAM_BYTES if param_tier is Tier.NVME else 0.0)
                 + (k if optimizer_tier is Tier.NVME else 0.0)) * share
@@ -178,7 +186,7 @@ def estimate_model_state_bytes(
         if param_tier is Tier.GPU:  # the step copies the stepped block's states to the device
             working += k * share
     return ModelStateBytes(params=params, grads=grads, optimizer=optimizer, working_params=working,
-                           cpu=cpu, nvme=nvme)
+                           cpu=cpu, nvme=nvme, nvme_between_steps=rest)
 
 
 def estimate_zero_paper_model_state_bytes(

@@ -17,7 +17,8 @@ shards, and on the host what :meth:`~whalepy.runtime.host_optimizer.HostOptimize
 masters, gradient buffers, optimizer states).
 
 Each storage is counted once. Where it lives: "files" when it is an NVMe-tier mapping of
-:class:`~whalepy.runtime.nvme.NvmeOptimizerStates`; "host" when it belongs to a parameter FSDP2
+:class:`~whalepy.runtime.nvme.NvmeOptimizerStates` (or a gradient file of an nvme parameter,
+:mod:`whalepy.runtime._grad_files`); "host" when it belongs to a parameter FSDP2
 offloads (``CPUOffloadPolicy``: its parameter, gradient and optimizer states), or is a CPU tensor of
 a run whose compute device is not the CPU; "device" otherwise. On these CPU runs device and host are
 the same memory, so the host / device split is read from FSDP2's own record of what it offloaded.
@@ -100,8 +101,8 @@ def measure_held(pm: Any) -> dict[str, dict[str, int]]:
 
     for p in params:
         add("params", p, p)
-        if p.grad is not None:
-            add("grads", p.grad, p)
+        if p.grad is not None:  # the disk tier's gradient files (nvme parameters) are files
+            add("grads", p.grad, p, mapped=pm.nvme is not None and pm.nvme.grads.is_file_grad(p))
     for p in params:
         for v in (opt.state.get(p, {}).values() if opt is not None else ()):
             if isinstance(v, torch.Tensor) and v.dim() > 0:

@@ -99,7 +99,8 @@ def test_model_state_accounting_by_lowering_kind():
     cpu = estimate_model_state_bytes(num_params=p, zero_stage=3, dp_degree=d, param_tier="cpu", optimizer_tier="cpu")
     assert (cpu.resident, cpu.cpu) == (0.0, 16 * p / d)
     nvme = estimate_model_state_bytes(num_params=p, zero_stage=0, dp_degree=d, optimizer_tier="nvme")
-    assert (nvme.resident, nvme.nvme, nvme.cpu) == (8 * p, 2 * 8 * p, 0.0)  # two file generations
+    # two file generations while a step writes, one between steps
+    assert (nvme.resident, nvme.nvme, nvme.nvme_between_steps, nvme.cpu) == (8 * p, 2 * 8 * p, 8 * p, 0.0)
     # staging: prefetch_depth + 2 buffers of the largest block's file-homed bytes (DDP: whole tensors)
     staged = estimate_model_state_bytes(num_params=p, zero_stage=0, dp_degree=d, optimizer_tier="nvme", precision="fp32",
                                         largest_block_params=p / 10, prefetch_depth=2)
@@ -107,7 +108,15 @@ def test_model_state_accounting_by_lowering_kind():
     assert staged.working_params == 8 * p / 10  # the stepped block's states copied to the device
     inf = estimate_model_state_bytes(num_params=p, zero_stage=3, dp_degree=d, param_tier="nvme",
                                      optimizer_tier="nvme", largest_block_params=p / 10)
-    assert (inf.resident, inf.nvme, inf.cpu) == (0.0, 2 * 12 * p / d, 4 * p / d + 3 * 12 * p / 10 / d)
+    # gradients in files too (4 p / d <= one generation, 12 p / d: the peak stays two generations);
+    # the host keeps only the staging buffers
+    assert (inf.resident, inf.nvme, inf.nvme_between_steps, inf.cpu) == (0.0, 2 * 12 * p / d, 12 * p / d,
+                                                                         3 * 12 * p / 10 / d)
+    # parameters in files, states on the host: S = G = 4 p / d, peak S + max(S, G) = 8 p / d
+    inf_cpu = estimate_model_state_bytes(num_params=p, zero_stage=3, dp_degree=d, param_tier="nvme",
+                                         optimizer_tier="cpu", largest_block_params=p / 10)
+    assert (inf_cpu.nvme, inf_cpu.nvme_between_steps, inf_cpu.cpu) == (8 * p / d, 4 * p / d,
+                                                                       8 * p / d + 3 * 4 * p / 10 / d)
     with pytest.raises(ValueError, match="CPUOffloadPolicy"):
         estimate_model_state_bytes(num_params=p, zero_stage=2, dp_degree=d, param_tier="cpu")
 
@@ -116,7 +125,8 @@ def test_model_state_accounting_by_lowering_kind():
 
 HELD_CASES = [(z, None, prec) for prec in ("fp32", "bf16") for z in (0, 1, 2, 3)] + [
     (z, "cpu", prec) for prec in ("fp32", "bf16") for z in (0, 3)]
-"""The disk tier (files in two generations, staging buffers) is measured in test_runtime_infinity.py."""
+"""The disk tier (files at their peak and between steps, staging buffers) is measured in
+test_runtime_infinity.py."""
 
 
 @pytest.mark.distributed
@@ -150,6 +160,8 @@ NUMERICS_CASES = [
     dict(name="ZeRO-3 fp16", precision="fp16", dp=2, zero=3),
     dict(name="PP fp16", precision="fp16", pp=2, microbatches=2, schedule="1f1b"),
     dict(name="ZeRO-3 fp32", precision="fp32", dp=2, zero=3),  # fp32 layouts: test_runtime_parallel etc.
+    # ZeRO-Infinity under fp16: the scaler unscales the file-mapped gradients in place
+    dict(name="ZeRO-3 fp16 nvme", precision="fp16", dp=2, zero=3, param_tier="nvme", optimizer_tier="nvme"),
 ]
 
 LOSS_TOLERANCE = {"bf16": 2.0**-8, "fp16": 2.0**-11, "fp32": 1e-5}

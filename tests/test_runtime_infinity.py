@@ -4,7 +4,8 @@ Every lowered (param_tier, optimizer_tier) pair with a file or host tier, under 
 composes with, trains 3 AdamW steps and must match the single-process run (losses 1e-5 relative,
 parameters 1e-5 absolute: fp32, the same arithmetic in another order), and hold on device, host and in
 files exactly what :func:`estimate_model_state_bytes` predicts for the rank (within 1%; FSDP2 pads
-shards and the staging slots align tensors to 64 bytes). All cases run in one launch (workers:
+shards and the staging slots and gradient files align tensors to 64 bytes): files at their peak in
+the step and between steps (one generation), gradients of file-homed parameters in file mappings. All cases run in one launch (workers:
 ``infinity_cases.py``). Durability: a process killed in the middle of writing a step leaves the last
 committed step loadable and no torn file.
 """
@@ -38,12 +39,14 @@ def _tiers(p: str, o: str, **kw: object) -> dict:
 
 
 CASES = [
-    Case("nvme/nvme zero3", dp=2, zero=3, extra=_tiers("nvme", "nvme")),
+    Case("nvme/nvme zero3", dp=2, zero=3, extra=_tiers("nvme", "nvme", check_accumulation=True)),
     # 4 layers: 6 blocks, more than the 4 staging buffers of depth 2 (evictions)
     Case("nvme/nvme zero2 depth2 2mb", dp=2, zero=2, microbatches=2, num_layers=4,
          extra=_tiers("nvme", "nvme", prefetch_depth=2)),
     Case("nvme/nvme zero0 checkpoint", dp=2, zero=0, checkpoint=True, extra=_tiers("nvme", "nvme")),
     Case("nvme/cpu zero3", dp=2, zero=3, extra=_tiers("nvme", "cpu")),
+    # clipping scales the file-mapped gradients in place (0.05: below the norms of all 3 steps)
+    Case("nvme/nvme zero2 clipped", dp=2, zero=2, extra=_tiers("nvme", "nvme", max_grad_norm=0.05)),
     Case("gpu/nvme ddp", dp=2, zero=0, extra=_tiers("gpu", "nvme")),
     Case("cpu/nvme zero3", dp=2, zero=3, extra=_tiers("cpu", "nvme")),
     Case("cpu/cpu zero3 depth2", dp=2, zero=3, extra=_tiers("cpu", "cpu", prefetch_depth=2)),
@@ -70,6 +73,14 @@ def test_disk_and_host_tiers_match_single_process_and_memory_model(tmp_path):
             assert r["removed"], r  # close() removed the rank's directory
             if r["name"].startswith("nvme/"):
                 assert r["kind"] == "fsdp2" and r["param_files"] > 0 and r["held"]["files"] > 0, r
+                # every gradient of a file-homed parameter is in a shared file mapping, not anonymous memory
+                total, mapped = r["grads_in_files"]
+                assert total == mapped > 0, r
+            if r["grad_norm"] is not None:  # clipping really engaged
+                assert r["grad_norm"] > 0.05, r
+            if "accumulated" in r:  # a second backward adds into the same mappings, in place
+                acc = r["accumulated"]
+                assert acc["in_place"] and acc["doubled"] and acc["files"][0] == acc["files"][1] > 0, r
     assert len(per_rank[0]) == len(CASES)
 
 
@@ -117,8 +128,12 @@ def test_a_crash_mid_write_resumes_from_the_last_committed_step(tmp_path):
         for b in tier.engine.blocks:
             for it in b.items:
                 assert sizes[f"b{b.index:04d}.{it.name}.g{b.parity}.bin"] == it.nbytes
-        # and training goes on from there
+        # and training goes on from there; the restart's commit removes any newer, uncommitted
+        # generation the killed process left: one generation at rest
         tier.install()
+        tier.engine.drain()
+        assert {f.name for f in directory.glob("*.bin")} == {
+            f"b{b.index:04d}.{it.name}.g{b.parity}.bin" for b in tier.engine.blocks for it in b.items}
         model(torch.randn(8, 512)).square().mean().backward()
         opt.step()
         tier.close()
@@ -143,8 +158,8 @@ def test_a_full_disk_is_a_clear_error_before_training(tmp_path):
     with pytest.raises(WhalepyError, match=r"GiB free but this rank's disk tier needs .* larger drive"):
         check_free_space(tmp_path, 1e18, user_dir=tmp_path)
     check_free_space(tmp_path, 1.0)
-    # the tier checks before it writes a byte: 1 MiB free for two generations of the first layer's
-    # AdamW states (525312 parameters x 8 bytes x 2 = 8.0 MiB)
+    # the tier checks before it writes a byte: 1 MiB free for the peak (two generations, while a step
+    # writes) of the first layer's AdamW states (525312 parameters x 8 bytes x 2 = 8.0 MiB)
     import shutil
     from collections import namedtuple
 

@@ -3,8 +3,9 @@
 The 2-rank cases train with every block's ``optimizer_tier = nvme`` (DDP, ZeRO-1, ZeRO-3 over
 FSDP2, and a ZeRO-3 -> ZeRO-2 checkpoint resume) and must match the single-process run like the
 other runtime cases (losses 1e-5 relative, parameters 1e-5 absolute); each rank's state files must
-hold exactly two generations of its optimizer states (bytes of its local ``exp_avg`` / ``exp_avg_sq``)
-and the states must be tensors over those files.
+hold exactly one generation of its optimizer states between steps (bytes of its local ``exp_avg`` /
+``exp_avg_sq``: the generation a committed manifest superseded is removed) and the states must be
+tensors over those files.
 """
 
 from __future__ import annotations
@@ -65,15 +66,15 @@ def test_states_live_in_files_and_step_is_exact(tmp_path):
     offloaded = list(model[2].parameters())  # one "block" on the nvme tier, the other in memory
     nv = NvmeOptimizerStates(opt, offloaded, prepare_nvme_dir(tmp_path / "nvme"))
     assert _train(model, opt, 3) == _train(ref, ref_opt, 3)
-    nv.engine.flush()
+    nv.engine.flush()  # the last manifest and the removal of the generation it superseded
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         assert torch.equal(p, q)
     files = nv.files()
     expected = sum(2 * p.numel() * p.element_size() for p in offloaded)  # exp_avg + exp_avg_sq
     assert expected == nv.nbytes
-    # two generations of every state file (the last step's and the one before)
-    assert len(files) == 2 * 2 * len(offloaded)
-    assert sum(f.stat().st_size for f in files) == 2 * expected
+    # one generation of every state file between steps (the last committed step's)
+    assert len(files) == 2 * len(offloaded)
+    assert sum(f.stat().st_size for f in files) == expected
     manifest = nv.engine.last_manifest(nv.directory)
     assert manifest["step"] == 4  # generation 0 at install, then three steps
     parity = manifest["blocks"][0]["parity"]
@@ -108,7 +109,7 @@ def test_state_dict_round_trip_goes_back_to_files(tmp_path):
     for p, q in zip(model2.parameters(), ref.parameters(), strict=True):
         assert torch.equal(p, q)
     nv2.engine.flush()
-    assert sum(f.stat().st_size for f in nv2.files()) == 2 * nv2.nbytes > 0
+    assert sum(f.stat().st_size for f in nv2.files()) == nv2.nbytes > 0
     assert nv.files()  # the first optimizer's files are untouched by the second
 
 
@@ -137,7 +138,7 @@ def _nvme_case(case: Case, root: str) -> dict:
     losses = [pm.train_step(x, y).item() for x, y in data]
     params = full_params(pm)
     nv = pm.nvme
-    nv.engine.settle(wait=True)  # the last step's write-backs: states back on their files
+    nv.engine.flush()  # the last step's write-backs and manifest: states back on their files
     holder = nv.optimizer  # under ZeRO-1 the per-rank optimizer inside ZeroRedundancyOptimizer
     local = [p for g in holder.param_groups for p in g["params"]]
     expected = sum(2 * (p._local_tensor if hasattr(p, "_local_tensor") else p).nbytes for p in local)
@@ -193,9 +194,9 @@ def test_two_ranks_nvme_optimizer_tier(tmp_path):
                 continue
             kinds[r["name"]] = r["dp_kind"]
             assert r["in_dir"] and r["all_mapped"], r
-            # two generations of every state file
-            assert r["num_files"] == 2 * r["num_states"] > 0, r
-            assert r["file_bytes"] == 2 * r["expected_bytes"] > 0, r
+            # one generation of every state file between steps
+            assert r["num_files"] == r["num_states"] > 0, r
+            assert r["file_bytes"] == r["expected_bytes"] > 0, r
             assert r.get("state_dict_ok", True), r
     # optimizer_tier = nvme alone does not force FSDP2: ZeRO-0/1 stay DDP (+ ZeroRedundancyOptimizer)
     assert kinds["gpt dp2 zero0 (ddp) nvme"] == "ddp"
@@ -207,9 +208,9 @@ def test_two_ranks_nvme_optimizer_tier(tmp_path):
     for per_rank in results:
         for r in per_rank:
             by_name.setdefault(r["name"], []).append(r.get("file_bytes"))
-    assert by_name["gpt dp2 zero0 (ddp) nvme"] == [2 * full, 2 * full]
-    assert sum(by_name["gpt dp2 zero1 nvme"]) == 2 * full
-    assert sum(by_name["gpt dp2 zero3 nvme 2 micro-batches"]) == 2 * full
+    assert by_name["gpt dp2 zero0 (ddp) nvme"] == [full, full]
+    assert sum(by_name["gpt dp2 zero1 nvme"]) == full
+    assert sum(by_name["gpt dp2 zero3 nvme 2 micro-batches"]) == full
 
 
 def test_reads_of_the_next_block_overlap_the_step(tmp_path, monkeypatch):

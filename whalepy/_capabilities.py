@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from whalepy._errors import PlanError
 from whalepy.cost_models.compute import Precision
@@ -36,6 +37,7 @@ from whalepy.cost_models.devices import DeviceType
 from whalepy.plan import Schedule, Tier, ZeroStage
 
 __all__ = [
+    "DiskTierFileBytes",
     "FILE_GENERATIONS",
     "reduce_every_microbatch_error",
     "tiling_error",
@@ -48,6 +50,7 @@ __all__ = [
     "resolve_precision",
     "schedule_error",
     "sequence_parallel_error",
+    "disk_tier_file_bytes",
     "staging_slots",
     "state_option_error",
     "steps_on_host",
@@ -93,8 +96,31 @@ def offloads_to_host(param_tier: Tier | str, optimizer_tier: Tier | str) -> bool
 
 
 FILE_GENERATIONS = 2
-"""Generations of every disk-tier file: the last committed step's and the one being written
-(:mod:`whalepy.runtime._durable`), so a crash mid-write leaves the committed one whole."""
+"""Generations of the disk tier's parameter / state files while a step writes: the last committed
+step's and the one being written (:mod:`whalepy.runtime._durable`), so a crash mid-write leaves the
+committed one whole. Between steps only the committed one is kept (:func:`disk_tier_file_bytes`)."""
+
+
+class DiskTierFileBytes(NamedTuple):
+    """A rank's disk-tier file bytes: ``at_rest`` between steps, ``peak`` while a step writes."""
+
+    at_rest: float
+    peak: float
+
+
+def disk_tier_file_bytes(generation: float, gradients: float = 0.0) -> DiskTierFileBytes:
+    """File bytes of a rank's disk tier (:mod:`whalepy.runtime.nvme`), from ``generation`` (S: one
+    generation of its parameter and optimizer-state files) and ``gradients`` (G: its file-homed
+    gradient shards, blocks with ``param_tier = nvme``).
+
+    Between steps the disk holds S (the superseded generation is removed once the next manifest is
+    durable). Backward adds the gradient files: S + G when the step starts. The step then, block by
+    block, drops the block's gradients (g_b) and writes its next generation (s_b); the old generation
+    stays until the manifest commits, so after block i the files hold
+    ``S + sum_{b <= i} s_b + sum_{b > i} g_b``. A block's gradient never outweighs its generation
+    (``g_b <= s_b``: its parameter shard alone is as large), so the peak is the end of the step,
+    ``2 S``, or the start, ``S + G``: ``S + max(S, G)``."""
+    return DiskTierFileBytes(generation, generation + max((FILE_GENERATIONS - 1) * generation, gradients))
 
 
 def staging_slots(prefetch_depth: int, num_blocks: int | None = None) -> int:

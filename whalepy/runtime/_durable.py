@@ -6,7 +6,9 @@ in the same directory, are ``fsync``-ed, and the temporary file is renamed over 
 survives a crash. A reader therefore sees either the old complete file or the new complete file, never
 a torn one. What makes a whole *step* durable is the manifest (:func:`write_manifest`): the swap engine
 writes a step's files under the other generation's names and only then replaces ``manifest.json``, so
-after a crash the manifest names a complete set of files (docs/runtime.md, "Disk tier").
+after a crash the manifest names a complete set of files; once it is durable the superseded
+generation is removed (:func:`remove_files`), so between steps the disk holds one generation
+(docs/runtime.md, "Disk tier").
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 from whalepy._errors import WhalepyError
 
 __all__ = ["MANIFEST", "TMP_SUFFIX", "atomic_write", "check_free_space", "prepare_dir", "read_manifest",
-           "remove_temporaries", "write_manifest"]
+           "remove_files", "remove_temporaries", "write_manifest"]
 
 MANIFEST = "manifest.json"
 TMP_SUFFIX = ".tmp"
@@ -65,6 +67,15 @@ def read_manifest(directory: Path) -> dict[str, Any] | None:
         return None
 
 
+def remove_files(directory: Path, paths: list[Path], *, fsync: bool = True) -> None:
+    """Remove ``paths`` (missing ones are fine): the generation a durable manifest superseded. The
+    directory is ``fsync``-ed after, so a crash cannot bring them back."""
+    for p in paths:
+        p.unlink(missing_ok=True)
+    if fsync and paths:
+        _fsync_dir(directory)
+
+
 def remove_temporaries(directory: Path) -> int:
     """Delete leftover temporary files of writes a crash interrupted; how many there were."""
     n = 0
@@ -102,5 +113,5 @@ def check_free_space(directory: Path, needed: float, *, user_dir: str | os.PathL
         shown = os.fspath(user_dir) if user_dir is not None else os.fspath(directory)
         raise WhalepyError(
             f"nvme_dir {shown!r} has {free / 2**30:.2f} GiB free but this rank's disk tier needs "
-            f"{needed / 2**30:.2f} GiB (two generations of its files); free space there or pass "
+            f"{needed / 2**30:.2f} GiB (its files at their peak, while a step writes); free space there or pass "
             "parallelize(..., nvme_dir=...) a larger drive")

@@ -20,7 +20,8 @@ file. A *block* (a plan block) owns items and one staging slot at most:
   new mappings and the slot is freed (:meth:`SwapEngine.settle`).
 
 :meth:`SwapEngine.commit` queues the manifest after a step's writes (one thread: in order), so the
-manifest always names a complete generation. The pool holds ``prefetch_depth + 2`` slots (the block in
+manifest always names a complete generation, and after the manifest the removal of the generation it
+supersedes: one generation at rest, two only while a step writes. The pool holds ``prefetch_depth + 2`` slots (the block in
 use, ``prefetch_depth`` ahead, one being written back), each the size of the largest block's items:
 that is the staging memory :func:`whalepy.cost_models.memory.estimate_model_state_bytes` charges.
 """
@@ -38,7 +39,7 @@ from typing import Any
 import torch
 
 from whalepy._capabilities import staging_slots
-from whalepy.runtime._durable import atomic_write, read_manifest, remove_temporaries, write_manifest
+from whalepy.runtime._durable import atomic_write, read_manifest, remove_files, remove_temporaries, write_manifest
 
 __all__ = ["Item", "SwapEngine", "View"]
 
@@ -179,6 +180,7 @@ class SwapEngine:
 
     @property
     def file_bytes(self) -> int:
+        """Bytes of the named files (parameters and states; gradient files are unlinked once mapped)."""
         return sum(p.stat().st_size for p in self.directory.glob("*.bin"))
 
     def _take_slot(self, protect: set[int]) -> torch.Tensor | None:
@@ -372,7 +374,9 @@ class SwapEngine:
         self._give_back(block)
 
     def commit(self) -> None:
-        """Queue the manifest of this step after its writes: the commit point of the generation."""
+        """Queue the manifest of this step after its writes (the commit point of the generation), then
+        the removal of the generation it supersedes: once the manifest is durable the files of the
+        other parity are no longer named by it (one generation at rest, two only while a step writes)."""
         self.step_count += 1
         content = {"step": self.step_count, "extra": self.extra,
                    "blocks": [{"name": b.name, "parity": b.parity,
@@ -380,10 +384,16 @@ class SwapEngine:
                                                   list(it.views[0].stride)] for it in b.items}}
                               for b in self.blocks]}
         self._io.submit(write_manifest, self.directory, content, fsync=self.fsync)
+        stale = [self._file(b, it, 1 - b.parity) for b in self.blocks for it in b.items]
+        self._io.submit(remove_files, self.directory, stale, fsync=self.fsync)
+
+    def drain(self) -> None:
+        """Wait for every queued read, write, manifest and removal (the I/O thread runs them in order)."""
+        self._io.submit(lambda: None).result()
 
     def flush(self) -> None:
         """Wait for every queued read and write, settle, and give every slot back."""
-        self._io.submit(lambda: None).result()
+        self.drain()
         self.settle(wait=True)
         for b in self.blocks:
             self.release(b.index)

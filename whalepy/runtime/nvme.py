@@ -15,15 +15,23 @@ PyTorch has no disk tier, so whalepy adds one around FSDP2 and the user's optimi
   stage block ``i`` and read the next ``prefetch_depth`` blocks in the direction of travel, so FSDP2's
   all-gather of block ``i`` copies from a staging slot while the I/O thread reads the blocks after it;
   FSDP2's own prefetching (:func:`whalepy.runtime.data_parallel.set_prefetch`) moves the next block to
-  the device. The updated shards are written back with the states after the step.
+  the device. The updated shards are written back with the states after the step. Their gradient
+  shards live in files too (:mod:`whalepy.runtime._grad_files`): before the block's backward each
+  parameter gets a ``.grad`` over a shared mapping of a fresh sparse file, which FSDP2's post-backward
+  adds the reduced shard into; after the block's optimizer step they are dropped (the parameters'
+  ``.grad`` is None again, as after ``zero_grad(set_to_none=True)``), before its new generation is
+  written.
 
 Between steps every file-homed tensor is a view of a private (read-only use) mapping of its current
 file, so ``optimizer.state_dict()``, ``get_state_dict`` and DCP read it like any other tensor
 (checkpoints are unchanged). After ``optimizer.load_state_dict`` (fresh tensors), or any write into
 these tensors in place outside a step (``pm.load`` and ``pm.load_state_dict`` do it themselves), call
 :meth:`NvmeTier.offload`: a private mapping does not carry such writes to the file. Scalar states (AdamW's ``step``) stay in memory and are
-recorded in the manifest. Files are written atomically in two generations with a manifest as commit
-point (docs/runtime.md, "Disk tier"); the directory is removed at exit unless ``keep``.
+recorded in the manifest. Files are written atomically under the other generation's names with a
+manifest as commit point; once the manifest is durable the superseded generation is removed, so the
+disk holds one generation between steps and two only while a step writes (docs/runtime.md, "Disk
+tier"; the peak: :func:`whalepy._capabilities.disk_tier_file_bytes`). The directory is removed at exit
+unless ``keep``.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from whalepy.runtime._durable import prepare_dir
+from whalepy.runtime._grad_files import GradFiles
 from whalepy.runtime._swap import Item, SwapEngine, View
 
 __all__ = ["NvmeOptimizerStates", "NvmeTier", "build_nvme_tier", "default_nvme_dir", "prepare_nvme_dir"]
@@ -99,6 +108,7 @@ class NvmeTier:
         self.optimizer = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
         self.directory = Path(directory)
         self.engine = SwapEngine(self.directory, prefetch_depth=prefetch_depth, pin=pin, fsync=fsync, keep=keep)
+        self.grads = GradFiles(self.directory)
         self._params: list[list[nn.Parameter]] = []  # per block, the optimizer's parameters
         self._states: list[bool] = []
         self._param_blocks: list[int] = []  # blocks with file-homed parameters, in model order
@@ -124,6 +134,7 @@ class NvmeTier:
             self.engine.add_item(i, Item(f"p{k}", flat.dtype, flat.numel(), views), write=write)
         if fsdp_params:
             self._param_blocks.append(i)
+            self.grads.add_block(i, fsdp_params)
             for m in modules:
                 self._handles.append(m.register_forward_pre_hook(self._pre_forward(i), prepend=True))
                 self._handles.append(m.register_forward_hook(self._post_forward(i), prepend=True))
@@ -144,6 +155,7 @@ class NvmeTier:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self.grads.close()
         if self._step is not None:
             self.optimizer.step = self._step  # type: ignore[method-assign]
             self._step = None
@@ -170,6 +182,7 @@ class NvmeTier:
     def _post_forward(self, i: int) -> Any:
         def on_grad(grad: torch.Tensor) -> None:
             self._use(i, forward=False)
+            self.grads.attach(i)  # before FSDP2's post-backward reduces into the block's gradients
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if not torch.is_grad_enabled():
@@ -193,6 +206,7 @@ class NvmeTier:
         if closure is not None:  # evaluated once, not once per block
             with torch.enable_grad():
                 loss = closure()
+        self.grads.discard_untouched()
         try:
             for g, ps in zip(groups, full, strict=True):
                 g["params"] = [p for p in ps if id(p) not in tiered]
@@ -211,6 +225,7 @@ class NvmeTier:
                 for g, ps in zip(groups, full, strict=True):
                     g["params"] = [p for p in ps if id(p) in mine]
                 self._step()
+                self.grads.drop(i)  # before the block's new generation is written: the disk peak
                 self._adopt(i)
                 eng.release(i, dirty=True)
         finally:
@@ -291,7 +306,8 @@ class NvmeTier:
     # -- inspection ---------------------------------------------------------------------------------
 
     def files(self) -> list[Path]:
-        """The files of the tier (both generations)."""
+        """The named files of the tier: one generation between steps, two while a step writes (the
+        gradient files are unlinked once mapped: :attr:`GradFiles.nbytes`)."""
         return sorted(self.directory.glob("*.bin"))
 
     @property
@@ -305,7 +321,8 @@ class NvmeTier:
         return sum(it.nbytes for b in self.engine.blocks for it in b.items if it.kind == "param")
 
     def is_mapped(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` (a DTensor's local tensor) is a view of one of the file mappings."""
+        """Whether ``t`` (a DTensor's local tensor) is a view of one of the parameter / state file
+        mappings (gradients: :meth:`GradFiles.is_file_grad`)."""
         ptr = _local(t).untyped_storage().data_ptr()
         return any(it.mapped is not None and it.mapped.untyped_storage().data_ptr() == ptr
                    for b in self.engine.blocks for it in b.items)
@@ -327,8 +344,8 @@ def build_nvme_tier(optimizer: torch.optim.Optimizer, blocks: Sequence[tuple[Any
     order, after FSDP2 and materialisation): checks the directory and its free space before anything
     is written, homes the blocks' parameter shards (``param_tier = nvme``) and optimizer states
     (``optimizer_tier = nvme``) in files and, with ``keep``, resumes the last committed step there."""
-    from whalepy._capabilities import FILE_GENERATIONS
-    from whalepy.cost_models.memory import ADAM_STATE_BYTES_PER_PARAM, MASTER_PARAM_BYTES
+    from whalepy._capabilities import disk_tier_file_bytes
+    from whalepy.cost_models.memory import ADAM_STATE_BYTES_PER_PARAM, MASTER_GRAD_BYTES, MASTER_PARAM_BYTES
     from whalepy.plan import Tier
     from whalepy.runtime._durable import check_free_space
     from whalepy.runtime.data_parallel import fsdp_units
@@ -336,7 +353,7 @@ def build_nvme_tier(optimizer: torch.optim.Optimizer, blocks: Sequence[tuple[Any
     directory = prepare_nvme_dir(default_nvme_dir(nvme_dir, rank, stable=keep), user_dir=nvme_dir, keep=keep)
     seen: set[int] = set()
     layout = []
-    need = 0.0
+    need = grads = 0.0
     for bp, root, mods in blocks:
         params = [p for m in mods for p in m.parameters() if id(p) not in seen]
         seen |= {id(p) for p in params}
@@ -346,8 +363,10 @@ def build_nvme_tier(optimizer: torch.optim.Optimizer, blocks: Sequence[tuple[Any
         per_param = ((MASTER_PARAM_BYTES if fsdp_params else 0)
                      + (ADAM_STATE_BYTES_PER_PARAM if bp.optimizer_tier is Tier.NVME else 0))
         need += per_param * sum(_local(p).numel() for p in params)
+        grads += MASTER_GRAD_BYTES * sum(fp.sharded_size.numel() for fp in fsdp_params)
         layout.append((bp, params, fsdp_params, units))
-    check_free_space(directory, max(FILE_GENERATIONS * need, planned_file_bytes), user_dir=nvme_dir)
+    peak = disk_tier_file_bytes(need, grads).peak
+    check_free_space(directory, max(peak, planned_file_bytes), user_dir=nvme_dir)
     depth = max((bp.prefetch_depth for bp, _, fps, _ in layout if fps), default=1)
     tier = NvmeTier(optimizer, directory, prefetch_depth=depth, pin=pin, keep=keep)
     resuming = keep and (tier.engine.last_manifest(directory) or {}).get("step", 0) >= 1
