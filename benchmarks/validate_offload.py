@@ -8,8 +8,8 @@ of the tightest resource: for a success, of the plan found (device memory per GP
 NVMe per node); for a failure, how far the leanest configuration in the allowed tiers (ZeRO-3 over
 every GPU, every block checkpointed, one sample per micro-batch) is from fitting.
 
-A success that needs a tier pair the runtime does not lower yet (``state_option_error``, helpers offrt
-and offinf of issue 10) is reported as ``PENDING`` with the reason, not as a pass.
+A success that needs a tier pair the runtime does not lower (``state_option_error``) is reported as
+``PENDING`` with the reason, not as a pass.
 
     python benchmarks/validate_offload.py          # the table of docs/cost_model.md, "Offload"
 """
@@ -218,10 +218,11 @@ def run_case(case: Case) -> Row:
         worst[name] = min(x, worst.get(name, x))
     binding = ", ".join(f"{name} {100 * x:+.0f}%" for name, x in worst.items())
     tiers = sorted({f"{b.param_tier.value}/{b.optimizer_tier.value}" for s in plan.stages for b in s.blocks})
+    tiles = max(b.tiles for s in plan.stages for b in s.blocks)
     s0 = plan.stages[0]
     return Row(case, params, True, m, binding,
                f"pp={plan.pp_degree} dp={plan.dp_degree} tp={s0.tp_degree} ZeRO-{int(s0.zero_stage)} "
-               f"tiers(param/opt) {','.join(tiers)}")
+               f"tiers(param/opt) {','.join(tiers)}" + (f" tiles={tiles}" if tiles > 1 else ""))
 
 
 def table(rows: list[Row]) -> str:

@@ -118,7 +118,8 @@ def test_state_options_follow_the_capability() -> None:
     assert zero_offload not in clipped and new - {zero_offload} <= clipped
 
 
-@pytest.mark.parametrize("seed", [4, 12, 18])  # seeds whose plan offloads (checked below)
+@pytest.mark.parametrize("seed", [4, 12, 16])  # seeds whose plan offloads (checked below; 18 did until
+# reducing every micro-batch on the device beat offloading it)
 def test_ilp_matches_exhaustive_with_every_tier(monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
     """The ILP's offload rows (fetches, ZeRO-Offload's overlap with backward, host and NVMe capacity)
     cost what the evaluation costs: on small generated instances with every tier open and host memory

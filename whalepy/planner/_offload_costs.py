@@ -63,15 +63,20 @@ def offload_coefficients(ctx: CostContext, cand: Candidate, g: GroupView, allowe
         if rates is None or (o.param_tier is Tier.GPU and o.optimizer_tier is Tier.GPU):
             opt[o] = gpu_step * share
             continue
-        nvme_bytes = _states(ctx, cand, o).nvme  # per local parameter, already a shard
+        # per local parameter, already a shard: what one generation holds, read and written once a step
+        # (``nvme`` is the peak while a step writes: two generations)
+        nvme_bytes = _states(ctx, cand, o).nvme_between_steps
         if o.param_tier is Tier.GPU and o.optimizer_tier is Tier.CPU:
             traffic = zero_offload_step(rates, grad_bytes=low, param_bytes=low)
             opt[o], overlap[o] = traffic.serial * share, traffic.overlap * share
         elif o.param_tier is Tier.GPU:  # optimizer states in files, stepped on the device
             opt[o] = gpu_step * share + device_step_nvme(rates, state_bytes=nvme_bytes).serial
         else:  # parameters off the device: stepped on the host (FSDP2 CPUOffloadPolicy)
+            # nvme parameters: their gradient shards live in files too (runtime/_grad_files.py),
+            # written as FSDP2 reduces them and read back by the step
+            grad_files = MASTER_GRAD_BYTES * share if o.param_tier is Tier.NVME else 0.0
             opt[o] = (host_step(rates, grad_bytes=MASTER_GRAD_BYTES).serial * share
-                      + nvme_io(rates, nvme_bytes))
+                      + nvme_io(rates, nvme_bytes) + nvme_io(rates, grad_files))
             passes = 2 if o.zero is ZeroStage.PARAMETERS else 1  # re-gathered for backward under ZeRO-3
             fetch[o] = passes * MASTER_PARAM_BYTES * share * fetch_seconds_per_byte(
                 rates, from_nvme=o.param_tier is Tier.NVME)
