@@ -73,6 +73,7 @@ from whalepy.runtime.host_optimizer import HostOptimizer
 from whalepy.runtime.nvme import NvmeTier, build_nvme_tier
 from whalepy._launch_errors import install_error_hook
 from whalepy.runtime.tensor_parallel import apply_tensor_parallel
+from whalepy.runtime.tiling import check_tiles, plan_tiling, tile_model
 
 if TYPE_CHECKING:
     from whalepy.cluster import ClusterSpec
@@ -208,6 +209,7 @@ def parallelize(
     device_type = _init_process_group(cluster_spec)
     rank = dist.get_rank()
     check_world(plan)
+    check_tiles(plan, {})  # memory-centric tiling only where it is lowered, before profiling
     _check_device(plan, cluster_spec, rank)
     if plan.model_fingerprint != "unchecked":
         profile = profile if profile is not None else _profile_or_none(model, example_inputs, plan)
@@ -338,6 +340,8 @@ class ParallelModel:
                        num_microbatches=plan.num_microbatches,
                        sequence_parallel=any(r.style is TPStyle.SEQUENCE for r in plan.tensor_parallel),
                        where="the plan cannot be lowered (whalepy.plan never makes such a plan: re-plan)")
+        block_modules = _resolve_block_modules(model, plan, profile)
+        tiling = plan_tiling(model, plan, block_modules)  # block -> {linear: tiles}; checked here
         self.plan = plan
         self.loss_fn = _checked_loss(loss_fn)
         self._example_shapes = [tuple(x.shape[1:]) for x in example_inputs if isinstance(x, torch.Tensor)]
@@ -371,7 +375,6 @@ class ParallelModel:
             if sync_initial_weights:
                 _broadcast_weights(model)
         stage = m.stage
-        block_modules = _resolve_block_modules(model, plan, profile)
         self.block_modules = block_modules  # block name -> module paths (whalepy.trace_memory)
         start = sum(plan.batch_shares[: m.replica])
         self._slice = slice(start, start + plan.batch_shares[m.replica])
@@ -422,6 +425,7 @@ class ParallelModel:
         nvme_blocks: list[tuple[Any, nn.Module, list[nn.Module]]] = []
         host_blocks: list[tuple[Any, list[nn.Module]]] = []
         for mod, chunk in zip(local, local_chunks):
+            tile_model(mod, {p: t for b in chunk for p, t in tiling.get(b.name, {}).items()})
             blocks = [(b, [mod.get_submodule(p) for p in block_modules[b.name]]) for b in chunk]
             if tp > 1:
                 apply_tensor_parallel(mod, plan.tensor_parallel, m.tp_mesh, loss_parallel=loss_parallel)

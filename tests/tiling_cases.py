@@ -1,0 +1,144 @@
+"""Per-rank workers for the memory-centric tiling tests (no tests here): tiled ZeRO-3 plans against
+the single-process untiled run, the FSDP2 units gathered during forward, checkpoints between tiled and
+untiled plans, and the refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from runtime_cases import Case, adamw, batches, build_model, case_profile, lm_loss, make_case_plan, reference_run
+
+
+def tiled_plan(case: Case, tiles: int, **fields: Any) -> Any:
+    """``case``'s plan with ``tiles`` on every block that has linears (as the planner would tile them)
+    and the other ``fields`` on every block (``dataclasses.replace`` of the BlockPlans)."""
+    plan = make_case_plan(case)
+    prof = case_profile(case.kind, case.num_layers)
+    has = {b.name for b in prof.blocks if b.largest_linear_params}
+    stages = tuple(dataclasses.replace(s, blocks=tuple(
+        dataclasses.replace(b, tiles=tiles if b.name in has else 1, **fields) for b in s.blocks))
+        for s in plan.stages)
+    return dataclasses.replace(plan, stages=stages)
+
+
+def _launch(case: Case, plan: Any, data: list, *, model: Any = None, **kwargs: Any) -> Any:
+    from whalepy.runtime import parallelize
+
+    return parallelize(model if model is not None else build_model(case.kind, case.num_layers), None,
+                       example_inputs=(data[0][0][:2],), loss_fn=lm_loss, optimizer=adamw,
+                       global_batch=case.global_batch, plan=plan,
+                       profile=case_profile(case.kind, case.num_layers), **kwargs)
+
+
+def _errors(full: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    if set(full) != set(ref):  # the original names, every one of them
+        raise AssertionError(f"state dict keys differ: {sorted(set(full) ^ set(ref))[:4]}")
+    return max((full[k] - ref[k]).abs().max().item() for k in ref)
+
+
+def _watch_units(root: torch.nn.Module) -> tuple[list, list]:
+    """Record, at every FSDP2 unit's forward (after FSDP2's own pre-forward gathered it), the unit's
+    name, its unsharded parameter count and the parameters of all units unsharded at that moment."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [(n, m) for n, m in root.named_modules() if isinstance(m, FSDPModule)]
+
+    def group(m: Any) -> Any:
+        return m._get_fsdp_state()._fsdp_param_group
+
+    def numel(m: Any) -> int:
+        g = group(m)
+        return sum(fp._orig_size.numel() for fp in g.fsdp_params) if g is not None else 0
+
+    records: list[tuple[str, int, int]] = []
+    handles = []
+    for name, m in units:
+        def hook(mod: Any, args: Any, name: str = name) -> None:
+            together = sum(numel(u) for _, u in units if group(u) is not None and group(u).is_unsharded)
+            records.append((name, numel(mod), together))
+        handles.append(m.register_forward_pre_hook(hook))
+    return records, handles
+
+
+def tiled_run(case: Case, tiles: int, fields: dict[str, Any], root: str = "") -> dict[str, Any]:
+    """Train ``case`` tiled for ``case.steps`` steps; errors against the untiled single process run (on
+    rank 0), the units gathered during the first forward."""
+    data = batches(case.global_batch, case.steps)
+    ref_losses, ref_params = reference_run(case.kind, data, case.num_layers)
+    kwargs = {"nvme_dir": os.path.join(root, case.name.replace(" ", "_"))} if root else {}
+    pm = _launch(case, tiled_plan(case, tiles, **fields), data, **kwargs)
+    records, handles = _watch_units(pm.module)
+    losses = [pm.train_step(x, y).item() for x, y in data]
+    for h in handles:
+        h.remove()
+    full = pm.full_state_dict()
+    out = {"name": case.name, "loss_err": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+           "param_err": _errors(full, ref_params) if full else None, "units": records[:40],
+           "kind": pm.dp_kind.value, "tiles_in_nvme": _tile_params_in_nvme(pm)}
+    pm.close()
+    return out
+
+
+def _tile_params_in_nvme(pm: Any) -> int:
+    """File-homed parameter shards of the disk tier that are tiles' (0 without a disk tier)."""
+    if pm.nvme is None:
+        return 0
+    from whalepy.runtime.tiling import tile_modules
+
+    tiles = {id(p._local_tensor) for t in tile_modules(pm.module) for p in t.parameters()}
+    return sum(1 for b in pm.nvme.engine.blocks for it in b.items if it.kind == "param"
+               and any(id(v.tensor) in tiles for v in it.views))
+
+
+def resume_run(first: tuple[Case, int], second: tuple[Case, int], path: str, split: int = 2) -> dict[str, Any]:
+    """Train ``split`` steps under the first (case, tiles), save (DCP), resume under the second from a
+    differently initialised model and train the rest; errors against the single process run."""
+    case, tiles = first
+    data = batches(case.global_batch, case.steps)
+    ref_losses, ref_params = reference_run(case.kind, data, case.num_layers)
+    _, mid_params = reference_run(case.kind, data[:split], case.num_layers)
+    pm = _launch(case, tiled_plan(case, tiles), data)
+    losses = [pm.train_step(x, y).item() for x, y in data[:split]]
+    pm.save(path)
+    keys = sorted(pm.state_dict()["model"])
+    dist.barrier()
+    torch.manual_seed(123)
+    other = build_model(case.kind, case.num_layers)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.normal_()
+    case2, tiles2 = second
+    pm2 = _launch(case2, tiled_plan(case2, tiles2), data, model=other)
+    pm2.load(path)
+    loaded = pm2.full_state_dict()
+    losses += [pm2.train_step(x, y).item() for x, y in data[split:]]
+    full = pm2.full_state_dict()
+    return {"name": f"{case.name}->{case2.name}", "keys": keys,
+            "load_err": _errors(loaded, mid_params) if loaded else None,
+            "param_err": _errors(full, ref_params) if full else None,
+            "loss_err": max(abs(a - b) for a, b in zip(losses, ref_losses))}
+
+
+def refusal(case: Case, tiles: int) -> str:
+    """The one-line error parallelize gives for ``tiles`` on ``case``'s layout."""
+    from whalepy._errors import WhalepyError
+
+    data = batches(case.global_batch, 1)
+    try:
+        _launch(case, tiled_plan(case, tiles), data)
+    except WhalepyError as e:
+        return f"{type(e).__name__}: {e}"
+    return "accepted"
+
+
+def run_all(items: list[tuple]) -> list[Any]:
+    """Run each ``(function name, *args)`` of this module in turn (one launch for many cases)."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*sequential all_gather.*")
+    return [globals()[name](*args) for name, *args in items]
