@@ -11,7 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runtime_cases import Case, adamw, batches, build_model, case_profile, lm_loss, make_case_plan, reference_run
+from runtime_cases import (
+    Case, adamw, batches, build_model, case_profile, lm_loss, make_case_plan, reference_run, train_single)
 
 
 def tiled_plan(case: Case, tiles: int, **fields: Any) -> Any:
@@ -41,12 +42,13 @@ def _errors(full: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> floa
     return max((full[k] - ref[k]).abs().max().item() for k in ref)
 
 
-def _watch_units(root: torch.nn.Module) -> tuple[list, list]:
+def _watch_units(module: Any) -> tuple[list, list]:
     """Record, at every FSDP2 unit's forward (after FSDP2's own pre-forward gathered it), the unit's
     name, its unsharded parameter count and the parameters of all units unsharded at that moment."""
     from torch.distributed.fsdp import FSDPModule
 
-    units = [(n, m) for n, m in root.named_modules() if isinstance(m, FSDPModule)]
+    roots = module if isinstance(module, list) else [module]  # pipeline stages
+    units = [(n, m) for root in roots for n, m in root.named_modules() if isinstance(m, FSDPModule)]
 
     def group(m: Any) -> Any:
         return m._get_fsdp_state()._fsdp_param_group
@@ -90,7 +92,8 @@ def _tile_params_in_nvme(pm: Any) -> int:
         return 0
     from whalepy.runtime.tiling import tile_modules
 
-    tiles = {id(p._local_tensor) for t in tile_modules(pm.module) for p in t.parameters()}
+    tiles = {id(p._local_tensor) for root in (pm.module if isinstance(pm.module, list) else [pm.module])
+             for t in tile_modules(root) for p in t.parameters()}
     return sum(1 for b in pm.nvme.engine.blocks for it in b.items if it.kind == "param"
                and any(id(v.tensor) in tiles for v in it.views))
 
@@ -121,6 +124,34 @@ def resume_run(first: tuple[Case, int], second: tuple[Case, int], path: str, spl
     return {"name": f"{case.name}->{case2.name}", "keys": keys,
             "load_err": _errors(loaded, mid_params) if loaded else None,
             "param_err": _errors(full, ref_params) if full else None,
+            "loss_err": max(abs(a - b) for a, b in zip(losses, ref_losses))}
+
+
+def meta_run(case: Case, tiles: int) -> dict[str, Any]:
+    """A model built on the meta device, lowered tiled and materialised shard by shard: its initial
+    weights against ``whalepy.materialize`` of the untiled model (same seed) in one process; then
+    trained against that model tiled alike in one process (so the comparison isolates the sharding:
+    tiling's own numerics against the untiled run are :func:`tiled_run`'s)."""
+    from whalepy._tiling import tileable_linears
+    from whalepy.runtime.materialize import materialize
+    from whalepy.runtime.tiling import merge_state, tile_model, tiled_layout
+
+    data = batches(case.global_batch, case.steps)
+    with torch.device("meta"):
+        ref = build_model(case.kind, case.num_layers)
+        model = build_model(case.kind, case.num_layers)
+    materialize(ref, seed=7)
+    init = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    prof = case_profile(case.kind, case.num_layers)
+    paths = [p for b in prof.blocks if b.largest_linear_params for p in b.modules]
+    tile_model(ref, {n: tiles for n, _ in tileable_linears(ref, paths)})
+    ref_losses, ref_state = train_single(ref, data)
+    pm = _launch(case, tiled_plan(case, tiles), data, model=model, seed=7)
+    first = pm.full_state_dict()
+    losses = [pm.train_step(x, y).item() for x, y in data]
+    full = pm.full_state_dict()
+    return {"name": case.name, "init_err": _errors(first, init) if first else None,
+            "param_err": _errors(full, merge_state(ref_state, tiled_layout([ref]))) if full else None,
             "loss_err": max(abs(a - b) for a, b in zip(losses, ref_losses))}
 
 

@@ -6,7 +6,8 @@ Lowering order for this rank (see docs/runtime.md):
 2. meshes from the plan's rank grid (``mesh.build_meshes``);
 3. pipeline split into this rank's stage module(s), original module paths kept (``pipeline.py``);
 4. tensor parallelism from the plan's TP rules (``tensor_parallel.apply_tensor_parallel``);
-5. activation checkpointing, or activation offload to host memory, of the blocks the plan marks;
+5. memory-centric tiling of the blocks with ``tiles > 1`` (``tiling.py``), then activation
+   checkpointing, or activation offload to host memory, of the blocks the plan marks;
 6. DDP / ZeRO / FSDP2 over the ``dp`` axis, per block then root (``data_parallel``); a model built on
    the meta device has gone through 3-6 without memory and only now gets this rank's shards,
    initialised or loaded (``materialize``);

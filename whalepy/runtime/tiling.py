@@ -12,8 +12,9 @@ linear.
 Names: inside the runtime a tile's parameters are ``<linear>.tiles.<i>.weight`` (FSDP2 and the
 optimizer see them so); every state dict and checkpoint whalepy produces uses the ORIGINAL names
 (:func:`merge_state`, :func:`split_state`): a tiled linear's value is one tensor of the original shape,
-a ``ShardedTensor`` whose local shards are this rank's FSDP2 shards of its tiles (DCP writes several
-chunks per rank from it and re-shards on load), or a plain tensor when the tiles are not sharded. So a
+a :class:`TileChunks` whose chunks are this rank's FSDP2 shards of its tiles (DCP writes several
+chunks per rank from it and re-shards on load: DTensor holds one chunk per rank, and ShardedTensor is
+deprecated), or a plain tensor when the tiles are not sharded. So a
 checkpoint of a tiled plan loads into an untiled one and back. A meta-device model's tiles are
 initialised as the untiled linear (under the same seed) and sliced (:mod:`whalepy.runtime.materialize`).
 """
@@ -30,7 +31,7 @@ from torch import nn
 
 from whalepy._errors import PlanError, WhalepyError
 
-__all__ = ["TiledLinear", "check_tiles", "merge_state", "plan_tiling", "split_state", "tile_model", "tile_modules", "tile_origins",
+__all__ = ["TileChunks", "TiledLinear", "check_tiles", "merge_state", "plan_tiling", "split_state", "tile_model", "tile_modules", "tile_origins",
            "tile_rows", "tiled_layout"]
 
 _PARAMS = ("weight", "bias")
@@ -155,44 +156,69 @@ def tile_origins(modules: Iterable[nn.Module]) -> dict[str, tuple[str, int, int]
 # -- state dicts under the original names ---------------------------------------------------------
 
 
-def _sharded(values: Sequence[Any], rows: Sequence[int]) -> Any:
-    """One ``ShardedTensor`` of the linear's shape from its tiles' FSDP2 DTensors (``Shard(0)`` over one
-    mesh dim): this rank's local shards are the tiles' local tensors, no copy."""
-    from torch.distributed._shard.metadata import ShardMetadata
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
-    from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
-    from torch.distributed.tensor import Shard as DShard
+class TileChunks(torch.Tensor):
+    """A tiled linear's tensor (its original shape) as this rank's chunks of it: one per tile, each the
+    tile's FSDP2 local shard itself (no copy). It carries no data of its own and supports no tensor
+    operations; it implements DCP's checkpointable protocol (``__create_write_items__``,
+    ``__create_chunk_list__``, ``__get_tensor_shard__``, as ``DTensor`` does), so ``dcp.save`` writes the
+    chunks and ``dcp.load`` fills them in place, re-sharding from whatever layout wrote the files."""
+
+    chunks: list[tuple[int, torch.Tensor]]
+    """``(first row in the whole tensor, local tensor)`` per tile with rows on this rank."""
+
+    @staticmethod
+    def __new__(cls, chunks: list[tuple[int, torch.Tensor]], size: torch.Size, like: torch.Tensor) -> TileChunks:
+        t = torch.Tensor._make_wrapper_subclass(cls, size, dtype=like.dtype, device=like.device,
+                                                requires_grad=False)
+        t.chunks = chunks
+        return t
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        raise WhalepyError(f"{func} on a tiled linear's state-dict value: it only describes this rank's tile "
+                           "shards for torch.distributed.checkpoint; use pm.full_state_dict() for tensors")
+
+    def _offsets(self, row: int) -> torch.Size:
+        return torch.Size([row] + [0] * (len(self.shape) - 1))
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[Any]:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+        return [WriteItem(index=MetadataIndex(fqn, self._offsets(row)), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(
+                              chunk=ChunkStorageMetadata(offsets=self._offsets(row), sizes=local.size()),
+                              properties=TensorProperties.create_from_tensor(local), size=self.size()))
+                for row, local in self.chunks]
+
+    def __create_chunk_list__(self) -> list[Any]:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        return [ChunkStorageMetadata(offsets=self._offsets(row), sizes=local.size()) for row, local in self.chunks]
+
+    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
+        for row, local in self.chunks:
+            if index.offset is None or index.offset[0] == row:
+                return local
+        raise WhalepyError(f"{index.fqn}: no tile chunk of this rank starts at row {index.offset[0]}")
+
+
+def _chunks(values: Sequence[Any], rows: Sequence[int]) -> TileChunks:
+    """The :class:`TileChunks` of a linear from its tiles' FSDP2 DTensors (``Shard(0)`` on one mesh dim)."""
+    from torch.distributed.tensor import Shard
 
     first = values[0]
-    mesh = first.device_mesh
-    if mesh.ndim != 1 or any(v.placements != (DShard(0),) for v in values):
-        raise WhalepyError(f"a tiled linear's tiles are laid out as {first.placements} over a {mesh.ndim}-D "
-                           "mesh; tiling lowers only Shard(0) over the data-parallel mesh: use tiles=1")
-    ranks = mesh.mesh.flatten().tolist()
-    me = mesh.get_local_rank()
-    local_dev = first._local_tensor.device
-    rest = list(first.shape[1:])
-    shards, metas, start = [], [], 0
+    if first.device_mesh.ndim != 1 or any(v.placements != (Shard(0),) for v in values):
+        raise WhalepyError(f"a tiled linear's tiles are laid out as {first.placements} over a "
+                           f"{first.device_mesh.ndim}-D mesh; tiling lowers only Shard(0) over the "
+                           "data-parallel mesh: use tiles=1")
+    chunks, start = [], 0
     for v, n in zip(values, rows, strict=True):
-        size = -(-n // len(ranks))  # torch.chunk, as FSDP2 shards dim 0
-        for r, rank in enumerate(ranks):
-            lo, hi = min(r * size, n), min((r + 1) * size, n)
-            if hi <= lo:
-                continue
-            md = ShardMetadata(shard_offsets=[start + lo] + [0] * len(rest), shard_sizes=[hi - lo] + rest,
-                               placement=f"rank:{rank}/{local_dev}")
-            metas.append(md)
-            if r == me:
-                local = v._local_tensor
-                if local.shape[0] != hi - lo:
-                    raise WhalepyError(f"a tile's local shard has {local.shape[0]} rows, FSDP2's chunking "
-                                       f"gives {hi - lo}; use tiles=1 (FSDP2's sharding changed)")
-                shards.append(Shard(local, md))
+        local = v._local_tensor
+        if local.shape[0]:
+            chunks.append((start + _first_row(v), local))
         start += n
-    props = TensorProperties(dtype=first.dtype, layout=torch.strided, requires_grad=False,
-                             memory_format=torch.contiguous_format, pin_memory=False)
-    meta = ShardedTensorMetadata(metas, torch.Size([start] + rest), props)
-    return ShardedTensor._init_from_local_shards_and_global_metadata(shards, meta, process_group=mesh.get_group())
+    return TileChunks(chunks, torch.Size([start, *first.shape[1:]]), first._local_tensor)
 
 
 def _merge(values: Sequence[Any], rows: Sequence[int]) -> Any:
@@ -201,25 +227,24 @@ def _merge(values: Sequence[Any], rows: Sequence[int]) -> Any:
     if not isinstance(values[0], torch.Tensor) or values[0].dim() == 0:
         return values[0]  # a scalar state (AdamW's step): the same for every tile
     if all(isinstance(v, DTensor) for v in values):
-        return _sharded(values, rows)
+        return _chunks(values, rows)
     return torch.cat([v.full_tensor() if isinstance(v, DTensor) else v for v in values])
 
 
 def _split(value: Any, templates: Sequence[Any], rows: Sequence[int]) -> list[Any]:
     """Per-tile values shaped (and sharded) like ``templates`` from a value under the original name."""
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     if not isinstance(value, torch.Tensor) or value.dim() == 0:
         return [value.clone() if isinstance(value, torch.Tensor) else value for _ in templates]
-    if isinstance(value, ShardedTensor):  # one of our own (load_train_state's template): shards = tiles
-        by_row = {s.metadata.shard_offsets[0]: s.tensor for s in value.local_shards()}
+    if isinstance(value, TileChunks):  # one of this plan's own (load_train_state's template)
+        by_row = dict(value.chunks)
         out, start = [], 0
         for like, n in zip(templates, rows, strict=True):
             local = like._local_tensor
             got = by_row.get(start + _first_row(like)) if local.shape[0] else local
-            if got is None:
-                raise WhalepyError("a tiled linear's state is sharded unlike this plan's tiles; load it "
+            if got is None or got.shape != local.shape:
+                raise WhalepyError("a tiled linear's state is split unlike this plan's tiles; load it "
                                    "through ParallelModel.load / load_state_dict of the plan that made it")
             out.append(DTensor.from_local(got, like.device_mesh, like.placements, run_check=False,
                                           shape=like.shape, stride=like.stride()))
