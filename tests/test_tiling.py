@@ -22,6 +22,7 @@ from whalepy.runtime.tiling import TiledLinear, merge_state, split_state, tile_m
 
 TOL = 1e-5
 NVME = {"param_tier": "nvme", "optimizer_tier": "nvme", "prefetch_depth": 2}
+HOST = {"param_tier": "cpu", "optimizer_tier": "cpu", "prefetch_depth": 2}
 Z3 = Case("z3", dp=2, zero=3)
 
 
@@ -70,6 +71,8 @@ def test_tiled_zero3_on_two_ranks_matches_single_process(tmp_path):
         ("tiled_run", Case("t2 checkpoint", dp=2, zero=3, checkpoint=True), 2, {}),
         ("tiled_run", Case("t2 activation offload", dp=2, zero=3, extra={"activation_offload": True}), 2, {}),
         ("tiled_run", Case("t3 nvme", dp=2, zero=3, extra=NVME), 3, {}, str(tmp_path)),
+        ("tiled_run", Case("t3 cpu depth 2", dp=2, zero=3, extra=HOST), 3, {}),
+        ("tiled_run", Case("t2 zero-offload", dp=2, zero=3, extra={"optimizer_tier": "cpu"}), 2, {}),
         ("resume_run", (Z3, 3), (Z3, 3), os.path.join(tmp_path, "same")),
         ("resume_run", (Z3, 3), (Z3, 1), os.path.join(tmp_path, "to-untiled")),
         ("resume_run", (Z3, 1), (Z3, 2), os.path.join(tmp_path, "to-tiled")),
@@ -77,13 +80,21 @@ def test_tiled_zero3_on_two_ranks_matches_single_process(tmp_path):
         ("refusal", Case("tp2", tp=2, zero=3), 2),
     ]
     per_rank = run_distributed(run_all, 2, items, timeout=600)
-    t3, ckpt, actoff, nvme, same, untiled, tiled, zero2, tp2 = per_rank[0]
-    for r in (t3, ckpt, actoff, nvme):
+    t3, ckpt, actoff, nvme, host, offload, same, untiled, tiled, zero2, tp2 = per_rank[0]
+    for r in (t3, ckpt, actoff, nvme, host, offload):
         assert r["kind"] == "fsdp2", r["name"]
         assert r["loss_err"] <= TOL and r["param_err"] <= TOL, r
     # the disk tier homes the tiles' shards with their block (15 linears x 3 tiles x weight + bias)
     assert nvme["tiles_in_nvme"] == sum(2 if n != "lm_head" else 1 for p in _tiled_paths(3).values()
                                         for n in p) * 3
+    # prefetching with parameters on the host, 2 blocks ahead: a tiled block is prefetched by its own
+    # unit and its first tile in forward (by the previous block's last tile), its own unit and last tile
+    # in backward (by the next block's unit); the tiles after them are gathered one at a time
+    h0, h1 = "transformer.h.0", "transformer.h.1"
+    assert host["prefetch"][f"{h0}.mlp.fc_out.tiles.2"][0] == [
+        h1, f"{h1}.attn.q_proj.tiles.0", "transformer.ln_f", "lm_head", "lm_head.tiles.0"]
+    assert host["prefetch"][h1][1] == [h0, f"{h0}.mlp.fc_out.tiles.2", "transformer.wte", "transformer.wpe",
+                                       "transformer.drop"]
     # working set: inside a tiled block the largest FSDP2 unit gathered is one tile, and what is
     # gathered at once is that tile plus the block's own parameters (its layer norms: 128)
     for r, tiles in ((t3, 3), (ckpt, 2)):
@@ -106,14 +117,13 @@ def test_tiled_zero3_on_four_ranks_pipeline_and_meta_init(tmp_path):
     pp = Case("pp2 dp2", pp=2, dp=2, zero=3, microbatches=2, schedule="gpipe")
     items = [
         ("tiled_run", Case("dp4 t3", dp=4, zero=3), 3, {}),  # 43-row tiles on 4 ranks: 11, 11, 11, 10
-        ("tiled_run", Case("dp4 t2", dp=4, zero=3), 2, {}),
-        ("tiled_run", pp, 3, {}),
+        ("tiled_run", pp, 2, {}),
         ("meta_run", Case("meta dp4 t3", dp=4, zero=3), 3),
-        ("resume_run", (pp, 3), (Case("dp4", dp=4, zero=3), 2), os.path.join(tmp_path, "pp-to-dp")),
+        ("resume_run", (pp, 2), (Case("dp4", dp=4, zero=3), 3), os.path.join(tmp_path, "pp-to-dp")),
     ]
     per_rank = run_distributed(run_all, 4, items, timeout=600)
-    dp3, dp2, pipe, meta, resume = per_rank[0]
-    for r in (dp3, dp2, pipe):
+    dp3, pipe, meta, resume = per_rank[0]
+    for r in (dp3, pipe):
         assert r["loss_err"] <= TOL and r["param_err"] <= TOL, r
     # a meta model's tiles are initialised as the untiled linear under the same seed, then sliced
     assert meta["init_err"] == 0.0

@@ -15,6 +15,19 @@ from runtime_cases import (
     Case, adamw, batches, build_model, case_profile, lm_loss, make_case_plan, reference_run, train_single)
 
 
+_REFERENCES: dict[tuple, Any] = {}
+
+
+def _reference(case: Case, steps: int) -> Any:
+    """The single-process untiled run of ``case``'s model on its first ``steps`` batches (cached: the
+    cases of one launch share it)."""
+    key = (case.kind, case.num_layers, case.global_batch, steps)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = reference_run(case.kind, batches(case.global_batch, case.steps)[:steps],
+                                         case.num_layers)
+    return _REFERENCES[key]
+
+
 def tiled_plan(case: Case, tiles: int, **fields: Any) -> Any:
     """``case``'s plan with ``tiles`` on every block that has linears (as the planner would tile them)
     and the other ``fields`` on every block (``dataclasses.replace`` of the BlockPlans)."""
@@ -71,7 +84,7 @@ def tiled_run(case: Case, tiles: int, fields: dict[str, Any], root: str = "") ->
     """Train ``case`` tiled for ``case.steps`` steps; errors against the untiled single process run (on
     rank 0), the units gathered during the first forward."""
     data = batches(case.global_batch, case.steps)
-    ref_losses, ref_params = reference_run(case.kind, data, case.num_layers)
+    ref_losses, ref_params = _reference(case, case.steps)
     kwargs = {"nvme_dir": os.path.join(root, case.name.replace(" ", "_"))} if root else {}
     pm = _launch(case, tiled_plan(case, tiles, **fields), data, **kwargs)
     records, handles = _watch_units(pm.module)
@@ -81,8 +94,24 @@ def tiled_run(case: Case, tiles: int, fields: dict[str, Any], root: str = "") ->
     full = pm.full_state_dict()
     out = {"name": case.name, "loss_err": max(abs(a - b) for a, b in zip(losses, ref_losses)),
            "param_err": _errors(full, ref_params) if full else None, "units": records[:40],
-           "kind": pm.dp_kind.value, "tiles_in_nvme": _tile_params_in_nvme(pm)}
+           "kind": pm.dp_kind.value, "tiles_in_nvme": _tile_params_in_nvme(pm), "prefetch": _prefetch(pm)}
     pm.close()
+    return out
+
+
+def _prefetch(pm: Any) -> dict[str, tuple[list[str], list[str]]]:
+    """Unit name -> (units it prefetches in forward, in backward), for the units that prefetch."""
+    from torch.distributed.fsdp import FSDPModule
+
+    roots = pm.module if isinstance(pm.module, list) else [pm.module]
+    units = {id(m._get_fsdp_state()): n for r in roots for n, m in r.named_modules() if isinstance(m, FSDPModule)}
+    out = {}
+    for n, m in ((n, m) for r in roots for n, m in r.named_modules() if isinstance(m, FSDPModule)):
+        st = m._get_fsdp_state()
+        fwd = [units[id(x)] for x in st._states_to_forward_prefetch]
+        bwd = [units[id(x)] for x in st._states_to_backward_prefetch]
+        if fwd or bwd:
+            out[n] = (fwd, bwd)
     return out
 
 
@@ -103,8 +132,8 @@ def resume_run(first: tuple[Case, int], second: tuple[Case, int], path: str, spl
     differently initialised model and train the rest; errors against the single process run."""
     case, tiles = first
     data = batches(case.global_batch, case.steps)
-    ref_losses, ref_params = reference_run(case.kind, data, case.num_layers)
-    _, mid_params = reference_run(case.kind, data[:split], case.num_layers)
+    ref_losses, ref_params = _reference(case, case.steps)
+    _, mid_params = _reference(case, split)
     pm = _launch(case, tiled_plan(case, tiles), data)
     losses = [pm.train_step(x, y).item() for x, y in data[:split]]
     pm.save(path)

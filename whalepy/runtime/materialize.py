@@ -392,7 +392,7 @@ def materialize_modules(
                             num_tensors=len(targets))
 
 
-def _shift(index: Sequence[slice | torch.Tensor], first_row: int, rows: int) -> tuple[slice | torch.Tensor, ...]:
+def _shift(index: Sequence[slice | torch.Tensor], first_row: int, rows: int | None) -> tuple[slice | torch.Tensor, ...]:
     """``index`` of a tile (``rows`` rows) as an index into its linear's tensor, which the tile's rows
     start at ``first_row`` of."""
     if rows is None or not index:
