@@ -18,7 +18,8 @@ from dist_harness import run_distributed
 from runtime_cases import Case, build_model, case_profile
 from tiling_cases import run_all
 from whalepy._tiling import tileable_linears
-from whalepy.runtime.tiling import TiledLinear, merge_state, split_state, tile_model, tile_rows, tiled_layout
+from whalepy.runtime._tile_state import merge_state, split_state
+from whalepy.runtime.tiling import TiledLinear, tile_model, tile_rows, tiled_layout
 
 TOL = 1e-5
 NVME = {"param_tier": "nvme", "optimizer_tier": "nvme", "prefetch_depth": 2}

@@ -163,7 +163,8 @@ def meta_run(case: Case, tiles: int) -> dict[str, Any]:
     tiling's own numerics against the untiled run are :func:`tiled_run`'s)."""
     from whalepy._tiling import tileable_linears
     from whalepy.runtime.materialize import materialize
-    from whalepy.runtime.tiling import merge_state, tile_model, tiled_layout
+    from whalepy.runtime._tile_state import merge_state
+    from whalepy.runtime.tiling import tile_model, tiled_layout
 
     data = batches(case.global_batch, case.steps)
     with torch.device("meta"):

@@ -20,7 +20,7 @@ State dicts go through ``torch.distributed.checkpoint.state_dict.get_state_dict`
 stages keep the original names), values are DTensors sharded as this plan shards them, and
 ``torch.distributed.checkpoint`` (DCP) re-shards on load. So a checkpoint written under one plan
 (DP x TP) loads under another (PP x DP) on the same number or a different number of ranks. A tiled
-linear (``BlockPlan.tiles``) keeps its original name and shape too: :mod:`whalepy.runtime.tiling` merges
+linear (``BlockPlan.tiles``) keeps its original name and shape too: :mod:`whalepy.runtime._tile_state` merges
 its tiles' entries into one (``merge_state``) and splits them back on load (``split_state``), so
 checkpoints move between tiled and untiled plans.
 """
@@ -44,7 +44,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from whalepy._errors import WhalepyError
-from whalepy.runtime.tiling import merge_state, split_state, tiled_layout
+from whalepy.runtime._tile_state import merge_state, split_state
+from whalepy.runtime.tiling import tiled_layout
 
 __all__ = ["apply_activation_checkpointing", "apply_activation_offload", "gather_full_state_dict", "get_train_state", "load_model_state",
            "load_train_state", "save_train_state", "set_train_state"]
