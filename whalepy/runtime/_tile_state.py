@@ -10,7 +10,7 @@ it as several chunks of one tensor), a plain tensor (``torch.cat`` of the tiles)
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -132,6 +132,13 @@ def _first_row(like: Any) -> int:
 _TILE_KEY = re.compile(r"^(.*)\.tiles\.(\d+)\.(weight|bias)$")
 
 
+def _entries(layout: dict[str, list[int]]) -> Iterator[tuple[str, list[str], list[int]]]:
+    """``(original name, its tiles' names, rows per tile)`` of every tiled linear's weight and bias."""
+    for prefix, rows in layout.items():
+        for p in _PARAMS:
+            yield f"{prefix}.{p}", [f"{prefix}.tiles.{i}.{p}" for i in range(len(rows))], rows
+
+
 def merge_state(state: dict[str, Any], layout: dict[str, list[int]]) -> dict[str, Any]:
     """``{"model": ..., "optim": ...}`` (or a flat model state dict) with each tiled linear's tile
     entries replaced by one entry under the original name (module docstring); entries of tiles that
@@ -146,36 +153,20 @@ def merge_state(state: dict[str, Any], layout: dict[str, list[int]]) -> dict[str
     optim = state.get("optim")
     if isinstance(optim, dict) and "state" in optim:
         per = dict(optim["state"])
-        for prefix, rows in layout.items():
-            for p in _PARAMS:
-                keys = [f"{prefix}.tiles.{i}.{p}" for i in range(len(rows))]
-                if not all(k in per for k in keys):
-                    continue
+        for name, keys, rows in _entries(layout):
+            if all(k in per for k in keys):
                 tiles = [per.pop(k) for k in keys]
-                per[f"{prefix}.{p}"] = {s: _merge([t[s] for t in tiles], rows) for s in tiles[0]}
+                per[name] = {s: _merge([t[s] for t in tiles], rows) for s in tiles[0]}
         groups = [{**g, "params": _rename(g["params"], layout)} for g in optim.get("param_groups", [])]
         out["optim"] = {**optim, "state": per, "param_groups": groups}
     return out
 
 
 def _merge_flat(sd: dict[str, Any], layout: dict[str, list[int]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    done: set[str] = set()
-    for key, value in sd.items():
-        m = _TILE_KEY.match(key)
-        if m is None or m.group(1) not in layout:
-            out[key] = value
-            continue
-        prefix, p = m.group(1), m.group(3)
-        rows = layout[prefix]
-        keys = [f"{prefix}.tiles.{i}.{p}" for i in range(len(rows))]
-        if f"{prefix}.{p}" in done:
-            continue
-        if not all(k in sd for k in keys):
-            out[key] = value
-            continue
-        done.add(f"{prefix}.{p}")
-        out[f"{prefix}.{p}"] = _merge([sd[k] for k in keys], rows)
+    out = dict(sd)
+    for name, keys, rows in _entries(layout):
+        if all(k in out for k in keys):
+            out[name] = _merge([out.pop(k) for k in keys], rows)
     return out
 
 
@@ -204,12 +195,8 @@ def split_state(state: dict[str, Any], template: dict[str, Any], layout: dict[st
     if isinstance(optim, dict) and "state" in optim:
         like = template.get("optim", {}).get("state", {})
         per = dict(optim["state"])
-        for prefix, rows in layout.items():
-            for p in _PARAMS:
-                name = f"{prefix}.{p}"
-                keys = [f"{prefix}.tiles.{i}.{p}" for i in range(len(rows))]
-                if name not in per or not all(k in like for k in keys):
-                    continue
+        for name, keys, rows in _entries(layout):
+            if name in per and all(k in like for k in keys):
                 merged = per.pop(name)
                 parts = {s: _split(v, [like[k].get(s) for k in keys], rows) for s, v in merged.items()}
                 for i, k in enumerate(keys):
@@ -221,14 +208,9 @@ def split_state(state: dict[str, Any], template: dict[str, Any], layout: dict[st
 
 def _split_flat(sd: dict[str, Any], template: dict[str, Any], layout: dict[str, list[int]]) -> dict[str, Any]:
     out = dict(sd)
-    for prefix, rows in layout.items():
-        for p in _PARAMS:
-            name = f"{prefix}.{p}"
-            keys = [f"{prefix}.tiles.{i}.{p}" for i in range(len(rows))]
-            if name not in out or not all(k in template for k in keys):
-                continue
-            for k, v in zip(keys, _split(out.pop(name), [template[k] for k in keys], rows), strict=True):
-                out[k] = v
+    for name, keys, rows in _entries(layout):
+        if name in out and all(k in template for k in keys):
+            out.update(zip(keys, _split(out.pop(name), [template[k] for k in keys], rows), strict=True))
     return out
 
 
