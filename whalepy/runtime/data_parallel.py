@@ -21,6 +21,10 @@ the ``cpu`` tier (ZeRO-Offload) is sharded like any other here and
 such tier is always lowered to FSDP2. ``optimizer_tier = nvme`` needs nothing here (any kind): the
 optimizer's states of those blocks are kept in files by :mod:`whalepy.runtime.nvme`. Tier combinations the runtime does not
 lower (:func:`whalepy._capabilities.state_option_error`) raise :class:`~whalepy.WhalepyError`.
+A tiled block (``BlockPlan.tiles``, :mod:`whalepy.runtime.tiling`) has each tile of its linears
+sharded as its own unit before the block itself; :func:`fsdp_units` lists them with the block's
+units (the disk tier homes their shards with the block) and :func:`set_prefetch` prefetches a tiled
+block by its first tile only.
 
 Precision: under FSDP2 every unit gets ``MixedPrecisionPolicy(param_dtype=<bf16|fp16>,
 reduce_dtype=float32)``: fp32 sharded parameters (the master weights), gradients and optimizer
