@@ -119,7 +119,7 @@ def test_tiled_zero3_on_four_ranks_pipeline_and_meta_init(tmp_path):
     items = [
         ("tiled_run", Case("dp4 t3", dp=4, zero=3), 3, {}),  # 43-row tiles on 4 ranks: 11, 11, 11, 10
         ("tiled_run", pp, 2, {}),
-        ("meta_run", Case("meta dp4 t3", dp=4, zero=3), 3),
+        ("meta_run", Case("meta dp4 t3", dp=4, zero=3), 3, 2, os.path.join(tmp_path, "meta")),
         ("resume_run", (pp, 2), (Case("dp4", dp=4, zero=3), 3), os.path.join(tmp_path, "pp-to-dp")),
     ]
     per_rank = run_distributed(run_all, 4, items, timeout=600)
@@ -128,5 +128,6 @@ def test_tiled_zero3_on_four_ranks_pipeline_and_meta_init(tmp_path):
         assert r["loss_err"] <= TOL and r["param_err"] <= TOL, r
     # a meta model's tiles are initialised as the untiled linear under the same seed, then sliced
     assert meta["init_err"] == 0.0
+    assert meta["checkpoint_err"] == 0.0  # tiles 3 -> a meta model with tiles 2: a copy
     assert meta["loss_err"] <= TOL and meta["param_err"] <= TOL, meta
     assert resume["load_err"] <= TOL and resume["param_err"] <= TOL and resume["loss_err"] <= TOL, resume

@@ -156,11 +156,12 @@ def resume_run(first: tuple[Case, int], second: tuple[Case, int], path: str, spl
             "loss_err": max(abs(a - b) for a, b in zip(losses, ref_losses))}
 
 
-def meta_run(case: Case, tiles: int) -> dict[str, Any]:
+def meta_run(case: Case, tiles: int, other_tiles: int, path: str) -> dict[str, Any]:
     """A model built on the meta device, lowered tiled and materialised shard by shard: its initial
     weights against ``whalepy.materialize`` of the untiled model (same seed) in one process; then
     trained against that model tiled alike in one process (so the comparison isolates the sharding:
-    tiling's own numerics against the untiled run are :func:`tiled_run`'s)."""
+    tiling's own numerics against the untiled run are :func:`tiled_run`'s); then saved and read into
+    another meta model with ``other_tiles`` tiles (``parallelize(checkpoint=...)``)."""
     from whalepy._tiling import tileable_linears
     from whalepy.runtime.materialize import materialize
     from whalepy.runtime._tile_state import merge_state
@@ -180,7 +181,15 @@ def meta_run(case: Case, tiles: int) -> dict[str, Any]:
     first = pm.full_state_dict()
     losses = [pm.train_step(x, y).item() for x, y in data]
     full = pm.full_state_dict()
+    # the trained weights through a DCP checkpoint into another meta model, tiled otherwise
+    pm.save(path)
+    dist.barrier()
+    with torch.device("meta"):
+        again = build_model(case.kind, case.num_layers)
+    pm2 = _launch(case, tiled_plan(case, other_tiles), data, model=again, checkpoint=path)
+    loaded = pm2.full_state_dict()
     return {"name": case.name, "init_err": _errors(first, init) if first else None,
+            "checkpoint_err": _errors(loaded, full) if loaded else None,
             "param_err": _errors(full, merge_state(ref_state, tiled_layout([ref]))) if full else None,
             "loss_err": max(abs(a - b) for a, b in zip(losses, ref_losses))}
 
