@@ -65,6 +65,37 @@ def test_tiled_linear_computes_the_linear_and_state_keeps_original_names():
     assert set(split) == set(model.state_dict())
 
 
+def test_meta_tiles_initialise_and_load_as_the_untiled_linears(tmp_path):
+    """In one process: tiles of a meta model get the untiled model's initial weights (same seed), and
+    read their rows of HF safetensors."""
+    from safetensors.torch import save_file
+
+    from whalepy.runtime.materialize import materialize, materialize_modules, snapshot
+
+    def tiled_meta() -> tuple[torch.nn.Module, object]:
+        with torch.device("meta"):
+            model = build_model("gpt", 2)
+        skeleton = snapshot(model)
+        for paths in _tiled_paths(3).values():
+            tile_model(model, paths)
+        return model, skeleton
+
+    with torch.device("meta"):
+        plain = build_model("gpt", 2)
+    materialize(plain, seed=3)
+    want = {k: v.detach().clone() for k, v in plain.state_dict().items()}
+    model, skeleton = tiled_meta()
+    materialize_modules([model], skeleton, "cpu", seed=3)
+    got = merge_state(dict(model.state_dict()), tiled_layout([model]))
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    source = {k: torch.randn_like(v) for k, v in want.items()}
+    save_file(source, str(tmp_path / "model.safetensors"))
+    model, skeleton = tiled_meta()
+    materialize_modules([model], skeleton, "cpu", checkpoint=tmp_path / "model.safetensors")
+    got = merge_state(dict(model.state_dict()), tiled_layout([model]))
+    assert all(torch.equal(got[k], source[k]) for k in source)
+
+
 @pytest.mark.distributed
 def test_tiled_zero3_on_two_ranks_matches_single_process(tmp_path):
     items = [
