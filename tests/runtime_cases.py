@@ -100,7 +100,11 @@ def build_model(kind: str, num_layers: int = 2) -> torch.nn.Module:
 
 
 def reference_run(kind: str, data, num_layers: int = 2):
-    model = build_model(kind, num_layers)
+    return train_single(build_model(kind, num_layers), data)
+
+
+def train_single(model: torch.nn.Module, data):
+    """Train ``model`` in this process with :func:`adamw` on ``data``; its losses and final state."""
     opt = adamw(model.parameters())
     losses = []
     for x, y in data:

@@ -19,7 +19,10 @@ State dicts go through ``torch.distributed.checkpoint.state_dict.get_state_dict`
 ``set_state_dict``: keys are the ORIGINAL module paths (FSDP and TP leave names alone; pipeline
 stages keep the original names), values are DTensors sharded as this plan shards them, and
 ``torch.distributed.checkpoint`` (DCP) re-shards on load. So a checkpoint written under one plan
-(DP x TP) loads under another (PP x DP) on the same number or a different number of ranks.
+(DP x TP) loads under another (PP x DP) on the same number or a different number of ranks. A tiled
+linear (``BlockPlan.tiles``) keeps its original name and shape too: :mod:`whalepy.runtime._tile_state` merges
+its tiles' entries into one (``merge_state``) and splits them back on load (``split_state``), so
+checkpoints move between tiled and untiled plans.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from whalepy._errors import WhalepyError
+from whalepy.runtime._tile_state import merge_state, split_state
+from whalepy.runtime.tiling import tiled_layout
 
 __all__ = ["apply_activation_checkpointing", "apply_activation_offload", "gather_full_state_dict", "get_train_state", "load_model_state",
            "load_train_state", "save_train_state", "set_train_state"]
@@ -156,7 +161,8 @@ def get_train_state(modules: Sequence[nn.Module], optimizer: Optimizers) -> dict
     _check_optimizer(optimizer)
     model_sd, optim_sd = get_state_dict(list(modules) if len(modules) > 1 else modules[0], optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    return _map_tensors(state, lambda t: t.full_tensor() if _is_strided(t) else t)
+    state = _map_tensors(state, lambda t: t.full_tensor() if _is_strided(t) else t)
+    return merge_state(state, tiled_layout(modules))  # tiled linears under their original names
 
 
 def _reshard_like(state: dict[str, Any], template: dict[str, Any]) -> dict[str, Any]:
@@ -180,7 +186,9 @@ def set_train_state(modules: Sequence[nn.Module], optimizer: Optimizers,
     _check_optimizer(optimizer)
     target = list(modules) if len(modules) > 1 else modules[0]
     template_model, template_optim = get_state_dict(target, optimizer)
-    state = _reshard_like(state, {"model": template_model, "optim": template_optim})
+    template = {"model": template_model, "optim": template_optim}
+    state = split_state(state, template, tiled_layout(modules))  # original names -> this plan's tiles
+    state = _reshard_like(state, template)
     set_state_dict(list(modules) if len(modules) > 1 else modules[0], optimizer,
                    model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=StateDictOptions(strict=False))
@@ -264,6 +272,7 @@ def load_model_state(path: str | Path, modules: Sequence[nn.Module]) -> None:
     keys = reader.read_metadata().state_dict_metadata
     nested = any(k.startswith("model.") for k in keys)
     state = _map_tensors(_model_state(modules), lambda t: t.full_tensor() if _is_strided(t) else t)
+    state = merge_state(state, tiled_layout(modules))
     flat = {(f"model.{k}" if nested else k) for k in state}
     missing = sorted(flat - set(keys))
     if missing:
@@ -271,8 +280,9 @@ def load_model_state(path: str | Path, modules: Sequence[nn.Module]) -> None:
                            "it is of another model")
     dcp.load({"model": state} if nested else state, checkpoint_id=str(path))
     for m in modules:
-        own = {k: v for k, v in state.items() if k in get_model_state_dict(m)}
-        own = _reshard_like(own, get_model_state_dict(m))
+        template = get_model_state_dict(m)
+        split = split_state(state, template, tiled_layout([m]))
+        own = _reshard_like({k: v for k, v in split.items() if k in template}, template)
         set_model_state_dict(m, own, options=StateDictOptions(strict=False))
 
 
@@ -293,11 +303,13 @@ def gather_full_state_dict(modules: Sequence[nn.Module], *, stage_ranks: Sequenc
         for m in modules:
             out.update(get_model_state_dict(
                 m, options=StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)))
-        return out if rank == 0 else {}
+        return merge_state(out, tiled_layout(modules)) if rank == 0 else {}
     local = _model_state(modules)
     meta = {k: (tuple(v.shape), v.dtype) for k, v in local.items()}
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, meta)
+    dist.all_gather_object(everyone, (meta, tiled_layout(modules)))
+    layout = {k: v for _, lay in everyone for k, v in lay.items()}
+    everyone = [m for m, _ in everyone]
     out = {}
     done: set[str] = set()  # the same on every rank, so every rank skips the same keys
     for ranks in stage_ranks:
@@ -317,7 +329,7 @@ def gather_full_state_dict(modules: Sequence[nn.Module], *, stage_ranks: Sequenc
                 buf = torch.empty(shape, dtype=dtype, device=_device_of(local))
                 dist.recv(buf, src=leader)
                 out[key] = buf.cpu() if cpu_offload else buf
-    return out if rank == 0 else {}
+    return merge_state(out, layout) if rank == 0 else {}  # tiles gathered one at a time, joined here
 
 
 def _device_of(state: dict[str, Any]) -> torch.device:

@@ -21,6 +21,10 @@ the ``cpu`` tier (ZeRO-Offload) is sharded like any other here and
 such tier is always lowered to FSDP2. ``optimizer_tier = nvme`` needs nothing here (any kind): the
 optimizer's states of those blocks are kept in files by :mod:`whalepy.runtime.nvme`. Tier combinations the runtime does not
 lower (:func:`whalepy._capabilities.state_option_error`) raise :class:`~whalepy.WhalepyError`.
+A tiled block (``BlockPlan.tiles``, :mod:`whalepy.runtime.tiling`) has each tile of its linears
+sharded as its own unit before the block itself; :func:`fsdp_units` lists them with the block's
+units (the disk tier homes their shards with the block) and :func:`set_prefetch` prefetches a tiled
+block by its first tile only.
 
 Precision: under FSDP2 every unit gets ``MixedPrecisionPolicy(param_dtype=<bf16|fp16>,
 reduce_dtype=float32)``: fp32 sharded parameters (the master weights), gradients and optimizer
@@ -46,6 +50,7 @@ from whalepy._capabilities import choose_lowering_kind as choose_kind
 from whalepy._capabilities import offloads_to_host, state_option_error, uses_cpu_offload_policy
 from whalepy._errors import WhalepyError
 from whalepy.plan import BlockPlan, Precision, Tier, ZeroStage
+from whalepy.runtime.tiling import tile_modules
 
 __all__ = ["DataParallelKind", "apply_data_parallel", "build_optimizer", "cast_sharded_params", "choose_kind",
            "compute_dtype", "fsdp_units", "offloads_any_block", "set_prefetch"]
@@ -95,6 +100,9 @@ def apply_data_parallel(
     for bp, mods in blocks:
         policy = _offload_policy(bp, device_type)
         for m in mods:
+            kwargs = {"offload_policy": policy} if policy is not None else {}
+            for tile in tile_modules(m):  # memory-centric tiling: each tile its own unit, inside the block's
+                fully_shard(tile, mesh=dp_mesh, reshard_after_forward=reshard, **kwargs, **mp)
             if m is module:
                 continue
             if any(id(p) in shared for p in m.parameters()):
@@ -103,7 +111,6 @@ def apply_data_parallel(
                 log.info("whalepy: %s shares a parameter with another module; it is sharded with the "
                          "root instead of as its own FSDP unit", type(m).__name__)
                 continue
-            kwargs = {"offload_policy": policy} if policy is not None else {}
             fully_shard(m, mesh=dp_mesh, reshard_after_forward=reshard, **kwargs, **mp)
     root_policy = next((p for p in (_offload_policy(bp, device_type) for bp, _ in blocks) if p), None)
     kwargs = {"offload_policy": root_policy} if root_policy is not None else {}
@@ -176,10 +183,22 @@ def _offload_policy(bp: BlockPlan, device_type: str) -> CPUOffloadPolicy | None:
 
 
 def fsdp_units(module: nn.Module, mods: Sequence[nn.Module]) -> list[nn.Module]:
-    """The FSDP2 units among a block's modules (not the root, which every block shares)."""
+    """The FSDP2 units of a block: its modules (not the root, which every block shares), then the tiles
+    of its tiled linears (:mod:`whalepy.runtime.tiling`), in forward order."""
     from torch.distributed.fsdp import FSDPModule
 
-    return [m for m in mods if m is not module and isinstance(m, FSDPModule)]
+    outer = [m for m in mods if m is not module and isinstance(m, FSDPModule)]
+    return outer + [t for m in mods for t in tile_modules(m) if isinstance(t, FSDPModule)]
+
+
+def _heads(module: nn.Module, mods: Sequence[nn.Module], *, forward: bool) -> list[nn.Module]:
+    """The units of a block another block prefetches: all but the tiles, and of the tiles only the one
+    used first (the first in forward, the last in backward), so prefetching keeps one tile's working set."""
+    from torch.distributed.fsdp import FSDPModule
+
+    tiles = [t for m in mods for t in tile_modules(m) if isinstance(t, FSDPModule)]
+    outer = [m for m in mods if m is not module and isinstance(m, FSDPModule)]
+    return outer + (tiles[:1] if forward else tiles[-1:])
 
 
 def set_prefetch(module: nn.Module, blocks: Sequence[tuple[BlockPlan, Sequence[nn.Module]]]) -> int:
@@ -187,15 +206,19 @@ def set_prefetch(module: nn.Module, blocks: Sequence[tuple[BlockPlan, Sequence[n
     block ``i`` all-gathers the units of the next ``prefetch_depth`` blocks in forward
     (``set_modules_to_forward_prefetch``) and of the previous ones in backward
     (``set_modules_to_backward_prefetch``). NVMe blocks prefetch one block this way (host to device);
-    their disk reads ``prefetch_depth`` ahead are the disk tier's. Returns the blocks configured."""
+    their disk reads ``prefetch_depth`` ahead are the disk tier's. A tiled block is prefetched by its
+    first tile only (:func:`_heads`); inside it FSDP2 gathers tile after tile. Returns the blocks
+    configured."""
     units = [fsdp_units(module, mods) for _, mods in blocks]
+    fwd = [_heads(module, mods, forward=True) for _, mods in blocks]
+    bwd = [_heads(module, mods, forward=False) for _, mods in blocks]
     n = 0
     for i, (bp, _) in enumerate(blocks):
         if bp.param_tier is Tier.GPU or not units[i]:
             continue
         depth = 1 if bp.param_tier is Tier.NVME else max(1, bp.prefetch_depth)
-        ahead = [u for us in units[i + 1: i + 1 + depth] for u in us]
-        behind = [u for us in units[max(0, i - depth): i][::-1] for u in us]
+        ahead = [u for us in fwd[i + 1: i + 1 + depth] for u in us]
+        behind = [u for us in bwd[max(0, i - depth): i][::-1] for u in us]
         if ahead:
             units[i][-1].set_modules_to_forward_prefetch(ahead)
         if behind:

@@ -324,14 +324,19 @@ def materialize_modules(
 ) -> MaterializeStats:
     """Allocate and fill this rank's tensors of ``modules`` (lowered from the model ``skeleton`` was
     taken of; names are the original module paths). See the module docstring."""
+    from whalepy.runtime.tiling import tile_origins
+
     device = torch.device(device)
     kind = checkpoint_kind(checkpoint) if checkpoint is not None else None
-    unknown = sorted(n for n, t, _ in _local_tensors(modules) if t.is_meta and n not in skeleton.meta_names)
+    # a tile of a tiled linear (runtime.tiling) comes from rows of the linear's tensor, initialised whole
+    origins = {n: o for n, o in tile_origins(modules).items() if o[0] in skeleton.meta_names}
+    known = skeleton.meta_names | set(origins)
+    unknown = sorted(n for n, t, _ in _local_tensors(modules) if t.is_meta and n not in known)
     if unknown:  # e.g. a constant the pipeline trace captured from a meta tensor: its value is lost
         raise WhalepyError(f"{unknown[0]} is on the meta device but is not a tensor of the model; "
                            "build the model so that forward creates no tensor from its meta state")
     _allocate(modules, device)
-    targets = [(n, t, is_p) for n, t, is_p in _local_tensors(modules) if n in skeleton.meta_names]
+    targets = [(n, t, is_p) for n, t, is_p in _local_tensors(modules) if n in known]
     for n, t, _ in targets:
         if t.is_meta:
             raise WhalepyError(f"{n} is still on the meta device after materialisation")
@@ -348,11 +353,12 @@ def materialize_modules(
         with torch.no_grad():
             for name, t, is_param in targets:
                 source = None
+                orig, first_row, rows = origins.get(name, (name, 0, None))
                 if reader is not None:  # HF saves a tied weight once, under one of its names
-                    source = next((n for n in [name, *names_of[skeleton.canonical[name]]] if n in reader),
+                    source = next((n for n in [orig, *names_of[skeleton.canonical[orig]]] if n in reader),
                                   None)
                 if source is not None:
-                    part = reader.read(source, local_index(t, cache))
+                    part = reader.read(source, _shift(local_index(t, cache), first_row, rows))
                     largest = max(largest, part.nbytes)  # alive next to the share while copied
                     _fill(t, part, name)
                     del part
@@ -362,14 +368,17 @@ def materialize_modules(
                     raise WhalepyError(f"the safetensors checkpoint {checkpoint} has no tensor {name!r} "
                                        "(nor a tied alias of it); it is of another model")
                 else:
-                    owner = skeleton.canonical[name].rpartition(".")[0]
+                    owner = skeleton.canonical[orig].rpartition(".")[0]
                     by_unit.setdefault(owner, []).append((name, t, is_param))
             for owner, items in by_unit.items():
                 host = init_module(skeleton, owner, seed=seed, init_fn=init_fn)
                 largest = max(largest, sum(p.nbytes for p in host._parameters.values() if p is not None))
                 for name, t, _ in items:
-                    field = skeleton.canonical[name].rpartition(".")[2]
-                    _fill(t, take(getattr(host, field).detach(), local_index(t, cache)), name)
+                    orig, first_row, rows = origins.get(name, (name, 0, None))
+                    value = getattr(host, skeleton.canonical[orig].rpartition(".")[2]).detach()
+                    if rows is not None:
+                        value = value[first_row:first_row + rows]
+                    _fill(t, take(value, local_index(t, cache)), name)
                 del host
     finally:
         if reader is not None:
@@ -381,6 +390,20 @@ def materialize_modules(
     relink_original_inv_freq(modules)
     return MaterializeStats(share_bytes=share, peak_bytes=share + largest, largest_unit_bytes=largest,
                             num_tensors=len(targets))
+
+
+def _shift(index: Sequence[slice | torch.Tensor], first_row: int, rows: int | None) -> tuple[slice | torch.Tensor, ...]:
+    """``index`` of a tile (``rows`` rows) as an index into its linear's tensor, which the tile's rows
+    start at ``first_row`` of."""
+    if rows is None or not index:
+        return tuple(index)
+    first = index[0]
+    if isinstance(first, torch.Tensor):
+        first = first + first_row
+    else:
+        lo, hi, _ = first.indices(rows)
+        first = slice(first_row + lo, first_row + hi)
+    return (first, *index[1:])
 
 
 def _non_persistent(skeleton: Skeleton) -> set[str]:

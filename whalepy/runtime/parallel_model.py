@@ -6,7 +6,8 @@ Lowering order for this rank (see docs/runtime.md):
 2. meshes from the plan's rank grid (``mesh.build_meshes``);
 3. pipeline split into this rank's stage module(s), original module paths kept (``pipeline.py``);
 4. tensor parallelism from the plan's TP rules (``tensor_parallel.apply_tensor_parallel``);
-5. activation checkpointing, or activation offload to host memory, of the blocks the plan marks;
+5. memory-centric tiling of the blocks with ``tiles > 1`` (``tiling.py``), then activation
+   checkpointing, or activation offload to host memory, of the blocks the plan marks;
 6. DDP / ZeRO / FSDP2 over the ``dp`` axis, per block then root (``data_parallel``); a model built on
    the meta device has gone through 3-6 without memory and only now gets this rank's shards,
    initialised or loaded (``materialize``);
@@ -73,6 +74,7 @@ from whalepy.runtime.host_optimizer import HostOptimizer
 from whalepy.runtime.nvme import NvmeTier, build_nvme_tier
 from whalepy._launch_errors import install_error_hook
 from whalepy.runtime.tensor_parallel import apply_tensor_parallel
+from whalepy.runtime.tiling import check_tiles, plan_tiling, tile_model
 
 if TYPE_CHECKING:
     from whalepy.cluster import ClusterSpec
@@ -208,6 +210,7 @@ def parallelize(
     device_type = _init_process_group(cluster_spec)
     rank = dist.get_rank()
     check_world(plan)
+    check_tiles(plan, {})  # memory-centric tiling only where it is lowered, before profiling
     _check_device(plan, cluster_spec, rank)
     if plan.model_fingerprint != "unchecked":
         profile = profile if profile is not None else _profile_or_none(model, example_inputs, plan)
@@ -339,6 +342,8 @@ class ParallelModel:
                        sequence_parallel=any(r.style is TPStyle.SEQUENCE for r in plan.tensor_parallel),
                        where="the plan cannot be lowered (whalepy.plan never makes such a plan: re-plan)")
         _check_reduce_every_microbatch(plan)
+        block_modules = _resolve_block_modules(model, plan, profile)
+        tiling = plan_tiling(model, plan, block_modules)  # block -> {linear: tiles}; checked here
         self.plan = plan
         self.loss_fn = _checked_loss(loss_fn)
         self._example_shapes = [tuple(x.shape[1:]) for x in example_inputs if isinstance(x, torch.Tensor)]
@@ -372,7 +377,6 @@ class ParallelModel:
             if sync_initial_weights:
                 _broadcast_weights(model)
         stage = m.stage
-        block_modules = _resolve_block_modules(model, plan, profile)
         self.block_modules = block_modules  # block name -> module paths (whalepy.trace_memory)
         start = sum(plan.batch_shares[: m.replica])
         self._slice = slice(start, start + plan.batch_shares[m.replica])
@@ -423,6 +427,7 @@ class ParallelModel:
         nvme_blocks: list[tuple[Any, nn.Module, list[nn.Module]]] = []
         host_blocks: list[tuple[Any, list[nn.Module]]] = []
         for mod, chunk in zip(local, local_chunks):
+            tile_model(mod, {p: t for b in chunk for p, t in tiling.get(b.name, {}).items()})
             blocks = [(b, [mod.get_submodule(p) for p in block_modules[b.name]]) for b in chunk]
             if tp > 1:
                 apply_tensor_parallel(mod, plan.tensor_parallel, m.tp_mesh, loss_parallel=loss_parallel)
