@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from whalepy._tiling import linear_param_counts
+from whalepy._tiling import linear_param_counts, linear_rows
 from whalepy.passes.annotate import (
     annotate_nodes,
     lookup,
@@ -127,6 +127,7 @@ def build_profile(
             output_bytes=int(fig["out"]), tp_rules=tp.rules, tp_comm_bytes=int(tp.comm_bytes),
             tp_degrees=degrees, annotations=merged, kernels=fig["kernels"],
             linear_params=lin_sum, largest_linear_params=lin_max, num_linears=lin_n,
+            linear_rows=linear_rows(model, spec.modules),
         ))
     unique = list(model.parameters())
     batch, seq = _batch_and_seq(gm)

@@ -19,7 +19,9 @@ from runtime_cases import Case, build_model, case_profile
 from tiling_cases import run_all
 from whalepy._tiling import tileable_linears
 from whalepy.runtime._tile_state import merge_state, split_state
-from whalepy.runtime.tiling import TiledLinear, tile_model, tile_rows, tiled_layout
+from whalepy._tiling import tile_rows
+from whalepy.planner._tiling_costs import unit_params
+from whalepy.runtime.tiling import TiledLinear, tile_model, tiled_layout
 
 TOL = 1e-5
 NVME = {"param_tier": "nvme", "optimizer_tier": "nvme", "prefetch_depth": 2}
@@ -134,13 +136,17 @@ def test_tiled_zero3_on_two_ranks_matches_single_process(tmp_path):
         assert max(size for _, size, _ in inside) == _largest_tile(tiles, "transformer.h.0"), inside
         block = next(size for n, size, _ in r["units"] if n == "transformer.h.0")
         assert block == 128
+        # what the planner charges as the block's FSDP2 unit is the largest unit the runtime gathered
+        prof_block = next(b for b in case_profile("gpt", 2).blocks if b.name == "transformer.h.0")
+        assert unit_params(prof_block, tiles) == max(size for _, size, _ in inside)
         assert max(t for _, _, t in inside) == block + _largest_tile(tiles, "transformer.h.0")
     for r in (same, untiled, tiled):
         assert r["keys"] == sorted(build_model("gpt", 2).state_dict()), r["name"]  # original names
         assert r["load_err"] <= TOL and r["param_err"] <= TOL and r["loss_err"] <= TOL, r
-    assert zero2 == ("PlanError: block 'transformer.h.0': tiles=2 needs ZeRO-3 (tiles are gathered one at a "
+    # refused when the plan is made (StagePlan checks tiling_error), before parallelize builds anything
+    assert zero2 == ("PlanError: stage 0, block 'transformer.h.0': tiles=2 needs ZeRO-3 (tiles are gathered one at a "
                      "time), got ZeRO-2; set zero_stage=3 or tiles=1")
-    assert tp2 == ("PlanError: block 'transformer.h.0': tiles=2 with tensor parallelism (tp=2) is not "
+    assert tp2 == ("PlanError: stage 0, block 'transformer.h.0': tiles=2 with tensor parallelism (tp=2) is not "
                    "lowered; use tp=1 or tiles=1")
 
 

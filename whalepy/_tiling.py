@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["linear_param_counts", "tileable_linears"]
+__all__ = ["largest_tile_params", "linear_param_counts", "linear_rows", "tile_rows", "tileable_linears"]
 
 
 def tileable_linears(model: Any, paths: Iterable[str]) -> list[tuple[str, Any]]:
@@ -41,3 +41,23 @@ def linear_param_counts(model: Any, paths: Iterable[str]) -> tuple[int, int, int
     how many there are."""
     sizes = [sum(p.numel() for p in m.parameters(recurse=False)) for _, m in tileable_linears(model, paths)]
     return sum(sizes), max(sizes, default=0), len(sizes)
+
+
+def linear_rows(model: Any, paths: Iterable[str]) -> tuple[tuple[int, int], ...]:
+    """``(output features, parameters per output row)`` of each of :func:`tileable_linears`."""
+    out = []
+    for _, m in tileable_linears(model, paths):
+        per_row = m.in_features + (1 if m.bias is not None else 0)
+        out.append((m.out_features, per_row))
+    return tuple(out)
+
+
+def tile_rows(out_features: int, tiles: int) -> list[int]:
+    """Rows of each tile (``torch.tensor_split`` sizes: the first ``out % tiles`` one row more)."""
+    return [out_features // tiles + (1 if i < out_features % tiles else 0) for i in range(tiles)]
+
+
+def largest_tile_params(rows: Iterable[tuple[int, int]], tiles: int) -> int:
+    """Parameters of the largest tile over linears of ``(output features, parameters per row)`` split into
+    ``tiles`` (0 for none)."""
+    return max((-(-out // tiles) * per_row for out, per_row in rows), default=0)

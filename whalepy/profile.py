@@ -144,6 +144,9 @@ class BlockProfile:
     tile the block)."""
     num_linears: int = 0
     """How many ``nn.Linear`` modules the tiling counts (each becomes ``tiles`` FSDP2 units)."""
+    linear_rows: tuple[tuple[int, int], ...] = ()
+    """Per tileable linear, ``(output features, parameters per output row)``: a tile of ``t`` has
+    ``ceil(out / t)`` rows at most (:func:`whalepy._tiling.largest_tile_params`); empty: unknown."""
     annotations: BlockAnnotations = field(default_factory=BlockAnnotations)
     kernels: BlockKernels | None = None
     """GEMM and attention shapes, memory-bound bytes and launches of the forward; None when unknown

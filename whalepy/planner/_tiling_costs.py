@@ -15,6 +15,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from whalepy._capabilities import tiling_error
+from whalepy._tiling import largest_tile_params
 from whalepy.cost_models.communication import Collective
 from whalepy.plan import ZeroStage
 from whalepy.planner.space import StateOption
@@ -37,12 +38,15 @@ ZeRO-Infinity's 32T model on 512 GPUs) are 268M parameters, 0.5 GB in 16 bits.""
 
 def unit_params(block: BlockProfile, tiles: int) -> float:
     """Parameters of the largest FSDP2 unit of ``block`` (tp 1) with ``tiles`` tiles: the block itself
-    untiled; tiled, the largest tile (``ceil``-split of its largest linear, whose rows carry ``in``
-    weights and a bias each: ``largest / tiles`` to within one row) or what the block's own unit keeps
-    (its parameters outside the linears), whichever is larger."""
+    untiled; tiled, the largest tile (each linear's ``ceil(out / tiles)`` rows of ``in`` weights and a
+    bias, :func:`whalepy._tiling.largest_tile_params`; ``largest / tiles`` where the profile has no
+    shapes) or what the block's own unit keeps (its parameters outside the linears), whichever is
+    larger."""
     if tiles == 1 or block.largest_linear_params == 0:
         return float(block.num_params)
-    return max(block.largest_linear_params / tiles, float(block.num_params - block.linear_params))
+    tile = (largest_tile_params(block.linear_rows, tiles) if block.linear_rows
+            else block.largest_linear_params / tiles)
+    return max(float(tile), float(block.num_params - block.linear_params))
 
 
 def tiled_options(options: Sequence[StateOption], blocks: Sequence[BlockProfile], *, tp: int,

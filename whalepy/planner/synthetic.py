@@ -119,14 +119,17 @@ def transformer_profile(
                             tp_degrees=layer_tp, kernels=layer_kernels,
                             linear_params=attn_matmul + mlp_matmul,
                             largest_linear_params=max(h * f, h * h + 2 * h * h * kv // a),
-                            num_linears=5 if gated_mlp else 4))
+                            num_linears=5 if gated_mlp else 4,
+                            linear_rows=((h + 2 * h * kv // a, h), (h, h))
+                            + (((f, h),) * 2 if gated_mlp else ((f, h),)) + ((h, f),)))
     blocks.append(block(1 + num_layers, "head", BlockKind.HEAD, params=head_params, act=logits_bytes,
                         fwd=float(head_fwd), input_bytes=hidden_bytes, output_bytes=4 * b,
                         tp_rules=(TPRule(module="head", style=TPStyle.COLWISE),),
                         tp_comm_bytes=4 * b * s, tp_degrees=_pow2_divisors(V),
                         linear_params=0 if tied_embeddings else V * h,
                         largest_linear_params=0 if tied_embeddings else V * h,
-                        num_linears=0 if tied_embeddings else 1))
+                        num_linears=0 if tied_embeddings else 1,
+                        linear_rows=() if tied_embeddings else ((V, h),)))
     total = sum(bl.num_params for bl in blocks)
     key = f"{name}|{num_layers}|{h}|{s}|{V}|{a}|{f}|{kv}|{gated_mlp}|{learned_positions}|{tied_embeddings}"
     return ModelProfile(

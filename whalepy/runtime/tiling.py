@@ -28,17 +28,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from whalepy._tiling import tile_rows
 from whalepy._errors import PlanError
 
 __all__ = ["TiledLinear", "check_tiles", "plan_tiling", "tile_model", "tile_modules", "tile_origins",
            "tile_rows", "tiled_layout"]
 
 _PARAMS = ("weight", "bias")
-
-
-def tile_rows(out_features: int, tiles: int) -> list[int]:
-    """Rows of each tile (``torch.tensor_split`` sizes: the first ``out % tiles`` one row more)."""
-    return [out_features // tiles + (1 if i < out_features % tiles else 0) for i in range(tiles)]
 
 
 class TiledLinear(nn.Module):
