@@ -49,71 +49,12 @@ def cpu_cluster(world: int) -> Any:
         "nvme": {"capacity_tb": 1, "read_gbs": 1, "write_gbs": 1}}]})
 
 
-def _storage(t: torch.Tensor) -> tuple[int, int]:
-    from torch.distributed.tensor import DTensor
-
-    local = t._local_tensor if isinstance(t, DTensor) else t
-    st = local.untyped_storage()
-    return st.data_ptr(), st.nbytes()
-
-
-def _offloaded_params(modules: list[torch.nn.Module]) -> set[int]:
-    """Ids of the parameters FSDP2 offloads to the host (its ``FSDPParam.offload_to_cpu``)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    out: set[int] = set()
-    for root in modules:
-        for m in root.modules():
-            if not isinstance(m, FSDPModule):
-                continue
-            group = m._get_fsdp_state()._fsdp_param_group
-            for fp in group.fsdp_params if group is not None else ():
-                if fp.offload_to_cpu:
-                    out.add(id(fp.sharded_param))
-    return out
-
-
 def measure_held(pm: Any) -> dict[str, dict[str, int]]:
-    """Bytes of parameters, gradients and optimizer states this rank holds, by kind and place."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
+    """Bytes of parameters, gradients and optimizer states this rank holds, by kind and place
+    (:func:`whalepy.runtime._held.held_state_bytes`)."""
+    from whalepy.runtime._held import held_state_bytes
 
-    modules = pm.module if isinstance(pm.module, list) else [pm.module]
-    params = list({id(p): p for m in modules for p in m.parameters()}.values())
-    offloaded = _offloaded_params(modules)
-    opt = pm.optimizer.optim if isinstance(pm.optimizer, ZeroRedundancyOptimizer) else pm.optimizer
-    # ZeRO-Offload: the host copies are separate tensors (counted below), whatever the device is
-    on_cpu_device = pm.device.type == "cpu"
-    seen: set[int] = set()
-    out = {k: {"device": 0, "host": 0, "files": 0} for k in ("params", "grads", "optimizer")}
-
-    def add(kind: str, t: torch.Tensor, owner: torch.nn.Parameter, mapped: bool = False) -> None:
-        ptr, nbytes = _storage(t)
-        if ptr in seen or nbytes == 0:
-            return
-        seen.add(ptr)
-        if mapped:
-            place = "files"
-        elif id(owner) in offloaded or (t.device.type == "cpu" and not on_cpu_device):
-            place = "host"
-        else:
-            place = "device"
-        out[kind][place] += nbytes
-
-    for p in params:
-        add("params", p, p)
-        if p.grad is not None:  # the disk tier's gradient files (nvme parameters) are files
-            add("grads", p.grad, p, mapped=pm.nvme is not None and pm.nvme.grads.is_file_grad(p))
-    for p in params:
-        for v in (opt.state.get(p, {}).values() if opt is not None else ()):
-            if isinstance(v, torch.Tensor) and v.dim() > 0:
-                add("optimizer", v, p, mapped=pm.nvme is not None and pm.nvme.is_mapped(v))
-    if pm.host_optimizer is not None:
-        for kind, t in pm.host_optimizer.held():
-            ptr, nbytes = _storage(t)
-            if ptr not in seen and nbytes:
-                seen.add(ptr)
-                out[kind]["host"] += nbytes
-    return out
+    return held_state_bytes(pm)
 
 
 def held_vs_predicted(cases: list[tuple[int, str | None, str]], nvme_root: str) -> list[dict[str, Any]]:

@@ -57,38 +57,12 @@ def check_measurable(cluster: ClusterSpec, models: list[Any]) -> None:
 
 
 def held_state_bytes(pm: Any) -> dict[str, int]:
-    """Bytes of parameters, gradients and optimizer states this rank holds: ``{"device", "host"}``."""
-    import torch
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.distributed.tensor import DTensor
+    """Bytes of parameters, gradients and optimizer states this rank holds: ``{"device", "host"}``
+    (:func:`whalepy.runtime._held.held_state_bytes` summed over kinds; the study has no disk tier)."""
+    from whalepy.runtime._held import held_state_bytes as by_kind
 
-    modules = pm.module if isinstance(pm.module, list) else [pm.module]
-    params = list({id(p): p for m in modules for p in m.parameters()}.values())
-    offloaded = set()
-    for m in (x for root in modules for x in root.modules()):
-        group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None
-        offloaded |= {id(fp.sharded_param) for fp in (group.fsdp_params if group else ()) if fp.offload_to_cpu}
-    opt = pm.optimizer.optim if isinstance(pm.optimizer, ZeroRedundancyOptimizer) else pm.optimizer
-    seen: set[int] = set()
-    out = {"device": 0, "host": 0}
-
-    def add(t: torch.Tensor, owner: Any) -> None:
-        st = (t._local_tensor if isinstance(t, DTensor) else t).untyped_storage()
-        if st.data_ptr() in seen or st.nbytes() == 0:
-            return
-        seen.add(st.data_ptr())
-        out["host" if id(owner) in offloaded else "device"] += st.nbytes()
-
-    for p in params:
-        add(p, p)
-        if p.grad is not None:
-            add(p.grad, p)
-    for p in params:
-        for v in opt.state.get(p, {}).values():
-            if isinstance(v, torch.Tensor) and v.dim() > 0:
-                add(v, p)
-    return out
+    held = by_kind(pm)
+    return {place: sum(held[k][place] for k in held) for place in ("device", "host")}
 
 
 def _rank_measure(spec: str, prof: ModelProfile, cluster: ClusterSpec, cases: list[tuple[int, str | None]], *,
