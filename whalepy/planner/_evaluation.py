@@ -1,0 +1,370 @@
+"""Evaluation of a fully specified configuration (split from :mod:`whalepy.planner.costing`, which
+re-exports these names): the step time and memory of given stage sizes, checkpointed and offloaded
+blocks per segment and a state option per stage, from the candidate's coefficients; the lower bound the
+search prunes with. The ILP (:mod:`whalepy.planner.ilp`) and the exhaustive search evaluate their
+solutions with :func:`evaluate`, so every plan is costed by the same functions."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from whalepy.planner.costing import (
+    CandidateCoeffs,
+    CellCoeffs,
+    StageCoeffs,
+    node_fits,
+    stage_host_activation,
+)
+from whalepy.planner.space import StateOption
+
+__all__ = ["CellEval", "Evaluation", "StageEval", "chunk_busy_s", "chunk_counts_from_sizes", "counts_from_boundaries", "evaluate", "evaluate_stage", "lower_bound", "memory_breakdown", "offload_s", "split_stage_checkpoints", "step_time"]
+
+
+@dataclass(slots=True)
+class CellEval:
+    cell: CellCoeffs
+    compute_s: float
+    """Per micro-batch: block compute (and recompute), without communication or the exposed copies of
+    offloaded activations (:func:`offload_s`, in ``time_s``)."""
+    comm_s: float
+    """Per micro-batch: exposed TP collectives and pipeline sends."""
+    dp_exposed_s: float
+    """Per micro-batch: exposed data-parallel communication (FSDP2 gathers not hidden by compute, and
+    the compute they slow down)."""
+    fetch_s: float
+    time_s: float
+    """Per micro-batch: max(compute + TP + exposed DP communication, fetch) + p2p."""
+    chunk_time_s: float
+    """Per micro-batch, the largest chunk: max(busy_k, fetch / v) + p2p_k (v = 1: time_s)."""
+    exposed_sync_s: float
+    """Per step: gradient reduction not hidden by the last backward, plus post-step all-gathers."""
+    opt_s: float
+    memory_bytes: float
+    """GPU bytes at the peak: states + buffers + activations."""
+    states_bytes: float
+    """Parameters + gradients + optimizer states on the GPU."""
+    params_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+    buffer_bytes: float
+    """FSDP2 working set, unsharded gradient accumulation, autocast weight copies."""
+    activation_bytes: float
+    cpu_bytes: float
+    nvme_bytes: float
+
+    tp_s: float = 0.0
+    """Per micro-batch: exposed tensor-parallel collectives."""
+
+    @property
+    def tail_s(self) -> float:
+        return self.exposed_sync_s + self.opt_s
+
+    @property
+    def p2p_s(self) -> float:
+        return self.cell.p2p
+
+    @property
+    def reserve_bytes(self) -> float:
+        """Device memory the planner keeps back from the allocator: CUDA context, NCCL buffers and
+        the allocator's fragmentation allowance (:func:`whalepy.planner._runtime_costs.usable_device_bytes`)."""
+        return self.cell.group.device.memory_bytes - self.cell.capacity
+
+    @property
+    def fits(self) -> bool:
+        """Device memory; host memory and NVMe are the node's (:func:`node_fits`)."""
+        return self.memory_bytes <= self.cell.capacity * (1 + 1e-6)
+
+
+def memory_breakdown(c: CellEval) -> dict[str, int]:
+    """A cell's memory by kind, bytes per device (the :class:`~whalepy.plan.StageCost` fields)."""
+    return dict(params_bytes=int(c.params_bytes), grads_bytes=int(c.grads_bytes),
+                optimizer_bytes=int(c.optimizer_bytes), activation_bytes=int(c.activation_bytes),
+                buffer_bytes=int(c.buffer_bytes), reserve_bytes=int(c.reserve_bytes),
+                cpu_bytes=int(c.cpu_bytes), nvme_bytes=int(c.nvme_bytes))
+
+
+@dataclass(slots=True)
+class StageEval:
+    index: int
+    counts: tuple[int, ...]
+    """Blocks per segment on this stage (all chunks)."""
+    checkpoints: tuple[int, ...]
+    """Checkpointed blocks per segment on this stage (all chunks)."""
+    option: StateOption
+    local_params: float
+    sync_s: float
+    cells: list[CellEval]
+    chunk_counts: tuple[tuple[int, ...], ...] = ()
+    """Per chunk (virtual stage ``index + k S``), blocks per segment."""
+    chunk_checkpoints: tuple[tuple[int, ...], ...] = ()
+    chunk_offloads: tuple[tuple[int, ...], ...] = ()
+    """Per chunk, blocks per segment whose saved activations are kept in host memory."""
+    host_activation_bytes: float = 0.0
+    """Host bytes per rank of the offloaded activations (included in each cell's ``cpu_bytes``)."""
+
+    @property
+    def offloads(self) -> tuple[int, ...]:
+        """Blocks per segment with activations offloaded on this stage (all chunks)."""
+        if not self.chunk_offloads:
+            return (0,) * len(self.counts)
+        return tuple(sum(col) for col in zip(*self.chunk_offloads))
+
+    @property
+    def time_s(self) -> float:
+        return max(c.time_s for c in self.cells)
+
+    @property
+    def chunk_time_s(self) -> float:
+        return max(c.chunk_time_s for c in self.cells)
+
+    @property
+    def tail_s(self) -> float:
+        return max(c.tail_s for c in self.cells)
+
+    @property
+    def fits(self) -> bool:
+        return all(c.fits for c in self.cells)
+
+
+@dataclass(slots=True)
+class Evaluation:
+    coeffs: CandidateCoeffs
+    stages: list[StageEval]
+    boundaries: tuple[int, ...]
+    """Blocks in each virtual stage, in model order."""
+    T: float
+    X: float
+    step_time_s: float
+    fits: bool
+    notes: list[str] = field(default_factory=list)
+    Tc: float = 0.0
+    """Largest chunk time per micro-batch (``T`` without interleaving)."""
+
+    @property
+    def bubble_s(self) -> float:
+        """Pipeline fill and drain per step: ``(S - 1) Tc``."""
+        return self.coeffs.chunk_coefficient * self.Tc
+
+
+def chunk_busy_s(c: CellCoeffs, option: StateOption, counts: Sequence[int], ckpts: Sequence[int],
+                 offs: Sequence[int] = ()) -> float:
+    """Per micro-batch, one chunk of a cell without its sends: its blocks' forward, backward and TP
+    all-reduces, recompute of its checkpointed blocks, the exposed host copies of its blocks with
+    offloaded activations, and its exposed data-parallel communication."""
+    return (sum(n * (x + e) for n, x, e in zip(counts, c.seg_time, c.seg_exposed[option]))
+            + sum(k * x for k, x in zip(ckpts, c.seg_recompute)) + offload_s(c, offs) + c.edge[option])
+
+
+def offload_s(c: CellCoeffs, offs: Sequence[int]) -> float:
+    """Exposed activation-offload seconds per micro-batch of ``offs`` blocks per segment."""
+    if not any(offs):
+        return 0.0
+    if c.seg_offload is None:
+        raise ValueError(f"activation offload on group {c.group.device.name!r}, which has no host memory given")
+    return sum(k * x for k, x in zip(offs, c.seg_offload))
+
+
+def evaluate_stage(sc: StageCoeffs, chunk_counts: Sequence[Sequence[int]], chunk_ckpts: Sequence[Sequence[int]],
+                   option: StateOption, *, dp: int, chunk_offs: Sequence[Sequence[int]] | None = None) -> StageEval:
+    """Cost of one physical stage: blocks, checkpointed blocks and blocks with offloaded activations
+    (``chunk_offs``, None: none) per segment of each of its chunks (one chunk without interleaving) and
+    its state option."""
+    v = len(chunk_counts)
+    G = len(sc.seg_params)
+    counts = [sum(row[g] for row in chunk_counts) for g in range(G)]
+    ckpts = [sum(row[g] for row in chunk_ckpts) for g in range(G)]
+    if chunk_offs is None or not any(map(any, chunk_offs)):
+        chunk_offs = [[0] * G for _ in range(v)]
+        offs = [0] * G
+        host_act = 0.0
+    else:
+        offs = [sum(row[g] for row in chunk_offs) for g in range(G)]
+        if any(k + o > n for cn, ck, co in zip(chunk_counts, chunk_ckpts, chunk_offs) for n, k, o in zip(cn, ck, co)):
+            raise ValueError(f"stage {sc.index}: checkpointed {ckpts} plus offloaded {offs} blocks exceed {counts}")
+        host_act = sum(o * x for o, x in zip(offs, stage_host_activation(sc)))
+    pl = sum(n * p for n, p in zip(counts, sc.seg_params))
+    alpha, beta = sc.sync[option]
+    post = alpha + beta * pl if dp > 1 and pl > 0 else 0.0
+    states = sc.mem_beta[option] * pl
+    sp, sg, so = sc.state_split[option]
+    freed = sg * pl if sc.grads_freed[option] else 0.0
+    buffers = sc.buffer_beta[option] * pl + sc.working_bytes[option]
+    cells = []
+    for c in sc.cells:
+        off_s = offload_s(c, offs)
+        compute = (sum(n * x for n, x in zip(counts, c.seg_time)) + sum(k * x for k, x in zip(ckpts, c.seg_recompute))
+                   + off_s)
+        comm = sum(n * x for n, x in zip(counts, c.seg_comm))
+        exposed = sum(n * e for n, e in zip(counts, c.seg_exposed[option])) + v * c.edge[option]
+        fetch = c.fetch_beta[option] * pl
+        backward = sum(n * x for n, x in zip(counts, c.seg_bwd))  # the last micro-batch's, hides ZeRO-Offload
+        time_s = max(compute + exposed, fetch) + c.p2p
+        # an offloaded block keeps nothing on the device between its forward and its backward
+        kept = [sum(n * a + k * (i - a) - o * a for n, k, o, a, i in zip(cn, ck, co, c.seg_saved, c.seg_input))
+                for cn, ck, co in zip(chunk_counts, chunk_ckpts, chunk_offs)]
+        if v == 1:
+            chunk_time = time_s
+        else:
+            chunk_time = max(max(chunk_busy_s(c, option, cn, ck, co), fetch / v) + p
+                             for cn, ck, co, p in zip(chunk_counts, chunk_ckpts, chunk_offs, c.chunk_p2p))
+        # recomputed or fetched back in backward, one block at a time
+        peak = max((a for k, o, a in zip(ckpts, offs, c.seg_saved) if k + o > 0), default=0.0)
+        act = c.inflight * max(kept) + peak + c.autocast_bytes[option] + c.loss_bytes
+        # the peak: end of forward (activations, gradients not yet created if freed) or end of backward
+        at_act = states - freed + buffers + act >= states + buffers
+        grads_held = sg * pl if (not freed or not at_act) else 0.0
+        sync_s = sum(n * x for n, x in zip(counts, c.seg_tail[option])) + c.tail_edge[option] + post
+        cells.append(CellEval(
+            cell=c, compute_s=compute - comm - off_s, comm_s=comm + c.p2p, dp_exposed_s=exposed, fetch_s=fetch,
+            time_s=time_s, chunk_time_s=chunk_time, exposed_sync_s=sync_s if dp > 1 else 0.0,
+            opt_s=c.opt_beta[option] * pl + max(0.0, c.opt_overlap[option] * pl - backward),
+            memory_bytes=max(states - freed + act, states) + buffers,
+            states_bytes=states, params_bytes=sp * pl, grads_bytes=grads_held, optimizer_bytes=so * pl,
+            buffer_bytes=buffers, activation_bytes=act if at_act else 0.0, tp_s=comm,
+            cpu_bytes=sc.cpu_beta[option] * pl + host_act, nvme_bytes=sc.nvme_beta[option] * pl))
+    return StageEval(index=sc.index, counts=tuple(counts), checkpoints=tuple(ckpts), option=option,
+                     local_params=pl, sync_s=max(c.exposed_sync_s for c in cells), cells=cells,
+                     chunk_counts=tuple(tuple(r) for r in chunk_counts),
+                     chunk_checkpoints=tuple(tuple(r) for r in chunk_ckpts),
+                     chunk_offloads=tuple(tuple(r) for r in chunk_offs), host_activation_bytes=host_act)
+
+
+def chunk_counts_from_sizes(cc: CandidateCoeffs, sizes: Sequence[int]) -> list[list[int]]:
+    """Blocks per segment of each virtual stage, in model order."""
+    out = [[0] * len(cc.segments) for _ in sizes]
+    bounds = [0]
+    for size in sizes:
+        bounds.append(bounds[-1] + size)
+    for j in range(len(sizes)):
+        lo, hi = bounds[j], bounds[j + 1]
+        for seg in cc.segments:
+            a, b = max(lo, seg.start), min(hi, seg.start + seg.length)
+            if b > a:
+                out[j][seg.index] = b - a
+    return out
+
+
+def counts_from_boundaries(cc: CandidateCoeffs, sizes: Sequence[int]) -> list[list[int]]:
+    """Blocks per physical stage per segment from the sizes of the virtual stages."""
+    S = cc.candidate.num_stages
+    counts = [[0] * len(cc.segments) for _ in range(S)]
+    for j, row in enumerate(chunk_counts_from_sizes(cc, sizes)):
+        for g, n in enumerate(row):
+            counts[j % S][g] += n
+    return counts
+
+
+def split_stage_checkpoints(chunk_counts: Sequence[Sequence[int]], stage_ckpts: Sequence[int]) -> list[list[int]]:
+    """Spread a stage's checkpointed blocks per segment over its chunks, filling the first chunk first."""
+    left = list(stage_ckpts)
+    out = []
+    for row in chunk_counts:
+        take = [min(n, k) for n, k in zip(row, left)]
+        left = [k - t for k, t in zip(left, take)]
+        out.append(take)
+    if any(left):
+        raise ValueError(f"checkpoint counts {list(stage_ckpts)} exceed the stage's blocks per segment")
+    return out
+
+
+def evaluate(cc: CandidateCoeffs, sizes: Sequence[int], ckpts: Sequence[Sequence[int]],
+             options: Sequence[StateOption], offs: Sequence[Sequence[int]] | None = None) -> Evaluation:
+    """Cost of a fully specified configuration: virtual-stage ``sizes``, checkpointed blocks per segment
+    of every virtual stage (``J`` rows, model order; ``S`` rows of per-stage counts are spread over each
+    stage's chunks first chunk first), and a state option per stage; ``offs``: blocks per segment with
+    activations offloaded to host memory, ``J`` rows (None: none)."""
+    cand = cc.candidate
+    S, v = cand.num_stages, cand.virtual_stages
+    if len(sizes) != cand.num_virtual or sum(sizes) != cc.num_blocks or min(sizes) < 1:
+        raise ValueError(f"stage sizes {list(sizes)} do not split {cc.num_blocks} blocks into "
+                         f"{cand.num_virtual} non-empty stages")
+    chunk_counts = chunk_counts_from_sizes(cc, sizes)
+    if len(ckpts) == cand.num_virtual:
+        chunk_ckpts = [list(r) for r in ckpts]
+    elif len(ckpts) == S:
+        chunk_ckpts = [[] for _ in range(cand.num_virtual)]
+        for s in range(S):
+            rows = split_stage_checkpoints([chunk_counts[s + k * S] for k in range(v)], ckpts[s])
+            for k in range(v):
+                chunk_ckpts[s + k * S] = rows[k]
+    else:
+        raise ValueError(f"{len(ckpts)} checkpoint rows for {cand.num_virtual} virtual stages")
+    if offs is not None and len(offs) != cand.num_virtual:
+        raise ValueError(f"{len(offs)} activation-offload rows for {cand.num_virtual} virtual stages")
+    stages = []
+    for s, sc in enumerate(cc.stages):
+        if options[s] not in sc.options:
+            raise ValueError(f"stage {s}: state option {options[s]} is not available there")
+        stages.append(evaluate_stage(sc, [chunk_counts[s + k * S] for k in range(v)],
+                                     [chunk_ckpts[s + k * S] for k in range(v)], options[s], dp=cand.dp,
+                                     chunk_offs=None if offs is None else [offs[s + k * S] for k in range(v)]))
+    T = max(st.time_s for st in stages)
+    Tc = max(st.chunk_time_s for st in stages)
+    X = max(st.tail_s for st in stages)
+    fits = all(st.fits for st in stages) and node_fits(
+        cc, [st.cells[0].cpu_bytes for st in stages], [st.cells[0].nvme_bytes for st in stages])
+    return Evaluation(coeffs=cc, stages=stages, boundaries=tuple(sizes), T=T, X=X,
+                      step_time_s=step_time(cc, T, Tc, X), fits=fits, Tc=Tc)
+
+
+def step_time(cc: CandidateCoeffs, T: float, Tc: float, X: float) -> float:
+    """``M T + (S - 1) Tc + X`` (see the module docstring)."""
+    return cc.candidate.num_microbatches * T + cc.chunk_coefficient * Tc + X
+
+
+def lower_bound(cc: CandidateCoeffs) -> float:
+    """A step time no plan of ``cc``'s candidate beats, read off the coefficients its cost is made of.
+
+    It uses nothing but ``CellCoeffs.seg_time`` (per block of each segment, seconds per micro-batch:
+    what :func:`evaluate_stage` sums into a cell's ``compute``) and the shape of :func:`step_time`;
+    no constant of the cost model appears here, so whatever a block costs (compute model, byte scale,
+    TP communication) the bound moves with it. The argument, each step an inequality of the cost's
+    structure:
+
+    1. ``step = M T + (S - 1) Tc + X`` with ``X >= 0`` (a max of exposed sync ``max(0, .)`` plus an
+       optimizer step, both non-negative).
+    2. Per cell, ``time_s = max(compute, gather, fetch) + p2p >= compute`` (a max is at least its first
+       argument, ``p2p >= 0``), and ``compute = sum_g n_g seg_time_g + sum_g c_g seg_recompute_g
+       >= sum_g n_g seg_time_g =: C_s`` (recompute and exposed activation copies are non-negative). So ``T >= max_s C_s`` for every
+       replica's cells.
+    3. A chunk's time is ``max(compute_k, ...) + p2p_k >= compute_k`` and the chunks' ``compute_k`` sum
+       to the stage's ``compute``, so ``Tc >= max_s C_s / v``; with ``v = 1`` the chunk is the stage and
+       ``Tc = T``.
+    4. Relaxing the partition of replica ``r`` (``n_sg >= 0``, ``sum_s n_sg = L_g``, fractional), for
+       any weights ``lambda_s >= 0`` summing to one, ``max_s C_s >= sum_s lambda_s C_s >= sum_g L_g
+       min_s lambda_s w_sg`` with ``w_sg`` the seg_time of segment ``g`` on stage ``s``'s cell of
+       ``r``. The weights ``lambda_s ~ 1 / W_s`` (``W_s = sum_g L_g w_sg``, the whole model on that
+       cell) make this ``1 / sum_s (1 / W_s)`` when every cell runs every block alike (``W / S`` on one
+       device type), and never more than the fractional optimum otherwise.
+    5. Blocks are whole: a block of segment ``g`` runs on some stage and in some chunk of it, so ``T``
+       and ``Tc`` are both at least ``min_s w_sg``, for every segment.
+
+    Hence ``step >= M T* + (S - 1) Tc*`` with ``T* = max_r max(frac_r, block_r)`` and ``Tc* = T*``
+    (``v = 1``) or ``max(T* / v, max_r block_r)``: memory limits, gathers, fetches, p2p, recompute and
+    the tail only add to it. ``tests/test_planner_bound.py`` checks ``bound <= solved cost`` for every
+    candidate of random instances.
+
+    Only ``seg_time`` is read, which no state option changes, so ``cc`` may be built with no options
+    (``build_coefficients(ctx, cand, segments, ())``, what the search does: it skips the per-option
+    work for candidates it never solves).
+    """
+    cand = cc.candidate
+    S, v, M = cand.num_stages, cand.virtual_stages, cand.num_microbatches
+    lengths = [seg.length for seg in cc.segments]
+    T, B = 0.0, 0.0
+    # replicas whose stages all run in the same cells are one pipeline as far as the bound goes
+    cells = [{r: c for c in st.cells for r in c.replicas} for st in cc.stages]
+    pipelines = {tuple(id(cell_of[r]) for cell_of in cells): r for r in range(cand.dp)}
+    for r in pipelines.values():
+        w = [cell_of[r].seg_time for cell_of in cells]
+        whole = [sum(n * x for n, x in zip(lengths, row)) for row in w]
+        block = max(min(row[g] for row in w) for g, n in enumerate(lengths) if n > 0)
+        if min(whole) <= 0.0:
+            frac = 0.0
+        else:
+            norm = sum(1.0 / x for x in whole)
+            frac = sum(n * min(row[g] / (x * norm) for row, x in zip(w, whole)) for g, n in enumerate(lengths))
+        T, B = max(T, frac, block), max(B, block)
+    Tc = T if v == 1 else max(T / v, B)
+    return M * T + (S - 1) * Tc
