@@ -39,7 +39,7 @@ from whalepy._capabilities import check_pipeline, state_option_error, steps_on_h
 from whalepy._errors import ArgumentError, LaunchError, PlanError, WhalepyError
 from whalepy._log import info_once, is_rank0, warn_once
 from whalepy._pseudo_to_real import PseudoBuild, record_pseudo
-from whalepy._validate import check_scalar_loss, max_positions
+from whalepy._validate import max_positions
 from whalepy.plan import Plan, Tier, TPStyle
 from whalepy.runtime.checkpointing import (
     apply_activation_checkpointing,
@@ -75,6 +75,21 @@ from whalepy.runtime.nvme import NvmeTier, build_nvme_tier
 from whalepy._launch_errors import install_error_hook
 from whalepy.runtime.tensor_parallel import apply_tensor_parallel
 from whalepy.runtime.tiling import check_tiles, plan_tiling, tile_model
+from whalepy.runtime._pm_helpers import (  # noqa: F401 - _checked_loss: tests import it from here
+    LossFn,
+    _checked_loss,
+    _check_reduce_every_microbatch,
+    _Null,
+    _sync_context,
+    _full,
+    _as_tuple,
+    _resize_batch,
+    _broadcast_weights,
+    _profile_or_none,
+    _pipeline_chunks,
+    _resolve_block_modules,
+    _check_device,
+)
 
 if TYPE_CHECKING:
     from whalepy.cluster import ClusterSpec
@@ -83,7 +98,6 @@ __all__ = ["ParallelModel", "UnlaunchedModel", "is_distributed_launch", "paralle
 
 log = logging.getLogger("whalepy.runtime")
 
-LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 _hint_printed = False
@@ -763,158 +777,3 @@ class ParallelModel:
         if total is None:
             return torch.zeros((), device=self.device)
         return total / (self.loss_scale * loss_scale)  # the schedule's losses carry the share scale
-
-
-# -- helpers ---------------------------------------------------------------------------------------
-
-
-def _checked_loss(loss_fn: LossFn) -> LossFn:
-    """``loss_fn`` whose result is checked to be a scalar before anything differentiates it."""
-    def checked(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
-        loss = loss_fn(outputs, targets)
-        check_scalar_loss(loss)
-        return loss
-
-    return checked
-
-
-def _check_reduce_every_microbatch(plan: Plan) -> None:
-    """Refuse a stage's ``reduce_every_microbatch`` where the runtime cannot lower it (one rule,
-    :func:`reduce_every_microbatch_error`), before anything is built."""
-    from whalepy._capabilities import choose_lowering_kind, reduce_every_microbatch_error
-
-    for st in plan.stages:
-        if not st.reduce_every_microbatch:
-            continue
-        kind = choose_lowering_kind(st.zero_stage, plan.dp_degree, tp=st.tp_degree, pp=plan.pp_degree,
-                                    offload=offloads_any_block(st.blocks))
-        for b in st.blocks:
-            reason = reduce_every_microbatch_error(kind, pp=plan.pp_degree, param_tier=b.param_tier,
-                                                   optimizer_tier=b.optimizer_tier)
-            if reason is not None:
-                raise PlanError(f"stage {st.index}: {reason}")
-
-
-class _Null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-def _sync_context(module: nn.Module, kind: str, last: bool) -> Any:
-    if kind == DataParallelKind.FSDP:
-        module.set_requires_gradient_sync(last)
-        return _Null()
-    if kind in (DataParallelKind.DDP, DataParallelKind.ZERO1) and not last:
-        return module.no_sync()
-    return _Null()
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _as_tuple(x: Any) -> tuple:
-    if isinstance(x, torch.Tensor):
-        return (x,)
-    if isinstance(x, (tuple, list)):
-        return tuple(x)
-    raise ArgumentError(f"inputs must be a tensor or a tuple of tensors (positional model inputs), got "
-                        f"{type(x).__name__}; pass e.g. (tokens,)")
-
-
-def _resize_batch(x: torch.Tensor, n: int) -> torch.Tensor:
-    if x.shape[0] >= n:
-        return x[:n]
-    reps = (n + x.shape[0] - 1) // x.shape[0]
-    return x.repeat(reps, *([1] * (x.dim() - 1)))[:n]
-
-
-def _broadcast_weights(model: nn.Module) -> None:
-    with torch.no_grad():
-        for t in list(model.parameters()) + list(model.buffers()):
-            if t.device.type != "meta":
-                dist.broadcast(t.data, src=0)
-
-
-def _profile_or_none(model: nn.Module, example_inputs: Any, plan: Plan) -> Any:
-    try:
-        from whalepy.profile import profile
-    except ImportError:
-        return None
-    try:
-        return profile(model, example_inputs,
-                       sequence_parallel=any(r.style is TPStyle.SEQUENCE for r in plan.tensor_parallel))
-    except (ImportError, NotImplementedError) as e:
-        log.warning("whalepy: cannot profile the model to check the plan's fingerprint (%s)", e)
-        return None
-
-
-def _pipeline_chunks(plan: Plan) -> list[list[Any]]:
-    """The BlockPlans of every pipeline stage in execution order: chunk ``j`` of physical stage ``s``
-    (``StagePlan.chunk_sizes``) is pipeline stage ``s + j * pp``."""
-    pp, v = plan.pp_degree, plan.virtual_stages
-    chunks: list[list[Any]] = [[] for _ in range(pp * v)]
-    for s in plan.stages:
-        sizes = s.chunk_sizes or (len(s.blocks),)
-        if len(sizes) != v:
-            raise PlanError(f"stage {s.index} has {len(sizes)} chunks, the plan has virtual_stages={v}")
-        start = 0
-        for j, n in enumerate(sizes):
-            chunks[s.index + j * pp] = list(s.blocks[start:start + n])
-            start += n
-    return chunks
-
-
-def _resolve_block_modules(model: nn.Module, plan: Plan, profile: Any) -> dict[str, tuple[str, ...]]:
-    """Block name -> module paths: from the profile, or the block name itself when it is a path."""
-    names = dict(model.named_modules())
-    out: dict[str, tuple[str, ...]] = {}
-    for s in plan.stages:
-        for b in s.blocks:
-            if profile is not None:
-                try:
-                    out[b.name] = tuple(profile.block(b.name).modules)
-                    continue
-                except KeyError:
-                    pass
-            if b.name in names:
-                out[b.name] = (b.name,)
-            else:
-                raise PlanError(f"block {b.name!r} is not a module path of this model and no profile "
-                                "maps it; pass profile=whalepy.profile(model, example_inputs)")
-    return out
-
-
-def _check_device(plan: Plan, cluster_spec: Any, rank: int) -> None:
-    planned = plan.rank_device_types[rank]
-    spec_device = None
-    simulated = False
-    if cluster_spec is not None and hasattr(cluster_spec, "rank_device_type"):
-        spec_device = cluster_spec.rank_device_type(rank)
-        group = cluster_spec.group(cluster_spec.rank_devices()[rank].group)
-        simulated = bool(getattr(group, "runs_on_cpu", False))
-        if spec_device.name != planned:
-            raise LaunchError(
-                f"rank {rank} is a {spec_device.name} in the cluster spec but the plan puts a {planned} "
-                "there; re-plan for this cluster spec (or launch with the cluster the plan was made for)"
-            )
-    if simulated or planned.upper() == "CPU":
-        return
-    if not torch.cuda.is_available():
-        raise LaunchError(
-            f"rank {rank} has no GPU but the plan puts a {planned} there; run on the planned machines, "
-            "or mark the cluster group simulated (simulated: true) to train on CPU"
-        )
-    from whalepy.cost_models.devices import match_device_name
-
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    name = torch.cuda.get_device_name(local)
-    found = match_device_name(name, torch.cuda.get_device_properties(local).total_memory)
-    if found is not None and found.name != planned:
-        raise LaunchError(f"rank {rank} runs on a {found.name} ({name}) but the plan puts a {planned} "
-                          "there; re-plan for this cluster or fix the rank order (rank_map)")
