@@ -160,6 +160,25 @@ def test_diff_names_the_changes_and_the_effect() -> None:
     assert "no differences in the parallel layout" in same and "(+0.0%)" in same
 
 
+def test_diff_and_page_name_offload_tiling_and_reduction_changes() -> None:
+    import dataclasses
+
+    from whalepy.runtime import make_plan
+
+    names = ["embed", "h.0", "h.1", "head"]
+    a = make_plan(names, dp=2, global_batch=8, zero_stage=3, num_microbatches=2)
+    st = a.stages[0]
+    blocks = tuple(dataclasses.replace(blk, tiles=2 if blk.name.startswith("h.") else 1,
+                                       activation_offload=blk.name == "h.1") for blk in st.blocks)
+    b = dataclasses.replace(a, stages=(dataclasses.replace(st, blocks=blocks, reduce_every_microbatch=True),))
+    text = plan_diff(a, b)
+    assert "memory-centric tiling:\n    h.0-1: tiles 1 -> 2" in text, text
+    assert "activation offload:\n    h.1: activations in host memory added" in text, text
+    assert "stage 0: gradients reduced every micro-batch" in text, text
+    page = plan_html(b)
+    assert "tiles 2" in page and "gradients reduced every micro-batch" in page
+
+
 def test_cli_show_html_svg_and_diff(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     homogeneous_3d().save(a)

@@ -24,8 +24,9 @@ def _change(name: str, a: object, b: object) -> list[str]:
     return [] if a == b else [f"  {name}: {a} -> {b}"]
 
 
-def _by_block(p: Plan) -> dict[str, tuple[int, bool, str, str]]:
-    return {b.name: (s.index, b.checkpoint, b.param_tier.value, b.optimizer_tier.value)
+def _by_block(p: Plan) -> dict[str, tuple[int, bool, str, str, bool, int]]:
+    return {b.name: (s.index, b.checkpoint, b.param_tier.value, b.optimizer_tier.value, b.activation_offload,
+                     b.tiles)
             for s in p.stages for b in s.blocks}
 
 
@@ -45,19 +46,24 @@ def _blocks(a: Plan, b: Plan) -> list[str]:
         out.append(f"  blocks only in the first plan: {compress_names(only_a)}")
     if only_b:
         out.append(f"  blocks only in the second plan: {compress_names(only_b)}")
-    moved, ckpt, tiers = [], [], []
-    for name, (sa, ca, pa, oa) in ba.items():
+    moved, ckpt, tiers, act, tiles = [], [], [], [], []
+    for name, (sa, ca, pa, oa, aa, ta) in ba.items():
         if name not in bb:
             continue
-        sb, cb, pb, ob = bb[name]
+        sb, cb, pb, ob, ab, tb = bb[name]
         if sa != sb:
             moved.append((name, f"stage {sa} -> {sb}"))
         if ca != cb:
             ckpt.append((name, "checkpointing " + ("added" if cb else "removed")))
+        if aa != ab:
+            act.append((name, "activations in host memory " + ("added" if ab else "removed")))
+        if ta != tb:
+            tiles.append((name, f"tiles {ta} -> {tb}"))
         if (pa, oa) != (pb, ob):
             tiers.append((name, f"params {pa} -> {pb}, optimizer {oa} -> {ob}" if pa != pb
                           else f"optimizer {oa} -> {ob}"))
-    for title, pairs in (("blocks moved", moved), ("activation checkpointing", ckpt), ("memory tiers", tiers)):
+    for title, pairs in (("blocks moved", moved), ("activation checkpointing", ckpt), ("activation offload", act),
+                         ("memory tiers", tiers), ("memory-centric tiling", tiles)):
         if pairs:
             out.append(f"  {title}:")
             out += _grouped(pairs)
@@ -85,6 +91,9 @@ def _stages(a: Plan, b: Plan) -> list[str]:
             parts.append(f"ZeRO-{int(x.zero_stage)} -> ZeRO-{int(y.zero_stage)}")
         if x.chunk_sizes != y.chunk_sizes:
             parts.append(f"chunks {list(x.chunk_sizes)} -> {list(y.chunk_sizes)}")
+        if x.reduce_every_microbatch != y.reduce_every_microbatch:
+            parts.append("gradients reduced " + ("every micro-batch" if y.reduce_every_microbatch
+                                                 else "once per step"))
         if parts:
             out.append(f"  stage {i}: " + "; ".join(parts))
     return out

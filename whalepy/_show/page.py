@@ -99,6 +99,8 @@ def _stages_table(plan: Plan) -> str:
     for st in plan.stages:
         k = st.cost
         tiers = sorted({f"{b.param_tier.value} / {b.optimizer_tier.value}" for b in st.blocks})
+        tiers += sorted({f"tiles {b.tiles}" for b in st.blocks if b.tiles > 1})
+        tiers += ["gradients reduced every micro-batch"] if st.reduce_every_microbatch else []
         devs = stage_devices(st)
         chunks = f" (chunks {'+'.join(map(str, st.chunk_sizes))})" if st.chunk_sizes else ""
         out.append(f'<tr class="wp-stage" data-stage="{st.index}" data-blocks="{len(st.blocks)}">'
