@@ -118,7 +118,8 @@ def build_profile(
             spec.name, [(p, lookup(ann, p)) for p in (*spec.modules, *fig["paths"])],
             boundaries)
         degrees = check_split_degrees(spec.name, merged, tp, spec.modules)
-        lin_sum, lin_max, lin_n = linear_param_counts(model, spec.modules)
+        rows = linear_rows(model, spec.modules)
+        lin_sum, lin_max, lin_n = linear_param_counts(rows)
         blocks.append(BlockProfile(
             name=spec.name, index=spec.index, kind=spec.kind, modules=spec.modules,
             repeat_group=spec.repeat_group, num_params=b.num_params, param_bytes=b.param_bytes,
@@ -127,7 +128,7 @@ def build_profile(
             output_bytes=int(fig["out"]), tp_rules=tp.rules, tp_comm_bytes=int(tp.comm_bytes),
             tp_degrees=degrees, annotations=merged, kernels=fig["kernels"],
             linear_params=lin_sum, largest_linear_params=lin_max, num_linears=lin_n,
-            linear_rows=linear_rows(model, spec.modules),
+            linear_rows=rows,
         ))
     unique = list(model.parameters())
     batch, seq = _batch_and_seq(gm)

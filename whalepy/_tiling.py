@@ -36,10 +36,9 @@ def tileable_linears(model: Any, paths: Iterable[str]) -> list[tuple[str, Any]]:
     return list(out.values())
 
 
-def linear_param_counts(model: Any, paths: Iterable[str]) -> tuple[int, int, int]:
-    """``(sum, largest, count)``: parameter counts (weight + bias) over :func:`tileable_linears`, and
-    how many there are."""
-    sizes = [sum(p.numel() for p in m.parameters(recurse=False)) for _, m in tileable_linears(model, paths)]
+def linear_param_counts(rows: Iterable[tuple[int, int]]) -> tuple[int, int, int]:
+    """``(sum, largest, count)`` of the linears' parameter counts, from their :func:`linear_rows`."""
+    sizes = [out * per_row for out, per_row in rows]
     return sum(sizes), max(sizes, default=0), len(sizes)
 
 
