@@ -28,7 +28,7 @@ Kept free of ``torch.distributed`` imports so the planner and the cost models ca
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 from whalepy._errors import PlanError
@@ -323,3 +323,20 @@ def reduce_every_microbatch_error(kind: LoweringKind | str, *, pp: int, param_ti
                 "the host) is not lowered: the host optimizer steps each block when its gradients are "
                 "reduced; drop it, or set both tiers to 'cpu'")
     return None
+
+
+def mixed_tiers_error(kind: LoweringKind | str, tiers: Sequence[tuple[Tier | str, Tier | str]]) -> str | None:
+    """Why the blocks of one stage cannot keep their states in the given ``(param_tier,
+    optimizer_tier)`` pairs side by side (granular tiers, M6-10T), or None when they can.
+
+    Several distinct pairs in one stage are lowered to FSDP2 only: every block is its own
+    ``fully_shard`` unit with its own offload policy (``CPUOffloadPolicy`` or none), and the host
+    optimizer (ZeRO-Offload) and the disk tier work block by block. DDP (and DDP with
+    ``ZeroRedundancyOptimizer``) wraps the stage as one module, with one place for all its states."""
+    pairs = {(Tier(p), Tier(o)) for p, o in tiers}
+    if len(pairs) <= 1 or LoweringKind(kind) is LoweringKind.FSDP:
+        return None
+    names = ", ".join(f"({p.value}, {o.value})" for p, o in sorted(pairs, key=str))
+    return (f"blocks of one stage with different tiers {names} need the FSDP2 lowering, not "
+            f"{LoweringKind(kind).value}: give the stage one (param_tier, optimizer_tier) pair, or a ZeRO "
+            "stage and degrees that lower to FSDP2")

@@ -247,6 +247,19 @@ class StageCoeffs:
     """Per option, GPU bytes per local parameter of buffers beside the model states (FSDP2's unsharded
     gradient accumulation across micro-batches)."""
     dp_ranks: tuple[int, ...]
+    families: tuple[tuple[StateOption, ...], ...] = ()
+    """Groups of two or more of :attr:`options` whose blocks may share this stage, each block keeping
+    its states where its option says (granular tiers, M6-10T; :data:`~whalepy.planner.space.StateMix`):
+    the options of one lowering (FSDP2, per-block ``fully_shard`` with per-block offload policies), ZeRO
+    stage, gradient reduction and tiling, whose per-stage costs (working set, first-block gathers, last
+    reduction, post-step communication, autocast copies) are one value, so a mix pays them once.
+    Empty: one option per stage (without interleaving only, and unless ``PlannerOptions.mixed_tiers`` is
+    off)."""
+
+
+def family_of(sc: StageCoeffs, option: StateOption) -> tuple[StateOption, ...]:
+    """The family of ``option`` on stage ``sc`` (itself alone when it shares none)."""
+    return next((f for f in sc.families if option in f), (option,))
 
 
 @dataclass(frozen=True, slots=True)
@@ -373,7 +386,9 @@ class CostContext:
 
 
 def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...],
-                       options: tuple[StateOption, ...]) -> CandidateCoeffs:
+                       options: tuple[StateOption, ...], *, mixed_tiers: bool = False) -> CandidateCoeffs:
+    """The candidate's cost coefficients; ``mixed_tiers``: blocks of one stage may keep their states in
+    different tiers (:attr:`StageCoeffs.families`)."""
     hw = ctx.hw
     ranks = build_layout(cand, hw)
     S, t, d = cand.num_stages, cand.tp, cand.dp
@@ -427,14 +442,35 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
             cells.append(_cell(ctx, cand, segments, s, hw.groups[g], share, tuple(reps), ranks, allowed, dp_comm,
                                tile_extra))
         allowed = _undominated(allowed, sync, mem_beta, cpu_beta, nvme_beta, working, buffer_beta, cells)
+        families = (_families(allowed, cand, sync, working, freed, cells)
+                    if mixed_tiers and cand.virtual_stages == 1 else ())
         stages.append(StageCoeffs(index=s, cells=cells, seg_params=seg_params, options=allowed, sync=sync,
                                   mem_beta=mem_beta, cpu_beta=cpu_beta, nvme_beta=nvme_beta,
                                   working_bytes=working, state_split=split, grads_freed=freed,
                                   buffer_beta=buffer_beta,
-                                  dp_ranks=dp_ranks))
+                                  dp_ranks=dp_ranks, families=families))
     return CandidateCoeffs(candidate=cand, segments=segments, stages=stages, ranks=ranks,
                            nodes=_node_shares(hw, ranks) if any(_off_device(o) for st in stages for o in st.options)
                            or any(stage_offloadable(st) for st in stages) else (), bubble=cand.bubble_coefficient)
+
+
+def _families(options, cand, sync, working, freed, cells) -> tuple[tuple[StateOption, ...], ...]:  # type: ignore[no-untyped-def]
+    """:attr:`StageCoeffs.families` of a stage: its options grouped by lowering, ZeRO stage, gradient
+    reduction and tiling, where the runtime lowers their blocks side by side in one stage
+    (:func:`whalepy._capabilities.mixed_tiers_error`) and the per-stage costs agree."""
+    from whalepy._capabilities import mixed_tiers_error
+
+    groups: dict[tuple, list[StateOption]] = {}  # type: ignore[type-arg]
+    for o in options:
+        kind = lowering_kind(o, cand)
+        key = (kind, o.zero, o.reduce_each, o.tiles, sync[o], working[o], freed[o],
+               tuple((c.edge[o], c.tail_edge[o], c.autocast_bytes[o]) for c in cells))
+        groups.setdefault(key, []).append(o)
+    out = []
+    for (kind, *_), members in groups.items():
+        if len(members) > 1 and mixed_tiers_error(kind, [(o.param_tier, o.optimizer_tier) for o in members]) is None:
+            out.append(tuple(members))
+    return tuple(out)
 
 
 def reduce_each_options(options: tuple[StateOption, ...], cand: Candidate) -> tuple[StateOption, ...]:

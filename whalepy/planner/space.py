@@ -93,6 +93,18 @@ class StateOption:
         return s
 
 
+StateMix = tuple[tuple[StateOption, tuple[int, ...]], ...]
+"""Granular tiers inside one stage (M6-10T's per-layer offloading, issue 10): ``((option, blocks per
+segment), ...)``, state options of one family (:attr:`~whalepy.planner.costing.StageCoeffs.families`),
+each with the stage's blocks of every segment it keeps; the counts sum to the stage's. A stage with one
+option is costed with the option itself, not a one-part mix."""
+
+MAX_OPTIONS_PER_STAGE = 2
+"""Most state options the blocks of one stage are split over: the device and one tier off it (M6-10T
+keeps some layers' states on the GPU and offloads the rest; ZeRO-Infinity's tiers are per model). A
+search-space restriction, not a cost: it keeps the ILP small and the exhaustive check enumerable."""
+
+
 def build_state_options(zero_stages: tuple[int, ...], allow_offload: bool,
                         precision: str | None = None, clip_gradients: bool = False) -> tuple[StateOption, ...]:
     """Every combination the planner may pick per stage: those the runtime lowers
