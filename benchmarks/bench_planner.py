@@ -3,6 +3,7 @@ comparison of hardware-aware planning against the homogeneous-slowest baseline.
 
     python benchmarks/bench_planner.py            # everything
     python benchmarks/bench_planner.py --quick    # one repetition, synthetic profiles (no capture)
+    python benchmarks/bench_planner.py --mixed-tiers --reps 2   # granular tiers on / off, side by side
 
 Results go into docs/benchmarks.md.
 """
@@ -72,6 +73,33 @@ def bench_end_to_end(reps: int, synthetic: bool) -> list[str]:
     return rows
 
 
+def bench_mixed_tiers(reps: int) -> list[str]:
+    """Search seconds with granular tiers (``mixed_tiers``, the default) and without, side by side on
+    synthetic profiles, runs alternated; and the plans each finds."""
+    from whalepy.cluster import ClusterSpec
+    from whalepy.planner import plan_from_profile
+
+    rows = [f"| case | mixed_tiers=False s ({reps} runs) | mixed_tiers=True s | plan (False) | plan (True) |",
+            "|---|---|---|---|---|"]
+    for label, model, cfile, gb, seq, _ in CASES:
+        cluster = ClusterSpec.load(CLUSTERS / cfile)
+        prof = _profile(model, seq, True)
+        times: dict[bool, list[float]] = {False: [], True: []}
+        desc = {}
+        for _ in range(reps):
+            for mixed in (False, True):
+                t0 = time.perf_counter()
+                plan = plan_from_profile(prof, cluster, global_batch=gb, mixed_tiers=mixed)
+                times[mixed].append(time.perf_counter() - t0)
+                tiers = sorted({f"{b.param_tier.value}/{b.optimizer_tier.value}" for s in plan.stages for b in s.blocks})
+                desc[mixed] = (f"pp={plan.pp_degree} tp={max(plan.tp_degrees)} dp={plan.dp_degree} "
+                               f"M={plan.num_microbatches}, {plan.cost.step_time_s:.3g} s/step, tiers {','.join(tiers)}")
+        rows.append(f"| {label} | {', '.join(f'{x:.2f}' for x in times[False])} | "
+                    f"{', '.join(f'{x:.2f}' for x in times[True])} | {desc[False]} | {desc[True]} |")
+        print(rows[-1], flush=True)
+    return rows
+
+
 def bench_mixed(model: str, gb: int) -> list[str]:
     from whalepy.cluster import ClusterSpec
     from whalepy.planner import homogeneous_baseline, plan_from_profile
@@ -99,7 +127,12 @@ def main() -> int:
     ap.add_argument("--skip-e2e", action="store_true")
     ap.add_argument("--mixed-model", default="gpt2-xl")
     ap.add_argument("--mixed-batch", type=int, default=256)
+    ap.add_argument("--mixed-tiers", action="store_true",
+                    help="only: search time with and without granular tiers, side by side (synthetic profiles)")
     args = ap.parse_args()
+    if args.mixed_tiers:
+        print("\n".join(bench_mixed_tiers(args.reps)))
+        return 0
     out = []
     if not args.skip_e2e:
         out += bench_end_to_end(1 if args.quick else args.reps, synthetic=args.quick)

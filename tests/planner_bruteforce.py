@@ -4,7 +4,7 @@
 that drops GPipe where 1F1B ties it plays no part), every contiguous split of the blocks into virtual
 stages, every split of every chunk's blocks per segment into checkpointed, activation-offloaded and plain
 ones and every state option a stage's group can hold (including those :func:`costing._undominated`
-drops), costs each stage with the planner's own :func:`evaluate_stage` and every combination of stages
+drops) or mix of them (granular tiers, :attr:`StageCoeffs.families`), costs each stage with the planner's own :func:`evaluate_stage` and every combination of stages
 with :func:`step_time`, keeping those whose nodes hold their host and NVMe bytes (:func:`node_fits`). No lower bound, no
 incumbent, no Pareto front, no dominance: only identical per-stage outcomes are merged, which loses
 nothing. What it shares with the planner is the definition of the space and of the cost.
@@ -30,7 +30,7 @@ from whalepy.planner.costing import (
     step_time,
 )
 from whalepy.planner.search import enumerate_candidates, read_annotations
-from whalepy.planner.space import Hardware, build_segments, build_state_options
+from whalepy.planner.space import MAX_OPTIONS_PER_STAGE, Hardware, build_segments, build_state_options
 from whalepy.planner.synthetic import transformer_profile
 
 from planner_fixtures import as_fp32_capture, cluster, group, tiny_device
@@ -56,10 +56,30 @@ def stage_outcomes(sc, chunks, dp: int, allow_checkpointing: bool,  # type: igno
     for split in itertools.product(*per):
         rows = [[split[k * G + g][0] for g in range(G)] for k in range(len(chunks))]
         offs = [[split[k * G + g][1] for g in range(G)] for k in range(len(chunks))]
-        for o in sc.sync:  # every option the stage's groups can hold, dominated ones included
+        # every option the stage's groups can hold, dominated ones included (not one only a mix may
+        # use), and every mix of a family (granular tiers) on a one-chunk stage
+        choices = [o for o in sc.sync if not o.beside_offload] + (_mixes(sc, chunks[0]) if len(chunks) == 1 else [])
+        for o in choices:
             ev = evaluate_stage(sc, chunks, rows, o, dp=dp, chunk_offs=offs)
             off = (ev.cells[0].cpu_bytes, ev.cells[0].nvme_bytes) if nodes else (0.0, 0.0)
             out.add((ev.time_s, ev.chunk_time_s, ev.tail_s, ev.fits, *off))
+    return out
+
+
+def _mixes(sc, counts) -> list:  # type: ignore[no-untyped-def, type-arg]
+    """Every split of a stage's blocks per segment over 2 to MAX_OPTIONS_PER_STAGE options of one of its
+    families, each option with a block, not all of them only-in-a-mix options."""
+    out = []
+    for fam in sc.families:
+        for r in range(2, min(MAX_OPTIONS_PER_STAGE, len(fam)) + 1):
+            for opts in itertools.combinations(fam, r):
+                if all(o.beside_offload for o in opts):
+                    continue
+                per_seg = [[c for c in itertools.product(range(n + 1), repeat=r) if sum(c) == n] for n in counts]
+                for split in itertools.product(*per_seg):
+                    parts = tuple((o, tuple(split[g][i] for g in range(len(counts)))) for i, o in enumerate(opts))
+                    if all(any(n) for _, n in parts):
+                        out.append(parts)
     return out
 
 
@@ -108,7 +128,7 @@ def brute_force(profile, cluster_spec, global_batch: int, **options) -> float:  
     state = build_state_options(opts.zero_stages, opts.allow_offload, opts.precision)
     best = math.inf
     for cand in cands:
-        cc = build_coefficients(ctx, cand, segments, state)
+        cc = build_coefficients(ctx, cand, segments, state, mixed_tiers=opts.mixed_tiers)
         best = min(best, candidate_optimum(cc, opts.allow_checkpointing, opts.allow_activation_offload)[0])
     return best
 

@@ -45,7 +45,7 @@ def _check_plan(inst, plan) -> set[str]:  # type: ignore[no-untyped-def]
         elif r.startswith("does not fit"):
             kinds.add("does not fit")
             assert re.match(r"does not fit by [\d.]+ (GiB|MiB) on group '\w+'", r), r
-            cc = build_coefficients(ctx, by_desc[alt.description], segments, options)
+            cc = build_coefficients(ctx, by_desc[alt.description], segments, options, mixed_tiers=opts.mixed_tiers)
             assert math.isinf(candidate_optimum(cc, opts.allow_checkpointing)[0]), (alt, inst)
         elif r.startswith("pruned"):
             kinds.add("pruned")

@@ -50,6 +50,12 @@ class PlannerOptions:
     the node's host memory (``cpu_memory_gb`` of the cluster spec) holds them."""
     allow_offload: bool = True
     """Offload optimizer states (and, under ZeRO-3, parameters) to CPU, or NVMe where a group has it."""
+    mixed_tiers: bool = True
+    """Let the blocks of one pipeline stage keep their states in different tiers (M6-10T's granular
+    offloading: some layers' states on the device, the rest on the host or NVMe), up to
+    :data:`~whalepy.planner.space.MAX_OPTIONS_PER_STAGE` tier pairs per stage, where the runtime lowers
+    them side by side (FSDP2) and the stage has one chunk (no interleaving). False: one tier pair per
+    stage."""
     max_tp: int | None = None
     """Largest TP degree (default: GPUs per node; TP never leaves a node)."""
     precision: str | None = None
@@ -120,7 +126,7 @@ class PlannerOptions:
 
 _NUMBER_FIELDS = ("time_limit_s", "ilp_time_limit_s")
 _INT_FIELDS = ("top_k", "max_tp", "max_microbatches")
-_BOOL_FIELDS = ("allow_checkpointing", "allow_offload", "sequence_parallel", "homogeneous_baseline")
+_BOOL_FIELDS = ("allow_checkpointing", "allow_offload", "mixed_tiers", "sequence_parallel", "homogeneous_baseline")
 
 
 def _check_option_types(opts: PlannerOptions) -> None:

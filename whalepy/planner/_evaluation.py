@@ -16,7 +16,7 @@ from whalepy.planner.costing import (
     node_fits,
     stage_host_activation,
 )
-from whalepy.planner.space import StateOption
+from whalepy.planner.space import MAX_OPTIONS_PER_STAGE, StateMix, StateOption
 
 __all__ = ["CellEval", "Evaluation", "StageEval", "chunk_busy_s", "chunk_counts_from_sizes", "counts_from_boundaries", "evaluate", "evaluate_stage", "lower_bound", "memory_breakdown", "offload_s", "split_stage_checkpoints", "step_time"]
 
@@ -102,6 +102,14 @@ class StageEval:
     """Per chunk, blocks per segment whose saved activations are kept in host memory."""
     host_activation_bytes: float = 0.0
     """Host bytes per rank of the offloaded activations (included in each cell's ``cpu_bytes``)."""
+    mix: StateMix = ()
+    """Granular tiers: the options the stage's blocks are split over with their blocks per segment
+    (``option`` is the first); empty: every block uses ``option``."""
+
+    @property
+    def parts(self) -> StateMix:
+        """``((option, blocks per segment), ...)``: the mix, or ``option`` with all the stage's blocks."""
+        return self.mix or ((self.option, self.counts),)
 
     @property
     def offloads(self) -> tuple[int, ...]:
@@ -147,13 +155,17 @@ class Evaluation:
         return self.coeffs.chunk_coefficient * self.Tc
 
 
-def chunk_busy_s(c: CellCoeffs, option: StateOption, counts: Sequence[int], ckpts: Sequence[int],
+def chunk_busy_s(c: CellCoeffs, option: StateOption | StateMix, counts: Sequence[int], ckpts: Sequence[int],
                  offs: Sequence[int] = ()) -> float:
     """Per micro-batch, one chunk of a cell without its sends: its blocks' forward, backward and TP
     all-reduces, recompute of its checkpointed blocks, the exposed host copies of its blocks with
-    offloaded activations, and its exposed data-parallel communication."""
-    return (sum(n * (x + e) for n, x, e in zip(counts, c.seg_time, c.seg_exposed[option]))
-            + sum(k * x for k, x in zip(ckpts, c.seg_recompute)) + offload_s(c, offs) + c.edge[option])
+    offloaded activations, and its exposed data-parallel communication (``option``: a mix is one chunk,
+    its parts' blocks ``counts``)."""
+    parts = ((option, counts),) if isinstance(option, StateOption) else option
+    first = parts[0][0]
+    return (sum(n * x for n, x in zip(counts, c.seg_time))
+            + sum(n * e for o, ns in parts for n, e in zip(ns, c.seg_exposed[o]))
+            + sum(k * x for k, x in zip(ckpts, c.seg_recompute)) + offload_s(c, offs) + c.edge[first])
 
 
 def offload_s(c: CellCoeffs, offs: Sequence[int]) -> float:
@@ -165,14 +177,42 @@ def offload_s(c: CellCoeffs, offs: Sequence[int]) -> float:
     return sum(k * x for k, x in zip(offs, c.seg_offload))
 
 
+def _check_mix(sc: StageCoeffs, mix: StateMix, counts: Sequence[int], v: int) -> None:
+    options = [o for o, _ in mix]
+    if v != 1:
+        raise ValueError(f"stage {sc.index}: granular tiers (several state options) need one chunk per stage")
+    if len(set(options)) != len(options) or not 1 < len(options) <= MAX_OPTIONS_PER_STAGE:
+        raise ValueError(f"stage {sc.index}: a mix needs 2 to {MAX_OPTIONS_PER_STAGE} distinct options, got "
+                         f"{[str(o) for o in options]}")
+    if all(o.beside_offload for o in options):
+        raise ValueError(f"stage {sc.index}: a mix needs an option that offloads (the others are lowered beside it)")
+    if not any(set(options) <= set(f) for f in sc.families):
+        raise ValueError(f"stage {sc.index}: options {[str(o) for o in options]} are not one family of the stage")
+    if [sum(col) for col in zip(*(n for _, n in mix))] != list(counts) or any(x < 0 for _, n in mix for x in n):
+        raise ValueError(f"stage {sc.index}: the mix's blocks {[list(n) for _, n in mix]} do not split {list(counts)}")
+
+
 def evaluate_stage(sc: StageCoeffs, chunk_counts: Sequence[Sequence[int]], chunk_ckpts: Sequence[Sequence[int]],
-                   option: StateOption, *, dp: int, chunk_offs: Sequence[Sequence[int]] | None = None) -> StageEval:
+                   option: StateOption | StateMix, *, dp: int,
+                   chunk_offs: Sequence[Sequence[int]] | None = None) -> StageEval:
     """Cost of one physical stage: blocks, checkpointed blocks and blocks with offloaded activations
     (``chunk_offs``, None: none) per segment of each of its chunks (one chunk without interleaving) and
-    its state option."""
+    its state option, or a mix of options of one family (:data:`~whalepy.planner.space.StateMix`, one
+    chunk only): per-parameter and per-block costs summed over the parts, per-stage ones (working set,
+    first-block gathers, last reduction, post-step all-gathers, autocast copies) paid once, the
+    family's."""
     v = len(chunk_counts)
     G = len(sc.seg_params)
     counts = [sum(row[g] for row in chunk_counts) for g in range(G)]
+    if isinstance(option, StateOption):
+        if option.beside_offload:
+            raise ValueError(f"stage {sc.index}: {option} is only part of a mix")
+        mix: StateMix = ()
+        parts: StateMix = ((option, tuple(counts)),)
+    else:
+        mix = parts = tuple((o, tuple(n)) for o, n in option)
+        _check_mix(sc, mix, counts, v)
+        option = mix[0][0]
     ckpts = [sum(row[g] for row in chunk_ckpts) for g in range(G)]
     if chunk_offs is None or not any(map(any, chunk_offs)):
         chunk_offs = [[0] * G for _ in range(v)]
@@ -183,21 +223,26 @@ def evaluate_stage(sc: StageCoeffs, chunk_counts: Sequence[Sequence[int]], chunk
         if any(k + o > n for cn, ck, co in zip(chunk_counts, chunk_ckpts, chunk_offs) for n, k, o in zip(cn, ck, co)):
             raise ValueError(f"stage {sc.index}: checkpointed {ckpts} plus offloaded {offs} blocks exceed {counts}")
         host_act = sum(o * x for o, x in zip(offs, stage_host_activation(sc)))
-    pl = sum(n * p for n, p in zip(counts, sc.seg_params))
+    pls = [(o, sum(n * p for n, p in zip(ns, sc.seg_params))) for o, ns in parts]  # local parameters per part
+    pl = sum(x for _, x in pls)
     alpha, beta = sc.sync[option]
     post = alpha + beta * pl if dp > 1 and pl > 0 else 0.0
-    states = sc.mem_beta[option] * pl
-    sp, sg, so = sc.state_split[option]
-    freed = sg * pl if sc.grads_freed[option] else 0.0
-    buffers = sc.buffer_beta[option] * pl + sc.working_bytes[option]
+
+    def per_param(coef: dict[StateOption, float]) -> float:
+        return sum(coef[o] * x for o, x in pls)
+
+    states = per_param(sc.mem_beta)
+    sp, sg, so = (sum(sc.state_split[o][i] * x for o, x in pls) for i in range(3))
+    freed = sg if sc.grads_freed[option] else 0.0
+    buffers = per_param(sc.buffer_beta) + sc.working_bytes[option]
     cells = []
     for c in sc.cells:
         off_s = offload_s(c, offs)
         compute = (sum(n * x for n, x in zip(counts, c.seg_time)) + sum(k * x for k, x in zip(ckpts, c.seg_recompute))
                    + off_s)
         comm = sum(n * x for n, x in zip(counts, c.seg_comm))
-        exposed = sum(n * e for n, e in zip(counts, c.seg_exposed[option])) + v * c.edge[option]
-        fetch = c.fetch_beta[option] * pl
+        exposed = sum(n * e for o, ns in parts for n, e in zip(ns, c.seg_exposed[o])) + v * c.edge[option]
+        fetch = per_param(c.fetch_beta)
         backward = sum(n * x for n, x in zip(counts, c.seg_bwd))  # the last micro-batch's, hides ZeRO-Offload
         time_s = max(compute + exposed, fetch) + c.p2p
         # an offloaded block keeps nothing on the device between its forward and its backward
@@ -213,21 +258,23 @@ def evaluate_stage(sc: StageCoeffs, chunk_counts: Sequence[Sequence[int]], chunk
         act = c.inflight * max(kept) + peak + c.autocast_bytes[option] + c.loss_bytes
         # the peak: end of forward (activations, gradients not yet created if freed) or end of backward
         at_act = states - freed + buffers + act >= states + buffers
-        grads_held = sg * pl if (not freed or not at_act) else 0.0
-        sync_s = sum(n * x for n, x in zip(counts, c.seg_tail[option])) + c.tail_edge[option] + post
+        grads_held = sg if (not freed or not at_act) else 0.0
+        sync_s = (sum(n * x for o, ns in parts for n, x in zip(ns, c.seg_tail[o])) + c.tail_edge[option]
+                  + post)
         cells.append(CellEval(
             cell=c, compute_s=compute - comm - off_s, comm_s=comm + c.p2p, dp_exposed_s=exposed, fetch_s=fetch,
             time_s=time_s, chunk_time_s=chunk_time, exposed_sync_s=sync_s if dp > 1 else 0.0,
-            opt_s=c.opt_beta[option] * pl + max(0.0, c.opt_overlap[option] * pl - backward),
+            opt_s=per_param(c.opt_beta) + max(0.0, per_param(c.opt_overlap) - backward),
             memory_bytes=max(states - freed + act, states) + buffers,
-            states_bytes=states, params_bytes=sp * pl, grads_bytes=grads_held, optimizer_bytes=so * pl,
+            states_bytes=states, params_bytes=sp, grads_bytes=grads_held, optimizer_bytes=so,
             buffer_bytes=buffers, activation_bytes=act if at_act else 0.0, tp_s=comm,
-            cpu_bytes=sc.cpu_beta[option] * pl + host_act, nvme_bytes=sc.nvme_beta[option] * pl))
+            cpu_bytes=per_param(sc.cpu_beta) + sum(sc.host_fixed.get(o, 0.0) for o, _ in parts) + host_act,
+            nvme_bytes=per_param(sc.nvme_beta)))
     return StageEval(index=sc.index, counts=tuple(counts), checkpoints=tuple(ckpts), option=option,
                      local_params=pl, sync_s=max(c.exposed_sync_s for c in cells), cells=cells,
                      chunk_counts=tuple(tuple(r) for r in chunk_counts),
                      chunk_checkpoints=tuple(tuple(r) for r in chunk_ckpts),
-                     chunk_offloads=tuple(tuple(r) for r in chunk_offs), host_activation_bytes=host_act)
+                     chunk_offloads=tuple(tuple(r) for r in chunk_offs), host_activation_bytes=host_act, mix=mix)
 
 
 def chunk_counts_from_sizes(cc: CandidateCoeffs, sizes: Sequence[int]) -> list[list[int]]:
@@ -269,10 +316,10 @@ def split_stage_checkpoints(chunk_counts: Sequence[Sequence[int]], stage_ckpts: 
 
 
 def evaluate(cc: CandidateCoeffs, sizes: Sequence[int], ckpts: Sequence[Sequence[int]],
-             options: Sequence[StateOption], offs: Sequence[Sequence[int]] | None = None) -> Evaluation:
+             options: Sequence[StateOption | StateMix], offs: Sequence[Sequence[int]] | None = None) -> Evaluation:
     """Cost of a fully specified configuration: virtual-stage ``sizes``, checkpointed blocks per segment
     of every virtual stage (``J`` rows, model order; ``S`` rows of per-stage counts are spread over each
-    stage's chunks first chunk first), and a state option per stage; ``offs``: blocks per segment with
+    stage's chunks first chunk first), and a state option (or a mix of them, :data:`~whalepy.planner.space.StateMix`) per stage; ``offs``: blocks per segment with
     activations offloaded to host memory, ``J`` rows (None: none)."""
     cand = cc.candidate
     S, v = cand.num_stages, cand.virtual_stages
@@ -294,8 +341,9 @@ def evaluate(cc: CandidateCoeffs, sizes: Sequence[int], ckpts: Sequence[Sequence
         raise ValueError(f"{len(offs)} activation-offload rows for {cand.num_virtual} virtual stages")
     stages = []
     for s, sc in enumerate(cc.stages):
-        if options[s] not in sc.options:
-            raise ValueError(f"stage {s}: state option {options[s]} is not available there")
+        used = [options[s]] if isinstance(options[s], StateOption) else [o for o, _ in options[s]]  # type: ignore[union-attr]
+        if any(o not in sc.options for o in used):
+            raise ValueError(f"stage {s}: state option {[str(o) for o in used]} is not available there")
         stages.append(evaluate_stage(sc, [chunk_counts[s + k * S] for k in range(v)],
                                      [chunk_ckpts[s + k * S] for k in range(v)], options[s], dp=cand.dp,
                                      chunk_offs=None if offs is None else [offs[s + k * S] for k in range(v)]))

@@ -90,14 +90,15 @@ def _states(ctx: CostContext, cand: Candidate, o: StateOption):  # type: ignore[
 
 
 def stage_prefetch(ctx: CostContext, cand: Candidate, st: StageEval, cell: CellEval,
-                   blocks: list[int]) -> tuple[int, float]:
+                   blocks: list[int], option: StateOption | None = None) -> tuple[int, float]:
     """Prefetch depth for a stage whose parameters are off the device, and the exposed seconds of its
     fetches per micro-batch at that depth (forward in block order, backward in reverse; the first fetch
     of each pass included): :func:`~whalepy.cost_models.offload.choose_prefetch_depth` over the stage's
-    blocks (``(1, 0.0)`` for parameters on the device)."""
+    blocks (``(1, 0.0)`` for parameters on the device). ``option``: the option of ``blocks`` when the
+    stage mixes several (default ``st.option``)."""
     from whalepy.planner.costing import tp_applies
 
-    o = st.option
+    o = option or st.option  # of a mix: one part's option, with its blocks
     if o.param_tier is Tier.GPU or not blocks:
         return 1, 0.0
     g = cell.cell.group

@@ -64,7 +64,7 @@ def lowering_kind(o: StateOption, cand: Candidate) -> str:
     """How the runtime lowers data parallelism for state option ``o`` in candidate ``cand`` (the
     runtime's own :func:`~whalepy._capabilities.choose_lowering_kind`: DDP, DDP + ZeroRedundancyOptimizer,
     FSDP2, or nothing)."""
-    offload = offloads_to_host(o.param_tier, o.optimizer_tier)
+    offload = offloads_to_host(o.param_tier, o.optimizer_tier) or o.beside_offload
     return choose_lowering_kind(o.zero, cand.dp, tp=cand.tp, pp=cand.num_stages, offload=offload)
 
 

@@ -35,7 +35,7 @@ from whalepy.planner.costing import (
 from whalepy.planner._offload_costs import stage_prefetch
 from whalepy.planner.search import SearchResult
 from whalepy.planner.ilp import ILPResult
-from whalepy.planner.space import Candidate, Rejection, RejectionKind
+from whalepy.planner.space import Candidate, Rejection, RejectionKind, StateOption
 
 
 _HAS_PREFETCH_DEPTH = "prefetch_depth" in {f.name for f in dataclasses.fields(BlockPlan)}
@@ -87,12 +87,15 @@ def build_plan(ev: Evaluation, *, ctx: CostContext, global_batch: int, result: S
     positions = stage_blocks(ev)
     for s, st in enumerate(ev.stages):
         blocks = []
-        depth, _ = stage_prefetch(ctx, cand, st, max(st.cells, key=lambda c: c.time_s), positions[s])
-        # BlockPlan.prefetch_depth arrives with plan version 3 (issue 10 contract); set it once it exists
-        depth_field = {"prefetch_depth": depth} if _HAS_PREFETCH_DEPTH else {}
-        if st.option.param_tier is not Tier.GPU:
-            notes = [*notes, f"stage {s}: parameters on {st.option.param_tier.value}, fetched {depth} block"
-                     f"{'s' if depth > 1 else ''} ahead"]
+        option_of = block_options(st, positions[s], seg_of)
+        depths = {}
+        for o in dict.fromkeys(option_of.values()):
+            mine = [i for i in positions[s] if option_of[i] == o]
+            depths[o], _ = stage_prefetch(ctx, cand, st, max(st.cells, key=lambda c: c.time_s), mine, option=o)
+            if o.param_tier is not Tier.GPU:
+                what = "parameters" if not st.mix else f"parameters of {len(mine)} blocks"
+                notes = [*notes, f"stage {s}: {what} on {o.param_tier.value}, fetched {depths[o]} block"
+                         f"{'s' if depths[o] > 1 else ''} ahead"]
         for k in range(V):
             j = s + k * S
             left = list(st.chunk_checkpoints[k]) if st.chunk_checkpoints else list(st.checkpoints)
@@ -104,10 +107,12 @@ def build_plan(ev: Evaluation, *, ctx: CostContext, global_batch: int, result: S
                 # identical blocks of a segment: the first ones checkpointed, the next ones offloaded
                 off = not ck and off_left[g] > 0
                 off_left[g] -= off
+                o = option_of[i]
+                # BlockPlan.prefetch_depth arrives with plan version 3 (issue 10 contract)
+                depth_field = {"prefetch_depth": depths[o]} if _HAS_PREFETCH_DEPTH else {}
                 blocks.append(BlockPlan(name=prof.blocks[i].name, checkpoint=ck, activation_offload=off,
-                                        param_tier=st.option.param_tier,
-                                        optimizer_tier=st.option.optimizer_tier,
-                                        tiles=st.option.tiles if prof.blocks[i].largest_linear_params else 1,
+                                        param_tier=o.param_tier, optimizer_tier=o.optimizer_tier,
+                                        tiles=o.tiles if prof.blocks[i].largest_linear_params else 1,
                                         **depth_field))
                 if cand.tp > 1 and tp_applies(prof.blocks[i], cand.tp):
                     rules.extend(prof.blocks[i].tp_rules)
@@ -122,15 +127,13 @@ def build_plan(ev: Evaluation, *, ctx: CostContext, global_batch: int, result: S
             zero_stage=st.option.zero, chunk_sizes=chunks[s], reduce_every_microbatch=st.option.reduce_each,
             cost=StageCost(compute_s=worst.compute_s, comm_s=worst.comm_s, grad_sync_s=worst.exposed_sync_s,
                            offload_s=M * max(0.0, worst.fetch_s - worst.compute_s - worst.comm_s + worst.cell.p2p)
-                           + (worst.opt_s if st.option.optimizer_tier is not Tier.GPU else 0.0)
+                           + (worst.opt_s if any(o.optimizer_tier is not Tier.GPU for o, _ in st.parts) else 0.0)
                            + M * offload_s(worst.cell, st.offloads),
                            bubble_s=max(0.0, M * ev.T + ev.bubble_s - M * st.time_s),
                            memory_bytes=int(tight.memory_bytes), capacity_bytes=int(tight.cell.capacity),
                            **memory_breakdown(tight), tp_comm_s=worst.tp_s, p2p_s=worst.p2p_s,
                            dp_comm_s=worst.dp_exposed_s,
-                           **_held_state_bytes(ctx, cand, st, [prof.blocks[i] for k in range(V)
-                                                              for i in range(starts[s + k * S], starts[s + k * S + 1])],
-                                               depth),
+                           **_held_state_bytes(ctx, cand, st, option_of, depths),
                            **_chunk_phase_times(worst, st))))
     rank_types = tuple(d.device.name for d in hw.cluster.rank_devices())
     samples = global_batch / step
@@ -160,20 +163,45 @@ def _chunk_phase_times(worst, st) -> dict[str, tuple[float, ...]]:  # type: igno
     # seg_recompute is one block's forward with its TP all-reduce: the forward pass of a block
     fwd = [sum(n * x for n, x in zip(cn, c.seg_recompute)) for cn in counts]
     offs = st.chunk_offloads or (st.offloads,)
-    busy = [chunk_busy_s(c, st.option, cn, ck, co) for cn, ck, co in zip(counts, ckpts, offs)]
+    busy = [chunk_busy_s(c, st.mix or st.option, cn, ck, co) for cn, ck, co in zip(counts, ckpts, offs)]
     return {"chunk_forward_s": tuple(fwd), "chunk_backward_s": tuple(b - f for b, f in zip(busy, fwd))}
 
 
-def _held_state_bytes(ctx: CostContext, cand: Candidate, st, blocks, depth: int) -> dict[str, int]:  # type: ignore[no-untyped-def]
-    """StageCost's model-state fields: what a device of the stage holds between uses, by place (with
-    the disk tier's staging buffers: its largest block's local parameters, the prefetch depth and the
-    stage's block count, as the runtime sizes them)."""
-    largest = max((b.num_params / cand.tp if cand.tp > 1 and tp_applies(b, cand.tp) else b.num_params
-                   for b in blocks), default=0.0)
-    held = stage_model_states(ctx, cand, st.option, st.local_params, largest_block_params=largest,
-                              prefetch_depth=depth, num_blocks=len(blocks))
-    return {"model_state_bytes": round(held.resident), "host_state_bytes": round(held.cpu),
-            "nvme_state_bytes": round(held.nvme)}
+def block_options(st, positions: list[int], seg_of: list[int]) -> dict[int, StateOption]:  # type: ignore[no-untyped-def]
+    """The state option of each block of a stage: ``st.option``, or for a mix
+    (:attr:`~whalepy.planner.costing.StageEval.mix`) its parts' counts per segment handed out in block
+    order, the option that keeps most on the device first (the ZeRO-Offload blocks then come last,
+    so their gradients are ready first in backward and their host step overlaps the most of it)."""
+    if not st.mix:
+        return {i: st.option for i in positions}
+    rank = {Tier.GPU: 0, Tier.CPU: 1, Tier.NVME: 2}
+    parts = sorted(st.mix, key=lambda p: (rank[p[0].param_tier], rank[p[0].optimizer_tier]))
+    left = [list(n) for _, n in parts]
+    out = {}
+    for i in positions:
+        g = seg_of[i]
+        k = next(k for k, row in enumerate(left) if row[g] > 0)
+        left[k][g] -= 1
+        out[i] = parts[k][0]
+    return out
+
+
+def _held_state_bytes(ctx: CostContext, cand: Candidate, st, option_of: dict[int, StateOption],  # type: ignore[no-untyped-def]
+                      depths: dict[StateOption, int]) -> dict[str, int]:
+    """StageCost's model-state fields: what a device of the stage holds between uses, by place, summed
+    over its blocks' options (with the disk tier's staging buffers: the largest block's local
+    parameters, the prefetch depth and the block count of the option, as the runtime sizes them)."""
+    prof = ctx.profile
+    out = {"model_state_bytes": 0, "host_state_bytes": 0, "nvme_state_bytes": 0}
+    for o, depth in depths.items():
+        local = [prof.blocks[i].num_params / (cand.tp if cand.tp > 1 and tp_applies(prof.blocks[i], cand.tp) else 1)
+                 for i, p in option_of.items() if p == o]
+        held = stage_model_states(ctx, cand, o, sum(local), largest_block_params=max(local, default=0.0),
+                                  prefetch_depth=depth, num_blocks=len(local))
+        out["model_state_bytes"] += round(held.resident)
+        out["host_state_bytes"] += round(held.cpu)
+        out["nvme_state_bytes"] += round(held.nvme)
+    return out
 
 
 # -- alternatives -----------------------------------------------------------------------------------
@@ -195,7 +223,7 @@ def why_lost(ev: Evaluation, best: Evaluation, hw) -> str:  # type: ignore[no-un
     name, (a, b) = max(parts.items(), key=lambda kv: kv[1][0] - kv[1][1])
     if name == "pipeline bubble":
         return f"bubble {100 * _bubble_share(ev):.0f}% vs {100 * _bubble_share(best):.0f}%"
-    if any(st.option.param_tier is not Tier.GPU or st.option.optimizer_tier is not Tier.GPU for st in ev.stages) \
+    if any(o.param_tier is not Tier.GPU or o.optimizer_tier is not Tier.GPU for st in ev.stages for o, _ in st.parts) \
             and name == "gradient sync + optimizer":
         return f"offloaded optimizer step {a:.3g} s vs {b:.3g} s"
     return f"{name} {a:.3g} s vs {b:.3g} s"
@@ -223,7 +251,7 @@ def _resolve(result: SearchResult, cand: Candidate) -> ILPResult:
     from whalepy.planner.search import allowed_stage_ranges
 
     assert result.ctx is not None and result.constraints is not None
-    cc = build_coefficients(result.ctx, cand, result.segments, result.options)
+    cc = build_coefficients(result.ctx, cand, result.segments, result.options, mixed_tiers=result.mixed_tiers)
     solver = result.solver_used if result.solver_used in ("highs", "cbc") else "highs"
     return solve_candidate(cc, allowed_stages=allowed_stage_ranges(cand, result.constraints),
                            allow_checkpointing=result.allow_checkpointing, solver=solver,

@@ -92,7 +92,7 @@ from whalepy.cost_models.memory import (
     inflight_microbatches,
 )
 from whalepy.cost_models.offload import host_capacity_per_gpu, nvme_capacity_per_gpu
-from whalepy._capabilities import LoweringKind
+from whalepy._capabilities import LoweringKind, offloads_to_host
 from whalepy.plan import Tier, TPStyle, ZeroStage
 from whalepy.planner.space import Candidate, GroupView, Hardware, Segment, StateOption, build_layout
 from whalepy.planner._offload_costs import activation_offload_coefficients, offload_coefficients
@@ -247,6 +247,10 @@ class StageCoeffs:
     """Per option, GPU bytes per local parameter of buffers beside the model states (FSDP2's unsharded
     gradient accumulation across micro-batches)."""
     dp_ranks: tuple[int, ...]
+    host_fixed: dict[StateOption, float] = field(default_factory=dict)
+    """Per option, host bytes per rank it holds whatever its parameter count: the disk tier's staging
+    buffers (:func:`~whalepy._capabilities.staging_slots` at prefetch depth 1, each the file-homed
+    bytes of the model's largest local block); 0 without NVMe."""
     families: tuple[tuple[StateOption, ...], ...] = ()
     """Groups of two or more of :attr:`options` whose blocks may share this stage, each block keeping
     its states where its option says (granular tiers, M6-10T; :data:`~whalepy.planner.space.StateMix`):
@@ -400,6 +404,7 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
         groups_here = {cand.cell_groups[s][r] for r in range(d)}
         allowed = tuple(o for o in options if all(_tier_ok(hw.groups[g], o) for g in groups_here))
         sync, mem_beta, cpu_beta, nvme_beta, working, buffer_beta, split, freed = {}, {}, {}, {}, {}, {}, {}, {}
+        host_fixed: dict[StateOption, float] = {}
         low = precision_bytes(ctx.precision)
         stage_blocks = [seg.block for seg in segments]
         allowed = tiled_options(
@@ -407,6 +412,9 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
             working_bytes=lambda p: estimate_fsdp_working_bytes(block_params=p, zero3=True, compute_bytes=low),
             capacity_bytes=min(usable_device_bytes(hw.groups[g], cand) for g in groups_here))
         allowed = reduce_each_options(allowed, cand)
+        mixing = mixed_tiers and cand.virtual_stages == 1
+        if mixing:
+            allowed += beside_offload_options(allowed, cand)
         tile_extra = {o: [tiling_latency_s(ctx.collective, b, o.tiles, dp_group) for b in stage_blocks]
                       for o in allowed if o.tiles > 1}
         for o in allowed:
@@ -414,6 +422,9 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
             sync[o] = post_step_affine(ctx.collective, kind, dp_group, ctx.precision)
             st = stage_model_states(ctx, cand, o, 1.0)  # what the runtime holds between uses
             mem_beta[o], cpu_beta[o], nvme_beta[o] = st.resident, st.cpu, st.nvme
+            # the disk tier's staging buffers, sized by the largest block (of the model: the stage's
+            # blocks are not known here) at prefetch depth 1
+            host_fixed[o] = stage_model_states(ctx, cand, o, 1.0, largest_block_params=max(seg_params)).cpu - st.cpu
             split[o] = (st.params, st.grads, st.optimizer)
             freed[o] = not grads_at_activation_peak(kind, cand)
             fsdp = kind == LoweringKind.FSDP
@@ -441,13 +452,17 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
         for (g, share), reps in keyed.items():
             cells.append(_cell(ctx, cand, segments, s, hw.groups[g], share, tuple(reps), ranks, allowed, dp_comm,
                                tile_extra))
-        allowed = _undominated(allowed, sync, mem_beta, cpu_beta, nvme_beta, working, buffer_beta, cells)
-        families = (_families(allowed, cand, sync, working, freed, cells)
-                    if mixed_tiers and cand.virtual_stages == 1 else ())
+        # an option only a mix may use is kept out of the pruning (it cannot stand in for one that
+        # stands alone) and dropped where no family takes it
+        beside = tuple(o for o in allowed if o.beside_offload)
+        allowed = _undominated(tuple(o for o in allowed if not o.beside_offload), sync, mem_beta, cpu_beta,
+                               nvme_beta, working, buffer_beta, cells, host_fixed) + beside
+        families = _families(allowed, cand, sync, working, freed, cells) if mixing else ()
+        allowed = tuple(o for o in allowed if not o.beside_offload or any(o in f for f in families))
         stages.append(StageCoeffs(index=s, cells=cells, seg_params=seg_params, options=allowed, sync=sync,
                                   mem_beta=mem_beta, cpu_beta=cpu_beta, nvme_beta=nvme_beta,
                                   working_bytes=working, state_split=split, grads_freed=freed,
-                                  buffer_beta=buffer_beta,
+                                  buffer_beta=buffer_beta, host_fixed=host_fixed,
                                   dp_ranks=dp_ranks, families=families))
     return CandidateCoeffs(candidate=cand, segments=segments, stages=stages, ranks=ranks,
                            nodes=_node_shares(hw, ranks) if any(_off_device(o) for st in stages for o in st.options)
@@ -468,9 +483,20 @@ def _families(options, cand, sync, working, freed, cells) -> tuple[tuple[StateOp
         groups.setdefault(key, []).append(o)
     out = []
     for (kind, *_), members in groups.items():
-        if len(members) > 1 and mixed_tiers_error(kind, [(o.param_tier, o.optimizer_tier) for o in members]) is None:
+        if (len(members) > 1 and any(not o.beside_offload for o in members)
+                and mixed_tiers_error(kind, [(o.param_tier, o.optimizer_tier) for o in members]) is None):
             out.append(tuple(members))
     return tuple(out)
+
+
+def beside_offload_options(options: tuple[StateOption, ...], cand: Candidate) -> tuple[StateOption, ...]:
+    """For granular tiers: each on-device option whose stage would not be lowered to FSDP2 on its own
+    (one replica, or ZeRO-0/1 on DDP), costed as FSDP2 lowers it beside offloading blocks
+    (:attr:`~whalepy.planner.space.StateOption.beside_offload`), where some option offloads."""
+    if not any(offloads_to_host(o.param_tier, o.optimizer_tier) for o in options):
+        return ()
+    return tuple(dataclasses.replace(o, beside_offload=True) for o in options
+                 if not _off_device(o) and lowering_kind(o, cand) is not LoweringKind.FSDP)
 
 
 def reduce_each_options(options: tuple[StateOption, ...], cand: Candidate) -> tuple[StateOption, ...]:
@@ -563,13 +589,13 @@ def stage_model_states(ctx: CostContext, cand: Candidate, option: StateOption, n
         largest_block_params=largest_block_params, prefetch_depth=prefetch_depth, num_blocks=num_blocks)
 
 
-def _undominated(options, sync, mem, cpu, nvme, working, buffers, cells):  # type: ignore[no-untyped-def]
+def _undominated(options, sync, mem, cpu, nvme, working, buffers, cells, host_fixed):  # type: ignore[no-untyped-def]
     """Drop state options another option beats or ties on every coefficient (memory, host memory,
     NVMe, working set, post-step communication, exposed communication per block, optimizer step,
     fetches): every cost is monotone in them, so a dominated option is never strictly better. E.g.
     ZeRO-1 beats ZeRO-0 when both lower to FSDP2 and cost the same time."""
     def vec(o):  # type: ignore[no-untyped-def]
-        v = [mem[o] + buffers[o], working[o], cpu[o], nvme[o], *sync[o]]
+        v = [mem[o] + buffers[o], working[o], cpu[o], nvme[o], host_fixed[o], *sync[o]]
         for c in cells:
             v += [c.opt_beta[o], c.fetch_beta[o], c.edge[o], c.tail_edge[o], c.autocast_bytes[o],
                   *c.seg_exposed[o], *c.seg_tail[o]]

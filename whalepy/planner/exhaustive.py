@@ -3,7 +3,7 @@ functions (:func:`whalepy.planner.costing.evaluate_stage`).
 
 For one outer candidate it walks every contiguous partition of the blocks into virtual stages, and per
 stage every split of each chunk's blocks per segment into checkpointed, activation-offloaded and
-plain ones, and every state option. The objective ``M max_s T_s + (S - 1) max_s Tc_s + max_s X_s`` is
+plain ones, and every state option or granular-tier mix of one family (one-chunk stages). The objective ``M max_s T_s + (S - 1) max_s Tc_s + max_s X_s`` is
 monotone in each stage's ``(T_s, Tc_s, X_s)``, and host memory and NVMe are the node's (a sum over its
 ranks' stages), so per stage only the choices Pareto-optimal in ``(T_s, Tc_s, X_s, host bytes, NVMe
 bytes)`` are kept and combined stage by stage (keeping each stage's bytes), and a combination counts
@@ -32,6 +32,7 @@ from whalepy.planner.costing import (
     step_time,
 )
 from whalepy.planner.ilp import ILPResult
+from whalepy.planner.space import MAX_OPTIONS_PER_STAGE
 
 MAX_PARTITIONS = 20000
 """Most block partitions one candidate may have for the exhaustive solver."""
@@ -71,6 +72,27 @@ def _splits(n: int, ckpt: bool, off: bool):  # type: ignore[no-untyped-def]
             yield c, o
 
 
+def _parts(n: int, r: int):  # type: ignore[no-untyped-def]
+    """Every way to hand ``n`` identical blocks to ``r`` options in order (compositions, zeros allowed)."""
+    for cuts in itertools.combinations_with_replacement(range(n + 1), r - 1):
+        bounds = (0, *cuts, n)
+        yield tuple(bounds[i + 1] - bounds[i] for i in range(r))
+
+
+def _mixes(sc, counts: tuple[int, ...]) -> list:  # type: ignore[no-untyped-def, type-arg]
+    """Every granular-tier mix of a one-chunk stage with ``counts`` blocks per segment: 2 to
+    :data:`MAX_OPTIONS_PER_STAGE` options of one family, each with at least one block."""
+    out = []
+    for fam in sc.families:
+        for r in range(2, min(MAX_OPTIONS_PER_STAGE, len(fam)) + 1):
+            for opts in itertools.combinations(fam, r):
+                for split in itertools.product(*(list(_parts(n, r)) for n in counts)):
+                    per = [tuple(split[g][i] for g in range(len(counts))) for i in range(r)]
+                    if all(any(p) for p in per) and not all(o.beside_offload for o in opts):
+                        out.append(tuple(zip(opts, per)))
+    return out
+
+
 def solve_exhaustive(cc: CandidateCoeffs, *, allowed_stages: dict[int, tuple[int, int]],
                      allow_checkpointing: bool, allow_activation_offload: bool = True) -> ILPResult:
     t0 = time.perf_counter()
@@ -88,10 +110,11 @@ def solve_exhaustive(cc: CandidateCoeffs, *, allowed_stages: dict[int, tuple[int
             G = len(chunks[0])
             off_ok = set(stage_offloadable(sc)) if allow_activation_offload else set()
             ranges = [list(_splits(n, allow_checkpointing, g in off_ok)) for row in chunks for g, n in enumerate(row)]
+            choices = [o for o in sc.options if not o.beside_offload] + (_mixes(sc, chunks[0]) if len(chunks) == 1 else [])
             for split in itertools.product(*ranges):
                 rows = [[split[k * G + g][0] for g in range(G)] for k in range(len(chunks))]
                 offs = [[split[k * G + g][1] for g in range(G)] for k in range(len(chunks))]
-                for o in sc.options:
+                for o in choices:
                     ev = evaluate_stage(sc, chunks, rows, o, dp=cand.dp, chunk_offs=offs)
                     if ev.fits:
                         c0 = ev.cells[0]

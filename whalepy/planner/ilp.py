@@ -82,7 +82,7 @@ import pulp
 from whalepy._errors import PlanError
 from whalepy.cost_models.devices import GIB
 from whalepy.planner.costing import CandidateCoeffs, Evaluation, evaluate, stage_host_activation, stage_offloadable
-from whalepy.planner.space import StateOption
+from whalepy.planner.space import MAX_OPTIONS_PER_STAGE, StateMix, StateOption
 
 _BILLION = 1e9
 
@@ -171,6 +171,11 @@ class _Vars:
     Nb: list[dict[StateOption, dict[int, _Var]]] = field(default_factory=list)
     o: list[dict[int, _Var]] = field(default_factory=list)
     """Blocks of segment g in virtual stage j whose activations are offloaded (only where allowed)."""
+    fam: list[list[tuple[_Var, tuple[StateOption, ...]]]] = field(default_factory=list)
+    """Per stage, ``(z, options)`` for each family of its options: ``z`` is 1 when the stage's blocks
+    use them (an option of no family is a family of its own, ``z`` its ``y``). Per-stage costs that a
+    family pays once (working set, first-block gathers, post-step communication, autocast copies) are
+    charged on ``z``."""
 
 
 def _var(prob: _Model, name: str, lowBound: float | None = None, upBound: float | None = None,
@@ -215,6 +220,7 @@ def build_variables(prob: _Model, cc: CandidateCoeffs) -> _Vars:
                       cat="Integer") for g in range(G)] for j in range(1, J)]
     v = _Vars(q=q, r=r, nj=[], n=[], c=[], h=[], y=[], Q=[], T=_var(prob, "T", lowBound=0),
               Tc=_var(prob, "Tc", lowBound=0) if V > 1 else None, X=_var(prob, "X", lowBound=0))
+    v.Nb = [dict() for _ in range(J)]
     cum = [[_cum(cc, v, j, g) for g in range(G)] for j in range(J + 1)]
     for j in range(J):
         row = []
@@ -236,7 +242,16 @@ def build_variables(prob: _Model, cc: CandidateCoeffs) -> _Vars:
         sc = cc.stages[s]
         v.y.append({o: _var(prob, f"y_{s}_{i}", cat="Binary") for i, o in enumerate(sc.options)})
         v.Q.append({o: _var(prob, f"Q_{s}_{i}", lowBound=0) for i, o in enumerate(sc.options)})
+        grouped = {o for f in sc.families for o in f}
+        v.fam.append([(_var(prob, f"z_{s}_{i}", cat="Binary"), f) for i, f in enumerate(sc.families)]
+                     + [(v.y[s][o], (o,)) for o in sc.options if o not in grouped])
     return v
+
+
+def _once(v: _Vars, s: int, coef: dict[StateOption, float], scale: float = 1.0) -> dict[_Var, float]:
+    """``sum_f coef[f] z_f``: a per-stage cost of the chosen family, paid once however many of its
+    options the stage's blocks use (the family's options share the value)."""
+    return {z: coef[f[0]] * scale for z, f in v.fam[s] if coef[f[0]]}
 
 
 def _stage_ckpt(v: _Vars, S: int, V: int, s: int, g: int) -> list[_Var]:
@@ -322,6 +337,9 @@ def add_activation_offload_constraints(prob: _Model, cc: CandidateCoeffs, v: _Va
 
 def add_state_option_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
     for s, sc in enumerate(cc.stages):
+        if sc.families:
+            _add_mixed_options(prob, cc, v, s)
+            continue
         pmax = sum(seg.length * p for seg, p in zip(cc.segments, sc.seg_params)) / _BILLION
         _add(prob, {v.y[s][o]: 1.0 for o in sc.options}, -1.0, EQ, f"one_option_{s}")
         for i, o in enumerate(sc.options):
@@ -333,6 +351,43 @@ def add_state_option_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) ->
         _add(prob, d, const, EQ, f"option_params_sum_{s}")
 
 
+def _add_mixed_options(prob: _Model, cc: CandidateCoeffs, v: _Vars, s: int) -> None:
+    """Granular tiers on stage ``s`` (one chunk, :attr:`StageCoeffs.families`): one family,
+    ``sum_f z_f = 1``; of it, one to :data:`MAX_OPTIONS_PER_STAGE` options, ``z_f <= sum_{o in f} y_o
+    <= K z_f``, ``y_o <= z_f`` (and an option only a mix may use, ``beside_offload``, only with another
+    option of its family); whole blocks per option and segment, integer ``Nb[s][o][g] <= L_g y_o``
+    with ``sum_o Nb = n_s[g]`` and at least one block per chosen option; and each option's parameters ``Q_o = sum_g p_g Nb[s][o][g]``."""
+    sc = cc.stages[s]
+    _add(prob, {z: 1.0 for z, _ in v.fam[s]}, -1.0, EQ, f"one_family_{s}")
+    for i, (z, f) in enumerate(v.fam[s]):
+        if len(f) == 1:
+            continue
+        d = {v.y[s][o]: 1.0 for o in f}
+        _add(prob, {**d, z: -1.0}, 0.0, GE, f"family_used_{s}_{i}")
+        _add(prob, {**d, z: -float(MAX_OPTIONS_PER_STAGE)}, 0.0, LE, f"family_options_{s}_{i}")
+        for o in f:
+            _add(prob, {v.y[s][o]: 1.0, z: -1.0}, 0.0, LE, f"family_member_{s}_{i}_{sc.options.index(o)}")
+            if o.beside_offload:  # only beside an offloading option of the family
+                d = {v.y[s][p]: -1.0 for p in f if not p.beside_offload}
+                _add(prob, {**d, v.y[s][o]: 1.0}, 0.0, LE, f"beside_offload_{s}_{sc.options.index(o)}")
+    nb: dict[StateOption, dict[int, _Var]] = {}
+    for i, o in enumerate(sc.options):
+        nb[o] = {}
+        for g, seg in enumerate(cc.segments):
+            x = nb[o][g] = _var(prob, f"Nb_{s}_{i}_{g}", lowBound=0, upBound=seg.length, cat="Integer")
+            _add(prob, {x: 1.0, v.y[s][o]: -float(seg.length)}, 0.0, LE, f"option_blocks_{s}_{g}_{i}")
+        d = {x: sc.seg_params[g] / _BILLION for g, x in nb[o].items() if sc.seg_params[g]}
+        d[v.Q[s][o]] = -1.0
+        _add(prob, d, 0.0, EQ, f"option_params_{s}_{i}")
+        # a chosen option keeps at least one block (else a mix could claim an offloading part it lacks)
+        _add(prob, {**{x: 1.0 for x in nb[o].values()}, v.y[s][o]: -1.0}, 0.0, GE, f"option_used_{s}_{i}")
+    for g in range(len(cc.segments)):
+        d = {nb[o][g]: 1.0 for o in sc.options}
+        const = _acc(d, v.nj[s][g], -1.0)
+        _add(prob, d, const, EQ, f"option_blocks_sum_{s}_{g}")
+    v.Nb[s] = nb
+
+
 def add_option_block_variables(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
     """``Nb[j][o][g]``: blocks of segment ``g`` in virtual stage ``j`` if its stage uses option ``o``,
     else 0 (the disaggregation of ``y * n``, as ``Q`` is of ``y * Pl``): ``0 <= Nb <= L_g y``,
@@ -341,14 +396,15 @@ def add_option_block_variables(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> N
     older big-M constraint per option, relaxed by the whole model's exposure when the option was not
     chosen, left HiGHS at its time limit on interleaved candidates). Only for segments some option
     exposes communication on, and only on stages with such an option."""
-    S, J = cc.candidate.num_stages, cc.candidate.num_virtual
-    v.Nb = [dict() for _ in range(J)]
+    S = cc.candidate.num_stages
     for s, sc in enumerate(cc.stages):
+        if sc.families:  # whole blocks per option already (_add_mixed_options)
+            continue
         active = [g for g in range(len(cc.segments))
                   if any(c.seg_exposed[o][g] or c.seg_tail[o][g] for c in sc.cells for o in sc.options)]
         if not active:
             continue
-        for j in range(s, J, S):
+        for j in range(s, cc.candidate.num_virtual, S):
             for i, o in enumerate(sc.options):
                 v.Nb[j][o] = {g: _var(prob, f"Nb_{j}_{i}_{g}", lowBound=0) for g in active}
             for g in active:
@@ -364,9 +420,9 @@ def _option_terms(base: dict, v: _Vars, s: int, sc, chunks: list[int], per: dict
     """``base + sum_o (sum_{j in chunks} sum_g Nb[j][o][g] per[o][g] + edge[o] y[s][o])`` (the chosen
     option's exposed communication added), or None when no option exposes any."""
     d = dict(base)
+    for x, a in _once(v, s, edge).items():
+        d[x] = d.get(x, 0.0) + a
     for o in sc.options:
-        if edge[o]:
-            d[v.y[s][o]] = d.get(v.y[s][o], 0.0) + edge[o]
         for j in chunks:
             for g, x in v.Nb[j].get(o, {}).items():
                 if per[o][g]:
@@ -425,11 +481,9 @@ def add_tail_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
     dp = cc.candidate.dp
     S, V = cc.candidate.num_stages, cc.candidate.virtual_stages
     for s, sc in enumerate(cc.stages):
-        post: dict = {}
+        post: dict = _once(v, s, {o: a for o, (a, _) in sc.sync.items()})
         for o in sc.options:
-            a, b = sc.sync[o]
-            if a:
-                post[v.y[s][o]] = a
+            b = sc.sync[o][1]
             if b:
                 post[v.Q[s][o]] = b * _BILLION
         for ci, cell in enumerate(sc.cells):
@@ -466,10 +520,9 @@ def add_memory_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
         states = {v.Q[s][o]: (sc.mem_beta[o] + sc.buffer_beta[o]
                               - (sc.state_split[o][1] if sc.grads_freed[o] else 0.0)) * _BILLION / GIB
                   for o in sc.options}
-        for o in sc.options:
-            if sc.working_bytes[o]:
-                states[v.y[s][o]] = states.get(v.y[s][o], 0.0) + sc.working_bytes[o] / GIB
-                full[v.y[s][o]] = full.get(v.y[s][o], 0.0) + sc.working_bytes[o] / GIB
+        for x, a in _once(v, s, sc.working_bytes, 1.0 / GIB).items():
+            states[x] = states.get(x, 0.0) + a
+            full[x] = full.get(x, 0.0) + a
         freed_any = any(sc.grads_freed[o] for o in sc.options)
         for ci, cell in enumerate(sc.cells):
             k_in = cell.inflight / GIB
@@ -495,9 +548,8 @@ def add_memory_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
 
             d = dict(states)
             loss = cell.loss_bytes / GIB
-            for o in sc.options:
-                if cell.autocast_bytes[o]:
-                    d[v.y[s][o]] = d.get(v.y[s][o], 0.0) + cell.autocast_bytes[o] / GIB
+            for x, a in _once(v, s, cell.autocast_bytes, 1.0 / GIB).items():
+                d[x] = d.get(x, 0.0) + a
             if P is not None:
                 d[P] = 1.0
             if V == 1:
@@ -527,6 +579,8 @@ def add_node_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
                 for o in sc.options:
                     if k and beta[o]:
                         d[v.Q[s][o]] = k * beta[o] * _BILLION / GIB
+                    if kind == "host_memory" and k and sc.host_fixed.get(o):  # staging buffers
+                        d[v.y[s][o]] = d.get(v.y[s][o], 0.0) + k * sc.host_fixed[o] / GIB
                 if kind == "host_memory" and k and any(v.o[s + kk * cc.candidate.num_stages]
                                                        for kk in range(cc.candidate.virtual_stages)):
                     host = stage_host_activation(sc)  # offloaded activations, per rank
@@ -733,6 +787,18 @@ def _extract(cc: CandidateCoeffs, v: _Vars) -> Evaluation:
     ckpts = [[int(round(c.varValue or 0)) for c in row] for row in v.c]
     G = len(cc.segments)
     offs = [[int(round(row[g].varValue or 0)) if g in row else 0 for g in range(G)] for row in v.o]
-    options = [max(sc.options, key=lambda o: v.y[s][o].varValue or 0.0) for s, sc in enumerate(cc.stages)]
+    options = [_chosen(cc, v, s) for s in range(len(cc.stages))]
     return evaluate(cc, sizes, ckpts, options, offs if any(map(any, offs)) else None)
 
+
+
+def _chosen(cc: CandidateCoeffs, v: _Vars, s: int) -> StateOption | StateMix:
+    """Stage ``s``'s option, or its mix (options with blocks, whole blocks per segment from ``Nb``)."""
+    sc = cc.stages[s]
+    if not sc.families:
+        return max(sc.options, key=lambda o: v.y[s][o].varValue or 0.0)
+    G = len(cc.segments)
+    parts = [(o, tuple(int(round(v.Nb[s][o][g].varValue or 0.0)) for g in range(G))) for o in sc.options
+             if (v.y[s][o].varValue or 0.0) > 0.5]
+    parts = [(o, n) for o, n in parts if any(n)]
+    return parts[0][0] if len(parts) == 1 else tuple(parts)

@@ -375,6 +375,7 @@ class SearchResult:
     candidates: list[Candidate] = field(default_factory=list)
     allow_checkpointing: bool = True
     allow_activation_offload: bool = True
+    mixed_tiers: bool = False
 
 
 def allowed_stage_ranges(cand: Candidate, cons: Constraints) -> dict[int, tuple[int, int]]:
@@ -442,7 +443,7 @@ def run_search(profile: ModelProfile, hw: Hardware, G: int, opts, *,  # type: ig
                 rejections.append(Rejection(cand, f"time limit: the search's {opts.time_limit_s:g} s ran out "
                                             "before it was solved", lb, kind=RejectionKind.TIME_LIMIT))
                 continue
-            cc = build_coefficients(ctx, cand, segments, options)
+            cc = build_coefficients(ctx, cand, segments, options, mixed_tiers=opts.mixed_tiers)
             allowed = allowed_stage_ranges(cand, cons)
             if solver == "exhaustive":
                 res = solve_exhaustive(cc, allowed_stages=allowed, allow_checkpointing=opts.allow_checkpointing,
@@ -481,10 +482,12 @@ def run_search(profile: ModelProfile, hw: Hardware, G: int, opts, *,  # type: ig
                         solver_used=solver, notes=notes, hit_time_limit=hit_limit, segments=segments,
                         options=options, ctx=ctx, constraints=cons, candidates=cands,
                         allow_checkpointing=opts.allow_checkpointing,
-                        allow_activation_offload=opts.allow_activation_offload)
+                        allow_activation_offload=opts.allow_activation_offload, mixed_tiers=opts.mixed_tiers)
 
 
 def evaluate_fixed(ctx: CostContext, cand: Candidate, sizes, ckpts, options, offs=None) -> Evaluation:  # type: ignore[no-untyped-def]
     segments = build_segments(ctx.profile)
-    cc: CandidateCoeffs = build_coefficients(ctx, cand, segments, tuple(dict.fromkeys(options)))
+    used = [o for x in options for o in ((x,) if isinstance(x, StateOption) else (p for p, _ in x))]
+    cc: CandidateCoeffs = build_coefficients(ctx, cand, segments, tuple(dict.fromkeys(used)),
+                                             mixed_tiers=len(used) > len(options))
     return evaluate(cc, sizes, ckpts, options, offs)

@@ -79,6 +79,10 @@ class StateOption:
     """Memory-centric tiling of the stage's linears (``BlockPlan.tiles``; 1: none)."""
     reduce_each: bool = False
     """Gradients reduce-scattered every micro-batch (``StagePlan.reduce_every_microbatch``)."""
+    beside_offload: bool = False
+    """An on-device option costed as FSDP2 lowers it beside offloading blocks of the same stage (the
+    runtime lowers a stage to FSDP2 when any block offloads, :func:`~whalepy._capabilities.choose_lowering_kind`):
+    only ever part of a mix (:data:`StateMix`) with an offloading option."""
 
     def __str__(self) -> str:
         s = f"ZeRO-{int(self.zero)}"
@@ -90,6 +94,8 @@ class StateOption:
             s += f" tiles={self.tiles}"
         if self.reduce_each:
             s += " reduce every micro-batch"
+        if self.beside_offload:
+            s += " (FSDP2 beside offloaded blocks)"
         return s
 
 
