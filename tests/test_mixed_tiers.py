@@ -108,7 +108,7 @@ def test_make_plan_tiers_per_block():
                    "transformer.h.2": ("nvme", "nvme"), "transformer.h.3": ("cpu", "cpu"), "head": ("cpu", "cpu")}
     with pytest.raises(PlanError, match=r"tiers names blocks \['transformer.h.9'\] that the model does not have"):
         make_plan(GPT4, global_batch=8, tiers={"transformer.h.9": ("cpu", "cpu")})
-    with pytest.raises(PlanError, match=r"block 'head': param_tier='cpu' with optimizer_tier='gpu' is not lowered"):
+    with pytest.raises(PlanError, match=r"tiers\['head'\]: param_tier='cpu' with optimizer_tier='gpu' is not lowered"):
         make_plan(GPT4, global_batch=8, tiers={"head": ("cpu", "gpu")})
     with pytest.raises(PlanError, match=r"tiers\['head'\] = 'cpu': give a \(param_tier, optimizer_tier\) pair"):
         make_plan(GPT4, global_batch=8, tiers={"head": "cpu"})

@@ -132,8 +132,9 @@ def make_plan(
 
     ``param_tier`` / ``optimizer_tier`` are every block's memory tiers; ``tiers`` overrides them per
     block (granular offloading, as M6-10T's): ``{block name: (param_tier, optimizer_tier)}``, e.g.
-    ``tiers={"transformer.h.0": ("cpu", "cpu")}``. An unknown block name, or a pair the runtime does not
-    lower (:func:`whalepy._capabilities.state_option_error`), is a :class:`PlanError`."""
+    ``tiers={"transformer.h.0": ("cpu", "cpu")}``. An unknown block name in ``tiers``, or a pair there
+    the runtime does not lower (:func:`whalepy._capabilities.state_option_error`), is a
+    :class:`PlanError` here; the stage-wide pair is checked when the plan is lowered."""
     blocks = list(block_names)
     v = int(virtual_stages)
     if v < 1:
@@ -219,7 +220,10 @@ def _block_tiers(blocks: Sequence[str], param_tier: Tier | str, optimizer_tier: 
                         f"{list(blocks)}")
     out: dict[str, tuple[Tier, Tier]] = {}
     for n in blocks:
-        pair = tiers.get(n, (param_tier, optimizer_tier))
+        if n not in tiers:  # the stage-wide pair: refused, if at all, when the plan is lowered (as before)
+            out[n] = (Tier(param_tier), Tier(optimizer_tier))
+            continue
+        pair = tiers[n]
         try:
             p, o = (Tier(t) for t in pair)
         except (TypeError, ValueError):
@@ -227,7 +231,7 @@ def _block_tiers(blocks: Sequence[str], param_tier: Tier | str, optimizer_tier: 
                             f"{', '.join(repr(t.value) for t in Tier)}") from None
         reason = state_option_error(zero_stage, p, o, precision=precision)
         if reason is not None:
-            raise PlanError(f"block {n!r}: {reason}")
+            raise PlanError(f"tiers[{n!r}]: {reason}")
         out[n] = (p, o)
     return out
 
