@@ -1,6 +1,6 @@
 """A stage whose blocks have different memory tiers (granular offloading, as M6-10T's), on 2 gloo ranks.
 
-One FSDP2 stage (pp 1, dp 2) holds blocks on the device, on the host (FSDP2 ``CPUOffloadPolicy``), in
+One FSDP2 stage (pp 1, dp 2; also each of 2 pipeline stages) holds blocks on the device, on the host (FSDP2 ``CPUOffloadPolicy``), in
 ZeRO-Offload form (device parameters, host optimizer) and on the disk tier, side by side, under ZeRO-3,
 ZeRO-2 and ZeRO-1 (lowered to FSDP2 because blocks offload), and one DDP stage mixes device and disk
 optimizer states. After 3 AdamW steps each must match the single-process run (losses 1e-5 relative,
@@ -48,6 +48,10 @@ CASES = [
           "gpu/gpu", "cpu/cpu", "gpu/gpu", "cpu/cpu", "gpu/gpu", "gpu/gpu", kind="hf_tied"),
     _case("tied zero3 cpu|gpu|gpu|gpu|gpu|cpu", 3,
           "cpu/cpu", "gpu/gpu", "gpu/gpu", "gpu/gpu", "gpu/gpu", "cpu/cpu", kind="hf_tied"),
+    # two pipeline stages (one rank each), both mixed: the host and host-optimizer blocks in one, the
+    # disk tier in the other
+    Case("pp2 gpu|cpu|zero-offload + nvme|gpu|gpu", pp=2, zero=3, microbatches=2, schedule="gpipe", num_layers=4,
+         extra={"tiers": tiers("gpu/gpu", "cpu/cpu", "gpu/cpu", "nvme/nvme", "gpu/gpu", "gpu/gpu")}),
     # clipping: gradients on the device, on the host and in files (0.05: below the norms of all 3 steps)
     _case("zero3 clipped gpu|cpu|nvme|gpu-nvme|gpu|gpu", 3,
           "gpu/gpu", "cpu/cpu", "nvme/nvme", "gpu/nvme", "gpu/gpu", "gpu/gpu", max_grad_norm=0.05),
