@@ -149,7 +149,7 @@ def _grads(pm: Any) -> dict[str, int]:
 def predicted(case: Case, stage: Any) -> dict[str, float] | None:
     """The memory model's bytes for a rank of plan stage ``stage``, block by block with each block's
     tiers (:func:`estimate_stage_model_state_bytes`; one tier pair: :func:`estimate_model_state_bytes`),
-    the disk tier's prefetch depth being its file-homed parameter blocks' deepest, as the runtime's
+    the disk tier's prefetch depth being that of its file-homed parameter blocks (one per stage)
     (None under TP: the local share of each parameter is the planner's business, not this test's)."""
     from whalepy.cost_models.memory import estimate_stage_model_state_bytes
 

@@ -159,3 +159,22 @@ def test_the_stage_memory_model_of_one_tier_pair_is_the_block_model():
                                             zero_stage=3, dp_degree=2, precision="fp32")
     assert disk.cpu == 3 * (4 + 8) * 1000 / 2
     assert disk.nvme_between_steps == ((4 + 8) * 2000 + 8 * 1000) / 2 and disk.nvme == 2 * disk.nvme_between_steps
+
+
+def test_a_stage_disk_tier_has_one_prefetch_depth():
+    """The disk tier of a stage is one staging pool read ahead by one depth: its nvme-parameter blocks
+    with different prefetch depths are refused when the plan is made (blocks of a cpu parameter tier
+    are prefetched by FSDP2, each by its own depth)."""
+    from whalepy.plan import BlockPlan, StagePlan
+
+    def stage(*blocks: BlockPlan) -> StagePlan:
+        return StagePlan(index=0, blocks=blocks, ranks=((0,),), device_types=("CPU",), zero_stage=3)
+
+    stage(BlockPlan(name="a", param_tier="cpu", optimizer_tier="cpu", prefetch_depth=1),
+          BlockPlan(name="b", param_tier="cpu", optimizer_tier="cpu", prefetch_depth=3),
+          BlockPlan(name="c", param_tier="nvme", optimizer_tier="nvme", prefetch_depth=2))
+    with pytest.raises(PlanError, match=r"stage 0: blocks with param_tier='nvme' have different prefetch depths "
+                                        r"\(1: a; 2: c\)"):
+        stage(BlockPlan(name="a", param_tier="nvme", optimizer_tier="cpu", prefetch_depth=1),
+              BlockPlan(name="b", param_tier="gpu", optimizer_tier="nvme", prefetch_depth=3),
+              BlockPlan(name="c", param_tier="nvme", optimizer_tier="nvme", prefetch_depth=2))

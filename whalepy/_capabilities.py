@@ -8,6 +8,8 @@ Data parallelism, state tiers and precision:
   ``ZeroRedundancyOptimizer``, FSDP2, or none).
 - :func:`check_state_option`: whether a (ZeRO stage, parameter tier, optimizer tier) combination is
   lowered, and why not.
+- :func:`stage_tiers_error`: whether one stage's blocks, with their own tiers, are lowered together
+  (checked when a :class:`~whalepy.plan.StagePlan` is made, and by the disk tier).
 - :func:`shared_unit_tiers_error`: whether parameters of blocks with different tiers can be sharded as
   one FSDP2 unit (a stage's root: weights tied between blocks), in a stage whose blocks have different
   tiers (granular offloading).
@@ -32,7 +34,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from whalepy._errors import PlanError
 from whalepy.cost_models.compute import Precision
@@ -56,6 +58,7 @@ __all__ = [
     "disk_tier_file_bytes",
     "staging_slots",
     "shared_unit_tiers_error",
+    "stage_tiers_error",
     "state_option_error",
     "steps_on_host",
     "uses_cpu_offload_policy",
@@ -204,6 +207,25 @@ def shared_unit_tiers_error(pairs: Iterable[tuple[Tier | str, Tier | str]], *, n
     blocks = sorted(set(names))
     return (f"blocks {blocks} share parameters (tied weights, sharded together with the stage's root by "
             f"FSDP2) but have different tiers ({which}); give them the same param_tier and optimizer_tier")
+
+
+def stage_tiers_error(blocks: Iterable[Any]) -> str | None:
+    """Why the runtime cannot lower these blocks of one stage (``BlockPlan``-like: ``name``,
+    ``param_tier``, ``optimizer_tier``, ``prefetch_depth``) together, or None.
+
+    Blocks of one stage may have any tiers :func:`state_option_error` lowers, each its own FSDP2 unit.
+    What the stage shares: its disk tier (:mod:`whalepy.runtime.nvme`) is one staging pool read ahead
+    by one depth, so its blocks with parameters on ``nvme`` need one ``prefetch_depth``
+    (:func:`staging_slots`; blocks of a ``cpu`` parameter tier are prefetched by FSDP2, each its own)."""
+    depths: dict[int, list[str]] = {}
+    for b in blocks:
+        if Tier(b.param_tier) is Tier.NVME:
+            depths.setdefault(int(b.prefetch_depth), []).append(b.name)
+    if len(depths) > 1:
+        which = "; ".join(f"{d}: {', '.join(names)}" for d, names in sorted(depths.items()))
+        return (f"blocks with param_tier='nvme' have different prefetch depths ({which}); a stage's disk tier "
+                "reads ahead one depth for all its blocks: give them the same prefetch_depth")
+    return None
 
 
 def check_state_option(zero: ZeroStage | int, param_tier: Tier | str, optimizer_tier: Tier | str, *,
