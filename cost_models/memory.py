@@ -93,6 +93,7 @@ def estimate_model_state_bytes(
     largest_block_params: float = 0.0,
     prefetch_depth: int = 1,
     num_blocks: int | None = None,
+    stage_offloads: bool = False,
 ) -> ModelStateBytes:
     """Model-state bytes per device that whalepy's runtime holds for ``num_params`` (P) local parameters
     (this rank's, after tensor and pipeline parallelism) on ``dp_degree`` (d) replicas.
@@ -131,6 +132,10 @@ def estimate_model_state_bytes(
       where the lowering shards them). Device parameters with nvme optimizer states add the stepped
       block's states (``K`` times the largest block's share) to the working set: the step's device
       copy (none on CPU runs, where the device is the host).
+
+    ``stage_offloads``: another block of the stage offloads through the host, so the stage is lowered
+    to FSDP2 whatever these tiers are (:func:`estimate_stage_model_state_bytes`, a stage of blocks with
+    different tiers).
     """
     from whalepy._capabilities import (
         LoweringKind,
@@ -148,7 +153,7 @@ def estimate_model_state_bytes(
     reason = state_option_error(zero_stage, param_tier, optimizer_tier, precision=precision)
     if reason is not None:
         raise ValueError(reason)
-    offload = offloads_to_host(param_tier, optimizer_tier)
+    offload = offloads_to_host(param_tier, optimizer_tier) or stage_offloads
     kind = choose_lowering_kind(zero_stage, dp_degree, tp=tp_degree, pp=pp_degree, offload=offload)
     psi, d, k = num_params, dp_degree, optimizer_bytes_per_param
     low = precision_bytes(precision)
@@ -179,14 +184,79 @@ def estimate_model_state_bytes(
         from whalepy._capabilities import disk_tier_file_bytes, staging_slots
 
         rest, nvme = disk_tier_file_bytes(nvme, file_grads)
-        share = largest_block_params if kind is LoweringKind.DDP else largest_block_params / d
-        slot = ((MASTER_PARAM_BYTES if param_tier is Tier.NVME else 0.0)
-                + (k if optimizer_tier is Tier.NVME else 0.0)) * share
+        slot, step_copy = _disk_block_bytes(kind, param_tier, optimizer_tier, largest_block_params, d, k)
         cpu += staging_slots(prefetch_depth, num_blocks) * slot
-        if param_tier is Tier.GPU:  # the step copies the stepped block's states to the device
-            working += k * share
+        working += step_copy
     return ModelStateBytes(params=params, grads=grads, optimizer=optimizer, working_params=working,
                            cpu=cpu, nvme=nvme, nvme_between_steps=rest)
+
+
+def _disk_block_bytes(kind: object, param_tier: Tier, optimizer_tier: Tier, block_params: float, d: int,
+                     k: float) -> tuple[float, float]:
+    """For a block of ``block_params`` local parameters (before the dp split) on the disk tier: the
+    bytes of its file-homed tensors (a staging buffer holds one such block: 4 per nvme parameter plus
+    ``k`` for nvme optimizer states, divided by ``d`` where the lowering shards them) and, for device
+    parameters with nvme states, the device copy of its states during its step."""
+    from whalepy._capabilities import LoweringKind
+
+    share = block_params if kind is LoweringKind.DDP else block_params / d
+    slot = ((MASTER_PARAM_BYTES if param_tier is Tier.NVME else 0.0)
+            + (k if optimizer_tier is Tier.NVME else 0.0)) * share
+    return slot, (k * share if param_tier is Tier.GPU else 0.0)
+
+
+def estimate_stage_model_state_bytes(
+    *,
+    blocks: Sequence[tuple[float, Tier | str, Tier | str]],
+    zero_stage: ZeroStage | int,
+    dp_degree: int,
+    tp_degree: int = 1,
+    pp_degree: int = 1,
+    precision: str = "bf16",
+    optimizer_bytes_per_param: float = ADAM_STATE_BYTES_PER_PARAM,
+    working_param_bytes: float = 0.0,
+    prefetch_depth: int = 1,
+) -> ModelStateBytes:
+    """Model-state bytes per device of a stage whose blocks may have different tiers (granular
+    offloading, as M6-10T's): ``blocks`` gives each block's ``(local parameters, param_tier,
+    optimizer_tier)``.
+
+    Each group of blocks with the same tiers holds what :func:`estimate_model_state_bytes` says for its
+    parameters, in the lowering of the whole stage (FSDP2 as soon as one block offloads through the host,
+    :func:`whalepy._capabilities.choose_lowering_kind`), so parameters, gradients, optimizer states and
+    file bytes add up over the groups. Shared by the stage, and so not a sum: the working set of ZeRO-3
+    (``working_param_bytes``, the largest gathered block) and the disk tier's staging buffers, one pool
+    for all its blocks (:func:`whalepy._capabilities.staging_slots` of the stage's disk-tier blocks,
+    ``prefetch_depth`` ahead, each the size of the largest block's file-homed bytes), plus the device
+    copy of the largest stepped block's states (device parameters with nvme states). A stage of one
+    tier pair gives what :func:`estimate_model_state_bytes` gives."""
+    from whalepy._capabilities import choose_lowering_kind, offloads_to_host, staging_slots
+
+    zero_stage = ZeroStage(zero_stage)
+    pairs = [(float(n), Tier(p), Tier(o)) for n, p, o in blocks]
+    offload = any(offloads_to_host(p, o) for _, p, o in pairs)
+    common = dict(zero_stage=zero_stage, dp_degree=dp_degree, tp_degree=tp_degree, pp_degree=pp_degree,
+                  precision=precision, optimizer_bytes_per_param=optimizer_bytes_per_param,
+                  stage_offloads=offload)
+    groups: dict[tuple[Tier, Tier], float] = {}
+    for n, p, o in pairs:
+        groups[(p, o)] = groups.get((p, o), 0.0) + n
+    # the stage-wide working set of the lowering (ZeRO-3's gathered block): what a stage of no
+    # parameters would hold with it
+    total = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "cpu": 0.0, "nvme": 0.0, "nvme_between_steps": 0.0,
+             "working_params": estimate_model_state_bytes(num_params=0.0, working_param_bytes=working_param_bytes,
+                                                          **common).working_params}
+    for (p, o), n in groups.items():
+        part = estimate_model_state_bytes(num_params=n, param_tier=p, optimizer_tier=o, **common)
+        for key in total:
+            total[key] += getattr(part, key)
+    disk = [(n, p, o) for n, p, o in pairs if Tier.NVME in (p, o)]
+    if disk:
+        kind = choose_lowering_kind(zero_stage, dp_degree, tp=tp_degree, pp=pp_degree, offload=offload)
+        sizes = [_disk_block_bytes(kind, p, o, n, dp_degree, optimizer_bytes_per_param) for n, p, o in disk]
+        total["cpu"] += staging_slots(prefetch_depth, len(disk)) * max(slot for slot, _ in sizes)
+        total["working_params"] += max(copy for _, copy in sizes)
+    return ModelStateBytes(**total)
 
 
 def estimate_zero_paper_model_state_bytes(

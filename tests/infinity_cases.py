@@ -13,7 +13,9 @@ Held bytes, measured in the third step (the staging pool is in its steady state)
   ``files_between`` after the step, once the manifest and the removal of the generation it superseded
   are done;
 - host: the staging pool's buffers (:attr:`SwapEngine.staging_bytes`), plus every parameter,
-  gradient and optimizer-state storage FSDP2 offloads to the host that is not homed in a file;
+  gradient and optimizer-state storage FSDP2 offloads to the host that is not homed in a file, and the
+  host optimizer's fp32 masters, gradient buffers and states (ZeRO-Offload blocks, measured after its
+  ``finish``);
 - device: every other parameter / optimizer-state storage, and the gradients of device parameters.
 
 Gradients are measured when the third step's optimizer step starts (they are freed during it);
@@ -119,6 +121,12 @@ def _held(pm: Any, grads: dict[str, int]) -> dict[str, int]:
         if nv is not None and nv.is_mapped(t):
             continue  # homed in a file: counted by the files' sizes
         out["host" if id(owner) in offloaded else "device"] += nbytes
+    # ZeRO-Offload blocks: fp32 masters, gradient buffers and optimizer states of the host optimizer
+    for _, t in (pm.host_optimizer.held() if pm.host_optimizer is not None else ()):
+        ptr, nbytes = _storage(t)
+        if ptr not in seen and nbytes:
+            seen.add(ptr)
+            out["host"] += nbytes
     return out
 
 
@@ -139,20 +147,19 @@ def _grads(pm: Any) -> dict[str, int]:
 
 
 def predicted(case: Case, stage: Any) -> dict[str, float] | None:
-    """The memory model's bytes for a rank of plan stage ``stage`` (None under TP: the local share of
-    each parameter is the planner's business, not this test's)."""
-    from whalepy.cost_models.memory import estimate_model_state_bytes
+    """The memory model's bytes for a rank of plan stage ``stage``, block by block with each block's
+    tiers (:func:`estimate_stage_model_state_bytes`; one tier pair: :func:`estimate_model_state_bytes`),
+    the disk tier's prefetch depth being that of its file-homed parameter blocks (one per stage)
+    (None under TP: the local share of each parameter is the planner's business, not this test's)."""
+    from whalepy.cost_models.memory import estimate_stage_model_state_bytes
 
     if case.tp > 1:
         return None
     prof = case_profile(case.kind, case.num_layers)
-    sizes = [prof.block(b.name).num_params for b in stage.blocks]
-    extra = case.extra
-    est = estimate_model_state_bytes(
-        num_params=sum(sizes), zero_stage=case.zero, dp_degree=case.dp, pp_degree=case.pp,
-        precision="fp32", param_tier=extra.get("param_tier", "gpu"),
-        optimizer_tier=extra.get("optimizer_tier", "gpu"), largest_block_params=max(sizes),
-        prefetch_depth=extra.get("prefetch_depth", 1), num_blocks=len(sizes))
+    depth = max((b.prefetch_depth for b in stage.blocks if b.param_tier.value == "nvme"), default=1)
+    est = estimate_stage_model_state_bytes(
+        blocks=[(prof.block(b.name).num_params, b.param_tier, b.optimizer_tier) for b in stage.blocks],
+        zero_stage=case.zero, dp_degree=case.dp, pp_degree=case.pp, precision="fp32", prefetch_depth=depth)
     return {"device": est.resident, "host": est.cpu, "files": est.nvme, "files_between": est.nvme_between_steps}
 
 

@@ -8,6 +8,11 @@ Data parallelism, state tiers and precision:
   ``ZeroRedundancyOptimizer``, FSDP2, or none).
 - :func:`check_state_option`: whether a (ZeRO stage, parameter tier, optimizer tier) combination is
   lowered, and why not.
+- :func:`stage_tiers_error`: whether one stage's blocks, with their own tiers, are lowered together
+  (checked when a :class:`~whalepy.plan.StagePlan` is made, and by the disk tier).
+- :func:`shared_unit_tiers_error`: whether parameters of blocks with different tiers can be sharded as
+  one FSDP2 unit (a stage's root: weights tied between blocks), in a stage whose blocks have different
+  tiers (granular offloading).
 - :func:`resolve_precision`: the training precision of a cluster (default, or a requested one checked
   against every device type).
 
@@ -29,7 +34,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from whalepy._errors import PlanError
 from whalepy.cost_models.compute import Precision
@@ -52,6 +57,8 @@ __all__ = [
     "sequence_parallel_error",
     "disk_tier_file_bytes",
     "staging_slots",
+    "shared_unit_tiers_error",
+    "stage_tiers_error",
     "state_option_error",
     "steps_on_host",
     "uses_cpu_offload_policy",
@@ -179,6 +186,45 @@ def state_option_error(zero: ZeroStage | int, param_tier: Tier | str, optimizer_
     if pt is Tier.CPU and ot is Tier.GPU:
         return ("param_tier='cpu' with optimizer_tier='gpu' is not lowered: FSDP2's CPUOffloadPolicy keeps "
                 "optimizer states with the parameters on the host; set optimizer_tier to 'cpu' or 'nvme'")
+    return None
+
+
+def shared_unit_tiers_error(pairs: Iterable[tuple[Tier | str, Tier | str]], *, names: Iterable[str] = ()
+                            ) -> str | None:
+    """Why FSDP2 cannot shard, as ONE unit, parameters of blocks whose ``(param_tier, optimizer_tier)``
+    are ``pairs`` (the blocks ``names``), or None.
+
+    Blocks of one stage may have different tiers: each block is its own ``fully_shard`` unit with its
+    own offload policy (:mod:`whalepy.runtime.data_parallel`). The stage's root unit holds what no block
+    unit may: weights tied between blocks (FSDP2 keeps a shared parameter in one unit) and the
+    parameters of a block that is the stage module itself. One unit has one ``CPUOffloadPolicy`` or
+    none, and its parameters are all stepped on the host or all on the device, so these blocks must
+    have the same tiers. Parameters in no block do not constrain the root (the plan places none)."""
+    got = sorted({(Tier(p), Tier(o)) for p, o in pairs}, key=lambda t: (t[0].value, t[1].value))
+    if len(got) <= 1:
+        return None
+    which = ", ".join(f"{p.value}/{o.value}" for p, o in got)
+    blocks = sorted(set(names))
+    return (f"blocks {blocks} share parameters (tied weights, sharded together with the stage's root by "
+            f"FSDP2) but have different tiers ({which}); give them the same param_tier and optimizer_tier")
+
+
+def stage_tiers_error(blocks: Iterable[Any]) -> str | None:
+    """Why the runtime cannot lower these blocks of one stage (``BlockPlan``-like: ``name``,
+    ``param_tier``, ``optimizer_tier``, ``prefetch_depth``) together, or None.
+
+    Blocks of one stage may have any tiers :func:`state_option_error` lowers, each its own FSDP2 unit.
+    What the stage shares: its disk tier (:mod:`whalepy.runtime.nvme`) is one staging pool read ahead
+    by one depth, so its blocks with parameters on ``nvme`` need one ``prefetch_depth``
+    (:func:`staging_slots`; blocks of a ``cpu`` parameter tier are prefetched by FSDP2, each its own)."""
+    depths: dict[int, list[str]] = {}
+    for b in blocks:
+        if Tier(b.param_tier) is Tier.NVME:
+            depths.setdefault(int(b.prefetch_depth), []).append(b.name)
+    if len(depths) > 1:
+        which = "; ".join(f"{d}: {', '.join(names)}" for d, names in sorted(depths.items()))
+        return (f"blocks with param_tier='nvme' have different prefetch depths ({which}); a stage's disk tier "
+                "reads ahead one depth for all its blocks: give them the same prefetch_depth")
     return None
 
 

@@ -125,7 +125,7 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def _tiers(stage) -> str:  # type: ignore[no-untyped-def]
+def block_tiers(stage) -> str:  # type: ignore[no-untyped-def]
     """Each block's (parameter / optimizer) tier, runs of equal tiers compressed, with the prefetch depth
     of blocks whose parameters are off the device."""
     runs: list[list] = []  # type: ignore[type-arg]
@@ -140,7 +140,7 @@ def _tiers(stage) -> str:  # type: ignore[no-untyped-def]
             runs[-1][1].append(b.name)
         else:
             runs.append([tier, [b.name]])
-    return ", ".join(f"{compress_names(names)} {tier}" for tier, names in runs)
+    return "; ".join(f"{compress_names(names)} {tier}" for tier, names in runs)
 
 
 def _samples_by_stage(plan: Plan, device_type: str) -> str:
@@ -174,7 +174,7 @@ def _memory_lines(plan: Plan) -> list[str]:
                    f"buffers {k.buffer_bytes / GIB:.2f}; reserve {k.reserve_bytes / GIB:.2f}{host}")
         off = ""
         if any(b.param_tier.value != "gpu" or b.optimizer_tier.value != "gpu" for b in s.blocks):
-            off = f"; offload (tiers {_tiers(s)}) exposed {_t(k.offload_s)} per step"
+            off = f"; offload (tiers {block_tiers(s)}) exposed {_t(k.offload_s)} per step"
         out.append(f"  stage {s.index} exposed comm: TP {_t(k.tp_comm_s)}, p2p {_t(k.p2p_s)}, DP {_t(k.dp_comm_s)} "
                    f"per micro-batch; gradient sync {_t(k.grad_sync_s)} per step{off}")
     return out

@@ -201,6 +201,11 @@ class StagePlan:
         if not isinstance(self.reduce_every_microbatch, bool):
             raise PlanError(f"stage {self.index}: reduce_every_microbatch must be true or false, got "
                             f"{self.reduce_every_microbatch!r}")
+        from whalepy._capabilities import stage_tiers_error
+
+        reason = stage_tiers_error(self.blocks)
+        if reason is not None:
+            raise PlanError(f"stage {self.index}: {reason}")
         if any(b.tiles > 1 for b in self.blocks):
             from whalepy._capabilities import tiling_error
 

@@ -8,7 +8,7 @@ import math
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from whalepy._plan_format import _rate, compress_names, compress_ranks
+from whalepy._plan_format import _rate, block_tiers, compress_names, compress_ranks
 from whalepy._show.panels import (
     alternatives_table,
     batch_shares_bar,
@@ -98,8 +98,10 @@ def _stages_table(plan: Plan) -> str:
            '</th><th>gradient sync</th></tr>']
     for st in plan.stages:
         k = st.cost
-        tiers = sorted({f"{b.param_tier.value} / {b.optimizer_tier.value}" for b in st.blocks})
-        tiers += sorted({f"tiles {b.tiles}" for b in st.blocks if b.tiles > 1})
+        pairs = sorted({f"{b.param_tier.value} / {b.optimizer_tier.value}" for b in st.blocks})
+        # blocks of one stage may have different tiers (or tiles): then each run of blocks with its own
+        tiers = [block_tiers(st)] if len(pairs) > 1 else pairs + sorted(
+            {f"tiles {b.tiles}" for b in st.blocks if b.tiles > 1})
         tiers += ["gradients reduced every micro-batch"] if st.reduce_every_microbatch else []
         devs = stage_devices(st)
         chunks = f" (chunks {'+'.join(map(str, st.chunk_sizes))})" if st.chunk_sizes else ""

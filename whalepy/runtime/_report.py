@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from whalepy._log import is_rank0, logger
-from whalepy._plan_format import compress_names, compress_ranks
+from whalepy._plan_format import block_tiers, compress_names, compress_ranks
 from whalepy.plan import Plan, Tier
 
 __all__ = ["StepReporter", "plan_log_lines"]
@@ -53,8 +53,9 @@ def plan_log_lines(plan: Plan) -> list[str]:
              + f", {plan.num_microbatches} micro-batches of global batch {plan.global_batch}, "
              f"{plan.precision.value}{pred}"]
     for s in plan.stages:
-        tiers = sorted({f"optimizer on {b.optimizer_tier.value}" for b in s.blocks if b.optimizer_tier is not Tier.GPU}
-                       | {f"params on {b.param_tier.value}" for b in s.blocks if b.param_tier is not Tier.GPU})
+        # each run of blocks with its (parameter / optimizer) tiers: blocks of one stage may differ
+        offloaded = any(Tier.GPU is not t for b in s.blocks for t in (b.param_tier, b.optimizer_tier))
+        tiers = [f"tiers {block_tiers(s)}"] if offloaded else []
         ck = sum(b.checkpoint for b in s.blocks)
         mem = (f", memory {_bytes(s.cost.memory_bytes)} of {_bytes(s.cost.capacity_bytes)}"
                if s.cost.capacity_bytes else "")

@@ -47,13 +47,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from whalepy._capabilities import LoweringKind as DataParallelKind
 from whalepy._capabilities import choose_lowering_kind as choose_kind
-from whalepy._capabilities import offloads_to_host, state_option_error, uses_cpu_offload_policy
+from whalepy._capabilities import (offloads_to_host, shared_unit_tiers_error, state_option_error,
+                                   uses_cpu_offload_policy)
 from whalepy._errors import WhalepyError
 from whalepy.plan import BlockPlan, Precision, Tier, ZeroStage
 from whalepy.runtime.tiling import tile_modules
 
-__all__ = ["DataParallelKind", "apply_data_parallel", "build_optimizer", "cast_sharded_params", "choose_kind",
-           "compute_dtype", "fsdp_units", "offloads_any_block", "set_prefetch"]
+__all__ = ["DataParallelKind", "apply_data_parallel", "build_optimizer", "cast_sharded_params", "check_root_tiers",
+           "choose_kind", "compute_dtype", "fsdp_units", "offloads_any_block", "root_blocks", "set_prefetch"]
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,7 @@ def apply_data_parallel(
         reason = state_option_error(zero, bp.param_tier, bp.optimizer_tier, precision=precision)
         if reason is not None:
             raise WhalepyError(f"block {bp.name!r}: the plan's {reason}")
+    check_root_tiers(module, blocks)
     if kind == DataParallelKind.NONE:
         return module
     if kind in (DataParallelKind.DDP, DataParallelKind.ZERO1):
@@ -112,7 +114,8 @@ def apply_data_parallel(
                          "root instead of as its own FSDP unit", type(m).__name__)
                 continue
             fully_shard(m, mesh=dp_mesh, reshard_after_forward=reshard, **kwargs, **mp)
-    root_policy = next((p for p in (_offload_policy(bp, device_type) for bp, _ in blocks) if p), None)
+    owners = root_blocks(module, blocks)
+    root_policy = _offload_policy(owners[0], device_type) if owners else None
     kwargs = {"offload_policy": root_policy} if root_policy is not None else {}
     fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard, **kwargs, **mp)
     set_prefetch(module, blocks)
@@ -154,6 +157,27 @@ def cast_sharded_params(modules: Iterable[nn.Module], params: Iterable[nn.Parame
                         fp.reset_sharded_param()
                         out[id(old)] = new
     return out
+
+
+def root_blocks(module: nn.Module, blocks: Sequence[tuple[BlockPlan, Sequence[nn.Module]]]) -> list[BlockPlan]:
+    """The blocks whose parameters the root unit of ``module`` holds: a block that is ``module`` itself,
+    and a block with a module sharing a parameter with another module (a tied weight: FSDP2 keeps it in
+    one unit, the root's, and :func:`apply_data_parallel` leaves such a module to the root whole)."""
+    shared = _shared_params(module, [m for _, mods in blocks for m in mods])
+    return [bp for bp, mods in blocks
+            if any(m is module or any(id(p) in shared for p in m.parameters()) for m in mods)]
+
+
+def check_root_tiers(module: nn.Module, blocks: Sequence[tuple[BlockPlan, Sequence[nn.Module]]]) -> None:
+    """Refuse (:class:`WhalepyError`) blocks of different tiers whose parameters the root unit would hold
+    together (:func:`whalepy._capabilities.shared_unit_tiers_error`); cheap, before any sharding. The
+    root's offload policy is then that of these blocks (none when there are none: parameters in no
+    block stay on the device, where the plan, which places none of them, counts nothing)."""
+    owners = root_blocks(module, blocks)
+    reason = shared_unit_tiers_error(((b.param_tier, b.optimizer_tier) for b in owners),
+                                     names=(b.name for b in owners))
+    if reason is not None:
+        raise WhalepyError(f"the plan's tiers cannot be lowered: {reason}")
 
 
 def _shared_params(root: nn.Module, units: Sequence[nn.Module]) -> set[int]:

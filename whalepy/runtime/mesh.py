@@ -11,7 +11,7 @@ the pipeline's process group.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,6 +108,7 @@ def make_plan(
     tensor_parallel: Sequence[TPRule] = (),
     param_tier: Tier | str = Tier.GPU,
     optimizer_tier: Tier | str = Tier.GPU,
+    tiers: Mapping[str, tuple[Tier | str, Tier | str]] | None = None,
     activation_offload: bool | Sequence[str] = False,
     prefetch_depth: int = 1,
     device_type: str = "CPU",
@@ -127,7 +128,13 @@ def make_plan(
     ``chunk_sizes[s][j]`` gives the blocks of chunk ``j`` of physical stage ``s`` (pipeline stage
     ``s + j * pp``); each physical stage holds its ``v`` chunks (``StagePlan.chunk_sizes``).
     ``precision`` is what the runtime trains in (fp32 unless given); ``reduce_every_microbatch`` sets
-    :attr:`StagePlan.reduce_every_microbatch` on every stage."""
+    :attr:`StagePlan.reduce_every_microbatch` on every stage.
+
+    ``param_tier`` / ``optimizer_tier`` are every block's memory tiers; ``tiers`` overrides them per
+    block (granular offloading, as M6-10T's): ``{block name: (param_tier, optimizer_tier)}``, e.g.
+    ``tiers={"transformer.h.0": ("cpu", "cpu")}``. An unknown block name in ``tiers``, or a pair there
+    the runtime does not lower (:func:`whalepy._capabilities.state_option_error`), is a
+    :class:`PlanError` here; the stage-wide pair is checked when the plan is lowered."""
     blocks = list(block_names)
     v = int(virtual_stages)
     if v < 1:
@@ -165,6 +172,7 @@ def make_plan(
     if len(stage_sizes) != pp or sum(stage_sizes) != len(blocks):
         raise PlanError(f"stage sizes {list(stage_sizes)} do not split {len(blocks)} blocks into {pp} "
                         "stages")
+    pairs = _block_tiers(blocks, param_tier, optimizer_tier, tiers, zero_stage=zero_stage, precision=precision)
     ckpt = set(blocks) if checkpoint is True else set(checkpoint or ())
     act_off = set(blocks) if activation_offload is True else set(activation_offload or ())
     if batch_shares is None and global_batch % dp:
@@ -178,8 +186,8 @@ def make_plan(
         start += size
         stages.append(StagePlan(
             index=s,
-            blocks=tuple(BlockPlan(name=n, checkpoint=n in ckpt, param_tier=Tier(param_tier),
-                                   optimizer_tier=Tier(optimizer_tier), activation_offload=n in act_off,
+            blocks=tuple(BlockPlan(name=n, checkpoint=n in ckpt, param_tier=pairs[n][0],
+                                   optimizer_tier=pairs[n][1], activation_offload=n in act_off,
                                    prefetch_depth=prefetch_depth)
                    for n in names),
             ranks=tuple(tuple(s * dp * tp + d * tp + t for t in range(tp)) for d in range(dp)),
@@ -197,6 +205,35 @@ def make_plan(
         stages=tuple(stages), tensor_parallel=tuple(tensor_parallel) if tp > 1 else (),
         precision=Precision(precision),
     )
+
+
+def _block_tiers(blocks: Sequence[str], param_tier: Tier | str, optimizer_tier: Tier | str,
+                 tiers: Mapping[str, tuple[Tier | str, Tier | str]] | None, *, zero_stage: ZeroStage | int,
+                 precision: Precision | str) -> dict[str, tuple[Tier, Tier]]:
+    """Each block's ``(param_tier, optimizer_tier)``: the stage-wide pair, overridden by ``tiers``."""
+    from whalepy._capabilities import state_option_error
+
+    tiers = dict(tiers or {})
+    unknown = sorted(set(tiers) - set(blocks))
+    if unknown:
+        raise PlanError(f"tiers names blocks {unknown} that the model does not have; its blocks are "
+                        f"{list(blocks)}")
+    out: dict[str, tuple[Tier, Tier]] = {}
+    for n in blocks:
+        if n not in tiers:  # the stage-wide pair: refused, if at all, when the plan is lowered (as before)
+            out[n] = (Tier(param_tier), Tier(optimizer_tier))
+            continue
+        pair = tiers[n]
+        try:
+            p, o = (Tier(t) for t in pair)
+        except (TypeError, ValueError):
+            raise PlanError(f"tiers[{n!r}] = {pair!r}: give a (param_tier, optimizer_tier) pair of "
+                            f"{', '.join(repr(t.value) for t in Tier)}") from None
+        reason = state_option_error(zero_stage, p, o, precision=precision)
+        if reason is not None:
+            raise PlanError(f"tiers[{n!r}]: {reason}")
+        out[n] = (p, o)
+    return out
 
 
 def check_world(plan: Plan) -> None:

@@ -344,7 +344,8 @@ def build_nvme_tier(optimizer: torch.optim.Optimizer, blocks: Sequence[tuple[Any
     order, after FSDP2 and materialisation): checks the directory and its free space before anything
     is written, homes the blocks' parameter shards (``param_tier = nvme``) and optimizer states
     (``optimizer_tier = nvme``) in files and, with ``keep``, resumes the last committed step there."""
-    from whalepy._capabilities import disk_tier_file_bytes
+    from whalepy._capabilities import disk_tier_file_bytes, stage_tiers_error
+    from whalepy._errors import WhalepyError
     from whalepy.cost_models.memory import ADAM_STATE_BYTES_PER_PARAM, MASTER_GRAD_BYTES, MASTER_PARAM_BYTES
     from whalepy.plan import Tier
     from whalepy.runtime._durable import check_free_space
@@ -367,7 +368,10 @@ def build_nvme_tier(optimizer: torch.optim.Optimizer, blocks: Sequence[tuple[Any
         layout.append((bp, params, fsdp_params, units))
     peak = disk_tier_file_bytes(need, grads).peak
     check_free_space(directory, max(peak, planned_file_bytes), user_dir=nvme_dir)
-    depth = max((bp.prefetch_depth for bp, _, fps, _ in layout if fps), default=1)
+    reason = stage_tiers_error(bp for bp, _, _ in blocks)
+    if reason is not None:  # a Plan refuses it when made; blocks handed over directly are checked here
+        raise WhalepyError(reason)
+    depth = next((bp.prefetch_depth for bp, _, fps, _ in layout if fps), 1)
     tier = NvmeTier(optimizer, directory, prefetch_depth=depth, pin=pin, keep=keep)
     resuming = keep and (tier.engine.last_manifest(directory) or {}).get("step", 0) >= 1
     for bp, params, fsdp_params, units in layout:

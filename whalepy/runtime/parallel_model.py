@@ -55,6 +55,7 @@ from whalepy.runtime.data_parallel import (
     apply_data_parallel,
     build_optimizer,
     cast_sharded_params,
+    check_root_tiers,
     choose_kind,
     compute_dtype,
     offloads_any_block,
@@ -357,6 +358,9 @@ class ParallelModel:
                        where="the plan cannot be lowered (whalepy.plan never makes such a plan: re-plan)")
         _check_reduce_every_microbatch(plan)
         block_modules = _resolve_block_modules(model, plan, profile)
+        if plan.pp_degree == 1:  # blocks of different tiers sharing a weight: refused before any work
+            check_root_tiers(model, [(b, [model.get_submodule(p) for p in block_modules[b.name]])
+                                     for b in plan.stages[0].blocks])
         tiling = plan_tiling(model, plan, block_modules)  # block -> {linear: tiles}; checked here
         self.plan = plan
         self.loss_fn = _checked_loss(loss_fn)
