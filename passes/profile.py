@@ -128,7 +128,7 @@ def build_profile(
             output_bytes=int(fig["out"]), tp_rules=tp.rules, tp_comm_bytes=int(tp.comm_bytes),
             tp_degrees=degrees, annotations=merged, kernels=fig["kernels"],
             linear_params=lin_sum, largest_linear_params=lin_max, num_linears=lin_n,
-            linear_rows=rows,
+            linear_rows=rows, shares_params=shares_params(model, spec.modules),
         ))
     unique = list(model.parameters())
     batch, seq = _batch_and_seq(gm)
@@ -145,6 +145,18 @@ def build_profile(
         capture_time_s=float(gm.meta["whalepy.capture_time_s"]),
         graph=gm,
     )
+
+
+def shares_params(model: torch.nn.Module, modules: tuple[str, ...]) -> bool:
+    """Whether a module of ``modules`` (paths in ``model``) shares a parameter with a module outside it
+    (:attr:`~whalepy.profile.BlockProfile.shares_params`)."""
+    for path in modules:
+        prefix = path + "." if path else ""
+        inside = {id(p) for n, p in model.named_parameters(remove_duplicate=False) if n.startswith(prefix)}
+        if any(id(p) in inside for n, p in model.named_parameters(remove_duplicate=False)
+               if not n.startswith(prefix)):
+            return True
+    return False
 
 
 @dataclass(slots=True)

@@ -78,7 +78,8 @@ def _mixes(sc, counts) -> list:  # type: ignore[no-untyped-def, type-arg]
                 per_seg = [[c for c in itertools.product(range(n + 1), repeat=r) if sum(c) == n] for n in counts]
                 for split in itertools.product(*per_seg):
                     parts = tuple((o, tuple(split[g][i] for g in range(len(counts)))) for i, o in enumerate(opts))
-                    if all(any(n) for _, n in parts):
+                    tied = sum(1 for _, n in parts if any(n[g] for g in sc.tied_segments))
+                    if all(any(n) for _, n in parts) and tied <= 1:
                         out.append(parts)
     return out
 

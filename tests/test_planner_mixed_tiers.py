@@ -9,7 +9,7 @@ import pytest
 
 from whalepy._capabilities import LoweringKind, mixed_tiers_error
 from whalepy._errors import InfeasibleError
-from whalepy.cost_models.memory import estimate_model_state_bytes
+from whalepy.cost_models.memory import estimate_stage_model_state_bytes
 from whalepy.cost_models.offload import host_capacity_per_gpu
 from whalepy.plan import Tier
 from whalepy.planner import plan_from_profile
@@ -58,23 +58,18 @@ def test_a_mix_fits_where_no_single_tier_does_and_is_the_exhaustive_optimum() ->
     assert "tiers embed" in str(p) and "h.0-" in str(p), str(p)
 
 
-def test_plan_bytes_are_each_blocks_tier_summed() -> None:
-    """The stage's predicted device, host and disk bytes are the memory model's for each tier's blocks
-    (what the runtime holds, block by block; tests/test_mixed_tiers.py measures it)."""
+def test_plan_bytes_are_what_the_runtime_holds_for_its_blocks() -> None:
+    """The stage's predicted device, host and disk bytes are the memory model's for its blocks' tiers
+    (:func:`estimate_stage_model_state_bytes`, which tests/test_mixed_tiers.py checks against what the
+    runtime holds, block by block, on gloo), and each tier holds part of the states."""
     p = _plan()
     (st,) = p.stages
-    by_pair: dict[tuple[Tier, Tier], float] = {}
-    for b, pb in zip(st.blocks, PROF.blocks):
-        by_pair[b.param_tier, b.optimizer_tier] = by_pair.get((b.param_tier, b.optimizer_tier), 0.0) + pb.num_params
-    resident = host = 0.0
-    for (pt, ot), n in by_pair.items():
-        held = estimate_model_state_bytes(num_params=n, zero_stage=st.zero_stage, dp_degree=1, tp_degree=1,
-                                          pp_degree=1, precision=p.precision.value, param_tier=pt, optimizer_tier=ot)
-        resident += held.resident
-        host += held.cpu
-    assert st.cost.model_state_bytes == pytest.approx(resident, rel=1e-6)
-    assert st.cost.host_state_bytes == pytest.approx(host, rel=1e-6)
-    assert host > 0 and resident > 0
+    held = estimate_stage_model_state_bytes(
+        blocks=[(pb.num_params, b.param_tier, b.optimizer_tier) for b, pb in zip(st.blocks, PROF.blocks)],
+        zero_stage=st.zero_stage, dp_degree=1, precision=p.precision.value)
+    assert st.cost.model_state_bytes == pytest.approx(held.resident, rel=1e-6)
+    assert st.cost.host_state_bytes == pytest.approx(held.cpu, rel=1e-6)
+    assert held.cpu > 0 and held.resident > 0
 
 
 def test_mixes_only_where_lowered() -> None:
@@ -114,3 +109,53 @@ def test_mixes_only_where_lowered() -> None:
         for fam in st.families:
             assert any(not o.beside_offload for o in fam)
             assert len({(o.zero, o.tiles, o.reduce_each) for o in fam}) == 1
+
+
+def test_blocks_sharing_parameters_take_one_tier() -> None:
+    """Tied weights (embedding and head) sit in FSDP2's root unit, which has one offload policy: the
+    planner gives all blocks that share parameters one tier pair (where, untied, it would split them),
+    and the ILP's plan is still the exhaustive optimum."""
+    import dataclasses
+
+    from whalepy.profile import BlockKind
+
+    dev = tiny_device("a100-mix", "A100-80GB", 3.0)
+    c = cluster(group("a", dev.name, 1, 1, custom={dev.name: dev}, cpu_gb=HOST_GIB), custom=[dev])
+    kw = dict(global_batch=4, max_microbatches=2, schedules=("1f1b",))
+    untied = plan_from_profile(PROF, c, **kw)
+    ends = [i for i, b in enumerate(PROF.blocks) if b.kind is not BlockKind.LAYER]
+    pair = [(b.param_tier, b.optimizer_tier) for b in untied.stages[0].blocks]
+    assert len({pair[i] for i in ends}) == 2, pair  # untied, the embedding and the head differ
+    tied_prof = dataclasses.replace(PROF, blocks=tuple(
+        dataclasses.replace(b, shares_params=i in ends) for i, b in enumerate(PROF.blocks)))
+    tied = plan_from_profile(tied_prof, c, **kw)
+    pair = [(b.param_tier, b.optimizer_tier) for b in tied.stages[0].blocks]
+    assert len({pair[i] for i in ends}) == 1, pair
+    ex = plan_from_profile(tied_prof, c, solver="exhaustive", **kw)
+    assert ex.cost.step_time_s * (1 - 1e-9) <= tied.cost.step_time_s <= ex.cost.step_time_s * (1 + 5e-3)
+    assert tied.cost.step_time_s >= untied.cost.step_time_s * (1 - 1e-9)
+
+
+def test_profile_marks_blocks_that_share_parameters() -> None:
+    import torch
+    from torch import nn
+
+    from whalepy.profile import profile
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wte = nn.Embedding(64, 16)
+            self.h = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+            self.lm_head = nn.Linear(16, 64, bias=False)
+            self.lm_head.weight = self.wte.weight
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.wte(x)
+            for layer in self.h:
+                y = layer(y)
+            return self.lm_head(y)
+
+    prof = profile(Tied(), torch.zeros(2, 8, dtype=torch.long))
+    marked = {b.name: b.shares_params for b in prof.blocks}
+    assert sum(marked.values()) == 2 and not any(v for k, v in marked.items() if k.startswith("h.")), marked

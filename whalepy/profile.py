@@ -147,6 +147,11 @@ class BlockProfile:
     linear_rows: tuple[tuple[int, int], ...] = ()
     """Per tileable linear, ``(output features, parameters per output row)``: a tile of ``t`` has
     ``ceil(out / t)`` rows at most (:func:`whalepy._tiling.largest_tile_params`); empty: unknown."""
+    shares_params: bool = False
+    """A module of the block shares a parameter with a module outside it (a tied weight, e.g. GPT-2's
+    ``lm_head.weight`` is ``wte.weight``; ``whalepy.pseudo_to_real``'s tied layers). FSDP2 keeps such a
+    parameter in the stage's root unit, so all such blocks of one stage keep their states in one tier
+    (:func:`whalepy._capabilities.shared_unit_tiers_error`)."""
     annotations: BlockAnnotations = field(default_factory=BlockAnnotations)
     kernels: BlockKernels | None = None
     """GEMM and attention shapes, memory-bound bytes and launches of the forward; None when unknown

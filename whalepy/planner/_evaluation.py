@@ -188,6 +188,9 @@ def _check_mix(sc: StageCoeffs, mix: StateMix, counts: Sequence[int], v: int) ->
         raise ValueError(f"stage {sc.index}: a mix needs an option that offloads (the others are lowered beside it)")
     if not any(set(options) <= set(f) for f in sc.families):
         raise ValueError(f"stage {sc.index}: options {[str(o) for o in options]} are not one family of the stage")
+    if sum(1 for _, n in mix if any(n[g] for g in sc.tied_segments)) > 1:
+        raise ValueError(f"stage {sc.index}: blocks that share parameters (segments {list(sc.tied_segments)}) "
+                         "are split over several options")
     if [sum(col) for col in zip(*(n for _, n in mix))] != list(counts) or any(x < 0 for _, n in mix for x in n):
         raise ValueError(f"stage {sc.index}: the mix's blocks {[list(n) for _, n in mix]} do not split {list(counts)}")
 

@@ -29,7 +29,7 @@ from whalepy.planner.costing import (
     evaluate_stage,
     memory_breakdown,
     offload_s,
-    stage_model_states,
+    stage_held_bytes,
     tp_applies,
 )
 from whalepy.planner._offload_costs import stage_prefetch
@@ -92,6 +92,11 @@ def build_plan(ev: Evaluation, *, ctx: CostContext, global_batch: int, result: S
         for o in dict.fromkeys(option_of.values()):
             mine = [i for i in positions[s] if option_of[i] == o]
             depths[o], _ = stage_prefetch(ctx, cand, st, max(st.cells, key=lambda c: c.time_s), mine, option=o)
+        # the disk tier reads a stage's NVMe parameters ahead by one depth (_capabilities.stage_tiers_error)
+        disk = max((d for o, d in depths.items() if o.param_tier is Tier.NVME), default=None)
+        depths = {o: disk if o.param_tier is Tier.NVME and disk is not None else d for o, d in depths.items()}
+        for o in depths:
+            mine = [i for i in positions[s] if option_of[i] == o]
             if o.param_tier is not Tier.GPU:
                 what = "parameters" if not st.mix else f"parameters of {len(mine)} blocks"
                 notes = [*notes, f"stage {s}: {what} on {o.param_tier.value}, fetched {depths[o]} block"
@@ -188,20 +193,17 @@ def block_options(st, positions: list[int], seg_of: list[int]) -> dict[int, Stat
 
 def _held_state_bytes(ctx: CostContext, cand: Candidate, st, option_of: dict[int, StateOption],  # type: ignore[no-untyped-def]
                       depths: dict[StateOption, int]) -> dict[str, int]:
-    """StageCost's model-state fields: what a device of the stage holds between uses, by place, summed
-    over its blocks' options (with the disk tier's staging buffers: the largest block's local
-    parameters, the prefetch depth and the block count of the option, as the runtime sizes them)."""
+    """StageCost's model-state fields: what a device of the stage holds between uses, by place, for its
+    blocks' tiers (:func:`~whalepy.planner.costing.stage_held_bytes`: the disk tier's one staging pool,
+    sized by its largest block and the prefetch depth of its NVMe parameters, as the runtime sizes it)."""
     prof = ctx.profile
-    out = {"model_state_bytes": 0, "host_state_bytes": 0, "nvme_state_bytes": 0}
-    for o, depth in depths.items():
-        local = [prof.blocks[i].num_params / (cand.tp if cand.tp > 1 and tp_applies(prof.blocks[i], cand.tp) else 1)
-                 for i, p in option_of.items() if p == o]
-        held = stage_model_states(ctx, cand, o, sum(local), largest_block_params=max(local, default=0.0),
-                                  prefetch_depth=depth, num_blocks=len(local))
-        out["model_state_bytes"] += round(held.resident)
-        out["host_state_bytes"] += round(held.cpu)
-        out["nvme_state_bytes"] += round(held.nvme)
-    return out
+    local = [(prof.blocks[i].num_params / (cand.tp if cand.tp > 1 and tp_applies(prof.blocks[i], cand.tp) else 1), o)
+             for i, o in option_of.items()]
+    # the pool reads ahead by the depth of the NVMe parameters (one for the stage), else one block
+    disk = [d for o, d in depths.items() if o.param_tier is Tier.NVME]
+    held = stage_held_bytes(ctx, cand, st.option.zero, local, prefetch_depth=max(disk, default=1))
+    return {"model_state_bytes": round(held.resident), "host_state_bytes": round(held.cpu),
+            "nvme_state_bytes": round(held.nvme)}
 
 
 # -- alternatives -----------------------------------------------------------------------------------

@@ -89,6 +89,7 @@ from whalepy.cost_models.memory import (
     MASTER_GRAD_BYTES,
     ModelStateBytes,
     estimate_model_state_bytes,
+    estimate_stage_model_state_bytes,
     inflight_microbatches,
 )
 from whalepy.cost_models.offload import host_capacity_per_gpu, nvme_capacity_per_gpu
@@ -251,6 +252,9 @@ class StageCoeffs:
     """Per option, host bytes per rank it holds whatever its parameter count: the disk tier's staging
     buffers (:func:`~whalepy._capabilities.staging_slots` at prefetch depth 1, each the file-homed
     bytes of the model's largest local block); 0 without NVMe."""
+    tied_segments: tuple[int, ...] = ()
+    """Segments whose blocks share parameters (:attr:`~whalepy.profile.BlockProfile.shares_params`):
+    in a mix, all of the stage's such blocks take one option (FSDP2 keeps tied weights in one unit)."""
     families: tuple[tuple[StateOption, ...], ...] = ()
     """Groups of two or more of :attr:`options` whose blocks may share this stage, each block keeping
     its states where its option says (granular tiers, M6-10T; :data:`~whalepy.planner.space.StateMix`):
@@ -463,7 +467,8 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
                                   mem_beta=mem_beta, cpu_beta=cpu_beta, nvme_beta=nvme_beta,
                                   working_bytes=working, state_split=split, grads_freed=freed,
                                   buffer_beta=buffer_beta, host_fixed=host_fixed,
-                                  dp_ranks=dp_ranks, families=families))
+                                  dp_ranks=dp_ranks, families=families,
+                                  tied_segments=tuple(g for g, seg in enumerate(segments) if seg.block.shares_params)))
     return CandidateCoeffs(candidate=cand, segments=segments, stages=stages, ranks=ranks,
                            nodes=_node_shares(hw, ranks) if any(_off_device(o) for st in stages for o in st.options)
                            or any(stage_offloadable(st) for st in stages) else (), bubble=cand.bubble_coefficient)
@@ -581,12 +586,24 @@ def stage_model_states(ctx: CostContext, cand: Candidate, option: StateOption, n
                        prefetch_depth: int = 1, num_blocks: int | None = None) -> ModelStateBytes:
     """Model-state bytes per device of a stage of ``cand`` with ``num_params`` local parameters under
     ``option``, as the runtime lowers it (:func:`estimate_model_state_bytes`; the last three size the
-    disk tier's staging buffers)."""
+    disk tier's staging buffers; an option beside offloaded blocks is lowered as they are)."""
     return estimate_model_state_bytes(
         num_params=num_params, zero_stage=option.zero, dp_degree=cand.dp, tp_degree=cand.tp,
         pp_degree=cand.num_stages, precision=ctx.precision, param_tier=option.param_tier,
         optimizer_tier=option.optimizer_tier, working_param_bytes=working_param_bytes,
-        largest_block_params=largest_block_params, prefetch_depth=prefetch_depth, num_blocks=num_blocks)
+        largest_block_params=largest_block_params, prefetch_depth=prefetch_depth, num_blocks=num_blocks,
+        stage_offloads=option.beside_offload)
+
+
+def stage_held_bytes(ctx: CostContext, cand: Candidate, zero: ZeroStage,
+                     blocks: Sequence[tuple[float, StateOption]], prefetch_depth: int = 1) -> ModelStateBytes:
+    """What a device of a stage of ``cand`` holds between uses, by place, for its blocks' ``(local
+    parameters, option)``: :func:`estimate_stage_model_state_bytes` (one lowering for the stage, one
+    staging pool for its disk-tier blocks, ``prefetch_depth`` ahead); one option: as
+    :func:`stage_model_states`."""
+    return estimate_stage_model_state_bytes(
+        blocks=[(n, o.param_tier, o.optimizer_tier) for n, o in blocks], zero_stage=zero, dp_degree=cand.dp,
+        tp_degree=cand.tp, pp_degree=cand.num_stages, precision=ctx.precision, prefetch_depth=prefetch_depth)
 
 
 def _undominated(options, sync, mem, cpu, nvme, working, buffers, cells, host_fixed):  # type: ignore[no-untyped-def]

@@ -88,7 +88,8 @@ def _mixes(sc, counts: tuple[int, ...]) -> list:  # type: ignore[no-untyped-def,
             for opts in itertools.combinations(fam, r):
                 for split in itertools.product(*(list(_parts(n, r)) for n in counts)):
                     per = [tuple(split[g][i] for g in range(len(counts))) for i in range(r)]
-                    if all(any(p) for p in per) and not all(o.beside_offload for o in opts):
+                    if (all(any(p) for p in per) and not all(o.beside_offload for o in opts)
+                            and sum(1 for p in per if any(p[g] for g in sc.tied_segments)) <= 1):
                         out.append(tuple(zip(opts, per)))
     return out
 

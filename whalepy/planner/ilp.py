@@ -356,7 +356,8 @@ def _add_mixed_options(prob: _Model, cc: CandidateCoeffs, v: _Vars, s: int) -> N
     ``sum_f z_f = 1``; of it, one to :data:`MAX_OPTIONS_PER_STAGE` options, ``z_f <= sum_{o in f} y_o
     <= K z_f``, ``y_o <= z_f`` (and an option only a mix may use, ``beside_offload``, only with another
     option of its family); whole blocks per option and segment, integer ``Nb[s][o][g] <= L_g y_o``
-    with ``sum_o Nb = n_s[g]`` and at least one block per chosen option; and each option's parameters ``Q_o = sum_g p_g Nb[s][o][g]``."""
+    with ``sum_o Nb = n_s[g]`` and at least one block per chosen option, the blocks of
+    :attr:`StageCoeffs.tied_segments` all with one option; and each option's parameters ``Q_o = sum_g p_g Nb[s][o][g]``."""
     sc = cc.stages[s]
     _add(prob, {z: 1.0 for z, _ in v.fam[s]}, -1.0, EQ, f"one_family_{s}")
     for i, (z, f) in enumerate(v.fam[s]):
@@ -385,6 +386,12 @@ def _add_mixed_options(prob: _Model, cc: CandidateCoeffs, v: _Vars, s: int) -> N
         d = {nb[o][g]: 1.0 for o in sc.options}
         const = _acc(d, v.nj[s][g], -1.0)
         _add(prob, d, const, EQ, f"option_blocks_sum_{s}_{g}")
+    if sc.tied_segments:  # blocks sharing parameters: one option, w[o], for all of them
+        w = {o: _var(prob, f"w_{s}_{i}", cat="Binary") for i, o in enumerate(sc.options)}
+        _add(prob, {x: 1.0 for x in w.values()}, -1.0, LE, f"tied_one_option_{s}")
+        for i, o in enumerate(sc.options):
+            for g in sc.tied_segments:
+                _add(prob, {nb[o][g]: 1.0, w[o]: -float(cc.segments[g].length)}, 0.0, LE, f"tied_{s}_{i}_{g}")
     v.Nb[s] = nb
 
 
