@@ -4,7 +4,8 @@ for the planner's enumeration, ``whalepy.estimate`` and the runtime's refusals.
 In one process: every candidate the planner enumerates on random instances passes the check, and what
 the check refuses, ``estimate`` and the runtime refuse with the same words. On gloo: a planner-made
 plan of each pipeline kind the planner produces (GPipe, 1F1B, interleaved 1F1B, sequence-parallel
-TP) trains like one process, all in one 2-rank launch.
+TP) and a planner-made stage whose blocks keep their states in two tiers (device and NVMe files) train
+like one process, all in one 2-rank launch.
 """
 
 from __future__ import annotations
@@ -103,6 +104,20 @@ def _cluster(per_node: int, nodes: int) -> whalepy.ClusterSpec:
          "simulated": True}]})
 
 
+MIXED_MEMORY_GB = 0.0005
+"""500 kB per simulated device: the test GPT's states (30k parameters, 16 bytes each, halved by ZeRO-2
+over two ranks) with its activations fit only if some blocks keep their optimizer states in files."""
+
+
+def _nvme_cluster(memory_gb: float) -> whalepy.ClusterSpec:
+    """Two simulated CPU devices of ``memory_gb`` each, with host memory and NVMe."""
+    return whalepy.ClusterSpec.from_dict({"network": {"bandwidth_gbps": 10}, "devices": {"small-cpu": {
+        "vendor": "cpu", "memory_gb": memory_gb, "peak_tflops_32": 0.1, "peak_tflops_16": 0.1,
+        "memory_bandwidth_gbs": 20, "host_link_gbs": 10}}, "groups": [
+        {"name": "cpu", "gpu": "small-cpu", "gpus_per_node": 2, "nodes": 1, "intra_node": "shm", "simulated": True,
+         "cpu_memory_gb": 64, "nvme": {"capacity_tb": 1, "read_gbs": 2, "write_gbs": 1}}]})
+
+
 def _profile(annotation, *, sequence_parallel: bool = False):  # type: ignore[no-untyped-def]
     from runtime_cases import SEQ, build_model
 
@@ -123,6 +138,12 @@ def _planned_cases() -> list[tuple[str, object, object]]:
         assert p.pp_degree == 2 and p.schedule.value == sched, (sched, p)
         assert (p.virtual_stages == 2) == (sched == "interleaved_1f1b"), p
         out.append((f"pp2 {sched}", p, pp))
+    # granular tiers: a device too small for every block's states, with NVMe: the planner keeps some
+    # blocks' optimizer states in files and the rest on the device, in one FSDP2 stage
+    mixed = _profile(whalepy.replicate(2))
+    p = plan_from_profile(mixed, _nvme_cluster(MIXED_MEMORY_GB), global_batch=8, schedules=("1f1b",), precision="fp32")
+    assert p.pp_degree == 1 and len({(b.param_tier, b.optimizer_tier) for b in p.stages[0].blocks}) == 2, p
+    out.append(("pp1 mixed tiers", p, mixed))
     sp = _profile(whalepy.split(2), sequence_parallel=True)
     p = plan_from_profile(sp, _cluster(2, 1), global_batch=8, sequence_parallel=True, precision="fp32")
     assert p.pp_degree == 1 and p.tp_degrees == (2,), p
@@ -132,6 +153,7 @@ def _planned_cases() -> list[tuple[str, object, object]]:
 
 
 def _run_planned(cases: list[tuple[str, object, object]], refused) -> list[dict]:  # type: ignore[no-untyped-def]
+    import tempfile
     import warnings
 
     from runtime_cases import adamw, batches, build_model, full_params, lm_loss, reference_run
@@ -142,8 +164,10 @@ def _run_planned(cases: list[tuple[str, object, object]], refused) -> list[dict]
     for name, plan, prof in cases:
         data = batches(8, 3)
         ref_losses, ref_params = reference_run("gpt", data)
-        pm = parallelize(build_model("gpt"), None, example_inputs=(data[0][0][:2],), loss_fn=lm_loss,
-                         optimizer=adamw, global_batch=8, plan=plan, profile=prof)
+        mixed = "mixed" in name
+        nvme = {"nvme_dir": tempfile.mkdtemp(prefix="whalepy-planned-")} if mixed else {}
+        pm = parallelize(build_model("gpt"), _nvme_cluster(MIXED_MEMORY_GB) if mixed else None, example_inputs=(data[0][0][:2],), loss_fn=lm_loss,
+                         optimizer=adamw, global_batch=8, plan=plan, profile=prof, **nvme)
         losses = [pm.train_step(x, y).item() for x, y in data]
         params = full_params(pm)
         out.append({"name": name, "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
