@@ -82,7 +82,8 @@ def test_mixes_only_where_lowered() -> None:
 
     assert mixed_tiers_error(LoweringKind.FSDP, [("gpu", "gpu"), ("cpu", "cpu")]) is None
     assert mixed_tiers_error(LoweringKind.DDP, [("gpu", "gpu")]) is None
-    msg = mixed_tiers_error(LoweringKind.DDP, [("gpu", "gpu"), ("gpu", "nvme")])
+    assert mixed_tiers_error(LoweringKind.DDP, [("gpu", "gpu"), ("gpu", "nvme")]) is None  # device params
+    msg = mixed_tiers_error(LoweringKind.DDP, [("gpu", "gpu"), ("cpu", "cpu")])
     assert msg is not None and "FSDP2" in msg and "\n" not in msg
 
     hw = Hardware(_cluster())

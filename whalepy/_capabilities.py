@@ -375,12 +375,16 @@ def mixed_tiers_error(kind: LoweringKind | str, tiers: Sequence[tuple[Tier | str
     """Why the blocks of one stage cannot keep their states in the given ``(param_tier,
     optimizer_tier)`` pairs side by side (granular tiers, M6-10T), or None when they can.
 
-    Several distinct pairs in one stage are lowered to FSDP2 only: every block is its own
-    ``fully_shard`` unit with its own offload policy (``CPUOffloadPolicy`` or none), and the host
-    optimizer (ZeRO-Offload) and the disk tier work block by block. DDP (and DDP with
-    ``ZeroRedundancyOptimizer``) wraps the stage as one module, with one place for all its states."""
+    Under FSDP2 any pairs :func:`state_option_error` lowers: every block is its own ``fully_shard`` unit
+    with its own offload policy (``CPUOffloadPolicy`` or none), and the host optimizer (ZeRO-Offload) and
+    the disk tier work block by block. Without FSDP2 (DDP, DDP with ``ZeroRedundancyOptimizer``, one
+    replica) the stage is wrapped whole, so its parameters all live on the device: only pairs that keep
+    them there and differ in where the optimizer states are, the device or files (the disk tier wraps
+    the optimizer's step, block by block; ``tests/test_mixed_tiers.py`` runs such a DDP stage)."""
     pairs = {(Tier(p), Tier(o)) for p, o in tiers}
     if len(pairs) <= 1 or LoweringKind(kind) is LoweringKind.FSDP:
+        return None
+    if all(p is Tier.GPU and o in (Tier.GPU, Tier.NVME) for p, o in pairs):
         return None
     names = ", ".join(f"({p.value}, {o.value})" for p, o in sorted(pairs, key=str))
     return (f"blocks of one stage with different tiers {names} need the FSDP2 lowering, not "
