@@ -56,6 +56,12 @@ def test_a_mix_fits_where_no_single_tier_does_and_is_the_exhaustive_optimum() ->
     first_off = next(i for i, pr in enumerate(layers) if pr != (Tier.GPU, Tier.GPU))
     assert all(pr != (Tier.GPU, Tier.GPU) for pr in layers[first_off:]), layers
     assert "tiers embed" in str(p) and "h.0-" in str(p), str(p)
+    # one device type: the homogeneous baseline is the same plan, its mix costed again on the cluster
+    from whalepy.planner import homogeneous_baseline
+
+    base = homogeneous_baseline(PROF, _cluster(), global_batch=4, max_microbatches=2, schedules=("1f1b",))
+    assert base.cost.step_time_s == pytest.approx(p.cost.step_time_s, rel=1e-9)
+    assert _pairs(base.stages[0]) == pairs
 
 
 def test_plan_bytes_are_what_the_runtime_holds_for_its_blocks() -> None:

@@ -313,7 +313,7 @@ def homogeneous_baseline(profile: ModelProfile, cluster: ClusterSpec, *, global_
     S = cand.num_stages
     ckpts = [list(ev.stages[j % S].chunk_checkpoints[j // S]) for j in range(cand.num_virtual)]
     offs = [list(ev.stages[j % S].chunk_offloads[j // S]) for j in range(cand.num_virtual)]
-    real = evaluate_fixed(ctx, cand, ev.boundaries, ckpts, [st.option for st in ev.stages], offs)
+    real = evaluate_fixed(ctx, cand, ev.boundaries, ckpts, [st.mix or st.option for st in ev.stages], offs)
     notes = [f"homogeneous baseline: planned as if all {hw.world_size} GPUs were {slow.name} with "
              f"{small / 2**30:.0f} GiB, costed on the real cluster"]
     return build_plan(real, ctx=ctx, global_batch=global_batch, result=result, solver_name=result.solver_used,
