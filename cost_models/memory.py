@@ -420,6 +420,12 @@ class BlockActivations:
     checkpoint: bool = False
     offload: bool = False
     """Saved activations kept in host memory (``BlockPlan.activation_offload``; excludes checkpoint)."""
+    checkpoint_offload: bool = False
+    """Checkpointed, its input kept in host memory (``BlockPlan.checkpoint_offload``; with checkpoint)."""
+
+    def __post_init__(self) -> None:
+        if self.checkpoint_offload and not self.checkpoint:
+            raise ValueError("checkpoint_offload needs checkpoint (it offloads a checkpointed block's input)")
 
 
 def estimate_stage_activation_bytes(
@@ -442,27 +448,32 @@ def estimate_stage_activation_bytes(
     parameters, which are model states); in its backward its saved tensors come back, one block at a
     time, so the largest such block's ``saved_bytes`` is the transient peak, as for recomputation (the
     two never overlap: one block runs its backward at a time). Its host bytes:
-    :func:`estimate_stage_activation_host_bytes`.
+    :func:`estimate_stage_activation_host_bytes`. A checkpointed block whose input is in host memory
+    (``checkpoint_offload``) keeps nothing on the device either and recomputes like any checkpointed
+    block (:func:`whalepy.runtime.checkpointing.apply_checkpoint_offload`).
     """
     if num_inflight < 0 or virtual_stages < 1:
         raise ValueError(
             f"num_inflight ({num_inflight}) must be >= 0 and virtual_stages ({virtual_stages}) >= 1"
         )
-    kept = sum(0.0 if blk.offload else blk.input_bytes if blk.checkpoint else blk.saved_bytes for blk in blocks)
+    kept = sum(0.0 if blk.offload or blk.checkpoint_offload else blk.input_bytes if blk.checkpoint
+               else blk.saved_bytes for blk in blocks)
     transient = max((blk.saved_bytes for blk in blocks if blk.checkpoint or blk.offload), default=0.0)
     return num_inflight * kept / virtual_stages + transient
 
 
 def estimate_stage_activation_host_bytes(*, blocks: Sequence[BlockActivations], num_inflight: int,
                                          virtual_stages: int = 1) -> float:
-    """Host bytes of the saved activations of a stage's offloaded blocks at the peak: each offloaded
-    block's ``saved_bytes`` for every micro-batch in flight (the device side is
-    :func:`estimate_stage_activation_bytes`)."""
+    """Host bytes of the activations a stage keeps in host memory at the peak: each offloaded block's
+    ``saved_bytes`` and each checkpoint-offloaded block's ``input_bytes``, for every micro-batch in
+    flight (the device side is :func:`estimate_stage_activation_bytes`)."""
     if num_inflight < 0 or virtual_stages < 1:
         raise ValueError(
             f"num_inflight ({num_inflight}) must be >= 0 and virtual_stages ({virtual_stages}) >= 1"
         )
-    return num_inflight * sum(blk.saved_bytes for blk in blocks if blk.offload) / virtual_stages
+    per_mb = sum(blk.saved_bytes if blk.offload else blk.input_bytes if blk.checkpoint_offload else 0.0
+                 for blk in blocks)
+    return num_inflight * per_mb / virtual_stages
 
 
 # -- working sets, buffers and the allocator's reserve ------------------------------------------------

@@ -226,3 +226,14 @@ def estimate_activation_offload_time(rates: OffloadRates, *, saved_bytes: float,
     if saved_bytes < 0 or forward_s < 0 or backward_s < 0:
         raise ValueError("saved_bytes, forward_s and backward_s must be >= 0")
     return max(0.0, saved_bytes / rates.d2h - forward_s) + max(0.0, saved_bytes / rates.h2d - backward_s)
+
+
+def estimate_checkpoint_offload_time(rates: OffloadRates, *, input_bytes: float) -> float:
+    """Seconds per micro-batch of keeping one checkpointed block's input in host memory
+    (``BlockPlan.checkpoint_offload``; ZeRO-Infinity's offloaded activation checkpoints): copied down at
+    its forward, up when its recompute starts. Charged whole, not hidden: the runtime issues both
+    copies on the compute stream (``non_blocking`` frees the host thread, not the stream), and the copy
+    up is needed by the recompute that follows it. On top of the recompute's own time."""
+    if input_bytes < 0:
+        raise ValueError(f"input_bytes must be >= 0, got {input_bytes}")
+    return input_bytes / rates.d2h + input_bytes / rates.h2d

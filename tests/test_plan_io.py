@@ -58,7 +58,7 @@ def test_offload_fields_round_trip_and_version_2_loads(plan: Plan) -> None:
 
     from whalepy.plan import BlockPlan, PLAN_VERSION
 
-    assert PLAN_VERSION == 4
+    assert PLAN_VERSION == 5
     s0 = plan.stages[0]
     blocks = list(s0.blocks)
     blocks[0] = dataclasses.replace(blocks[0], checkpoint=False, activation_offload=True, prefetch_depth=2)
@@ -74,7 +74,7 @@ def test_offload_fields_round_trip_and_version_2_loads(plan: Plan) -> None:
         for b in stage["blocks"]:
             del b["activation_offload"], b["prefetch_depth"], b["tiles"]
     old = Plan.from_dict(data)
-    assert old.version == 4 and old == plan
+    assert old.version == PLAN_VERSION and old == plan
     assert all(not b.activation_offload and b.prefetch_depth == 1 for s in old.stages for b in s.blocks)
     # a version-3 file has no tiles: untiled
     data = json.loads(plan.to_json())
@@ -83,6 +83,23 @@ def test_offload_fields_round_trip_and_version_2_loads(plan: Plan) -> None:
         for b in stage["blocks"]:
             del b["tiles"]
     assert Plan.from_dict(data) == plan and all(b.tiles == 1 for s in plan.stages for b in s.blocks)
+    # a version-4 file has no checkpoint_offload: checkpoints stay on the device
+    data = json.loads(plan.to_json())
+    data["version"] = 4
+    for stage in data["stages"]:
+        for b in stage["blocks"]:
+            del b["checkpoint_offload"]
+    assert Plan.from_dict(data) == plan and not any(b.checkpoint_offload for s in plan.stages for b in s.blocks)
+    # checkpoint_offload round-trips and is shown
+    blocks[1] = dataclasses.replace(blocks[1], checkpoint=True, checkpoint_offload=True)
+    changed = dataclasses.replace(plan, stages=(dataclasses.replace(s0, blocks=tuple(blocks)),) + plan.stages[1:])
+    again = Plan.from_json(changed.to_json())
+    assert again == changed and again.stages[0].blocks[1].checkpoint_offload
+    assert "ckpt:cpu" in str(again)
+    bad = json.loads(changed.to_json())
+    bad["stages"][0]["blocks"][1]["checkpoint"] = False
+    with pytest.raises(PlanError, match="checkpoint_offload is set without checkpoint"):
+        Plan.from_dict(bad)
     # checked on load: offload excludes recomputation, the depth is a positive integer
     bad = json.loads(changed.to_json())
     bad["stages"][0]["blocks"][0]["checkpoint"] = True

@@ -20,7 +20,7 @@ from whalepy._capabilities import LoweringKind, choose_lowering_kind, resolve_pr
 from whalepy._errors import PlanError
 from whalepy.cost_models.devices import CATALOG
 from whalepy.cost_models.memory import estimate_model_state_bytes
-from whalepy.plan import Plan, Precision, Tier
+from whalepy.plan import PLAN_VERSION, Plan, Precision, Tier
 from whalepy.planner import plan_from_profile
 from whalepy.planner.space import build_state_options
 from whalepy.planner.synthetic import transformer_profile
@@ -65,7 +65,7 @@ def test_version_1_plans_load_as_fp32():
         for key in ("model_state_bytes", "host_state_bytes", "nvme_state_bytes"):
             del stage["cost"][key]
     old = Plan.from_dict(data)
-    assert old.precision is Precision.FP32 and old.version == 4
+    assert old.precision is Precision.FP32 and old.version == PLAN_VERSION
 
 
 # -- what the runtime lowers -----------------------------------------------------------------------

@@ -169,14 +169,17 @@ def test_diff_and_page_name_offload_tiling_and_reduction_changes() -> None:
     a = make_plan(names, dp=2, global_batch=8, zero_stage=3, num_microbatches=2)
     st = a.stages[0]
     blocks = tuple(dataclasses.replace(blk, tiles=2 if blk.name.startswith("h.") else 1,
-                                       activation_offload=blk.name == "h.1") for blk in st.blocks)
+                                       activation_offload=blk.name == "h.1", checkpoint=blk.name == "h.0",
+                                       checkpoint_offload=blk.name == "h.0") for blk in st.blocks)
     b = dataclasses.replace(a, stages=(dataclasses.replace(st, blocks=blocks, reduce_every_microbatch=True),))
     text = plan_diff(a, b)
     assert "memory-centric tiling:\n    h.0-1: tiles 1 -> 2" in text, text
-    assert "activation offload:\n    h.1: activations in host memory added" in text, text
+    assert "activation offload:\n    h.0: checkpointed input in host memory added\n" \
+           "    h.1: activations in host memory added" in text, text
     assert "stage 0: gradients reduced every micro-batch" in text, text
     page = plan_html(b)
     assert "tiles 2" in page and "gradients reduced every micro-batch" in page
+    assert "activations in host memory" in page and "checkpoints in host memory" in page
 
 
 def test_cli_show_html_svg_and_diff(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]

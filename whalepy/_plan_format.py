@@ -96,6 +96,7 @@ def format_plan(plan: Plan) -> str:
         tiers = sorted({f"opt:{b.optimizer_tier.value}" for b in s.blocks if b.optimizer_tier.value != "gpu"}
                        | {f"params:{b.param_tier.value}" for b in s.blocks if b.param_tier.value != "gpu"}
                        | {"act:cpu" for b in s.blocks if b.activation_offload}
+                       | {"ckpt:cpu" for b in s.blocks if getattr(b, "checkpoint_offload", False)}
                        | {f"tiles:{b.tiles}" for b in s.blocks if getattr(b, "tiles", 1) > 1}
                        | ({"reduce:every-mb"} if getattr(s, "reduce_every_microbatch", False) else set()))
         k = s.cost

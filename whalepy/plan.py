@@ -23,8 +23,8 @@ from typing import Any
 from whalepy._errors import PlanError
 from whalepy.cost_models.compute import Precision
 
-PLAN_VERSION = 4
-"""Version 4 added :attr:`BlockPlan.tiles` and :attr:`StagePlan.reduce_every_microbatch`; version 3 :attr:`BlockPlan.activation_offload` and
+PLAN_VERSION = 5
+"""Version 5 added :attr:`BlockPlan.checkpoint_offload`; version 4 :attr:`BlockPlan.tiles` and :attr:`StagePlan.reduce_every_microbatch`; version 3 :attr:`BlockPlan.activation_offload` and
 :attr:`BlockPlan.prefetch_depth`; version 2 :attr:`Plan.precision`. Older plans still load (see
 :meth:`Plan.from_dict`)."""
 
@@ -100,6 +100,10 @@ class BlockPlan:
     so ZeRO-3 gathers (and reduce-scatters) one tile at a time and the working set is one tile, not
     the block. 1: not tiled. Only with ZeRO-3 and tp 1
     (:func:`whalepy._capabilities.tiling_error`)."""
+    checkpoint_offload: bool = False
+    """A checkpointed block keeps its input (the activation checkpoint) in host memory between its
+    forward and its backward, which brings it back for the recompute (ZeRO-Infinity, Rajbhandari et al.
+    SC'21, sec. 5.1.2); only with :attr:`checkpoint`."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "param_tier", Tier(self.param_tier))
@@ -107,6 +111,9 @@ class BlockPlan:
         if self.activation_offload and self.checkpoint:
             raise PlanError(f"block {self.name!r}: activation_offload and checkpoint are both set; a block "
                             "either recomputes its activations or keeps them in host memory: set one of them")
+        if self.checkpoint_offload and not self.checkpoint:
+            raise PlanError(f"block {self.name!r}: checkpoint_offload is set without checkpoint; it keeps a "
+                            "checkpointed block's input in host memory: set checkpoint too, or unset it")
         if isinstance(self.prefetch_depth, bool) or not isinstance(self.prefetch_depth, int) \
                 or self.prefetch_depth < 1:
             raise PlanError(f"block {self.name!r}: prefetch_depth must be an integer >= 1, got "
@@ -468,9 +475,9 @@ class Plan:
             # as fp32 so that it keeps training, and resuming its checkpoints, exactly as it did.
             data = {**data, "version": 2, "precision": Precision.FP32.value}
             version = 2
-        if version in (2, 3):
+        if version in (2, 3, 4):
             # version 2 had no activation_offload / prefetch_depth, version 3 no tiles or
-            # reduce_every_microbatch: their defaults
+            # reduce_every_microbatch, version 4 no checkpoint_offload: their defaults
             # (absent fields take them) are what those runtimes did
             data = {**data, "version": PLAN_VERSION}
             version = PLAN_VERSION

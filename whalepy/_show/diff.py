@@ -24,9 +24,9 @@ def _change(name: str, a: object, b: object) -> list[str]:
     return [] if a == b else [f"  {name}: {a} -> {b}"]
 
 
-def _by_block(p: Plan) -> dict[str, tuple[int, bool, str, str, bool, int]]:
+def _by_block(p: Plan) -> dict[str, tuple[int, bool, str, str, bool, int, bool]]:
     return {b.name: (s.index, b.checkpoint, b.param_tier.value, b.optimizer_tier.value, b.activation_offload,
-                     b.tiles)
+                     b.tiles, b.checkpoint_offload)
             for s in p.stages for b in s.blocks}
 
 
@@ -47,16 +47,18 @@ def _blocks(a: Plan, b: Plan) -> list[str]:
     if only_b:
         out.append(f"  blocks only in the second plan: {compress_names(only_b)}")
     moved, ckpt, tiers, act, tiles = [], [], [], [], []
-    for name, (sa, ca, pa, oa, aa, ta) in ba.items():
+    for name, (sa, ca, pa, oa, aa, ta, ka) in ba.items():
         if name not in bb:
             continue
-        sb, cb, pb, ob, ab, tb = bb[name]
+        sb, cb, pb, ob, ab, tb, kb = bb[name]
         if sa != sb:
             moved.append((name, f"stage {sa} -> {sb}"))
         if ca != cb:
             ckpt.append((name, "checkpointing " + ("added" if cb else "removed")))
         if aa != ab:
             act.append((name, "activations in host memory " + ("added" if ab else "removed")))
+        if ka != kb:
+            act.append((name, "checkpointed input in host memory " + ("added" if kb else "removed")))
         if ta != tb:
             tiles.append((name, f"tiles {ta} -> {tb}"))
         if (pa, oa) != (pb, ob):

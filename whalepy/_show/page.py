@@ -102,6 +102,8 @@ def _stages_table(plan: Plan) -> str:
         # blocks of one stage may have different tiers (or tiles): then each run of blocks with its own
         tiers = [block_tiers(st)] if len(pairs) > 1 else pairs + sorted(
             {f"tiles {b.tiles}" for b in st.blocks if b.tiles > 1})
+        tiers += ["activations in host memory"] if any(b.activation_offload for b in st.blocks) else []
+        tiers += ["checkpoints in host memory"] if any(b.checkpoint_offload for b in st.blocks) else []
         tiers += ["gradients reduced every micro-batch"] if st.reduce_every_microbatch else []
         devs = stage_devices(st)
         chunks = f" (chunks {'+'.join(map(str, st.chunk_sizes))})" if st.chunk_sizes else ""

@@ -142,3 +142,24 @@ def activation_offload_coefficients(g: GroupView, *, saved: list[float], fwd: li
                                                  num_inflight=inflight, virtual_stages=virtual_stages)
             for a in saved]
     return time_s, host
+
+
+def checkpoint_offload_coefficients(g: GroupView, *, inputs: list[float], inflight: int, virtual_stages: int
+                                    ) -> tuple[list[float] | None, list[float] | None]:
+    """Per block of each segment of a cell on group ``g`` (``inputs``: its input bytes per micro-batch,
+    ``seg_input``): the seconds per micro-batch of keeping its input in host memory when it is
+    checkpointed (:func:`~whalepy.cost_models.offload.estimate_checkpoint_offload_time`, on top of the
+    recompute), and the host bytes per rank that takes with ``inflight`` micro-batches in flight
+    (:func:`~whalepy.cost_models.memory.estimate_stage_activation_host_bytes`); the device then keeps
+    none of it. ``(None, None)`` where the group has no host memory given."""
+    from whalepy.cost_models.memory import BlockActivations, estimate_stage_activation_host_bytes
+    from whalepy.cost_models.offload import estimate_checkpoint_offload_time
+
+    if g.cpu_memory_bytes is None:
+        return None, None
+    rates = group_rates(g)
+    time_s = [estimate_checkpoint_offload_time(rates, input_bytes=x) for x in inputs]
+    host = [estimate_stage_activation_host_bytes(
+        blocks=[BlockActivations(saved_bytes=0.0, input_bytes=x, checkpoint=True, checkpoint_offload=True)],
+        num_inflight=inflight, virtual_stages=virtual_stages) for x in inputs]
+    return time_s, host

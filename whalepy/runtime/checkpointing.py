@@ -1,19 +1,5 @@
-"""Activation checkpointing and activation offload per block, and distributed state dicts (model +
-optimizer).
-
-Activation checkpointing uses the composable ``torch.distributed._composable.checkpoint``
-(non-reentrant ``torch.utils.checkpoint`` under the hood): it wraps nothing, so parameter names do not
-change and FSDP2 can shard the same module afterwards.
-
-Activation offload (``BlockPlan.activation_offload``) keeps what a block's forward saves for backward in
-host memory: ``torch.autograd.graph.saved_tensors_hooks`` around the block's forward (entered and left
-by forward hooks, so nothing is wrapped either) pack each saved tensor into a host copy (pinned,
-``non_blocking`` on CUDA) and unpack it back onto the device in backward, as
-``torch.autograd.graph.save_on_cpu`` does, except that parameters are left where they are (FSDP2's
-gathered parameters and plain ones: they stay alive on the device anyway, a host copy would only add
-traffic; views of parameters, such as the transposed weight a linear saves, stay too). Saved tensors
-that view the same storage share one host copy of it, restored once in backward. On a CPU device the copy is made all the same (same memory), so
-the path is exercised.
+"""Distributed state dicts (model + optimizer); the activation side (checkpointing, activation and
+checkpoint offload) lives in :mod:`whalepy.runtime._activations` and is re-exported here.
 
 State dicts go through ``torch.distributed.checkpoint.state_dict.get_state_dict`` /
 ``set_state_dict``: keys are the ORIGINAL module paths (FSDP and TP leave names alone; pipeline
@@ -27,7 +13,6 @@ checkpoints move between tiled and untiled plans.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -44,83 +29,17 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from whalepy._errors import WhalepyError
+from whalepy.runtime._activations import (
+    apply_activation_checkpointing,
+    apply_activation_offload,
+    apply_checkpoint_offload,
+)
 from whalepy.runtime._tile_state import merge_state, split_state
 from whalepy.runtime.tiling import tiled_layout
 
-__all__ = ["apply_activation_checkpointing", "apply_activation_offload", "gather_full_state_dict", "get_train_state", "load_model_state",
+__all__ = ["apply_activation_checkpointing", "apply_activation_offload", "apply_checkpoint_offload",
+           "gather_full_state_dict", "get_train_state", "load_model_state",
            "load_train_state", "save_train_state", "set_train_state"]
-
-
-def apply_activation_checkpointing(modules: Sequence[nn.Module]) -> None:
-    from torch.distributed._composable import checkpoint
-
-    for m in modules:
-        checkpoint(m, use_reentrant=False)
-
-
-def apply_activation_offload(modules: Sequence[nn.Module], device: torch.device) -> list[int]:
-    """Keep the saved activations of each module in ``modules`` in host memory (module docstring).
-    Returns a list to which the host bytes of each forward of one of them are appended (for tests and
-    benchmarks; clear it as you like)."""
-    pin = device.type == "cuda"
-    sizes: list[int] = []
-
-    # One forward's host copies by storage: views saved by several ops (the q, k, v projections all
-    # save the same norm output) share one copy of the storage they view, which is what keeps device
-    # memory alive without offload too (and what the profile's saved bytes count). An entry holds the
-    # tensor it copied until the block's forward ends, so its storage cannot be freed and reused by
-    # another tensor in the meantime; an in-place change since (the version counter) makes a new copy.
-    copies: dict[tuple[int, torch.dtype], tuple[torch.Tensor, int, list[Any]]] = {}
-
-    def pack(t: torch.Tensor) -> Any:
-        if type(t) is not torch.Tensor or isinstance(t._base, nn.Parameter) or t.device.type == "meta":
-            return t  # parameters (plain or FSDP2's gathered ones), views of them (a linear's weight.t())
-            # and tensor subclasses stay
-        storage = t.untyped_storage()
-        key = (storage.data_ptr(), t.dtype)
-        hit = copies.get(key)
-        if hit is None or hit[1] != t._version:
-            n, rest = divmod(storage.nbytes(), t.element_size())
-            if rest:  # a storage not of this dtype's size: copy the tensor alone
-                host = torch.empty(t.size(), dtype=t.dtype, pin_memory=pin)
-                host.copy_(t, non_blocking=pin)
-                return (t.device, [host, None], tuple(t.size()), host.stride(), 0)
-            with torch.no_grad():
-                whole = t.new_empty(0).set_(storage, 0, (n,), (1,))
-            host = torch.empty(n, dtype=t.dtype, pin_memory=pin)
-            host.copy_(whole, non_blocking=pin)
-            hit = copies[key] = (t, t._version, [host, None])
-        return (t.device, hit[2], tuple(t.size()), t.stride(), t.storage_offset())
-
-    def unpack(packed: Any) -> torch.Tensor:
-        if isinstance(packed, torch.Tensor):
-            return packed
-        dev, box, size, stride, offset = packed
-        if box[1] is None:  # the storage comes back once for all the views saved of it
-            box[1] = box[0].to(dev, non_blocking=pin)
-        return box[1].as_strided(size, stride, offset)
-
-    def host_bytes() -> int:
-        """Bytes of the host copies made in the current (or last) forward of these modules."""
-        return sum(box[0].untyped_storage().nbytes() for _, _, box in copies.values())
-
-    for m in modules:
-        contexts: list[Any] = []
-
-        def enter(_m: nn.Module, _args: Any, contexts: list[Any] = contexts) -> None:
-            copies.clear()
-            ctx = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
-            ctx.__enter__()
-            contexts.append(ctx)
-
-        def leave(_m: nn.Module, _args: Any, _out: Any, contexts: list[Any] = contexts) -> None:
-            contexts.pop().__exit__(None, None, None)
-            sizes.append(host_bytes())
-            copies.clear()
-
-        m.register_forward_pre_hook(enter)
-        m.register_forward_hook(leave, always_call=True)
-    return sizes
 
 
 Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer]

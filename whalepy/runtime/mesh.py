@@ -110,6 +110,7 @@ def make_plan(
     optimizer_tier: Tier | str = Tier.GPU,
     tiers: Mapping[str, tuple[Tier | str, Tier | str]] | None = None,
     activation_offload: bool | Sequence[str] = False,
+    checkpoint_offload: bool | Sequence[str] = False,
     prefetch_depth: int = 1,
     device_type: str = "CPU",
     model_name: str = "model",
@@ -120,7 +121,8 @@ def make_plan(
     """A valid :class:`Plan` for a fixed layout, without the planner (tests, benchmarks, users who
     know what they want). Ranks are laid out ``pp``-major, then ``dp``, then ``tp`` (TP innermost, as
     torchrun numbers ranks node by node). ``checkpoint`` is ``True`` for every block or a list of
-    block names, and so is ``activation_offload`` (saved activations in host memory). Blocks are split
+    block names, and so are ``activation_offload`` (saved activations in host memory) and
+    ``checkpoint_offload`` (a checkpointed block's input in host memory). Blocks are split
     over stages evenly unless ``stage_sizes`` gives the counts.
 
     ``virtual_stages = v > 1`` makes an interleaved plan (schedule ``interleaved_1f1b`` unless another
@@ -175,6 +177,7 @@ def make_plan(
     pairs = _block_tiers(blocks, param_tier, optimizer_tier, tiers, zero_stage=zero_stage, precision=precision)
     ckpt = set(blocks) if checkpoint is True else set(checkpoint or ())
     act_off = set(blocks) if activation_offload is True else set(activation_offload or ())
+    ck_off = set(blocks) if checkpoint_offload is True else set(checkpoint_offload or ())
     if batch_shares is None and global_batch % dp:
         raise PlanError(f"global batch {global_batch} does not split evenly over {dp} data-parallel replicas; "
                         "give batch_shares (samples per replica) or a batch divisible by dp")
@@ -188,7 +191,7 @@ def make_plan(
             index=s,
             blocks=tuple(BlockPlan(name=n, checkpoint=n in ckpt, param_tier=pairs[n][0],
                                    optimizer_tier=pairs[n][1], activation_offload=n in act_off,
-                                   prefetch_depth=prefetch_depth)
+                                   checkpoint_offload=n in ck_off, prefetch_depth=prefetch_depth)
                    for n in names),
             ranks=tuple(tuple(s * dp * tp + d * tp + t for t in range(tp)) for d in range(dp)),
             device_types=(device_type,) * dp,

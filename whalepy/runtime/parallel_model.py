@@ -7,7 +7,8 @@ Lowering order for this rank (see docs/runtime.md):
 3. pipeline split into this rank's stage module(s), original module paths kept (``pipeline.py``);
 4. tensor parallelism from the plan's TP rules (``tensor_parallel.apply_tensor_parallel``);
 5. memory-centric tiling of the blocks with ``tiles > 1`` (``tiling.py``), then activation
-   checkpointing, or activation offload to host memory, of the blocks the plan marks;
+   checkpointing (its input kept on the device, or in host memory), or activation offload to host
+   memory, of the blocks the plan marks (``_activations.py``);
 6. DDP / ZeRO / FSDP2 over the ``dp`` axis, per block then root (``data_parallel``); a model built on
    the meta device has gone through 3-6 without memory and only now gets this rank's shards,
    initialised or loaded (``materialize``);
@@ -44,6 +45,7 @@ from whalepy.plan import Plan, Tier, TPStyle
 from whalepy.runtime.checkpointing import (
     apply_activation_checkpointing,
     apply_activation_offload,
+    apply_checkpoint_offload,
     gather_full_state_dict,
     get_train_state,
     load_train_state,
@@ -442,6 +444,8 @@ class ParallelModel:
             local_chunks = [list(stage.blocks)]
 
         self._modules: list[nn.Module] = []
+        self.checkpoint_host_bytes: dict[nn.Module, int] = {}
+        """Per module of a block with ``checkpoint_offload``: host bytes its last forward kept."""
         nvme_blocks: list[tuple[Any, nn.Module, list[nn.Module]]] = []
         host_blocks: list[tuple[Any, list[nn.Module]]] = []
         for mod, chunk in zip(local, local_chunks):
@@ -449,9 +453,12 @@ class ParallelModel:
             blocks = [(b, [mod.get_submodule(p) for p in block_modules[b.name]]) for b in chunk]
             if tp > 1:
                 apply_tensor_parallel(mod, plan.tensor_parallel, m.tp_mesh, loss_parallel=loss_parallel)
-            ckpt = [x for b, mods in blocks if b.checkpoint for x in mods]
+            ckpt = [x for b, mods in blocks if b.checkpoint and not b.checkpoint_offload for x in mods]
             if ckpt:
                 apply_activation_checkpointing(ckpt)
+            ckpt_host = [x for b, mods in blocks if b.checkpoint_offload for x in mods]
+            if ckpt_host:
+                apply_checkpoint_offload(ckpt_host, device, record=self.checkpoint_host_bytes)
             offloaded = [x for b, mods in blocks if b.activation_offload for x in mods]
             if offloaded:
                 apply_activation_offload(offloaded, device)

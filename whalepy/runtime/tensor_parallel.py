@@ -255,7 +255,11 @@ class _ScatterSequence(ParallelStyle):
             d = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
             return d.redistribute(device_mesh, [Shard(1)]).to_local()
 
-        def hook(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        def hook(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+            if torch._C._current_graph_task_id() != -1:
+                # inside backward the module runs only as an activation checkpoint's recompute, on the
+                # inputs the checkpoint saved after this hook had scattered them
+                return None
             if args:
                 return (scatter(args[0]), *args[1:]), kwargs
             if first in kwargs:
