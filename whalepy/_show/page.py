@@ -99,7 +99,7 @@ def _stages_table(plan: Plan) -> str:
     for st in plan.stages:
         k = st.cost
         pairs = sorted({f"{b.param_tier.value} / {b.optimizer_tier.value}" for b in st.blocks})
-        # blocks of one stage may have different tiers (or tiles): then each run of blocks with its own
+        # blocks of one stage may have different tiers: then each run of blocks with its own pair
         tiers = [block_tiers(st)] if len(pairs) > 1 else pairs + sorted(
             {f"tiles {b.tiles}" for b in st.blocks if b.tiles > 1})
         tiers += ["activations in host memory"] if any(b.activation_offload for b in st.blocks) else []
