@@ -48,6 +48,10 @@ class PlannerOptions:
     """Let the planner keep the saved activations of chosen blocks in host memory between their forward
     and backward (``BlockPlan.activation_offload``), where the copies cost less than recomputation and
     the node's host memory (``cpu_memory_gb`` of the cluster spec) holds them."""
+    allow_checkpoint_offload: bool = True
+    """Let the planner keep a checkpointed block's input (the activation checkpoint) in host memory
+    between its forward and backward (``BlockPlan.checkpoint_offload``, ZeRO-Infinity's offloaded
+    activation checkpoints), where the node's host memory holds them; the copies are charged."""
     allow_offload: bool = True
     """Offload optimizer states (and, under ZeRO-3, parameters) to CPU, or NVMe where a group has it."""
     max_tp: int | None = None

@@ -375,6 +375,7 @@ class SearchResult:
     candidates: list[Candidate] = field(default_factory=list)
     allow_checkpointing: bool = True
     allow_activation_offload: bool = True
+    allow_checkpoint_offload: bool = True
 
 
 def allowed_stage_ranges(cand: Candidate, cons: Constraints) -> dict[int, tuple[int, int]]:
@@ -446,12 +447,14 @@ def run_search(profile: ModelProfile, hw: Hardware, G: int, opts, *,  # type: ig
             allowed = allowed_stage_ranges(cand, cons)
             if solver == "exhaustive":
                 res = solve_exhaustive(cc, allowed_stages=allowed, allow_checkpointing=opts.allow_checkpointing,
-                                       allow_activation_offload=opts.allow_activation_offload)
+                                       allow_activation_offload=opts.allow_activation_offload,
+                                       allow_checkpoint_offload=opts.allow_checkpoint_offload)
             else:
                 full = max(0.5, min(remaining, opts.ilp_time_limit_s))
                 limit = full if pass_no else min(full, FIRST_LOOK_S)
                 res = solve_candidate(cc, allowed_stages=allowed, allow_checkpointing=opts.allow_checkpointing,
                                       allow_activation_offload=opts.allow_activation_offload,
+                                      allow_checkpoint_offload=opts.allow_checkpoint_offload,
                                       solver=solver, time_limit_s=limit,
                                       cutoff=best[0] * (1 - MIP_REL_GAP) if best is not None else None)
                 if pass_no == 0 and limit < full and res.status in ("feasible", "no solution"):
@@ -481,7 +484,8 @@ def run_search(profile: ModelProfile, hw: Hardware, G: int, opts, *,  # type: ig
                         solver_used=solver, notes=notes, hit_time_limit=hit_limit, segments=segments,
                         options=options, ctx=ctx, constraints=cons, candidates=cands,
                         allow_checkpointing=opts.allow_checkpointing,
-                        allow_activation_offload=opts.allow_activation_offload)
+                        allow_activation_offload=opts.allow_activation_offload,
+                        allow_checkpoint_offload=opts.allow_checkpoint_offload)
 
 
 def evaluate_fixed(ctx: CostContext, cand: Candidate, sizes, ckpts, options, offs=None) -> Evaluation:  # type: ignore[no-untyped-def]
