@@ -157,7 +157,7 @@ def _node_margins(plan, cluster: ClusterSpec) -> list[tuple[float, str]]:  # typ
     for s in plan.stages:
         for rank in s.all_ranks:
             n = placed[rank].node
-            host[n] = host.get(n, 0) + s.cost.host_state_bytes
+            host[n] = host.get(n, 0) + s.cost.cpu_bytes  # offloaded states and activations in host memory
             nvme[n] = nvme.get(n, 0) + s.cost.nvme_state_bytes
     g = cluster.groups[0]
     host_cap = host_capacity_per_gpu(g.cpu_memory_bytes, g.gpus_per_node)
@@ -176,7 +176,9 @@ def _lean_margin(case: Case) -> tuple[float, str, str]:
 
     W = case.gpus_per_node * case.nodes
     offload = None if not case.allow_offload else ("nvme" if case.nvme else "cpu")
-    cfg = dict(dp=W, zero_stage=3, checkpoint=True, offload=offload, offload_params=offload == "nvme")
+    # the checkpointed inputs in host memory where the node has any (ZeRO-Infinity's activation checkpoints)
+    cfg = dict(dp=W, zero_stage=3, checkpoint=True, offload=offload, offload_params=offload == "nvme",
+               checkpoint_offload=case.host_bytes is not None)
     prof = profile_of(case.model)
     # tiles: as many as take the layers' working set down to the embedding's (the largest untileable unit)
     layer = max(prof.blocks, key=lambda b: b.largest_linear_params)
@@ -184,7 +186,8 @@ def _lean_margin(case: Case) -> tuple[float, str, str]:
                                                                   / max(1, prof.blocks[0].num_params))))))
     est = estimate_from_profile(prof, cluster_of(case), cfg, global_batch=W)
     m = min(_node_margins(est.plan, cluster_of(case)))
-    what = "ZeRO-3 over all GPUs, all blocks checkpointed" + (f", offload={offload}" if offload else "")
+    what = "ZeRO-3 over all GPUs, all blocks checkpointed" + (" (inputs in host memory)" if cfg["checkpoint_offload"]
+                                                              else "") + (f", offload={offload}" if offload else "")
     return m[0], m[1], what + (" (parameters too)" if offload == "nvme" else "") + f", tiles={cfg['tiles']}"
 
 

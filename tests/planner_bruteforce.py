@@ -2,8 +2,8 @@
 
 ``brute_force`` walks every outer candidate (each schedule enumerated on its own, so the search's rule
 that drops GPipe where 1F1B ties it plays no part), every contiguous split of the blocks into virtual
-stages, every split of every chunk's blocks per segment into checkpointed, activation-offloaded and plain
-ones and every state option a stage's group can hold (including those :func:`costing._undominated`
+stages, every split of every chunk's blocks per segment into checkpointed (with the input on the device or in
+host memory), activation-offloaded and plain ones and every state option a stage's group can hold (including those :func:`costing._undominated`
 drops) or mix of them (granular tiers, :attr:`StageCoeffs.families`), costs each stage with the planner's own :func:`evaluate_stage` and every combination of stages
 with :func:`step_time`, keeping those whose nodes hold their host and NVMe bytes (:func:`node_fits`). No lower bound, no
 incumbent, no Pareto front, no dominance: only identical per-stage outcomes are merged, which loses
@@ -26,6 +26,7 @@ from whalepy.planner.costing import (
     chunk_counts_from_sizes,
     evaluate_stage,
     node_fits,
+    stage_checkpoint_offloadable,
     stage_offloadable,
     step_time,
 )
@@ -44,23 +45,28 @@ def _splits(n: int, k: int):  # type: ignore[no-untyped-def]
 
 def stage_outcomes(sc, chunks, dp: int, allow_checkpointing: bool,  # type: ignore[no-untyped-def]
                    allow_activation_offload: bool = True,
-                   nodes: bool = True) -> set[tuple[float, float, float, bool, float, float]]:
-    """``(T_s, Tc_s, X_s, fits, host bytes, NVMe bytes)`` of every choice of one stage: checkpointed and
-    activation-offloaded counts per segment of each chunk, and state option (``nodes`` False: nothing
-    is off the device, the bytes are left 0 so that equal outcomes merge)."""
+                   nodes: bool = True, allow_checkpoint_offload: bool = True
+                   ) -> set[tuple[float, float, float, bool, float, float]]:
+    """``(T_s, Tc_s, X_s, fits, host bytes, NVMe bytes)`` of every choice of one stage: checkpointed,
+    activation-offloaded and checkpointed-with-the-input-on-the-host counts per segment of each chunk,
+    and state option (``nodes`` False: nothing is off the device, the bytes are left 0 so that equal
+    outcomes merge)."""
     out = set()
     G = len(chunks[0])
     off_ok = set(stage_offloadable(sc)) if allow_activation_offload else set()
-    per = [[(c, o) for c in (range(n + 1) if allow_checkpointing else (0,))
-            for o in (range(n - c + 1) if g in off_ok else (0,))] for row in chunks for g, n in enumerate(row)]
+    ck_ok = set(stage_checkpoint_offloadable(sc)) if allow_checkpoint_offload else set()
+    per = [[(c, o, w) for c in (range(n + 1) if allow_checkpointing else (0,))
+            for o in (range(n - c + 1) if g in off_ok else (0,))
+            for w in (range(c + 1) if g in ck_ok else (0,))] for row in chunks for g, n in enumerate(row)]
     for split in itertools.product(*per):
         rows = [[split[k * G + g][0] for g in range(G)] for k in range(len(chunks))]
         offs = [[split[k * G + g][1] for g in range(G)] for k in range(len(chunks))]
+        ckoffs = [[split[k * G + g][2] for g in range(G)] for k in range(len(chunks))]
         # every option the stage's groups can hold, dominated ones included (not one only a mix may
         # use), and every mix of a family (granular tiers) on a one-chunk stage
         choices = [o for o in sc.sync if not o.beside_offload] + (_mixes(sc, chunks[0]) if len(chunks) == 1 else [])
         for o in choices:
-            ev = evaluate_stage(sc, chunks, rows, o, dp=dp, chunk_offs=offs)
+            ev = evaluate_stage(sc, chunks, rows, o, dp=dp, chunk_offs=offs, chunk_ckoffs=ckoffs)
             off = (ev.cells[0].cpu_bytes, ev.cells[0].nvme_bytes) if nodes else (0.0, 0.0)
             out.add((ev.time_s, ev.chunk_time_s, ev.tail_s, ev.fits, *off))
     return out
@@ -85,7 +91,8 @@ def _mixes(sc, counts) -> list:  # type: ignore[no-untyped-def, type-arg]
 
 
 def candidate_optimum(cc, allow_checkpointing: bool = True,  # type: ignore[no-untyped-def]
-                      allow_activation_offload: bool = True) -> tuple[float, float]:
+                      allow_activation_offload: bool = True,
+                      allow_checkpoint_offload: bool = True) -> tuple[float, float]:
     """``(best feasible step time, best step time ignoring memory)`` of one candidate, by enumeration
     (feasible: every device, and every node's host memory and NVMe)."""
     cand = cc.candidate
@@ -94,7 +101,8 @@ def candidate_optimum(cc, allow_checkpointing: bool = True,  # type: ignore[no-u
     for sizes in _splits(cc.num_blocks, cand.num_virtual):
         rows = chunk_counts_from_sizes(cc, sizes)
         per_stage = [sorted(stage_outcomes(cc.stages[s], [rows[s + k * S] for k in range(v)], cand.dp,
-                                           allow_checkpointing, allow_activation_offload, bool(cc.nodes)))
+                                           allow_checkpointing, allow_activation_offload, bool(cc.nodes),
+                                           allow_checkpoint_offload))
                      for s in range(S)]
         for combo in itertools.product(*per_stage):
             t = step_time(cc, max(c[0] for c in combo), max(c[1] for c in combo), max(c[2] for c in combo))
@@ -130,7 +138,8 @@ def brute_force(profile, cluster_spec, global_batch: int, **options) -> float:  
     best = math.inf
     for cand in cands:
         cc = build_coefficients(ctx, cand, segments, state, mixed_tiers=opts.mixed_tiers)
-        best = min(best, candidate_optimum(cc, opts.allow_checkpointing, opts.allow_activation_offload)[0])
+        best = min(best, candidate_optimum(cc, opts.allow_checkpointing, opts.allow_activation_offload,
+                                           opts.allow_checkpoint_offload)[0])
     return best
 
 
@@ -192,4 +201,8 @@ def random_instance(rng: random.Random, *, max_layers: int = 4, max_world: int =
                    zero_stages=rng.choice([(0,), (0, 1), (0, 3), (0, 1, 2, 3)]),
                    allow_offload=rng.random() < 0.3, allow_checkpointing=rng.random() < 0.8,
                    sequence_parallel=sp)
-    return Instance(prof, c, c.world_size * rng.choice([1, 2, 4]), options)
+    batch = c.world_size * rng.choice([1, 2, 4])
+    # drawn last, so the instances of earlier seeds stay what they were; in a third of them (enumerating
+    # the checkpointed inputs' placement multiplies the brute force's work)
+    options["allow_checkpoint_offload"] = rng.random() < 0.3
+    return Instance(prof, c, batch, options)

@@ -100,9 +100,10 @@ def _check_bounds(inst: Instance) -> int:
         lb = lower_bound(cc)
         # what the search computes: the bound of coefficients built without state options
         assert lower_bound(build_coefficients(ctx, cand, segments, ())) == lb
-        # without activation offload: its exposed copies only add time, so the best plan ignoring memory
-        # never offloads and bounds every plan that does (and enumerating it made this test 20x slower)
-        fit, any_ = candidate_optimum(cc, opts.allow_checkpointing, allow_activation_offload=False)
+        # without activation or checkpoint offload: their copies only add time, so the best plan ignoring
+        # memory never offloads and bounds every plan that does (and enumerating it made this test 20x slower)
+        fit, any_ = candidate_optimum(cc, opts.allow_checkpointing, allow_activation_offload=False,
+                                      allow_checkpoint_offload=False)
         assert lb <= any_ * (1 + REL) and lb <= fit * (1 + REL), (lb, any_, fit, cand, inst)
     return len(cands)
 

@@ -47,6 +47,9 @@ class ParallelConfig:
     tiles: int = 1
     """Memory-centric tiling (``BlockPlan.tiles``): each linear of every block split into this many FSDP2
     units; ZeRO-3 and tp 1 only."""
+    checkpoint_offload: bool = False
+    """Every checkpointed block keeps its input in host memory (``BlockPlan.checkpoint_offload``); needs
+    ``checkpoint``."""
     reduce_every_microbatch: bool = False
     """Reduce-scatter the gradients every micro-batch (``StagePlan.reduce_every_microbatch``): FSDP2
     lowering without pipeline stages only."""
@@ -89,6 +92,9 @@ class ParallelConfig:
             object.__setattr__(self, "checkpoint", tuple(self.checkpoint))
         if isinstance(self.checkpoint, tuple) and len(self.checkpoint) != self.pp:
             raise PlanError(f"checkpoint gives {len(self.checkpoint)} counts for {self.pp} stages")
+        if self.checkpoint_offload and self.checkpoint is False:
+            raise PlanError("ParallelConfig: checkpoint_offload=True keeps checkpointed blocks' inputs in host "
+                            "memory; set checkpoint too")
         if self.layout not in (None, "replicas", "stages"):
             raise PlanError(f"layout must be 'replicas' or 'stages', got {self.layout!r}")
 
@@ -351,7 +357,19 @@ def estimate_from_profile(profile: ModelProfile, cluster: ClusterSpec, config: P
                 row.append(min(n, left))
                 left -= row[-1]
             ckpts.append(row)
-    ev = evaluate(cc, sizes, ckpts, [option] * cfg.pp)
+    ckoffs = None
+    if cfg.checkpoint_offload:
+        from whalepy.planner.costing import chunk_counts_from_sizes, split_stage_checkpoints
+
+        chunks = chunk_counts_from_sizes(cc, sizes)
+        ckoffs = [[] for _ in range(J)]
+        for s in range(cfg.pp):
+            rows = split_stage_checkpoints([chunks[s + k * cfg.pp] for k in range(cfg.virtual_stages)], ckpts[s])
+            for k, row in enumerate(rows):
+                ckoffs[s + k * cfg.pp] = row
+        if any(c.seg_ckoff is None for sc in cc.stages for c in sc.cells):
+            raise PlanError("checkpoint_offload=True needs host memory: give cpu_memory_gb in the cluster spec")
+    ev = evaluate(cc, sizes, ckpts, [option] * cfg.pp, None, ckoffs)
     reason = ""
     if not ev.fits:
         worst = max((c for st in ev.stages for c in st.cells), key=lambda c: c.memory_bytes / c.cell.capacity)

@@ -48,6 +48,10 @@ class PlannerOptions:
     """Let the planner keep the saved activations of chosen blocks in host memory between their forward
     and backward (``BlockPlan.activation_offload``), where the copies cost less than recomputation and
     the node's host memory (``cpu_memory_gb`` of the cluster spec) holds them."""
+    allow_checkpoint_offload: bool = True
+    """Let the planner keep a checkpointed block's input (the activation checkpoint) in host memory
+    between its forward and backward (``BlockPlan.checkpoint_offload``, ZeRO-Infinity's offloaded
+    activation checkpoints), where the node's host memory holds them; the copies are charged."""
     allow_offload: bool = True
     """Offload optimizer states (and, under ZeRO-3, parameters) to CPU, or NVMe where a group has it."""
     mixed_tiers: bool = True
@@ -313,7 +317,9 @@ def homogeneous_baseline(profile: ModelProfile, cluster: ClusterSpec, *, global_
     S = cand.num_stages
     ckpts = [list(ev.stages[j % S].chunk_checkpoints[j // S]) for j in range(cand.num_virtual)]
     offs = [list(ev.stages[j % S].chunk_offloads[j // S]) for j in range(cand.num_virtual)]
-    real = evaluate_fixed(ctx, cand, ev.boundaries, ckpts, [st.mix or st.option for st in ev.stages], offs)
+    ckoffs = [list(ev.stages[j % S].chunk_checkpoint_offloads[j // S]) if ev.stages[j % S].chunk_checkpoint_offloads
+              else [0] * len(ev.coeffs.segments) for j in range(cand.num_virtual)]
+    real = evaluate_fixed(ctx, cand, ev.boundaries, ckpts, [st.mix or st.option for st in ev.stages], offs, ckoffs)
     notes = [f"homogeneous baseline: planned as if all {hw.world_size} GPUs were {slow.name} with "
              f"{small / 2**30:.0f} GiB, costed on the real cluster"]
     return build_plan(real, ctx=ctx, global_batch=global_batch, result=result, solver_name=result.solver_used,

@@ -15,10 +15,11 @@ from whalepy.planner.costing import (
     StageCoeffs,
     node_fits,
     stage_host_activation,
+    stage_host_checkpoint,
 )
 from whalepy.planner.space import MAX_OPTIONS_PER_STAGE, StateMix, StateOption
 
-__all__ = ["CellEval", "Evaluation", "StageEval", "chunk_busy_s", "chunk_counts_from_sizes", "counts_from_boundaries", "evaluate", "evaluate_stage", "lower_bound", "memory_breakdown", "offload_s", "split_stage_checkpoints", "step_time"]
+__all__ = ["CellEval", "Evaluation", "StageEval", "checkpoint_offload_s", "chunk_busy_s", "chunk_counts_from_sizes", "counts_from_boundaries", "evaluate", "evaluate_stage", "lower_bound", "memory_breakdown", "offload_s", "split_stage_checkpoints", "step_time"]
 
 
 @dataclass(slots=True)
@@ -102,6 +103,8 @@ class StageEval:
     """Per chunk, blocks per segment whose saved activations are kept in host memory."""
     host_activation_bytes: float = 0.0
     """Host bytes per rank of the offloaded activations (included in each cell's ``cpu_bytes``)."""
+    chunk_checkpoint_offloads: tuple[tuple[int, ...], ...] = ()
+    """Per chunk, checkpointed blocks per segment whose input is kept in host memory."""
     mix: StateMix = ()
     """Granular tiers: the options the stage's blocks are split over with their blocks per segment
     (``option`` is the first); empty: every block uses ``option``."""
@@ -156,16 +159,27 @@ class Evaluation:
 
 
 def chunk_busy_s(c: CellCoeffs, option: StateOption | StateMix, counts: Sequence[int], ckpts: Sequence[int],
-                 offs: Sequence[int] = ()) -> float:
+                 offs: Sequence[int] = (), ckoffs: Sequence[int] = ()) -> float:
     """Per micro-batch, one chunk of a cell without its sends: its blocks' forward, backward and TP
     all-reduces, recompute of its checkpointed blocks, the exposed host copies of its blocks with
-    offloaded activations, and its exposed data-parallel communication (``option``: a mix is one chunk,
-    its parts' blocks ``counts``)."""
+    offloaded activations or checkpointed inputs, and its exposed data-parallel communication
+    (``option``: a mix is one chunk, its parts' blocks ``counts``)."""
     parts = ((option, counts),) if isinstance(option, StateOption) else option
     first = parts[0][0]
     return (sum(n * x for n, x in zip(counts, c.seg_time))
             + sum(n * e for o, ns in parts for n, e in zip(ns, c.seg_exposed[o]))
-            + sum(k * x for k, x in zip(ckpts, c.seg_recompute)) + offload_s(c, offs) + c.edge[first])
+            + sum(k * x for k, x in zip(ckpts, c.seg_recompute)) + offload_s(c, offs)
+            + checkpoint_offload_s(c, ckoffs) + c.edge[first])
+
+
+def checkpoint_offload_s(c: CellCoeffs, ckoffs: Sequence[int]) -> float:
+    """Seconds per micro-batch of keeping the inputs of ``ckoffs`` checkpointed blocks per segment in
+    host memory."""
+    if not any(ckoffs):
+        return 0.0
+    if c.seg_ckoff is None:
+        raise ValueError(f"checkpoint offload on group {c.group.device.name!r}, which has no host memory given")
+    return sum(k * x for k, x in zip(ckoffs, c.seg_ckoff))
 
 
 def offload_s(c: CellCoeffs, offs: Sequence[int]) -> float:
@@ -197,13 +211,15 @@ def _check_mix(sc: StageCoeffs, mix: StateMix, counts: Sequence[int], v: int) ->
 
 def evaluate_stage(sc: StageCoeffs, chunk_counts: Sequence[Sequence[int]], chunk_ckpts: Sequence[Sequence[int]],
                    option: StateOption | StateMix, *, dp: int,
-                   chunk_offs: Sequence[Sequence[int]] | None = None) -> StageEval:
-    """Cost of one physical stage: blocks, checkpointed blocks and blocks with offloaded activations
-    (``chunk_offs``, None: none) per segment of each of its chunks (one chunk without interleaving) and
-    its state option, or a mix of options of one family (:data:`~whalepy.planner.space.StateMix`, one
-    chunk only): per-parameter and per-block costs summed over the parts, per-stage ones (working set,
-    first-block gathers, last reduction, post-step all-gathers, autocast copies) paid once, the
-    family's."""
+                   chunk_offs: Sequence[Sequence[int]] | None = None,
+                   chunk_ckoffs: Sequence[Sequence[int]] | None = None) -> StageEval:
+    """Cost of one physical stage: blocks, checkpointed blocks, blocks with offloaded activations
+    (``chunk_offs``, None: none) and checkpointed blocks whose input is in host memory (``chunk_ckoffs``,
+    None: none; at most the checkpointed ones) per segment of each of its chunks (one chunk without
+    interleaving) and its state option, or a mix of options of one family
+    (:data:`~whalepy.planner.space.StateMix`, one chunk only): per-parameter and per-block costs summed
+    over the parts, per-stage ones (working set, first-block gathers, last reduction, post-step
+    all-gathers, autocast copies) paid once, the family's."""
     v = len(chunk_counts)
     G = len(sc.seg_params)
     counts = [sum(row[g] for row in chunk_counts) for g in range(G)]
@@ -226,6 +242,13 @@ def evaluate_stage(sc: StageCoeffs, chunk_counts: Sequence[Sequence[int]], chunk
         if any(k + o > n for cn, ck, co in zip(chunk_counts, chunk_ckpts, chunk_offs) for n, k, o in zip(cn, ck, co)):
             raise ValueError(f"stage {sc.index}: checkpointed {ckpts} plus offloaded {offs} blocks exceed {counts}")
         host_act = sum(o * x for o, x in zip(offs, stage_host_activation(sc)))
+    if chunk_ckoffs is None or not any(map(any, chunk_ckoffs)):
+        chunk_ckoffs = [[0] * G for _ in range(v)]
+    elif any(w > k for ck, cw in zip(chunk_ckpts, chunk_ckoffs) for k, w in zip(ck, cw)):
+        raise ValueError(f"stage {sc.index}: checkpoint-offloaded blocks {list(map(list, chunk_ckoffs))} exceed "
+                         f"the checkpointed ones {list(map(list, chunk_ckpts))}")
+    ckoffs = [sum(row[g] for row in chunk_ckoffs) for g in range(G)]
+    host_act += sum(w * x for w, x in zip(ckoffs, stage_host_checkpoint(sc))) if any(ckoffs) else 0.0
     pls = [(o, sum(n * p for n, p in zip(ns, sc.seg_params))) for o, ns in parts]  # local parameters per part
     pl = sum(x for _, x in pls)
     alpha, beta = sc.sync[option]
@@ -240,7 +263,7 @@ def evaluate_stage(sc: StageCoeffs, chunk_counts: Sequence[Sequence[int]], chunk
     buffers = per_param(sc.buffer_beta) + sc.working_bytes[option]
     cells = []
     for c in sc.cells:
-        off_s = offload_s(c, offs)
+        off_s = offload_s(c, offs) + checkpoint_offload_s(c, ckoffs)
         compute = (sum(n * x for n, x in zip(counts, c.seg_time)) + sum(k * x for k, x in zip(ckpts, c.seg_recompute))
                    + off_s)
         comm = sum(n * x for n, x in zip(counts, c.seg_comm))
@@ -248,14 +271,17 @@ def evaluate_stage(sc: StageCoeffs, chunk_counts: Sequence[Sequence[int]], chunk
         fetch = per_param(c.fetch_beta)
         backward = sum(n * x for n, x in zip(counts, c.seg_bwd))  # the last micro-batch's, hides ZeRO-Offload
         time_s = max(compute + exposed, fetch) + c.p2p
-        # an offloaded block keeps nothing on the device between its forward and its backward
-        kept = [sum(n * a + k * (i - a) - o * a for n, k, o, a, i in zip(cn, ck, co, c.seg_saved, c.seg_input))
-                for cn, ck, co in zip(chunk_counts, chunk_ckpts, chunk_offs)]
+        # an offloaded block keeps nothing on the device between its forward and its backward, nor does a
+        # checkpointed one whose input is in host memory
+        kept = [sum(n * a + k * (i - a) - o * a - w * i
+                    for n, k, o, w, a, i in zip(cn, ck, co, cw, c.seg_saved, c.seg_input))
+                for cn, ck, co, cw in zip(chunk_counts, chunk_ckpts, chunk_offs, chunk_ckoffs)]
         if v == 1:
             chunk_time = time_s
         else:
-            chunk_time = max(max(chunk_busy_s(c, option, cn, ck, co), fetch / v) + p
-                             for cn, ck, co, p in zip(chunk_counts, chunk_ckpts, chunk_offs, c.chunk_p2p))
+            chunk_time = max(max(chunk_busy_s(c, option, cn, ck, co, cw), fetch / v) + p
+                             for cn, ck, co, cw, p in zip(chunk_counts, chunk_ckpts, chunk_offs, chunk_ckoffs,
+                                                          c.chunk_p2p))
         # recomputed or fetched back in backward, one block at a time
         peak = max((a for k, o, a in zip(ckpts, offs, c.seg_saved) if k + o > 0), default=0.0)
         act = c.inflight * max(kept) + peak + c.autocast_bytes[option] + c.loss_bytes
@@ -277,7 +303,9 @@ def evaluate_stage(sc: StageCoeffs, chunk_counts: Sequence[Sequence[int]], chunk
                      local_params=pl, sync_s=max(c.exposed_sync_s for c in cells), cells=cells,
                      chunk_counts=tuple(tuple(r) for r in chunk_counts),
                      chunk_checkpoints=tuple(tuple(r) for r in chunk_ckpts),
-                     chunk_offloads=tuple(tuple(r) for r in chunk_offs), host_activation_bytes=host_act, mix=mix)
+                     chunk_offloads=tuple(tuple(r) for r in chunk_offs), host_activation_bytes=host_act,
+                     chunk_checkpoint_offloads=tuple(tuple(r) for r in chunk_ckoffs) if any(ckoffs) else (),
+                     mix=mix)
 
 
 def chunk_counts_from_sizes(cc: CandidateCoeffs, sizes: Sequence[int]) -> list[list[int]]:
@@ -319,11 +347,14 @@ def split_stage_checkpoints(chunk_counts: Sequence[Sequence[int]], stage_ckpts: 
 
 
 def evaluate(cc: CandidateCoeffs, sizes: Sequence[int], ckpts: Sequence[Sequence[int]],
-             options: Sequence[StateOption | StateMix], offs: Sequence[Sequence[int]] | None = None) -> Evaluation:
+             options: Sequence[StateOption | StateMix], offs: Sequence[Sequence[int]] | None = None,
+             ckoffs: Sequence[Sequence[int]] | None = None) -> Evaluation:
     """Cost of a fully specified configuration: virtual-stage ``sizes``, checkpointed blocks per segment
     of every virtual stage (``J`` rows, model order; ``S`` rows of per-stage counts are spread over each
-    stage's chunks first chunk first), and a state option (or a mix of them, :data:`~whalepy.planner.space.StateMix`) per stage; ``offs``: blocks per segment with
-    activations offloaded to host memory, ``J`` rows (None: none)."""
+    stage's chunks first chunk first), and a state option (or a mix of them,
+    :data:`~whalepy.planner.space.StateMix`) per stage; ``offs``: blocks per segment with activations
+    offloaded to host memory, ``J`` rows (None: none); ``ckoffs``: checkpointed blocks per segment whose
+    input is in host memory, ``J`` rows (None: none)."""
     cand = cc.candidate
     S, v = cand.num_stages, cand.virtual_stages
     if len(sizes) != cand.num_virtual or sum(sizes) != cc.num_blocks or min(sizes) < 1:
@@ -342,6 +373,8 @@ def evaluate(cc: CandidateCoeffs, sizes: Sequence[int], ckpts: Sequence[Sequence
         raise ValueError(f"{len(ckpts)} checkpoint rows for {cand.num_virtual} virtual stages")
     if offs is not None and len(offs) != cand.num_virtual:
         raise ValueError(f"{len(offs)} activation-offload rows for {cand.num_virtual} virtual stages")
+    if ckoffs is not None and len(ckoffs) != cand.num_virtual:
+        raise ValueError(f"{len(ckoffs)} checkpoint-offload rows for {cand.num_virtual} virtual stages")
     stages = []
     for s, sc in enumerate(cc.stages):
         used = [options[s]] if isinstance(options[s], StateOption) else [o for o, _ in options[s]]  # type: ignore[union-attr]
@@ -349,7 +382,8 @@ def evaluate(cc: CandidateCoeffs, sizes: Sequence[int], ckpts: Sequence[Sequence
             raise ValueError(f"stage {s}: state option {[str(o) for o in used]} is not available there")
         stages.append(evaluate_stage(sc, [chunk_counts[s + k * S] for k in range(v)],
                                      [chunk_ckpts[s + k * S] for k in range(v)], options[s], dp=cand.dp,
-                                     chunk_offs=None if offs is None else [offs[s + k * S] for k in range(v)]))
+                                     chunk_offs=None if offs is None else [offs[s + k * S] for k in range(v)],
+                                     chunk_ckoffs=None if ckoffs is None else [ckoffs[s + k * S] for k in range(v)]))
     T = max(st.time_s for st in stages)
     Tc = max(st.chunk_time_s for st in stages)
     X = max(st.tail_s for st in stages)

@@ -105,17 +105,22 @@ def build_plan(ev: Evaluation, *, ctx: CostContext, global_batch: int, result: S
             j = s + k * S
             left = list(st.chunk_checkpoints[k]) if st.chunk_checkpoints else list(st.checkpoints)
             off_left = list(st.chunk_offloads[k]) if st.chunk_offloads else [0] * len(left)
+            ckoff_left = list(st.chunk_checkpoint_offloads[k]) if st.chunk_checkpoint_offloads else [0] * len(left)
             for i in range(starts[j], starts[j + 1]):
                 g = seg_of[i]
                 ck = left[g] > 0
                 left[g] -= ck
-                # identical blocks of a segment: the first ones checkpointed, the next ones offloaded
+                # identical blocks of a segment: the first ones checkpointed (the first of those with
+                # their input in host memory), the next ones offloaded
+                ckoff = ck and ckoff_left[g] > 0
+                ckoff_left[g] -= ckoff
                 off = not ck and off_left[g] > 0
                 off_left[g] -= off
                 o = option_of[i]
                 # BlockPlan.prefetch_depth arrives with plan version 3 (issue 10 contract)
                 depth_field = {"prefetch_depth": depths[o]} if _HAS_PREFETCH_DEPTH else {}
                 blocks.append(BlockPlan(name=prof.blocks[i].name, checkpoint=ck, activation_offload=off,
+                                        checkpoint_offload=ckoff,
                                         param_tier=o.param_tier, optimizer_tier=o.optimizer_tier,
                                         tiles=o.tiles if prof.blocks[i].largest_linear_params else 1,
                                         **depth_field))
@@ -258,7 +263,8 @@ def _resolve(result: SearchResult, cand: Candidate) -> ILPResult:
     return solve_candidate(cc, allowed_stages=allowed_stage_ranges(cand, result.constraints),
                            allow_checkpointing=result.allow_checkpointing, solver=solver,
                            time_limit_s=ALTERNATIVE_RESOLVE_TIME_S,
-                           allow_activation_offload=result.allow_activation_offload)
+                           allow_activation_offload=result.allow_activation_offload,
+                           allow_checkpoint_offload=result.allow_checkpoint_offload)
 
 
 def _outcome(result: SearchResult, cand: Candidate, res: ILPResult, best: Evaluation,  # type: ignore[no-untyped-def]
@@ -391,6 +397,8 @@ def raise_infeasible(result: SearchResult, opts, global_batch: int) -> None:  # 
         fixes.append("allow_checkpointing=True")
     if not opts.allow_activation_offload and all(gr.cpu_memory_bytes is not None for gr in ctx.hw.groups):
         fixes.append("allow_activation_offload=True (activations in host memory)")
+    if not opts.allow_checkpoint_offload and all(gr.cpu_memory_bytes is not None for gr in ctx.hw.groups):
+        fixes.append("allow_checkpoint_offload=True (activation checkpoints in host memory)")
     if 3 not in opts.zero_stages:
         fixes.append("ZeRO-3 (zero_stages including 3)")
     if "replicate" in cons.sources and cons.dp is not None:

@@ -96,7 +96,11 @@ from whalepy.cost_models.offload import host_capacity_per_gpu, nvme_capacity_per
 from whalepy._capabilities import LoweringKind, offloads_to_host
 from whalepy.plan import Tier, TPStyle, ZeroStage
 from whalepy.planner.space import Candidate, GroupView, Hardware, Segment, StateOption, build_layout
-from whalepy.planner._offload_costs import activation_offload_coefficients, offload_coefficients
+from whalepy.planner._offload_costs import (
+    activation_offload_coefficients,
+    checkpoint_offload_coefficients,
+    offload_coefficients,
+)
 from whalepy.planner._tiling_costs import tiled_options, tiling_latency_s, unit_params
 from whalepy.planner._runtime_costs import (
     DPComm,
@@ -220,6 +224,12 @@ class CellCoeffs:
     seg_host: list[float] | None = None
     """Per block: host bytes per rank of its offloaded activations over the micro-batches in flight
     (:func:`~whalepy.cost_models.memory.estimate_stage_activation_host_bytes`)."""
+    seg_ckoff: list[float] | None = None
+    """Per block: seconds per micro-batch of keeping its checkpointed input in host memory, on top of
+    the recompute (:func:`~whalepy.planner._offload_costs.checkpoint_offload_coefficients`); None where
+    the group has no host memory given."""
+    seg_ckhost: list[float] | None = None
+    """Per block: host bytes per rank of its checkpointed input over the micro-batches in flight."""
 
 
 @dataclass(slots=True)
@@ -471,7 +481,8 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
                                   tied_segments=tuple(g for g, seg in enumerate(segments) if seg.block.shares_params)))
     return CandidateCoeffs(candidate=cand, segments=segments, stages=stages, ranks=ranks,
                            nodes=_node_shares(hw, ranks) if any(_off_device(o) for st in stages for o in st.options)
-                           or any(stage_offloadable(st) for st in stages) else (), bubble=cand.bubble_coefficient)
+                           or any(stage_offloadable(st) or stage_checkpoint_offloadable(st) for st in stages)
+                           else (), bubble=cand.bubble_coefficient)
 
 
 def _families(options, cand, sync, working, freed, cells) -> tuple[tuple[StateOption, ...], ...]:  # type: ignore[no-untyped-def]
@@ -535,6 +546,23 @@ def stage_host_activation(sc: StageCoeffs) -> list[float]:
     cells, so every replica's host share is covered; 0 where not offloadable)."""
     ok = set(stage_offloadable(sc))
     return [max(c.seg_host[g] for c in sc.cells) if g in ok else 0.0  # type: ignore[index]
+            for g in range(len(sc.seg_params))]
+
+
+def stage_checkpoint_offloadable(sc: StageCoeffs) -> list[int]:
+    """Segments whose checkpointed blocks may keep their input in host memory on stage ``sc``
+    (``BlockPlan.checkpoint_offload``; the space the ILP and the exhaustive solver share): every cell's
+    group has host memory and the block has an input."""
+    if not sc.cells or any(c.seg_ckoff is None for c in sc.cells):
+        return []
+    return [g for g in range(len(sc.seg_params)) if any(c.seg_input[g] > 0 for c in sc.cells)]
+
+
+def stage_host_checkpoint(sc: StageCoeffs) -> list[float]:
+    """Per block of each segment: host bytes per rank of the stage when its checkpointed input is in host
+    memory (the largest over its cells; 0 where not allowed)."""
+    ok = set(stage_checkpoint_offloadable(sc))
+    return [max(c.seg_ckhost[g] for c in sc.cells) if g in ok else 0.0  # type: ignore[index]
             for g in range(len(sc.seg_params))]
 
 
@@ -700,6 +728,8 @@ def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: i
     nvme_cap = nvme_capacity_per_gpu(g.nvme_capacity_bytes, g.gpus_per_node)
     seg_offload, seg_host = activation_offload_coefficients(g, saved=seg_saved, fwd=seg_fwd, bwd=seg_bwd,
                                                             inflight=inflight, virtual_stages=v)
+    seg_ckoff, seg_ckhost = checkpoint_offload_coefficients(g, inputs=seg_input, inflight=inflight,
+                                                            virtual_stages=v)
     return CellCoeffs(group=g, share=share, micro_batch=mb, replicas=reps,
                       capacity=usable_device_bytes(g, cand), cpu_capacity=cpu_cap,
                       nvme_capacity=nvme_cap, seg_time=seg_time, seg_recompute=seg_re, seg_fwd=seg_fwd,
@@ -708,7 +738,7 @@ def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: i
                       fetch_beta=fetch_beta,
                       seg_exposed=seg_exposed, edge=edge, seg_tail=seg_tail, tail_edge=tail_edge,
                       autocast_bytes=autocast_bytes, loss_bytes=loss_bytes, seg_offload=seg_offload,
-                      seg_host=seg_host)
+                      seg_host=seg_host, seg_ckoff=seg_ckoff, seg_ckhost=seg_ckhost)
 
 
 # -- evaluation of a fully specified configuration: whalepy/planner/_evaluation.py (re-exported) ------

@@ -28,6 +28,7 @@ from whalepy.planner.costing import (
     evaluate,
     evaluate_stage,
     node_fits,
+    stage_checkpoint_offloadable,
     stage_offloadable,
     step_time,
 )
@@ -94,8 +95,18 @@ def _mixes(sc, counts: tuple[int, ...]) -> list:  # type: ignore[no-untyped-def,
     return out
 
 
+def _ckoff_choices(rows: list[list[int]], ok: set[int]):  # type: ignore[no-untyped-def]
+    """Every count of checkpointed blocks per segment of each chunk whose input is in host memory (at most
+    the checkpointed ones, only on segments in ``ok``), none first."""
+    ranges = [range(k + 1) if g in ok else range(1) for row in rows for g, k in enumerate(row)]
+    G = len(rows[0])
+    for flat in itertools.product(*ranges):
+        yield [list(flat[i * G:(i + 1) * G]) for i in range(len(rows))]
+
+
 def solve_exhaustive(cc: CandidateCoeffs, *, allowed_stages: dict[int, tuple[int, int]],
-                     allow_checkpointing: bool, allow_activation_offload: bool = True) -> ILPResult:
+                     allow_checkpointing: bool, allow_activation_offload: bool = True,
+                     allow_checkpoint_offload: bool = True) -> ILPResult:
     t0 = time.perf_counter()
     cand = cc.candidate
     J, N, S, v = cand.num_virtual, cc.num_blocks, cand.num_stages, cand.virtual_stages
@@ -110,17 +121,23 @@ def solve_exhaustive(cc: CandidateCoeffs, *, allowed_stages: dict[int, tuple[int
             pts = []
             G = len(chunks[0])
             off_ok = set(stage_offloadable(sc)) if allow_activation_offload else set()
+            ck_ok = set(stage_checkpoint_offloadable(sc)) if allow_checkpoint_offload else set()
             ranges = [list(_splits(n, allow_checkpointing, g in off_ok)) for row in chunks for g, n in enumerate(row)]
             choices = [o for o in sc.options if not o.beside_offload] + (_mixes(sc, chunks[0]) if len(chunks) == 1 else [])
             for split in itertools.product(*ranges):
                 rows = [[split[k * G + g][0] for g in range(G)] for k in range(len(chunks))]
                 offs = [[split[k * G + g][1] for g in range(G)] for k in range(len(chunks))]
                 for o in choices:
-                    ev = evaluate_stage(sc, chunks, rows, o, dp=cand.dp, chunk_offs=offs)
-                    if ev.fits:
-                        c0 = ev.cells[0]
-                        pts.append((ev.time_s, ev.chunk_time_s, ev.tail_s, c0.cpu_bytes if cc.nodes else 0.0,
-                                    c0.nvme_bytes if cc.nodes else 0.0, (rows, o, offs)))
+                    for ckoffs in _ckoff_choices(rows, ck_ok):
+                        ev = evaluate_stage(sc, chunks, rows, o, dp=cand.dp, chunk_offs=offs, chunk_ckoffs=ckoffs)
+                        if ev.fits:
+                            c0 = ev.cells[0]
+                            pts.append((ev.time_s, ev.chunk_time_s, ev.tail_s, c0.cpu_bytes if cc.nodes else 0.0,
+                                        c0.nvme_bytes if cc.nodes else 0.0, (rows, o, offs, ckoffs)))
+                            if not any(map(any, ckoffs)):
+                                # the inputs fit on the device: putting some in host memory only adds
+                                # copies and host bytes (every other term is the same), so it is dominated
+                                break
             stage_cache[key] = _pareto(pts)
         return stage_cache[key]
 
@@ -150,11 +167,13 @@ def solve_exhaustive(cc: CandidateCoeffs, *, allowed_stages: dict[int, tuple[int
     sizes, choice = best[1]
     ckpts: list[list[int]] = [[] for _ in range(J)]
     offs: list[list[int]] = [[] for _ in range(J)]
-    for s, (rows, _, orows) in enumerate(choice):
+    ckoffs: list[list[int]] = [[] for _ in range(J)]
+    for s, (rows, _, orows, wrows) in enumerate(choice):
         for k, row in enumerate(rows):
             ckpts[s + k * S] = row
             offs[s + k * S] = orows[k]
-    ev = evaluate(cc, sizes, ckpts, [c[1] for c in choice], offs)
+            ckoffs[s + k * S] = wrows[k]
+    ev = evaluate(cc, sizes, ckpts, [c[1] for c in choice], offs, ckoffs)
     return ILPResult("optimal", ev, best[0], 0.0, elapsed, 0, 0)
 
 

@@ -64,7 +64,10 @@ Constraint families (each added by the function named)
     ``P >= saved_g h[s][g]`` for every segment (one checkpointed block is recomputed at a time) and
     ``states + buffers + A + P <= capacity``;
     nodes (``add_node_constraints``): per node, the offloaded states of its ranks, whichever stages
-    they run, ``<=`` its host memory (and NVMe).
+    they run, ``<=`` its host memory (and NVMe);
+    checkpoint offload (``add_checkpoint_offload_constraints``): ``w[j][g] <= c[j][g]`` checkpointed
+    blocks keep their input in host memory: ``- inflight * input_g w`` in ``kept``, their copies in the
+    time rows, ``inflight * input_g`` per rank in the node's host memory.
 
 Memory is written in GiB and parameters in billions to keep the coefficients well scaled.
 """
@@ -81,7 +84,15 @@ import pulp
 
 from whalepy._errors import PlanError
 from whalepy.cost_models.devices import GIB
-from whalepy.planner.costing import CandidateCoeffs, Evaluation, evaluate, stage_host_activation, stage_offloadable
+from whalepy.planner.costing import (
+    CandidateCoeffs,
+    Evaluation,
+    evaluate,
+    stage_checkpoint_offloadable,
+    stage_host_activation,
+    stage_host_checkpoint,
+    stage_offloadable,
+)
 from whalepy.planner.space import MAX_OPTIONS_PER_STAGE, StateMix, StateOption
 
 _BILLION = 1e9
@@ -176,6 +187,8 @@ class _Vars:
     use them (an option of no family is a family of its own, ``z`` its ``y``). Per-stage costs that a
     family pays once (working set, first-block gathers, post-step communication, autocast copies) are
     charged on ``z``."""
+    w: list[dict[int, _Var]] = field(default_factory=list)
+    """Checkpointed blocks of segment g in virtual stage j whose input is in host memory (where allowed)."""
 
 
 def _var(prob: _Model, name: str, lowBound: float | None = None, upBound: float | None = None,
@@ -335,6 +348,32 @@ def add_activation_offload_constraints(prob: _Model, cc: CandidateCoeffs, v: _Va
             v.h[s][g].upBound = 1
 
 
+def add_checkpoint_offload_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars, allow: bool) -> None:
+    """``w[j][g]``: checkpointed blocks of segment ``g`` in virtual stage ``j`` whose input lives in host
+    memory (``BlockPlan.checkpoint_offload``), only on stages whose every cell has host memory
+    (:func:`stage_checkpoint_offloadable`): ``w[j][g] <= c[j][g]``. Each takes its input off the device
+    (``kept``), adds its copies to the stage's time and its input to the node's host memory."""
+    S, V = cc.candidate.num_stages, cc.candidate.virtual_stages
+    v.w = [dict() for _ in range(cc.candidate.num_virtual)]
+    if not allow:
+        return
+    for s, sc in enumerate(cc.stages):
+        for g in stage_checkpoint_offloadable(sc):
+            for k in range(V):
+                j = s + k * S
+                x = v.w[j][g] = _var(prob, f"w_{j}_{g}", lowBound=0, upBound=cc.segments[g].length, cat="Integer")
+                _add(prob, {x: 1.0, v.c[j][g]: -1.0}, 0.0, LE, f"ckpt_offload_le_ckpt_{j}_{g}")
+
+
+def _host_copy_terms(d: dict, cell, v: _Vars, j: int, g: int) -> None:  # type: ignore[no-untyped-def, type-arg]
+    """Add the seconds of the host copies of segment ``g`` in virtual stage ``j`` to a time row ``d``:
+    offloaded activations (``o``) and checkpointed inputs in host memory (``w``)."""
+    for xs, coef in ((v.o, cell.seg_offload), (v.w, cell.seg_ckoff)):
+        x = xs[j].get(g) if xs else None
+        if x is not None and coef[g]:
+            d[x] = d.get(x, 0.0) + coef[g]
+
+
 def add_state_option_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
     for s, sc in enumerate(cc.stages):
         if sc.families:
@@ -387,11 +426,11 @@ def _add_mixed_options(prob: _Model, cc: CandidateCoeffs, v: _Vars, s: int) -> N
         const = _acc(d, v.nj[s][g], -1.0)
         _add(prob, d, const, EQ, f"option_blocks_sum_{s}_{g}")
     if sc.tied_segments:  # blocks sharing parameters: one option, w[o], for all of them
-        w = {o: _var(prob, f"w_{s}_{i}", cat="Binary") for i, o in enumerate(sc.options)}
-        _add(prob, {x: 1.0 for x in w.values()}, -1.0, LE, f"tied_one_option_{s}")
+        tie = {o: _var(prob, f"tie_{s}_{i}", cat="Binary") for i, o in enumerate(sc.options)}
+        _add(prob, {x: 1.0 for x in tie.values()}, -1.0, LE, f"tied_one_option_{s}")
         for i, o in enumerate(sc.options):
             for g in sc.tied_segments:
-                _add(prob, {nb[o][g]: 1.0, w[o]: -float(cc.segments[g].length)}, 0.0, LE, f"tied_{s}_{i}_{g}")
+                _add(prob, {nb[o][g]: 1.0, tie[o]: -float(cc.segments[g].length)}, 0.0, LE, f"tied_{s}_{i}_{g}")
     v.Nb[s] = nb
 
 
@@ -450,9 +489,7 @@ def add_time_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
                     for x in _stage_ckpt(v, S, V, s, g):
                         d[x] = d.get(x, 0.0) + cell.seg_recompute[g]
                 for k in range(V):
-                    x = v.o[s + k * S].get(g)
-                    if x is not None and cell.seg_offload[g]:  # type: ignore[index]
-                        d[x] = cell.seg_offload[g]  # type: ignore[index]
+                    _host_copy_terms(d, cell, v, s + k * S, g)
             _add(prob, d, const, LE, f"time_compute_{s}_{ci}")
             dd = _option_terms(d, v, s, sc, [s + k * S for k in range(V)], cell.seg_exposed,
                                {o: V * cell.edge[o] for o in sc.options})
@@ -471,9 +508,7 @@ def add_time_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
                     const += _acc(d, v.nj[j][g], cell.seg_time[g])
                     if cell.seg_recompute[g]:
                         d[v.c[j][g]] = d.get(v.c[j][g], 0.0) + cell.seg_recompute[g]
-                    x = v.o[j].get(g)
-                    if x is not None and cell.seg_offload[g]:  # type: ignore[index]
-                        d[x] = cell.seg_offload[g]  # type: ignore[index]
+                    _host_copy_terms(d, cell, v, j, g)
                 _add(prob, d, const, LE, f"chunk_time_{s}_{ci}_{k}")
                 dd = _option_terms(d, v, s, sc, [j], cell.seg_exposed, cell.edge)
                 if dd is not None:
@@ -551,6 +586,9 @@ def add_memory_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
                     x = v.o[j].get(g)
                     if x is not None:  # an offloaded block keeps nothing on the device
                         d[x] = -k_in * cell.seg_saved[g]
+                    x = v.w[j].get(g) if v.w else None
+                    if x is not None:  # nor does a checkpointed one whose input is in host memory
+                        d[x] = -k_in * cell.seg_input[g]
                 return d, const
 
             d = dict(states)
@@ -588,11 +626,13 @@ def add_node_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
                         d[v.Q[s][o]] = k * beta[o] * _BILLION / GIB
                     if kind == "host_memory" and k and sc.host_fixed.get(o):  # staging buffers
                         d[v.y[s][o]] = d.get(v.y[s][o], 0.0) + k * sc.host_fixed[o] / GIB
-                if kind == "host_memory" and k and any(v.o[s + kk * cc.candidate.num_stages]
-                                                       for kk in range(cc.candidate.virtual_stages)):
-                    host = stage_host_activation(sc)  # offloaded activations, per rank
-                    for kk in range(cc.candidate.virtual_stages):
-                        for g, x in v.o[s + kk * cc.candidate.num_stages].items():
+                # offloaded activations and checkpointed inputs in host memory, per rank
+                for xs, per_rank in ((v.o, stage_host_activation), (v.w, stage_host_checkpoint)):
+                    chunks = [xs[s + kk * cc.candidate.num_stages] for kk in range(cc.candidate.virtual_stages)
+                              ] if kind == "host_memory" and k and xs else []
+                    host = per_rank(sc) if any(chunks) else []
+                    for row in chunks:
+                        for g, x in row.items():
                             if host[g]:
                                 d[x] = d.get(x, 0.0) + k * host[g] / GIB
             if d:
@@ -727,7 +767,8 @@ def _solve_cbc(prob: _Model, time_limit_s: float) -> tuple[str, float, float]:
 
 def solve_candidate(cc: CandidateCoeffs, *, allowed_stages: dict[int, tuple[int, int]],
                     allow_checkpointing: bool, solver: str, time_limit_s: float,
-                    cutoff: float | None = None, allow_activation_offload: bool = True) -> ILPResult:
+                    cutoff: float | None = None, allow_activation_offload: bool = True,
+                    allow_checkpoint_offload: bool = True) -> ILPResult:
     """Build and solve the ILP of one candidate; the returned evaluation is the costing of the solution.
 
     ``cutoff``: only solutions with a smaller objective are wanted (the incumbent of the outer search);
@@ -745,6 +786,7 @@ def solve_candidate(cc: CandidateCoeffs, *, allowed_stages: dict[int, tuple[int,
     add_annotation_constraints(prob, cc, v, allowed_stages)
     add_checkpoint_constraints(prob, cc, v, allow_checkpointing)
     add_activation_offload_constraints(prob, cc, v, allow_activation_offload)
+    add_checkpoint_offload_constraints(prob, cc, v, allow_checkpoint_offload and allow_checkpointing)
     add_state_option_constraints(prob, cc, v)
     add_option_block_variables(prob, cc, v)
     add_time_constraints(prob, cc, v)
@@ -794,8 +836,10 @@ def _extract(cc: CandidateCoeffs, v: _Vars) -> Evaluation:
     ckpts = [[int(round(c.varValue or 0)) for c in row] for row in v.c]
     G = len(cc.segments)
     offs = [[int(round(row[g].varValue or 0)) if g in row else 0 for g in range(G)] for row in v.o]
+    ckoffs = [[int(round(row[g].varValue or 0)) if g in row else 0 for g in range(G)] for row in v.w]
     options = [_chosen(cc, v, s) for s in range(len(cc.stages))]
-    return evaluate(cc, sizes, ckpts, options, offs if any(map(any, offs)) else None)
+    return evaluate(cc, sizes, ckpts, options, offs if any(map(any, offs)) else None,
+                    ckoffs if any(map(any, ckoffs)) else None)
 
 
 

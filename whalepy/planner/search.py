@@ -376,6 +376,7 @@ class SearchResult:
     allow_checkpointing: bool = True
     allow_activation_offload: bool = True
     mixed_tiers: bool = False
+    allow_checkpoint_offload: bool = True
 
 
 def allowed_stage_ranges(cand: Candidate, cons: Constraints) -> dict[int, tuple[int, int]]:
@@ -447,12 +448,14 @@ def run_search(profile: ModelProfile, hw: Hardware, G: int, opts, *,  # type: ig
             allowed = allowed_stage_ranges(cand, cons)
             if solver == "exhaustive":
                 res = solve_exhaustive(cc, allowed_stages=allowed, allow_checkpointing=opts.allow_checkpointing,
-                                       allow_activation_offload=opts.allow_activation_offload)
+                                       allow_activation_offload=opts.allow_activation_offload,
+                                       allow_checkpoint_offload=opts.allow_checkpoint_offload)
             else:
                 full = max(0.5, min(remaining, opts.ilp_time_limit_s))
                 limit = full if pass_no else min(full, FIRST_LOOK_S)
                 res = solve_candidate(cc, allowed_stages=allowed, allow_checkpointing=opts.allow_checkpointing,
                                       allow_activation_offload=opts.allow_activation_offload,
+                                      allow_checkpoint_offload=opts.allow_checkpoint_offload,
                                       solver=solver, time_limit_s=limit,
                                       cutoff=best[0] * (1 - MIP_REL_GAP) if best is not None else None)
                 if pass_no == 0 and limit < full and res.status in ("feasible", "no solution"):
@@ -482,12 +485,13 @@ def run_search(profile: ModelProfile, hw: Hardware, G: int, opts, *,  # type: ig
                         solver_used=solver, notes=notes, hit_time_limit=hit_limit, segments=segments,
                         options=options, ctx=ctx, constraints=cons, candidates=cands,
                         allow_checkpointing=opts.allow_checkpointing,
-                        allow_activation_offload=opts.allow_activation_offload, mixed_tiers=opts.mixed_tiers)
+                        allow_activation_offload=opts.allow_activation_offload,
+                        allow_checkpoint_offload=opts.allow_checkpoint_offload, mixed_tiers=opts.mixed_tiers)
 
 
-def evaluate_fixed(ctx: CostContext, cand: Candidate, sizes, ckpts, options, offs=None) -> Evaluation:  # type: ignore[no-untyped-def]
+def evaluate_fixed(ctx: CostContext, cand: Candidate, sizes, ckpts, options, offs=None, ckoffs=None) -> Evaluation:  # type: ignore[no-untyped-def]
     segments = build_segments(ctx.profile)
     used = [o for x in options for o in ((x,) if isinstance(x, StateOption) else (p for p, _ in x))]
     cc: CandidateCoeffs = build_coefficients(ctx, cand, segments, tuple(dict.fromkeys(used)),
                                              mixed_tiers=len(used) > len(options))
-    return evaluate(cc, sizes, ckpts, options, offs)
+    return evaluate(cc, sizes, ckpts, options, offs, ckoffs)
