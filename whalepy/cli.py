@@ -94,6 +94,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         opts["allow_activation_offload"] = False
     if args.no_checkpoint_offload:
         opts["allow_checkpoint_offload"] = False
+    if args.one_tier_per_stage:
+        opts["mixed_tiers"] = False
     if args.max_tp:
         opts["max_tp"] = args.max_tp
     if args.baseline:
@@ -225,6 +227,8 @@ def _add_plan(sub: Any) -> None:
                     help="never keep activations in host memory (allow_activation_offload=False)")
     sp.add_argument("--no-checkpoint-offload", action="store_true",
                     help="never keep activation checkpoints in host memory (allow_checkpoint_offload=False)")
+    sp.add_argument("--one-tier-per-stage", action="store_true",
+                    help="give all blocks of a stage one (param, optimizer) tier pair (mixed_tiers=False)")
     sp.add_argument("--max-tp", type=int)
     sp.add_argument("--baseline", action="store_true", help="homogeneous-slowest baseline instead")
     sp.add_argument("--explain", action="store_true", help="also list the alternatives and why they lost")
