@@ -141,7 +141,8 @@ def _plan(case: Case):  # type: ignore[no-untyped-def]
 
     W = case.gpus_per_node * case.nodes
     return plan_from_profile(profile_of(case.model), cluster_of(case), global_batch=W,
-                             allow_offload=case.allow_offload, max_microbatches=8,
+                             allow_offload=case.allow_offload, allow_checkpoint_offload=case.allow_offload,
+                             max_microbatches=8,
                              schedules=("1f1b",), time_limit_s=120, top_k=0)
 
 

@@ -92,8 +92,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         opts["allow_offload"] = False
     if args.no_activation_offload:
         opts["allow_activation_offload"] = False
-    if args.no_checkpoint_offload:
-        opts["allow_checkpoint_offload"] = False
+    if args.checkpoint_offload:
+        opts["allow_checkpoint_offload"] = True
     if args.one_tier_per_stage:
         opts["mixed_tiers"] = False
     if args.max_tp:
@@ -225,8 +225,8 @@ def _add_plan(sub: Any) -> None:
     sp.add_argument("--no-offload", action="store_true")
     sp.add_argument("--no-activation-offload", action="store_true",
                     help="never keep activations in host memory (allow_activation_offload=False)")
-    sp.add_argument("--no-checkpoint-offload", action="store_true",
-                    help="never keep activation checkpoints in host memory (allow_checkpoint_offload=False)")
+    sp.add_argument("--checkpoint-offload", action="store_true",
+                    help="may keep activation checkpoints in host memory (allow_checkpoint_offload=True)")
     sp.add_argument("--one-tier-per-stage", action="store_true",
                     help="give all blocks of a stage one (param, optimizer) tier pair (mixed_tiers=False)")
     sp.add_argument("--max-tp", type=int)

@@ -48,10 +48,14 @@ class PlannerOptions:
     """Let the planner keep the saved activations of chosen blocks in host memory between their forward
     and backward (``BlockPlan.activation_offload``), where the copies cost less than recomputation and
     the node's host memory (``cpu_memory_gb`` of the cluster spec) holds them."""
-    allow_checkpoint_offload: bool = True
+    allow_checkpoint_offload: bool = False
     """Let the planner keep a checkpointed block's input (the activation checkpoint) in host memory
     between its forward and backward (``BlockPlan.checkpoint_offload``, ZeRO-Infinity's offloaded
-    activation checkpoints), where the node's host memory holds them; the copies are charged."""
+    activation checkpoints), where the node's host memory holds them; the copies are charged. Off by
+    default: it matters only where even checkpointed inputs do not fit (the planner's "no plan fits"
+    message names it then), and its variables made the ILP of the best candidate of a 70B plan on 64
+    mixed GPUs stop at its 5 s limit with an 18.4 s/step plan instead of the 17.6 s/step it proves
+    without them (docs/benchmarks.md)."""
     allow_offload: bool = True
     """Offload optimizer states (and, under ZeRO-3, parameters) to CPU, or NVMe where a group has it."""
     mixed_tiers: bool = True

@@ -376,7 +376,7 @@ class SearchResult:
     allow_checkpointing: bool = True
     allow_activation_offload: bool = True
     mixed_tiers: bool = False
-    allow_checkpoint_offload: bool = True
+    allow_checkpoint_offload: bool = False
 
 
 def allowed_stage_ranges(cand: Candidate, cons: Constraints) -> dict[int, tuple[int, int]]:
