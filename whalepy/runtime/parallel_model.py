@@ -23,6 +23,7 @@ global-batch mean, whatever the shares. ``train_step`` returns that global-batch
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -299,7 +300,15 @@ def _init_process_group(cluster_spec: ClusterSpec) -> str:
     device_type = resolve_device_type(cluster_spec)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+        # the group whalepy made is destroyed at exit: left to the interpreter's teardown, the backend's
+        # threads can outlive it ("terminate called without an active exception", SIGABRT at exit)
+        atexit.register(_destroy_process_group)
     return device_type
+
+
+def _destroy_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _plan_once(solve: Callable[[], Plan]) -> Plan:
