@@ -7,7 +7,7 @@ import pulp
 import pytest
 
 from whalepy._errors import PlanError
-from whalepy.planner import ilp, plan_from_profile
+from whalepy.planner import _solvers, ilp, plan_from_profile
 from whalepy.planner.synthetic import transformer_profile
 
 from planner_fixtures import a100
@@ -22,7 +22,7 @@ def _plan(solver: str):  # type: ignore[no-untyped-def]
 def test_cbc_finds_what_highs_finds_or_says_how_to_get_it():
     highs = _plan("highs")
     assert highs.solver.solver == "highs" and not any("CBC" in n for n in highs.notes)
-    if ilp._cbc(msg=False).available():
+    if _solvers._cbc(msg=False).available():
         cbc = _plan("cbc")
         assert cbc.solver.solver == "cbc"
         # both stop at the relative MIP gap MIP_REL_GAP of the same objective
@@ -42,10 +42,10 @@ class _Unavailable:
 
 def test_fallback_note_and_no_solver_message(monkeypatch):
     monkeypatch.setattr(pulp.HiGHS, "available", lambda self: False)
-    if ilp._cbc(msg=False).available():
+    if _solvers._cbc(msg=False).available():
         solver, notes = ilp.choose_solver("highs")
         assert solver == "cbc" and "HiGHS (highspy) is not available" in notes[0]
-    monkeypatch.setattr(ilp, "_cbc", _Unavailable)
+    monkeypatch.setattr(_solvers, "_cbc", _Unavailable)
     with pytest.raises(PlanError, match="no MIP solver.*pip install highspy") as e:
         _plan("highs")  # raised before any candidate is built
     assert "\n" not in str(e.value)

@@ -1,0 +1,200 @@
+"""The ILP's model container and its solvers (split from :mod:`whalepy.planner.ilp`, which builds the
+model and re-exports these names): a plain-Python model of variables and rows, handed to HiGHS as arrays
+in one call (highspy) or converted to PuLP for CBC."""
+
+from __future__ import annotations
+
+import math
+import tempfile
+import warnings
+
+import pulp
+
+from whalepy._errors import PlanError
+
+# Linear forms are ``(dict[_Var, float], constant)``. The model is built in plain Python (``_Model``) and
+# handed to HiGHS as arrays in one call (or converted to PuLP for CBC): PuLP's model building and its
+# column-by-column transfer to HiGHS took longer than HiGHS's solve on the small ILPs the search makes.
+
+LE, GE, EQ = -1, 1, 0
+"""Constraint senses (PuLP's values)."""
+
+
+class _Var:
+    __slots__ = ("index", "name", "lowBound", "upBound", "integer", "varValue")
+
+    def __init__(self, index: int, name: str, lb: float | None, ub: float | None, integer: bool) -> None:
+        self.index, self.name, self.lowBound, self.upBound, self.integer = index, name, lb, ub, integer
+        self.varValue: float | None = None
+
+
+class _Model:
+    """Variables, rows ``sum d + const (sense) 0`` in addition order, a linear objective. The solvers
+    receive the variables that appear, sorted by name (:func:`_solve_highs`)."""
+
+    def __init__(self) -> None:
+        self.vars: list[_Var] = []
+        self.rows: list[tuple[dict, float, int, str]] = []  # type: ignore[type-arg]
+        self.objective: dict = {}  # type: ignore[type-arg]
+
+    def var(self, name: str, lb: float | None, ub: float | None, cat: str) -> _Var:
+        if cat == "Binary":
+            lb, ub = 0, 1
+        v = _Var(len(self.vars), name, lb, ub, cat != "Continuous")
+        self.vars.append(v)
+        return v
+
+
+# PuLP 4 keeps expressions in its Rust core and builds them with factory methods; PuLP 3 with the
+# constructor.
+_PULP4 = hasattr(pulp.LpAffineExpression, "from_dict")
+
+
+def _expr(d: dict, const: float = 0.0) -> pulp.LpAffineExpression:  # type: ignore[type-arg]
+    if _PULP4:
+        return pulp.LpAffineExpression.from_dict(d, const)
+    return pulp.LpAffineExpression(d, constant=const)
+
+
+MIP_REL_GAP = 1e-4
+"""Relative MIP gap at which a candidate's ILP counts as solved (HiGHS's default)."""
+
+
+def _cbc(**kwargs):  # type: ignore[no-untyped-def]
+    """CBC as this pulp provides it: a ``cbc`` executable (``pip install 'pulp[cbc]'`` or one on PATH)
+    through ``COIN_CMD``, else the copy pulp 3 bundles (``PULP_CBC_CMD``, deprecated in pulp 3.3,
+    gone in pulp 4)."""
+    coin = pulp.COIN_CMD(**kwargs)
+    if coin.available() or not hasattr(pulp, "PULP_CBC_CMD"):
+        return coin
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return pulp.PULP_CBC_CMD(**kwargs)
+
+
+def choose_solver(requested: str) -> tuple[str, list[str]]:
+    """The MIP solver that will run for ``requested`` (``"highs"`` or ``"cbc"``), and notes for the plan.
+    HiGHS falls back to CBC when highspy is missing; a solver that cannot run raises :class:`PlanError`
+    (checked before any candidate is built)."""
+    highs_ok = pulp.HiGHS().available()
+    if requested == "highs" and highs_ok:
+        return "highs", []
+    if _cbc(msg=False).available():
+        if requested == "highs":
+            return "cbc", ["HiGHS (highspy) is not available: solved with CBC instead, which is slower"]
+        return "cbc", []
+    if requested == "cbc":
+        hint = "use solver='highs' (the default)" if highs_ok else "pip install highspy and use solver='highs'"
+        raise PlanError(f"solver='cbc': pulp {pulp.__version__} provides no CBC (pulp 4 no longer bundles "
+                        f"it; pip install 'pulp[cbc]'), or {hint}")
+    raise PlanError(f"no MIP solver: highspy is not importable and pulp {pulp.__version__} provides no "
+                    "CBC; pip install highspy (or use solver='exhaustive' for small models)")
+
+
+def _solve_highs(prob: _Model, time_limit_s: float, cutoff: float | None) -> tuple[str, float, float]:
+    """Solve with HiGHS in-process: ``(status, objective, mip gap)``, column values into ``varValue``.
+    ``status``: ``optimal``, ``feasible`` (stopped with a solution), ``infeasible``, ``cutoff`` (nothing
+    below ``cutoff``) or ``no solution``."""
+    import highspy
+    import numpy as np
+
+    h = highspy.Highs()
+    for key, value in (("output_flag", False), ("mip_rel_gap", MIP_REL_GAP), ("threads", 1),
+                       ("time_limit", float(time_limit_s))):
+        h.setOptionValue(key, value)
+    if cutoff is not None:
+        h.setOptionValue("objective_bound", float(cutoff))
+    inf = highspy.kHighsInf
+    # columns: the variables that appear, sorted by name, as PuLP handed them to HiGHS (the same model
+    # gives the same optimum among the many ties of identical layers)
+    used = set(prob.objective)
+    for d, _const, _sense, _name in prob.rows:
+        used.update(d)
+    order = sorted(used, key=lambda x: x.name)
+    cols = {x: i for i, x in enumerate(order)}
+    n = len(order)
+    cost = np.array([prob.objective.get(x, 0.0) for x in order], dtype=float)
+    lower = np.array([-inf if x.lowBound is None else x.lowBound for x in order], dtype=float)
+    upper = np.array([inf if x.upBound is None else x.upBound for x in order], dtype=float)
+    h.addCols(n, cost, lower, upper, 0, np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32), np.zeros(0))
+    ints = np.array([i for i, x in enumerate(order) if x.integer], dtype=np.int32)
+    if len(ints):
+        h.changeColsIntegrality(len(ints), ints, np.full(len(ints), highspy.HighsVarType.kInteger))
+    lo, hi, starts, idx, val = [], [], [], [], []
+    for d, const, sense, _name in prob.rows:
+        lo.append(-const if sense != LE else -inf)
+        hi.append(-const if sense != GE else inf)
+        starts.append(len(idx))
+        for x, a in d.items():
+            if a != 0:
+                idx.append(cols[x])
+                val.append(a)
+    h.addRows(len(lo), np.array(lo, dtype=float), np.array(hi, dtype=float), len(idx),
+              np.array(starts, dtype=np.int32), np.array(idx, dtype=np.int32), np.array(val, dtype=float))
+    h.run()
+    ms, info = h.getModelStatus(), h.getInfo()
+    S = highspy.HighsModelStatus
+    if ms in (S.kInfeasible, S.kUnboundedOrInfeasible):
+        return "infeasible", math.inf, 0.0
+    if ms == S.kObjectiveBound:
+        return "cutoff", math.inf, 0.0
+    if info.primal_solution_status != 2:  # kSolutionStatusFeasible: no solution to read
+        return "no solution", math.inf, 0.0
+    for x, value in zip(order, h.getSolution().col_value):
+        x.varValue = value
+    if ms == S.kOptimal:
+        return "optimal", info.objective_function_value, 0.0
+    return "feasible", info.objective_function_value, float(info.mip_gap)
+
+
+def _pulp_var(lp: pulp.LpProblem, name: str, low: float | None, up: float | None, cat: str) -> pulp.LpVariable:
+    """A PuLP variable: PuLP >= 3.3 attaches variables to the model (``add_variable``; PuLP 4 has no
+    free-standing ``LpVariable(name, low, up, cat)``), older PuLP builds them free-standing."""
+    if hasattr(lp, "add_variable"):
+        return lp.add_variable(name, low, up, cat=cat)
+    return pulp.LpVariable(name, low, up, cat=cat)
+
+
+def _solve_cbc(prob: _Model, time_limit_s: float) -> tuple[str, float, float]:
+    """Solve with CBC through PuLP (HiGHS unavailable, or asked for); same results as
+    :func:`_solve_highs`. PuLP 3 and 4 both (:func:`_expr`, :func:`_outcome`)."""
+    lp = pulp.LpProblem("whalepy_plan", pulp.LpMinimize)
+    cols = [_pulp_var(lp, x.name, x.lowBound, x.upBound, "Integer" if x.integer else "Continuous")
+            for x in prob.vars]
+    lp.setObjective(_expr({cols[x.index]: a for x, a in prob.objective.items()}))
+    for d, const, sense, name in prob.rows:
+        terms = {cols[x.index]: a for x, a in d.items()}
+        if _PULP4:
+            e = _expr(terms, const)
+            e.sense = sense
+            lp.addConstraint(e, name)
+        else:
+            lp.addConstraint(pulp.LpConstraint(_expr(terms), sense=sense, rhs=-const), name)
+    solver = _cbc(msg=False, timeLimit=max(1, int(round(time_limit_s))), gapRel=MIP_REL_GAP)
+    # CBC writes its model and solution files into tmpDir; the process's working directory is left alone
+    with tempfile.TemporaryDirectory(prefix="whalepy_ilp_") as tmp:
+        solver.tmpDir = tmp
+        outcome = _outcome(lp, lp.solve(solver))
+    if outcome in ("infeasible", "no solution"):
+        return outcome, math.inf, 0.0
+    for x, col in zip(prob.vars, cols):
+        x.varValue = col.varValue
+    return outcome, float(pulp.value(lp.objective)), math.nan if outcome == "feasible" else 0.0
+
+
+def _outcome(prob: pulp.LpProblem, solved) -> str:  # type: ignore[no-untyped-def]
+    """``"optimal"``, ``"feasible"`` (stopped early with a solution), ``"infeasible"`` (including: no
+    solution can beat the objective bound) or ``"no solution"``. PuLP 4's ``solve`` returns an
+    ``LpSolveStats``; PuLP 3's a status code, with the solution's status on the problem."""
+    if _PULP4:
+        S = pulp.LpSolveStatus
+        if solved.status == S.Infeasible or (not solved.has_solution and solved.status == S.GapLimit):
+            return "infeasible"
+        if not solved.has_solution:
+            return "no solution"
+        return "optimal" if solved.status == S.Optimal else "feasible"
+    if solved == pulp.LpStatusInfeasible or prob.sol_status == pulp.LpSolutionInfeasible:
+        return "infeasible"
+    if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        return "no solution"
+    return "optimal" if prob.sol_status == pulp.LpSolutionOptimal else "feasible"
