@@ -173,7 +173,8 @@ def _chunk_phase_times(worst, st) -> dict[str, tuple[float, ...]]:  # type: igno
     # seg_recompute is one block's forward with its TP all-reduce: the forward pass of a block
     fwd = [sum(n * x for n, x in zip(cn, c.seg_recompute)) for cn in counts]
     offs = st.chunk_offloads or (st.offloads,)
-    busy = [chunk_busy_s(c, st.mix or st.option, cn, ck, co) for cn, ck, co in zip(counts, ckpts, offs)]
+    ckoffs = st.chunk_checkpoint_offloads or tuple(() for _ in counts)
+    busy = [chunk_busy_s(c, st.mix or st.option, cn, ck, co, cw) for cn, ck, co, cw in zip(counts, ckpts, offs, ckoffs)]
     return {"chunk_forward_s": tuple(fwd), "chunk_backward_s": tuple(b - f for b, f in zip(busy, fwd))}
 
 
