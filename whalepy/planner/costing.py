@@ -275,11 +275,6 @@ class StageCoeffs:
     off)."""
 
 
-def family_of(sc: StageCoeffs, option: StateOption) -> tuple[StateOption, ...]:
-    """The family of ``option`` on stage ``sc`` (itself alone when it shares none)."""
-    return next((f for f in sc.families if option in f), (option,))
-
-
 @dataclass(frozen=True, slots=True)
 class NodeShare:
     """Nodes whose ranks split the same way over the stages: host memory and NVMe are the node's, shared
