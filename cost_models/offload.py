@@ -218,14 +218,15 @@ def fetch_seconds_per_byte(rates: OffloadRates, *, from_nvme: bool) -> float:
 # -- activations ----------------------------------------------------------------------------------------
 
 
-def estimate_activation_offload_time(rates: OffloadRates, *, saved_bytes: float, forward_s: float,
-                                     backward_s: float) -> float:
-    """Exposed seconds per micro-batch of keeping one block's saved activations in host memory
-    (``torch.autograd.graph.save_on_cpu``): copied down during its forward, up during its backward, each
-    hidden behind that pass of the block. Compare with recomputation, which costs a forward."""
-    if saved_bytes < 0 or forward_s < 0 or backward_s < 0:
-        raise ValueError("saved_bytes, forward_s and backward_s must be >= 0")
-    return max(0.0, saved_bytes / rates.d2h - forward_s) + max(0.0, saved_bytes / rates.h2d - backward_s)
+def estimate_activation_offload_time(rates: OffloadRates, *, saved_bytes: float) -> float:
+    """Seconds per micro-batch of keeping one block's saved activations in host memory
+    (``BlockPlan.activation_offload``): copied down during its forward, up during its backward. Charged
+    whole, not hidden: the runtime's saved-tensor hooks (:mod:`whalepy.runtime._activations`) issue both
+    copies on the compute stream (``non_blocking`` frees the host thread, not the stream), so the
+    block's kernels wait for them. Compare with recomputation, which costs a forward."""
+    if saved_bytes < 0:
+        raise ValueError(f"saved_bytes must be >= 0, got {saved_bytes}")
+    return saved_bytes / rates.d2h + saved_bytes / rates.h2d
 
 
 def estimate_checkpoint_offload_time(rates: OffloadRates, *, input_bytes: float) -> float:

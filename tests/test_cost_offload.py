@@ -91,11 +91,14 @@ def test_zero_offload_step_hidden_by_backward() -> None:
     assert t.exposed(P, hide_s=0.1) == pytest.approx(2 * P / r.h2d + P / r.cpu_adam - 0.1)
 
 
-def test_activation_offload_hidden_by_compute() -> None:
+def test_activation_offload_charged_whole() -> None:
+    """The runtime copies on the compute stream: nothing of the copies is hidden by the block's passes."""
     r = resolve_offload_rates(CATALOG["H100-SXM"], gpus_per_node=8)
-    assert estimate_activation_offload_time(r, saved_bytes=1e9, forward_s=1.0, backward_s=2.0) == 0.0
-    t = estimate_activation_offload_time(r, saved_bytes=1e9, forward_s=0.0, backward_s=0.0)
+    t = estimate_activation_offload_time(r, saved_bytes=1e9)
     assert t == pytest.approx(1e9 / r.d2h + 1e9 / r.h2d)
+    assert estimate_activation_offload_time(r, saved_bytes=0.0) == 0.0
+    with pytest.raises(ValueError, match="saved_bytes"):
+        estimate_activation_offload_time(r, saved_bytes=-1.0)
 
 
 # -- the planner with every tier pair of the contract open -----------------------------------------

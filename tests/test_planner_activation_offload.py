@@ -15,13 +15,15 @@ from planner_fixtures import cluster, group
 
 FAST_LINK = 450e9
 """Host link per direction of NVLink-C2C (NVIDIA GH200: 900 GB/s CPU-GPU, both directions together):
-copies of a 2048-wide block's saved activations hide behind its forward and backward."""
+copying a 4096-wide block's saved activations down and back up (on the compute stream, nothing hidden)
+takes less time than recomputing its forward."""
 SLOW_LINK = 16e9
 """PCIe 3.0 x16: the same copies take longer than the block's forward, so recomputing is cheaper."""
-DEVICE_GIB = 10
-"""An A100 with 10 GiB: the model states fit, the activations of one 8-sample micro-batch do not."""
+DEVICE_GIB = 20
+"""An A100 with 20 GiB: the model states (16 GiB) fit, the activations of one 8-sample micro-batch do
+not."""
 
-PROF = transformer_profile(num_layers=4, hidden=2048, seq_len=2048, vocab=32000, num_heads=16, batch=1,
+PROF = transformer_profile(num_layers=4, hidden=4096, seq_len=1024, vocab=32000, num_heads=16, batch=1,
                            name="actoff")
 
 
@@ -71,7 +73,7 @@ def test_recompute_wins_on_a_slow_host_link() -> None:
 
 
 def test_not_chosen_beyond_host_memory() -> None:
-    # 1 GB of host memory holds not even one block's saved activations (~3 GB here)
+    # 1 GB of host memory holds not even one block's saved activations (1.6-1.8 GB here)
     p = _plan(FAST_LINK, 1)
     assert "A" not in _tiers(p) and "C" in _tiers(p), _tiers(p)
     assert p.stages[0].cost.cpu_bytes == 0

@@ -14,6 +14,8 @@ from whalepy.cost_models.memory import estimate_device_bytes_for_usable
 from planner_fixtures import cluster, group, tiny_device
 
 NUM_INSTANCES = 30
+FAST_HOST_LINK = 450e9
+"""Bytes/s per direction of NVIDIA GH200's NVLink-C2C (900 GB/s CPU-GPU, both directions together)."""
 _PLANS: dict = {}
 
 
@@ -30,6 +32,9 @@ def _instance(seed: int):  # type: ignore[no-untyped-def]
     frac = rng.uniform(0.15, 0.9)
     dev_a = tiny_device(f"dev-a{seed}", "A100-80GB", estimate_device_bytes_for_usable(need * frac) / 2**30)
     cpu = None if rng.random() < 0.5 else 64
+    if seed % 4 == 1:
+        # a GH200-like host link (NVLink-C2C, 450 GB/s per direction): activation offload can beat recompute
+        dev_a = dev_a.replace(host_link_bandwidth=FAST_HOST_LINK)
     groups = [group("a", dev_a.name, per_node, nodes, link="pcie4", custom={dev_a.name: dev_a}, cpu_gb=cpu)]
     custom = [dev_a]
     if mixed:

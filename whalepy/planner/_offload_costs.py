@@ -119,12 +119,11 @@ def stage_prefetch(ctx: CostContext, cand: Candidate, st: StageEval, cell: CellE
     return depth, exposed
 
 
-def activation_offload_coefficients(g: GroupView, *, saved: list[float], fwd: list[float], bwd: list[float],
-                                    inflight: int, virtual_stages: int
+def activation_offload_coefficients(g: GroupView, *, saved: list[float], inflight: int, virtual_stages: int
                                     ) -> tuple[list[float] | None, list[float] | None]:
-    """Per block of each segment of a cell on group ``g``: the exposed seconds per micro-batch of
-    keeping its saved activations in host memory instead of on the device (copied down in its forward,
-    up in its backward, each hidden behind that pass:
+    """Per block of each segment of a cell on group ``g``: the seconds per micro-batch of keeping its
+    saved activations in host memory instead of on the device (copied down in its forward, up in its
+    backward, on the compute stream:
     :func:`~whalepy.cost_models.offload.estimate_activation_offload_time`), and the host bytes per rank
     they take with ``inflight`` micro-batches in flight
     (:func:`~whalepy.cost_models.memory.estimate_stage_activation_host_bytes`). ``(None, None)`` where
@@ -135,8 +134,7 @@ def activation_offload_coefficients(g: GroupView, *, saved: list[float], fwd: li
     if g.cpu_memory_bytes is None:
         return None, None
     rates = group_rates(g)
-    time_s = [estimate_activation_offload_time(rates, saved_bytes=a, forward_s=f, backward_s=b)
-              for a, f, b in zip(saved, fwd, bwd)]
+    time_s = [estimate_activation_offload_time(rates, saved_bytes=a) for a in saved]
     host = [estimate_stage_activation_host_bytes(blocks=[BlockActivations(saved_bytes=a, input_bytes=0.0,
                                                                            offload=True)],
                                                  num_inflight=inflight, virtual_stages=virtual_stages)

@@ -91,7 +91,8 @@ def choose_solver(requested: str) -> tuple[str, list[str]]:
                     "CBC; pip install highspy (or use solver='exhaustive' for small models)")
 
 
-def _solve_highs(prob: _Model, time_limit_s: float, cutoff: float | None) -> tuple[str, float, float]:
+def _solve_highs(prob: _Model, time_limit_s: float, cutoff: float | None,
+                 rel_gap: float = MIP_REL_GAP) -> tuple[str, float, float]:
     """Solve with HiGHS in-process: ``(status, objective, mip gap)``, column values into ``varValue``.
     ``status``: ``optimal``, ``feasible`` (stopped with a solution), ``infeasible``, ``cutoff`` (nothing
     below ``cutoff``) or ``no solution``."""
@@ -99,7 +100,7 @@ def _solve_highs(prob: _Model, time_limit_s: float, cutoff: float | None) -> tup
     import numpy as np
 
     h = highspy.Highs()
-    for key, value in (("output_flag", False), ("mip_rel_gap", MIP_REL_GAP), ("threads", 1),
+    for key, value in (("output_flag", False), ("mip_rel_gap", rel_gap), ("threads", 1),
                        ("time_limit", float(time_limit_s))):
         h.setOptionValue(key, value)
     if cutoff is not None:
@@ -155,7 +156,7 @@ def _pulp_var(lp: pulp.LpProblem, name: str, low: float | None, up: float | None
     return pulp.LpVariable(name, low, up, cat=cat)
 
 
-def _solve_cbc(prob: _Model, time_limit_s: float) -> tuple[str, float, float]:
+def _solve_cbc(prob: _Model, time_limit_s: float, rel_gap: float = MIP_REL_GAP) -> tuple[str, float, float]:
     """Solve with CBC through PuLP (HiGHS unavailable, or asked for); same results as
     :func:`_solve_highs`. PuLP 3 and 4 both (:func:`_expr`, :func:`_outcome`)."""
     lp = pulp.LpProblem("whalepy_plan", pulp.LpMinimize)
@@ -170,7 +171,7 @@ def _solve_cbc(prob: _Model, time_limit_s: float) -> tuple[str, float, float]:
             lp.addConstraint(e, name)
         else:
             lp.addConstraint(pulp.LpConstraint(_expr(terms), sense=sense, rhs=-const), name)
-    solver = _cbc(msg=False, timeLimit=max(1, int(round(time_limit_s))), gapRel=MIP_REL_GAP)
+    solver = _cbc(msg=False, timeLimit=max(1, int(round(time_limit_s))), gapRel=rel_gap)
     # CBC writes its model and solution files into tmpDir; the process's working directory is left alone
     with tempfile.TemporaryDirectory(prefix="whalepy_ilp_") as tmp:
         solver.tmpDir = tmp

@@ -14,8 +14,8 @@ after TP:
 - ``compute = sum_g n_g * (fwd + bwd + 2 tp_ar) + c_g * (fwd + tp_ar)`` per micro-batch: block times by
   ``CostContext.block_time``, TP all-reduces of ``tp_comm_bytes`` forward and backward, repeated on
   recompute; the runtime does not overlap DTensor's TP collectives, so they are exposed; plus
-  ``o_g * offload_g``, the copies of an offloaded block's saved activations its own forward and
-  backward do not hide (:func:`~whalepy.planner._offload_costs.activation_offload_coefficients`);
+  ``o_g * offload_g``, the copies of an offloaded block's saved activations, down in forward and up in
+  backward, on the compute stream (:func:`~whalepy.planner._offload_costs.activation_offload_coefficients`);
 - ``dp`` per micro-batch: data-parallel collectives not hidden by compute, per block as the runtime
   lowers the stage's state option (:func:`lowering_kind`, the runtime's own choice of DDP /
   ZeroRedundancyOptimizer / FSDP2): FSDP2 all-gathers overlap only the neighbouring block's compute
@@ -475,7 +475,7 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
                                   dp_ranks=dp_ranks, families=families,
                                   tied_segments=tuple(g for g, seg in enumerate(segments) if seg.block.shares_params)))
     return CandidateCoeffs(candidate=cand, segments=segments, stages=stages, ranks=ranks,
-                           nodes=_node_shares(hw, ranks) if any(_off_device(o) for st in stages for o in st.options)
+                           nodes=_node_shares(hw, ranks) if any(o.off_device for st in stages for o in st.options)
                            or any(stage_offloadable(st) or stage_checkpoint_offloadable(st) for st in stages)
                            else (), bubble=cand.bubble_coefficient)
 
@@ -507,7 +507,7 @@ def beside_offload_options(options: tuple[StateOption, ...], cand: Candidate) ->
     if not any(offloads_to_host(o.param_tier, o.optimizer_tier) for o in options):
         return ()
     return tuple(dataclasses.replace(o, beside_offload=True) for o in options
-                 if not _off_device(o) and lowering_kind(o, cand) is not LoweringKind.FSDP)
+                 if not o.off_device and lowering_kind(o, cand) is not LoweringKind.FSDP)
 
 
 def reduce_each_options(options: tuple[StateOption, ...], cand: Candidate) -> tuple[StateOption, ...]:
@@ -559,10 +559,6 @@ def stage_host_checkpoint(sc: StageCoeffs) -> list[float]:
     ok = set(stage_checkpoint_offloadable(sc))
     return [max(c.seg_ckhost[g] for c in sc.cells) if g in ok else 0.0  # type: ignore[index]
             for g in range(len(sc.seg_params))]
-
-
-def _off_device(o: StateOption) -> bool:
-    return o.param_tier is not Tier.GPU or o.optimizer_tier is not Tier.GPU
 
 
 def _node_shares(hw: Hardware, ranks) -> tuple[NodeShare, ...]:  # type: ignore[no-untyped-def]
@@ -721,8 +717,7 @@ def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: i
         loss_bytes = out * ctx.byte_scale + out / elem * LOSS_LOGPROB_BYTES
     cpu_cap = host_capacity_per_gpu(g.cpu_memory_bytes, g.gpus_per_node)
     nvme_cap = nvme_capacity_per_gpu(g.nvme_capacity_bytes, g.gpus_per_node)
-    seg_offload, seg_host = activation_offload_coefficients(g, saved=seg_saved, fwd=seg_fwd, bwd=seg_bwd,
-                                                            inflight=inflight, virtual_stages=v)
+    seg_offload, seg_host = activation_offload_coefficients(g, saved=seg_saved, inflight=inflight, virtual_stages=v)
     seg_ckoff, seg_ckhost = checkpoint_offload_coefficients(g, inputs=seg_input, inflight=inflight,
                                                             virtual_stages=v)
     return CellCoeffs(group=g, share=share, micro_batch=mb, replicas=reps,

@@ -39,6 +39,9 @@ Objective
     charging the largest chunk keeps it honest when they are not, so the ILP gains nothing from
     unbalanced chunks (the older ``(M + (S - 1)/v) T`` assumed balance and was exploited: gpt3-175b on
     1,024 A100 put one block in chunk 0 and 23 in chunk 1). See :mod:`whalepy.planner.costing`.
+    The tie-break (:func:`polish_candidate`, the winning candidate only) solves again with per-stage
+    ``Ts[s] <= T`` and ``Xs[s] <= X``, the step time held at most the one found, and minimises
+    ``sum_s (M + S - 1) Ts[s] + Xs[s]`` plus a small weight on states off the device.
 
 Constraint families (each added by the function named)
     partition (``add_partition_constraints``): one segment per boundary, ``r <= (L_g - 1) q``,
@@ -74,6 +77,7 @@ Memory is written in GiB and parameters in billions to keep the coefficients wel
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -151,6 +155,11 @@ class _Vars:
     charged on ``z``."""
     w: list[dict[int, _Var]] = field(default_factory=list)
     """Checkpointed blocks of segment g in virtual stage j whose input is in host memory (where allowed)."""
+    Ts: list[_Var] = field(default_factory=list)
+    """Per stage, its own time per micro-batch (``T`` is at least each): only in the tie-break's model
+    (:func:`polish_candidate`); empty otherwise, where the stage rows bound ``T`` directly."""
+    Xs: list[_Var] = field(default_factory=list)
+    """Per stage, its own exposed synchronisation and optimizer step (``X`` is at least each); as ``Ts``."""
 
 
 def _var(prob: _Model, name: str, lowBound: float | None = None, upBound: float | None = None,
@@ -187,7 +196,7 @@ def _add(prob: _Model, d: dict, const: float, sense: int, name: str) -> None:  #
     prob.rows.append((d, const, sense, name))
 
 
-def build_variables(prob: _Model, cc: CandidateCoeffs) -> _Vars:
+def build_variables(prob: _Model, cc: CandidateCoeffs, per_stage: bool = False) -> _Vars:
     cand = cc.candidate
     S, J, G, V = cand.num_stages, cand.num_virtual, len(cc.segments), cand.virtual_stages
     q = [[]] + [[_var(prob, f"q_{j}_{g}", cat="Binary") for g in range(G)] for j in range(1, J)]
@@ -220,6 +229,9 @@ def build_variables(prob: _Model, cc: CandidateCoeffs) -> _Vars:
         grouped = {o for f in sc.families for o in f}
         v.fam.append([(_var(prob, f"z_{s}_{i}", cat="Binary"), f) for i, f in enumerate(sc.families)]
                      + [(v.y[s][o], (o,)) for o in sc.options if o not in grouped])
+    if per_stage:
+        v.Ts = [_var(prob, f"Ts_{s}", lowBound=0) for s in range(S)]
+        v.Xs = [_var(prob, f"Xs_{s}", lowBound=0) for s in range(S)]
     return v
 
 
@@ -442,8 +454,11 @@ def add_time_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
     S, V = cc.candidate.num_stages, cc.candidate.virtual_stages
     G = len(cc.segments)
     for s, sc in enumerate(cc.stages):
+        tv = v.Ts[s] if v.Ts else v.T
+        if v.Ts:
+            _add(prob, {tv: 1.0, v.T: -1.0}, 0.0, LE, f"time_stage_{s}")
         for ci, cell in enumerate(sc.cells):
-            d: dict = {v.T: -1.0}
+            d: dict = {tv: -1.0}
             const = cell.p2p
             for g in range(G):
                 const += _acc(d, v.n[s][g], cell.seg_time[g])
@@ -459,7 +474,7 @@ def add_time_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
                 _add(prob, dd, const, LE, f"time_dp_{s}_{ci}")
             fetch = {v.Q[s][o]: cell.fetch_beta[o] * _BILLION for o in sc.options if cell.fetch_beta[o]}
             if fetch:
-                _add(prob, {**fetch, v.T: -1.0}, cell.p2p, LE, f"time_fetch_{s}_{ci}")
+                _add(prob, {**fetch, tv: -1.0}, cell.p2p, LE, f"time_fetch_{s}_{ci}")
             if v.Tc is None:
                 continue
             for k in range(V):
@@ -485,6 +500,9 @@ def add_tail_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
     dp = cc.candidate.dp
     S, V = cc.candidate.num_stages, cc.candidate.virtual_stages
     for s, sc in enumerate(cc.stages):
+        xv = v.Xs[s] if v.Xs else v.X
+        if v.Xs:
+            _add(prob, {xv: 1.0, v.X: -1.0}, 0.0, LE, f"tail_stage_{s}")
         post: dict = _once(v, s, {o: a for o, (a, _) in sc.sync.items()})
         for o in sc.options:
             b = sc.sync[o][1]
@@ -495,7 +513,7 @@ def add_tail_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
             if dp > 1:
                 for x, a in post.items():
                     d[x] = d.get(x, 0.0) + a
-            d[v.X] = -1.0
+            d[xv] = -1.0
             _add(prob, d, 0.0, LE, f"tail_opt_{s}_{ci}")
             dd = None
             if dp > 1:
@@ -601,18 +619,12 @@ def add_node_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
                 _add(prob, d, -(cap or 0.0) / GIB, LE, f"{kind}_node_{ni}")
 
 
-def solve_candidate(cc: CandidateCoeffs, *, allowed_stages: dict[int, tuple[int, int]],
-                    allow_checkpointing: bool, solver: str, time_limit_s: float,
-                    cutoff: float | None = None, allow_activation_offload: bool = True,
-                    allow_checkpoint_offload: bool = True) -> ILPResult:
-    """Build and solve the ILP of one candidate; the returned evaluation is the costing of the solution.
-
-    ``cutoff``: only solutions with a smaller objective are wanted (the incumbent of the outer search);
-    with HiGHS a candidate that cannot beat it comes back ``"no better than the incumbent"`` sooner. CBC
-    ignores it while solving."""
-    t0 = time.perf_counter()
+def _build(cc: CandidateCoeffs, *, allowed_stages: dict[int, tuple[int, int]], allow_checkpointing: bool,
+           allow_activation_offload: bool, allow_checkpoint_offload: bool,
+           per_stage: bool = False) -> tuple[_Model, _Vars]:
+    """The ILP of one candidate, its objective the predicted step time."""
     prob = _Model()
-    v = build_variables(prob, cc)
+    v = build_variables(prob, cc, per_stage)
     M, S = cc.candidate.num_microbatches, cc.candidate.num_stages
     if v.Tc is None:
         prob.objective = {v.T: float(M + S - 1), v.X: 1.0}
@@ -629,10 +641,30 @@ def solve_candidate(cc: CandidateCoeffs, *, allowed_stages: dict[int, tuple[int,
     add_tail_constraints(prob, cc, v)
     add_memory_constraints(prob, cc, v)
     add_node_constraints(prob, cc, v)
+    return prob, v
+
+
+def _run(prob: _Model, solver: str, time_limit_s: float, cutoff: float | None,
+         rel_gap: float = MIP_REL_GAP) -> tuple[str, float, float]:
     if solver == "highs":
-        status, objective, gap = _solve_highs(prob, time_limit_s, cutoff)
-    else:
-        status, objective, gap = _solve_cbc(prob, time_limit_s)
+        return _solve_highs(prob, time_limit_s, cutoff, rel_gap)
+    return _solve_cbc(prob, time_limit_s, rel_gap)
+
+
+def solve_candidate(cc: CandidateCoeffs, *, allowed_stages: dict[int, tuple[int, int]],
+                    allow_checkpointing: bool, solver: str, time_limit_s: float,
+                    cutoff: float | None = None, allow_activation_offload: bool = True,
+                    allow_checkpoint_offload: bool = True) -> ILPResult:
+    """Build and solve the ILP of one candidate; the returned evaluation is the costing of the solution.
+
+    ``cutoff``: only solutions with a smaller objective are wanted (the incumbent of the outer search);
+    with HiGHS a candidate that cannot beat it comes back ``"no better than the incumbent"`` sooner. CBC
+    ignores it while solving."""
+    t0 = time.perf_counter()
+    prob, v = _build(cc, allowed_stages=allowed_stages, allow_checkpointing=allow_checkpointing,
+                     allow_activation_offload=allow_activation_offload,
+                     allow_checkpoint_offload=allow_checkpoint_offload)
+    status, objective, gap = _run(prob, solver, time_limit_s, cutoff)
     nvars, ncons = len(prob.vars), len(prob.rows)
     elapsed = time.perf_counter() - t0
     if status in ("infeasible", "cutoff") or (cutoff is not None and objective >= cutoff):
@@ -641,6 +673,62 @@ def solve_candidate(cc: CandidateCoeffs, *, allowed_stages: dict[int, tuple[int,
     if status == "no solution":  # stopped (time limit) before finding one: nothing to read back
         return ILPResult(status, None, math.inf, math.inf, elapsed, nvars, ncons)
     return ILPResult(status, _extract(cc, v), objective, gap, elapsed, nvars, ncons)
+
+
+POLISH_REL_GAP = 1e-7
+"""Relative MIP gap of the tie-break (:func:`polish_candidate`). Its objective sums every stage's time,
+several times the step time, and the differences it separates (a stage that is not the slowest doing
+ms less work in a step of minutes) are ~1e-5 of that: :data:`MIP_REL_GAP` would stop before it sees
+them. Bounded by the tie-break's time limit instead."""
+OFFLOAD_TIE_BREAK_SHARE = 1e-5
+"""The tie-break's (:func:`polish_candidate`) weight on states kept off the device: all of the model's
+parameters off the device weigh this share of the step time, a part of them their part of it. Of plans
+whose stages are equally fast it picks the one with more states on the device (no host memory, no PCIe
+traffic the cost model calls hidden); a stage time within this share of the step may be traded for it.
+A preference, not a cost: the predicted step time is held fixed. Relative, so that it stays above the
+tie-break's MIP gap (:data:`POLISH_REL_GAP` of a sum of ``S`` stage times) at every model size."""
+
+
+def polish_candidate(cc: CandidateCoeffs, found: ILPResult, *, allowed_stages: dict[int, tuple[int, int]],
+                     allow_checkpointing: bool, solver: str, time_limit_s: float,
+                     allow_activation_offload: bool = True, allow_checkpoint_offload: bool = True) -> ILPResult:
+    """The tie-break: among the plans of ``cc`` whose step time is no worse than ``found``'s, the one whose
+    every stage is fastest (sum over stages of what each would make the step, were it the slowest),
+    then with the fewest states off the device (:data:`OFFLOAD_TIE_BREAK_SHARE`).
+
+    The step time depends only on the slowest stage and the largest tail, so the ILP is indifferent to
+    what the other stages do below them: it may offload their optimizer states or checkpoint their
+    blocks for nothing (gpt3-175b on 1,024 A100, pp 8: two stages with half their memory free stepped
+    on the CPU). Returns ``found`` where the tie-break finds nothing better in ``time_limit_s``."""
+    if found.evaluation is None:
+        return found
+    t0 = time.perf_counter()
+    prob, v = _build(cc, allowed_stages=allowed_stages, allow_checkpointing=allow_checkpointing,
+                     allow_activation_offload=allow_activation_offload,
+                     allow_checkpoint_offload=allow_checkpoint_offload, per_stage=True)
+    # the step time stays at most the one found (its objective, as the solver computed it)
+    _add(prob, dict(prob.objective), -found.objective * (1 + 1e-9), LE, "polish_step_time")
+    M, S = cc.candidate.num_microbatches, cc.candidate.num_stages
+    weight = float(M + S - 1) if v.Tc is None else float(M)
+    objective: dict = {}
+    # Q is in billions of parameters per device; the model's, per device, is the same on every stage
+    local_params = sum(p * seg.length for p, seg in zip(cc.stages[0].seg_params, cc.segments))
+    per_billion = OFFLOAD_TIE_BREAK_SHARE * found.objective * _BILLION / max(1.0, local_params)
+    for s, sc in enumerate(cc.stages):
+        objective[v.Ts[s]] = weight
+        objective[v.Xs[s]] = 1.0
+        for o in sc.options:
+            if o.off_device:
+                objective[v.Q[s][o]] = per_billion
+    prob.objective = objective
+    status, _, _ = _run(prob, solver, time_limit_s, None, POLISH_REL_GAP)
+    elapsed = time.perf_counter() - t0
+    if status not in ("optimal", "feasible"):
+        return dataclasses.replace(found, solve_time_s=found.solve_time_s + elapsed)
+    ev = _extract(cc, v)
+    if not ev.fits or ev.step_time_s > found.evaluation.step_time_s * (1 + 1e-9):
+        return dataclasses.replace(found, solve_time_s=found.solve_time_s + elapsed)
+    return dataclasses.replace(found, evaluation=ev, solve_time_s=found.solve_time_s + elapsed)
 
 
 def _extract(cc: CandidateCoeffs, v: _Vars) -> Evaluation:

@@ -38,7 +38,7 @@ from whalepy.planner.costing import (
     tp_applies,
 )
 from whalepy.planner.exhaustive import solve_exhaustive
-from whalepy.planner.ilp import MIP_REL_GAP, ILPResult, choose_solver, solve_candidate
+from whalepy.planner.ilp import MIP_REL_GAP, ILPResult, choose_solver, polish_candidate, solve_candidate
 from whalepy.planner.space import (
     Candidate,
     Hardware,
@@ -399,6 +399,13 @@ first look's job is to settle the easy candidates and find incumbents: many ILPs
 settle in under 0.1 s, and the hard ones did not settle in 0.5 s either (measured, docs/benchmarks.md)."""
 
 
+POLISH_TIME_S = 1.0
+"""Time limit of the tie-break among equally fast plans of the winning candidate
+(:func:`~whalepy.planner.ilp.polish_candidate`), within the search's own limit. It never changes the
+predicted step time, so it gets a short, fixed budget: most settle in well under 0.1 s; one that does
+not keeps the best it found, or the plan as the search left it."""
+
+
 def run_search(profile: ModelProfile, hw: Hardware, G: int, opts, *,  # type: ignore[no-untyped-def]
                progress: Callable[[str], None], force_uniform: bool = False) -> SearchResult:
     t0 = time.perf_counter()
@@ -476,6 +483,21 @@ def run_search(profile: ModelProfile, hw: Hardware, G: int, opts, *,  # type: ig
             if res.evaluation is not None and (best is None or res.evaluation.step_time_s < best[0]):
                 best = (res.evaluation.step_time_s, res.evaluation, res)
                 progress(f"  best so far {best[0]:.4g} s/step: {cand.describe(hw.groups)}")
+    remaining = opts.time_limit_s - (time.perf_counter() - t0)
+    if best is not None and solver != "exhaustive" and remaining > 0:
+        found = best[2]
+        cc = best[1].coeffs
+        t1 = time.perf_counter()
+        res = polish_candidate(cc, found, allowed_stages=allowed_stage_ranges(cc.candidate, cons),
+                               allow_checkpointing=opts.allow_checkpointing,
+                               allow_activation_offload=opts.allow_activation_offload,
+                               allow_checkpoint_offload=opts.allow_checkpoint_offload, solver=solver,
+                               time_limit_s=min(POLISH_TIME_S, remaining))
+        solved = [(c, res if r is found else r) for c, r in solved]
+        progress(f"  tie-break among plans as fast: {time.perf_counter() - t1:.2f} s"
+                 + ("" if res.evaluation is found.evaluation else ", the stages below the slowest made faster "
+                    "or their states kept on the device"))
+        best = (best[0], res.evaluation, res) if res.evaluation is not None else best
     elapsed = time.perf_counter() - t0
     progress(f"search done in {elapsed:.2f} s ({len(solved)} ILPs solved)")
     if hit_limit:

@@ -84,6 +84,11 @@ class StateOption:
     runtime lowers a stage to FSDP2 when any block offloads, :func:`~whalepy._capabilities.choose_lowering_kind`):
     only ever part of a mix (:data:`StateMix`) with an offloading option."""
 
+    @property
+    def off_device(self) -> bool:
+        """Some of the stage's states (parameters or optimizer states) live off the device."""
+        return self.param_tier is not Tier.GPU or self.optimizer_tier is not Tier.GPU
+
     def __str__(self) -> str:
         s = f"ZeRO-{int(self.zero)}"
         if self.optimizer_tier is not Tier.GPU:
