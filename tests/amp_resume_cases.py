@@ -1,6 +1,7 @@
 """Per-rank worker for the mixed-precision resume test (no tests here): a run of ``steps`` training steps
 straight through against the same run cut in half by ``pm.save``, a fresh ``parallelize`` of a
-differently initialised model and ``pm.load``.
+differently initialised model and ``pm.load``; and cut in half by ``pm.state_dict()`` handed to a
+fresh model's ``pm.load_state_dict``.
 
 What is compared, per case: the losses of every step, the whole model as ``pm.full_state_dict()``
 returns it (rank 0; under bf16 ZeRO-Offload these are the fp32 host masters) and the fp16 loss
@@ -72,7 +73,7 @@ def resume_cases(cases: list[dict[str, Any]], root: str, steps: int = 6) -> list
 
         first = _build(case, data)
         resumed = [first.train_step(x, y).item() for x, y in data[:half]]
-        at_cut = _scaler(first)
+        at_cut, cut_state = _scaler(first), first.state_dict()
         first.save(path)
         if case["precision"] == "fp16":  # the format before the scaler's state was written
             save_train_state(path + "-old", first._modules, first._optimizers()[0])
@@ -89,6 +90,13 @@ def resume_cases(cases: list[dict[str, Any]], root: str, steps: int = 6) -> list
              "off_bf16": max(((v - v.bfloat16().float()).abs().max().item() for v in got.values()
                               if v.dtype == torch.float32), default=0.0),
              "scaler": want_scaler, "scaler_resumed": _scaler(second), "scaler_at_cut": at_cut}
+        # the same resume through pm.state_dict() / pm.load_state_dict() in memory (first's tensors)
+        third = _build(case, data, scrambled=True)
+        third.load_state_dict(cut_state)
+        r["in_memory"] = [third.train_step(x, y).item() for x, y in data[half:]]
+        got = third.full_state_dict()
+        r["in_memory_err"] = max(((want[k].float() - got[k].float()).abs().max().item() for k in want), default=0.0)
+        r["scaler_in_memory"] = _scaler(third)
         if case["precision"] == "fp16":
             warned = _Records()  # what whalepy logs on this rank
             logging.getLogger("whalepy").addHandler(warned)

@@ -35,7 +35,7 @@ from whalepy.runtime._activations import (
     apply_checkpoint_offload,
 )
 from whalepy.runtime._tile_state import merge_state, split_state
-from whalepy.runtime.host_optimizer import MASTER_KEY
+from whalepy.runtime.host_optimizer import MASTER_KEY, HostStateView
 from whalepy.runtime.tiling import tiled_layout
 
 __all__ = ["apply_activation_checkpointing", "apply_activation_offload", "apply_checkpoint_offload",
@@ -105,15 +105,40 @@ def _masters_to_model(model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> dic
     return {**optim_sd, "state": out}
 
 
-def master_weights(modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """Name -> fp32 master of each parameter whose optimizer (the host optimizer's state view, or
-    None) keeps a master in another dtype than the device's: what the model's weights are."""
-    if optimizer is None:
-        return {}
+def _host_state(modules: Sequence[nn.Module], optimizers: Optimizers) -> dict[str, dict[str, Any]]:
+    """Name -> {state key: the host tensor itself, wrapped} of the host optimizer's state view among
+    ``optimizers`` (:class:`HostStateView`); ``{}`` when there is none."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    state = get_optimizer_state_dict(list(modules) if len(modules) > 1 else modules[0], optimizer)
-    return {k: v[MASTER_KEY] for k, v in state.get("state", {}).items() if MASTER_KEY in v}
+    view = next((o for o in ([optimizers] if isinstance(optimizers, torch.optim.Optimizer) else optimizers)
+                 if isinstance(o, HostStateView)), None)
+    if view is None:
+        return {}
+    return get_optimizer_state_dict(list(modules) if len(modules) > 1 else modules[0], view).get("state", {})
+
+
+def master_weights(modules: Sequence[nn.Module], optimizers: Optimizers) -> dict[str, Any]:
+    """Name -> fp32 master of each parameter that ZeRO-Offload keeps in another dtype on the device
+    (the host optimizer's state view among ``optimizers``): what the model's weights are."""
+    return {k: v[MASTER_KEY] for k, v in _host_state(modules, optimizers).items() if MASTER_KEY in v}
+
+
+def _fill_host_state(live: dict[str, dict[str, Any]], state: dict[str, Any]) -> None:
+    """Copy ``state``'s values into the host optimizer's own tensors (``live``, :func:`_host_state`):
+    ``set_state_dict`` gives an optimizer new state tensors, which the host optimizer behind its
+    state view would never see. A master comes from the model's entry. Values that already are the
+    host tensors (a DCP load fills them in place) are skipped."""
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return getattr(t, "_local_tensor", t)
+
+    with torch.no_grad():
+        for name, entries in live.items():
+            given = state["optim"].get("state", {}).get(name, {})
+            for key, dst in entries.items():
+                src = state["model"].get(name) if key == MASTER_KEY else given.get(key)
+                if isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor) and \
+                        local(dst).untyped_storage().data_ptr() != local(src).untyped_storage().data_ptr():
+                    dst.copy_(src)
 
 
 def _reshard_like(state: dict[str, Any], template: dict[str, Any]) -> dict[str, Any]:
@@ -140,6 +165,7 @@ def set_train_state(modules: Sequence[nn.Module], optimizer: Optimizers,
     template = {"model": template_model, "optim": template_optim}
     state = split_state(state, template, tiled_layout(modules))  # original names -> this plan's tiles
     state = _reshard_like(state, template)
+    _fill_host_state(_host_state(modules, optimizer), state)
     set_state_dict(list(modules) if len(modules) > 1 else modules[0], optimizer,
                    model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=StateDictOptions(strict=False))

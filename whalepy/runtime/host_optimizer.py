@@ -40,7 +40,7 @@ from torch import nn
 
 from whalepy._errors import WhalepyError
 
-__all__ = ["MASTER_KEY", "HostOptimizer"]
+__all__ = ["MASTER_KEY", "HostOptimizer", "HostStateView"]
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -65,7 +65,7 @@ def _like(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
 
-class _StateView(torch.optim.Optimizer):
+class HostStateView(torch.optim.Optimizer):
     """See :meth:`HostOptimizer.state_view`; it never steps."""
 
     def __init__(self, groups: list[dict[str, Any]]) -> None:
@@ -204,7 +204,7 @@ class HostOptimizer:
                 state[p] = {k: _like(p, v) for k, v in b.optimizer.state[m].items()}
                 if with_master:
                     state[p][MASTER_KEY] = _like(p, m)
-        view = _StateView(list(groups.values()))
+        view = HostStateView(list(groups.values()))
         view.state.update(state)
         return view
 

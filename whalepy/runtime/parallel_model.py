@@ -688,7 +688,7 @@ class ParallelModel:
         ``{}`` elsewhere, gathered one tensor at a time (to the CPU with ``cpu_offload``). Collective."""
         stage_ranks = [[r for row in s.ranks for r in row] for s in self.plan.stages]
         return gather_full_state_dict(self._modules, stage_ranks=stage_ranks, cpu_offload=cpu_offload,
-                                      masters=master_weights(self._modules, self._optimizers()[1]))
+                                      masters=master_weights(self._modules, self._optimizers()[0]))
 
     def save(self, path: str | Path) -> None:
         """Write a distributed checkpoint (DCP) directory; loadable under any plan for this model.
