@@ -202,6 +202,8 @@ RESUME_CASES = [
     dict(name="ZeRO-3 fp16", precision="fp16", dp=2, zero=3),
     dict(name="PP fp16", precision="fp16", pp=2, microbatches=2, schedule="1f1b"),
     dict(name="ZeRO-Offload z3 bf16", precision="bf16", dp=2, zero=3, extra={"optimizer_tier": "cpu"}),
+    # full_state_dict of several stages: each stage gathers its masters, rank 0 receives them
+    dict(name="PP ZeRO-Offload bf16", precision="bf16", pp=2, microbatches=2, extra={"optimizer_tier": "cpu"}),
 ]
 
 
