@@ -54,10 +54,16 @@ def _scaler(pm: Any) -> dict[str, Any]:
     return pm.amp.scaler.state_dict() if pm.amp.scaler is not None else {}
 
 
+def _err(want: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> float:
+    """Largest absolute difference (rank 0; the other ranks' full state dicts are empty)."""
+    return max(((want[k].float() - got[k].float()).abs().max().item() for k in want), default=0.0)
+
+
 def resume_cases(cases: list[dict[str, Any]], root: str, steps: int = 6) -> list[dict[str, Any]]:
     """For each case: straight vs resumed (see the module docstring). fp16 cases also load a checkpoint
     written without the scaler's state (as before checkpoints carried it): the scale stays at the
-    initial 65536 and rank 0 warns once."""
+    initial 65536 and rank 0 warns once. A case with ``load_into`` (plan fields to change) also
+    loads the checkpoint under that plan and compares the weights with those at the cut."""
     import torch.distributed as dist
 
     from whalepy.runtime.checkpointing import save_train_state
@@ -73,7 +79,7 @@ def resume_cases(cases: list[dict[str, Any]], root: str, steps: int = 6) -> list
 
         first = _build(case, data)
         resumed = [first.train_step(x, y).item() for x, y in data[:half]]
-        at_cut, cut_state = _scaler(first), first.state_dict()
+        at_cut, cut_state, cut = _scaler(first), first.state_dict(), first.full_state_dict()
         first.save(path)
         if case["precision"] == "fp16":  # the format before the scaler's state was written
             save_train_state(path + "-old", first._modules, first._optimizers()[0])
@@ -84,7 +90,7 @@ def resume_cases(cases: list[dict[str, Any]], root: str, steps: int = 6) -> list
         got = second.full_state_dict()
         r = {"name": case["name"], "precision": case["precision"], "losses": losses, "resumed": resumed,
              "keys": sorted(want) == sorted(got),
-             "param_err": max(((want[k].float() - got[k].float()).abs().max().item() for k in want), default=0.0),
+             "param_err": _err(want, got),
              "dtypes": sorted({str(v.dtype) for v in got.values()}),
              # how far the weights are from bf16 numbers: 0 if full_state_dict returned the bf16 copies
              "off_bf16": max(((v - v.bfloat16().float()).abs().max().item() for v in got.values()
@@ -95,7 +101,11 @@ def resume_cases(cases: list[dict[str, Any]], root: str, steps: int = 6) -> list
         third.load_state_dict(cut_state)
         r["in_memory"] = [third.train_step(x, y).item() for x, y in data[half:]]
         got = third.full_state_dict()
-        r["in_memory_err"] = max(((want[k].float() - got[k].float()).abs().max().item() for k in want), default=0.0)
+        r["in_memory_err"] = _err(want, got)
+        if "load_into" in case:  # under another plan the checkpoint loads the weights saved, exactly
+            other = _build({**case, **case["load_into"]}, data, scrambled=True)
+            other.load(path)
+            r["into_err"] = _err(cut, other.full_state_dict())
         r["scaler_in_memory"] = _scaler(third)
         if case["precision"] == "fp16":
             warned = _Records()  # what whalepy logs on this rank
