@@ -82,7 +82,7 @@ def resume_cases(cases: list[dict[str, Any]], root: str, steps: int = 6) -> list
         at_cut, cut_state, cut = _scaler(first), first.state_dict(), first.full_state_dict()
         first.save(path)
         if case["precision"] == "fp16":  # the format before the scaler's state was written
-            save_train_state(path + "-old", first._modules, first._optimizers()[0])
+            save_train_state(path + "-old", first._modules, first._optimizers())
         dist.barrier()
         second = _build(case, data, scrambled=True)
         second.load(path)

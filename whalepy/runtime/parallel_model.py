@@ -665,12 +665,12 @@ class ParallelModel:
     def state_dict(self) -> dict[str, Any]:
         """Model and optimizer state by original module paths (DTensors; ZeRO-Offload: the host tensors
         themselves, the fp32 masters as weights) and under fp16 the loss scaler's (``"loss_scaler"``)."""
-        return {**get_train_state(self._modules, self._optimizers()[0]), **self.amp.state_dict()}
+        return {**get_train_state(self._modules, self._optimizers()), **self.amp.state_dict()}
 
-    def _optimizers(self) -> tuple[list[torch.optim.Optimizer], Any]:
-        """The optimizers a checkpoint covers, and the host optimizer's state view (or None)."""
+    def _optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers a checkpoint covers: the device one and the host optimizer's state view."""
         view = self.host_optimizer.state_view() if self.host_optimizer is not None else None
-        return [o for o in (self.optimizer, view) if o is not None], view
+        return [o for o in (self.optimizer, view) if o is not None]
 
     def _after_load(self, state: dict[str, Any], source: str) -> None:
         self.amp.load_state_dict(state, source)
@@ -680,7 +680,7 @@ class ParallelModel:
             self.nvme.offload()  # loaded states are fresh tensors: back into their files
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_train_state(self._modules, self._optimizers()[0], state)
+        set_train_state(self._modules, self._optimizers(), state)
         self._after_load(state, "the state dict")
 
     def full_state_dict(self, cpu_offload: bool = True) -> dict[str, torch.Tensor]:
@@ -688,12 +688,12 @@ class ParallelModel:
         ``{}`` elsewhere, gathered one tensor at a time (to the CPU with ``cpu_offload``). Collective."""
         stage_ranks = [[r for row in s.ranks for r in row] for s in self.plan.stages]
         return gather_full_state_dict(self._modules, stage_ranks=stage_ranks, cpu_offload=cpu_offload,
-                                      masters=master_weights(self._modules, self._optimizers()[0]))
+                                      masters=master_weights(self._modules, self._optimizers()))
 
     def save(self, path: str | Path) -> None:
         """Write a distributed checkpoint (DCP) directory; loadable under any plan for this model.
         An HF model's config goes along as ``config.json`` (for ``whalepy export``)."""
-        save_train_state(path, self._modules, self._optimizers()[0], aliases=self._tied_aliases,
+        save_train_state(path, self._modules, self._optimizers(), aliases=self._tied_aliases,
                          extra=self.amp.state_dict())
         config, arch = self._hf_config
         if dist.get_rank() == 0 and callable(getattr(config, "to_diff_dict", None)):
@@ -702,7 +702,7 @@ class ParallelModel:
             (Path(path) / "config.json").write_text(text + "\n")
 
     def load(self, path: str | Path) -> None:
-        extra = load_train_state(path, self._modules, self._optimizers()[0], extra=self.amp.state_dict())
+        extra = load_train_state(path, self._modules, self._optimizers(), extra=self.amp.state_dict())
         self._after_load(extra, f"the checkpoint {path}")
 
     def close(self) -> None:
