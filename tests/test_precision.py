@@ -194,3 +194,51 @@ def test_low_precision_layouts_match_single_process():
             else:
                 assert 0 < r["precision_noise"] < 0.2, r  # the low precision is really in use
                 assert r["update_err"] <= 2 * r["precision_noise"], r
+
+
+# -- checkpoints resume mixed-precision runs exactly (2 gloo ranks, one launch) ----------------------
+
+RESUME_CASES = [
+    dict(name="ZeRO-3 fp16", precision="fp16", dp=2, zero=3),
+    dict(name="PP fp16", precision="fp16", pp=2, microbatches=2, schedule="1f1b"),
+    # also loaded by a plan that steps on the device (its fp32 FSDP2 shards take the masters)
+    dict(name="ZeRO-Offload z3 bf16", precision="bf16", dp=2, zero=3, extra={"optimizer_tier": "cpu"},
+         load_into={"extra": {}}),
+    # full_state_dict of several stages: each stage gathers its masters, rank 0 receives them
+    dict(name="PP ZeRO-Offload bf16", precision="bf16", pp=2, microbatches=2, extra={"optimizer_tier": "cpu"}),
+]
+
+
+@pytest.mark.distributed
+def test_mixed_precision_runs_resume_exactly(tmp_path):
+    """6 steps straight through vs 3 steps, ``pm.save``, a fresh ``parallelize`` of a differently
+    initialised model, ``pm.load``, 3 steps; and vs the same cut through ``pm.state_dict()`` and
+    ``pm.load_state_dict`` in memory (workers: ``amp_resume_cases.py``). Exact equality of
+    losses and weights, no tolerance: the resumed run repeats the same CPU arithmetic on the same
+    inputs from a bit-identical state (fp32 optimizer states and masters, the scaler's scale and
+    count), so any difference is state that was lost.
+
+    fp16 (FSDP2 and a pipeline, whose last stage scales the loss): the scaler backed off in the first
+    steps (the scale at the cut is not the initial one), and every rank resumes with the scale and
+    growth tracker of the straight run; a checkpoint without the scaler's state loads with the initial
+    scale and one warning. bf16 ZeRO-Offload: ``full_state_dict`` returns the fp32 host masters (not
+    bf16 numbers), they resume exactly, and a plan stepping on the device loads them exactly."""
+    from amp_resume_cases import resume_cases
+
+    per_rank = run_distributed(resume_cases, 2, RESUME_CASES, str(tmp_path), timeout=600)
+    for rank, results in enumerate(per_rank):
+        assert [r["name"] for r in results] == [c["name"] for c in RESUME_CASES]
+        assert [("into_err" in r) for r in results] == [("load_into" in c) for c in RESUME_CASES]
+        for r in results:
+            assert r["resumed"] == r["losses"] and r["in_memory"] == r["losses"][3:], (rank, r)
+            assert r["param_err"] == 0.0 and r["in_memory_err"] == 0.0 and r["keys"], (rank, r)
+            assert r.get("into_err", 0.0) == 0.0, (rank, r)
+            if r["precision"] == "fp16":
+                assert r["scaler_at_cut"]["scale"] < 65536.0, (rank, r)  # the setup moves the scale
+                assert r["scaler_at_cut"]["_growth_tracker"] > 0, (rank, r)
+                same = [r["scaler_resumed"], r["scaler_in_memory"], per_rank[0][results.index(r)]["scaler"]]
+                assert all(s == r["scaler"] for s in same), (rank, r)
+                assert r["old_scale"] == 65536.0, (rank, r)
+                assert len(r["old_warned"]) == (1 if rank == 0 else 0), (rank, r)
+            elif rank == 0:
+                assert r["dtypes"] == ["torch.float32"] and r["off_bf16"] > 0, r

@@ -11,20 +11,33 @@ scaling: halve on inf/nan and skip the step, double after 2000 clean steps). Wit
 (FSDP2, ZeRO) or several pipeline / tensor-parallel ranks each rank sees only part of the gradients,
 so every rank must agree on "found inf": FSDP's ``ShardedGradScaler`` all-reduces that flag over its
 process group, here the whole world, and handles CPU tensors too.
+
+The scaler's state (``GradScaler.state_dict()``: the scale, the count of clean steps since the last
+change, the growth / backoff factors and interval) goes into checkpoints under :data:`STATE_KEY`, so a
+resumed fp16 run scales as the uninterrupted one would. Every rank holds the same scaler state (the
+"found inf" flag is agreed over the world before each update), so one copy is written and every rank
+reads it back.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
+from whalepy._log import warn_once
 from whalepy.plan import Precision
 
-__all__ = ["AmpContext"]
+__all__ = ["STATE_KEY", "AmpContext"]
+
+log = logging.getLogger("whalepy.runtime")
+
+STATE_KEY = "loss_scaler"
+"""The top-level checkpoint / state-dict key of the fp16 loss scaler's state (absent in bf16 / fp32)."""
 
 
 class AmpContext:
@@ -47,6 +60,26 @@ class AmpContext:
             # the scale is created by the first scale() call; pipeline ranks without the last stage
             # never scale a loss themselves but unscale their gradients all the same
             self.scaler.scale(torch.zeros((), device=device))
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{STATE_KEY: the scaler's state}`` under fp16, ``{}`` otherwise: what a checkpoint adds."""
+        return {} if self.scaler is None else {STATE_KEY: self.scaler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any], source: str) -> None:
+        """Restore the scaler from ``state[STATE_KEY]`` (a checkpoint or state dict named ``source``).
+        Without it (a checkpoint written by a bf16 / fp32 run, or before checkpoints carried it) the
+        scaler keeps its state (a fresh run's: the initial scale), said in one warning. bf16 / fp32:
+        nothing to restore."""
+        if self.scaler is None:
+            return
+        saved = state.get(STATE_KEY)
+        if not saved:
+            warn_once(f"no-loss-scaler-{source}",
+                      "whalepy: %s holds no fp16 loss-scaler state (written by a bf16 / fp32 run or by an older "
+                      "whalepy); the loss scale stays at %g (the initial scale, in a fresh run)", source,
+                      float(self.scaler.get_scale()), log=log)
+            return
+        self.scaler.load_state_dict(saved)
 
     @contextlib.contextmanager
     def autocast(self) -> Iterator[None]:

@@ -35,11 +35,12 @@ from whalepy.runtime._activations import (
     apply_checkpoint_offload,
 )
 from whalepy.runtime._tile_state import merge_state, split_state
+from whalepy.runtime.host_optimizer import MASTER_KEY, HostStateView
 from whalepy.runtime.tiling import tiled_layout
 
 __all__ = ["apply_activation_checkpointing", "apply_activation_offload", "apply_checkpoint_offload",
            "gather_full_state_dict", "get_train_state", "load_model_state",
-           "load_train_state", "save_train_state", "set_train_state"]
+           "load_train_state", "master_weights", "save_train_state", "set_train_state"]
 
 
 Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer]
@@ -74,14 +75,70 @@ def _map_tensors(state: Any, fn: Any) -> Any:
 def get_train_state(modules: Sequence[nn.Module], optimizer: Optimizers) -> dict[str, Any]:
     """``{"model": ..., "optim": ...}`` keyed by original module paths.
 
+    A parameter that ZeRO-Offload keeps in bf16 on the device has its fp32 master (the host tensor
+    itself) as its ``model`` value, not the device copy (:func:`_masters_to_model`).
+
     DCP cannot describe ``_StridedShard`` chunks (fused projections under TP), so those tensors are
     gathered whole here; every rank of the group then holds the same full tensor and DCP writes it
     once. :func:`set_train_state` shards them back."""
     _check_optimizer(optimizer)
     model_sd, optim_sd = get_state_dict(list(modules) if len(modules) > 1 else modules[0], optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    state = {"model": model_sd, "optim": _masters_to_model(model_sd, optim_sd)}
     state = _map_tensors(state, lambda t: t.full_tensor() if _is_strided(t) else t)
     return merge_state(state, tiled_layout(modules))  # tiled linears under their original names
+
+
+def _masters_to_model(model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> dict[str, Any]:
+    """Move each fp32 master the host optimizer's state view carries (under ``MASTER_KEY``, keyed by
+    the parameter's name as ``get_state_dict`` names it) to the model state, in place of the
+    low-precision device copy: the model's weights are the masters, and a load fills the host masters
+    directly (the device copies then get them cast). The optimizer state is returned without them."""
+    state = optim_sd.get("state", {})
+    if not any(MASTER_KEY in v for v in state.values() if isinstance(v, dict)):
+        return optim_sd
+    out = {}
+    for name, entries in state.items():
+        if isinstance(entries, dict) and MASTER_KEY in entries:
+            model_sd[name] = entries[MASTER_KEY]
+            entries = {k: v for k, v in entries.items() if k != MASTER_KEY}
+        out[name] = entries
+    return {**optim_sd, "state": out}
+
+
+def _host_state(modules: Sequence[nn.Module], optimizers: Optimizers) -> dict[str, dict[str, Any]]:
+    """Name -> {state key: the host tensor itself, wrapped} of the host optimizer's state view among
+    ``optimizers`` (:class:`HostStateView`); ``{}`` when there is none."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    view = next((o for o in ([optimizers] if isinstance(optimizers, torch.optim.Optimizer) else optimizers)
+                 if isinstance(o, HostStateView)), None)
+    if view is None:
+        return {}
+    return get_optimizer_state_dict(list(modules) if len(modules) > 1 else modules[0], view).get("state", {})
+
+
+def master_weights(modules: Sequence[nn.Module], optimizers: Optimizers) -> dict[str, Any]:
+    """Name -> fp32 master of each parameter that ZeRO-Offload keeps in another dtype on the device
+    (the host optimizer's state view among ``optimizers``): what the model's weights are."""
+    return {k: v[MASTER_KEY] for k, v in _host_state(modules, optimizers).items() if MASTER_KEY in v}
+
+
+def _fill_host_state(live: dict[str, dict[str, Any]], state: dict[str, Any]) -> None:
+    """Copy ``state``'s values into the host optimizer's own tensors (``live``, :func:`_host_state`):
+    ``set_state_dict`` gives an optimizer new state tensors, which the host optimizer behind its
+    state view would never see. A master comes from the model's entry. Values that already are the
+    host tensors (a DCP load fills them in place) are skipped."""
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return getattr(t, "_local_tensor", t)
+
+    with torch.no_grad():
+        for name, entries in live.items():
+            given = state["optim"].get("state", {}).get(name, {})
+            for key, dst in entries.items():
+                src = state["model"].get(name) if key == MASTER_KEY else given.get(key)
+                if isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor) and \
+                        local(dst).untyped_storage().data_ptr() != local(src).untyped_storage().data_ptr():
+                    dst.copy_(src)
 
 
 def _reshard_like(state: dict[str, Any], template: dict[str, Any]) -> dict[str, Any]:
@@ -108,6 +165,7 @@ def set_train_state(modules: Sequence[nn.Module], optimizer: Optimizers,
     template = {"model": template_model, "optim": template_optim}
     state = split_state(state, template, tiled_layout(modules))  # original names -> this plan's tiles
     state = _reshard_like(state, template)
+    _fill_host_state(_host_state(modules, optimizer), state)
     set_state_dict(list(modules) if len(modules) > 1 else modules[0], optimizer,
                    model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=StateDictOptions(strict=False))
@@ -140,8 +198,11 @@ def _add_aliases(state: dict[str, Any], aliases: Sequence[Sequence[str]]) -> dic
 
 def save_train_state(path: str | Path, modules: Sequence[nn.Module],
                      optimizer: Optimizers,
-                     aliases: Sequence[Sequence[str]] = ()) -> None:
+                     aliases: Sequence[Sequence[str]] = (), extra: dict[str, Any] | None = None) -> None:
+    """Write model and optimizer state, plus ``extra`` top-level entries (the fp16 loss scaler's
+    state: Python numbers, which DCP writes once, from one rank), as a DCP directory."""
     state = get_train_state(modules, optimizer)
+    state.update(extra or {})
     dcp.save(_add_aliases(state, list(aliases) + tied_aliases(modules)), checkpoint_id=str(path))
 
 
@@ -164,17 +225,25 @@ def check_checkpoint_fits(path: str | Path, model_state: dict[str, Any]) -> None
 
 
 def load_train_state(path: str | Path, modules: Sequence[nn.Module],
-                     optimizer: Optimizers) -> None:
+                     optimizer: Optimizers, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Fill model and optimizer state from ``path`` (written under any plan). ``extra``: top-level
+    entries to read as well, shaped as they were saved; returns those the checkpoint holds (every
+    rank reads the same copy), leaving out the ones it lacks (older checkpoints)."""
     # the template carries this plan's shardings; DCP fills it from whatever plan wrote the files
     state = get_train_state(modules, optimizer)
     own = [list(g["params"]) for g in state["optim"].get("param_groups", [])]
     check_checkpoint_fits(path, state["model"])
+    if extra:
+        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        extra = {k: v for k, v in extra.items() if any(n == k or n.startswith(f"{k}.") for n in saved)}
+        state.update(extra)
     dcp.load(state, checkpoint_id=str(path))
     # each param group's list of parameter names is one object in the files, written by one rank;
     # under another plan (other pipeline stages, layers delinked) this rank's names are its own
     for group, names in zip(state["optim"].get("param_groups", []), own):
         group["params"] = names
     set_train_state(modules, optimizer, state)
+    return {k: state[k] for k in extra or {}}
 
 
 def _model_state(modules: Sequence[nn.Module]) -> dict[str, Any]:
@@ -206,24 +275,34 @@ def load_model_state(path: str | Path, modules: Sequence[nn.Module]) -> None:
 
 
 def gather_full_state_dict(modules: Sequence[nn.Module], *, stage_ranks: Sequence[Sequence[int]],
-                           cpu_offload: bool = True) -> dict[str, torch.Tensor]:
+                           cpu_offload: bool = True,
+                           masters: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
     """The full (unsharded) model state dict, original names, on global rank 0; ``{}`` elsewhere.
 
     ``stage_ranks[s]`` lists the ranks of physical pipeline stage ``s`` (its first one sends). One
     stage: ``get_model_state_dict``'s own ``full_state_dict`` + ``cpu_offload`` gather (tensor by
     tensor, kept on rank 0 only). Several: each stage gathers its tensors one at a time inside its
-    own mesh (``DTensor.full_tensor``) and its first rank sends each to rank 0."""
+    own mesh (``DTensor.full_tensor``) and its first rank sends each to rank 0. ``masters``
+    (:func:`master_weights`, the same names on every rank of a stage) replace the device copies
+    of those parameters."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     rank = dist.get_rank()
+    masters = masters or {}
     if len(stage_ranks) == 1:
         out: dict[str, torch.Tensor] = {}
         for m in modules:
             out.update(get_model_state_dict(
                 m, options=StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)))
+        for key in sorted(masters):  # the same order on every rank: each gather is collective
+            value = _on_mesh_device(masters[key])
+            value = value.full_tensor() if isinstance(value, DTensor) else value
+            if rank == 0:
+                out[key] = value.cpu() if cpu_offload else value
         return merge_state(out, tiled_layout(modules)) if rank == 0 else {}
     local = _model_state(modules)
+    local.update({k: _on_mesh_device(v) for k, v in masters.items()})
     meta = {k: (tuple(v.shape), v.dtype) for k, v in local.items()}
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (meta, tiled_layout(modules)))
@@ -249,6 +328,17 @@ def gather_full_state_dict(modules: Sequence[nn.Module], *, stage_ranks: Sequenc
                 dist.recv(buf, src=leader)
                 out[key] = buf.cpu() if cpu_offload else buf
     return merge_state(out, layout) if rank == 0 else {}  # tiles gathered one at a time, joined here
+
+
+def _on_mesh_device(t: torch.Tensor) -> torch.Tensor:
+    """A host master (a DTensor over the device's mesh with a host local tensor) with its local tensor
+    on the mesh's device type, so collectives over that mesh can gather it."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor) or t._local_tensor.device.type == t.device_mesh.device_type:
+        return t
+    return DTensor.from_local(t._local_tensor.to(t.device_mesh.device_type), t.device_mesh, t.placements,
+                              run_check=False, shape=t.shape, stride=t.stride())
 
 
 def _device_of(state: dict[str, Any]) -> torch.device:

@@ -40,7 +40,7 @@ from torch import nn
 
 from whalepy._errors import WhalepyError
 
-__all__ = ["MASTER_KEY", "HostOptimizer"]
+__all__ = ["MASTER_KEY", "HostOptimizer", "HostStateView"]
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -52,8 +52,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 MASTER_KEY = "whalepy_fp32_master"
-"""The optimizer-state key under which checkpoints carry a ZeRO-Offload parameter's fp32 master when the
-device keeps the parameter in another dtype."""
+"""The key under which :meth:`HostOptimizer.state_view` carries a ZeRO-Offload parameter's fp32 master
+when the device keeps the parameter in another dtype (checkpoints hold it as the parameter's weight)."""
 
 
 def _like(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -65,7 +65,7 @@ def _like(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
 
-class _StateView(torch.optim.Optimizer):
+class HostStateView(torch.optim.Optimizer):
     """See :meth:`HostOptimizer.state_view`; it never steps."""
 
     def __init__(self, groups: list[dict[str, Any]]) -> None:
@@ -180,8 +180,9 @@ class HostOptimizer:
     def state_view(self) -> torch.optim.Optimizer:
         """A ``torch.optim.Optimizer`` over the device parameters whose state IS the host state: each
         host tensor wrapped (not copied) as a DTensor laid out like its device shard, plus, where the
-        device keeps another dtype (bf16), the fp32 master under :data:`MASTER_KEY`. DCP's
-        ``get_state_dict`` / ``set_state_dict`` and ``dcp.save`` / ``dcp.load`` take it like any
+        device keeps another dtype (bf16), the fp32 master under :data:`MASTER_KEY` (which
+        ``checkpointing.get_train_state`` moves to the model's state: the masters are the weights).
+        DCP's ``get_state_dict`` / ``set_state_dict`` and ``dcp.save`` / ``dcp.load`` take it like any
         optimizer, so a checkpoint holds the host optimizer's states under the parameters' names and a
         load fills the host tensors in place. Call :meth:`after_load` once a load is done. States not
         created yet are created first, as DCP does (a step with zero gradients at learning rate 0)."""
@@ -203,17 +204,19 @@ class HostOptimizer:
                 state[p] = {k: _like(p, v) for k, v in b.optimizer.state[m].items()}
                 if with_master:
                     state[p][MASTER_KEY] = _like(p, m)
-        view = _StateView(list(groups.values()))
+        view = HostStateView(list(groups.values()))
         view.state.update(state)
         return view
 
-    def after_load(self, view: torch.optim.Optimizer) -> None:
-        """After a checkpoint load through :meth:`state_view`'s ``view``: masters that the checkpoint
-        did not carry (fp32 device parameters are the masters) are taken from the device parameters."""
+    def after_load(self) -> None:
+        """After a checkpoint load through :meth:`state_view`: fp32 device parameters are their own
+        masters, so those masters are taken from the loaded device parameters. A low-precision device
+        parameter's master is its weight in the checkpoint (``checkpointing.get_train_state`` moves
+        :data:`MASTER_KEY` there), loaded into the host tensor itself, and is left alone."""
         with torch.no_grad():
             for b in self.blocks:
                 for m, p in zip(b.masters, b.params):
-                    if MASTER_KEY not in view.state.get(p, {}):
+                    if p.dtype == m.dtype:
                         m.copy_(_local(p.detach()))
 
     def _init_states(self) -> None:

@@ -50,6 +50,7 @@ from whalepy.runtime.checkpointing import (
     gather_full_state_dict,
     get_train_state,
     load_train_state,
+    master_weights,
     save_train_state,
     set_train_state,
 )
@@ -489,7 +490,6 @@ class ParallelModel:
             found = {id(p): p for i, g in enumerate(self.stage_indices) for k, name in holders if k == g
                      for p in [self._modules[i].get_parameter(name)]}
             self._tied.append((list(found.values()), group))
-        params = list({id(p): p for mod in self._modules for p in mod.parameters()}.values())
         # ZeRO-Offload blocks: their optimizer steps on the host during backward (after materialising,
         # so the hooks sit on the final shards); parameters tied across pipeline stages stay with the
         # device optimizer, their gradients are summed over the stages only after the backward
@@ -502,11 +502,12 @@ class ParallelModel:
                 optimizer_factory, [(b.name, [p for mod in mods for p in mod.parameters() if id(p) not in tied])
                                     for b, mods in host_blocks], device,
                 cast=(lambda ps: cast_sharded_params(modules, ps, low)) if low is not None else None)
-            on_host = {id(p) for p in self.host_optimizer.params}
-            params = [p for p in params if id(p) not in on_host]
             info_once("zero-offload",
                       "whalepy: the optimizer of %d blocks steps on the host during backward (ZeRO-Offload)",
                       len(self.host_optimizer.blocks), log=log)
+        # read after the host optimizer, which under bf16 replaces its parameters on the modules by cast ones
+        on_host = {id(p) for p in self.host_optimizer.params} if self.host_optimizer is not None else set()
+        params = list({id(p): p for mod in self._modules for p in mod.parameters() if id(p) not in on_host}.values())
         self.optimizer = (build_optimizer(optimizer_factory, params, kind=self.dp_kind, dp_mesh=m.dp_mesh)
                           if params or self.host_optimizer is None else None)
         # the disk tier (after TP / FSDP2 and materialisation, so its files hold this rank's shards)
@@ -662,37 +663,38 @@ class ParallelModel:
                               pp_group=self.meshes.pp_group if self.plan.pp_degree > 1 else None, tied=tied)
 
     def state_dict(self) -> dict[str, Any]:
-        """Model and optimizer state keyed by the original module paths (DTensor values). ZeRO-Offload
-        blocks' optimizer states are the host tensors themselves (``HostOptimizer.state_view``)."""
-        return get_train_state(self._modules, self._optimizers()[0])
+        """Model and optimizer state by original module paths (DTensors; ZeRO-Offload: the host tensors
+        themselves, the fp32 masters as weights) and under fp16 the loss scaler's (``"loss_scaler"``)."""
+        return {**get_train_state(self._modules, self._optimizers()), **self.amp.state_dict()}
 
-    def _optimizers(self) -> tuple[list[torch.optim.Optimizer], Any]:
-        """The optimizers a checkpoint covers, and the host optimizer's state view (or None)."""
+    def _optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers a checkpoint covers: the device one and the host optimizer's state view."""
         view = self.host_optimizer.state_view() if self.host_optimizer is not None else None
-        return [o for o in (self.optimizer, view) if o is not None], view
+        return [o for o in (self.optimizer, view) if o is not None]
 
-    def _after_load(self, view: Any) -> None:
-        if view is not None:
-            self.host_optimizer.after_load(view)  # type: ignore[union-attr]
+    def _after_load(self, state: dict[str, Any], source: str) -> None:
+        self.amp.load_state_dict(state, source)
+        if self.host_optimizer is not None:
+            self.host_optimizer.after_load()
         if self.nvme is not None:
             self.nvme.offload()  # loaded states are fresh tensors: back into their files
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        optimizers, view = self._optimizers()
-        set_train_state(self._modules, optimizers, state)
-        self._after_load(view)
+        set_train_state(self._modules, self._optimizers(), state)
+        self._after_load(state, "the state dict")
 
     def full_state_dict(self, cpu_offload: bool = True) -> dict[str, torch.Tensor]:
-        """The whole model's state dict, unsharded and under the original names, on rank 0 (``{}`` on
-        the other ranks), gathered one tensor at a time (to the CPU with ``cpu_offload``). Collective:
-        every rank calls it."""
+        """The whole model's unsharded state dict (original names; ZeRO-Offload's fp32 masters) on rank 0,
+        ``{}`` elsewhere, gathered one tensor at a time (to the CPU with ``cpu_offload``). Collective."""
         stage_ranks = [[r for row in s.ranks for r in row] for s in self.plan.stages]
-        return gather_full_state_dict(self._modules, stage_ranks=stage_ranks, cpu_offload=cpu_offload)
+        return gather_full_state_dict(self._modules, stage_ranks=stage_ranks, cpu_offload=cpu_offload,
+                                      masters=master_weights(self._modules, self._optimizers()))
 
     def save(self, path: str | Path) -> None:
         """Write a distributed checkpoint (DCP) directory; loadable under any plan for this model.
         An HF model's config goes along as ``config.json`` (for ``whalepy export``)."""
-        save_train_state(path, self._modules, self._optimizers()[0], aliases=self._tied_aliases)
+        save_train_state(path, self._modules, self._optimizers(), aliases=self._tied_aliases,
+                         extra=self.amp.state_dict())
         config, arch = self._hf_config
         if dist.get_rank() == 0 and callable(getattr(config, "to_diff_dict", None)):
             # as save_pretrained writes it: with the model class, which from_pretrained needs
@@ -700,9 +702,8 @@ class ParallelModel:
             (Path(path) / "config.json").write_text(text + "\n")
 
     def load(self, path: str | Path) -> None:
-        optimizers, view = self._optimizers()
-        load_train_state(path, self._modules, optimizers)
-        self._after_load(view)
+        extra = load_train_state(path, self._modules, self._optimizers(), extra=self.amp.state_dict())
+        self._after_load(extra, f"the checkpoint {path}")
 
     def close(self) -> None:
         """Finish the disk tier's writes and remove its files (kept with ``nvme_keep``)."""
