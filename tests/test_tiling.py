@@ -91,6 +91,20 @@ def test_tied_or_unusual_embeddings_are_not_tiled():
     assert untied.linear_rows == ((64, 32), (16, 32)) and block_tiles(untied, 4) == 4
     # the embedding's largest tile: ceil(64 / 3) = 22 rows of 32
     assert unit_params(untied, 3) == 22 * 32
+    # what the runtime makes of a plan: the tied block refused before any lowering; a module of fewer
+    # rows than the tiles (the 16 positions under tiles=20) split into one-row tiles
+    from tiling_cases import tiled_plan
+    from whalepy._errors import PlanError
+    from whalepy.runtime.tiling import plan_tiling
+
+    def modules(kind: str) -> dict:
+        return {b.name: b.modules for b in case_profile(kind, 2).blocks}
+
+    with pytest.raises(PlanError, match="block 'embed': tiles=2 on a block that shares a parameter"):
+        plan_tiling(tied, tiled_plan(Case("tied", kind="hf_tied", dp=2, zero=3), 2), modules("hf_tied"))
+    tiling = plan_tiling(build_model("gpt", 2), tiled_plan(Z3, 20), modules("gpt"))
+    assert tiling["embed"] == {"transformer.wte": 20, "transformer.wpe": 16}
+    assert set(tiling["transformer.h.0"].values()) == {20}
     odd = torch.nn.ModuleDict({"a": torch.nn.Embedding(8, 4, max_norm=1.0), "b": torch.nn.Embedding(8, 4, sparse=True),
                                "c": torch.nn.Embedding(8, 4, scale_grad_by_freq=True), "d": torch.nn.Embedding(8, 4)})
     assert [n for n, _ in tileable_modules(odd, [""])] == ["d"]

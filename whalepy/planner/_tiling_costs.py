@@ -67,8 +67,7 @@ def tiled_options(options: Sequence[StateOption], blocks: Sequence[BlockProfile]
     variant with the fewest tiles (power of two, at most ``MAX_TILES``) whose tiled blocks' FSDP2
     working set (``working_bytes(unit_params)``, bytes) is at most ``TILED_WORKING_SHARE`` of
     ``capacity_bytes`` (or whose tiles are no larger than the largest unit tiling leaves whole), when
-    the untiled one is above it. Never more tiles than the smallest tiled module has rows (the runtime
-    refuses that, :func:`whalepy.runtime.tiling.check_tiles`)."""
+    the untiled one is above it."""
     tileable = [b for b in blocks if block_tiles(b, 2) > 1]
     if not tileable or capacity_bytes <= 0:
         return tuple(options)
@@ -78,15 +77,14 @@ def tiled_options(options: Sequence[StateOption], blocks: Sequence[BlockProfile]
     tiled = {id(b) for b in tileable}
     floor = max([float(b.num_params) for b in blocks if id(b) not in tiled]
                 + [float(b.num_params - b.linear_params) for b in tileable], default=0.0)
-    most = min([MAX_TILES] + [rows for b in tileable for rows, _ in b.linear_rows])
     out = list(options)
     for o in options:
-        if o.tiles != 1 or o.zero is not ZeroStage.PARAMETERS or tiling_error(2, zero=o.zero, tp=tp) or most < 2:
+        if o.tiles != 1 or o.zero is not ZeroStage.PARAMETERS or tiling_error(2, zero=o.zero, tp=tp):
             continue
         if working_bytes(max(unit_params(b, 1) for b in tileable)) <= budget:
             continue
         t = 2
-        while (2 * t <= most and working_bytes(max(unit_params(b, t) for b in tileable)) > budget
+        while (t < MAX_TILES and working_bytes(max(unit_params(b, t) for b in tileable)) > budget
                and max(unit_params(b, t) for b in tileable) > floor):
             t *= 2
         variant = dataclasses.replace(o, tiles=t)

@@ -228,7 +228,7 @@ def parallelize(
     device_type = _init_process_group(cluster_spec)
     rank = dist.get_rank()
     check_world(plan)
-    check_tiles(plan, {})  # memory-centric tiling only where it is lowered, before profiling
+    check_tiles(plan)  # memory-centric tiling only where it is lowered, before profiling
     _check_device(plan, cluster_spec, rank)
     if plan.model_fingerprint != "unchecked":
         profile = profile if profile is not None else _profile_or_none(model, example_inputs, plan)

@@ -38,8 +38,8 @@ from torch import nn
 from whalepy._tiling import tile_rows
 from whalepy._errors import PlanError
 
-__all__ = ["TiledEmbedding", "TiledLinear", "check_tiles", "plan_tiling", "tile_model", "tile_modules", "tile_origins",
-           "tile_rows", "tiled_layout"]
+__all__ = ["TiledEmbedding", "TiledLinear", "check_tiles", "plan_tiling", "tile_model", "tile_modules",
+           "tile_origins", "tile_rows", "tiled_layout"]
 
 _PARAMS = ("weight", "bias")
 
@@ -124,11 +124,10 @@ def _split_linear(lin: nn.Linear, tiles: int) -> TiledLinear:
     return out
 
 
-def check_tiles(plan: Any, modules: dict[str, list[tuple[str, int]]], shared: Collection[str] = ()) -> None:
+def check_tiles(plan: Any, shared: Collection[str] = ()) -> None:
     """:class:`PlanError` for a block whose ``tiles`` the runtime does not lower
-    (:func:`whalepy._capabilities.tiling_error`) or that exceed a module's rows; before any lowering.
-    ``modules``: block name -> ``(module path, rows)`` of its tileable modules; ``shared``: the blocks
-    that share a parameter with another block (a tied weight)."""
+    (:func:`whalepy._capabilities.tiling_error`), before any lowering; ``shared``: the blocks that
+    share a parameter with another block (a tied weight)."""
     from whalepy._capabilities import tiling_error
 
     for st in plan.stages:
@@ -136,32 +135,22 @@ def check_tiles(plan: Any, modules: dict[str, list[tuple[str, int]]], shared: Co
             reason = tiling_error(b.tiles, zero=st.zero_stage, tp=st.tp_degree, shares_params=b.name in shared)
             if reason is not None:
                 raise PlanError(f"block {b.name!r}: {reason}")
-            for path, rows in modules.get(b.name, []):
-                if b.tiles > rows:
-                    raise PlanError(f"block {b.name!r}: tiles={b.tiles} exceeds the {rows} rows (output features "
-                                    f"or vocabulary) of {path}; use tiles <= {rows}")
 
 
 def plan_tiling(model: nn.Module, plan: Any, block_modules: dict[str, Sequence[str]]) -> dict[str, dict[str, int]]:
     """Block name -> {module path: tiles} for every tiled block of ``plan`` (checked with
     :func:`check_tiles`): :func:`whalepy._tiling.tileable_modules` of the whole model, before any
-    pipeline split (so a tie across stages is seen), exactly what the profile sized."""
+    pipeline split (so a tie across stages is seen), exactly what the profile sized. A module with
+    fewer rows than the block's ``tiles`` gets one tile per row (a tile is at least a row: the
+    planner's ``ceil(rows / tiles)`` rows per tile is one then too)."""
     from whalepy._tiling import tileable_modules
     from whalepy.passes.profile import shares_params
 
-    found: dict[str, list[tuple[str, int]]] = {}
-    shared: set[str] = set()
-    out: dict[str, dict[str, int]] = {}
-    for st in plan.stages:
-        for b in st.blocks:
-            if b.tiles > 1:
-                mods = tileable_modules(model, block_modules[b.name])
-                found[b.name] = [(n, _rows(m)) for n, m in mods]
-                out[b.name] = {n: b.tiles for n, _ in mods}
-                if shares_params(model, tuple(block_modules[b.name])):
-                    shared.add(b.name)
-    check_tiles(plan, found, shared)
-    return out
+    shared = {b.name for st in plan.stages for b in st.blocks
+              if b.tiles > 1 and shares_params(model, tuple(block_modules[b.name]))}
+    check_tiles(plan, shared)
+    return {b.name: {n: min(b.tiles, _rows(m)) for n, m in tileable_modules(model, block_modules[b.name])}
+            for st in plan.stages for b in st.blocks if b.tiles > 1}
 
 
 def tile_model(root: nn.Module, tiling: dict[str, int]) -> int:
