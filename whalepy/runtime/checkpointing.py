@@ -6,9 +6,9 @@ State dicts go through ``torch.distributed.checkpoint.state_dict.get_state_dict`
 stages keep the original names), values are DTensors sharded as this plan shards them, and
 ``torch.distributed.checkpoint`` (DCP) re-shards on load. So a checkpoint written under one plan
 (DP x TP) loads under another (PP x DP) on the same number or a different number of ranks. A tiled
-linear or embedding (``BlockPlan.tiles``) keeps its original name and shape too: :mod:`whalepy.runtime._tile_state` merges
-its tiles' entries into one (``merge_state``) and splits them back on load (``split_state``), so
-checkpoints move between tiled and untiled plans.
+linear or embedding (``BlockPlan.tiles``) keeps its original name and shape too:
+:mod:`whalepy.runtime._tile_state` merges its tiles' entries into one (``merge_state``) and splits
+them back on load (``split_state``), so checkpoints move between tiled and untiled plans.
 """
 
 from __future__ import annotations

@@ -98,7 +98,8 @@ def _split_embedding(emb: nn.Embedding, tiles: int) -> TiledEmbedding:
     parts, start = [], 0
     for w in torch.split(emb.weight.detach(), tile_rows(emb.num_embeddings, tiles)):
         n = w.shape[0]
-        pad = emb.padding_idx - start if emb.padding_idx is not None and start <= emb.padding_idx < start + n else None
+        inside = emb.padding_idx is not None and start <= emb.padding_idx < start + n
+        pad = emb.padding_idx - start if inside else None
         t = nn.Embedding(n, emb.embedding_dim, padding_idx=pad, device="meta", dtype=w.dtype)
         t.weight = nn.Parameter(w.clone(), requires_grad=emb.weight.requires_grad)
         parts.append(t)
