@@ -29,8 +29,9 @@ def _reference(case: Case, steps: int) -> Any:
 
 
 def tiled_plan(case: Case, tiles: int, **fields: Any) -> Any:
-    """``case``'s plan with ``tiles`` on every block that has linears (as the planner would tile them)
-    and the other ``fields`` on every block (``dataclasses.replace`` of the BlockPlans)."""
+    """``case``'s plan with ``tiles`` on every block with linears or embeddings (tied ones too: the
+    runtime refuses those) and the other ``fields`` on every block (``dataclasses.replace`` of the
+    BlockPlans)."""
     plan = make_case_plan(case)
     prof = case_profile(case.kind, case.num_layers)
     has = {b.name for b in prof.blocks if b.largest_linear_params}
