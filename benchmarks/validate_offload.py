@@ -16,13 +16,13 @@ A success that needs a tier pair the runtime does not lower (``state_option_erro
 
 from __future__ import annotations
 
-import math
 import sys
 from dataclasses import dataclass
 
 from whalepy._errors import InfeasibleError
 from whalepy.cluster import ClusterSpec, NodeGroup, NvmeSpec
 from whalepy.cost_models.devices import GIB
+from whalepy.planner._tiling_costs import MAX_TILES
 from whalepy.planner.synthetic import transformer_profile
 
 DGX2_HOST_BYTES = 1536 * GIB
@@ -181,10 +181,9 @@ def _lean_margin(case: Case) -> tuple[float, str, str]:
     cfg = dict(dp=W, zero_stage=3, checkpoint=True, offload=offload, offload_params=offload == "nvme",
                checkpoint_offload=case.host_bytes is not None)
     prof = profile_of(case.model)
-    # tiles: as many as take the layers' working set down to the embedding's (the largest untileable unit)
-    layer = max(prof.blocks, key=lambda b: b.largest_linear_params)
-    cfg["tiles"] = max(1, min(64, 2 ** max(0, math.ceil(math.log2(layer.largest_linear_params
-                                                                  / max(1, prof.blocks[0].num_params))))))
+    # tiles: the most the planner offers (the embedding and the head tile like the layers' linears, so
+    # the largest unit tiling leaves whole is a layer's norms: every doubling shrinks the working set)
+    cfg["tiles"] = MAX_TILES
     est = estimate_from_profile(prof, cluster_of(case), cfg, global_batch=W)
     m = min(_node_margins(est.plan, cluster_of(case)))
     what = "ZeRO-3 over all GPUs, all blocks checkpointed" + (" (inputs in host memory)" if cfg["checkpoint_offload"]

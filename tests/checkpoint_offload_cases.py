@@ -93,8 +93,9 @@ def with_blocks(plan: Any, **fields: Any) -> Any:
 
 
 def _plan(case: Case, fields: dict[str, Any], tiles: int, sequence_parallel: bool) -> tuple[Any, Any]:
-    """``case``'s plan with ``fields`` on every block, ``tiles`` on every block with linears, and with
-    sequence parallelism (the pattern pass's SEQUENCE rules); and the profile it was made from."""
+    """``case``'s plan with ``fields`` on every block, ``tiles`` on every block with linears or
+    embeddings, and with sequence parallelism (the pattern pass's SEQUENCE rules); and the profile it
+    was made from."""
     import whalepy
     from runtime_cases import SEQ, profile_tp_rules
     from tiling_cases import tiled_plan

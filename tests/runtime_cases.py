@@ -17,6 +17,7 @@ from whalepy.plan import TPRule
 
 SEQ = 16
 VOCAB = 64
+PAD = 30
 
 
 def gpt_model(num_layers: int = 2) -> GPT:
@@ -90,10 +91,14 @@ def adamw(params):
 
 
 def build_model(kind: str, num_layers: int = 2) -> torch.nn.Module:
-    """``kind``: "gpt" (whalepy.models), "hf" (HF GPT-2, untied), "hf_tied" (HF GPT-2 with its
-    default tie_word_embeddings=True), "llama" (HF Llama, GQA)."""
+    """``kind``: "gpt" (whalepy.models), "gpt_pad" (it with a ``padding_idx``), "hf" (HF GPT-2, untied),
+    "hf_tied" (HF GPT-2 with its default tie_word_embeddings=True), "llama" (HF Llama, GQA)."""
     if kind == "gpt":
         return gpt_model(num_layers)
+    if kind == "gpt_pad":  # the GPT with a padding token: its row gets no gradient
+        model = gpt_model(num_layers)
+        model.transformer.wte.padding_idx = PAD
+        return model
     if kind == "llama":
         return llama_model(num_layers)
     return hf_gpt2_model(num_layers, tied=kind == "hf_tied")

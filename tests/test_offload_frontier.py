@@ -16,17 +16,13 @@ from whalepy._capabilities import state_option_error  # noqa: E402
 from whalepy._plan_format import _t  # noqa: E402
 
 
-KNOWN_GAPS = {
-    "32T on 512 V100-32GB (32 DGX-2) with NVMe": "activation checkpoints",
-}
-"""Published successes the planner calls infeasible, and why. ZeRO-Infinity's 32T on 512 V100 (our
-shape: 620 layers of hidden 65536, one sample per GPU): every layer's checkpointed input (1024 x 65536 x
-2 bytes) makes 82 GiB per GPU. With the checkpoints in host memory (``BlockPlan.checkpoint_offload``,
-ZeRO-Infinity sec. 5.1.2) the device is still 17% short (the untileable embedding's FSDP2 working set)
-and the DGX-2's host memory 1% short (16 x 77.6 GiB, nearly all checkpoints, against 80% of 1.5 TB).
-ZeRO-Infinity also partitions activation checkpoints across its model-parallel ranks; whalepy has no
-sequence-parallel rules for this synthetic profile. The test keeps the row failing on purpose, on GPU
-memory: when it holds, this list must shrink (docs/cost_model.md shows it as WRONG)."""
+KNOWN_GAPS: dict[str, str] = {}
+"""Published successes the planner calls infeasible, and why (none today). ZeRO-Infinity's 32T on 512
+V100 (620 layers of hidden 65536, one sample per GPU) was one until the embedding became tileable: its
+checkpointed inputs go to host memory (``BlockPlan.checkpoint_offload``, ZeRO-Infinity sec. 5.1.2) and,
+with the 3.3B-parameter token embedding tiled like the layers' linears (sec. 5.1.3), the FSDP2 working
+set no longer fills the device. A row listed here must fail on GPU memory; when it holds, the list must
+shrink (docs/cost_model.md shows such a row as WRONG)."""
 
 
 def test_capacity_frontier_holds() -> None:

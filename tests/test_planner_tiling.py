@@ -8,13 +8,13 @@ import dataclasses
 
 import pytest
 
-from whalepy._errors import PlanError
+from whalepy._errors import InfeasibleError, PlanError
 from whalepy.cost_models.devices import CATALOG
 from whalepy.cost_models.memory import estimate_fsdp_working_bytes
 from whalepy.estimate import estimate_from_profile
 from whalepy.plan import Plan, ZeroStage
 from whalepy.planner import plan_from_profile
-from whalepy.planner._tiling_costs import TILED_WORKING_SHARE, tiled_options, unit_params
+from whalepy.planner._tiling_costs import TILED_WORKING_SHARE, block_tiles, tiled_options, unit_params
 from whalepy.planner.space import StateOption
 from whalepy.planner.synthetic import transformer_profile
 
@@ -38,7 +38,13 @@ def test_unit_is_the_largest_tile_or_what_the_block_keeps() -> None:
     assert unit_params(layer, 4) == pytest.approx(h * h)
     # tiled to nothing, a layer's unit is what is not in its linears (norms, biases)
     assert unit_params(layer, 10**9) == layer.num_params - layer.linear_params
-    assert unit_params(embed, 8) == embed.num_params  # no linears: never tiled
+    # the embedding's rows (the vocabulary, 32000, and the 1024 positions) split like a linear's
+    assert embed.linear_rows == ((32000, h), (1024, h)) and embed.linear_params == embed.num_params
+    assert unit_params(embed, 8) == 4000 * h
+    assert unit_params(embed, 10**9) == h  # one row: an embedding block keeps nothing of its own
+    # a tied embedding (its block shares the weight with the head) is never tiled: the runtime refuses
+    tied = dataclasses.replace(embed, shares_params=True)
+    assert unit_params(tied, 8) == tied.num_params and block_tiles(tied, 8) == 1 and block_tiles(embed, 8) == 8
 
 
 def test_tiled_variant_only_where_the_working_set_is_large() -> None:
@@ -52,8 +58,8 @@ def test_tiled_variant_only_where_the_working_set_is_large() -> None:
     t = big[2].tiles
     assert big[2] == dataclasses.replace(z3, tiles=t) and t > 1
     # the fewest tiles: the working set with half as many is above the share, or tiles reached the
-    # embedding (the largest unit tiling leaves whole)
-    floor = PROF.blocks[0].num_params
+    # largest unit tiling leaves whole (a layer's norms and biases: the embedding is tiled too)
+    floor = max(b.num_params - b.linear_params for b in PROF.blocks)
     assert work(unit_params(PROF.blocks[1], t)) <= TILED_WORKING_SHARE * untiled or unit_params(PROF.blocks[1], t) <= floor
     assert work(unit_params(PROF.blocks[1], t // 2)) > TILED_WORKING_SHARE * untiled
     assert unit_params(PROF.blocks[1], t // 2) > floor
@@ -67,8 +73,7 @@ def test_planner_tiles_when_the_block_working_set_does_not_fit() -> None:
     (stage,) = plan.stages
     assert stage.zero_stage is ZeroStage.PARAMETERS and stage.tp_degree == 1
     tiles = [b.tiles for b in stage.blocks]
-    assert tiles[0] == 1 and min(tiles[1:]) > 1  # the embedding has no linears; layers and head tiled
-    assert len(set(tiles[1:])) == 1
+    assert min(tiles) > 1 and len(set(tiles)) == 1  # embedding, layers and head tiled alike
     ck = sum(b.checkpoint for b in stage.blocks)
     cfg = dict(dp=8, zero_stage=3, checkpoint=(ck,))
     # the same configuration untiled does not fit; tiled, the estimate is the plan's own prediction
@@ -80,6 +85,25 @@ def test_planner_tiles_when_the_block_working_set_does_not_fit() -> None:
     # the plan says so, and survives a round trip
     assert f"tiles:{tiles[1]}" in str(plan)
     assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_planner_tiles_the_embedding_when_it_is_the_largest_unit() -> None:
+    """A million-token vocabulary: the embedding (4.1B parameters) dwarfs a layer (0.2B). Tiled like the
+    linears, it no longer bounds the FSDP2 working set: a plan fits on 28 GiB devices with every block
+    tiled; the same model with the embedding untileable (a tied one) has no plan there."""
+    big = transformer_profile(num_layers=4, hidden=4096, seq_len=1024, vocab=1_000_000, num_heads=32, batch=1,
+                              name="big-vocab")
+    embed = big.blocks[0]
+    assert embed.num_params == max(b.num_params for b in big.blocks)
+    c = _cluster(28)
+    (stage,) = plan_from_profile(big, c, global_batch=8, max_microbatches=1, max_tp=1).stages
+    tiles = [b.tiles for b in stage.blocks]
+    assert stage.zero_stage is ZeroStage.PARAMETERS and tiles[0] > 1 and len(set(tiles)) == 1
+    vocab = embed.linear_rows[0][0]  # padded to a multiple of 128, as the synthetic profile does
+    assert vocab == 1_000_064 and unit_params(embed, tiles[0]) == -(-vocab // tiles[0]) * 4096
+    tied = dataclasses.replace(big, blocks=(dataclasses.replace(embed, shares_params=True), *big.blocks[1:]))
+    with pytest.raises(InfeasibleError):
+        plan_from_profile(tied, c, global_batch=8, max_microbatches=1, max_tp=1)
 
 
 def test_tiling_costs_time_and_is_not_chosen_when_not_needed() -> None:
@@ -101,5 +125,5 @@ def test_tiles_refused_below_zero3_and_with_tp() -> None:
         estimate_from_profile(PROF, c, dict(dp=4, tp=2, zero_stage=3, tiles=2), global_batch=8)
     plan = estimate_from_profile(PROF, c, dict(dp=8, zero_stage=3, tiles=2), global_batch=8).plan
     s0 = plan.stages[0]
-    with pytest.raises(PlanError, match="block 'h.0': tiles=2 needs ZeRO-3"):
+    with pytest.raises(PlanError, match="block 'embed': tiles=2 needs ZeRO-3"):
         dataclasses.replace(s0, zero_stage=ZeroStage.GRADIENTS)

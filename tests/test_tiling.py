@@ -1,5 +1,5 @@
-"""Memory-centric tiling (``BlockPlan.tiles``, :mod:`whalepy.runtime.tiling`): tiled ZeRO-3 plans on 2
-and 4 gloo ranks against the single-process untiled run, the FSDP2 units gathered during forward
+"""Memory-centric tiling (``BlockPlan.tiles``, :mod:`whalepy.runtime.tiling`) of linears and embeddings:
+tiled ZeRO-3 plans on 2 and 4 gloo ranks against the single-process untiled run, the FSDP2 units gathered during forward
 against the tile the planner charges, checkpoints between tiled and untiled plans, and the refusals.
 
 Tolerances: fp32, 3 steps of AdamW, as the other runtime tests: losses 1e-5 absolute, weights 1e-5
@@ -15,13 +15,12 @@ import pytest
 import torch
 
 from dist_harness import run_distributed
-from runtime_cases import Case, build_model, case_profile
+from runtime_cases import PAD, Case, batches, build_model, case_profile
 from tiling_cases import run_all
-from whalepy._tiling import tileable_linears
+from whalepy._tiling import tile_rows, tileable_modules
 from whalepy.runtime._tile_state import merge_state, split_state
-from whalepy._tiling import tile_rows
 from whalepy.planner._tiling_costs import unit_params
-from whalepy.runtime.tiling import TiledLinear, tile_model, tiled_layout
+from whalepy.runtime.tiling import TiledEmbedding, TiledLinear, tile_model, tiled_layout
 
 TOL = 1e-5
 NVME = {"param_tier": "nvme", "optimizer_tier": "nvme", "prefetch_depth": 2}
@@ -30,16 +29,16 @@ Z3 = Case("z3", dp=2, zero=3)
 
 
 def _tiled_paths(tiles: int) -> dict[str, dict[str, int]]:
-    """Block -> {linear: tiles} as the runtime tiles the test model (``tileable_linears`` per block)."""
+    """Block -> {linear or embedding: tiles} as the runtime tiles the test model (``tileable_modules`` per block)."""
     model = build_model("gpt", 2)
-    return {b.name: {n: tiles for n, _ in tileable_linears(model, b.modules)}
+    return {b.name: {n: tiles for n, _ in tileable_modules(model, b.modules)}
             for b in case_profile("gpt", 2).blocks if b.largest_linear_params}
 
 
 def _largest_tile(tiles: int, block: str) -> int:
     """Parameters of the block's largest tile: ``ceil(out / tiles)`` rows of its largest linear."""
     model = build_model("gpt", 2)
-    lins = tileable_linears(model, [block])
+    lins = tileable_modules(model, [block])
     return max(tile_rows(m.out_features, tiles)[0] * (m.in_features + (m.bias is not None)) for _, m in lins)
 
 
@@ -48,6 +47,67 @@ def test_tile_rows_follow_tensor_split():
         for t in (1, 2, 3, 5):
             if t <= out:
                 assert tile_rows(out, t) == [len(c) for c in torch.arange(out).tensor_split(t)]
+
+
+def test_tiled_embedding_is_the_embedding_exactly():
+    """Every id gets its one row (the other tiles add exact zeros) and the rows it does not select get
+    exactly zero gradient: outputs and gradients bit for bit, a padding row wherever it falls."""
+    for padding_idx in (None, 0, 21, 22, 63):
+        for tiles in (2, 3, 7):
+            torch.manual_seed(tiles)
+            whole = torch.nn.Embedding(64, 8, padding_idx=padding_idx)
+            model = torch.nn.ModuleDict({"emb": torch.nn.Embedding(64, 8, padding_idx=padding_idx)})
+            model["emb"].load_state_dict(whole.state_dict())
+            assert tile_model(model, {"emb": tiles}) == 1 and isinstance(model["emb"], TiledEmbedding)
+            ids = torch.cat([torch.arange(64), torch.randint(0, 64, (64,))]).view(4, 32)
+            out, want = model["emb"](ids), whole(ids)
+            assert torch.equal(out, want)
+            grad = torch.randn_like(want)
+            out.backward(grad)
+            want.backward(grad)
+            tiled = torch.cat([t.weight.grad for t in model["emb"].tiles])
+            assert torch.equal(tiled, whole.weight.grad), (padding_idx, tiles)
+            if padding_idx is not None:
+                assert not tiled[padding_idx].any()  # the padding row: no gradient
+                holders = [t.padding_idx for t in model["emb"].tiles if t.padding_idx is not None]
+                assert len(holders) == 1  # one tile holds it, under its local index
+            assert merge_state(dict(model.state_dict()), tiled_layout([model]))["emb.weight"].equal(whole.weight)
+
+
+def test_tied_or_unusual_embeddings_are_not_tiled():
+    """An embedding whose weight the LM head shares (HF GPT-2's default) is left out of the tileable
+    modules, and its block (it shares a parameter with the head's) is refused by ``tiling_error``, so
+    the planner never tiles it (``block_tiles``); a hand-written plan is refused in the 2-rank test.
+    ``max_norm`` / ``scale_grad_by_freq`` / ``sparse`` embeddings stay whole."""
+    from whalepy._capabilities import tiling_error
+    from whalepy.planner._tiling_costs import block_tiles
+
+    tied = build_model("hf_tied", 2)
+    embed = next(b for b in case_profile("hf_tied", 2).blocks if b.name == "embed")
+    assert [n for n, _ in tileable_modules(tied, embed.modules)] == ["transformer.wpe"]
+    assert embed.shares_params and block_tiles(embed, 4) == 1 and unit_params(embed, 4) == embed.num_params
+    assert "shares a parameter" in tiling_error(4, zero=3, tp=1, shares_params=True)
+    untied = next(b for b in case_profile("gpt", 2).blocks if b.name == "embed")
+    assert untied.linear_rows == ((64, 32), (16, 32)) and block_tiles(untied, 4) == 4
+    # the embedding's largest tile: ceil(64 / 3) = 22 rows of 32
+    assert unit_params(untied, 3) == 22 * 32
+    # what the runtime makes of a plan: the tied block refused before any lowering; a module of fewer
+    # rows than the tiles (the 16 positions under tiles=20) split into one-row tiles
+    from tiling_cases import tiled_plan
+    from whalepy._errors import PlanError
+    from whalepy.runtime.tiling import plan_tiling
+
+    def modules(kind: str) -> dict:
+        return {b.name: b.modules for b in case_profile(kind, 2).blocks}
+
+    with pytest.raises(PlanError, match="block 'embed': tiles=2 on a block that shares a parameter"):
+        plan_tiling(tied, tiled_plan(Case("tied", kind="hf_tied", dp=2, zero=3), 2), modules("hf_tied"))
+    tiling = plan_tiling(build_model("gpt", 2), tiled_plan(Z3, 20), modules("gpt"))
+    assert tiling["embed"] == {"transformer.wte": 20, "transformer.wpe": 16}
+    assert set(tiling["transformer.h.0"].values()) == {20}
+    odd = torch.nn.ModuleDict({"a": torch.nn.Embedding(8, 4, max_norm=1.0), "b": torch.nn.Embedding(8, 4, sparse=True),
+                               "c": torch.nn.Embedding(8, 4, scale_grad_by_freq=True), "d": torch.nn.Embedding(8, 4)})
+    assert [n for n, _ in tileable_modules(odd, [""])] == ["d"]
 
 
 def test_tiled_linear_computes_the_linear_and_state_keeps_original_names():
@@ -67,9 +127,9 @@ def test_tiled_linear_computes_the_linear_and_state_keeps_original_names():
     assert set(split) == set(model.state_dict())
 
 
-def test_meta_tiles_initialise_and_load_as_the_untiled_linears(tmp_path):
-    """In one process: tiles of a meta model get the untiled model's initial weights (same seed), and
-    read their rows of HF safetensors."""
+def test_meta_tiles_initialise_and_load_as_the_untiled_modules(tmp_path):
+    """In one process: tiles (of linears and embeddings) of a meta model get the untiled model's initial
+    weights (same seed), and read their rows of HF safetensors."""
     from safetensors.torch import save_file
 
     from whalepy.runtime.materialize import materialize, materialize_modules, snapshot
@@ -88,6 +148,7 @@ def test_meta_tiles_initialise_and_load_as_the_untiled_linears(tmp_path):
     want = {k: v.detach().clone() for k, v in plain.state_dict().items()}
     model, skeleton = tiled_meta()
     materialize_modules([model], skeleton, "cpu", seed=3)
+    assert isinstance(model.transformer.wte, TiledEmbedding) and isinstance(model.transformer.wpe, TiledEmbedding)
     got = merge_state(dict(model.state_dict()), tiled_layout([model]))
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
     source = {k: torch.randn_like(v) for k, v in want.items()}
@@ -110,25 +171,32 @@ def test_tiled_zero3_on_two_ranks_matches_single_process(tmp_path):
         ("resume_run", (Z3, 3), (Z3, 3), os.path.join(tmp_path, "same")),
         ("resume_run", (Z3, 3), (Z3, 1), os.path.join(tmp_path, "to-untiled")),
         ("resume_run", (Z3, 1), (Z3, 2), os.path.join(tmp_path, "to-tiled")),
+        ("tiled_run", Case("t3 padding", kind="gpt_pad", dp=2, zero=3), 3, {}),
         ("refusal", Case("zero2", dp=2, zero=2), 2),
         ("refusal", Case("tp2", tp=2, zero=3), 2),
+        ("refusal", Case("tied", kind="hf_tied", dp=2, zero=3), 2),
     ]
     per_rank = run_distributed(run_all, 2, items, timeout=600)
-    t3, ckpt, actoff, nvme, host, offload, same, untiled, tiled, zero2, tp2 = per_rank[0]
-    for r in (t3, ckpt, actoff, nvme, host, offload):
+    t3, ckpt, actoff, nvme, host, offload, same, untiled, tiled, pad, zero2, tp2, tied = per_rank[0]
+    for r in (t3, ckpt, actoff, nvme, host, offload, pad):
         assert r["kind"] == "fsdp2", r["name"]
         assert r["loss_err"] <= TOL and r["param_err"] <= TOL, r
-    # the disk tier homes the tiles' shards with their block (15 linears x 3 tiles x weight + bias)
-    assert nvme["tiles_in_nvme"] == sum(2 if n != "lm_head" else 1 for p in _tiled_paths(3).values()
-                                        for n in p) * 3
+    # the padding token is in the data (its row: the local padding_idx 8 of the second of 3 tiles)
+    assert any((x == PAD).any() for x, _ in batches(8, 3))
+    # the disk tier homes the tiles' shards with their block (15 linears and 2 embeddings x 3 tiles x
+    # weight, and bias where the linear has one)
+    model = build_model("gpt", 2)
+    assert nvme["tiles_in_nvme"] == sum(len(list(model.get_submodule(n).parameters()))
+                                        for p in _tiled_paths(3).values() for n in p) * 3
     # prefetching with parameters on the host, 2 blocks ahead: a tiled block is prefetched by its own
     # unit and its first tile in forward (by the previous block's last tile), its own unit and last tile
     # in backward (by the next block's unit); the tiles after them are gathered one at a time
     h0, h1 = "transformer.h.0", "transformer.h.1"
     assert host["prefetch"][f"{h0}.mlp.fc_out.tiles.2"][0] == [
         h1, f"{h1}.attn.q_proj.tiles.0", "transformer.ln_f", "lm_head", "lm_head.tiles.0"]
+    # (the tiled embedding block: its modules' units, and its last tile, the position embedding's)
     assert host["prefetch"][h1][1] == [h0, f"{h0}.mlp.fc_out.tiles.2", "transformer.wte", "transformer.wpe",
-                                       "transformer.drop"]
+                                       "transformer.drop", "transformer.wpe.tiles.2"]
     # working set: inside a tiled block the largest FSDP2 unit gathered is one tile, and what is
     # gathered at once is that tile plus the block's own parameters (its layer norms: 128)
     for r, tiles in ((t3, 3), (ckpt, 2)):
@@ -140,13 +208,24 @@ def test_tiled_zero3_on_two_ranks_matches_single_process(tmp_path):
         prof_block = next(b for b in case_profile("gpt", 2).blocks if b.name == "transformer.h.0")
         assert unit_params(prof_block, tiles) == max(size for _, size, _ in inside)
         assert max(t for _, _, t in inside) == block + _largest_tile(tiles, "transformer.h.0")
+    # the embedding block is tiled too: its largest unit gathered is a 22-row tile of the token
+    # embedding (not the 64-row table), what the planner charges for it
+    prof_embed = next(b for b in case_profile("gpt", 2).blocks if b.name == "embed")
+    embed_units = {n: size for n, size, _ in t3["units"] if n.startswith(("transformer.wte.", "transformer.wpe."))}
+    assert embed_units == {"transformer.wte.tiles.0": 22 * 32, "transformer.wte.tiles.1": 21 * 32,
+                           "transformer.wte.tiles.2": 21 * 32, "transformer.wpe.tiles.0": 6 * 32,
+                           "transformer.wpe.tiles.1": 5 * 32, "transformer.wpe.tiles.2": 5 * 32}, embed_units
+    assert unit_params(prof_embed, 3) == max(embed_units.values())
     for r in (same, untiled, tiled):
         assert r["keys"] == sorted(build_model("gpt", 2).state_dict()), r["name"]  # original names
         assert r["load_err"] <= TOL and r["param_err"] <= TOL and r["loss_err"] <= TOL, r
     # refused when the plan is made (StagePlan checks tiling_error), before parallelize builds anything
-    assert zero2 == ("PlanError: stage 0, block 'transformer.h.0': tiles=2 needs ZeRO-3 (tiles are gathered one at a "
+    assert zero2 == ("PlanError: stage 0, block 'embed': tiles=2 needs ZeRO-3 (tiles are gathered one at a "
                      "time), got ZeRO-2; set zero_stage=3 or tiles=1")
-    assert tp2 == ("PlanError: stage 0, block 'transformer.h.0': tiles=2 with tensor parallelism (tp=2) is not "
+    assert tied == ("PlanError: block 'embed': tiles=2 on a block that shares a parameter with another block (a "
+                    "tied weight, e.g. an embedding tied to the LM head) is not lowered: tiling would untie it; use "
+                    "tiles=1 on this block")
+    assert tp2 == ("PlanError: stage 0, block 'embed': tiles=2 with tensor parallelism (tp=2) is not "
                    "lowered; use tp=1 or tiles=1")
 
 

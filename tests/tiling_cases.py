@@ -29,8 +29,9 @@ def _reference(case: Case, steps: int) -> Any:
 
 
 def tiled_plan(case: Case, tiles: int, **fields: Any) -> Any:
-    """``case``'s plan with ``tiles`` on every block that has linears (as the planner would tile them)
-    and the other ``fields`` on every block (``dataclasses.replace`` of the BlockPlans)."""
+    """``case``'s plan with ``tiles`` on every block with linears or embeddings (tied ones too: the
+    runtime refuses those) and the other ``fields`` on every block (``dataclasses.replace`` of the
+    BlockPlans)."""
     plan = make_case_plan(case)
     prof = case_profile(case.kind, case.num_layers)
     has = {b.name for b in prof.blocks if b.largest_linear_params}
@@ -162,7 +163,7 @@ def meta_run(case: Case, tiles: int, other_tiles: int, path: str) -> dict[str, A
     trained against that model tiled alike in one process (so the comparison isolates the sharding:
     tiling's own numerics against the untiled run are :func:`tiled_run`'s); then saved and read into
     another meta model with ``other_tiles`` tiles (``parallelize(checkpoint=...)``)."""
-    from whalepy._tiling import tileable_linears
+    from whalepy._tiling import tileable_modules
     from whalepy.runtime.materialize import materialize
     from whalepy.runtime._tile_state import merge_state
     from whalepy.runtime.tiling import tile_model, tiled_layout
@@ -175,7 +176,7 @@ def meta_run(case: Case, tiles: int, other_tiles: int, path: str) -> dict[str, A
     init = {k: v.detach().clone() for k, v in ref.state_dict().items()}
     prof = case_profile(case.kind, case.num_layers)
     paths = [p for b in prof.blocks if b.largest_linear_params for p in b.modules]
-    tile_model(ref, {n: tiles for n, _ in tileable_linears(ref, paths)})
+    tile_model(ref, {n: tiles for n, _ in tileable_modules(ref, paths)})
     ref_losses, ref_state = train_single(ref, data)
     pm = _launch(case, tiled_plan(case, tiles), data, model=model, seed=7)
     first = pm.full_state_dict()

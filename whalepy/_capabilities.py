@@ -333,13 +333,16 @@ def check_pipeline(schedule: Schedule | str, *, num_stages: int, virtual_stages:
             raise PlanError(f"{where}{': ' if where else ''}{reason}")
 
 
-def tiling_error(tiles: int, *, zero: ZeroStage | int, tp: int) -> str | None:
-    """Why a block cannot be lowered with ``tiles`` linear tiles (``BlockPlan.tiles``), or None.
+def tiling_error(tiles: int, *, zero: ZeroStage | int, tp: int, shares_params: bool = False) -> str | None:
+    """Why a block cannot be lowered with ``tiles`` tiles of its linears and embeddings
+    (``BlockPlan.tiles``), or None.
 
     Tiles are FSDP2 units of their own (:mod:`whalepy.runtime.tiling`), which lowers tiling only where
     each unit's parameters are gathered for its own use: ZeRO-3. Tensor parallelism is refused: a
     tensor-parallel linear is already split (across devices), and a tile of a DTensor shard is not
-    lowered."""
+    lowered. A block that shares a parameter with another block (``shares_params``: a tied weight, e.g.
+    GPT-2's embedding and LM head) is refused: FSDP2 keeps a tied parameter in the stage's root unit,
+    and splitting it into tiles would untie it."""
     if tiles == 1:
         return None
     if int(zero) != int(ZeroStage.PARAMETERS):
@@ -347,6 +350,9 @@ def tiling_error(tiles: int, *, zero: ZeroStage | int, tp: int) -> str | None:
                 "set zero_stage=3 or tiles=1")
     if tp != 1:
         return f"tiles={tiles} with tensor parallelism (tp={tp}) is not lowered; use tp=1 or tiles=1"
+    if shares_params:
+        return (f"tiles={tiles} on a block that shares a parameter with another block (a tied weight, e.g. an "
+                "embedding tied to the LM head) is not lowered: tiling would untie it; use tiles=1 on this block")
     return None
 
 

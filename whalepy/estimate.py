@@ -45,8 +45,8 @@ class ParallelConfig:
     """With ``offload="nvme"``: parameters in files too (ZeRO-Infinity's parameter offload; their
     optimizer states in files with them)."""
     tiles: int = 1
-    """Memory-centric tiling (``BlockPlan.tiles``): each linear of every block split into this many FSDP2
-    units; ZeRO-3 and tp 1 only."""
+    """Memory-centric tiling (``BlockPlan.tiles``): each linear and embedding of every block (but a tied
+    one's) split into this many FSDP2 units; ZeRO-3 and tp 1 only."""
     checkpoint_offload: bool = False
     """Every checkpointed block keeps its input in host memory (``BlockPlan.checkpoint_offload``); needs
     ``checkpoint``."""

@@ -96,10 +96,10 @@ class BlockPlan:
     fetched. Kept 1 otherwise."""
     tiles: int = 1
     """Memory-centric tiling (ZeRO-Infinity, Rajbhandari et al. SC'21, sec. 5.1.3): every ``nn.Linear``
-    of the block is split along its output features into ``tiles`` linears, each its own FSDP2 unit,
-    so ZeRO-3 gathers (and reduce-scatters) one tile at a time and the working set is one tile, not
-    the block. 1: not tiled. Only with ZeRO-3 and tp 1
-    (:func:`whalepy._capabilities.tiling_error`)."""
+    and ``nn.Embedding`` of the block is split along its rows (output features, vocabulary) into
+    ``tiles`` modules, each its own FSDP2 unit, so ZeRO-3 gathers (and reduce-scatters) one tile at a
+    time and the working set is one tile, not the block. 1: not tiled. Only with ZeRO-3 and tp 1, and
+    not on a block that shares a tied parameter with another (:func:`whalepy._capabilities.tiling_error`)."""
     checkpoint_offload: bool = False
     """A checkpointed block keeps its input (the activation checkpoint) in host memory between its
     forward and its backward, which brings it back for the recompute (ZeRO-Infinity, Rajbhandari et al.

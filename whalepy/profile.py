@@ -137,16 +137,20 @@ class BlockProfile:
     tp_degrees: tuple[int, ...] = (1,)
     """TP degrees every sharded dimension of the block (heads, features, vocab) divides by."""
     linear_params: int = 0
-    """Parameters of the block's ``nn.Linear`` modules (weights and biases; 0: unknown or none). With
-    :attr:`largest_linear_params` it sizes the FSDP2 units of a tiled block (``BlockPlan.tiles``)."""
+    """Parameters of the block's tileable modules (:func:`whalepy._tiling.tileable_modules`: its
+    ``nn.Linear`` s and ``nn.Embedding`` s, weights and biases; 0: unknown or none). With
+    :attr:`largest_linear_params` it sizes the FSDP2 units of a tiled block (``BlockPlan.tiles``); only
+    the tiling uses these four fields (a block's time is costed from :attr:`kernels` and its FLOPs)."""
     largest_linear_params: int = 0
-    """Parameters of the block's largest ``nn.Linear`` (0: unknown or none; then the planner does not
+    """Parameters of the block's largest tileable module (0: unknown or none; then the planner does not
     tile the block)."""
     num_linears: int = 0
-    """How many ``nn.Linear`` modules the tiling counts (each becomes ``tiles`` FSDP2 units)."""
+    """How many tileable modules (linears and embeddings) the tiling counts (each becomes ``tiles``
+    FSDP2 units)."""
     linear_rows: tuple[tuple[int, int], ...] = ()
-    """Per tileable linear, ``(output features, parameters per output row)``: a tile of ``t`` has
-    ``ceil(out / t)`` rows at most (:func:`whalepy._tiling.largest_tile_params`); empty: unknown."""
+    """Per tileable module, ``(rows, parameters per row)``: a linear's output features and input
+    features (+1 for a bias), an embedding's vocabulary and width; a tile of ``t`` has ``ceil(rows / t)``
+    rows at most (:func:`whalepy._tiling.largest_tile_params`); empty: unknown."""
     shares_params: bool = False
     """A module of the block shares a parameter with a module outside it (a tied weight, e.g. GPT-2's
     ``lm_head.weight`` is ``wte.weight``; ``whalepy.pseudo_to_real``'s tied layers). FSDP2 keeps such a

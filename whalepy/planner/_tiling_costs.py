@@ -2,11 +2,14 @@
 tiled block's working set is sized by, the tiled state options a candidate is offered, and the time a
 tiled block adds.
 
-Tiling buys working memory with collectives: a block whose linears are split into ``t`` tiles each
-gathers and reduce-scatters ``num_linears * t`` units instead of one block. Its bytes are the same; what
-grows is the number of collectives, each with its latency (``cost_models.communication``, measured /
-cited per fabric). The compute is the same GEMMs cut along their output features; the smaller GEMMs'
-efficiency loss is not charged (the tiles the planner offers are large: see ``TILED_WORKING_SHARE``).
+Tiling buys working memory with collectives: a block whose linears and embeddings (the profile's
+``linear_rows``, :func:`whalepy._tiling.tileable_modules`) are split into ``t`` tiles each gathers and
+reduce-scatters ``num_linears * t`` units instead of one block. Its bytes are the same; what grows is
+the number of collectives, each with its latency (``cost_models.communication``, measured / cited per
+fabric). The compute is the same GEMMs cut along their output features; the smaller GEMMs' efficiency
+loss is not charged (the tiles the planner offers are large: see ``TILED_WORKING_SHARE``); a tiled
+embedding's extra lookups and masks (memory-bound, one pass over the output per tile) are not charged
+either: the block's own time is not costed from its linears' shapes.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from whalepy.plan import ZeroStage
 from whalepy.planner.space import StateOption
 from whalepy.profile import BlockProfile
 
-__all__ = ["MAX_TILES", "TILED_WORKING_SHARE", "tiled_options", "tiling_latency_s", "unit_params"]
+__all__ = ["MAX_TILES", "TILED_WORKING_SHARE", "block_tiles", "tiled_options", "tiling_latency_s", "unit_params"]
 
 TILED_WORKING_SHARE = 0.25
 """NAMED CONSTANT (search space, not a cost): a tiled variant of a ZeRO-3 option is offered only when
@@ -36,13 +39,22 @@ MAX_TILES = 64
 ZeRO-Infinity's 32T model on 512 GPUs) are 268M parameters, 0.5 GB in 16 bits."""
 
 
+def block_tiles(block: BlockProfile, tiles: int) -> int:
+    """The tiles ``block`` gets under a stage option of ``tiles``: ``tiles`` where it has modules to
+    tile and the runtime tiles it (:func:`tiling_error` of a block that shares a parameter: a tied
+    embedding or head), else 1."""
+    if tiles == 1 or not block.largest_linear_params:
+        return 1
+    return 1 if tiling_error(tiles, zero=ZeroStage.PARAMETERS, tp=1, shares_params=block.shares_params) else tiles
+
+
 def unit_params(block: BlockProfile, tiles: int) -> float:
     """Parameters of the largest FSDP2 unit of ``block`` (tp 1) with ``tiles`` tiles: the block itself
-    untiled; tiled, the largest tile (each linear's ``ceil(out / tiles)`` rows of ``in`` weights and a
-    bias, :func:`whalepy._tiling.largest_tile_params`; ``largest / tiles`` where the profile has no
-    shapes) or what the block's own unit keeps (its parameters outside the linears), whichever is
-    larger."""
-    if tiles == 1 or block.largest_linear_params == 0:
+    untiled (or not tiled: :func:`block_tiles`); tiled, the largest tile (each linear's or embedding's
+    ``ceil(rows / tiles)`` rows, :func:`whalepy._tiling.largest_tile_params`; ``largest / tiles`` where
+    the profile has no shapes) or what the block's own unit keeps (its parameters outside the tiled
+    modules), whichever is larger."""
+    if block_tiles(block, tiles) == 1:
         return float(block.num_params)
     tile = (largest_tile_params(block.linear_rows, tiles) if block.linear_rows
             else block.largest_linear_params / tiles)
@@ -56,14 +68,15 @@ def tiled_options(options: Sequence[StateOption], blocks: Sequence[BlockProfile]
     working set (``working_bytes(unit_params)``, bytes) is at most ``TILED_WORKING_SHARE`` of
     ``capacity_bytes`` (or whose tiles are no larger than the largest unit tiling leaves whole), when
     the untiled one is above it."""
-    if not any(b.largest_linear_params for b in blocks) or capacity_bytes <= 0:
+    tileable = [b for b in blocks if block_tiles(b, 2) > 1]
+    if not tileable or capacity_bytes <= 0:
         return tuple(options)
     budget = TILED_WORKING_SHARE * capacity_bytes
-    # the untileable units (an embedding, a block's own parameters) stay as large as they are: tiling
-    # further than down to them gains nothing
-    floor = max([float(b.num_params) for b in blocks if not b.largest_linear_params]
-                + [float(b.num_params - b.linear_params) for b in blocks if b.largest_linear_params], default=0.0)
-    tileable = [b for b in blocks if b.largest_linear_params]
+    # the units tiling leaves whole (a tied block, a block's own parameters) stay as large as they are:
+    # tiling further than down to them gains nothing
+    tiled = {id(b) for b in tileable}
+    floor = max([float(b.num_params) for b in blocks if id(b) not in tiled]
+                + [float(b.num_params - b.linear_params) for b in tileable], default=0.0)
     out = list(options)
     for o in options:
         if o.tiles != 1 or o.zero is not ZeroStage.PARAMETERS or tiling_error(2, zero=o.zero, tp=tp):
@@ -85,7 +98,7 @@ def tiling_latency_s(collective, block: BlockProfile, tiles: int, group) -> floa
     units gathers in forward and in backward and reduce-scatters in backward, each collective paying
     its latency (a one-byte collective on ``group``, the stage's data-parallel communicator). Charged
     exposed: an upper bound, tens of microseconds per unit."""
-    if tiles == 1 or group is None or not block.num_linears:
+    if block_tiles(block, tiles) == 1 or group is None:
         return 0.0
     lat = 2 * collective(Collective.ALL_GATHER, 1.0, group) + collective(Collective.REDUCE_SCATTER, 1.0, group)
     return block.num_linears * (tiles - 1) * lat

@@ -32,6 +32,7 @@ from whalepy.planner.costing import (
     stage_held_bytes,
     tp_applies,
 )
+from whalepy.planner._tiling_costs import block_tiles
 from whalepy.planner._offload_costs import stage_prefetch
 from whalepy.planner.search import SearchResult
 from whalepy.planner.ilp import ILPResult
@@ -122,7 +123,7 @@ def build_plan(ev: Evaluation, *, ctx: CostContext, global_batch: int, result: S
                 blocks.append(BlockPlan(name=prof.blocks[i].name, checkpoint=ck, activation_offload=off,
                                         checkpoint_offload=ckoff,
                                         param_tier=o.param_tier, optimizer_tier=o.optimizer_tier,
-                                        tiles=o.tiles if prof.blocks[i].largest_linear_params else 1,
+                                        tiles=block_tiles(prof.blocks[i], o.tiles),
                                         **depth_field))
                 if cand.tp > 1 and tp_applies(prof.blocks[i], cand.tp):
                     rules.extend(prof.blocks[i].tp_rules)

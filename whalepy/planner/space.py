@@ -76,7 +76,7 @@ class StateOption:
     optimizer_tier: Tier = Tier.GPU
     param_tier: Tier = Tier.GPU
     tiles: int = 1
-    """Memory-centric tiling of the stage's linears (``BlockPlan.tiles``; 1: none)."""
+    """Memory-centric tiling of the stage's linears and embeddings (``BlockPlan.tiles``; 1: none)."""
     reduce_each: bool = False
     """Gradients reduce-scattered every micro-batch (``StagePlan.reduce_every_microbatch``)."""
     beside_offload: bool = False

@@ -86,6 +86,7 @@ def transformer_profile(
     layer_kernels = _layer_kernels(b * s, h, f, a, kv, s, gated_mlp)
 
     embed_params = V * h + (s * h if learned_positions else 0)
+    embed_rows = ((V, h),) + (((s, h),) if learned_positions else ())
     head_params = (0 if tied_embeddings else V * h) + 2 * h
     head_fwd = 2 * b * s * h * V
     logits_bytes = 6 * b * s * V
@@ -103,7 +104,13 @@ def transformer_profile(
     blocks = [block(0, "embed", BlockKind.EMBEDDING, params=embed_params, act=hidden_bytes,
                     fwd=float(b * s * h), input_bytes=_TOKEN_ID_BYTES * b * s, output_bytes=hidden_bytes,
                     tp_rules=(TPRule(module="embed", style=TPStyle.VOCAB),),
-                    tp_comm_bytes=hidden_bytes, tp_degrees=_pow2_divisors(V))]
+                    tp_comm_bytes=hidden_bytes, tp_degrees=_pow2_divisors(V),
+                    # memory-centric tiling splits the embeddings' rows (whalepy._tiling); a tied one
+                    # is not tiled (its block shares a parameter with the head)
+                    linear_params=0 if tied_embeddings else embed_params,
+                    largest_linear_params=0 if tied_embeddings else V * h,
+                    num_linears=0 if tied_embeddings else len(embed_rows),
+                    linear_rows=() if tied_embeddings else embed_rows)]
     for i in range(num_layers):
         p = f"{layer_prefix}.{i}"
         rules = (TPRule(module=f"{p}.attn.qkv", style=TPStyle.COLWISE),

@@ -1,7 +1,7 @@
-"""State dicts of tiled linears under their ORIGINAL names (:mod:`whalepy.runtime.tiling`).
+"""State dicts of tiled modules under their ORIGINAL names (:mod:`whalepy.runtime.tiling`).
 
-Inside the runtime a tile's parameters are ``<linear>.tiles.<i>.weight``; :func:`merge_state` joins a
-tiled linear's tile entries (model and optimizer) into one entry of the linear's name and shape, and
+Inside the runtime a tile's parameters are ``<module>.tiles.<i>.weight``; :func:`merge_state` joins a
+tiled module's tile entries (model and optimizer) into one entry of the module's name and shape, and
 :func:`split_state` splits such an entry back into this plan's tiles. A merged value is a
 :class:`TileChunks` when the tiles are FSDP2-sharded (this rank's shards, no copy; DCP reads and writes
 it as several chunks of one tensor), a plain tensor (``torch.cat`` of the tiles) otherwise.
@@ -23,7 +23,7 @@ _PARAMS = ("weight", "bias")
 
 
 class TileChunks(torch.Tensor):
-    """A tiled linear's tensor (its original shape) as this rank's chunks of it: one per tile, each the
+    """A tiled module's tensor (its original shape) as this rank's chunks of it: one per tile, each the
     tile's FSDP2 local shard itself (no copy). It carries no data of its own and supports no tensor
     operations; it implements DCP's checkpointable protocol (``__create_write_items__``,
     ``__create_chunk_list__``, ``__get_tensor_shard__``, as ``DTensor`` does), so ``dcp.save`` writes the
@@ -41,7 +41,7 @@ class TileChunks(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        raise WhalepyError(f"{func} on a tiled linear's state-dict value: it only describes this rank's tile "
+        raise WhalepyError(f"{func} on a tiled module's state-dict value: it only describes this rank's tile "
                            "shards for torch.distributed.checkpoint; use pm.full_state_dict() for tensors")
 
     def _offsets(self, row: int) -> torch.Size:
@@ -70,12 +70,12 @@ class TileChunks(torch.Tensor):
 
 
 def _chunks(values: Sequence[Any], rows: Sequence[int]) -> TileChunks:
-    """The :class:`TileChunks` of a linear from its tiles' FSDP2 DTensors (``Shard(0)`` on one mesh dim)."""
+    """The :class:`TileChunks` of a tiled module from its tiles' FSDP2 DTensors (``Shard(0)`` on one mesh dim)."""
     from torch.distributed.tensor import Shard
 
     first = values[0]
     if first.device_mesh.ndim != 1 or any(v.placements != (Shard(0),) for v in values):
-        raise WhalepyError(f"a tiled linear's tiles are laid out as {first.placements} over a "
+        raise WhalepyError(f"a tiled module's tiles are laid out as {first.placements} over a "
                            f"{first.device_mesh.ndim}-D mesh; tiling lowers only Shard(0) over the "
                            "data-parallel mesh: use tiles=1")
     chunks, start = [], 0
@@ -110,7 +110,7 @@ def _split(value: Any, templates: Sequence[Any], rows: Sequence[int]) -> list[An
             local = like._local_tensor
             got = by_row.get(start + _first_row(like)) if local.shape[0] else local
             if got is None or got.shape != local.shape:
-                raise WhalepyError("a tiled linear's state is split unlike this plan's tiles; load it "
+                raise WhalepyError("a tiled module's state is split unlike this plan's tiles; load it "
                                    "through ParallelModel.load / load_state_dict of the plan that made it")
             out.append(DTensor.from_local(got, like.device_mesh, like.placements, run_check=False,
                                           shape=like.shape, stride=like.stride()))
@@ -133,14 +133,14 @@ _TILE_KEY = re.compile(r"^(.*)\.tiles\.(\d+)\.(weight|bias)$")
 
 
 def _entries(layout: dict[str, list[int]]) -> Iterator[tuple[str, list[str], list[int]]]:
-    """``(original name, its tiles' names, rows per tile)`` of every tiled linear's weight and bias."""
+    """``(original name, its tiles' names, rows per tile)`` of every tiled module's weight and bias."""
     for prefix, rows in layout.items():
         for p in _PARAMS:
             yield f"{prefix}.{p}", [f"{prefix}.tiles.{i}.{p}" for i in range(len(rows))], rows
 
 
 def merge_state(state: dict[str, Any], layout: dict[str, list[int]]) -> dict[str, Any]:
-    """``{"model": ..., "optim": ...}`` (or a flat model state dict) with each tiled linear's tile
+    """``{"model": ..., "optim": ...}`` (or a flat model state dict) with each tiled module's tile
     entries replaced by one entry under the original name (module docstring); entries of tiles that
     ``state`` lacks (other ranks' part of a full state dict) are left as they are."""
     if not layout:
@@ -182,7 +182,7 @@ def _rename(names: Sequence[str], layout: dict[str, list[int]]) -> list[str]:
 
 
 def split_state(state: dict[str, Any], template: dict[str, Any], layout: dict[str, list[int]]) -> dict[str, Any]:
-    """The inverse of :func:`merge_state`: entries under the original names of tiled linears become
+    """The inverse of :func:`merge_state`: entries under the original names of tiled modules become
     their tiles' entries, shaped and sharded like ``template`` (this plan's unmerged state dict)."""
     if not layout:
         return state

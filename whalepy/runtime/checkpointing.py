@@ -6,9 +6,9 @@ State dicts go through ``torch.distributed.checkpoint.state_dict.get_state_dict`
 stages keep the original names), values are DTensors sharded as this plan shards them, and
 ``torch.distributed.checkpoint`` (DCP) re-shards on load. So a checkpoint written under one plan
 (DP x TP) loads under another (PP x DP) on the same number or a different number of ranks. A tiled
-linear (``BlockPlan.tiles``) keeps its original name and shape too: :mod:`whalepy.runtime._tile_state` merges
-its tiles' entries into one (``merge_state``) and splits them back on load (``split_state``), so
-checkpoints move between tiled and untiled plans.
+linear or embedding (``BlockPlan.tiles``) keeps its original name and shape too:
+:mod:`whalepy.runtime._tile_state` merges its tiles' entries into one (``merge_state``) and splits
+them back on load (``split_state``), so checkpoints move between tiled and untiled plans.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def get_train_state(modules: Sequence[nn.Module], optimizer: Optimizers) -> dict
     model_sd, optim_sd = get_state_dict(list(modules) if len(modules) > 1 else modules[0], optimizer)
     state = {"model": model_sd, "optim": _masters_to_model(model_sd, optim_sd)}
     state = _map_tensors(state, lambda t: t.full_tensor() if _is_strided(t) else t)
-    return merge_state(state, tiled_layout(modules))  # tiled linears under their original names
+    return merge_state(state, tiled_layout(modules))  # tiled modules under their original names
 
 
 def _masters_to_model(model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> dict[str, Any]:

@@ -21,7 +21,7 @@ the ``cpu`` tier (ZeRO-Offload) is sharded like any other here and
 such tier is always lowered to FSDP2. ``optimizer_tier = nvme`` needs nothing here (any kind): the
 optimizer's states of those blocks are kept in files by :mod:`whalepy.runtime.nvme`. Tier combinations the runtime does not
 lower (:func:`whalepy._capabilities.state_option_error`) raise :class:`~whalepy.WhalepyError`.
-A tiled block (``BlockPlan.tiles``, :mod:`whalepy.runtime.tiling`) has each tile of its linears
+A tiled block (``BlockPlan.tiles``, :mod:`whalepy.runtime.tiling`) has each tile of its linears and embeddings
 sharded as its own unit before the block itself; :func:`fsdp_units` lists them with the block's
 units (the disk tier homes their shards with the block) and :func:`set_prefetch` prefetches a tiled
 block by its first tile only.
@@ -208,7 +208,7 @@ def _offload_policy(bp: BlockPlan, device_type: str) -> CPUOffloadPolicy | None:
 
 def fsdp_units(module: nn.Module, mods: Sequence[nn.Module]) -> list[nn.Module]:
     """The FSDP2 units of a block: its modules (not the root, which every block shares), then the tiles
-    of its tiled linears (:mod:`whalepy.runtime.tiling`), in forward order."""
+    of its tiled linears and embeddings (:mod:`whalepy.runtime.tiling`), in forward order."""
     from torch.distributed.fsdp import FSDPModule
 
     outer = [m for m in mods if m is not module and isinstance(m, FSDPModule)]

@@ -328,7 +328,7 @@ def materialize_modules(
 
     device = torch.device(device)
     kind = checkpoint_kind(checkpoint) if checkpoint is not None else None
-    # a tile of a tiled linear (runtime.tiling) comes from rows of the linear's tensor, initialised whole
+    # a tile of a tiled linear or embedding (runtime.tiling) comes from rows of its tensor, initialised whole
     origins = {n: o for n, o in tile_origins(modules).items() if o[0] in skeleton.meta_names}
     known = skeleton.meta_names | set(origins)
     unknown = sorted(n for n, t, _ in _local_tensors(modules) if t.is_meta and n not in known)
@@ -393,7 +393,7 @@ def materialize_modules(
 
 
 def _shift(index: Sequence[slice | torch.Tensor], first_row: int, rows: int | None) -> tuple[slice | torch.Tensor, ...]:
-    """``index`` of a tile (``rows`` rows) as an index into its linear's tensor, which the tile's rows
+    """``index`` of a tile (``rows`` rows) as an index into its module's tensor, which the tile's rows
     start at ``first_row`` of."""
     if rows is None or not index:
         return tuple(index)

@@ -229,7 +229,7 @@ def parallelize(
     device_type = _init_process_group(cluster_spec)
     rank = dist.get_rank()
     check_world(plan)
-    check_tiles(plan, {})  # memory-centric tiling only where it is lowered, before profiling
+    check_tiles(plan)  # memory-centric tiling only where it is lowered, before profiling
     _check_device(plan, cluster_spec, rank)
     if plan.model_fingerprint != "unchecked":
         profile = profile if profile is not None else _profile_or_none(model, example_inputs, plan)
@@ -373,7 +373,7 @@ class ParallelModel:
         if plan.pp_degree == 1:  # blocks of different tiers sharing a weight: refused before any work
             check_root_tiers(model, [(b, [model.get_submodule(p) for p in block_modules[b.name]])
                                      for b in plan.stages[0].blocks])
-        tiling = plan_tiling(model, plan, block_modules)  # block -> {linear: tiles}; checked here
+        tiling = plan_tiling(model, plan, block_modules)  # block -> {module: tiles}; checked here
         self.plan = plan
         self.loss_fn = _checked_loss(loss_fn)
         self._example_shapes = [tuple(x.shape[1:]) for x in example_inputs if isinstance(x, torch.Tensor)]

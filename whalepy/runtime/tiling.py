@@ -2,27 +2,34 @@
 
 PyTorch provides the per-unit gathering: FSDP2 all-gathers a ``fully_shard`` unit's parameters just
 before its forward (and backward) and frees them after, and reduce-scatters its gradients on their
-own. What it lacks is the split: whalepy replaces every linear that :func:`whalepy._tiling.tileable_linears`
-names in a tiled block by a :class:`TiledLinear` at the same module path, whose ``tiles`` are plain
-``nn.Linear`` s over consecutive row ranges of the weight (``torch.tensor_split`` sizes: the first
-``out % tiles`` tiles have one row more), and :mod:`whalepy.runtime.data_parallel` makes each tile its
-own FSDP2 unit. The forward concatenates the tiles' outputs on the last dim: the same values as the
-linear.
+own. What it lacks is the split: whalepy replaces every module that :func:`whalepy._tiling.tileable_modules`
+names in a tiled block by a tiled one at the same module path, whose ``tiles`` are plain modules over
+consecutive row ranges of the weight (``torch.tensor_split`` sizes: the first ``rows % tiles`` tiles
+have one row more), and :mod:`whalepy.runtime.data_parallel` makes each tile its own FSDP2 unit:
 
-Names: inside the runtime a tile's parameters are ``<linear>.tiles.<i>.weight`` (FSDP2 and the
+- an ``nn.Linear`` becomes a :class:`TiledLinear` (rows: output features), whose forward concatenates
+  the tiles' outputs on the last dim: the same values as the linear;
+- an ``nn.Embedding`` becomes a :class:`TiledEmbedding` (rows: the vocabulary), whose forward looks every
+  id up in each tile (the local index, clamped into the tile) and keeps a tile's row only for the ids
+  in its range (``torch.where``), summed over the tiles: each id gets exactly its one row (the other
+  tiles add exact zeros) and the rows an id does not select get exactly zero gradient, so values and
+  gradients are the embedding's, bit for bit. A ``padding_idx`` becomes the local one of the tile
+  holding it.
+
+Names: inside the runtime a tile's parameters are ``<module>.tiles.<i>.weight`` (FSDP2 and the
 optimizer see them so); every state dict and checkpoint whalepy produces uses the ORIGINAL names
-(:mod:`whalepy.runtime._tile_state`): a tiled linear's value is one tensor of the original shape, a
+(:mod:`whalepy.runtime._tile_state`): a tiled module's value is one tensor of the original shape, a
 ``TileChunks`` whose chunks are this rank's FSDP2 shards of its tiles (DCP writes several chunks per
 rank from it and re-shards on load: a DTensor holds one chunk per rank, and ``ShardedTensor`` is
 deprecated), or a plain tensor when the tiles are not sharded. So a checkpoint of a tiled plan loads
 into an untiled one and back. A meta-device model's tiles are
-initialised as the untiled linear (under the same seed) and sliced (:mod:`whalepy.runtime.materialize`).
+initialised as the untiled module (under the same seed) and sliced (:mod:`whalepy.runtime.materialize`).
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -31,8 +38,8 @@ from torch import nn
 from whalepy._tiling import tile_rows
 from whalepy._errors import PlanError
 
-__all__ = ["TiledLinear", "check_tiles", "plan_tiling", "tile_model", "tile_modules", "tile_origins",
-           "tile_rows", "tiled_layout"]
+__all__ = ["TiledEmbedding", "TiledLinear", "check_tiles", "plan_tiling", "tile_model", "tile_modules",
+           "tile_origins", "tile_rows", "tiled_layout"]
 
 _PARAMS = ("weight", "bias")
 
@@ -54,6 +61,54 @@ class TiledLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, tiles={len(self.tiles)}"
 
 
+class TiledEmbedding(nn.Module):
+    """An ``nn.Embedding`` split along its rows into ``tiles`` (each an ``nn.Embedding`` of consecutive
+    rows); ``forward`` gives every id its one row (module docstring), the embedding's own output."""
+
+    def __init__(self, tiles: Sequence[nn.Embedding], padding_idx: int | None = None) -> None:
+        super().__init__()
+        self.tiles = nn.ModuleList(tiles)
+        self.num_embeddings = sum(t.num_embeddings for t in tiles)
+        self.embedding_dim = tiles[0].embedding_dim
+        self.padding_idx = padding_idx
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out, start = None, 0
+        for t in self.tiles:
+            local = ids - start
+            inside = ((local >= 0) & (local < t.num_embeddings)).unsqueeze(-1)
+            part = torch.where(inside, t(local.clamp(0, t.num_embeddings - 1)), 0)
+            out = part if out is None else out + part
+            start += t.num_embeddings
+        return out
+
+    def extra_repr(self) -> str:
+        pad = f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""
+        return f"{self.num_embeddings}, {self.embedding_dim}{pad}, tiles={len(self.tiles)}"
+
+
+_TILED = (TiledLinear, TiledEmbedding)
+
+
+def _rows(tile: nn.Module) -> int:
+    return tile.out_features if isinstance(tile, nn.Linear) else tile.num_embeddings
+
+
+def _split_embedding(emb: nn.Embedding, tiles: int) -> TiledEmbedding:
+    parts, start = [], 0
+    for w in torch.split(emb.weight.detach(), tile_rows(emb.num_embeddings, tiles)):
+        n = w.shape[0]
+        inside = emb.padding_idx is not None and start <= emb.padding_idx < start + n
+        pad = emb.padding_idx - start if inside else None
+        t = nn.Embedding(n, emb.embedding_dim, padding_idx=pad, device="meta", dtype=w.dtype)
+        t.weight = nn.Parameter(w.clone(), requires_grad=emb.weight.requires_grad)
+        parts.append(t)
+        start += n
+    out = TiledEmbedding(parts, emb.padding_idx)
+    out.train(emb.training)
+    return out
+
+
 def _split_linear(lin: nn.Linear, tiles: int) -> TiledLinear:
     sizes = tile_rows(lin.out_features, tiles)
     ws = torch.split(lin.weight.detach(), sizes)
@@ -70,70 +125,65 @@ def _split_linear(lin: nn.Linear, tiles: int) -> TiledLinear:
     return out
 
 
-def check_tiles(plan: Any, linears: dict[str, list[tuple[str, int]]]) -> None:
+def check_tiles(plan: Any, shared: Collection[str] = ()) -> None:
     """:class:`PlanError` for a block whose ``tiles`` the runtime does not lower
-    (:func:`whalepy._capabilities.tiling_error`) or that exceed a linear's output features; before any
-    lowering. ``linears``: block name -> ``(linear path, out_features)`` of its tileable linears."""
+    (:func:`whalepy._capabilities.tiling_error`), before any lowering; ``shared``: the blocks that
+    share a parameter with another block (a tied weight)."""
     from whalepy._capabilities import tiling_error
 
     for st in plan.stages:
         for b in st.blocks:
-            reason = tiling_error(b.tiles, zero=st.zero_stage, tp=st.tp_degree)
+            reason = tiling_error(b.tiles, zero=st.zero_stage, tp=st.tp_degree, shares_params=b.name in shared)
             if reason is not None:
                 raise PlanError(f"block {b.name!r}: {reason}")
-            for path, out in linears.get(b.name, []):
-                if b.tiles > out:
-                    raise PlanError(f"block {b.name!r}: tiles={b.tiles} exceeds the {out} output features of "
-                                    f"{path}; use tiles <= {out}")
 
 
 def plan_tiling(model: nn.Module, plan: Any, block_modules: dict[str, Sequence[str]]) -> dict[str, dict[str, int]]:
-    """Block name -> {linear path: tiles} for every tiled block of ``plan`` (checked with
-    :func:`check_tiles`): :func:`whalepy._tiling.tileable_linears` of the whole model, before any
-    pipeline split (so a tie across stages is seen), exactly what the profile sized."""
-    from whalepy._tiling import tileable_linears
+    """Block name -> {module path: tiles} for every tiled block of ``plan`` (checked with
+    :func:`check_tiles`): :func:`whalepy._tiling.tileable_modules` of the whole model, before any
+    pipeline split (so a tie across stages is seen), exactly what the profile sized. A module with
+    fewer rows than the block's ``tiles`` gets one tile per row (a tile is at least a row: the
+    planner's ``ceil(rows / tiles)`` rows per tile is one then too)."""
+    from whalepy._tiling import tileable_modules
+    from whalepy.passes.profile import shares_params
 
-    linears: dict[str, list[tuple[str, int]]] = {}
-    out: dict[str, dict[str, int]] = {}
-    for st in plan.stages:
-        for b in st.blocks:
-            if b.tiles > 1:
-                found = tileable_linears(model, block_modules[b.name])
-                linears[b.name] = [(n, m.out_features) for n, m in found]
-                out[b.name] = {n: b.tiles for n, _ in found}
-    check_tiles(plan, linears)
-    return out
+    shared = {b.name for st in plan.stages for b in st.blocks
+              if b.tiles > 1 and shares_params(model, tuple(block_modules[b.name]))}
+    check_tiles(plan, shared)
+    return {b.name: {n: min(b.tiles, _rows(m)) for n, m in tileable_modules(model, block_modules[b.name])}
+            for st in plan.stages for b in st.blocks if b.tiles > 1}
 
 
 def tile_model(root: nn.Module, tiling: dict[str, int]) -> int:
-    """Replace each linear ``path`` of ``tiling`` in ``root`` (the model or a pipeline stage holding the
-    block) by a :class:`TiledLinear` of ``tiling[path]`` tiles (values copied; meta stays meta). Returns
-    the linears tiled."""
+    """Replace each module ``path`` of ``tiling`` in ``root`` (the model or a pipeline stage holding the
+    block) by its tiled module of ``tiling[path]`` tiles (values copied; meta stays meta). Returns the
+    modules tiled."""
     if tiling:
         # a tile's output is a view (F.linear of a 3-D input) only ever read by TiledLinear's torch.cat,
         # never modified in place: FSDP2's warning about in-place ops on it does not apply
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPLinear\) returned a view tensor")
     n = 0
     for path, tiles in tiling.items():
-        lin = root.get_submodule(path)
-        if not isinstance(lin, nn.Linear):
+        m = root.get_submodule(path)
+        if isinstance(m, _TILED):
             continue  # already tiled
         parent, _, field = path.rpartition(".")
-        setattr(root.get_submodule(parent) if parent else root, field, _split_linear(lin, tiles))
+        split = _split_embedding(m, tiles) if isinstance(m, nn.Embedding) else _split_linear(m, tiles)
+        setattr(root.get_submodule(parent) if parent else root, field, split)
         n += 1
     return n
 
 
-def tile_modules(module: nn.Module) -> list[nn.Linear]:
-    """The tiles of every :class:`TiledLinear` inside ``module`` (itself included), in module order."""
-    return [t for m in module.modules() if isinstance(m, TiledLinear) for t in m.tiles]
+def tile_modules(module: nn.Module) -> list[nn.Module]:
+    """The tiles of every tiled module inside ``module`` (itself included), in module order."""
+    return [t for m in module.modules() if isinstance(m, _TILED) for t in m.tiles]
 
 
 def tiled_layout(modules: Iterable[nn.Module]) -> dict[str, list[int]]:
-    """Original linear path -> rows of each tile, for every :class:`TiledLinear` in ``modules`` (the
-    lowered model or its pipeline stages, whose names are the original ones)."""
-    return {name: [t.out_features for t in m.tiles] for root in modules
-            for name, m in root.named_modules() if isinstance(m, TiledLinear)}
+    """Original module path -> rows of each tile, for every tiled module in ``modules`` (the lowered
+    model or its pipeline stages, whose names are the original ones)."""
+    return {name: [_rows(t) for t in m.tiles] for root in modules
+            for name, m in root.named_modules() if isinstance(m, _TILED)}
 
 
 def tile_origins(modules: Iterable[nn.Module]) -> dict[str, tuple[str, int, int]]:
