@@ -317,7 +317,8 @@ def homogeneous_baseline(profile: ModelProfile, cluster: ClusterSpec, *, global_
     ev = result.best
     assert ev is not None
     cand = ev.coeffs.candidate
-    ctx = CostContext(profile, hw, precision=opts.precision, sequence_parallel=opts.sequence_parallel)
+    ctx = CostContext(profile, hw, precision=opts.precision, sequence_parallel=opts.sequence_parallel,
+                      clip_gradients=opts.clip_gradients)
     S = cand.num_stages
     ckpts = [list(ev.stages[j % S].chunk_checkpoints[j // S]) for j in range(cand.num_virtual)]
     offs = [list(ev.stages[j % S].chunk_offloads[j // S]) for j in range(cand.num_virtual)]

@@ -314,10 +314,12 @@ class CostContext:
     """Caches block-level costs shared across candidates of one planning run."""
 
     def __init__(self, profile: ModelProfile, hw: Hardware, *, precision: str = "bf16",
-                 sequence_parallel: bool | None = None) -> None:
+                 sequence_parallel: bool | None = None, clip_gradients: bool = False) -> None:
         self.profile = profile
         self.hw = hw
         self.precision = precision
+        self.clip_gradients = clip_gradients
+        """The run clips gradients (``PlannerOptions.clip_gradients``): ZeRO-Offload steps after backward."""
         # Sequence parallelism is on when the profile carries SEQUENCE rules (the runtime lowers them).
         self.sequence_parallel = (has_sequence_rules(profile) if sequence_parallel is None
                                   else sequence_parallel)
