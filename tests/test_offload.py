@@ -102,7 +102,8 @@ def test_offload_modes_match_single_process():
     assert names == {c["name"] for c in CASES}
 
 
-HELD_CASES = [(z, "cpu-optimizer", "fp32") for z in (0, 1, 2, 3)] + [(z, "cpu-optimizer", "bf16") for z in (0, 3)]
+HELD_CASES = [(z, "cpu-optimizer", "fp32") for z in (0, 1, 2, 3)] + [(z, "cpu-optimizer", "bf16") for z in (0, 3)] + [
+    (2, "cpu-optimizer", "fp16")]
 
 
 @pytest.mark.distributed
