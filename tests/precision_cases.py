@@ -193,8 +193,8 @@ class _Holder:
         self.module = module
 
 
-OFFLOAD_KEYS = ("param_tier", "optimizer_tier", "activation_offload")
-"""Case keys passed through to ``make_plan`` for every block."""
+OFFLOAD_KEYS = ("param_tier", "optimizer_tier", "activation_offload", "tiers")
+"""Case keys passed through to ``make_plan`` (for every block; ``tiers``: per block)."""
 
 
 def numerics(cases: list[dict[str, Any]], steps: int = 3) -> list[dict[str, Any]]:

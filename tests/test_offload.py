@@ -51,6 +51,9 @@ CASES = [dict(name=f"ZeRO-Offload z{z}", precision="fp32", dp=2, zero=z, **HOST_
     dict(name="ZeRO-Offload z2 fp32 clipped", precision="fp32", dp=2, zero=2, max_grad_norm=0.05, **HOST_OPT),
     dict(name="ZeRO-Offload PP fp16 clipped overflow", precision="fp16", pp=2, microbatches=2, schedule="1f1b",
          loss_factor=6.0, max_grad_norm=0.05, **HOST_OPT),
+    # one stage: device-stepped DTensor gradients (device and FSDP2 host shards) beside the host optimizer's
+    dict(name="ZeRO-Offload z3 fp16 mixed tiers clipped overflow", precision="fp16", dp=2, zero=3, loss_factor=6.0,
+         max_grad_norm=0.05, tiers={"embed": ("gpu", "gpu"), "head": ("cpu", "cpu")}, **HOST_OPT),
 ]
 """``loss_factor`` 6 (measured, as ``amp_resume_cases.LOSS_FACTOR``): at the initial loss scale 65536 the
 first step's fp16 gradients overflow, both on 2 ranks and in one process; every rank skips it and the

@@ -9,11 +9,12 @@ in the same call as the device ones, all-reduces one "found inf" over the world,
 steps both or neither.
 
 The scaler all-reduces one flag per device its gradients are on. So that every rank issues the same
-collectives whatever it holds (a pipeline stage without device parameters, or without host blocks),
+collectives whatever it holds (a pipeline stage without device parameters, or without host blocks; a
+stage whose FSDP2 ``CPUOffloadPolicy`` blocks have host gradients beside another's device gradients),
 the joint optimizer carries a zero one-element gradient on the compute device first and, on an
 accelerator, one on the host: every rank then has flags for the same devices in the same order.
-Every rank steps through a :class:`JointStep` as soon as any stage of the plan has ZeRO-Offload blocks
-that step after backward.
+Every rank steps through a :class:`JointStep` under fp16, and with clipping as soon as any stage of the
+plan has ZeRO-Offload blocks.
 """
 
 from __future__ import annotations
@@ -23,33 +24,44 @@ from typing import Any
 import torch
 from torch import nn
 
-from whalepy.runtime.host_optimizer import HostOptimizer, as_shard_of
+from whalepy.runtime.host_optimizer import HostOptimizer, as_shard_of, local_tensor
 
 __all__ = ["JointStep", "host_grad_params"]
 
 
-def _sentinel(device: torch.device) -> nn.Parameter:
-    p = nn.Parameter(torch.zeros(1, device=device))
-    p.grad = torch.zeros(1, device=device)
-    return p
+class _Grad:
+    """What the scaler reads of a parameter: ``.grad``, a plain tensor."""
+
+    def __init__(self, grad: torch.Tensor) -> None:
+        self.grad = grad
 
 
 class JointStep:
     """The device optimizer (or None) and the host optimizer (or None) as one optimizer: what
-    ``GradScaler.unscale_`` / ``step`` and the clipping read (``param_groups``), ``step`` and
-    ``zero_grad``. Call :meth:`HostOptimizer.finish` before using it in a training step."""
+    ``GradScaler.unscale_`` / ``step`` read (``param_groups``), ``step`` and ``zero_grad``. Call
+    :meth:`HostOptimizer.finish` before using it in a training step."""
 
     def __init__(self, device_optimizer: torch.optim.Optimizer | None, host: HostOptimizer | None,
                  device: torch.device) -> None:
         self.device_optimizer = device_optimizer
         self.host = host
-        sentinels = [_sentinel(device)] + ([_sentinel(torch.device("cpu"))] if device.type != "cpu" else [])
-        groups: list[dict[str, Any]] = [{"params": sentinels}]
-        if device_optimizer is not None:
-            groups += device_optimizer.param_groups
-        if host is not None:
-            groups.append({"params": [m for b in host.blocks for m in b.masters]})
-        self.param_groups = groups
+        self._sentinels = [torch.zeros(1, device=device)] + (
+            [torch.zeros(1)] if device.type != "cpu" else [])
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """One group of this step's gradients, each as a plain tensor: the sentinels, the device
+        optimizer's (a DTensor's local shard: unscaling is element-wise, and the scaler all-reduces
+        "found inf" over the world, which covers every shard; torch's DTensor rule for the unscale
+        would instead reduce it over the first gradient's mesh, and cannot take plain tensors of the
+        same device and dtype in the same call), the host's (:meth:`HostOptimizer.host_grads`)."""
+        grads = list(self._sentinels)
+        if self.device_optimizer is not None:
+            grads += [local_tensor(p.grad) for g in self.device_optimizer.param_groups for p in g["params"]
+                      if p.grad is not None]
+        if self.host is not None and not self.host.step_in_backward:
+            grads += [g for _, g in self.host.host_grads()]
+        return [{"params": [_Grad(g) for g in grads]}]
 
     def step(self) -> None:
         if self.device_optimizer is not None:

@@ -48,12 +48,12 @@ from torch import nn
 
 from whalepy._errors import WhalepyError
 
-__all__ = ["MASTER_KEY", "HostOptimizer", "HostStateView"]
+__all__ = ["MASTER_KEY", "HostOptimizer", "HostStateView", "as_shard_of", "local_tensor"]
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return t._local_tensor if isinstance(t, DTensor) else t
@@ -92,7 +92,7 @@ class _Block:
         self.masters: list[torch.Tensor] = []
         self.grads: list[torch.Tensor] = []
         for p in params:
-            local = _local(p.detach())
+            local = local_tensor(p.detach())
             master = torch.empty(local.shape, dtype=torch.float32, pin_memory=pin)
             master.copy_(local)
             self.masters.append(nn.Parameter(master))
@@ -227,7 +227,7 @@ class HostOptimizer:
             for b in self.blocks:
                 for m, p in zip(b.masters, b.params):
                     if p.dtype == m.dtype:
-                        m.copy_(_local(p.detach()))
+                        m.copy_(local_tensor(p.detach()))
 
     def _init_states(self) -> None:
         for b in self.blocks:
@@ -252,7 +252,7 @@ class HostOptimizer:
     def _on_grad(self, p: nn.Parameter) -> None:
         """FSDP2's post-reduce point for ``p``: its shard's gradient leaves the device."""
         b, i = self._owner[id(p)]
-        grad = _local(p.grad)
+        grad = local_tensor(p.grad)
         b.grads[i].copy_(grad, non_blocking=self.cuda)
         p.grad = None
         b.arrived.add(i)
@@ -284,11 +284,11 @@ class HostOptimizer:
             if self.cuda:
                 with torch.cuda.stream(self._copy_stream):
                     for p, m in zip(b.params, b.masters):
-                        _local(p.data).copy_(m, non_blocking=True)
+                        local_tensor(p.data).copy_(m, non_blocking=True)
                     b.copied = self._copy_stream.record_event()
             else:
                 for p, m in zip(b.params, b.masters):
-                    _local(p.data).copy_(m)
+                    local_tensor(p.data).copy_(m)
         with self._lock:
             self.timeline.append((b.name, start, time.perf_counter()))
 

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from whalepy._capabilities import check_pipeline, host_steps_after_backward, state_option_error, steps_on_host
+from whalepy._capabilities import check_pipeline, host_steps_after_backward, steps_on_host
 from whalepy._errors import ArgumentError, LaunchError, PlanError, WhalepyError
 from whalepy._log import info_once, is_rank0, warn_once
 from whalepy._pseudo_to_real import PseudoBuild, record_pseudo
@@ -382,13 +382,6 @@ class ParallelModel:
         self.loss_parallel = loss_parallel
         self.max_grad_norm = max_grad_norm
         self.last_grad_norm: float | None = None
-        if max_grad_norm is not None:
-            for st in plan.stages:
-                for b in st.blocks:
-                    reason = state_option_error(st.zero_stage, b.param_tier, b.optimizer_tier, clip_gradients=True)
-                    if reason is not None:
-                        raise WhalepyError(f"block {b.name}: {reason} (whalepy.plan(..., clip_gradients=True) "
-                                           "plans without it)")
         if is_rank0():
             for line in plan_log_lines(plan):
                 log.info("%s", line)
@@ -524,10 +517,11 @@ class ParallelModel:
             log.info("whalepy: %d blocks keep parameters and / or optimizer states in files under %s",
                      len(nvme_blocks), self.nvme.directory)
         self.amp = AmpContext(plan.precision, device)
-        # ZeRO-Offload stepping after backward anywhere in the plan: every rank steps both optimizers as one
+        # fp16, or ZeRO-Offload stepping after backward anywhere in the plan: every rank steps its
+        # optimizers as one, with gradients on the same devices for the scaler (see _joint_step.py)
         self._joint: JointStep | None = None
-        if after_backward and any(steps_on_host(b.param_tier, b.optimizer_tier)
-                                  for st in plan.stages for b in st.blocks):
+        if self.amp.scaler is not None or (after_backward and any(
+                steps_on_host(b.param_tier, b.optimizer_tier) for st in plan.stages for b in st.blocks)):
             self._joint = JointStep(self.optimizer, self.host_optimizer, device)
         self.schedule = None
         if pp > 1:
