@@ -158,12 +158,13 @@ def test_state_options_follow_the_capability() -> None:
     assert new <= set(build_state_options((3,), True, precision="bf16", clip_gradients=True))
 
 
-@pytest.mark.parametrize("seed", [4, 12, 16])  # seeds whose plan offloads (checked below; 18 did until
-# reducing every micro-batch on the device beat offloading it)
-def test_ilp_matches_exhaustive_with_every_tier(monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
+@pytest.mark.parametrize("seed,clip", [(4, False), (12, False), (16, False), (4, True)])  # seeds whose plan
+# offloads (checked below; 18 did until reducing every micro-batch on the device beat offloading it)
+def test_ilp_matches_exhaustive_with_every_tier(monkeypatch: pytest.MonkeyPatch, seed: int, clip: bool) -> None:
     """The ILP's offload rows (fetches, ZeRO-Offload's overlap with backward, host and NVMe capacity)
     cost what the evaluation costs: on small generated instances with every tier open and host memory
-    and NVMe given, the ILP's plan is the exhaustive optimum."""
+    and NVMe given, the ILP's plan is the exhaustive optimum; also with clipping (ZeRO-Offload's CPU
+    step then after the backward)."""
     from whalepy._errors import InfeasibleError
     from whalepy.planner import plan_from_profile
     import test_planner_optimality as opt
@@ -176,7 +177,7 @@ def test_ilp_matches_exhaustive_with_every_tier(monkeypatch: pytest.MonkeyPatch,
     for solver in ("highs", "exhaustive"):
         try:
             plans[solver] = plan_from_profile(prof, c, global_batch=gb, solver=solver, max_microbatches=4,
-                                              schedules=("1f1b",))
+                                              schedules=("1f1b",), clip_gradients=clip)
             out[solver] = plans[solver].cost.step_time_s
         except InfeasibleError:
             out[solver] = None
