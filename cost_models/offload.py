@@ -112,7 +112,8 @@ class StepTraffic:
         return self.serial * num_params + max(0.0, self.overlap * num_params - hide_s)
 
 
-def zero_offload_step(rates: OffloadRates, *, grad_bytes: float, param_bytes: float) -> StepTraffic:
+def zero_offload_step(rates: OffloadRates, *, grad_bytes: float, param_bytes: float,
+                      after_backward: bool = False) -> StepTraffic:
     """ZeRO-Offload (Ren et al., ATC'21, section 4.1): gradients stream to the host block by block
     during backward (``grad_bytes`` per parameter down), the CPU steps each block's parameters as its
     gradients arrive, and the updated compute-dtype parameters (``param_bytes``) stream back.
@@ -121,9 +122,16 @@ def zero_offload_step(rates: OffloadRates, *, grad_bytes: float, param_bytes: fl
     throughput is set by the slower one: ``overlap = max(grad / d2h, 1 / cpu_adam)`` per parameter,
     hidden as far as the last micro-batch's backward lasts. The parameters' way back must finish before
     the next forward: ``serial = param / h2d`` (no one-step delayed update, which changes the
-    numerics)."""
+    numerics).
+
+    ``after_backward`` (fp16 loss scaling or gradient clipping,
+    :func:`whalepy._capabilities.host_steps_after_backward`): the gradients still stream down during
+    the backward (``overlap = grad / d2h``), but the CPU step waits for the whole backward and nothing
+    of it is hidden: ``serial = 1 / cpu_adam + param / h2d``."""
     if grad_bytes < 0 or param_bytes < 0:
         raise ValueError(f"grad_bytes ({grad_bytes}) and param_bytes ({param_bytes}) must be >= 0")
+    if after_backward:
+        return StepTraffic(serial=1.0 / rates.cpu_adam + param_bytes / rates.h2d, overlap=grad_bytes / rates.d2h)
     return StepTraffic(serial=param_bytes / rates.h2d, overlap=max(grad_bytes / rates.d2h, 1.0 / rates.cpu_adam))
 
 

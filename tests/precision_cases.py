@@ -137,11 +137,17 @@ def _one_rank_mesh() -> Any:
     return DeviceMesh.from_group(mine, "cpu")
 
 
-def reference_run(precision: str, fsdp: bool, data: list, mesh: Any = None) -> tuple[list[float], dict]:
+def reference_run(precision: str, fsdp: bool, data: list, mesh: Any = None, *, loss_factor: float = 1.0,
+                  max_grad_norm: float | None = None, skip: tuple[bool, ...] = ()) -> dict[str, Any]:
     """One process, the same precision policy as the runtime's lowering: forward and loss under
     ``torch.autocast`` (bf16 / fp16); with ``fsdp`` the model is also ``fully_shard``-ed per block and
     at the root on a one-rank mesh with the same ``MixedPrecisionPolicy`` (low-precision parameters for
-    compute, fp32 reduction). fp16 scales the loss with a (one-rank) GradScaler, as the runtime does."""
+    compute, fp32 reduction). fp16 scales the loss with a (one-rank) GradScaler, as the runtime does.
+
+    The loss trained is ``lm_loss`` times ``loss_factor``; ``max_grad_norm``: gradients (unscaled)
+    clipped by ``clip_grad_norm_`` before each step; ``skip``: steps not taken (as an fp16 run skips
+    them). Returns ``losses``, ``params``, per step the loss ``scales`` after it and whether it was
+    ``skipped`` (fp16: the scale backed off), and the clipping's ``norms``."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
@@ -156,21 +162,30 @@ def reference_run(precision: str, fsdp: bool, data: list, mesh: Any = None) -> t
         fully_shard(model, mesh=mesh, reshard_after_forward=True, mp_policy=mp)
     opt = adamw(model.parameters())
     scaler = torch.amp.GradScaler("cpu") if precision == "fp16" else None
-    losses = []
-    for x, y in data:
+    out: dict[str, Any] = {"losses": [], "scales": [], "skipped": [], "norms": []}
+    for i, (x, y) in enumerate(data):
         with torch.autocast("cpu", dtype=low, enabled=low is not None):
-            loss = lm_loss(model(x), y)
+            loss = lm_loss(model(x), y) * loss_factor
         (scaler.scale(loss) if scaler else loss).backward()
+        if max_grad_norm is not None:
+            if scaler:
+                scaler.unscale_(opt)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+            out["norms"].append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+        before = scaler.get_scale() if scaler else 1.0
         if scaler:
             scaler.step(opt)
             scaler.update()
-        else:
+        elif not (skip and skip[i]):
             opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        out["losses"].append(loss.item())
+        out["scales"].append(scaler.get_scale() if scaler else 1.0)
+        out["skipped"].append(out["scales"][-1] < before)
     from runtime_cases import full_params
 
-    return losses, full_params(_Holder(model))
+    out["params"] = full_params(_Holder(model))
+    return out
 
 
 class _Holder:
@@ -178,20 +193,32 @@ class _Holder:
         self.module = module
 
 
-OFFLOAD_KEYS = ("param_tier", "optimizer_tier", "activation_offload")
-"""Case keys passed through to ``make_plan`` for every block."""
+OFFLOAD_KEYS = ("param_tier", "optimizer_tier", "activation_offload", "tiers")
+"""Case keys passed through to ``make_plan`` (for every block; ``tiers``: per block)."""
 
 
 def numerics(cases: list[dict[str, Any]], steps: int = 3) -> list[dict[str, Any]]:
     """For each case (``name``, ``precision``, ``dp``/``tp``/``pp``/``zero``, optionally the
-    :data:`OFFLOAD_KEYS`): losses and final
-    parameters of the lowered plan against the single-process run with its precision policy."""
+    :data:`OFFLOAD_KEYS`, a ``loss_factor`` the loss is multiplied by and a ``max_grad_norm``): losses
+    and final parameters of the lowered plan against the single-process run with its precision policy
+    (and the same loss factor and clipping), the loss scale after each step on both sides, the
+    clipping's global norms on both sides.
+
+    ``precision_noise`` is measured against the fp32 single-process run that takes the same steps (an
+    fp16 run skips those whose gradients overflowed; the fp32 run then skips them too)."""
     from runtime_cases import Case, full_params, make_case_plan
     from whalepy.runtime import parallelize
 
     mesh = _one_rank_mesh()
     data = batches(GLOBAL_BATCH, steps)
-    refs: dict[tuple[str, bool], Any] = {}
+    refs: dict[tuple, Any] = {}
+
+    def reference(precision: str, fsdp: bool, factor: float, clip: float | None, skip: tuple = ()) -> Any:
+        key = (precision, fsdp, factor, clip, skip)
+        if key not in refs:
+            refs[key] = reference_run(precision, fsdp, data, mesh, loss_factor=factor, max_grad_norm=clip, skip=skip)
+        return refs[key]
+
     out = []
     for c in cases:
         case = Case(c["name"], dp=c.get("dp", 1), tp=c.get("tp", 1), pp=c.get("pp", 1), zero=c.get("zero", 0),
@@ -199,19 +226,23 @@ def numerics(cases: list[dict[str, Any]], steps: int = 3) -> list[dict[str, Any]
                     global_batch=GLOBAL_BATCH, steps=steps,
                     extra={"precision": c["precision"], **{k: c[k] for k in OFFLOAD_KEYS if k in c}})
         plan = make_case_plan(case)
-        pm = parallelize(build_model("gpt"), None, example_inputs=(data[0][0][:2],), loss_fn=lm_loss,
-                         optimizer=adamw, global_batch=GLOBAL_BATCH, plan=plan, profile=case_profile("gpt"))
+        factor, clip = c.get("loss_factor", 1.0), c.get("max_grad_norm")
+        pm = parallelize(build_model("gpt"), None, example_inputs=(data[0][0][:2],),
+                         loss_fn=(lambda out, y, _f=factor: lm_loss(out, y) * _f) if factor != 1.0 else lm_loss,
+                         optimizer=adamw, global_batch=GLOBAL_BATCH, plan=plan, profile=case_profile("gpt"),
+                         max_grad_norm=clip)
         fsdp = pm.dp_kind.value == "fsdp2"
-        key = (c["precision"], fsdp)
-        if key not in refs:
-            refs[key] = reference_run(c["precision"], fsdp, data, mesh)
-        ref_losses, ref_params = refs[key]
-        losses = [pm.train_step(x, y).item() for x, y in data]
+        ref = reference(c["precision"], fsdp, factor, clip)
+        ref_losses, ref_params = ref["losses"], ref["params"]
+        losses, scales, norms = [], [], []
+        for x, y in data:
+            losses.append(pm.train_step(x, y).item())
+            scales.append(pm.amp.loss_scale())
+            norms.append(pm.last_grad_norm)
         params = full_params(pm)
         init = build_model("gpt").state_dict()
-        if ("fp32", False) not in refs:
-            refs[("fp32", False)] = reference_run("fp32", False, data, mesh)
-        fp32_params = refs[("fp32", False)][1]
+        skip = tuple(ref["skipped"]) if any(ref["skipped"]) else ()
+        fp32_params = reference("fp32", False, factor, clip, skip)["params"]
 
         def distance(a: dict, b: dict) -> float:
             return sum(((a[k] - b[k]) ** 2).sum().item() for k in params) ** 0.5
@@ -223,7 +254,8 @@ def numerics(cases: list[dict[str, Any]], steps: int = 3) -> list[dict[str, Any]
             "name": c["name"], "precision": c["precision"], "kind": pm.dp_kind.value,
             "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
             "param_err": max((params[k] - ref_params[k]).abs().max().item() for k in params),
-            "losses": losses, "ref": ref_losses,
+            "losses": losses, "ref": ref_losses, "scales": scales, "ref_scales": ref["scales"],
+            "skipped": ref["skipped"], "norms": norms, "ref_norms": ref["norms"],
             "host_blocks": (pm.host_optimizer.queued_in_backward, len(pm.host_optimizer.blocks))
             if pm.host_optimizer is not None else None})
     return out

@@ -79,7 +79,8 @@ def test_state_options_offered_are_the_ones_lowered():
                      (Tier.CPU, Tier.GPU), (Tier.NVME, Tier.NVME), (Tier.CPU, Tier.NVME)}  # (optimizer, parameters)
     assert "optimizer_tier to 'nvme' or 'cpu'" in state_option_error(3, "nvme", "gpu")
     assert "CPUOffloadPolicy" in state_option_error(2, "cpu", "gpu")
-    assert "fp16" in state_option_error(2, "gpu", "cpu", precision="fp16")
+    # ZeRO-Offload in fp16 and with clipping (its host step then comes after the backward)
+    assert set(build_state_options((0, 1, 2, 3), True, "fp16", clip_gradients=True)) == set(options)
 
 
 def test_model_state_accounting_by_lowering_kind():
@@ -204,6 +205,8 @@ RESUME_CASES = [
     # also loaded by a plan that steps on the device (its fp32 FSDP2 shards take the masters)
     dict(name="ZeRO-Offload z3 bf16", precision="bf16", dp=2, zero=3, extra={"optimizer_tier": "cpu"},
          load_into={"extra": {}}),
+    # fp16 ZeRO-Offload: the host steps after the backward, the scaler's state resumes with the masters
+    dict(name="ZeRO-Offload z2 fp16", precision="fp16", dp=2, zero=2, extra={"optimizer_tier": "cpu"}),
     # full_state_dict of several stages: each stage gathers its masters, rank 0 receives them
     dict(name="PP ZeRO-Offload bf16", precision="bf16", pp=2, microbatches=2, extra={"optimizer_tier": "cpu"}),
 ]
@@ -222,7 +225,9 @@ def test_mixed_precision_runs_resume_exactly(tmp_path):
     steps (the scale at the cut is not the initial one), and every rank resumes with the scale and
     growth tracker of the straight run; a checkpoint without the scaler's state loads with the initial
     scale and one warning. bf16 ZeRO-Offload: ``full_state_dict`` returns the fp32 host masters (not
-    bf16 numbers), they resume exactly, and a plan stepping on the device loads them exactly."""
+    bf16 numbers), they resume exactly, and a plan stepping on the device loads them exactly. fp16
+    ZeRO-Offload (its host optimizer steps after the backward): masters, host Adam states and scaler
+    resume exactly, the skipped first steps included."""
     from amp_resume_cases import resume_cases
 
     per_rank = run_distributed(resume_cases, 2, RESUME_CASES, str(tmp_path), timeout=600)

@@ -56,6 +56,7 @@ __all__ = [
     "schedule_error",
     "sequence_parallel_error",
     "disk_tier_file_bytes",
+    "host_steps_after_backward",
     "staging_slots",
     "shared_unit_tiers_error",
     "stage_tiers_error",
@@ -151,6 +152,19 @@ def steps_on_host(param_tier: Tier | str, optimizer_tier: Tier | str) -> bool:
     return Tier(param_tier) is Tier.GPU and Tier(optimizer_tier) is Tier.CPU
 
 
+def host_steps_after_backward(precision: Precision | str | None, clip_gradients: bool = False) -> bool:
+    """Whether ZeRO-Offload's host optimizer (:func:`steps_on_host` blocks) steps after the whole backward
+    rather than block by block during it: under fp16 (dynamic loss scaling skips the step when any
+    gradient anywhere overflowed, known only after the backward) and with gradient clipping
+    (``clip_gradients``: the global norm needs every gradient). The gradients still leave the device
+    block by block during the backward; the host then unscales them, clips them with the device's, and
+    steps (or skips) every block, as ZeRO-Offload's fp16 runs do (Ren et al., ATC'21, section 4.1, without
+    the one-step delayed update). bf16 / fp32 without clipping keep the overlapped step. The runtime
+    (:class:`whalepy.runtime.host_optimizer.HostOptimizer`) and the cost model
+    (:func:`whalepy.cost_models.offload.zero_offload_step`) both ask this."""
+    return clip_gradients or (precision is not None and Precision(precision) is Precision.FP16)
+
+
 def state_option_error(zero: ZeroStage | int, param_tier: Tier | str, optimizer_tier: Tier | str, *,
                        precision: Precision | str | None = None, clip_gradients: bool = False) -> str | None:
     """Why the runtime cannot lower this state option, or None when it can.
@@ -160,29 +174,20 @@ def state_option_error(zero: ZeroStage | int, param_tier: Tier | str, optimizer_
     :mod:`whalepy.runtime.nvme`); parameters AND optimizer states on the host (FSDP2
     ``CPUOffloadPolicy``, which moves parameters, gradients and optimizer states together; any ZeRO
     stage, lowered to FSDP2); parameters on the device with optimizer states on the host (ZeRO-Offload,
-    :mod:`whalepy.runtime.host_optimizer`; any ZeRO stage, lowered to FSDP2; not under fp16, see below);
+    :mod:`whalepy.runtime.host_optimizer`; any ZeRO stage, lowered to FSDP2, in every precision);
     parameters on NVMe with optimizer states on NVMe or the host (ZeRO-Infinity: FSDP2
     ``CPUOffloadPolicy`` host shards whose home is a file, staged ahead of use; any ZeRO stage, lowered
     to FSDP2). Not lowered: parameters on the host or NVMe with optimizer states on the device.
 
-    ``precision`` (when given): fp16's dynamic loss scaling skips a step when any gradient anywhere
-    overflowed, which is known only after the whole backward, while ZeRO-Offload steps each block's
-    optimizer during the backward; so ``(gpu, cpu)`` is refused under fp16, and for the same reason when
-    ``clip_gradients`` (``parallelize(max_grad_norm=...)``: the global norm is known only after the
-    whole backward)."""
+    ``precision`` and ``clip_gradients`` (``parallelize(max_grad_norm=...)``) refuse nothing today; they
+    change how ZeRO-Offload is lowered (:func:`host_steps_after_backward`): under fp16 or with clipping
+    its host optimizer steps after the whole backward, not during it, because whether to skip the step
+    (fp16 loss scaling) and the global gradient norm are known only then."""
     ZeroStage(zero)
     pt, ot = Tier(param_tier), Tier(optimizer_tier)
     if pt is Tier.NVME and ot is Tier.GPU:
         return ("param_tier='nvme' with optimizer_tier='gpu' is not lowered: NVMe parameters are FSDP2 host "
                 "shards, which keep their optimizer states on the host; set optimizer_tier to 'nvme' or 'cpu'")
-    if pt is Tier.GPU and ot is Tier.CPU and clip_gradients:
-        return ("optimizer_tier='cpu' with param_tier='gpu' (ZeRO-Offload) with gradient clipping "
-                "(max_grad_norm): the host optimizer steps each block during backward, before the global "
-                "gradient norm is known; drop max_grad_norm, or set both tiers to 'cpu'")
-    if pt is Tier.GPU and ot is Tier.CPU and precision is not None and Precision(precision) is Precision.FP16:
-        return ("optimizer_tier='cpu' with param_tier='gpu' (ZeRO-Offload) is not lowered under fp16: the "
-                "host optimizer steps during backward, before loss scaling knows whether to skip the step; "
-                "use precision 'bf16' or 'fp32', or set both tiers to 'cpu'")
     if pt is Tier.CPU and ot is Tier.GPU:
         return ("param_tier='cpu' with optimizer_tier='gpu' is not lowered: FSDP2's CPUOffloadPolicy keeps "
                 "optimizer states with the parameters on the host; set optimizer_tier to 'cpu' or 'nvme'")
@@ -362,8 +367,8 @@ def reduce_every_microbatch_error(kind: LoweringKind | str, *, pp: int, param_ti
     or None. Lowered where whalepy's own accumulation loop drives FSDP2
     (``set_requires_gradient_sync(True)`` for every micro-batch): FSDP2 lowering, no pipeline stages
     (``torch.distributed.pipelining`` decides when a stage's gradients are reduced), and not ZeRO-Offload
-    (``(gpu, cpu)``: its host optimizer steps a block as soon as its gradients are reduced, which must
-    happen once per step)."""
+    (``(gpu, cpu)``: the host takes a block's gradients when they are reduced, and steps it then or
+    after the backward, so they must be reduced once per step)."""
     if LoweringKind(kind) is not LoweringKind.FSDP:
         return ("reduce_every_microbatch needs the FSDP2 lowering (ZeRO-3, or ZeRO-1/2 with offload); "
                 f"this stage lowers to {LoweringKind(kind).value}: drop it")
@@ -372,8 +377,8 @@ def reduce_every_microbatch_error(kind: LoweringKind | str, *, pp: int, param_ti
                 "reduces each stage's gradients once, after its last backward; drop it or use pp=1")
     if steps_on_host(param_tier, optimizer_tier):
         return ("reduce_every_microbatch with ZeRO-Offload (parameters on the device, optimizer states on "
-                "the host) is not lowered: the host optimizer steps each block when its gradients are "
-                "reduced; drop it, or set both tiers to 'cpu'")
+                "the host) is not lowered: the host copies (and may step) each block when its gradients "
+                "are reduced, once a step; drop it, or set both tiers to 'cpu'")
     return None
 
 

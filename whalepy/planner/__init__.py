@@ -88,8 +88,9 @@ class PlannerOptions:
     """Plan as if every GPU were the cluster's slowest type (uniform batch shares), then cost that plan
     on the real cluster: the baseline hardware-aware planning is compared against."""
     clip_gradients: bool = False
-    """The run clips gradients by their global norm (``parallelize(max_grad_norm=...)`` sets it): the
-    planner then does not offer ZeRO-Offload, whose host optimizer steps before that norm is known."""
+    """The run clips gradients by their global norm (``parallelize(max_grad_norm=...)`` sets it):
+    ZeRO-Offload's host optimizer then steps after the backward (the norm needs every gradient), and its
+    CPU step is costed as exposed in full (:func:`whalepy._capabilities.host_steps_after_backward`)."""
     memory_trace: Any = None
     """A :class:`~whalepy.trace.MemoryTrace` (or its JSON path) of one warm-up iteration of this model:
     the planner charges its measured activation bytes per block instead of the profile's estimate
@@ -317,7 +318,8 @@ def homogeneous_baseline(profile: ModelProfile, cluster: ClusterSpec, *, global_
     ev = result.best
     assert ev is not None
     cand = ev.coeffs.candidate
-    ctx = CostContext(profile, hw, precision=opts.precision, sequence_parallel=opts.sequence_parallel)
+    ctx = CostContext(profile, hw, precision=opts.precision, sequence_parallel=opts.sequence_parallel,
+                      clip_gradients=opts.clip_gradients)
     S = cand.num_stages
     ckpts = [list(ev.stages[j % S].chunk_checkpoints[j // S]) for j in range(cand.num_virtual)]
     offs = [list(ev.stages[j % S].chunk_offloads[j // S]) for j in range(cand.num_virtual)]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from whalepy._capabilities import LoweringKind
+from whalepy._capabilities import LoweringKind, host_steps_after_backward
 from whalepy.cost_models.compute import estimate_compute_time, precision_bytes
 from whalepy.cost_models.memory import MASTER_GRAD_BYTES, MASTER_PARAM_BYTES
 from whalepy.cost_models.offload import (
@@ -67,7 +67,8 @@ def offload_coefficients(ctx: CostContext, cand: Candidate, g: GroupView, allowe
         # (``nvme`` is the peak while a step writes: two generations)
         nvme_bytes = _states(ctx, cand, o).nvme_between_steps
         if o.param_tier is Tier.GPU and o.optimizer_tier is Tier.CPU:
-            traffic = zero_offload_step(rates, grad_bytes=low, param_bytes=low)
+            traffic = zero_offload_step(rates, grad_bytes=low, param_bytes=low,
+                                        after_backward=host_steps_after_backward(ctx.precision, ctx.clip_gradients))
             opt[o], overlap[o] = traffic.serial * share, traffic.overlap * share
         elif o.param_tier is Tier.GPU:  # optimizer states in files, stepped on the device
             opt[o] = gpu_step * share + device_step_nvme(rates, state_bytes=nvme_bytes).serial

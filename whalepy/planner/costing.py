@@ -34,7 +34,8 @@ after TP:
 - ``opt``: the optimizer step on the GPU (roofline of :data:`~whalepy.planner._offload_costs.ADAM_FLOPS_PER_PARAM` /
   :data:`~whalepy.planner._offload_costs.ADAM_BYTES_PER_PARAM`), or off it as :mod:`whalepy.cost_models.offload` prices each mode:
   ZeRO-Offload (parameters on the GPU, optimizer on the host) streams gradients down and steps on the
-  CPU beside the last micro-batch's backward, exposed only past it, then copies parameters back;
+  CPU beside the last micro-batch's backward, exposed only past it (under fp16 or clipping the CPU
+  step comes after the backward, exposed in full), then copies parameters back;
   host-resident parameters step on the CPU after backward; NVMe states are read and written around
   the step;
 - memory: model states (:func:`estimate_model_state_bytes`) + buffers (FSDP2's working set of gathered
@@ -196,7 +197,8 @@ class CellCoeffs:
     backward)."""
     opt_overlap: dict[StateOption, float]
     """Optimizer-step seconds per local parameter that run beside the last micro-batch's backward
-    (ZeRO-Offload's gradient copies and CPU step): exposed only past the backward's length."""
+    (ZeRO-Offload's gradient copies, and its CPU step unless it comes after the backward): exposed only
+    past the backward's length."""
     fetch_beta: dict[StateOption, float]
     """Parameter fetch seconds per micro-batch per local parameter (parameters off the GPU)."""
     seg_exposed: dict[StateOption, list[float]]
@@ -314,10 +316,12 @@ class CostContext:
     """Caches block-level costs shared across candidates of one planning run."""
 
     def __init__(self, profile: ModelProfile, hw: Hardware, *, precision: str = "bf16",
-                 sequence_parallel: bool | None = None) -> None:
+                 sequence_parallel: bool | None = None, clip_gradients: bool = False) -> None:
         self.profile = profile
         self.hw = hw
         self.precision = precision
+        self.clip_gradients = clip_gradients
+        """The run clips gradients (``PlannerOptions.clip_gradients``): ZeRO-Offload steps after backward."""
         # Sequence parallelism is on when the profile carries SEQUENCE rules (the runtime lowers them).
         self.sequence_parallel = (has_sequence_rules(profile) if sequence_parallel is None
                                   else sequence_parallel)

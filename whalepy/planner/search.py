@@ -414,7 +414,8 @@ def run_search(profile: ModelProfile, hw: Hardware, G: int, opts, *,  # type: ig
     if solver != "exhaustive":
         solver, solver_notes = choose_solver(solver)
         notes += solver_notes
-    ctx = CostContext(profile, hw, precision=opts.precision, sequence_parallel=opts.sequence_parallel)
+    ctx = CostContext(profile, hw, precision=opts.precision, sequence_parallel=opts.sequence_parallel,
+                      clip_gradients=opts.clip_gradients)
     cons = read_annotations(profile, hw)
     segments = build_segments(profile)
     options = build_state_options(opts.zero_stages, opts.allow_offload, opts.precision, opts.clip_gradients)

@@ -22,6 +22,14 @@ into the device shards (on a side stream on CUDA). The steps of later blocks so 
 of earlier blocks goes on; :meth:`HostOptimizer.finish` (the training step's optimizer step) waits for
 the last ones and orders the device's next forward after the copies back.
 
+Under fp16 or with gradient clipping (``step_in_backward=False``,
+:func:`whalepy._capabilities.host_steps_after_backward`) the gradients still reach the host block by
+block during the backward, but no block steps then: :meth:`HostOptimizer.finish` waits for the copies
+and leaves the host gradients as the masters' ``.grad``, where the loss scaler unscales and checks
+them and the clipping reads and scales them with the device's (:mod:`whalepy.runtime._joint_step`);
+:meth:`HostOptimizer.step` then steps every block and copies the parameters back, or
+:meth:`HostOptimizer.zero_grad` drops the gradients of a skipped step.
+
 torchao's ``CPUOffloadOptimizer`` does this for one process and plain parameters; it is not used
 because it keeps the whole-model gradient copy on the host per parameter and knows nothing of FSDP2
 shards. Here each block is its own optimizer so that a block steps as soon as it is complete.
@@ -40,12 +48,12 @@ from torch import nn
 
 from whalepy._errors import WhalepyError
 
-__all__ = ["MASTER_KEY", "HostOptimizer", "HostStateView"]
+__all__ = ["MASTER_KEY", "HostOptimizer", "HostStateView", "as_shard_of", "local_tensor"]
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return t._local_tensor if isinstance(t, DTensor) else t
@@ -56,7 +64,7 @@ MASTER_KEY = "whalepy_fp32_master"
 when the device keeps the parameter in another dtype (checkpoints hold it as the parameter's weight)."""
 
 
-def _like(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def as_shard_of(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Host tensor ``v`` (a shard of ``p``, or a scalar) as a DTensor laid out like ``p``, sharing memory."""
     from torch.distributed.tensor import DTensor
 
@@ -84,7 +92,7 @@ class _Block:
         self.masters: list[torch.Tensor] = []
         self.grads: list[torch.Tensor] = []
         for p in params:
-            local = _local(p.detach())
+            local = local_tensor(p.detach())
             master = torch.empty(local.shape, dtype=torch.float32, pin_memory=pin)
             master.copy_(local)
             self.masters.append(nn.Parameter(master))
@@ -126,8 +134,10 @@ class HostOptimizer:
 
     def __init__(self, factory: OptimizerFactory, blocks: Sequence[tuple[str, Sequence[nn.Parameter]]],
                  device: torch.device,
-                 cast: Callable[[list[nn.Parameter]], dict[int, nn.Parameter]] | None = None) -> None:
+                 cast: Callable[[list[nn.Parameter]], dict[int, nn.Parameter]] | None = None,
+                 step_in_backward: bool = True) -> None:
         self.cuda = device.type == "cuda"
+        self.step_in_backward = step_in_backward
         seen: set[int] = set()
         self.blocks: list[_Block] = []
         self._owner: dict[int, tuple[_Block, int]] = {}
@@ -201,9 +211,9 @@ class HostOptimizer:
                 merged = groups.setdefault(repr(sorted(hyper.items())), {**hyper, "params": []})
                 merged["params"] += [device_of[id(m)] for m in g["params"]]
             for m, p in zip(b.masters, b.params):
-                state[p] = {k: _like(p, v) for k, v in b.optimizer.state[m].items()}
+                state[p] = {k: as_shard_of(p, v) for k, v in b.optimizer.state[m].items()}
                 if with_master:
-                    state[p][MASTER_KEY] = _like(p, m)
+                    state[p][MASTER_KEY] = as_shard_of(p, m)
         view = HostStateView(list(groups.values()))
         view.state.update(state)
         return view
@@ -217,7 +227,7 @@ class HostOptimizer:
             for b in self.blocks:
                 for m, p in zip(b.masters, b.params):
                     if p.dtype == m.dtype:
-                        m.copy_(_local(p.detach()))
+                        m.copy_(local_tensor(p.detach()))
 
     def _init_states(self) -> None:
         for b in self.blocks:
@@ -242,13 +252,13 @@ class HostOptimizer:
     def _on_grad(self, p: nn.Parameter) -> None:
         """FSDP2's post-reduce point for ``p``: its shard's gradient leaves the device."""
         b, i = self._owner[id(p)]
-        grad = _local(p.grad)
+        grad = local_tensor(p.grad)
         b.grads[i].copy_(grad, non_blocking=self.cuda)
         p.grad = None
         b.arrived.add(i)
         if self.cuda:
             b.events.append(torch.cuda.current_stream().record_event())
-        if len(b.arrived) == len(b.params):
+        if self.step_in_backward and len(b.arrived) == len(b.params):
             self._submit(b)
 
     def _submit(self, b: _Block) -> None:
@@ -274,21 +284,48 @@ class HostOptimizer:
             if self.cuda:
                 with torch.cuda.stream(self._copy_stream):
                     for p, m in zip(b.params, b.masters):
-                        _local(p.data).copy_(m, non_blocking=True)
+                        local_tensor(p.data).copy_(m, non_blocking=True)
                     b.copied = self._copy_stream.record_event()
             else:
                 for p, m in zip(b.params, b.masters):
-                    _local(p.data).copy_(m)
+                    local_tensor(p.data).copy_(m)
         with self._lock:
             self.timeline.append((b.name, start, time.perf_counter()))
 
     # -- the optimizer step ----------------------------------------------------------------------------
 
     def finish(self) -> None:
-        """Step the blocks still waiting (parameters that got no gradient are skipped, as
+        """After the backward. Stepping during backward: :meth:`step` the blocks still waiting.
+        Otherwise: wait for the gradient copies and give each master its host gradient as ``.grad``
+        (None where the parameter got none), for :meth:`step` or :meth:`zero_grad`."""
+        self.queued_in_backward = len(self._pending)
+        if self.step_in_backward:
+            self.step()
+            return
+        for b in self.blocks:
+            for e in b.events:
+                e.synchronize()
+            b.events = []
+            for i, m in enumerate(b.masters):
+                m.grad = b.grads[i] if i in b.arrived else None
+
+    def host_grads(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """``(device parameter, host gradient)`` of every parameter with a gradient after :meth:`finish`
+        (stepping after backward)."""
+        return [(p, m.grad) for b in self.blocks for p, m in zip(b.params, b.masters) if m.grad is not None]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget the gradients of a step that :meth:`step` did not take (fp16: a skipped step)."""
+        for b in self.blocks:
+            b.arrived.clear()
+            b.events = []
+            for m in b.masters:
+                m.grad = None
+
+    def step(self) -> None:
+        """Step the blocks with gradients (parameters that got no gradient are skipped, as
         ``torch.optim`` skips a ``None`` gradient), wait for every host step of this training step and
         order the device after the copies back."""
-        self.queued_in_backward = len(self._pending)
         for b in self.blocks:
             if b.arrived:
                 self._submit(b)

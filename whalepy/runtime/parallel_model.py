@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from whalepy._capabilities import check_pipeline, state_option_error, steps_on_host
+from whalepy._capabilities import check_pipeline, host_steps_after_backward, steps_on_host
 from whalepy._errors import ArgumentError, LaunchError, PlanError, WhalepyError
 from whalepy._log import info_once, is_rank0, warn_once
 from whalepy._pseudo_to_real import PseudoBuild, record_pseudo
@@ -75,6 +75,7 @@ from whalepy.runtime.materialize import (
 from whalepy.runtime.mesh import RankMeshes, build_meshes, check_world, resolve_device_type
 from whalepy.runtime._amp import AmpContext
 from whalepy.runtime._report import StepReporter, plan_log_lines
+from whalepy.runtime._joint_step import JointStep, host_grad_params
 from whalepy.runtime.host_optimizer import HostOptimizer
 from whalepy.runtime.nvme import NvmeTier, build_nvme_tier
 from whalepy._launch_errors import install_error_hook
@@ -201,7 +202,7 @@ def parallelize(
     if plan is None:
         from whalepy.planner import plan as make_plan_
 
-        if max_grad_norm is not None:  # ZeRO-Offload steps before the global gradient norm is known
+        if max_grad_norm is not None:  # ZeRO-Offload then steps after the backward (costed so)
             options.setdefault("clip_gradients", True)
 
         def solve() -> Plan:
@@ -381,13 +382,6 @@ class ParallelModel:
         self.loss_parallel = loss_parallel
         self.max_grad_norm = max_grad_norm
         self.last_grad_norm: float | None = None
-        if max_grad_norm is not None:
-            for st in plan.stages:
-                for b in st.blocks:
-                    reason = state_option_error(st.zero_stage, b.param_tier, b.optimizer_tier, clip_gradients=True)
-                    if reason is not None:
-                        raise WhalepyError(f"block {b.name}: {reason} (whalepy.plan(..., clip_gradients=True) "
-                                           "plans without it)")
         if is_rank0():
             for line in plan_log_lines(plan):
                 log.info("%s", line)
@@ -494,6 +488,7 @@ class ParallelModel:
         # so the hooks sit on the final shards); parameters tied across pipeline stages stay with the
         # device optimizer, their gradients are summed over the stages only after the backward
         self.host_optimizer: HostOptimizer | None = None
+        after_backward = host_steps_after_backward(plan.precision, max_grad_norm is not None)
         if host_blocks:
             tied = {id(p) for ps, _ in self._tied for p in ps}
             low = compute_dtype(plan.precision)
@@ -501,10 +496,13 @@ class ParallelModel:
             self.host_optimizer = HostOptimizer(
                 optimizer_factory, [(b.name, [p for mod in mods for p in mod.parameters() if id(p) not in tied])
                                     for b, mods in host_blocks], device,
-                cast=(lambda ps: cast_sharded_params(modules, ps, low)) if low is not None else None)
+                cast=(lambda ps: cast_sharded_params(modules, ps, low)) if low is not None else None,
+                step_in_backward=not after_backward)
             info_once("zero-offload",
-                      "whalepy: the optimizer of %d blocks steps on the host during backward (ZeRO-Offload)",
-                      len(self.host_optimizer.blocks), log=log)
+                      "whalepy: the optimizer of %d blocks steps on the host %s (ZeRO-Offload)",
+                      len(self.host_optimizer.blocks),
+                      "after backward (fp16 loss scaling / gradient clipping)" if after_backward else "during backward",
+                      log=log)
         # read after the host optimizer, which under bf16 replaces its parameters on the modules by cast ones
         on_host = {id(p) for p in self.host_optimizer.params} if self.host_optimizer is not None else set()
         params = list({id(p): p for mod in self._modules for p in mod.parameters() if id(p) not in on_host}.values())
@@ -519,6 +517,12 @@ class ParallelModel:
             log.info("whalepy: %d blocks keep parameters and / or optimizer states in files under %s",
                      len(nvme_blocks), self.nvme.directory)
         self.amp = AmpContext(plan.precision, device)
+        # fp16, or ZeRO-Offload stepping after backward anywhere in the plan: every rank steps its
+        # optimizers as one, with gradients on the same devices for the scaler (see _joint_step.py)
+        self._joint: JointStep | None = None
+        if self.amp.scaler is not None or (after_backward and any(
+                steps_on_host(b.param_tier, b.optimizer_tier) for st in plan.stages for b in st.blocks)):
+            self._joint = JointStep(self.optimizer, self.host_optimizer, device)
         self.schedule = None
         if pp > 1:
             from whalepy.runtime.pipeline import build_pipeline_schedule, microbatch_mean_loss
@@ -564,12 +568,13 @@ class ParallelModel:
             local = self._accumulate(inputs, targets)
         if self.host_optimizer is not None:
             self.host_optimizer.finish()
-        if self.optimizer is not None:
+        optimizer = self._joint if self._joint is not None else self.optimizer
+        if optimizer is not None:
             if self.max_grad_norm is not None:
-                self.amp.unscale(self.optimizer)
+                self.amp.unscale(optimizer)  # type: ignore[arg-type]
                 self.last_grad_norm = float(self._clip_grads(self.max_grad_norm))
-            self.amp.step(self.optimizer)
-            self.optimizer.zero_grad(set_to_none=True)
+            self.amp.step(optimizer)  # type: ignore[arg-type]
+            optimizer.zero_grad(set_to_none=True)
         report = self._mean_loss(local)
         self.reporter.step_done(report, self._tokens(inputs))
         return report
@@ -656,7 +661,8 @@ class ParallelModel:
     def _clip_grads(self, max_norm: float) -> torch.Tensor:
         from whalepy.runtime._clip import clip_grad_norm
 
-        params = [p for mod in self._modules for p in mod.parameters()]
+        params: list[Any] = [p for mod in self._modules for p in mod.parameters()]
+        params += host_grad_params(self.host_optimizer)
         tied = [(copies, max(len({k % self.plan.pp_degree for k, _ in holders}), 1))
                 for (copies, _), holders in zip(self._tied, self._tied_aliases_holders)]
         return clip_grad_norm(params, max_norm, device=self.device,
