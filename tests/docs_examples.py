@@ -15,7 +15,8 @@ Directives are HTML comments (invisible on GitHub) on the lines right above a fe
 - ``<!-- docs-test: setup`` ... ``-->``: code run before the block (what the surrounding prose assumes:
   imports, a small model); ``<!-- docs-test: check`` ... ``-->``: code run after it (assertions).
 - ``<!-- docs-test: output-of COMMAND -->`` above a ``text`` block: the block is COMMAND's output;
-  lines with timings (``solve time``, ``captured ... in``) are compared with their numbers masked.
+  lines with timings (``solve time``, ``captured ... in``, and the MIP gap, which depends on where a
+  time limit stops the solver) are compared with their numbers masked.
   ``WHALEPY_DOCS_REGEN=1`` rewrites such blocks from the code instead of comparing.
 
 The Python blocks of a page share one namespace, top to bottom, as a reader would run them.
@@ -159,7 +160,7 @@ def problems(b: Block) -> list[str]:
 
 
 MASKS = [re.compile(p) for p in (r"solve time [\d.]+ s", r"in [\d.]+ s\b", r"\d+ of \d+ candidates pruned",
-                                 r"\b\d+ candidates\b")]
+                                 r"\b\d+ candidates\b", r"MIP gap [\d.]+%")]
 
 
 def mask(text: str) -> str:
