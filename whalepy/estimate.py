@@ -330,8 +330,11 @@ def estimate_from_profile(profile: ModelProfile, cluster: ClusterSpec, config: P
     cc = build_coefficients(ctx, cand, build_segments(profile), (option,))
     for sc in cc.stages:
         if option not in sc.options:
+            fix = ("cpu_memory_gb: <GiB per node>" if tier is Tier.CPU
+                   else "nvme: {capacity_tb: ..., read_gbs: ..., write_gbs: ...}")
             raise PlanError(f"offload to {tier.value} is not possible on stage {sc.index}: its group has no "
-                            f"{'host memory (cpu_memory_gb)' if tier is Tier.CPU else 'NVMe'} in the cluster spec")
+                            f"{'host memory (cpu_memory_gb)' if tier is Tier.CPU else 'NVMe'} in the cluster spec; "
+                            f"add {fix} to the group, or estimate without offload")
     if cfg.boundaries is not None:
         sizes = list(cfg.boundaries)
         if len(sizes) != J or sum(sizes) != N or min(sizes) < 1:
