@@ -174,6 +174,48 @@ def test_make_plan_tier_mistakes(fn, needles) -> None:
     assert_clear(fn, PlanError, *needles)
 
 
+def _estimate(config):  # type: ignore[no-untyped-def]
+    spec = ClusterSpec.from_dict(_spec(gpu="CPU", gpus_per_node=4, intra_node="shm", cpu_memory_gb=16))
+    return lambda: whalepy.estimate(tiny(), spec, config, **plan_kw())
+
+
+ESTIMATE = [
+    ("offload 'gpu'", _estimate({"dp": 4, "offload": "gpu"}), ("offload='gpu' is no offload", "'cpu' or 'nvme'")),
+    ("offload 'ssd'", _estimate({"dp": 4, "offload": "ssd"}), ("offload='ssd'", "'cpu' or 'nvme'")),
+    ("offload_params 'yes'", _estimate({"dp": 4, "offload": "nvme", "offload_params": "yes"}),
+     ("offload_params='yes'", "True or False")),
+    ("checkpoint_offload 'no'", _estimate({"dp": 4, "checkpoint": True, "checkpoint_offload": "no"}),
+     ("checkpoint_offload='no'", "True or False")),
+    ("checkpoint 'yes'", _estimate({"dp": 4, "checkpoint": "yes"}), ("checkpoint='yes'", "checkpoint=(2, 2)")),
+    ("zero_stage True", _estimate({"dp": 4, "zero_stage": True}), ("got True", "zero_stage=3")),
+]
+
+
+@pytest.mark.parametrize("fn, needles", [c[1:] for c in ESTIMATE], ids=[c[0] for c in ESTIMATE])
+def test_estimate_tier_mistakes(fn, needles) -> None:
+    assert_clear(fn, PlanError, *needles)
+
+
+def _tiers_in_file(p: str, o: str):  # type: ignore[no-untyped-def]
+    def edit(d: dict) -> None:
+        for b in d["stages"][0]["blocks"]:
+            b["param_tier"], b["optimizer_tier"] = p, o
+    return edit
+
+
+@pytest.mark.parametrize("pair, needles", [
+    (("cpu", "gpu"), ("block 'embed'", "param_tier='cpu' with optimizer_tier='gpu' is not lowered", "re-plan")),
+    (("nvme", "gpu"), ("param_tier='nvme' with optimizer_tier='gpu'", "set optimizer_tier to 'nvme' or 'cpu'")),
+    (("ssd", "gpu"), ("'ssd'", "a disk tier is 'nvme'")),
+], ids=["(cpu, gpu)", "(nvme, gpu)", "ssd"])
+def test_plan_file_with_a_tier_pair_the_runtime_does_not_lower(tmp_path: Path, pair, needles) -> None:
+    from bad_input_cases import edited_plan_json
+
+    path = edited_plan_json(tmp_path, _tiers_in_file(*pair))
+    assert_clear(lambda: whalepy.Plan.load(path), PlanError, *needles)
+    assert main(["show", path]) == 2  # and `whalepy show` says the same line
+
+
 def test_tier_names_in_another_case_are_the_tier() -> None:
     plan = make_plan(BLOCKS, dp=2, global_batch=8, zero_stage=3, tiers={"head": ("CPU", " Cpu ")},
                      optimizer_tier="NVMe")

@@ -57,11 +57,11 @@ def _output_paths(args: argparse.Namespace) -> None:
             raise ArgumentError(f"{_flag(dest)} {value}: is a directory; give a file name, e.g. "
                                 f"{_flag(dest)} {os.path.join(value, 'plan.json' if dest == 'out' else 'out.' + dest)}")
         if not os.path.isdir(parent):
-            raise ArgumentError(f"{_flag(dest)} {value}: the directory {parent} does not exist; create it "
-                                "(mkdir -p) or write the file elsewhere")
+            raise ArgumentError(f"{_flag(dest)} {value}: cannot write there, the directory {parent} does not "
+                                "exist; create it (mkdir -p) or write the file elsewhere")
         if not os.access(parent, os.W_OK):
-            raise ArgumentError(f"{_flag(dest)} {value}: the directory {parent} is not writable; write the file "
-                                "elsewhere")
+            raise ArgumentError(f"{_flag(dest)} {value}: cannot write there, the directory {parent} is not "
+                                "writable; write the file elsewhere")
 
 
 def _check_run(args: argparse.Namespace) -> None:

@@ -503,11 +503,19 @@ class Plan:
                 "Re-create the plan with whalepy.plan() or `whalepy plan`."
             )
         try:
-            return _from_jsonable(cls, data)
+            plan = _from_jsonable(cls, data)
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, PlanError):
                 raise
             raise PlanError(f"plan data is malformed: {e}") from e
+        from whalepy._capabilities import state_option_error
+
+        for st in plan.stages:  # a tier pair edited into the file that the runtime does not lower
+            for b in st.blocks:
+                reason = state_option_error(st.zero_stage, b.param_tier, b.optimizer_tier, precision=plan.precision)
+                if reason is not None:
+                    raise PlanError(f"stage {st.index}, block {b.name!r}: {reason} (edit the plan file, or re-plan)")
+        return plan
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
