@@ -336,3 +336,11 @@ def test_command_line_tier_mistakes(tmp_path: Path, capsys, argv, needles) -> No
     assert len(err) == 1 and err[0].startswith("[whalepy] error: "), err
     for needle in needles:
         assert needle in err[0], f"{needle!r} not in {err[0]!r}"
+
+
+def test_checkpoint_offload_without_host_memory_is_said() -> None:
+    """Asked for (it is off by default) where no group gives its host memory: the plan says it had no
+    effect and what to add, rather than leaving it out silently."""
+    plan = whalepy.plan(tiny(), cluster4(), **plan_kw(allow_checkpoint_offload=True))
+    assert any("allow_checkpoint_offload=True had no effect" in n and "cpu_memory_gb" in n for n in plan.notes)
+    assert not any("allow_checkpoint_offload" in n for n in whalepy.plan(tiny(), cluster4(), **plan_kw()).notes)

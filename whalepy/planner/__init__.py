@@ -241,7 +241,7 @@ def plan_from_profile(profile: ModelProfile, cluster: ClusterSpec, *, global_bat
         raise_infeasible(result, opts, global_batch)
     best = result.best
     assert best is not None and result.best_result is not None and result.ctx is not None
-    notes = list(opts.notes) + result.notes + _annotation_notes(result)
+    notes = list(opts.notes) + result.notes + _annotation_notes(result) + _host_notes(opts, cluster)
     if opts.memory_trace is not None:
         notes.append("activation bytes of the traced blocks are measured (memory_trace), not estimated")
     alts = build_alternatives(result, best, opts.top_k, hw)
@@ -250,6 +250,15 @@ def plan_from_profile(profile: ModelProfile, cluster: ClusterSpec, *, global_bat
                        mip_gap=result.best_result.mip_gap, notes=notes, alternatives=alts)
     progress(f"plan: {plan_.cost.step_time_s:.4g} s/step, {plan_.cost.samples_per_s:.4g} samples/s")
     return plan_
+
+
+def _host_notes(opts: PlannerOptions, cluster: ClusterSpec) -> list[str]:
+    """``allow_checkpoint_offload=True`` (off by default, so asked for) on a cluster whose groups give no
+    host memory cannot be planned: said in the plan's notes, not left out silently."""
+    if opts.allow_checkpoint_offload and all(g.cpu_memory_bytes is None for g in cluster.groups):
+        return ["allow_checkpoint_offload=True had no effect: no group of the cluster gives its host memory "
+                "(add cpu_memory_gb: <GiB per node> to the groups in the cluster spec)"]
+    return []
 
 
 def _check_global_batch(global_batch: Any) -> None:
