@@ -63,6 +63,9 @@ OPTIONS = [
     ("precision 'int8'", dict(precision="int8"), ("precision='int8'", "bf16, fp16 or fp32")),
     ("max_tp 0", dict(max_tp=0), ("max_tp=0", "power of two", "max_tp=8")),
     ("notes a string", dict(notes="x"), ("notes='x'", "a tuple of lines")),
+    ("memory_trace missing file", dict(memory_trace="nope.json"), ("memory_trace='nope.json'", "no such file",
+                                                                   "whalepy.trace_memory(model, batch).save(path)")),
+    ("memory_trace a dict", dict(memory_trace={"a": 1}), ("memory_trace={'a': 1}", "MemoryTrace")),
 ]
 
 
@@ -152,6 +155,7 @@ MAKE_PLAN = [
     ("precision 'bf32'", _make(precision="bf32"), ("'bf32'", "did you mean 'fp32'")),
     ("schedule 'zigzag'", _make(schedule="zigzag"), ("'zigzag'", "'gpipe'")),
     ("dp 0", _make(dp=0), ("make_plan(dp=0)", "positive integer", "dp=2")),
+    ("block names a string", lambda: make_plan("embed", global_batch=8), ("block_names='embed'", "a list of block")),
     ("global_batch -8", _make(global_batch=-8), ("global_batch=-8", "global_batch=8")),
     ("checkpoint names a missing block", _make(checkpoint=["transformer.h.9"]), ("checkpoint", "'transformer.h.9'")),
     ("activation_offload a string", _make(activation_offload="head"),

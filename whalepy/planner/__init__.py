@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import numbers
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -170,6 +171,12 @@ def _check_option_types(opts: PlannerOptions) -> None:
         raise bad("progress", "True, False or a callable taking one line")
     if not isinstance(opts.notes, (tuple, list)) or not all(isinstance(n, str) for n in opts.notes):
         raise bad("notes", "a tuple of lines, e.g. ('planned for the demo',)")
+    trace = opts.memory_trace
+    if isinstance(trace, (str, os.PathLike)) and not os.path.isfile(trace):  # found before the capture
+        raise PlanError(f"memory_trace={os.fspath(trace)!r}: no such file; make one with "
+                        "whalepy.trace_memory(model, batch).save(path), or leave memory_trace out")
+    if trace is not None and not isinstance(trace, (str, os.PathLike)) and type(trace).__name__ != "MemoryTrace":
+        raise bad("memory_trace", "a whalepy.trace.MemoryTrace or the path of one saved with .save(path)")
 
 
 def _progress_fn(opt: bool | Callable[[str], None]) -> Callable[[str], None]:

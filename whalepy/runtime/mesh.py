@@ -137,7 +137,10 @@ def make_plan(
     ``tiers={"transformer.h.0": ("cpu", "cpu")}``. An unknown block name in ``tiers``, or a pair there
     the runtime does not lower (:func:`whalepy._capabilities.state_option_error`), is a
     :class:`PlanError` here; the stage-wide pair is checked when the plan is lowered."""
-    blocks = list(block_names)
+    blocks = [] if isinstance(block_names, (str, bytes)) else list(block_names)
+    if not blocks or not all(isinstance(n, str) for n in blocks):
+        raise PlanError(f"make_plan(block_names={block_names!r:.80}): give a list of block names in model order, "
+                        "e.g. ['embed', 'transformer.h.0', 'transformer.h.1', 'head'] (the profile's block names)")
     for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("num_microbatches", num_microbatches),
                         ("virtual_stages", virtual_stages), ("global_batch", global_batch)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
