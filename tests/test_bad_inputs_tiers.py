@@ -348,3 +348,25 @@ def test_checkpoint_offload_without_host_memory_is_said() -> None:
     plan = whalepy.plan(tiny(), cluster4(), **plan_kw(allow_checkpoint_offload=True))
     assert any("allow_checkpoint_offload=True had no effect" in n and "cpu_memory_gb" in n for n in plan.notes)
     assert not any("allow_checkpoint_offload" in n for n in whalepy.plan(tiny(), cluster4(), **plan_kw()).notes)
+
+
+def test_nvme_dir_refused_before_planning(one_rank_launch, no_capture, monkeypatch) -> None:  # noqa: F811
+    """Inside a launch, without a plan: a file or an unwritable directory is refused before the model is
+    captured for planning (``no_capture``)."""
+    import os
+
+    tmp = Path(one_rank_launch)
+    one = ClusterSpec.local(1)
+    afile = write(tmp, "afile", "x")
+
+    def call(nvme_dir):  # type: ignore[no-untyped-def]
+        return lambda: whalepy.parallelize(tiny(), one, example_inputs=(TOKENS,), loss_fn=_loss, optimizer=_sgd,
+                                           global_batch=4, nvme_dir=nvme_dir)
+
+    assert_clear(call(afile), ArgumentError, "is a file, not a directory")
+    locked = tmp / "locked"
+    locked.mkdir()
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == locked else real(p, mode))
+    assert_clear(call(str(locked / "nvme")), ArgumentError, "is not writable", repr(str(locked)),
+                 "pass a writable directory")
