@@ -127,8 +127,11 @@ class PlannerOptions:
         if self.max_tp is not None and (self.max_tp < 1 or self.max_tp & (self.max_tp - 1)):
             raise PlanError(f"max_tp={self.max_tp!r} must be a power of two >= 1, e.g. max_tp=8, or None for "
                             "the GPUs per node")
-        if self.precision is not None and self.precision not in ("bf16", "fp16", "fp32"):
-            raise PlanError(f"precision={self.precision!r}: use bf16, fp16 or fp32")
+        if self.precision is not None:  # names in any case, as Precision takes them
+            name = self.precision.strip().lower() if isinstance(self.precision, str) else self.precision
+            if name not in ("bf16", "fp16", "fp32"):
+                raise PlanError(f"precision={self.precision!r}: use bf16, fp16 or fp32")
+            object.__setattr__(self, "precision", name)
         if self.top_k < 0:
             raise PlanError(f"top_k must be >= 0, got {self.top_k}; give the alternatives to keep, e.g. top_k=5")
         if not self.virtual_stages or any(v < 1 for v in self.virtual_stages):
