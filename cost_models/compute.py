@@ -57,6 +57,12 @@ class Precision(str, enum.Enum):
     BF16 = "bf16"
     FP32 = "fp32"
 
+    @classmethod
+    def _missing_(cls, value: object) -> Precision:
+        from whalepy._errors import enum_member
+
+        return enum_member(cls, value, "precision")  # type: ignore[return-value]
+
 
 def precision_bytes(precision: Precision | str) -> int:
     """Bytes per element of activations and communicated tensors trained in ``precision``."""

@@ -82,3 +82,21 @@ def tiny_model_and_inputs() -> tuple[Any, tuple]:
 
 def not_a_pair() -> Any:
     return tiny()
+
+
+@pytest.fixture()
+def one_rank_launch(tmp_path: Path, monkeypatch):  # type: ignore[no-untyped-def]
+    """This process as a 1-rank gloo launch (the train_step checks need a ParallelModel, not processes)."""
+    import sys
+
+    import torch.distributed as dist
+
+    hook = sys.excepthook
+    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1").items():
+        monkeypatch.setenv(k, v)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield tmp_path
+    finally:
+        dist.destroy_process_group()
+        sys.excepthook = hook

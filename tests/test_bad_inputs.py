@@ -27,6 +27,7 @@ from whalepy import (
 from whalepy.cluster import ClusterSpec
 
 from bad_input_cases import CPU4, TOKENS, a100, assert_clear, cluster4, plan_kw, tiny, write
+from bad_input_cases import one_rank_launch  # noqa: F401  (a fixture)
 
 sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
 mean_loss = lambda out, y: out.float().mean()  # noqa: E731
@@ -394,24 +395,6 @@ MORE = [
 @pytest.mark.parametrize("fn, exc, needles", [c[1:] for c in MORE], ids=[c[0] for c in MORE])
 def test_more_mistakes(fn, exc, needles) -> None:
     assert_clear(fn, exc, *needles)
-
-
-@pytest.fixture()
-def one_rank_launch(tmp_path: Path, monkeypatch):  # type: ignore[no-untyped-def]
-    """This process as a 1-rank gloo launch (the train_step checks need a ParallelModel, not processes)."""
-    import sys
-
-    import torch.distributed as dist
-
-    hook = sys.excepthook
-    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1").items():
-        monkeypatch.setenv(k, v)
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        yield tmp_path
-    finally:
-        dist.destroy_process_group()
-        sys.excepthook = hook
 
 
 def test_train_step_mistakes(one_rank_launch) -> None:

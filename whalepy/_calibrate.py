@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from whalepy import _calibrate_bench as bench
-from whalepy._errors import WhalepyError
+from whalepy._errors import ArgumentError, WhalepyError
 from whalepy.cost_models.compute import attention_flops, fit_gemm, peak_flops
 from whalepy.cost_models.device_profiles import (
     ATTENTION_EFFICIENCY_AMPERE,
@@ -89,6 +89,11 @@ def calibrate(*, quick: bool = False, out: str | Path | None = None, device: str
     compute model and write the profile JSON; returns its path. ``quick`` uses a few small shapes
     (seconds on a CPU)."""
     say = progress or (lambda _m: None)
+    if disk_dir is not None and not (os.path.isdir(disk_dir) and os.access(disk_dir, os.W_OK | os.X_OK)):
+        why = "is not a directory" if os.path.exists(disk_dir) else "does not exist"
+        why = "is not writable" if os.path.isdir(disk_dir) else why
+        raise ArgumentError(f"calibrate: disk_dir {disk_dir!r} {why}; give an existing writable directory on the "
+                            "drive the NVMe tier will use (--disk-dir)")
     dev = _parse_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     row, reported = _device_type(dev)
     sz = _sizes(dev, quick)

@@ -41,6 +41,29 @@ def _comma_list(args: argparse.Namespace, dest: str, allowed: tuple[str, ...]) -
                             f"{','.join(allowed[:2])}")
 
 
+def _output_paths(args: argparse.Namespace) -> None:
+    """Files a command writes at its end (``--out``, ``--html``, ...): their directory must exist, so a
+    plan is not searched for minutes and then lost to a traceback."""
+    import os
+
+    for dest in ("out", "html", "svg", "csv", "plot"):
+        value = getattr(args, dest, None)
+        if dest == "out" and getattr(args, "command", None) == "calibrate":
+            continue  # a file or a directory there (whalepy._calibrate checks it)
+        if not isinstance(value, str) or not value:
+            continue
+        parent = os.path.dirname(os.path.abspath(value))
+        if os.path.isdir(value):
+            raise ArgumentError(f"{_flag(dest)} {value}: is a directory; give a file name, e.g. "
+                                f"{_flag(dest)} {os.path.join(value, 'plan.json' if dest == 'out' else 'out.' + dest)}")
+        if not os.path.isdir(parent):
+            raise ArgumentError(f"{_flag(dest)} {value}: cannot write there, the directory {parent} does not "
+                                "exist; create it (mkdir -p) or write the file elsewhere")
+        if not os.access(parent, os.W_OK):
+            raise ArgumentError(f"{_flag(dest)} {value}: cannot write there, the directory {parent} is not "
+                                "writable; write the file elsewhere")
+
+
 def _check_run(args: argparse.Namespace) -> None:
     """``whalepy run``'s launch flags, which torchrun would otherwise refuse with a traceback."""
     n = getattr(args, "nproc_per_node", None)
@@ -74,6 +97,7 @@ def check_cli_args(args: argparse.Namespace) -> None:
     if max_tp and max_tp & (max_tp - 1):
         raise ArgumentError(f"--max-tp {max_tp}: must be a power of two (1, 2, 4, 8, ...)")
     _check_run(args)
+    _output_paths(args)
     model = getattr(args, "model", None)
     if model and ":" in model and not model.startswith("synthetic:") and getattr(args, "seq_len", None):
         raise ArgumentError(f"--seq-len applies to built-in and synthetic: models; {model} returns its own "

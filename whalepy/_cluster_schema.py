@@ -7,6 +7,7 @@ to_dict call into here.
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -53,17 +54,26 @@ def _mapping(value: object, allowed: Sequence[str], where: str) -> Mapping[str, 
     return value  # type: ignore[return-value]
 
 
+_UNITS = {  # schema key -> what its number counts (docs/cluster_spec.md, "Units")
+    "cpu_memory_gb": "GiB of host memory per node", "capacity_tb": "decimal TB per node, e.g. 3.84",
+    "read_gbs": "GB/s sequential read", "write_gbs": "GB/s sequential write",
+    "bandwidth_gbps": "Gb/s per node", "bandwidth_gbs": "GB/s per GPU per direction", "latency_us": "microseconds",
+    "memory_gb": "GiB", "memory_bandwidth_gbs": "GB/s", "host_link_gbs": "GB/s", "peak_tflops_16": "TFLOP/s",
+    "peak_tflops_32": "TFLOP/s",
+}
+
+
 def _num(d: Mapping[str, Any], key: str, where: str, scale: float, *, required: bool = False,
          zero_ok: bool = False) -> float | None:
     value = d.get(key)
+    unit = _UNITS.get(key, "see docs/cluster_spec.md")
     if value is None:
-        _require(not required,
-                 f"{where}: missing {key!r}; add {key}: <number> (units in docs/cluster_spec.md)")
+        _require(not required, f"{where}: missing {key!r}; add {key}: <number> ({unit})")
         return None
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     ok = ok and (value >= 0 if zero_ok else value > 0)
     _require(ok, f"{where}: {key} must be a {'non-negative' if zero_ok else 'positive'} number, "
-             f"got {value!r}")
+             f"got {value!r}; write a plain number ({unit}) without units or quotes")
     return value * scale
 
 
@@ -117,7 +127,8 @@ def _group_from_dict(index: int, raw: object, custom: Mapping[str, DeviceType],
                      top_bw: float | None, top_lat: float | None) -> NodeGroup:
     g = _mapping(raw, _GROUP_KEYS, f"groups[{index}]")
     gpu = g.get("gpu")
-    _require(isinstance(gpu, str) and bool(gpu), f"groups[{index}]: missing 'gpu'; add gpu: <type>, one "
+    said = "missing 'gpu'" if gpu is None or gpu == "" else f"gpu must be a type name, got {gpu!r}"
+    _require(isinstance(gpu, str) and bool(gpu), f"groups[{index}]: {said}; add gpu: <type>, one "
              f"of {', '.join(CATALOG)} or a name under 'devices:'")
     name = g.get("name", gpu)
     where = f"group {name!r}"

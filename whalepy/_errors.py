@@ -7,6 +7,7 @@ wrong.
 
 from __future__ import annotations
 
+import enum
 import logging
 
 
@@ -38,12 +39,26 @@ class LaunchError(WhalepyError, RuntimeError):
     """The distributed launch does not match the plan (world size, device types, model)."""
 
 
-
-
 class ArgumentError(WhalepyError, TypeError, ValueError):
     """An argument of a whalepy call has the wrong type, value or shape (a model that is not an
     ``nn.Module``, example inputs the model cannot take, a batch of the wrong size, a loss that is not a
     scalar). A ``TypeError`` and a ``ValueError`` too, so code catching either keeps working."""
+
+
+def enum_member(cls: type[enum.Enum], value: object, what: str, hint: str = "") -> enum.Enum:
+    """``_missing_`` of whalepy's string enums (tiers, schedules, precisions): ``value`` written in
+    another case or with spaces is that member; anything else is a :class:`PlanError` naming the value,
+    the closest name and every name (instead of enum's bare ``ValueError: 'x' is not a valid Tier``)."""
+    import difflib
+
+    names = [str(m.value) for m in cls]  # type: ignore[attr-defined]
+    if isinstance(value, str):
+        for m in cls:
+            if m.value == value.strip().lower():
+                return m
+    close = difflib.get_close_matches(value.strip().lower(), names, n=1, cutoff=0.5) if isinstance(value, str) else []
+    said = f"did you mean {close[0]!r}? " if close and not hint else ""
+    raise PlanError(f"unknown {what} {value!r}: {hint}{said}use one of {', '.join(map(repr, names))}")
 
 
 def log_once(logger: logging.Logger, level: int, key: str, msg: str, *args: object) -> bool:

@@ -15,7 +15,7 @@ from typing import Any
 from whalepy._errors import ArgumentError, ClusterSpecError
 
 __all__ = ["as_cluster", "check_model", "check_example_inputs", "max_positions", "check_positive_int",
-           "check_scalar_loss", "first_embedding", "token_dtype_hint"]
+           "check_scalar_loss", "first_embedding", "token_dtype_hint", "check_nvme_dir"]
 
 _POSITION_FIELDS = ("block_size", "n_positions", "max_position_embeddings")
 """Config fields that bound the sequence length: whalepy's GPTConfig, HF GPT-2, HF Llama / BERT."""
@@ -148,3 +148,38 @@ def check_scalar_loss(loss: Any) -> None:
             "(e.g. .mean(), or F.cross_entropy with its default reduction='mean')")
     if not (loss.is_floating_point() or loss.is_complex()):
         raise ArgumentError(f"loss_fn returned a {loss.dtype} tensor; a loss to differentiate is floating point")
+
+
+def check_nvme_dir(nvme_dir: Any, keep: Any, *, on_node: bool, needed_bytes: float = 0.0,
+                   where: str = "whalepy.parallelize()") -> None:
+    """``parallelize(nvme_dir=..., nvme_keep=...)``: the types always; ``on_node`` (inside a launch, where
+    the files will be written) also that the directory is one, or can be created, is writable and has
+    ``needed_bytes`` free (the plan's disk-tier bytes of this rank). Touches nothing on disk: the disk
+    tier creates and probes the directory itself when it is built (docs/runtime.md, "Disk tier")."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    if nvme_dir is not None and not isinstance(nvme_dir, (str, os.PathLike)):
+        raise ArgumentError(f"{where}: nvme_dir={nvme_dir!r:.60} is a {type(nvme_dir).__name__}; pass the path of a "
+                            "directory on the node's NVMe drive, e.g. nvme_dir='/local_nvme/whalepy'")
+    if not isinstance(keep, bool):
+        raise ArgumentError(f"{where}: nvme_keep={keep!r:.60} must be True (keep the files to resume) or False")
+    if not on_node:
+        return
+    path = Path(nvme_dir if nvme_dir is not None else tempfile.gettempdir())
+    shown = f"nvme_dir {os.fspath(path)!r}"
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ArgumentError(f"{where}: {shown}: {os.fspath(existing)!r} is a file, not a directory; pass a "
+                            "directory on the node's NVMe drive (it is created if missing)")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ArgumentError(f"{where}: {shown} is not writable ({os.fspath(existing)!r} does not let this user "
+                            "create files); pass a writable directory on the node's NVMe drive")
+    free = shutil.disk_usage(existing).free
+    if needed_bytes > free:
+        raise ArgumentError(f"{where}: {shown} has {free / 2**30:.2f} GiB free but the plan puts "
+                            f"{needed_bytes / 2**30:.2f} GiB of this rank's model states there; free space or pass "
+                            "a larger drive as nvme_dir")

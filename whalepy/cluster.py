@@ -224,6 +224,14 @@ class NodeGroup:
                  "give cpu_memory_gb or leave it out")
         _require(isinstance(self.simulated, bool), f"{where}simulated must be true or false, "
                  f"got {self.simulated!r}")
+        _require(self.nvme is None or isinstance(self.nvme, NvmeSpec), f"{where}nvme must be an NvmeSpec or "
+                 f"None, got {type(self.nvme).__name__}; in a spec write nvme: {{capacity_tb: ..., read_gbs: ..., "
+                 "write_gbs: ...}")
+        # the disk tier stages every read and write through pinned host buffers, and the planner charges them
+        # to host memory: an NVMe with unknown host memory would be silently never used
+        _require(self.nvme is None or self.cpu_memory_bytes is not None,
+                 f"{where}nvme is given without cpu_memory_gb; NVMe offload stages through host memory, so "
+                 "whalepy plans it only where the host memory is known: add cpu_memory_gb: <GiB per node>")
         _require(self.num_nodes == 1 or self.network_bandwidth is not None,
                  f"{where}{self.num_nodes} nodes but no network bandwidth; add "
                  "network: {bandwidth_gbps: ...} to the group or at the top of the spec")
@@ -368,6 +376,8 @@ class ClusterSpec:
     A group's ranks take its nodes' slots in order (node-major)."""
 
     def __post_init__(self) -> None:
+        _require(isinstance(self.groups, (tuple, list)), f"ClusterSpec(groups=...) takes a tuple of NodeGroup, "
+                 f"got {type(self.groups).__name__}; build one with ClusterSpec.from_dict / ClusterSpec.load")
         object.__setattr__(self, "groups", tuple(self.groups))
         object.__setattr__(self, "custom_devices", tuple(self.custom_devices))
         _require(len(self.groups) > 0, "cluster spec has no groups; add groups: [{name: ..., gpu: ..., "

@@ -67,8 +67,16 @@ class ParallelConfig:
         except ValueError:
             raise PlanError(f"unknown schedule {self.schedule!r}; use "
                             f"{', '.join(s.value for s in Schedule)}") from None
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise PlanError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        if isinstance(self.zero_stage, bool) or self.zero_stage not in (0, 1, 2, 3):
+            raise PlanError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}; e.g. zero_stage=3")
+        for name in ("offload_params", "checkpoint_offload", "reduce_every_microbatch"):
+            if not isinstance(getattr(self, name), bool):
+                raise PlanError(f"ParallelConfig.{name}={getattr(self, name)!r}: give True or False")
+        ck = self.checkpoint
+        if not isinstance(ck, bool) and not (isinstance(ck, (tuple, list)) and all(
+                isinstance(n, int) and not isinstance(n, bool) for n in ck)):
+            raise PlanError(f"ParallelConfig.checkpoint={ck!r}: give True (every block), False, or a tuple of "
+                            "checkpointed blocks per stage, e.g. checkpoint=(2, 2)")
         # what the runtime lowers (sequence parallelism is checked against the profile)
         check_pipeline(self.schedule, num_stages=self.pp, virtual_stages=self.virtual_stages,
                        num_microbatches=self.num_microbatches, sequence_parallel=False, where="ParallelConfig")
@@ -85,6 +93,8 @@ class ParallelConfig:
             except ValueError:
                 raise PlanError(f"offload={self.offload!r}: use 'cpu' or 'nvme', or leave it out (None) for no "
                                 "offload") from None
+            if self.offload is Tier.GPU:
+                raise PlanError("offload='gpu' is no offload: leave offload out (None), or give 'cpu' or 'nvme'")
         if self.offload_params and self.offload is not Tier.NVME:
             raise PlanError("offload_params=True goes with offload='nvme' (with offload='cpu' the parameters "
                             "are on the host already); set offload='nvme' or drop offload_params")
@@ -330,8 +340,11 @@ def estimate_from_profile(profile: ModelProfile, cluster: ClusterSpec, config: P
     cc = build_coefficients(ctx, cand, build_segments(profile), (option,))
     for sc in cc.stages:
         if option not in sc.options:
+            fix = ("cpu_memory_gb: <GiB per node>" if tier is Tier.CPU
+                   else "nvme: {capacity_tb: ..., read_gbs: ..., write_gbs: ...}")
             raise PlanError(f"offload to {tier.value} is not possible on stage {sc.index}: its group has no "
-                            f"{'host memory (cpu_memory_gb)' if tier is Tier.CPU else 'NVMe'} in the cluster spec")
+                            f"{'host memory (cpu_memory_gb)' if tier is Tier.CPU else 'NVMe'} in the cluster spec; "
+                            f"add {fix} to the group, or estimate without offload")
     if cfg.boundaries is not None:
         sizes = list(cfg.boundaries)
         if len(sizes) != J or sum(sizes) != N or min(sizes) < 1:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from whalepy._errors import PlanError
+from whalepy._errors import PlanError, enum_member
 from whalepy.cost_models.compute import Precision
 
 PLAN_VERSION = 5
@@ -36,6 +36,10 @@ class Schedule(str, enum.Enum):
     ONE_F_ONE_B = "1f1b"
     INTERLEAVED_1F1B = "interleaved_1f1b"
 
+    @classmethod
+    def _missing_(cls, value: object) -> Schedule:
+        return enum_member(cls, value, "pipeline schedule")  # type: ignore[return-value]
+
 
 class Tier(str, enum.Enum):
     """Where a block's model states live between uses (ZeRO-Infinity's tiers)."""
@@ -43,6 +47,13 @@ class Tier(str, enum.Enum):
     GPU = "gpu"
     CPU = "cpu"
     NVME = "nvme"
+
+    @classmethod
+    def _missing_(cls, value: object) -> Tier:
+        hint = ("a disk tier is 'nvme' (files on the node's drive, nvme_dir); " if isinstance(value, str) and
+                value.strip().lower() in ("disk", "ssd", "file", "files", "nvm") else "")
+        hint = "the host tier is 'cpu'; " if str(value).strip().lower() in ("host", "ram", "dram") else hint
+        return enum_member(cls, value, "memory tier", hint)  # type: ignore[return-value]
 
 
 class ZeroStage(enum.IntEnum):
@@ -52,6 +63,10 @@ class ZeroStage(enum.IntEnum):
     OPTIMIZER = 1
     GRADIENTS = 2
     PARAMETERS = 3
+
+    @classmethod
+    def _missing_(cls, value: object) -> ZeroStage:
+        raise PlanError(f"unknown ZeRO stage {value!r}: give an integer 0, 1, 2 or 3 (e.g. zero_stage=3)")
 
 
 class TPStyle(str, enum.Enum):
@@ -117,9 +132,10 @@ class BlockPlan:
         if isinstance(self.prefetch_depth, bool) or not isinstance(self.prefetch_depth, int) \
                 or self.prefetch_depth < 1:
             raise PlanError(f"block {self.name!r}: prefetch_depth must be an integer >= 1, got "
-                            f"{self.prefetch_depth!r}")
+                            f"{self.prefetch_depth!r}; e.g. prefetch_depth=1 (the next block)")
         if isinstance(self.tiles, bool) or not isinstance(self.tiles, int) or self.tiles < 1:
-            raise PlanError(f"block {self.name!r}: tiles must be an integer >= 1, got {self.tiles!r}")
+            raise PlanError(f"block {self.name!r}: tiles must be an integer >= 1, got {self.tiles!r}; use "
+                            "tiles=1 (not tiled) or a whole number of tiles, e.g. tiles=4")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -487,11 +503,19 @@ class Plan:
                 "Re-create the plan with whalepy.plan() or `whalepy plan`."
             )
         try:
-            return _from_jsonable(cls, data)
+            plan = _from_jsonable(cls, data)
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, PlanError):
                 raise
             raise PlanError(f"plan data is malformed: {e}") from e
+        from whalepy._capabilities import state_option_error
+
+        for st in plan.stages:  # a tier pair edited into the file that the runtime does not lower
+            for b in st.blocks:
+                reason = state_option_error(st.zero_stage, b.param_tier, b.optimizer_tier, precision=plan.precision)
+                if reason is not None:
+                    raise PlanError(f"stage {st.index}, block {b.name!r}: {reason} (edit the plan file, or re-plan)")
+        return plan
 
     @classmethod
     def from_json(cls, text: str) -> Plan:

@@ -182,6 +182,34 @@ def _state_tensors(optimizer: Any) -> list[torch.Tensor]:
     return [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
 
 
+def _check_trace_args(target: Any, inputs: tuple, loss_fn: Any, optimizer: Any, blocks: Any, parallel: bool) -> None:
+    """One line for an argument of :func:`trace_memory` it cannot use, before the model runs."""
+    from whalepy._errors import ArgumentError
+    from whalepy._validate import check_example_inputs
+
+    if loss_fn is not None and not callable(loss_fn):
+        raise ArgumentError(f"trace_memory(loss_fn={loss_fn!r:.60}) must be callable (output, targets) -> scalar "
+                            "loss, e.g. loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise ArgumentError(f"trace_memory(optimizer=...) takes a torch.optim.Optimizer over the model's "
+                            f"parameters (it is stepped once), got {type(optimizer).__name__}; build it first, "
+                            "e.g. optimizer=torch.optim.AdamW(model.parameters())")
+    if blocks is not None:
+        if not isinstance(blocks, dict) or not all(
+                isinstance(k, str) and not isinstance(v, str) and all(isinstance(p, str) for p in v)
+                for k, v in blocks.items()):
+            raise ArgumentError(f"trace_memory(blocks={blocks!r:.60}): give a dict of block name -> list of "
+                                "module paths, e.g. blocks={'transformer.h.0': ['transformer.h.0']}")
+        if not parallel:
+            named = dict(target.named_modules())
+            missing = sorted(p for paths in blocks.values() for p in paths if p not in named)
+            if missing:
+                raise ArgumentError(f"trace_memory(blocks=...) names module paths {missing[:3]} that "
+                                    f"{type(target).__name__} does not have; use paths of model.named_modules()")
+    if not parallel:
+        check_example_inputs(target, inputs, "whalepy.trace_memory()")
+
+
 def _blocks_of(model: nn.Module, inputs: tuple) -> dict[str, tuple[str, ...]]:
     from whalepy.profile import profile
 
@@ -203,9 +231,13 @@ def trace_memory(target: Any, inputs: Any, targets: Any = None, *,
     parallel = hasattr(target, "train_step") and hasattr(target, "plan")
     if not parallel and not isinstance(target, nn.Module):
         raise WhalepyError(f"trace_memory(target=...) takes an nn.Module or a whalepy ParallelModel, got "
-                           f"{type(target).__name__}")
+                           f"{type(target).__name__}; pass the built model, or what whalepy.parallelize returned")
     if not inputs or not isinstance(inputs[0], torch.Tensor) or inputs[0].dim() == 0:
-        raise WhalepyError("trace_memory needs a batch: a tensor (or tuple of tensors) with the batch along dim 0")
+        got = type(inputs[0]).__name__ if inputs else "nothing"
+        got = "a 0-d tensor" if inputs and isinstance(inputs[0], torch.Tensor) else got
+        raise WhalepyError(f"trace_memory needs a batch: a tensor (or tuple of tensors) with the batch along dim 0, "
+                           f"got {got}; pass e.g. torch.zeros(4, 1024, dtype=torch.long) for 4 sequences of tokens")
+    _check_trace_args(target, inputs, loss_fn, optimizer, blocks, parallel)
     if parallel:
         roots = target.module if isinstance(target.module, list) else [target.module]
         mapping = blocks if blocks is not None else getattr(target, "block_modules", {})

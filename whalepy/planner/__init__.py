@@ -7,6 +7,9 @@ by :mod:`.costing` -> :class:`~whalepy.plan.Plan` (:mod:`.build`). See docs/plan
 
 from __future__ import annotations
 
+import inspect
+import numbers
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -103,7 +106,8 @@ class PlannerOptions:
         if self.solver not in SOLVERS:
             raise PlanError(f"solver={self.solver!r}: choose one of {', '.join(SOLVERS)}")
         if not self.time_limit_s > 0:
-            raise PlanError(f"time_limit_s must be positive, got {self.time_limit_s!r}")
+            raise PlanError(f"time_limit_s must be positive, got {self.time_limit_s!r}; give the search budget in "
+                            "seconds, e.g. time_limit_s=60")
         try:
             scheds = tuple(Schedule(s) for s in self.schedules)
         except ValueError as e:
@@ -113,29 +117,35 @@ class PlannerOptions:
             raise PlanError("schedules is empty: give at least one of " + ", ".join(s.value for s in Schedule))
         object.__setattr__(self, "schedules", scheds)
         if not self.ilp_time_limit_s > 0:
-            raise PlanError(f"ilp_time_limit_s must be positive, got {self.ilp_time_limit_s!r}")
-        try:
-            zs = tuple(int(z) for z in self.zero_stages)
-        except (TypeError, ValueError):
-            zs = ()
-        if not zs or any(z not in (0, 1, 2, 3) for z in zs):
-            raise PlanError(f"zero_stages={self.zero_stages!r}: give a non-empty subset of 0, 1, 2, 3")
-        object.__setattr__(self, "zero_stages", zs)
+            raise PlanError(f"ilp_time_limit_s must be positive, got {self.ilp_time_limit_s!r}; give seconds per "
+                            "candidate, e.g. ilp_time_limit_s=5")
+        zs = tuple(self.zero_stages)
+        if not zs or any(isinstance(z, bool) or not isinstance(z, numbers.Integral) or z not in (0, 1, 2, 3)
+                         for z in zs):
+            raise PlanError(f"zero_stages={self.zero_stages!r}: give a non-empty subset of 0, 1, 2, 3, e.g. "
+                            "zero_stages=(0, 1, 2, 3)")
+        object.__setattr__(self, "zero_stages", tuple(int(z) for z in zs))
         if self.max_tp is not None and (self.max_tp < 1 or self.max_tp & (self.max_tp - 1)):
-            raise PlanError(f"max_tp={self.max_tp!r} must be a power of two >= 1")
-        if self.precision is not None and self.precision not in ("bf16", "fp16", "fp32"):
-            raise PlanError(f"precision={self.precision!r}: use bf16, fp16 or fp32")
+            raise PlanError(f"max_tp={self.max_tp!r} must be a power of two >= 1, e.g. max_tp=8, or None for "
+                            "the GPUs per node")
+        if self.precision is not None:  # names in any case, as Precision takes them
+            name = self.precision.strip().lower() if isinstance(self.precision, str) else self.precision
+            if name not in ("bf16", "fp16", "fp32"):
+                raise PlanError(f"precision={self.precision!r}: use bf16, fp16 or fp32")
+            object.__setattr__(self, "precision", name)
         if self.top_k < 0:
-            raise PlanError(f"top_k must be >= 0, got {self.top_k}")
+            raise PlanError(f"top_k must be >= 0, got {self.top_k}; give the alternatives to keep, e.g. top_k=5")
         if not self.virtual_stages or any(v < 1 for v in self.virtual_stages):
             raise PlanError(f"virtual_stages must be a non-empty tuple of counts >= 1, got {self.virtual_stages!r}")
         if self.max_microbatches is not None and self.max_microbatches < 1:
-            raise PlanError(f"max_microbatches must be >= 1, got {self.max_microbatches}")
+            raise PlanError(f"max_microbatches must be >= 1, got {self.max_microbatches}; give e.g. "
+                            "max_microbatches=64, or None for no limit")
 
 
 _NUMBER_FIELDS = ("time_limit_s", "ilp_time_limit_s")
 _INT_FIELDS = ("top_k", "max_tp", "max_microbatches")
-_BOOL_FIELDS = ("allow_checkpointing", "allow_offload", "mixed_tiers", "sequence_parallel", "homogeneous_baseline")
+_BOOL_FIELDS = ("allow_checkpointing", "allow_activation_offload", "allow_checkpoint_offload", "allow_offload",
+                "mixed_tiers", "sequence_parallel", "homogeneous_baseline", "clip_gradients")
 
 
 def _check_option_types(opts: PlannerOptions) -> None:
@@ -163,6 +173,14 @@ def _check_option_types(opts: PlannerOptions) -> None:
         raise bad("virtual_stages", "a tuple of integers, e.g. (2,)")
     if not (isinstance(opts.progress, bool) or callable(opts.progress)):
         raise bad("progress", "True, False or a callable taking one line")
+    if not isinstance(opts.notes, (tuple, list)) or not all(isinstance(n, str) for n in opts.notes):
+        raise bad("notes", "a tuple of lines, e.g. ('planned for the demo',)")
+    trace = opts.memory_trace
+    if isinstance(trace, (str, os.PathLike)) and not os.path.isfile(trace):  # found before the capture
+        raise PlanError(f"memory_trace={os.fspath(trace)!r}: no such file; make one with "
+                        "whalepy.trace_memory(model, batch).save(path), or leave memory_trace out")
+    if trace is not None and not isinstance(trace, (str, os.PathLike)) and type(trace).__name__ != "MemoryTrace":
+        raise bad("memory_trace", "a whalepy.trace.MemoryTrace or the path of one saved with .save(path)")
 
 
 def _progress_fn(opt: bool | Callable[[str], None]) -> Callable[[str], None]:
@@ -234,7 +252,7 @@ def plan_from_profile(profile: ModelProfile, cluster: ClusterSpec, *, global_bat
         raise_infeasible(result, opts, global_batch)
     best = result.best
     assert best is not None and result.best_result is not None and result.ctx is not None
-    notes = list(opts.notes) + result.notes + _annotation_notes(result)
+    notes = list(opts.notes) + result.notes + _annotation_notes(result) + _host_notes(opts, cluster)
     if opts.memory_trace is not None:
         notes.append("activation bytes of the traced blocks are measured (memory_trace), not estimated")
     alts = build_alternatives(result, best, opts.top_k, hw)
@@ -243,6 +261,15 @@ def plan_from_profile(profile: ModelProfile, cluster: ClusterSpec, *, global_bat
                        mip_gap=result.best_result.mip_gap, notes=notes, alternatives=alts)
     progress(f"plan: {plan_.cost.step_time_s:.4g} s/step, {plan_.cost.samples_per_s:.4g} samples/s")
     return plan_
+
+
+def _host_notes(opts: PlannerOptions, cluster: ClusterSpec) -> list[str]:
+    """``allow_checkpoint_offload=True`` (off by default, so asked for) on a cluster whose groups give no
+    host memory cannot be planned: said in the plan's notes, not left out silently."""
+    if opts.allow_checkpoint_offload and all(g.cpu_memory_bytes is None for g in cluster.groups):
+        return ["allow_checkpoint_offload=True had no effect: no group of the cluster gives its host memory "
+                "(add cpu_memory_gb: <GiB per node> to the groups in the cluster spec)"]
+    return []
 
 
 def _check_global_batch(global_batch: Any) -> None:
@@ -265,17 +292,37 @@ def _fields() -> list[str]:
     return [f.name for f in dataclasses.fields(PlannerOptions)]
 
 
-def make_options(options: dict[str, Any]) -> PlannerOptions:
-    """:class:`PlannerOptions` from keyword options; an unknown name is a PlanError with the closest ones."""
+def _check_option_names(options: dict[str, Any]) -> None:
+    """An unknown option name is a PlanError with the closest ones and the list of names."""
     import difflib
 
     known = _fields()
     for name in options:
         if name not in known:
-            close = difflib.get_close_matches(name, known, n=2)
+            close = difflib.get_close_matches(str(name), known, n=2)
             hint = f"did you mean {' or '.join(close)}? " if close else ""
             raise PlanError(f"unknown planner option {name!r}; {hint}options are: {', '.join(known)}")
+
+
+def make_options(options: dict[str, Any]) -> PlannerOptions:
+    """:class:`PlannerOptions` from keyword options; an unknown name is a PlanError with the closest ones."""
     return PlannerOptions(**options)
+
+
+_dataclass_init = PlannerOptions.__init__
+
+
+def _init_options(self: PlannerOptions, *args: Any, **options: Any) -> None:
+    if args:
+        raise PlanError(f"PlannerOptions takes keyword options only, got {len(args)} positional value(s) "
+                        f"{args!r:.60}; write e.g. PlannerOptions(solver='highs', time_limit_s=60)")
+    _check_option_names(options)
+    _dataclass_init(self, **options)
+
+
+_init_options.__doc__ = _dataclass_init.__doc__
+_init_options.__signature__ = inspect.signature(_dataclass_init)  # type: ignore[attr-defined]
+PlannerOptions.__init__ = _init_options  # type: ignore[method-assign]
 
 
 def _annotation_notes(result) -> list[str]:  # type: ignore[no-untyped-def]

@@ -11,7 +11,7 @@ the pipeline's process group.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -137,10 +137,16 @@ def make_plan(
     ``tiers={"transformer.h.0": ("cpu", "cpu")}``. An unknown block name in ``tiers``, or a pair there
     the runtime does not lower (:func:`whalepy._capabilities.state_option_error`), is a
     :class:`PlanError` here; the stage-wide pair is checked when the plan is lowered."""
-    blocks = list(block_names)
-    v = int(virtual_stages)
-    if v < 1:
-        raise PlanError(f"virtual_stages must be at least 1, got {v}")
+    blocks = [] if isinstance(block_names, (str, bytes)) else list(block_names)
+    if not blocks or not all(isinstance(n, str) for n in blocks):
+        raise PlanError(f"make_plan(block_names={block_names!r:.80}): give a list of block names in model order, "
+                        "e.g. ['embed', 'transformer.h.0', 'transformer.h.1', 'head'] (the profile's block names)")
+    for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("num_microbatches", num_microbatches),
+                        ("virtual_stages", virtual_stages), ("global_batch", global_batch)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise PlanError(f"make_plan({name}={value!r}): {name} must be a positive integer; e.g. "
+                            f"{name}={8 if name == 'global_batch' else 2}")
+    v = virtual_stages
     if v > 1:
         if schedule == Schedule.ONE_F_ONE_B or schedule == Schedule.ONE_F_ONE_B.value:
             schedule = Schedule.INTERLEAVED_1F1B
@@ -175,9 +181,9 @@ def make_plan(
         raise PlanError(f"stage sizes {list(stage_sizes)} do not split {len(blocks)} blocks into {pp} "
                         "stages")
     pairs = _block_tiers(blocks, param_tier, optimizer_tier, tiers, zero_stage=zero_stage, precision=precision)
-    ckpt = set(blocks) if checkpoint is True else set(checkpoint or ())
-    act_off = set(blocks) if activation_offload is True else set(activation_offload or ())
-    ck_off = set(blocks) if checkpoint_offload is True else set(checkpoint_offload or ())
+    ckpt = _block_set("checkpoint", checkpoint, blocks)
+    act_off = _block_set("activation_offload", activation_offload, blocks)
+    ck_off = _block_set("checkpoint_offload", checkpoint_offload, blocks)
     if batch_shares is None and global_batch % dp:
         raise PlanError(f"global batch {global_batch} does not split evenly over {dp} data-parallel replicas; "
                         "give batch_shares (samples per replica) or a batch divisible by dp")
@@ -216,27 +222,59 @@ def _block_tiers(blocks: Sequence[str], param_tier: Tier | str, optimizer_tier: 
     """Each block's ``(param_tier, optimizer_tier)``: the stage-wide pair, overridden by ``tiers``."""
     from whalepy._capabilities import state_option_error
 
+    if tiers is not None and not isinstance(tiers, Mapping):
+        raise PlanError(f"tiers={tiers!r:.80} is a {type(tiers).__name__}; give a dict of block name -> "
+                        "(param_tier, optimizer_tier), e.g. tiers={'transformer.h.0': ('cpu', 'cpu')}")
     tiers = dict(tiers or {})
-    unknown = sorted(set(tiers) - set(blocks))
-    if unknown:
-        raise PlanError(f"tiers names blocks {unknown} that the model does not have; its blocks are "
-                        f"{list(blocks)}")
+    _check_block_names("tiers", tiers, blocks)
+    try:
+        stage_pair = (Tier(param_tier), Tier(optimizer_tier))
+    except PlanError as e:
+        shown = ", ".join(f"{k}={getattr(t, 'value', t)!r}" for k, t in (("param_tier", param_tier),
+                                                                             ("optimizer_tier", optimizer_tier)))
+        raise PlanError(f"make_plan({shown}): {e}") from None
     out: dict[str, tuple[Tier, Tier]] = {}
     for n in blocks:
-        if n not in tiers:  # the stage-wide pair: refused, if at all, when the plan is lowered (as before)
-            out[n] = (Tier(param_tier), Tier(optimizer_tier))
-            continue
-        pair = tiers[n]
+        pair = tiers.get(n, stage_pair)
+        if isinstance(pair, (str, bytes)) or not isinstance(pair, Sequence) or len(pair) != 2:
+            raise PlanError(f"tiers[{n!r}] = {pair!r}: give a (param_tier, optimizer_tier) pair of "
+                            f"{', '.join(repr(t.value) for t in Tier)}, e.g. ('cpu', 'cpu')")
         try:
             p, o = (Tier(t) for t in pair)
-        except (TypeError, ValueError):
-            raise PlanError(f"tiers[{n!r}] = {pair!r}: give a (param_tier, optimizer_tier) pair of "
-                            f"{', '.join(repr(t.value) for t in Tier)}") from None
+        except PlanError as e:
+            raise PlanError(f"tiers[{n!r}] = {tuple(pair)!r}: {e}") from None
         reason = state_option_error(zero_stage, p, o, precision=precision)
         if reason is not None:
-            raise PlanError(f"tiers[{n!r}]: {reason}")
+            raise PlanError(f"tiers[{n!r}]: {reason}" if n in tiers else f"make_plan(): {reason}")
         out[n] = (p, o)
     return out
+
+
+def _check_block_names(arg: str, names: Iterable[Any], blocks: Sequence[str]) -> None:
+    """PlanError for a name in ``names`` that is not one of ``blocks``, with the closest ones."""
+    import difflib
+
+    unknown = sorted({str(n) for n in names} - set(blocks))
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], list(blocks), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise PlanError(f"{arg} names blocks {unknown} that the model does not have; {hint}its blocks are "
+                        f"{list(blocks)}")
+
+
+def _block_set(arg: str, value: bool | Sequence[str] | None, blocks: Sequence[str]) -> set[str]:
+    """The blocks a ``True`` / ``False`` / list-of-names argument of :func:`make_plan` selects."""
+    if value is True:
+        return set(blocks)
+    if value is None or value is False:
+        return set()
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        example = blocks[0] if blocks else "transformer.h.0"
+        raise PlanError(f"make_plan({arg}={value!r:.80}): give True (every block), False, or a list of block "
+                        f"names, e.g. {arg}=[{example!r}]")
+    names = set(value)
+    _check_block_names(arg, names, blocks)
+    return names
 
 
 def check_world(plan: Plan) -> None:

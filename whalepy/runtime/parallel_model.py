@@ -173,7 +173,7 @@ def parallelize(
     (logger ``"whalepy"``; a ``rich`` progress line on a terminal when ``rich`` is installed). The plan
     being lowered is logged on rank 0 in any case, one line per stage.
     """
-    from whalepy._validate import as_cluster, check_example_inputs, check_positive_int
+    from whalepy._validate import as_cluster, check_example_inputs, check_nvme_dir, check_positive_int
 
     launched = is_distributed_launch()
     if launched:
@@ -185,6 +185,7 @@ def parallelize(
         install_error_hook()
     _check_arguments(model, loss_fn, optimizer)
     _check_training_options(max_grad_norm, log_every)
+    check_nvme_dir(nvme_dir, nvme_keep, on_node=launched and nvme_dir is not None)
     check_positive_int(global_batch, "global_batch", "whalepy.parallelize()")
     check_example_inputs(model, example_inputs, "whalepy.parallelize()")
     if plan is not None and not isinstance(plan, Plan):
@@ -231,6 +232,9 @@ def parallelize(
     rank = dist.get_rank()
     check_world(plan)
     check_tiles(plan)  # memory-centric tiling only where it is lowered, before profiling
+    mine = next(st for st in plan.stages if rank in st.all_ranks)  # the disk tier's space, before any lowering
+    if any(Tier.NVME in (b.param_tier, b.optimizer_tier) for b in mine.blocks):
+        check_nvme_dir(nvme_dir, nvme_keep, on_node=True, needed_bytes=mine.cost.nvme_state_bytes)
     _check_device(plan, cluster_spec, rank)
     if plan.model_fingerprint != "unchecked":
         profile = profile if profile is not None else _profile_or_none(model, example_inputs, plan)
