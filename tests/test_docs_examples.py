@@ -60,6 +60,8 @@ def _env(workdir: Path) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env["PET_MASTER_PORT"] = str(_free_port())  # torchrun's --master-port, for examples that name none
     env.pop("WHALEPY_PLAN", None)
+    # a crash (SIGABRT, SIGSEGV) prints every thread's Python stack: what the failure message shows
+    env["PYTHONFAULTHANDLER"] = "1"
     return env
 
 

@@ -23,7 +23,6 @@ global-batch mean, whatever the shares. ``train_step`` returns that global-batch
 
 from __future__ import annotations
 
-import atexit
 import json
 import logging
 import os
@@ -31,7 +30,7 @@ import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -72,7 +71,7 @@ from whalepy.runtime.materialize import (
     materialize_modules,
     snapshot,
 )
-from whalepy.runtime.mesh import RankMeshes, build_meshes, check_world, resolve_device_type
+from whalepy.runtime.mesh import RankMeshes, build_meshes, check_world
 from whalepy.runtime._amp import AmpContext
 from whalepy.runtime._report import StepReporter, plan_log_lines
 from whalepy.runtime._joint_step import JointStep, host_grad_params
@@ -81,6 +80,13 @@ from whalepy.runtime.nvme import NvmeTier, build_nvme_tier
 from whalepy._launch_errors import install_error_hook
 from whalepy.runtime.tensor_parallel import apply_tensor_parallel
 from whalepy.runtime.tiling import check_tiles, plan_tiling, tile_model
+from whalepy.runtime._pm_setup import (
+    _check_arguments,
+    _check_training_options,
+    _explain_fsdp_view_warning,
+    _init_process_group,
+    _plan_once,
+)
 from whalepy.runtime._pm_helpers import (  # noqa: F401 - _checked_loss: tests import it from here
     LossFn,
     _checked_loss,
@@ -96,9 +102,6 @@ from whalepy.runtime._pm_helpers import (  # noqa: F401 - _checked_loss: tests i
     _resolve_block_modules,
     _check_device,
 )
-
-if TYPE_CHECKING:
-    from whalepy.cluster import ClusterSpec
 
 __all__ = ["ParallelModel", "UnlaunchedModel", "is_distributed_launch", "parallelize"]
 
@@ -256,85 +259,6 @@ def parallelize(
                          sync_initial_weights=sync_initial_weights, nvme_dir=nvme_dir,
                          init_fn=init_fn, seed=seed, checkpoint=checkpoint,
                          max_grad_norm=max_grad_norm, log_every=log_every, nvme_keep=nvme_keep)
-
-
-def _explain_fsdp_view_warning() -> None:
-    """FSDP2 warns, once per wrapped module class and rank, that a module "returned a view tensor"
-    and an in-place op on it would drop FSDP2's pre-backward hook "and can produce wrong gradients".
-    Under tensor parallelism the views are ``DTensor.to_local()`` results of the parallel layers'
-    outputs; the hook is lost only if code outside the module modifies such an output in place. whalepy's
-    lowering never does, and the multi-process tests compare these layouts' gradients with a single
-    process. So the warning is replaced by one line that says this, once per job."""
-    import warnings
-
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-    info_once("fsdp-view", "whalepy: note: tensor-parallel outputs are views (DTensor.to_local); FSDP2's "
-              "'returned a view tensor' warning is silenced: gradients are right unless your code "
-              "modifies a block's output in place (whalepy's runtime does not)", log=log)
-
-
-def _check_training_options(max_grad_norm: Any, log_every: Any) -> None:
-    if max_grad_norm is not None and (isinstance(max_grad_norm, bool)
-                                      or not isinstance(max_grad_norm, (int, float))
-                                      or not max_grad_norm > 0 or max_grad_norm == float("inf")):
-        raise WhalepyError(f"max_grad_norm={max_grad_norm!r}: give a positive finite number (the global "
-                           "gradient 2-norm to clip to, e.g. 1.0), or None for no clipping")
-    if log_every is not None and (isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1):
-        raise WhalepyError(f"log_every={log_every!r}: give a positive number of steps between reports, or "
-                           "None for no step reports")
-
-
-def _check_arguments(model: nn.Module, loss_fn: Any, optimizer: Any) -> None:
-    from whalepy._validate import check_model
-
-    check_model(model, "whalepy.parallelize()")
-    if isinstance(optimizer, torch.optim.Optimizer):
-        raise ArgumentError(
-            f"parallelize(optimizer=...) takes a factory, got a {type(optimizer).__name__} instance: its "
-            "parameters are about to be replaced by shards. Pass e.g. "
-            "optimizer=lambda params: torch.optim.AdamW(params, lr=3e-4)")
-    if not callable(optimizer):
-        raise ArgumentError(f"parallelize(optimizer=...) must be callable (params -> Optimizer), got "
-                            f"{optimizer!r:.60}; pass e.g. optimizer=lambda params: torch.optim.AdamW(params)")
-    if not callable(loss_fn):
-        raise ArgumentError(f"parallelize(loss_fn=...) must be callable (output, targets) -> loss, got "
-                            f"{loss_fn!r:.60}; pass e.g. loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), "
-                            "y.flatten())")
-
-
-def _init_process_group(cluster_spec: ClusterSpec) -> str:
-    device_type = resolve_device_type(cluster_spec)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
-        # the group whalepy made is destroyed at exit: left to the interpreter's teardown, the backend's
-        # threads can outlive it ("terminate called without an active exception", SIGABRT at exit)
-        atexit.register(_destroy_process_group)
-    return device_type
-
-
-def _destroy_process_group() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def _plan_once(solve: Callable[[], Plan]) -> Plan:
-    """Plan on rank 0 and send the plan to every rank: ranks must lower the same plan, and a search under
-    a time limit need not end the same way on every machine. A failure on rank 0 is raised everywhere."""
-    box: list[object] = [None]
-    if dist.get_rank() == 0:
-        try:
-            box[0] = ("plan", solve().to_json())
-        except WhalepyError as e:
-            box[0] = ("error", type(e).__name__, str(e))
-            dist.broadcast_object_list(box, src=0)
-            raise
-    dist.broadcast_object_list(box, src=0)
-    kind, *payload = box[0]  # type: ignore[misc]
-    if kind == "error":
-        import whalepy._errors as errors
-
-        raise getattr(errors, payload[0], WhalepyError)(f"planning on rank 0 failed: {payload[1]}")
-    return Plan.from_json(payload[0])
 
 
 @dataclass
