@@ -248,6 +248,14 @@ def test_nvme_arguments(no_capture, kw, needles) -> None:
     assert_clear(_parallelize(**kw), ArgumentError, *needles)
 
 
+@pytest.mark.parametrize("kw, needles", [
+    (dict(max_grad_norm=1.0, clip_gradients=False), ("clip_gradients=False", "max_grad_norm=1.0", "drop clip_gradients")),
+    (dict(clip_gradients=True), ("clip_gradients=True", "max_grad_norm=None", "drop clip_gradients")),
+], ids=["clipping without clip_gradients", "clip_gradients without clipping"])
+def test_clipping_and_the_planners_clip_option_disagree(no_capture, kw, needles) -> None:
+    assert_clear(_parallelize(**kw), ArgumentError, *needles)
+
+
 def _disk_plan(nvme_bytes: int = 0):  # type: ignore[no-untyped-def]
     plan = make_plan(BLOCKS, global_batch=4, optimizer_tier="nvme")
     stage = dataclasses.replace(plan.stages[0], cost=StageCost(nvme_state_bytes=nvme_bytes))

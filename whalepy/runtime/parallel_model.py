@@ -206,6 +206,12 @@ def parallelize(
     if plan is None:
         from whalepy.planner import plan as make_plan_
 
+        clip = options.get("clip_gradients", max_grad_norm is not None)
+        if clip is not (max_grad_norm is not None) and isinstance(clip, bool):
+            raise ArgumentError(
+                f"parallelize(clip_gradients={clip}, max_grad_norm={max_grad_norm!r}): the planner's "
+                "clip_gradients follows max_grad_norm (clipping makes ZeRO-Offload step after the backward); "
+                "drop clip_gradients and set max_grad_norm (or None) instead")
         if max_grad_norm is not None:  # ZeRO-Offload then steps after the backward (costed so)
             options.setdefault("clip_gradients", True)
 
