@@ -398,7 +398,7 @@ def step_time(cc: CandidateCoeffs, T: float, Tc: float, X: float) -> float:
     return cc.candidate.num_microbatches * T + cc.chunk_coefficient * Tc + X
 
 
-def lower_bound(cc: CandidateCoeffs) -> float:
+def lower_bound(cc: CandidateCoeffs, *, memory: bool = True) -> float:
     """A step time no plan of ``cc``'s candidate beats, read off the coefficients its cost is made of.
 
     It uses nothing but ``CellCoeffs.seg_time`` (per block of each segment, seconds per micro-batch:
@@ -424,16 +424,25 @@ def lower_bound(cc: CandidateCoeffs) -> float:
        device type), and never more than the fractional optimum otherwise.
     5. Blocks are whole: a block of segment ``g`` runs on some stage and in some chunk of it, so ``T``
        and ``Tc`` are both at least ``min_s w_sg``, for every segment.
+    6. Memory (``memory=True``): every stage's activations must fit its device, so a plan that fits
+       pays recompute or host copies wherever they do not; the least slowest-stage compute of a
+       divisible partition that fits is a small LP (:func:`~whalepy.planner._bound.relaxed_stage_time`,
+       its module docstring has the argument), a lower bound of ``max_s compute_s`` that replaces
+       ``frac_r`` when higher. Step 3 holds with recompute and copies counted in ``compute``.
 
     Hence ``step >= M T* + (S - 1) Tc*`` with ``T* = max_r max(frac_r, block_r)`` and ``Tc* = T*``
-    (``v = 1``) or ``max(T* / v, max_r block_r)``: memory limits, gathers, fetches, p2p, recompute and
-    the tail only add to it. ``tests/test_planner_bound.py`` checks ``bound <= solved cost`` for every
-    candidate of random instances.
+    (``v = 1``) or ``max(T* / v, max_r block_r)``: model states, gathers, fetches, p2p and the tail
+    only add to it. ``tests/test_planner_bound.py`` checks ``bound <= cost`` of every plan that fits,
+    for every candidate of random instances (brute force).
 
-    Only ``seg_time`` is read, which no state option changes, so ``cc`` may be built with no options
+    Only per-block coefficients of the cells are read (``seg_time``, and for step 6 the recompute,
+    copy and byte ones), which no state option changes, so ``cc`` may be built with no options
     (``build_coefficients(ctx, cand, segments, ())``, what the search does: it skips the per-option
-    work for candidates it never solves).
+    work for candidates it never solves). ``memory=False`` skips step 6 (the search's first ordering,
+    before it adds step 6 to the candidates that come up below the incumbent).
     """
+    from whalepy.planner._bound import relaxed_stage_time
+
     cand = cc.candidate
     S, v, M = cand.num_stages, cand.virtual_stages, cand.num_microbatches
     lengths = [seg.length for seg in cc.segments]
@@ -450,6 +459,10 @@ def lower_bound(cc: CandidateCoeffs) -> float:
         else:
             norm = sum(1.0 / x for x in whole)
             frac = sum(n * min(row[g] / (x * norm) for row, x in zip(w, whole)) for g, n in enumerate(lengths))
+        # 6. memory: every stage's activations fit (recompute, offload), as a small LP (planner/_bound.py)
+        relaxed = relaxed_stage_time(cc, [cell_of[r] for cell_of in cells]) if memory else None
+        if relaxed is not None:
+            frac = max(frac, relaxed)
         T, B = max(T, frac, block), max(B, block)
     Tc = T if v == 1 else max(T / v, B)
     return M * T + (S - 1) * Tc
