@@ -6,6 +6,7 @@ solutions with :func:`evaluate`, so every plan is costed by the same functions."
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -422,8 +423,10 @@ def lower_bound(cc: CandidateCoeffs, *, memory: bool = True) -> float:
        ``r``. The weights ``lambda_s ~ 1 / W_s`` (``W_s = sum_g L_g w_sg``, the whole model on that
        cell) make this ``1 / sum_s (1 / W_s)`` when every cell runs every block alike (``W / S`` on one
        device type), and never more than the fractional optimum otherwise.
-    5. Blocks are whole: a block of segment ``g`` runs on some stage and in some chunk of it, so ``T``
-       and ``Tc`` are both at least ``min_s w_sg``, for every segment.
+    5. Blocks are whole: the ``L_g`` blocks of segment ``g`` run on ``S`` stages, so some stage runs at
+       least ``ceil(L_g / S)`` of them (pigeonhole), and some chunk ``ceil(L_g / (S v))``: ``T >=
+       ceil(L_g / S) min_s w_sg`` and ``Tc >= ceil(L_g / (S v)) min_s w_sg``, for every segment (80
+       layers in 32 chunks: some chunk runs 3, where step 3 alone says 2.5).
     6. Memory (``memory=True``): every stage's activations must fit its device, so a plan that fits
        pays recompute or host copies wherever they do not; the least slowest-stage compute of a
        divisible partition that fits is a small LP (:func:`~whalepy.planner._bound.relaxed_stage_time`,
@@ -431,7 +434,7 @@ def lower_bound(cc: CandidateCoeffs, *, memory: bool = True) -> float:
        ``frac_r`` when higher. Step 3 holds with recompute and copies counted in ``compute``.
 
     Hence ``step >= M T* + (S - 1) Tc*`` with ``T* = max_r max(frac_r, block_r)`` and ``Tc* = T*``
-    (``v = 1``) or ``max(T* / v, max_r block_r)``: model states, gathers, fetches, p2p and the tail
+    (``v = 1``) or ``max(T* / v, max_r chunk_r)`` (``block_r``, ``chunk_r``: step 5's): model states, gathers, fetches, p2p and the tail
     only add to it. ``tests/test_planner_bound.py`` checks ``bound <= cost`` of every plan that fits,
     for every candidate of random instances (brute force).
 
@@ -453,7 +456,9 @@ def lower_bound(cc: CandidateCoeffs, *, memory: bool = True) -> float:
     for r in pipelines.values():
         w = [cell_of[r].seg_time for cell_of in cells]
         whole = [sum(n * x for n, x in zip(lengths, row)) for row in w]
-        block = max(min(row[g] for row in w) for g, n in enumerate(lengths) if n > 0)
+        # 5. whole blocks: some stage holds ceil(L_g / S) of segment g's blocks, some chunk ceil(L_g / (S v))
+        block = max(math.ceil(n / S) * min(row[g] for row in w) for g, n in enumerate(lengths) if n > 0)
+        chunk = max(math.ceil(n / (S * v)) * min(row[g] for row in w) for g, n in enumerate(lengths) if n > 0)
         if min(whole) <= 0.0:
             frac = 0.0
         else:
@@ -463,6 +468,6 @@ def lower_bound(cc: CandidateCoeffs, *, memory: bool = True) -> float:
         relaxed = relaxed_stage_time(cc, [cell_of[r] for cell_of in cells]) if memory else None
         if relaxed is not None:
             frac = max(frac, relaxed)
-        T, B = max(T, frac, block), max(B, block)
+        T, B = max(T, frac, block), max(B, chunk)
     Tc = T if v == 1 else max(T / v, B)
     return M * T + (S - 1) * Tc
