@@ -156,3 +156,25 @@ def test_bound_below_cost_on_a_full_size_gpt() -> None:
         # below the optimum, hence below what the ILP returns (within MIP_REL_GAP above it)
         assert lower_bound(cc) <= res.evaluation.step_time_s * (1 + REL), (cand, res.evaluation.step_time_s)
     assert checked >= 20
+
+
+def test_candidates_set_aside_are_solved_in_full(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """With no time for first looks every ILP is set aside, and the second pass must still solve each
+    candidate in full: the planner equals the brute force (a second pass that never ran kept first-look
+    plans or none)."""
+    import whalepy.planner.search as search
+
+    full_solves = []
+    real = search.solve_candidate
+
+    def counting(cc, **kw):  # type: ignore[no-untyped-def]
+        if kw["time_limit_s"] > 1e-3:
+            full_solves.append(cc.candidate)
+        return real(cc, **kw)
+
+    monkeypatch.setattr(search, "FIRST_LOOK_S", 0.0)
+    monkeypatch.setattr(search, "solve_candidate", counting)
+    for seed in range(4):
+        inst = random_instance(random.Random(seed))
+        _assert_optimal(inst, _planned(inst), MIP_REL_GAP)
+    assert full_solves

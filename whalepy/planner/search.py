@@ -464,7 +464,9 @@ def run_search(profile: ModelProfile, hw: Hardware, G: int, opts, *,  # type: ig
     def incumbent() -> float:
         return best[0] if best is not None else math.inf
 
-    for pass_no, queue in ((0, _by_bound(bounded, light, incumbent)), (1, sorted(deferred, key=lambda x: x[:2]))):
+    for pass_no in (0, 1):
+        # the second pass's queue is what the first set aside, read once the first is done
+        queue = _by_bound(bounded, light, incumbent) if pass_no == 0 else sorted(deferred, key=lambda x: x[:2])
         for lb, idx, cand in queue:
             if best is not None and lb >= best[0] * (1 - 1e-9):
                 rejections.append(Rejection(cand, f"pruned: its lower bound {lb:.4g} s is not below the best "
