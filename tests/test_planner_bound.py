@@ -178,3 +178,22 @@ def test_candidates_set_aside_are_solved_in_full(monkeypatch) -> None:  # type: 
         inst = random_instance(random.Random(seed))
         _assert_optimal(inst, _planned(inst), MIP_REL_GAP)
     assert full_solves
+
+
+def test_a_first_look_stopped_without_a_plan_is_not_a_refutation(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """An ILP stopped by its time limit before it found any plan refutes nothing, cutoff or not: it is
+    "no solution" (set aside for the second pass), never "no better than the incumbent" (dropped). The
+    search lost optima that way when a first look ran out before its first plan."""
+    import whalepy.planner.ilp as ilp
+
+    inst = random_instance(random.Random(0))
+    opts = make_options(inst.options)
+    ctx = CostContext(inst.profile, Hardware(inst.cluster), precision=opts.precision)
+    cand = outer_candidates(ctx, inst.global_batch, **inst.options)[0][0]
+    cc = build_coefficients(ctx, cand, build_segments(inst.profile),
+                            build_state_options(opts.zero_stages, opts.allow_offload, opts.precision))
+    monkeypatch.setattr(ilp, "_run", lambda *a, **k: ("no solution", math.inf, 0.0))
+    for cutoff in (None, 1.0):
+        res = solve_candidate(cc, allowed_stages={}, allow_checkpointing=True, solver="highs", time_limit_s=0.1,
+                              cutoff=cutoff)
+        assert res.status == "no solution" and res.evaluation is None, (cutoff, res.status)
