@@ -86,15 +86,17 @@ def test_planner_equals_brute_force(seed: int) -> None:
     _assert_optimal(inst, _planned(inst), MIP_REL_GAP)
 
 
-def _check_bounds(inst: Instance) -> int:
-    """``lower_bound <= cost`` for every candidate: against its best plan ignoring memory (the bound
-    ignores memory, so this is the sharp form) and its best plan that fits. Returns candidates checked."""
+def _check_bounds(inst: Instance) -> tuple[int, int]:
+    """``lower_bound <= cost`` for every candidate: against its best plan that fits, host copies of
+    activations included where the bound is above the best plan ignoring memory (its memory part).
+    Returns the candidates checked and how many of them the memory part lifted."""
     opts = make_options(inst.options)
     ctx = CostContext(inst.profile, Hardware(inst.cluster), precision=opts.precision,
                       sequence_parallel=opts.sequence_parallel)
     cands, _ = outer_candidates(ctx, inst.global_batch, **inst.options)
     segments = build_segments(inst.profile)
     options = build_state_options(opts.zero_stages, opts.allow_offload, opts.precision)
+    lifted = 0
     for cand in cands:
         cc = build_coefficients(ctx, cand, segments, options)
         lb = lower_bound(cc)
@@ -104,14 +106,31 @@ def _check_bounds(inst: Instance) -> int:
         # memory never offloads and bounds every plan that does (and enumerating it made this test 20x slower)
         fit, any_ = candidate_optimum(cc, opts.allow_checkpointing, allow_activation_offload=False,
                                       allow_checkpoint_offload=False)
-        assert lb <= any_ * (1 + REL) and lb <= fit * (1 + REL), (lb, any_, fit, cand, inst)
-    return len(cands)
+        assert lb <= fit * (1 + REL), (lb, any_, fit, cand, inst)
+        if lb > any_ * (1 + REL):
+            lifted += 1
+            # above the best plan ignoring memory: the bound's memory part (planner/_bound.py) says every
+            # plan that fits pays recompute or host copies; check it against every plan that fits, host
+            # copies included
+            fit = candidate_optimum(cc, opts.allow_checkpointing, allow_activation_offload=True,
+                                    allow_checkpoint_offload=True)[0]
+            assert lb <= fit * (1 + REL), (lb, any_, fit, cand, inst)
+    return len(cands), lifted
 
 
 @settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**32 - 1), fp32_capture=st.booleans(), mixed=st.booleans())
 def test_bound_below_every_candidate_cost(seed: int, fp32_capture: bool, mixed: bool) -> None:
     _check_bounds(random_instance(random.Random(seed), fp32_capture=fp32_capture, mixed=mixed))
+
+
+@pytest.mark.parametrize("seed,mixed", [(3, False), (11, True), (16, False), (30, True)])
+def test_memory_part_of_the_bound(seed: int, mixed: bool) -> None:
+    """Instances where memory binds: the bound's memory part (``planner/_bound.py``: recompute or host
+    copies every fitting plan pays) lifts it above the best plan ignoring memory on some candidates, and
+    it stays below every plan that fits, activation and checkpoint offload included (brute force)."""
+    _, lifted = _check_bounds(random_instance(random.Random(seed), fp32_capture=False, mixed=mixed))
+    assert lifted >= 2
 
 
 def test_bound_below_cost_on_a_full_size_gpt() -> None:
@@ -137,3 +156,44 @@ def test_bound_below_cost_on_a_full_size_gpt() -> None:
         # below the optimum, hence below what the ILP returns (within MIP_REL_GAP above it)
         assert lower_bound(cc) <= res.evaluation.step_time_s * (1 + REL), (cand, res.evaluation.step_time_s)
     assert checked >= 20
+
+
+def test_candidates_set_aside_are_solved_in_full(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """With no time for first looks every ILP is set aside, and the second pass must still solve each
+    candidate in full: the planner equals the brute force (a second pass that never ran kept first-look
+    plans or none)."""
+    import whalepy.planner.search as search
+
+    full_solves = []
+    real = search.solve_candidate
+
+    def counting(cc, **kw):  # type: ignore[no-untyped-def]
+        if kw["time_limit_s"] > 1e-3:
+            full_solves.append(cc.candidate)
+        return real(cc, **kw)
+
+    monkeypatch.setattr(search, "FIRST_LOOK_S", 0.0)
+    monkeypatch.setattr(search, "solve_candidate", counting)
+    for seed in range(4):
+        inst = random_instance(random.Random(seed))
+        _assert_optimal(inst, _planned(inst), MIP_REL_GAP)
+    assert full_solves
+
+
+def test_a_first_look_stopped_without_a_plan_is_not_a_refutation(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """An ILP stopped by its time limit before it found any plan refutes nothing, cutoff or not: it is
+    "no solution" (set aside for the second pass), never "no better than the incumbent" (dropped). The
+    search lost optima that way when a first look ran out before its first plan."""
+    import whalepy.planner.ilp as ilp
+
+    inst = random_instance(random.Random(0))
+    opts = make_options(inst.options)
+    ctx = CostContext(inst.profile, Hardware(inst.cluster), precision=opts.precision)
+    cand = outer_candidates(ctx, inst.global_batch, **inst.options)[0][0]
+    cc = build_coefficients(ctx, cand, build_segments(inst.profile),
+                            build_state_options(opts.zero_stages, opts.allow_offload, opts.precision))
+    monkeypatch.setattr(ilp, "_run", lambda *a, **k: ("no solution", math.inf, 0.0))
+    for cutoff in (None, 1.0):
+        res = solve_candidate(cc, allowed_stages={}, allow_checkpointing=True, solver="highs", time_limit_s=0.1,
+                              cutoff=cutoff)
+        assert res.status == "no solution" and res.evaluation is None, (cutoff, res.status)

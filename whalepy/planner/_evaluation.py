@@ -6,6 +6,7 @@ solutions with :func:`evaluate`, so every plan is costed by the same functions."
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -398,7 +399,7 @@ def step_time(cc: CandidateCoeffs, T: float, Tc: float, X: float) -> float:
     return cc.candidate.num_microbatches * T + cc.chunk_coefficient * Tc + X
 
 
-def lower_bound(cc: CandidateCoeffs) -> float:
+def lower_bound(cc: CandidateCoeffs, *, memory: bool = True) -> float:
     """A step time no plan of ``cc``'s candidate beats, read off the coefficients its cost is made of.
 
     It uses nothing but ``CellCoeffs.seg_time`` (per block of each segment, seconds per micro-batch:
@@ -422,18 +423,29 @@ def lower_bound(cc: CandidateCoeffs) -> float:
        ``r``. The weights ``lambda_s ~ 1 / W_s`` (``W_s = sum_g L_g w_sg``, the whole model on that
        cell) make this ``1 / sum_s (1 / W_s)`` when every cell runs every block alike (``W / S`` on one
        device type), and never more than the fractional optimum otherwise.
-    5. Blocks are whole: a block of segment ``g`` runs on some stage and in some chunk of it, so ``T``
-       and ``Tc`` are both at least ``min_s w_sg``, for every segment.
+    5. Blocks are whole: the ``L_g`` blocks of segment ``g`` run on ``S`` stages, so some stage runs at
+       least ``ceil(L_g / S)`` of them (pigeonhole), and some chunk ``ceil(L_g / (S v))``: ``T >=
+       ceil(L_g / S) min_s w_sg`` and ``Tc >= ceil(L_g / (S v)) min_s w_sg``, for every segment (80
+       layers in 32 chunks: some chunk runs 3, where step 3 alone says 2.5).
+    6. Memory (``memory=True``): every stage's activations must fit its device, so a plan that fits
+       pays recompute or host copies wherever they do not; the least slowest-stage compute of a
+       divisible partition that fits is a small LP (:func:`~whalepy.planner._bound.relaxed_stage_time`,
+       its module docstring has the argument), a lower bound of ``max_s compute_s`` that replaces
+       ``frac_r`` when higher. Step 3 holds with recompute and copies counted in ``compute``.
 
     Hence ``step >= M T* + (S - 1) Tc*`` with ``T* = max_r max(frac_r, block_r)`` and ``Tc* = T*``
-    (``v = 1``) or ``max(T* / v, max_r block_r)``: memory limits, gathers, fetches, p2p, recompute and
-    the tail only add to it. ``tests/test_planner_bound.py`` checks ``bound <= solved cost`` for every
-    candidate of random instances.
+    (``v = 1``) or ``max(T* / v, max_r chunk_r)`` (``block_r``, ``chunk_r``: step 5's): model states, gathers, fetches, p2p and the tail
+    only add to it. ``tests/test_planner_bound.py`` checks ``bound <= cost`` of every plan that fits,
+    for every candidate of random instances (brute force).
 
-    Only ``seg_time`` is read, which no state option changes, so ``cc`` may be built with no options
+    Only per-block coefficients of the cells are read (``seg_time``, and for step 6 the recompute,
+    copy and byte ones), which no state option changes, so ``cc`` may be built with no options
     (``build_coefficients(ctx, cand, segments, ())``, what the search does: it skips the per-option
-    work for candidates it never solves).
+    work for candidates it never solves). ``memory=False`` skips step 6 (the search's first ordering,
+    before it adds step 6 to the candidates that come up below the incumbent).
     """
+    from whalepy.planner._bound import relaxed_stage_time
+
     cand = cc.candidate
     S, v, M = cand.num_stages, cand.virtual_stages, cand.num_microbatches
     lengths = [seg.length for seg in cc.segments]
@@ -444,12 +456,18 @@ def lower_bound(cc: CandidateCoeffs) -> float:
     for r in pipelines.values():
         w = [cell_of[r].seg_time for cell_of in cells]
         whole = [sum(n * x for n, x in zip(lengths, row)) for row in w]
-        block = max(min(row[g] for row in w) for g, n in enumerate(lengths) if n > 0)
+        # 5. whole blocks: some stage holds ceil(L_g / S) of segment g's blocks, some chunk ceil(L_g / (S v))
+        block = max(math.ceil(n / S) * min(row[g] for row in w) for g, n in enumerate(lengths) if n > 0)
+        chunk = max(math.ceil(n / (S * v)) * min(row[g] for row in w) for g, n in enumerate(lengths) if n > 0)
         if min(whole) <= 0.0:
             frac = 0.0
         else:
             norm = sum(1.0 / x for x in whole)
             frac = sum(n * min(row[g] / (x * norm) for row, x in zip(w, whole)) for g, n in enumerate(lengths))
-        T, B = max(T, frac, block), max(B, block)
+        # 6. memory: every stage's activations fit (recompute, offload), as a small LP (planner/_bound.py)
+        relaxed = relaxed_stage_time(cc, [cell_of[r] for cell_of in cells]) if memory else None
+        if relaxed is not None:
+            frac = max(frac, relaxed)
+        T, B = max(T, frac, block), max(B, chunk)
     Tc = T if v == 1 else max(T / v, B)
     return M * T + (S - 1) * Tc

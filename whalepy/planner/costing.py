@@ -411,52 +411,23 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
     S, t, d = cand.num_stages, cand.tp, cand.dp
     stages = []
     seg_params = [seg.block.num_params / (t if tp_applies(seg.block, t) else 1) for seg in segments]
+    mixing = mixed_tiers and cand.virtual_stages == 1
+    # Stages whose replicas run on the same groups over equal data-parallel links have the same options
+    # and per-option coefficients (only in-flight micro-batches, sends and the loss differ from stage to
+    # stage): computed once per candidate. CommGroup is a value (link speeds, ranks per node), not ranks.
+    per_options: dict[tuple, tuple] = {}  # type: ignore[type-arg]
+    per_cell: dict[tuple, tuple] = {}  # type: ignore[type-arg]
+    pruned: dict[tuple, tuple] = {}  # type: ignore[type-arg]
     for s in range(S):
         dp_ranks = tuple(ranks[s][r][0] for r in range(d))
         dp_group = _shared_nic(hw.comm(dp_ranks), t) if d > 1 else None
-        groups_here = {cand.cell_groups[s][r] for r in range(d)}
-        allowed = tuple(o for o in options if all(_tier_ok(hw.groups[g], o) for g in groups_here))
-        sync, mem_beta, cpu_beta, nvme_beta, working, buffer_beta, split, freed = {}, {}, {}, {}, {}, {}, {}, {}
-        host_fixed: dict[StateOption, float] = {}
-        low = precision_bytes(ctx.precision)
-        stage_blocks = [seg.block for seg in segments]
-        allowed = tiled_options(
-            allowed, stage_blocks, tp=t,
-            working_bytes=lambda p: estimate_fsdp_working_bytes(block_params=p, zero3=True, compute_bytes=low),
-            capacity_bytes=min(usable_device_bytes(hw.groups[g], cand) for g in groups_here))
-        allowed = reduce_each_options(allowed, cand)
-        mixing = mixed_tiers and cand.virtual_stages == 1
-        if mixing:
-            allowed += beside_offload_options(allowed, cand)
-        tile_extra = {o: [tiling_latency_s(ctx.collective, b, o.tiles, dp_group) for b in stage_blocks]
-                      for o in allowed if o.tiles > 1}
-        for o in allowed:
-            kind = lowering_kind(o, cand)
-            sync[o] = post_step_affine(ctx.collective, kind, dp_group, ctx.precision)
-            st = stage_model_states(ctx, cand, o, 1.0)  # what the runtime holds between uses
-            mem_beta[o], cpu_beta[o], nvme_beta[o] = st.resident, st.cpu, st.nvme
-            # the disk tier's staging buffers, sized by the largest block (of the model: the stage's
-            # blocks are not known here) at prefetch depth 1
-            host_fixed[o] = stage_model_states(ctx, cand, o, 1.0, largest_block_params=max(seg_params)).cpu - st.cpu
-            split[o] = (st.params, st.grads, st.optimizer)
-            freed[o] = not grads_at_activation_peak(kind, cand)
-            fsdp = kind == LoweringKind.FSDP
-            zero3 = o.zero is ZeroStage.PARAMETERS
-            unit = max(seg_params) if o.tiles == 1 else max(unit_params(b, o.tiles) for b in stage_blocks)
-            working[o] = (estimate_fsdp_working_bytes(block_params=unit, zero3=zero3, compute_bytes=low)
-                          if fsdp else 0.0)
-            # below ZeRO-3 FSDP2 keeps the stage's parameters gathered, in the compute dtype, from
-            # forward to backward (reshard_after_forward=False)
-            gathered = low if fsdp and not zero3 else 0.0
-            # FSDP2 without gradient sync (every micro-batch but the last) accumulates unsharded
-            # gradients in its reduce dtype (fp32)
-            # (none when every micro-batch's gradients are reduce-scattered into the sharded ones)
-            accumulate = (MASTER_GRAD_BYTES - st.grads if fsdp and cand.num_microbatches > 1 and not o.reduce_each
-                          else 0.0)
-            autocast = AUTOCAST_WEIGHT_COPY_BYTES if uses_autocast(kind, ctx.precision) else 0.0
-            # DDP's gradient buckets are views of the gradients (gradient_as_bucket_view=True): no copy
-            buffer_beta[o] = gathered + max(0.0, accumulate) + autocast
-        dp_comm = ctx.dp_block_comm(segments, tuple(seg_params), dp_group)
+        groups_here = frozenset(cand.cell_groups[s][r] for r in range(d))
+        skey = (groups_here, dp_group)
+        if skey not in per_options:
+            per_options[skey] = _stage_options(ctx, cand, segments, options, groups_here, dp_group, seg_params,
+                                               mixing)
+        allowed, sync, mem_beta, cpu_beta, nvme_beta, working, buffer_beta, split, freed, host_fixed, tile_extra, \
+            dp_comm = per_options[skey]
         # cells: replicas of this stage with the same group and share cost the same
         keyed: dict[tuple[int, int], list[int]] = {}
         for r in range(d):
@@ -464,14 +435,17 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
         cells = []
         for (g, share), reps in keyed.items():
             cells.append(_cell(ctx, cand, segments, s, hw.groups[g], share, tuple(reps), ranks, allowed, dp_comm,
-                               tile_extra))
-        # an option only a mix may use is kept out of the pruning (it cannot stand in for one that
-        # stands alone) and dropped where no family takes it
-        beside = tuple(o for o in allowed if o.beside_offload)
-        allowed = _undominated(tuple(o for o in allowed if not o.beside_offload), sync, mem_beta, cpu_beta,
-                               nvme_beta, working, buffer_beta, cells, host_fixed) + beside
-        families = _families(allowed, cand, sync, working, freed, cells) if mixing else ()
-        allowed = tuple(o for o in allowed if not o.beside_offload or any(o in f for f in families))
+                               tile_extra, memo=(per_cell, skey)))
+        ukey = (skey, tuple(id(c.seg_exposed) for c in cells))  # cells with the same per-option coefficients
+        if ukey not in pruned:
+            # an option only a mix may use is kept out of the pruning (it cannot stand in for one that
+            # stands alone) and dropped where no family takes it
+            beside = tuple(o for o in allowed if o.beside_offload)
+            kept = _undominated(tuple(o for o in allowed if not o.beside_offload), sync, mem_beta, cpu_beta,
+                                nvme_beta, working, buffer_beta, cells, host_fixed) + beside
+            families = _families(kept, cand, sync, working, freed, cells) if mixing else ()
+            pruned[ukey] = (tuple(o for o in kept if not o.beside_offload or any(o in f for f in families)), families)
+        allowed, families = pruned[ukey]
         stages.append(StageCoeffs(index=s, cells=cells, seg_params=seg_params, options=allowed, sync=sync,
                                   mem_beta=mem_beta, cpu_beta=cpu_beta, nvme_beta=nvme_beta,
                                   working_bytes=working, state_split=split, grads_freed=freed,
@@ -482,6 +456,57 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
                            nodes=_node_shares(hw, ranks) if any(o.off_device for st in stages for o in st.options)
                            or any(stage_offloadable(st) or stage_checkpoint_offloadable(st) for st in stages)
                            else (), bubble=cand.bubble_coefficient)
+
+
+def _stage_options(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...],  # type: ignore[no-untyped-def]
+                   options: tuple[StateOption, ...], groups_here: frozenset[int], dp_group: CommGroup | None,
+                   seg_params: list[float], mixing: bool):
+    """A stage's state options (tier, tiling, reduce-every-micro-batch and beside-offload variants) and
+    their per-stage coefficients, for a stage on ``groups_here`` with data-parallel group ``dp_group``."""
+    hw, t = ctx.hw, cand.tp
+    allowed = tuple(o for o in options if all(_tier_ok(hw.groups[g], o) for g in groups_here))
+    sync, mem_beta, cpu_beta, nvme_beta, working, buffer_beta, split, freed = {}, {}, {}, {}, {}, {}, {}, {}
+    host_fixed: dict[StateOption, float] = {}
+    low = precision_bytes(ctx.precision)
+    stage_blocks = [seg.block for seg in segments]
+    allowed = tiled_options(
+        allowed, stage_blocks, tp=t,
+        working_bytes=lambda p: estimate_fsdp_working_bytes(block_params=p, zero3=True, compute_bytes=low),
+        capacity_bytes=min(usable_device_bytes(hw.groups[g], cand) for g in groups_here))
+    allowed = reduce_each_options(allowed, cand)
+    if mixing:
+        allowed += beside_offload_options(allowed, cand)
+    tile_extra = {o: [tiling_latency_s(ctx.collective, b, o.tiles, dp_group) for b in stage_blocks]
+                  for o in allowed if o.tiles > 1}
+    for o in allowed:
+        kind = lowering_kind(o, cand)
+        sync[o] = post_step_affine(ctx.collective, kind, dp_group, ctx.precision)
+        st = stage_model_states(ctx, cand, o, 1.0)  # what the runtime holds between uses
+        mem_beta[o], cpu_beta[o], nvme_beta[o] = st.resident, st.cpu, st.nvme
+        # the disk tier's staging buffers, sized by the largest block (of the model: the stage's
+        # blocks are not known here) at prefetch depth 1
+        host_fixed[o] = stage_model_states(ctx, cand, o, 1.0, largest_block_params=max(seg_params)).cpu - st.cpu
+        split[o] = (st.params, st.grads, st.optimizer)
+        freed[o] = not grads_at_activation_peak(kind, cand)
+        fsdp = kind == LoweringKind.FSDP
+        zero3 = o.zero is ZeroStage.PARAMETERS
+        unit = max(seg_params) if o.tiles == 1 else max(unit_params(b, o.tiles) for b in stage_blocks)
+        working[o] = (estimate_fsdp_working_bytes(block_params=unit, zero3=zero3, compute_bytes=low)
+                      if fsdp else 0.0)
+        # below ZeRO-3 FSDP2 keeps the stage's parameters gathered, in the compute dtype, from
+        # forward to backward (reshard_after_forward=False)
+        gathered = low if fsdp and not zero3 else 0.0
+        # FSDP2 without gradient sync (every micro-batch but the last) accumulates unsharded
+        # gradients in its reduce dtype (fp32)
+        # (none when every micro-batch's gradients are reduce-scattered into the sharded ones)
+        accumulate = (MASTER_GRAD_BYTES - st.grads if fsdp and cand.num_microbatches > 1 and not o.reduce_each
+                      else 0.0)
+        autocast = AUTOCAST_WEIGHT_COPY_BYTES if uses_autocast(kind, ctx.precision) else 0.0
+        # DDP's gradient buckets are views of the gradients (gradient_as_bucket_view=True): no copy
+        buffer_beta[o] = gathered + max(0.0, accumulate) + autocast
+    dp_comm = ctx.dp_block_comm(segments, tuple(seg_params), dp_group)
+    return (allowed, sync, mem_beta, cpu_beta, nvme_beta, working, buffer_beta, split, freed, host_fixed,
+            tile_extra, dp_comm)
 
 
 def _families(options, cand, sync, working, freed, cells) -> tuple[tuple[StateOption, ...], ...]:  # type: ignore[no-untyped-def]
@@ -669,7 +694,11 @@ def _tier_ok(g: GroupView, o: StateOption) -> bool:
 
 def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: int, g: GroupView,
           share: int, reps: tuple[int, ...], ranks, allowed: tuple[StateOption, ...],  # type: ignore[no-untyped-def]
-          dp_comm: DPComm, tile_extra: dict[StateOption, list[float]] | None = None) -> CellCoeffs:
+          dp_comm: DPComm, tile_extra: dict[StateOption, list[float]] | None = None,
+          memo: tuple[dict, tuple] | None = None) -> CellCoeffs:  # type: ignore[type-arg]
+    """``memo``: ``(dict, stage key)`` shared by the stages of one candidate; cells of the same group,
+    share and TP group on stages of the same key get the same per-option coefficients (one computation,
+    the same objects)."""
     hw, t, d, M = ctx.hw, cand.tp, cand.dp, cand.num_microbatches
     S, v = cand.num_stages, cand.virtual_stages
     mb = share / M
@@ -697,6 +726,44 @@ def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: i
     p2p = sum(chunk_p2p)
     inflight = inflight_microbatches(cand.schedule, stage_index=s, num_stages=S, num_microbatches=M,
                                      virtual_stages=v)
+    mkey = memo and (memo[1], g.index, share, tp_group)
+    if memo is not None and mkey in memo[0]:
+        opt_beta, opt_overlap, fetch_beta, seg_exposed, edge, seg_tail, tail_edge, autocast_bytes = memo[0][mkey]
+    else:
+        opt_beta, opt_overlap, fetch_beta, seg_exposed, edge, seg_tail, tail_edge, autocast_bytes = \
+            _cell_options(ctx, cand, segments, g, allowed, dp_comm, tile_extra, seg_fwd, seg_bwd, seg_input)
+        if memo is not None:
+            memo[0][mkey] = (opt_beta, opt_overlap, fetch_beta, seg_exposed, edge, seg_tail, tail_edge,
+                             autocast_bytes)
+    loss_bytes = 0.0
+    if s == S - 1 and ctx.profile.blocks:
+        out = ctx.profile.blocks[-1].output_bytes * ratio
+        elem = torch.finfo(getattr(torch, ctx.profile.dtype)).bits // 8
+        loss_bytes = out * ctx.byte_scale + out / elem * LOSS_LOGPROB_BYTES
+    cpu_cap = host_capacity_per_gpu(g.cpu_memory_bytes, g.gpus_per_node)
+    nvme_cap = nvme_capacity_per_gpu(g.nvme_capacity_bytes, g.gpus_per_node)
+    hkey = ("host copies", g.index, tuple(seg_saved), tuple(seg_input), inflight, v)
+    if hkey not in ctx._cache:  # the same for every stage and candidate with these bytes in flight
+        ctx._cache[hkey] = (
+            activation_offload_coefficients(g, saved=seg_saved, inflight=inflight, virtual_stages=v),
+            checkpoint_offload_coefficients(g, inputs=seg_input, inflight=inflight, virtual_stages=v))
+    (seg_offload, seg_host), (seg_ckoff, seg_ckhost) = ctx._cache[hkey]  # type: ignore[misc]
+    return CellCoeffs(group=g, share=share, micro_batch=mb, replicas=reps,
+                      capacity=usable_device_bytes(g, cand), cpu_capacity=cpu_cap,
+                      nvme_capacity=nvme_cap, seg_time=seg_time, seg_recompute=seg_re, seg_fwd=seg_fwd,
+                      seg_bwd=seg_bwd, seg_comm=seg_comm, seg_saved=seg_saved, seg_input=seg_input, p2p=p2p,
+                      chunk_p2p=chunk_p2p, inflight=inflight, opt_beta=opt_beta, opt_overlap=opt_overlap,
+                      fetch_beta=fetch_beta,
+                      seg_exposed=seg_exposed, edge=edge, seg_tail=seg_tail, tail_edge=tail_edge,
+                      autocast_bytes=autocast_bytes, loss_bytes=loss_bytes, seg_offload=seg_offload,
+                      seg_host=seg_host, seg_ckoff=seg_ckoff, seg_ckhost=seg_ckhost)
+
+
+def _cell_options(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], g: GroupView,  # type: ignore[no-untyped-def]
+                  allowed: tuple[StateOption, ...], dp_comm: DPComm, tile_extra, seg_fwd, seg_bwd, seg_input):
+    """A cell's per-option coefficients: optimizer step, fetches, exposed data-parallel communication per
+    block and at the edges, autocast's copies."""
+    t, d, S = cand.tp, cand.dp, cand.num_stages
     key = ("offload", g.index, d, t, S, allowed)
     if key not in ctx._cache:  # the same for every cell of this group and degrees, across candidates
         ctx._cache[key] = offload_coefficients(ctx, cand, g, allowed)
@@ -714,25 +781,7 @@ def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: i
         edge[o], tail_edge[o] = dp_edges(kind, z3, pipelined, dp_comm, o.reduce_each) if rows else (0.0, 0.0)
         autocast_bytes[o] = (sum(seg.length * x for seg, x in zip(segments, seg_input))
                              if uses_autocast(kind, ctx.precision) else 0.0)
-    loss_bytes = 0.0
-    if s == S - 1 and ctx.profile.blocks:
-        out = ctx.profile.blocks[-1].output_bytes * ratio
-        elem = torch.finfo(getattr(torch, ctx.profile.dtype)).bits // 8
-        loss_bytes = out * ctx.byte_scale + out / elem * LOSS_LOGPROB_BYTES
-    cpu_cap = host_capacity_per_gpu(g.cpu_memory_bytes, g.gpus_per_node)
-    nvme_cap = nvme_capacity_per_gpu(g.nvme_capacity_bytes, g.gpus_per_node)
-    seg_offload, seg_host = activation_offload_coefficients(g, saved=seg_saved, inflight=inflight, virtual_stages=v)
-    seg_ckoff, seg_ckhost = checkpoint_offload_coefficients(g, inputs=seg_input, inflight=inflight,
-                                                            virtual_stages=v)
-    return CellCoeffs(group=g, share=share, micro_batch=mb, replicas=reps,
-                      capacity=usable_device_bytes(g, cand), cpu_capacity=cpu_cap,
-                      nvme_capacity=nvme_cap, seg_time=seg_time, seg_recompute=seg_re, seg_fwd=seg_fwd,
-                      seg_bwd=seg_bwd, seg_comm=seg_comm, seg_saved=seg_saved, seg_input=seg_input, p2p=p2p,
-                      chunk_p2p=chunk_p2p, inflight=inflight, opt_beta=opt_beta, opt_overlap=opt_overlap,
-                      fetch_beta=fetch_beta,
-                      seg_exposed=seg_exposed, edge=edge, seg_tail=seg_tail, tail_edge=tail_edge,
-                      autocast_bytes=autocast_bytes, loss_bytes=loss_bytes, seg_offload=seg_offload,
-                      seg_host=seg_host, seg_ckoff=seg_ckoff, seg_ckhost=seg_ckhost)
+    return opt_beta, opt_overlap, fetch_beta, seg_exposed, edge, seg_tail, tail_edge, autocast_bytes
 
 
 # -- evaluation of a fully specified configuration: whalepy/planner/_evaluation.py (re-exported) ------

@@ -667,11 +667,12 @@ def solve_candidate(cc: CandidateCoeffs, *, allowed_stages: dict[int, tuple[int,
     status, objective, gap = _run(prob, solver, time_limit_s, cutoff)
     nvars, ncons = len(prob.vars), len(prob.rows)
     elapsed = time.perf_counter() - t0
+    if status == "no solution":  # stopped (time limit) before finding one: nothing to read back, nothing
+        # refuted (its objective is inf, which the cutoff test below would read as "no better")
+        return ILPResult(status, None, math.inf, math.inf, elapsed, nvars, ncons)
     if status in ("infeasible", "cutoff") or (cutoff is not None and objective >= cutoff):
         status = "infeasible" if status == "infeasible" and cutoff is None else "no better than the incumbent"
         return ILPResult(status, None, math.inf, 0.0, elapsed, nvars, ncons)
-    if status == "no solution":  # stopped (time limit) before finding one: nothing to read back
-        return ILPResult(status, None, math.inf, math.inf, elapsed, nvars, ncons)
     return ILPResult(status, _extract(cc, v), objective, gap, elapsed, nvars, ncons)
 
 

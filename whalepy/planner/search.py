@@ -20,6 +20,7 @@ counts). TP stays inside a node of one type by construction.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 import time
 from collections.abc import Callable
@@ -406,6 +407,25 @@ predicted step time, so it gets a short, fixed budget: most settle in well under
 not keeps the best it found, or the plan as the search left it."""
 
 
+def _by_bound(bounded: list[tuple[float, int, Candidate]], light: list[CandidateCoeffs],
+              incumbent: Callable[[], float]):  # type: ignore[no-untyped-def]
+    """Candidates in order of their bound, ties by enumeration order: ``bounded`` holds compute bounds
+    (:func:`lower_bound` with ``memory=False``); a candidate that comes up below the incumbent gets its
+    full bound (memory part included, from ``light``, its coefficients without state options) and, if
+    that is higher, goes back in line with it. Yields ``(bound, index, candidate)``; a candidate yielded
+    with its compute bound is at or above the incumbent (pruned either way)."""
+    heap = [(lb, i, False, c) for lb, i, c in bounded]
+    heapq.heapify(heap)
+    while heap:
+        lb, i, full, c = heapq.heappop(heap)
+        if not full and lb < incumbent() * (1 - 1e-9):
+            whole = max(lb, lower_bound(light[i]))
+            if whole > lb:
+                heapq.heappush(heap, (whole, i, True, c))
+                continue
+        yield lb, i, c
+
+
 def run_search(profile: ModelProfile, hw: Hardware, G: int, opts, *,  # type: ignore[no-untyped-def]
                progress: Callable[[str], None], force_uniform: bool = False) -> SearchResult:
     t0 = time.perf_counter()
@@ -427,8 +447,10 @@ def run_search(profile: ModelProfile, hw: Hardware, G: int, opts, *,  # type: ig
     cands = enumerate_candidates(ctx, G, opts, cons, rejections, force_uniform=force_uniform)
     # A candidate's bound is read off its own cost coefficients (one fact, one place); they are built
     # without the state options, which the bound does not read, and in full only for candidates solved.
-    bounded = sorted(((lower_bound(build_coefficients(ctx, c, segments, ())), i, c) for i, c in enumerate(cands)),
-                     key=lambda x: (x[0], x[1]))
+    # Its memory part (a small LP, planner/_bound.py) is added lazily: only for a candidate that comes up
+    # with its compute bound below the incumbent; one whose bound rises goes back in line (_by_bound).
+    light = [build_coefficients(ctx, c, segments, ()) for c in cands]
+    bounded = [(lower_bound(cc, memory=False), i, c) for i, (c, cc) in enumerate(zip(cands, light))]
     progress(f"{len(cands)} candidates; solving the promising ones with {solver}")
     solved: list[tuple[Candidate, ILPResult]] = []
     best: tuple[float, Evaluation, ILPResult] | None = None
@@ -440,8 +462,13 @@ def run_search(profile: ModelProfile, hw: Hardware, G: int, opts, *,  # type: ig
     # solved with the full limit, so the optimum found is the same (a different tie is possible).
     deferred: list[tuple[float, int, Candidate]] = []
     first_look: dict[int, ILPResult] = {}
-    for pass_no, queue in ((0, bounded), (1, deferred)):
-        for lb, idx, cand in sorted(queue, key=lambda x: (x[0], x[1])):
+    def incumbent() -> float:
+        return best[0] if best is not None else math.inf
+
+    for pass_no in (0, 1):
+        # the second pass's queue is what the first set aside, read once the first is done
+        queue = _by_bound(bounded, light, incumbent) if pass_no == 0 else sorted(deferred, key=lambda x: x[:2])
+        for lb, idx, cand in queue:
             if best is not None and lb >= best[0] * (1 - 1e-9):
                 rejections.append(Rejection(cand, f"pruned: its lower bound {lb:.4g} s is not below the best "
                                             f"{best[0]:.4g} s", lb, kind=RejectionKind.PRUNED))
