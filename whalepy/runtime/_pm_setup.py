@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -68,19 +69,39 @@ def _check_arguments(model: nn.Module, loss_fn: Any, optimizer: Any) -> None:
                             "y.flatten())")
 
 
+GLOO_RELEASE_GRACE_S = 0.1
+"""Seconds the exit handler leaves the interpreter alive, with the GIL free, after the process groups are
+destroyed. A gloo worker thread releases a finished collective's tensors just after the caller's
+``wait()`` has returned, and releasing a tensor Python can see takes the GIL; a worker that does so once
+the interpreter has started finalizing is killed mid-unwind, and the process aborts at exit
+("terminate called without an active exception"; seen in 1 of 30 two-rank runs of docs/runtime.md's
+example, and under gdb caught in ``ProcessGroupGloo::AsyncWork::~AsyncWork`` -> ``decref_pyobject`` ->
+``take_gil`` during ``Py_FinalizeEx``; pytorch/pytorch PR 179291 describes the same). The release
+follows the completion by microseconds; a tenth of a second covers a descheduled worker on a loaded
+machine, at that cost once per process."""
+
+_exit_handler_installed = False
+_made_group = False
+
+
 def _init_process_group(cluster_spec: ClusterSpec) -> str:
+    global _exit_handler_installed, _made_group
     device_type = resolve_device_type(cluster_spec)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
-        # the group whalepy made is destroyed at exit: left to the interpreter's teardown, the backend's
-        # threads can outlive it ("terminate called without an active exception", SIGABRT at exit)
-        atexit.register(_destroy_process_group)
+        _made_group = True
+    if not _exit_handler_installed:
+        # at exit: destroy the group whalepy made (left to the interpreter's teardown, the backend's
+        # threads can outlive it) and let the backend's threads finish with Python's tensors
+        atexit.register(_at_exit)
+        _exit_handler_installed = True
     return device_type
 
 
-def _destroy_process_group() -> None:
-    if dist.is_available() and dist.is_initialized():
+def _at_exit() -> None:
+    if _made_group and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    time.sleep(GLOO_RELEASE_GRACE_S)
 
 
 def _plan_once(solve: Callable[[], Plan]) -> Plan:
