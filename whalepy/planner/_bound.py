@@ -29,10 +29,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from whalepy.planner._solvers import EQ, LE, _Model, _solve_highs, _Var
 from whalepy.planner.costing import CandidateCoeffs, CellCoeffs
 
 GIB = float(2**30)
 
+LP_TIME_LIMIT_S = 10.0
+"""A ceiling for the bound's LP (a few dozen columns, solved in milliseconds): never reached in practice."""
 LP_SAFETY = 1e-7
 """The LP's optimum is scaled down by this share before it is used as a bound: HiGHS meets its rows to a
 primal feasibility tolerance (1e-7 absolute, on rows scaled to seconds and GiB), so its optimum may sit
@@ -61,71 +64,49 @@ def relaxed_stage_time(cc: CandidateCoeffs, cells: Sequence[CellCoeffs]) -> floa
     bind or the LP says nothing (infeasible: then the ILP finds that no plan fits)."""
     if not _memory_binds(cc, cells):
         return None
-    import highspy
-    import numpy as np
-
     S, G, v = len(cells), len(cc.segments), cc.candidate.virtual_stages
     lengths = [seg.length for seg in cc.segments]
-    cols_cost: list[float] = []
-    cols_ub: list[float] = []
-    rows: list[tuple[float, float, list[tuple[int, float]]]] = []  # (lo, hi, [(col, coef)])
-    inf = highspy.kHighsInf
+    prob = _Model()
 
-    def col(ub: float = inf) -> int:
-        cols_cost.append(0.0)
-        cols_ub.append(ub)
-        return len(cols_cost) - 1
+    def col(name: str, ub: float | None = None) -> _Var:
+        return prob.var(name, 0.0, ub, "Continuous")
 
-    t = col()
-    cols_cost[t] = 1.0
-    n = [[col(float(lengths[g])) for g in range(G)] for _ in range(S)]
+    t = col("t")
+    prob.objective = {t: 1.0}
+    n = [[col(f"n_{s}_{g}", float(lengths[g])) for g in range(G)] for s in range(S)]
     for g in range(G):
-        rows.append((float(lengths[g]), float(lengths[g]), [(n[s][g], 1.0) for s in range(S)]))
+        prob.rows.append(({n[s][g]: 1.0 for s in range(S)}, -float(lengths[g]), EQ, f"blocks_{g}"))
     for s, c in enumerate(cells):
         k = c.inflight / v / GIB
-        time_row: list[tuple[int, float]] = [(t, -1.0)]
-        mem_row: list[tuple[int, float]] = []
-        host_row: list[tuple[int, float]] = []
+        time_row: dict[_Var, float] = {t: -1.0}
+        mem_row: dict[_Var, float] = {}
+        host_row: dict[_Var, float] = {}
         for g in range(G):
-            time_row.append((n[s][g], c.seg_time[g]))
-            mem_row.append((n[s][g], k * c.seg_saved[g]))
-            ck = col()
-            rows.append((-inf, 0.0, [(ck, 1.0), (n[s][g], -1.0)]))  # c <= n (o joins below)
-            time_row.append((ck, c.seg_recompute[g]))
-            mem_row.append((ck, k * (c.seg_input[g] - c.seg_saved[g])))
+            time_row[n[s][g]] = c.seg_time[g]
+            mem_row[n[s][g]] = k * c.seg_saved[g]
+            ck = col(f"c_{s}_{g}")
+            within = {ck: 1.0, n[s][g]: -1.0}  # c <= n (o joins below)
+            time_row[ck] = c.seg_recompute[g]
+            mem_row[ck] = k * (c.seg_input[g] - c.seg_saved[g])
             if c.seg_offload is not None and c.seg_host is not None and c.seg_saved[g] > 0:
-                o = col()
-                rows[-1][2].append((o, 1.0))  # c + o <= n
-                time_row.append((o, c.seg_offload[g]))
-                mem_row.append((o, -k * c.seg_saved[g]))
-                host_row.append((o, c.seg_host[g] / GIB))
+                o = col(f"o_{s}_{g}")
+                within[o] = 1.0  # c + o <= n
+                time_row[o] = c.seg_offload[g]
+                mem_row[o] = -k * c.seg_saved[g]
+                host_row[o] = c.seg_host[g] / GIB
+            prob.rows.append((within, 0.0, LE, f"within_{s}_{g}"))
             if c.seg_ckoff is not None and c.seg_ckhost is not None and c.seg_input[g] > 0:
-                w = col()
-                rows.append((-inf, 0.0, [(w, 1.0), (ck, -1.0)]))  # w <= c
-                time_row.append((w, c.seg_ckoff[g]))
-                mem_row.append((w, -k * c.seg_input[g]))
-                host_row.append((w, c.seg_ckhost[g] / GIB))
-        rows.append((-inf, 0.0, time_row))
-        rows.append((-inf, (c.capacity * (1 + 1e-6) - c.loss_bytes) / GIB, mem_row))
+                w = col(f"w_{s}_{g}")
+                prob.rows.append(({w: 1.0, ck: -1.0}, 0.0, LE, f"ckoff_{s}_{g}"))  # w <= c
+                time_row[w] = c.seg_ckoff[g]
+                mem_row[w] = -k * c.seg_input[g]
+                host_row[w] = c.seg_ckhost[g] / GIB
+        prob.rows.append((time_row, 0.0, LE, f"time_{s}"))
+        prob.rows.append((mem_row, -(c.capacity * (1 + 1e-6) - c.loss_bytes) / GIB, LE, f"memory_{s}"))
         host = _host_capacity(cc, s)
         if host_row and host < math.inf:
-            rows.append((-inf, host / GIB, host_row))
-    h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
-    h.setOptionValue("threads", 1)
-    nc = len(cols_cost)
-    h.addCols(nc, np.array(cols_cost), np.zeros(nc), np.array(cols_ub), 0, np.zeros(0, dtype=np.int32),
-              np.zeros(0, dtype=np.int32), np.zeros(0))
-    starts, idx, val = [], [], []
-    for _lo, _hi, terms in rows:
-        starts.append(len(idx))
-        for j, a in terms:
-            if a != 0.0:
-                idx.append(j)
-                val.append(a)
-    h.addRows(len(rows), np.array([r[0] for r in rows]), np.array([r[1] for r in rows]), len(idx),
-              np.array(starts, dtype=np.int32), np.array(idx, dtype=np.int32), np.array(val, dtype=float))
-    h.run()
-    if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+            prob.rows.append((host_row, -host / GIB, LE, f"host_{s}"))
+    status, objective, _ = _solve_highs(prob, LP_TIME_LIMIT_S, None)
+    if status != "optimal":
         return None
-    return h.getInfo().objective_function_value * (1 - LP_SAFETY)
+    return objective * (1 - LP_SAFETY)
