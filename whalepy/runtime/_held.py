@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from whalepy.runtime._torch_compat import fsdp_param_groups
+
 __all__ = ["held_state_bytes", "offloaded_params", "storage_of"]
 
 
@@ -36,8 +38,7 @@ def offloaded_params(modules: list[torch.nn.Module]) -> set[int]:
         for m in root.modules():
             if not isinstance(m, FSDPModule):
                 continue
-            group = m._get_fsdp_state()._fsdp_param_group
-            for fp in group.fsdp_params if group is not None else ():
+            for fp in (fp for group in fsdp_param_groups(m) for fp in group.fsdp_params):
                 if fp.offload_to_cpu:
                     out.add(id(fp.sharded_param))
     return out

@@ -11,6 +11,11 @@ or full state dict of such a parameter. torch 2.13 catches that case
 (``_StridedShardNotDecodableError``) and falls back to the greedy per-mesh-dim plan, whose
 ``_StridedShard`` steps reassemble the pieces correctly. This backports that fallback; on a torch
 that has the error class it does nothing.
+
+``fsdp_param_groups``: the parameter groups of one ``fully_shard`` unit. torch 2.13 keeps a list
+(``FSDPState._fsdp_param_groups``, with ``_fsdp_param_group`` a property that warns when there are
+several); torch 2.11 has the one attribute ``_fsdp_param_group`` (``None`` for a unit without
+parameters of its own).
 """
 
 from __future__ import annotations
@@ -43,3 +48,14 @@ def allow_split_factor_strided_shards() -> None:
     gen_transform_infos.whalepy_fallback = True  # type: ignore[attr-defined]
     # _gen_transform_infos (cached) looks this name up in the module at each call
     _redistribute._gen_transform_infos_non_cached = gen_transform_infos
+
+
+def fsdp_param_groups(module: Any) -> list[Any]:
+    """The ``FSDPParamGroup``\\ s of the ``fully_shard`` unit ``module`` on any supported torch (module
+    docstring): a list, empty when the unit holds no parameters of its own."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = state._fsdp_param_group  # torch < 2.13
+    return [] if group is None else [group]

@@ -51,6 +51,7 @@ from whalepy._capabilities import (offloads_to_host, shared_unit_tiers_error, st
                                    uses_cpu_offload_policy)
 from whalepy._errors import WhalepyError
 from whalepy.plan import BlockPlan, Precision, Tier, ZeroStage
+from whalepy.runtime._torch_compat import fsdp_param_groups
 from whalepy.runtime.tiling import tile_modules
 
 __all__ = ["DataParallelKind", "apply_data_parallel", "build_optimizer", "cast_sharded_params", "check_root_tiers",
@@ -142,7 +143,7 @@ def cast_sharded_params(modules: Iterable[nn.Module], params: Iterable[nn.Parame
             if not isinstance(m, FSDPModule) or id(m) in seen:
                 continue
             seen.add(id(m))
-            for group in m._get_fsdp_state()._fsdp_param_groups:
+            for group in fsdp_param_groups(m):
                 fps = group.fsdp_params
                 if not fps or not all(id(fp.sharded_param) in wanted for fp in fps):
                     continue

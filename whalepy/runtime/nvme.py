@@ -48,6 +48,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from whalepy.runtime._durable import prepare_dir
+from whalepy.runtime._torch_compat import fsdp_param_groups
 from whalepy.runtime._grad_files import GradFiles
 from whalepy.runtime._swap import Item, SwapEngine, View
 
@@ -359,8 +360,7 @@ def build_nvme_tier(optimizer: torch.optim.Optimizer, blocks: Sequence[tuple[Any
         params = [p for m in mods for p in m.parameters() if id(p) not in seen]
         seen |= {id(p) for p in params}
         units = fsdp_units(root, mods) if bp.param_tier is Tier.NVME else []
-        groups = [u._get_fsdp_state()._fsdp_param_group for u in units]
-        fsdp_params = [fp for g in groups if g is not None for fp in g.fsdp_params]
+        fsdp_params = [fp for u in units for g in fsdp_param_groups(u) for fp in g.fsdp_params]
         per_param = ((MASTER_PARAM_BYTES if fsdp_params else 0)
                      + (ADAM_STATE_BYTES_PER_PARAM if bp.optimizer_tier is Tier.NVME else 0))
         need += per_param * sum(_local(p).numel() for p in params)
