@@ -48,7 +48,8 @@ from torch import nn
 
 from whalepy._errors import WhalepyError
 
-__all__ = ["MASTER_KEY", "HostOptimizer", "HostStateView", "as_shard_of", "local_tensor"]
+__all__ = ["MASTER_KEY", "HostOptimizer", "HostStateView", "as_shard_of", "full_tensor", "local_tensor",
+           "on_mesh_device"]
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -71,6 +72,28 @@ def as_shard_of(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     if v.dim() == 0 or not isinstance(p, DTensor):
         return v
     return DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+def on_mesh_device(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with a host local tensor on a device mesh (a ZeRO-Offload master or state, an FSDP2
+    ``CPUOffloadPolicy`` shard or gradient) as a DTensor whose local tensor is on the mesh's device
+    type (a copy); any other tensor as it is. Collectives over a CUDA mesh run on NCCL, which has no
+    CPU backend (``ProcessGroup::getBackend`` raises "No backend type associated with device type
+    cpu"), so a host shard goes to the device before it is gathered; on CPU / gloo this is a no-op."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor) or t._local_tensor.device.type == t.device_mesh.device_type:
+        return t
+    return DTensor.from_local(t._local_tensor.to(t.device_mesh.device_type), t.device_mesh, t.placements,
+                              run_check=False, shape=t.shape, stride=t.stride())
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor, gathered on its mesh's device (:func:`on_mesh_device`); a plain
+    tensor as it is. A collective: every rank of the mesh calls it."""
+    from torch.distributed.tensor import DTensor
+
+    return on_mesh_device(t).full_tensor() if isinstance(t, DTensor) else t
 
 
 class HostStateView(torch.optim.Optimizer):
