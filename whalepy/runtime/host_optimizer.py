@@ -182,7 +182,8 @@ class HostOptimizer:
         self._lock = threading.Lock()
         self._copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.timeline: list[tuple[str, float, float]] = []
-        """``(block, start, end)`` of each host step of the last training step (``time.perf_counter``)."""
+        """``(block, start, end)`` of each host step of the last training step (``time.perf_counter``;
+        ``start``: once the block's gradients are on the host)."""
         self.queued_in_backward = 0
         """Blocks of the last training step whose host step was queued during the backward (as their
         gradients arrived) rather than by :meth:`finish`."""
@@ -293,11 +294,13 @@ class HostOptimizer:
     def _step_block(self, b: _Block, events: list[Any], arrived: set[int]) -> None:
         import time
 
-        start = time.perf_counter()
         for e in events:
             e.synchronize()
         if b.copied is not None:
             b.copied.synchronize()  # the last step's copy back has read the masters
+        # from here: on CUDA the hook queued this step when the CPU issued the block's backward, far
+        # ahead of the GPU; the wait above is the device's time, not the host step's
+        start = time.perf_counter()
         for i, m in enumerate(b.masters):
             m.grad = b.grads[i] if i in arrived else None
         b.optimizer.step()
