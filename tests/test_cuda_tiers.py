@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from runtime_cases import Case, adamw, batches, build_model, case_profile, lm_loss, make_case_plan
+from runtime_cases import Case, adamw, batches, build_model, case_profile, lm_loss, make_case_plan, train_single
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="CUDA tiers: no CUDA device here (benchmarks/gpu_session.sh runs them on a GPU)")
@@ -79,13 +79,13 @@ def reference(precision: str, fsdp: bool, data: list, *, max_grad_norm: float | 
 
 
 def lower(name: str, precision: str, data: list, *, plan: Any = None, zero: int = 0, checkpoint: bool = False,
-          max_grad_norm: float | None = None, nvme_dir: Any = None, **tiers: Any) -> Any:
+          max_grad_norm: float | None = None, nvme_dir: Any = None, model: Any = None, **tiers: Any) -> Any:
     from whalepy.runtime import parallelize
 
     if plan is None:
         plan = make_case_plan(Case(name, zero=zero, checkpoint=checkpoint, global_batch=GLOBAL_BATCH,
                                    extra={"precision": precision, "device_type": _device_name(), **tiers}))
-    return parallelize(build_model("gpt"), None, example_inputs=(data[0][0][:2],), loss_fn=lm_loss, optimizer=adamw,
+    return parallelize(model if model is not None else build_model("gpt"), None, example_inputs=(data[0][0][:2],), loss_fn=lm_loss, optimizer=adamw,
                        global_batch=GLOBAL_BATCH, plan=plan, profile=case_profile("gpt"),
                        max_grad_norm=max_grad_norm, nvme_dir=nvme_dir)
 
@@ -207,3 +207,31 @@ def test_activation_and_checkpoint_offload_and_tiling(nccl):
         dataclasses.replace(b, tiles=2 if b.name in has else 1) for b in s.blocks)) for s in plan.stages))
     pm = lower("tiled z3", "fp32", data, plan=plan)
     check(train(pm, data), "fp32", True, data)
+
+
+def test_meta_model_with_host_and_disk_parameter_tiers(nccl, tmp_path):
+    """A meta-device model lowered with its parameters on the host (``(cpu, cpu)``) and in files
+    (``(nvme, nvme)``), ZeRO-3: FSDP2's host shards are materialised on the host (FSDP2's
+    ``reset_sharded_param`` moves only the shards it pins there, so the disk tier's unpinned ones stayed
+    on the GPU and the tier refused them), with the weights ``whalepy.materialize`` gives in one process,
+    and train as that model does on the CPU (fp32: losses within 1e-5; the same arithmetic on two
+    devices)."""
+    from whalepy.runtime.materialize import materialize
+
+    data = batches(GLOBAL_BATCH, STEPS)
+    with torch.device("meta"):
+        ref = build_model("gpt")
+    materialize(ref, "cpu", seed=0)
+    init = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    ref_losses, _ = train_single(ref, data)
+    for name, tier in (("cpu/cpu meta", "cpu"), ("nvme/nvme meta", "nvme")):
+        with torch.device("meta"):
+            model = build_model("gpt")
+        pm = lower(name, "fp32", data, model=model, zero=3, param_tier=tier, optimizer_tier=tier,
+                   nvme_dir=tmp_path / name.replace("/", "-").replace(" ", "-"))
+        before = pm.full_state_dict()
+        assert before.keys() <= init.keys() and all(torch.equal(v, init[k]) for k, v in before.items())
+        losses = train(pm, data)["losses"]
+        for a, b in zip(losses, ref_losses, strict=True):
+            assert abs(a - b) <= LOSS_TOLERANCE["fp32"] * abs(b), (name, losses, ref_losses)
+        pm.close()
