@@ -177,7 +177,12 @@ class HostOptimizer:
             for i, p in enumerate(b.params):
                 self._owner[id(p)] = (b, i)
                 p.register_post_accumulate_grad_hook(self._on_grad)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="whalepy-host-optimizer")
+        # CUDA's current device is per host thread: the worker's is this rank's GPU, not GPU 0 (leaving
+        # ``torch.cuda.stream`` restores the thread's previous stream through cudaSetDevice, which from
+        # CUDA 12 on creates that device's primary context: every rank would hold one on GPU 0)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="whalepy-host-optimizer",
+                                        initializer=torch.cuda.set_device if self.cuda else None,
+                                        initargs=(device,) if self.cuda else ())
         self._pending: list[Future[None]] = []
         self._lock = threading.Lock()
         self._copy_stream = torch.cuda.Stream(device) if self.cuda else None
