@@ -35,7 +35,10 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 else
     note "wheels: no .whl/ folder carried (the planner needs highspy or pulp; bench_gpu_step.py plans)"
 fi
-"$PY" -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/env.txt" 2>&1 || note "install: pip install -e . failed (env.txt)"
+if ! "$PY" -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/env.txt" 2>&1; then
+    note "install: pip install -e . failed (env.txt); trying a regular install"
+    "$PY" -m pip install -q --no-deps --no-build-isolation . >>"$OUT/env.txt" 2>&1 || note "install: failed too"
+fi
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
     "$PY" -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available())"
