@@ -60,8 +60,8 @@ def measure_held(pm: Any) -> dict[str, dict[str, int]]:
 def held_vs_predicted(cases: list[tuple[int, str | None, str]], nvme_root: str) -> list[dict[str, Any]]:
     """For each ``(zero_stage, offload tier, precision)``: the plan ``whalepy.estimate`` makes for dp =
     world size, lowered by ``parallelize``; this rank's held bytes at the second step's optimizer step
-    and the plan's prediction for its stage. Offload ``"cpu-optimizer"`` (ZeRO-Offload, which
-    ``ParallelConfig.offload`` does not name) is the device-only plan with every block's
+    and the plan's prediction for its stage. Offload ``"cpu-optimizer"`` (ZeRO-Offload; also
+    ``ParallelConfig(offload="cpu", zero_offload=True)`` now) is the device-only plan with every block's
     ``optimizer_tier`` set to cpu, predicted by the memory model's
     :func:`~whalepy.cost_models.memory.estimate_model_state_bytes` for that option."""
     import dataclasses
