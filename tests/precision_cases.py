@@ -60,8 +60,8 @@ def measure_held(pm: Any) -> dict[str, dict[str, int]]:
 def held_vs_predicted(cases: list[tuple[int, str | None, str]], nvme_root: str) -> list[dict[str, Any]]:
     """For each ``(zero_stage, offload tier, precision)``: the plan ``whalepy.estimate`` makes for dp =
     world size, lowered by ``parallelize``; this rank's held bytes at the second step's optimizer step
-    and the plan's prediction for its stage. Offload ``"cpu-optimizer"`` (ZeRO-Offload, which
-    ``ParallelConfig.offload`` does not name) is the device-only plan with every block's
+    and the plan's prediction for its stage. Offload ``"cpu-optimizer"`` (ZeRO-Offload; also
+    ``ParallelConfig(offload="cpu", zero_offload=True)`` now) is the device-only plan with every block's
     ``optimizer_tier`` set to cpu, predicted by the memory model's
     :func:`~whalepy.cost_models.memory.estimate_model_state_bytes` for that option."""
     import dataclasses
@@ -138,7 +138,7 @@ def _one_rank_mesh() -> Any:
 
 
 def reference_run(precision: str, fsdp: bool, data: list, mesh: Any = None, *, loss_factor: float = 1.0,
-                  max_grad_norm: float | None = None, skip: tuple[bool, ...] = ()) -> dict[str, Any]:
+                  max_grad_norm: float | None = None, skip: tuple[bool, ...] = (), device: str = "cpu") -> dict[str, Any]:
     """One process, the same precision policy as the runtime's lowering: forward and loss under
     ``torch.autocast`` (bf16 / fp16); with ``fsdp`` the model is also ``fully_shard``-ed per block and
     at the root on a one-rank mesh with the same ``MixedPrecisionPolicy`` (low-precision parameters for
@@ -146,12 +146,12 @@ def reference_run(precision: str, fsdp: bool, data: list, mesh: Any = None, *, l
 
     The loss trained is ``lm_loss`` times ``loss_factor``; ``max_grad_norm``: gradients (unscaled)
     clipped by ``clip_grad_norm_`` before each step; ``skip``: steps not taken (as an fp16 run skips
-    them). Returns ``losses``, ``params``, per step the loss ``scales`` after it and whether it was
+    them); ``device``: where it trains (``"cuda"``: tests/test_cuda_tiers.py). Returns ``losses``, ``params``, per step the loss ``scales`` after it and whether it was
     ``skipped`` (fp16: the scale backed off), and the clipping's ``norms``."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-    model = build_model("gpt")
+    model = build_model("gpt").to(device)
     if fsdp:
         mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low else MixedPrecisionPolicy()
         for b in case_profile("gpt").blocks:
@@ -161,11 +161,11 @@ def reference_run(precision: str, fsdp: bool, data: list, mesh: Any = None, *, l
                     fully_shard(m, mesh=mesh, reshard_after_forward=True, mp_policy=mp)
         fully_shard(model, mesh=mesh, reshard_after_forward=True, mp_policy=mp)
     opt = adamw(model.parameters())
-    scaler = torch.amp.GradScaler("cpu") if precision == "fp16" else None
+    scaler = torch.amp.GradScaler(device) if precision == "fp16" else None
     out: dict[str, Any] = {"losses": [], "scales": [], "skipped": [], "norms": []}
     for i, (x, y) in enumerate(data):
-        with torch.autocast("cpu", dtype=low, enabled=low is not None):
-            loss = lm_loss(model(x), y) * loss_factor
+        with torch.autocast(device, dtype=low, enabled=low is not None):
+            loss = lm_loss(model(x.to(device)), y.to(device)) * loss_factor
         (scaler.scale(loss) if scaler else loss).backward()
         if max_grad_norm is not None:
             if scaler:

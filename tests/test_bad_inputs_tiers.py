@@ -192,6 +192,10 @@ ESTIMATE = [
      ("checkpoint_offload='no'", "True or False")),
     ("checkpoint 'yes'", _estimate({"dp": 4, "checkpoint": "yes"}), ("checkpoint='yes'", "checkpoint=(2, 2)")),
     ("zero_stage True", _estimate({"dp": 4, "zero_stage": True}), ("got True", "zero_stage=3")),
+    ("zero_offload without offload", _estimate({"dp": 4, "zero_offload": True}),
+     ("zero_offload=True", "offload='cpu'")),
+    ("zero_offload to nvme", _estimate({"dp": 4, "offload": "nvme", "zero_offload": True}),
+     ("zero_offload=True", "offload='cpu'")),
 ]
 
 

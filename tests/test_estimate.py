@@ -57,3 +57,24 @@ def test_invalid_configs_are_explained(bad, match) -> None:  # type: ignore[no-u
     prof = transformer_profile(num_layers=4, hidden=512, seq_len=256, vocab=8000, num_heads=8)
     with pytest.raises(PlanError, match=match):
         estimate_from_profile(prof, a100(1), bad, global_batch=64)
+
+
+def test_zero_offload_config_is_the_gpu_cpu_pair() -> None:
+    """``offload="cpu", zero_offload=True`` is ZeRO-Offload's ``(gpu, cpu)`` pair in every block: the
+    device keeps a bf16 parameter shard (2P/d bytes), the host the fp32 master, gradient and Adam's two
+    moments (16P/d); ``offload="cpu"`` alone is ``(cpu, cpu)``: nothing on the device (docs/runtime.md,
+    "What each lowering holds")."""
+    prof = gpt_profile("gpt3-1.3b")
+    P = sum(b.num_params for b in prof.blocks)
+    d = 8
+    est = {name: estimate_from_profile(prof, a100(1), dict(dp=d, **cfg), global_batch=64).plan
+           for name, cfg in (("gpu", {}), ("zero_offload", dict(offload="cpu", zero_offload=True)),
+                             ("cpu", dict(offload="cpu")))}
+    pairs = {k: {(b.param_tier.value, b.optimizer_tier.value) for s in p.stages for b in s.blocks}
+             for k, p in est.items()}
+    assert pairs == {"gpu": {("gpu", "gpu")}, "zero_offload": {("gpu", "cpu")}, "cpu": {("cpu", "cpu")}}
+    zo, cpu = est["zero_offload"].stages[0].cost, est["cpu"].stages[0].cost
+    assert est["zero_offload"].precision.value == "bf16"
+    assert zo.model_state_bytes == pytest.approx(2 * P / d, rel=1e-3)
+    assert zo.host_state_bytes == pytest.approx(16 * P / d, rel=1e-3) == cpu.host_state_bytes
+    assert cpu.model_state_bytes == 0

@@ -44,6 +44,10 @@ class ParallelConfig:
     offload_params: bool = False
     """With ``offload="nvme"``: parameters in files too (ZeRO-Infinity's parameter offload; their
     optimizer states in files with them)."""
+    zero_offload: bool = False
+    """With ``offload="cpu"``: parameters stay on the device (in the compute dtype), their fp32 master
+    weights, gradients and optimizer states live on the host, where the optimizer steps (ZeRO-Offload,
+    the tier pair ``(gpu, cpu)``); without it ``offload="cpu"`` puts the parameters on the host too."""
     tiles: int = 1
     """Memory-centric tiling (``BlockPlan.tiles``): each linear and embedding of every block (but a tied
     one's) split into this many FSDP2 units; ZeRO-3 and tp 1 only."""
@@ -69,7 +73,7 @@ class ParallelConfig:
                             f"{', '.join(s.value for s in Schedule)}") from None
         if isinstance(self.zero_stage, bool) or self.zero_stage not in (0, 1, 2, 3):
             raise PlanError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}; e.g. zero_stage=3")
-        for name in ("offload_params", "checkpoint_offload", "reduce_every_microbatch"):
+        for name in ("offload_params", "zero_offload", "checkpoint_offload", "reduce_every_microbatch"):
             if not isinstance(getattr(self, name), bool):
                 raise PlanError(f"ParallelConfig.{name}={getattr(self, name)!r}: give True or False")
         ck = self.checkpoint
@@ -98,6 +102,9 @@ class ParallelConfig:
         if self.offload_params and self.offload is not Tier.NVME:
             raise PlanError("offload_params=True goes with offload='nvme' (with offload='cpu' the parameters "
                             "are on the host already); set offload='nvme' or drop offload_params")
+        if self.zero_offload and self.offload is not Tier.CPU:
+            raise PlanError("zero_offload=True keeps the optimizer on the host: it goes with offload='cpu'; set "
+                            "offload='cpu' or drop zero_offload")
         if isinstance(self.checkpoint, list):
             object.__setattr__(self, "checkpoint", tuple(self.checkpoint))
         if isinstance(self.checkpoint, tuple) and len(self.checkpoint) != self.pp:
@@ -282,7 +289,8 @@ def estimate_from_profile(profile: ModelProfile, cluster: ClusterSpec, config: P
         raise PlanError(f"ParallelConfig: {sp}")
     precision = resolve_precision((g.device for g in cluster.groups), precision).value
     tier = Tier(cfg.offload) if cfg.offload is not None else Tier.GPU
-    param_tier = Tier.CPU if tier is Tier.CPU else Tier.NVME if cfg.offload_params else Tier.GPU
+    param_tier = (Tier.GPU if cfg.zero_offload else Tier.CPU) if tier is Tier.CPU else \
+        Tier.NVME if cfg.offload_params else Tier.GPU
     option = StateOption(ZeroStage(cfg.zero_stage), tier, param_tier, cfg.tiles,
                          cfg.reduce_every_microbatch)
     check_state_option(option.zero, option.param_tier, option.optimizer_tier, where=f"offload={tier.value}")

@@ -248,7 +248,8 @@ def trace_memory(target: Any, inputs: Any, targets: Any = None, *,
             raise WhalepyError("trace_memory runs the model: materialise it first (whalepy.materialize or "
                                "to_empty + init), or trace a smaller configuration")
         mapping = blocks if blocks is not None else _blocks_of(target, inputs)
-    device = next((p.device for r in roots for p in r.parameters()), inputs[0].device)
+    # a parallel model's compute device (its first parameter may be a host-tier shard)
+    device = target.device if parallel else next((p.device for r in roots for p in r.parameters()), inputs[0].device)
     params = [p for r in roots for p in r.parameters()]
     known = set(_storages([*params, *inputs, *_state_tensors(optimizer),
                            *([targets] if isinstance(targets, torch.Tensor) else [])]))

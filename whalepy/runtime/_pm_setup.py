@@ -17,7 +17,7 @@ from torch import nn
 from whalepy._errors import ArgumentError, WhalepyError
 from whalepy._log import info_once
 from whalepy.plan import Plan
-from whalepy.runtime.mesh import resolve_device_type
+from whalepy.runtime.mesh import resolve_device_type, set_local_device
 
 if TYPE_CHECKING:
     from whalepy.cluster import ClusterSpec
@@ -87,6 +87,7 @@ _made_group = False
 def _init_process_group(cluster_spec: ClusterSpec) -> str:
     global _exit_handler_installed, _made_group
     device_type = resolve_device_type(cluster_spec)
+    set_local_device(device_type)  # before any NCCL collective, the plan's broadcast included
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
         _made_group = True

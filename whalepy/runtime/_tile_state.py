@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from whalepy._errors import WhalepyError
+from whalepy.runtime.host_optimizer import full_tensor
 
 __all__ = ["TileChunks", "merge_state", "split_state"]
 
@@ -94,7 +95,7 @@ def _merge(values: Sequence[Any], rows: Sequence[int]) -> Any:
         return values[0]  # a scalar state (AdamW's step): the same for every tile
     if all(isinstance(v, DTensor) for v in values):
         return _chunks(values, rows)
-    return torch.cat([v.full_tensor() if isinstance(v, DTensor) else v for v in values])
+    return torch.cat([full_tensor(v) for v in values])
 
 
 def _split(value: Any, templates: Sequence[Any], rows: Sequence[int]) -> list[Any]:
@@ -116,7 +117,7 @@ def _split(value: Any, templates: Sequence[Any], rows: Sequence[int]) -> list[An
                                           shape=like.shape, stride=like.stride()))
             start += n
         return out
-    full = value.full_tensor() if isinstance(value, DTensor) else value
+    full = full_tensor(value)
     parts = torch.split(full, list(rows))
     return [distribute_tensor(p.to(like._local_tensor.device), like.device_mesh, like.placements,
                               src_data_rank=None) if isinstance(like, DTensor) else p

@@ -35,7 +35,7 @@ from whalepy.runtime._activations import (
     apply_checkpoint_offload,
 )
 from whalepy.runtime._tile_state import merge_state, split_state
-from whalepy.runtime.host_optimizer import MASTER_KEY, HostStateView
+from whalepy.runtime.host_optimizer import MASTER_KEY, HostStateView, full_tensor
 from whalepy.runtime.tiling import tiled_layout
 
 __all__ = ["apply_activation_checkpointing", "apply_activation_offload", "apply_checkpoint_offload",
@@ -84,7 +84,7 @@ def get_train_state(modules: Sequence[nn.Module], optimizer: Optimizers) -> dict
     _check_optimizer(optimizer)
     model_sd, optim_sd = get_state_dict(list(modules) if len(modules) > 1 else modules[0], optimizer)
     state = {"model": model_sd, "optim": _masters_to_model(model_sd, optim_sd)}
-    state = _map_tensors(state, lambda t: t.full_tensor() if _is_strided(t) else t)
+    state = _map_tensors(state, lambda t: full_tensor(t) if _is_strided(t) else t)
     return merge_state(state, tiled_layout(modules))  # tiled modules under their original names
 
 
@@ -259,7 +259,7 @@ def load_model_state(path: str | Path, modules: Sequence[nn.Module]) -> None:
     reader = dcp.FileSystemReader(str(path))
     keys = reader.read_metadata().state_dict_metadata
     nested = any(k.startswith("model.") for k in keys)
-    state = _map_tensors(_model_state(modules), lambda t: t.full_tensor() if _is_strided(t) else t)
+    state = _map_tensors(_model_state(modules), lambda t: full_tensor(t) if _is_strided(t) else t)
     state = merge_state(state, tiled_layout(modules))
     flat = {(f"model.{k}" if nested else k) for k in state}
     missing = sorted(flat - set(keys))
@@ -286,7 +286,6 @@ def gather_full_state_dict(modules: Sequence[nn.Module], *, stage_ranks: Sequenc
     (:func:`master_weights`, the same names on every rank of a stage) replace the device copies
     of those parameters."""
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
 
     rank = dist.get_rank()
     masters = masters or {}
@@ -296,13 +295,12 @@ def gather_full_state_dict(modules: Sequence[nn.Module], *, stage_ranks: Sequenc
             out.update(get_model_state_dict(
                 m, options=StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)))
         for key in sorted(masters):  # the same order on every rank: each gather is collective
-            value = _on_mesh_device(masters[key])
-            value = value.full_tensor() if isinstance(value, DTensor) else value
+            value = full_tensor(masters[key])
             if rank == 0:
                 out[key] = value.cpu() if cpu_offload else value
         return merge_state(out, tiled_layout(modules)) if rank == 0 else {}
     local = _model_state(modules)
-    local.update({k: _on_mesh_device(v) for k, v in masters.items()})
+    local.update(masters)
     meta = {k: (tuple(v.shape), v.dtype) for k, v in local.items()}
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (meta, tiled_layout(modules)))
@@ -317,8 +315,9 @@ def gather_full_state_dict(modules: Sequence[nn.Module], *, stage_ranks: Sequenc
                 continue
             done.add(key)
             if rank in ranks:
-                value = local[key]
-                value = value.full_tensor() if isinstance(value, DTensor) else value
+                # a host shard (ZeRO-Offload master, FSDP2 CPUOffloadPolicy parameter) is gathered on
+                # the mesh's device, one tensor at a time: NCCL has no CPU tensors
+                value = full_tensor(local[key])
                 if rank == leader and leader != 0:
                     dist.send(value.contiguous(), dst=0)
                 if rank == 0:
@@ -330,20 +329,14 @@ def gather_full_state_dict(modules: Sequence[nn.Module], *, stage_ranks: Sequenc
     return merge_state(out, layout) if rank == 0 else {}  # tiles gathered one at a time, joined here
 
 
-def _on_mesh_device(t: torch.Tensor) -> torch.Tensor:
-    """A host master (a DTensor over the device's mesh with a host local tensor) with its local tensor
-    on the mesh's device type, so collectives over that mesh can gather it."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(t, DTensor) or t._local_tensor.device.type == t.device_mesh.device_type:
-        return t
-    return DTensor.from_local(t._local_tensor.to(t.device_mesh.device_type), t.device_mesh, t.placements,
-                              run_check=False, shape=t.shape, stride=t.stride())
-
-
 def _device_of(state: dict[str, Any]) -> torch.device:
+    """The device the stage's collectives run on: a DTensor's mesh device (its local tensor may be a
+    host shard), else the first tensor's."""
     from torch.distributed.tensor import DTensor
 
     for v in state.values():
-        return (v._local_tensor if isinstance(v, DTensor) else v).device
+        if isinstance(v, DTensor):
+            t = v.device_mesh.device_type
+            return torch.device(t, torch.cuda.current_device()) if t == "cuda" else torch.device(t)
+        return v.device
     return torch.device("cpu")

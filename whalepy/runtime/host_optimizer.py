@@ -48,7 +48,8 @@ from torch import nn
 
 from whalepy._errors import WhalepyError
 
-__all__ = ["MASTER_KEY", "HostOptimizer", "HostStateView", "as_shard_of", "local_tensor"]
+__all__ = ["MASTER_KEY", "HostOptimizer", "HostStateView", "as_shard_of", "full_tensor", "local_tensor",
+           "on_mesh_device"]
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -71,6 +72,28 @@ def as_shard_of(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     if v.dim() == 0 or not isinstance(p, DTensor):
         return v
     return DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+def on_mesh_device(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with a host local tensor on a device mesh (a ZeRO-Offload master or state, an FSDP2
+    ``CPUOffloadPolicy`` shard or gradient) as a DTensor whose local tensor is on the mesh's device
+    type (a copy); any other tensor as it is. Collectives over a CUDA mesh run on NCCL, which has no
+    CPU backend (``ProcessGroup::getBackend`` raises "No backend type associated with device type
+    cpu"), so a host shard goes to the device before it is gathered; on CPU / gloo this is a no-op."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor) or t._local_tensor.device.type == t.device_mesh.device_type:
+        return t
+    return DTensor.from_local(t._local_tensor.to(t.device_mesh.device_type), t.device_mesh, t.placements,
+                              run_check=False, shape=t.shape, stride=t.stride())
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor, gathered on its mesh's device (:func:`on_mesh_device`); a plain
+    tensor as it is. A collective: every rank of the mesh calls it."""
+    from torch.distributed.tensor import DTensor
+
+    return on_mesh_device(t).full_tensor() if isinstance(t, DTensor) else t
 
 
 class HostStateView(torch.optim.Optimizer):
@@ -154,12 +177,18 @@ class HostOptimizer:
             for i, p in enumerate(b.params):
                 self._owner[id(p)] = (b, i)
                 p.register_post_accumulate_grad_hook(self._on_grad)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="whalepy-host-optimizer")
+        # CUDA's current device is per host thread: the worker's is this rank's GPU, not GPU 0 (leaving
+        # ``torch.cuda.stream`` restores the thread's previous stream through cudaSetDevice, which from
+        # CUDA 12 on creates that device's primary context: every rank would hold one on GPU 0)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="whalepy-host-optimizer",
+                                        initializer=torch.cuda.set_device if self.cuda else None,
+                                        initargs=(device,) if self.cuda else ())
         self._pending: list[Future[None]] = []
         self._lock = threading.Lock()
         self._copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.timeline: list[tuple[str, float, float]] = []
-        """``(block, start, end)`` of each host step of the last training step (``time.perf_counter``)."""
+        """``(block, start, end)`` of each host step of the last training step (``time.perf_counter``;
+        ``start``: once the block's gradients are on the host)."""
         self.queued_in_backward = 0
         """Blocks of the last training step whose host step was queued during the backward (as their
         gradients arrived) rather than by :meth:`finish`."""
@@ -270,11 +299,13 @@ class HostOptimizer:
     def _step_block(self, b: _Block, events: list[Any], arrived: set[int]) -> None:
         import time
 
-        start = time.perf_counter()
         for e in events:
             e.synchronize()
         if b.copied is not None:
             b.copied.synchronize()  # the last step's copy back has read the masters
+        # from here: on CUDA the hook queued this step when the CPU issued the block's backward, far
+        # ahead of the GPU; the wait above is the device's time, not the host step's
+        start = time.perf_counter()
         for i, m in enumerate(b.masters):
             m.grad = b.grads[i] if i in arrived else None
         b.optimizer.step()

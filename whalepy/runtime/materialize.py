@@ -300,12 +300,22 @@ def _storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
 
 def _allocate(modules: Sequence[nn.Module], device: torch.device) -> None:
     """``to_empty`` for the meta tensors only (others move to ``device``); ties are restored after,
-    since ``_apply`` may give each holder of a shared DTensor parameter its own new parameter."""
+    since ``_apply`` may give each holder of a shared DTensor parameter its own new parameter.
+
+    A parameter FSDP2 keeps on the host (``CPUOffloadPolicy``: the ``cpu`` and ``nvme`` parameter
+    tiers) is allocated on the host: FSDP2's ``reset_sharded_param`` (run by its ``_apply``) moves a
+    shard to the host only when it pins it, so an unpinned one (the ``nvme`` tier's) would stay on
+    the GPU, and a pinned one would pass through it first."""
+    from whalepy.runtime._held import offloaded_params
+
+    host = torch.device("cpu")
     for m in modules:
         tied: dict[int, list[str]] = {}
         for name, p in m.named_parameters(remove_duplicate=False):
             tied.setdefault(id(p), []).append(name)
-        m._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t.to(device))
+        offloaded = offloaded_params([m])
+        m._apply(lambda t: torch.empty_like(t, device=host if id(t) in offloaded else device) if t.is_meta
+                 else t.to(device))  # noqa: B023
         for names in tied.values():
             first = m.get_parameter(names[0])
             for n in names[1:]:

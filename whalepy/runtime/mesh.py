@@ -70,6 +70,16 @@ def resolve_device_type(cluster_spec: Any = None) -> str:
     return "cuda"
 
 
+def set_local_device(device_type: str) -> None:
+    """CUDA: make ``LOCAL_RANK``'s GPU this process's current device. Before the first NCCL
+    collective: object collectives (``broadcast_object_list`` in ``_pm_setup._plan_once``) stage their
+    bytes on ``torch.cuda.current_device()``, and torch leaves it to the caller to give each rank its own
+    GPU (``torch.distributed.broadcast_object_list`` docs); with GPU 0 current everywhere, ranks of one
+    node would all join NCCL on the same GPU."""
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
 def build_meshes(plan: Plan, device_type: str) -> RankMeshes:
     """Build the job's meshes (a collective call: every rank must call it) and return this rank's."""
     widths = {s.tp_degree for s in plan.stages}
@@ -79,8 +89,7 @@ def build_meshes(plan: Plan, device_type: str) -> RankMeshes:
             "for all stages (pipeline stages exchange activations between matching TP ranks)"
         )
     rank = dist.get_rank()
-    if device_type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    set_local_device(device_type)
     grid = torch.tensor([[list(row) for row in s.ranks] for s in plan.stages], dtype=torch.int)
     world = DeviceMesh(device_type, grid, mesh_dim_names=("pp", "dp", "tp"))
     stage, replica, tp_index = plan.stage_of_rank(rank)

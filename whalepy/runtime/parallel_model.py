@@ -697,7 +697,12 @@ class ParallelModel:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
                     g = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
-                    dist.all_reduce(g, group=group)
+                    if g.device == self.device:
+                        dist.all_reduce(g, group=group)
+                    else:  # a host-tier gradient (FSDP2 CPUOffloadPolicy): NCCL has no CPU tensors
+                        summed = g.to(self.device)
+                        dist.all_reduce(summed, group=group)
+                        g.copy_(summed)
 
     # -- steps ---------------------------------------------------------------------------------
 

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# One device call (under ~9 minutes) that checks and measures whalepy's CUDA paths on a GPU machine:
+# the carried wheels and the project installed, the CUDA tests of the memory tiers
+# (tests/test_cuda_tiers.py), the ZeRO-Offload vs GPU-only benchmark (bench_gpu_offload.py) and the
+# whalepy vs plain-PyTorch benchmark (bench_gpu_step.py). Logs and JSON go to $OUT (default
+# /tmp/whalepy-gpu-out):
+# env.txt, cuda_tiers.log, offload.log, offload.json, gpu_step.log, summary.txt (at most 8 files, as the
+# device tool returns). docs/benchmarks.md, "A GPU session", says how to run it.
+#
+#     bash benchmarks/gpu_session.sh [tiers] [offload] [step]     # default: all three, in this order
+#
+# bench_gpu_step.py runs with STEP_ARGS (default "--model gpt --plan-time-limit 20": the Llama model
+# too would not fit the call). Each part has its own time limit (TIERS_S, OFFLOAD_S, STEP_S seconds;
+# defaults 150, 210, 150) so the
+# call ends inside the device tool's 10-minute limit even when one part hangs; a part that fails or
+# times out is recorded in summary.txt and the next one still runs.
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-/tmp/whalepy-gpu-out}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY="${PYTHON:-python3}"
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(tiers offload step)
+summary="$OUT/summary.txt"
+: >"$summary"
+start=$(date +%s)
+
+note() { echo "$*" | tee -a "$summary"; }
+
+# 1. the carried wheels (highspy, pulp: not on the GPU image) and the project, without dependencies
+if ls .whl/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}" || note "wheels: install failed"
+else
+    note "wheels: no .whl/ folder carried (the planner needs highspy or pulp; bench_gpu_step.py plans)"
+fi
+if ! "$PY" -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/env.txt" 2>&1; then
+    note "install: pip install -e . failed (env.txt); trying a regular install"
+    "$PY" -m pip install -q --no-deps --no-build-isolation . >>"$OUT/env.txt" 2>&1 || note "install: failed too"
+fi
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
+    "$PY" -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available())"
+    "$PY" -c "import whalepy, highspy; print('whalepy', whalepy.__file__, 'highspy ok')" 2>&1
+    nproc
+    free -g | head -2
+} >>"$OUT/env.txt" 2>&1
+note "setup: $(( $(date +%s) - start )) s"
+
+run_part() {  # name, limit (s), log file, command...
+    local name=$1 limit=$2 log=$3
+    shift 3
+    local t0=$(date +%s)
+    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$OUT/$log"
+    local rc=$?
+    note "$name: exit $rc after $(( $(date +%s) - t0 )) s (limit $limit s; exit 124: it timed out) -> $log"
+}
+
+for part in "${parts[@]}"; do
+    case "$part" in
+        tiers) run_part tiers "${TIERS_S:-150}" cuda_tiers.log "$PY" -m pytest -q -rA -p no:cacheprovider tests/test_cuda_tiers.py ;;
+        offload) run_part offload "${OFFLOAD_S:-210}" offload.log "$PY" benchmarks/bench_gpu_offload.py --json "$OUT/offload.json" ;;
+        step) run_part step "${STEP_S:-150}" gpu_step.log "$PY" benchmarks/bench_gpu_step.py ${STEP_ARGS:---model gpt --plan-time-limit 20} ;;
+        *) note "unknown part $part (tiers, offload, step)" ;;
+    esac
+done
+note "total: $(( $(date +%s) - start )) s"
