@@ -65,7 +65,8 @@ def estimate_both(args: argparse.Namespace, cluster: Any) -> tuple[Any, dict[str
     configs = {"gpu": {}, "zero_offload": {"offload": "cpu", "zero_offload": True}}
     est: dict[str, Any] = {}
     for checkpoint in (False, True):
-        est = {m: estimate_from_profile(prof, cluster, dict(dp=1, checkpoint=checkpoint, **c),
+        est = {m: estimate_from_profile(prof, cluster, dict(dp=1, checkpoint=checkpoint,
+                                                            num_microbatches=args.microbatches, **c),
                                         global_batch=args.batch) for m, c in configs.items()}
         if all(e.feasible for e in est.values()):
             break
@@ -162,6 +163,7 @@ def run_mode(mode: str, est: Any, prof: Any, args: argparse.Namespace, cluster: 
         "predicted_host_bytes": stage.host_state_bytes,
         "predicted_device_state_bytes": stage.model_state_bytes,
         "predicted_offload_s": stage.offload_s,
+        "microbatches": est.plan.num_microbatches,
         "checkpointed_blocks": sum(b.checkpoint for b in est.plan.stages[0].blocks),
         "precision": est.plan.precision.value,
     }
@@ -209,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--batch", type=int, default=4, help="global batch")
+    ap.add_argument("--microbatches", type=int, default=1,
+                    help="micro-batches per step (gradient accumulation), both modes; the host steps once")
     ap.add_argument("--json", help="also write the numbers to this JSON file")
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU, 2 steps (CI)")
     args = ap.parse_args(argv)
@@ -236,8 +240,9 @@ def main(argv: list[str] | None = None) -> int:
         cluster = ClusterSpec.local(1, device_type="CPU")
     prof, est = estimate_both(args, cluster)
     name = torch.cuda.get_device_name(device) if cuda else "CPU (smoke)"
-    print(f"{name}, torch {torch.__version__}, GPT {sum(b.num_params for b in prof.blocks) / 1e9:.3g}B, global batch {args.batch}, "
-          f"{est['gpu'].plan.precision.value}, {args.steps} timed steps after {args.warmup} warm-up", flush=True)
+    print(f"{name}, torch {torch.__version__}, GPT {sum(b.num_params for b in prof.blocks) / 1e9:.3g}B, "
+          f"global batch {args.batch} in {args.microbatches} micro-batch(es), {est['gpu'].plan.precision.value}, "
+          f"{args.steps} timed steps after {args.warmup} warm-up", flush=True)
     rows = {}
     for m in MODES:
         rows[m] = run_mode(m, est[m], prof, args, cluster, device)
@@ -245,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows), flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": name, "torch": torch.__version__, "batch": args.batch, "modes": rows}, f, indent=2)
+            json.dump({"device": name, "torch": torch.__version__, "batch": args.batch,
+                       "microbatches": args.microbatches, "modes": rows}, f, indent=2)
     dist.destroy_process_group()
     return 0
 

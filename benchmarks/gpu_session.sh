@@ -7,7 +7,13 @@
 # env.txt, cuda_tiers.log, offload.log, offload.json, gpu_step.log, summary.txt (at most 8 files, as the
 # device tool returns). docs/benchmarks.md, "A GPU session", says how to run it.
 #
-#     bash benchmarks/gpu_session.sh [tiers] [offload] [step]     # default: all three, in this order
+#     bash benchmarks/gpu_session.sh [tiers] [offload] [step]     # default: these three, in this order
+#     bash benchmarks/gpu_session.sh offload_large                # a second call
+#
+# offload_large: bench_gpu_offload.py at global batch 256 in 4 micro-batches of 64 (gradient
+# accumulation, both modes checkpointed), where the cost model predicts ZeRO-Offload at 1.18x the
+# GPU-only step (at the batch 4 it predicts 20x: the host's AdamW over 1.4B parameters, 1.6 s,
+# against a 0.08 s step); about 4 minutes, so a call of its own (OFFLOAD_LARGE_S, default 420).
 #
 # bench_gpu_step.py runs with STEP_ARGS (default "--model gpt --plan-time-limit 20": the Llama model
 # too would not fit the call). Each part has its own time limit (TIERS_S, OFFLOAD_S, STEP_S seconds;
@@ -61,8 +67,10 @@ for part in "${parts[@]}"; do
     case "$part" in
         tiers) run_part tiers "${TIERS_S:-150}" cuda_tiers.log "$PY" -m pytest -q -rA -p no:cacheprovider tests/test_cuda_tiers.py ;;
         offload) run_part offload "${OFFLOAD_S:-210}" offload.log "$PY" benchmarks/bench_gpu_offload.py --json "$OUT/offload.json" ;;
+        offload_large) run_part offload_large "${OFFLOAD_LARGE_S:-420}" offload_large.log "$PY" benchmarks/bench_gpu_offload.py \
+            --batch 256 --microbatches 4 --warmup 2 --steps 5 --json "$OUT/offload_large.json" ;;
         step) run_part step "${STEP_S:-150}" gpu_step.log "$PY" benchmarks/bench_gpu_step.py ${STEP_ARGS:---model gpt --plan-time-limit 20} ;;
-        *) note "unknown part $part (tiers, offload, step)" ;;
+        *) note "unknown part $part (tiers, offload, offload_large, step)" ;;
     esac
 done
 note "total: $(( $(date +%s) - start )) s"

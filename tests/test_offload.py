@@ -42,6 +42,8 @@ CASES = [dict(name=f"ZeRO-Offload z{z}", precision="fp32", dp=2, zero=z, **HOST_
     dict(name="ZeRO-Offload TP", precision="fp32", tp=2, **HOST_OPT),
     dict(name="ZeRO-Offload PP", precision="fp32", pp=2, microbatches=2, schedule="1f1b", **HOST_OPT),
     dict(name="ZeRO-Offload z3 bf16", precision="bf16", dp=2, zero=3, **HOST_OPT),
+    # gradient accumulation without a pipeline: the host steps once, after the last micro-batch
+    dict(name="ZeRO-Offload z2 accumulated", precision="fp32", dp=2, zero=2, microbatches=2, **HOST_OPT),
     dict(name="activation offload z0", precision="fp32", dp=2, **ACT),
     dict(name="activation offload z3", precision="fp32", dp=2, zero=3, **ACT),
     dict(name="activation offload TP", precision="fp32", tp=2, **ACT),
