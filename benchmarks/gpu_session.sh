@@ -1,23 +1,22 @@
 #!/usr/bin/env bash
-# One device call (under ~9 minutes) that checks and measures whalepy's CUDA paths on a GPU machine:
+# Device calls (each under ~9.5 minutes) that check and measure whalepy's CUDA paths on a GPU machine:
 # the carried wheels and the project installed, the CUDA tests of the memory tiers
-# (tests/test_cuda_tiers.py), the ZeRO-Offload vs GPU-only benchmark (bench_gpu_offload.py) and the
+# (tests/test_cuda_tiers.py), the ZeRO-Offload vs GPU-only benchmark (bench_gpu_offload.py) at the
+# issue's batch and at a batch where the cost model predicts the CPU step hidden, the host's AdamW
+# kernels (bench_cpu_adamw.py, into env.txt: the rate the offload predictions rest on), and the
 # whalepy vs plain-PyTorch benchmark (bench_gpu_step.py). Logs and JSON go to $OUT (default
-# /tmp/whalepy-gpu-out):
-# env.txt, cuda_tiers.log, offload.log, offload.json, gpu_step.log, summary.txt (at most 8 files, as the
-# device tool returns). docs/benchmarks.md, "A GPU session", says how to run it.
+# /tmp/whalepy-gpu-out), at most 8 files a call, as the device tool returns: env.txt, summary.txt,
+# cuda_tiers.log, offload.log, offload.json, offload_large.log, offload_large.json, gpu_step.log.
+# docs/benchmarks.md, "A GPU session", says how to run it.
 #
-#     bash benchmarks/gpu_session.sh [tiers] [offload] [step]     # default: these three, in this order
-#     bash benchmarks/gpu_session.sh offload_large                # a second call
+#     bash benchmarks/gpu_session.sh                 # first call: adamw tiers offload offload_large
+#     bash benchmarks/gpu_session.sh step            # second call
 #
-# offload_large: bench_gpu_offload.py at global batch 256 in 4 micro-batches of 64 (gradient
-# accumulation, both modes checkpointed), where the cost model predicts ZeRO-Offload at 1.18x the
-# GPU-only step (at the batch 4 it predicts 20x: the host's AdamW over 1.4B parameters, 1.6 s,
-# against a 0.08 s step); about 4 minutes, so a call of its own (OFFLOAD_LARGE_S, default 420).
-#
-# bench_gpu_step.py runs with STEP_ARGS (default "--model gpt --plan-time-limit 20": the Llama model
-# too would not fit the call). Each part has its own time limit (TIERS_S, OFFLOAD_S, STEP_S seconds;
-# defaults 150, 210, 150) so the
+# offload: the configuration, global batch 4 (predicted ZeRO-Offload / GPU-only: 4.1x, the host
+# AdamW over 1.4B parameters against a 0.08 s step); offload_large: global batch 32 in one micro-batch,
+# every block checkpointed (predicted 1.06x: the backward hides the host step).
+# bench_gpu_step.py runs with STEP_ARGS (default "--model gpt --plan-time-limit 20"). Each part has its
+# own time limit (TIERS_S, OFFLOAD_S, OFFLOAD_LARGE_S, STEP_S seconds; defaults 150, 180, 180, 300) so a
 # call ends inside the device tool's 10-minute limit even when one part hangs; a part that fails or
 # times out is recorded in summary.txt and the next one still runs.
 set -u -o pipefail
@@ -27,7 +26,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(tiers offload step)
+[ ${#parts[@]} -eq 0 ] && parts=(adamw tiers offload offload_large)
 summary="$OUT/summary.txt"
 : >"$summary"
 start=$(date +%s)
@@ -66,11 +65,13 @@ run_part() {  # name, limit (s), log file, command...
 for part in "${parts[@]}"; do
     case "$part" in
         tiers) run_part tiers "${TIERS_S:-150}" cuda_tiers.log "$PY" -m pytest -q -rA -p no:cacheprovider tests/test_cuda_tiers.py ;;
-        offload) run_part offload "${OFFLOAD_S:-210}" offload.log "$PY" benchmarks/bench_gpu_offload.py --json "$OUT/offload.json" ;;
-        offload_large) run_part offload_large "${OFFLOAD_LARGE_S:-420}" offload_large.log "$PY" benchmarks/bench_gpu_offload.py \
-            --batch 256 --microbatches 4 --warmup 2 --steps 5 --json "$OUT/offload_large.json" ;;
-        step) run_part step "${STEP_S:-150}" gpu_step.log "$PY" benchmarks/bench_gpu_step.py ${STEP_ARGS:---model gpt --plan-time-limit 20} ;;
-        *) note "unknown part $part (tiers, offload, offload_large, step)" ;;
+        offload) run_part offload "${OFFLOAD_S:-180}" offload.log "$PY" benchmarks/bench_gpu_offload.py --json "$OUT/offload.json" ;;
+        offload_large) run_part offload_large "${OFFLOAD_LARGE_S:-180}" offload_large.log "$PY" benchmarks/bench_gpu_offload.py \
+            --batch 32 --json "$OUT/offload_large.json" ;;
+        adamw) { echo "== bench_cpu_adamw.py ($(nproc) threads)"; timeout 60 "$PY" benchmarks/bench_cpu_adamw.py \
+            --threads "$(nproc)" --params 1e8; } >>"$OUT/env.txt" 2>&1; note "adamw: exit $? -> env.txt" ;;
+        step) run_part step "${STEP_S:-300}" gpu_step.log "$PY" benchmarks/bench_gpu_step.py ${STEP_ARGS:---model gpt --plan-time-limit 20} ;;
+        *) note "unknown part $part (adamw, tiers, offload, offload_large, step)" ;;
     esac
 done
 note "total: $(( $(date +%s) - start )) s"

@@ -8,8 +8,14 @@ Rates (:class:`OffloadRates`, :func:`resolve_offload_rates`), most specific firs
 - host link: pinned host<->device copies measured by ``whalepy calibrate`` (profile rates
   ``h2d_pinned_GBps`` / ``d2h_pinned_GBps``), else the datasheet PCIe figure times
   :data:`PINNED_LINK_EFFICIENCY` (measured on one link, transferred);
-- CPU optimizer: the measured ``adamw_cpu_s_per_1e8`` of the device's profile (torch's AdamW on the
-  host, what the runtime steps with), else :data:`CPU_ADAM_PARAMS_PER_S_PER_NODE` (cited);
+- CPU optimizer, two rates for the two implementations the runtime steps host states with:
+  ``cpu_adam``, torch's fused CPU AdamW (``fused=True``: one vectorised pass; ZeRO-Offload's host
+  optimizer, ``runtime/host_optimizer.py``, switches the user's optimizer to it): the profile's measured
+  ``adamw_cpu_fused_s_per_1e8``, else its ``adamw_cpu_s_per_1e8`` (``foreach``) times
+  :data:`FUSED_OVER_FOREACH_CPU_ADAMW`, else :data:`CPU_ADAM_PARAMS_PER_S_PER_NODE` (cited, a vectorised
+  CPU Adam); ``cpu_adam_unfused``, the user's own optimizer over FSDP2's host-offloaded shards (torch's
+  AdamW on CPU tensors without ``fused``): the profile's ``adamw_cpu_s_per_1e8``, else
+  :data:`PYTORCH_CPU_ADAM_PARAMS_PER_S_PER_NODE` (cited);
 - NVMe: the node's :class:`~whalepy.cluster.NvmeSpec` (datasheet read / write), shared by the node's
   GPUs, as the node's CPU optimizer is.
 """
@@ -35,7 +41,23 @@ CPU_ADAM_PARAMS_PER_S_PER_NODE = 1e9 / 0.22
 """Parameters per second one node's CPUs update with a vectorised, multi-threaded Adam, when the device
 has no calibrated profile: ZeRO-Offload's CPU-Adam updates 1 B parameters in 0.22 s on a DGX-2 host
 (Ren et al., "ZeRO-Offload: Democratizing Billion-Scale Model Training", USENIX ATC'21, Table 3;
-PyTorch's CPU Adam took 1.39 s there). Shared by the node's GPUs."""
+PyTorch's CPU Adam took 1.39 s there). Shared by the node's GPUs. Used for torch's fused CPU AdamW, the
+same kind of kernel (one vectorised, multi-threaded pass over each tensor)."""
+
+PYTORCH_CPU_ADAM_PARAMS_PER_S_PER_NODE = 1e9 / 1.39
+"""Parameters per second of PyTorch's (unfused) CPU Adam on one node, when the device has no calibrated
+profile: 1 B parameters in 1.39 s on a DGX-2 host (Ren et al., ATC'21, Table 3)."""
+
+FUSED_OVER_FOREACH_CPU_ADAMW = 0.16
+"""Seconds of torch's fused CPU AdamW step over those of its ``foreach`` step, same parameters: applied
+to a profile that measured only ``foreach`` (the shipped H100 profile: 0.11 s per 1e8 parameters, 16
+threads) to get the fused kernel's rate. Measured with ``python benchmarks/bench_cpu_adamw.py`` on the
+2-core development machine (torch 2.13.0, 2e7 parameters in 8 tensors, weight decay, alternating steps,
+median of 9): 0.118 to 0.180 over eight runs at 1 and 2 threads under load, median 0.16; ATC'21, Table 3
+gives 0.158 for a vectorised CPU Adam against PyTorch's on a DGX-2 host (0.22 s and 1.39 s per 1e9).
+Both kernels are bound by host memory traffic (the fused one reads and writes each state once, the
+foreach one once per elementwise op), so the ratio carries across CPUs better than either rate; a
+calibration on the machine (``whalepy calibrate`` measures the fused kernel) replaces it."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -47,7 +69,11 @@ class OffloadRates:
     d2h: float
     """Device-to-host bytes/s per GPU (pinned)."""
     cpu_adam: float
-    """Adam parameter updates per second for one GPU's share of the node's CPUs."""
+    """Adam parameter updates per second for one GPU's share of the node's CPUs, torch's fused CPU AdamW
+    (ZeRO-Offload's host optimizer)."""
+    cpu_adam_unfused: float | None = None
+    """The same for torch's AdamW without ``fused`` over host tensors (the user's optimizer over FSDP2's
+    host-offloaded shards); None: as ``cpu_adam``."""
     nvme_read: float | None = None
     """NVMe read bytes/s for one GPU's share of the node's drives (None: no NVMe)."""
     nvme_write: float | None = None
@@ -63,14 +89,22 @@ def resolve_offload_rates(device: DeviceType, *, gpus_per_node: int, nvme_read: 
         raise ValueError(f"gpus_per_node must be at least 1, got {gpus_per_node}")
     prof = resolve_compute_profile(device)
     h2d, d2h = prof.value("h2d_pinned_GBps"), prof.value("d2h_pinned_GBps")
-    adam = prof.value("adamw_cpu_s_per_1e8")
+    fused, foreach = prof.value("adamw_cpu_fused_s_per_1e8"), prof.value("adamw_cpu_s_per_1e8")
     link_src = f"measured ({prof.source})" if h2d and d2h else "datasheet PCIe x PINNED_LINK_EFFICIENCY"
     nominal = device.host_link_bandwidth * PINNED_LINK_EFFICIENCY
-    node_adam = 1e8 / adam if adam else CPU_ADAM_PARAMS_PER_S_PER_NODE
-    adam_src = f"measured ({prof.source})" if adam else "ZeRO-Offload CPU-Adam (ATC'21, Table 3)"
+    if fused:
+        node_adam, adam_src = 1e8 / fused, f"fused measured ({prof.source})"
+    elif foreach:
+        node_adam = 1e8 / (foreach * FUSED_OVER_FOREACH_CPU_ADAMW)
+        adam_src = f"fused = measured foreach ({prof.source}) x FUSED_OVER_FOREACH_CPU_ADAMW"
+    else:
+        node_adam, adam_src = CPU_ADAM_PARAMS_PER_S_PER_NODE, "fused: ZeRO-Offload CPU-Adam (ATC'21, Table 3)"
+    node_unfused = 1e8 / foreach if foreach else PYTORCH_CPU_ADAM_PARAMS_PER_S_PER_NODE
+    adam_src += ("; unfused: measured foreach" if foreach else "; unfused: PyTorch CPU Adam (ATC'21, Table 3)")
     share = float(gpus_per_node)
     return OffloadRates(
         h2d=h2d * 1e9 if h2d else nominal, d2h=d2h * 1e9 if d2h else nominal, cpu_adam=node_adam / share,
+        cpu_adam_unfused=node_unfused / share,
         nvme_read=nvme_read / share if nvme_read else None, nvme_write=nvme_write / share if nvme_write else None,
         source=f"host link {link_src}; CPU Adam {adam_src}")
 
@@ -138,9 +172,11 @@ def zero_offload_step(rates: OffloadRates, *, grad_bytes: float, param_bytes: fl
 def host_step(rates: OffloadRates, *, grad_bytes: float, nvme_state_bytes: float = 0.0) -> StepTraffic:
     """Parameters, gradients and optimizer states on the host (FSDP2 ``CPUOffloadPolicy``): the last
     micro-batch's reduced gradient shards go down (``grad_bytes`` per parameter), then the CPU steps after
-    backward, not overlapped. ``nvme_state_bytes`` per parameter of optimizer states are read from and
-    written back to NVMe around the step."""
-    return StepTraffic(serial=grad_bytes / rates.d2h + 1.0 / rates.cpu_adam + nvme_io(rates, nvme_state_bytes))
+    backward, not overlapped, with the user's optimizer as built (``cpu_adam_unfused``: torch's AdamW
+    over CPU tensors runs unfused unless asked). ``nvme_state_bytes`` per parameter of optimizer states
+    are read from and written back to NVMe around the step."""
+    adam = rates.cpu_adam_unfused or rates.cpu_adam
+    return StepTraffic(serial=grad_bytes / rates.d2h + 1.0 / adam + nvme_io(rates, nvme_state_bytes))
 
 
 def nvme_io(rates: OffloadRates, nbytes: float) -> float:

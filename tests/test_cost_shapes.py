@@ -108,7 +108,12 @@ def test_calibrate_quick_on_cpu_is_used_and_named(tmp_path, monkeypatch) -> None
     assert data["version"] == 1 and data["device_type"] == "CPU" and data["quick"] is True
     assert len(data["measurements"]["matmul"]) >= 3 and data["fit"]["gemm_efficiency"] > 0
     assert data["rates"]["disk_write_GBps"] > 0 and data["rates"]["adamw_cpu_s_per_1e8"] > 0
+    fused = data["rates"]["adamw_cpu_fused_s_per_1e8"]
     monkeypatch.setenv("WHALEPY_DEVICE_PROFILES", str(tmp_path))
+    from whalepy.cost_models.offload import resolve_offload_rates
+
+    rates = resolve_offload_rates(CATALOG["CPU"], gpus_per_node=1)  # the host optimizer's fused kernel, measured
+    assert rates.cpu_adam == pytest.approx(1e8 / fused) and "fused measured" in rates.source
     cpu = resolve_compute_profile(CATALOG["CPU"])
     assert cpu.source.startswith("calibrated: CPU.json")
     assert cpu.gemm_efficiency == pytest.approx(data["fit"]["gemm_efficiency"])

@@ -109,7 +109,10 @@ def calibrate(*, quick: bool = False, out: str | Path | None = None, device: str
     rates: dict[str, float] = {"launch_overhead_s": launch, "launch_backward_overhead_s": launch_bwd,
                                "adamw_device_s_per_1e9": bench.bench_adamw(dev, sz["adam"], 3, foreach=True) * 1e9 / sz["adam"],
                                "adamw_cpu_s_per_1e8": bench.bench_adamw(torch.device("cpu"), sz["adam"], 3,
-                                                                        foreach=True) * 1e8 / sz["adam"]}
+                                                                        foreach=True) * 1e8 / sz["adam"],
+                               # the kernel ZeRO-Offload's host optimizer steps with (cost_models/offload.py)
+                               "adamw_cpu_fused_s_per_1e8": bench.bench_adamw(torch.device("cpu"), sz["adam"], 3,
+                                                                              fused=True) * 1e8 / sz["adam"]}
     if dev.type == "cuda":
         rates["adamw_device_fused_s_per_1e9"] = bench.bench_adamw(dev, sz["adam"], 3, fused=True) * 1e9 / sz["adam"]
         rates.update(bench.bench_host_link(dev, sz["mem"], sz["repeats"]))
