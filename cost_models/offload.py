@@ -8,14 +8,12 @@ Rates (:class:`OffloadRates`, :func:`resolve_offload_rates`), most specific firs
 - host link: pinned host<->device copies measured by ``whalepy calibrate`` (profile rates
   ``h2d_pinned_GBps`` / ``d2h_pinned_GBps``), else the datasheet PCIe figure times
   :data:`PINNED_LINK_EFFICIENCY` (measured on one link, transferred);
-- CPU optimizer, two rates for the two implementations the runtime steps host states with:
-  ``cpu_adam``, torch's fused CPU AdamW (``fused=True``: one vectorised pass; ZeRO-Offload's host
-  optimizer, ``runtime/host_optimizer.py``, switches the user's optimizer to it): the profile's measured
+- CPU optimizer: torch's fused CPU AdamW (``fused=True``: one vectorised pass per tensor), what the
+  runtime steps host states with (ZeRO-Offload's host optimizer and FSDP2's host-offloaded shards alike
+  switch the user's optimizer to it: ``runtime.host_optimizer.fused_variant``): the profile's measured
   ``adamw_cpu_fused_s_per_1e8``, else its ``adamw_cpu_s_per_1e8`` (``foreach``) times
   :data:`FUSED_OVER_FOREACH_CPU_ADAMW`, else :data:`CPU_ADAM_PARAMS_PER_S_PER_NODE` (cited, a vectorised
-  CPU Adam); ``cpu_adam_unfused``, the user's own optimizer over FSDP2's host-offloaded shards (torch's
-  AdamW on CPU tensors without ``fused``): the profile's ``adamw_cpu_s_per_1e8``, else
-  :data:`PYTORCH_CPU_ADAM_PARAMS_PER_S_PER_NODE` (cited);
+  CPU Adam);
 - NVMe: the node's :class:`~whalepy.cluster.NvmeSpec` (datasheet read / write), shared by the node's
   GPUs, as the node's CPU optimizer is.
 """
@@ -44,10 +42,6 @@ has no calibrated profile: ZeRO-Offload's CPU-Adam updates 1 B parameters in 0.2
 PyTorch's CPU Adam took 1.39 s there). Shared by the node's GPUs. Used for torch's fused CPU AdamW, the
 same kind of kernel (one vectorised, multi-threaded pass over each tensor)."""
 
-PYTORCH_CPU_ADAM_PARAMS_PER_S_PER_NODE = 1e9 / 1.39
-"""Parameters per second of PyTorch's (unfused) CPU Adam on one node, when the device has no calibrated
-profile: 1 B parameters in 1.39 s on a DGX-2 host (Ren et al., ATC'21, Table 3)."""
-
 FUSED_OVER_FOREACH_CPU_ADAMW = 0.16
 """Seconds of torch's fused CPU AdamW step over those of its ``foreach`` step, same parameters: applied
 to a profile that measured only ``foreach`` (the shipped H100 profile: 0.11 s per 1e8 parameters, 16
@@ -69,11 +63,8 @@ class OffloadRates:
     d2h: float
     """Device-to-host bytes/s per GPU (pinned)."""
     cpu_adam: float
-    """Adam parameter updates per second for one GPU's share of the node's CPUs, torch's fused CPU AdamW
-    (ZeRO-Offload's host optimizer)."""
-    cpu_adam_unfused: float | None = None
-    """The same for torch's AdamW without ``fused`` over host tensors (the user's optimizer over FSDP2's
-    host-offloaded shards); None: as ``cpu_adam``."""
+    """Adam parameter updates per second for one GPU's share of the node's CPUs (torch's fused CPU
+    AdamW)."""
     nvme_read: float | None = None
     """NVMe read bytes/s for one GPU's share of the node's drives (None: no NVMe)."""
     nvme_write: float | None = None
@@ -99,12 +90,9 @@ def resolve_offload_rates(device: DeviceType, *, gpus_per_node: int, nvme_read: 
         adam_src = f"fused = measured foreach ({prof.source}) x FUSED_OVER_FOREACH_CPU_ADAMW"
     else:
         node_adam, adam_src = CPU_ADAM_PARAMS_PER_S_PER_NODE, "fused: ZeRO-Offload CPU-Adam (ATC'21, Table 3)"
-    node_unfused = 1e8 / foreach if foreach else PYTORCH_CPU_ADAM_PARAMS_PER_S_PER_NODE
-    adam_src += ("; unfused: measured foreach" if foreach else "; unfused: PyTorch CPU Adam (ATC'21, Table 3)")
     share = float(gpus_per_node)
     return OffloadRates(
         h2d=h2d * 1e9 if h2d else nominal, d2h=d2h * 1e9 if d2h else nominal, cpu_adam=node_adam / share,
-        cpu_adam_unfused=node_unfused / share,
         nvme_read=nvme_read / share if nvme_read else None, nvme_write=nvme_write / share if nvme_write else None,
         source=f"host link {link_src}; CPU Adam {adam_src}")
 
@@ -172,11 +160,9 @@ def zero_offload_step(rates: OffloadRates, *, grad_bytes: float, param_bytes: fl
 def host_step(rates: OffloadRates, *, grad_bytes: float, nvme_state_bytes: float = 0.0) -> StepTraffic:
     """Parameters, gradients and optimizer states on the host (FSDP2 ``CPUOffloadPolicy``): the last
     micro-batch's reduced gradient shards go down (``grad_bytes`` per parameter), then the CPU steps after
-    backward, not overlapped, with the user's optimizer as built (``cpu_adam_unfused``: torch's AdamW
-    over CPU tensors runs unfused unless asked). ``nvme_state_bytes`` per parameter of optimizer states
-    are read from and written back to NVMe around the step."""
-    adam = rates.cpu_adam_unfused or rates.cpu_adam
-    return StepTraffic(serial=grad_bytes / rates.d2h + 1.0 / adam + nvme_io(rates, nvme_state_bytes))
+    backward, not overlapped. ``nvme_state_bytes`` per parameter of optimizer states are read from and
+    written back to NVMe around the step."""
+    return StepTraffic(serial=grad_bytes / rates.d2h + 1.0 / rates.cpu_adam + nvme_io(rates, nvme_state_bytes))
 
 
 def nvme_io(rates: OffloadRates, nbytes: float) -> float:

@@ -208,6 +208,7 @@ def numerics(cases: list[dict[str, Any]], steps: int = 3) -> list[dict[str, Any]
     fp16 run skips those whose gradients overflowed; the fp32 run then skips them too)."""
     from runtime_cases import Case, full_params, make_case_plan
     from whalepy.runtime import parallelize
+    from whalepy.runtime._held import offloaded_params
 
     mesh = _one_rank_mesh()
     data = batches(GLOBAL_BATCH, steps)
@@ -257,5 +258,8 @@ def numerics(cases: list[dict[str, Any]], steps: int = 3) -> list[dict[str, Any]
             "losses": losses, "ref": ref_losses, "scales": scales, "ref_scales": ref["scales"],
             "skipped": ref["skipped"], "norms": norms, "ref_norms": ref["norms"],
             "host_blocks": (pm.host_optimizer.queued_in_backward, len(pm.host_optimizer.blocks))
-            if pm.host_optimizer is not None else None})
+            if pm.host_optimizer is not None else None,
+            # FSDP2 shards in host memory, and whether the optimizer stepping them runs the fused kernel
+            "host_shards": bool(offloaded_params(pm._modules)),
+            "fused": None if pm.optimizer is None else all(g.get("fused") for g in pm.optimizer.param_groups)})
     return out

@@ -35,7 +35,7 @@ from whalepy.runtime._activations import (
     apply_checkpoint_offload,
 )
 from whalepy.runtime._tile_state import merge_state, split_state
-from whalepy.runtime.host_optimizer import MASTER_KEY, HostStateView, full_tensor
+from whalepy.runtime.host_optimizer import KERNEL_FLAGS, MASTER_KEY, HostStateView, full_tensor
 from whalepy.runtime.tiling import tiled_layout
 
 __all__ = ["apply_activation_checkpointing", "apply_activation_offload", "apply_checkpoint_offload",
@@ -166,9 +166,16 @@ def set_train_state(modules: Sequence[nn.Module], optimizer: Optimizers,
     state = split_state(state, template, tiled_layout(modules))  # original names -> this plan's tiles
     state = _reshard_like(state, template)
     _fill_host_state(_host_state(modules, optimizer), state)
+    # a load writes the saved param groups' entries over the optimizer's, its kernel flags included: keep
+    # this plan's (``fused`` where FSDP2 steps shards in host memory, whatever the saving plan used)
+    opts = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+    kernels = [[{k: g[k] for k in KERNEL_FLAGS if k in g} for g in o.param_groups] for o in opts]
     set_state_dict(list(modules) if len(modules) > 1 else modules[0], optimizer,
                    model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=StateDictOptions(strict=False))
+    for o, flags in zip(opts, kernels, strict=True):
+        for g, f in zip(o.param_groups, flags, strict=True):
+            g.update(f)
 
 
 def tied_aliases(modules: Sequence[nn.Module]) -> list[list[str]]:

@@ -126,6 +126,11 @@ class _Block:
         self.copied: Any = None  # CUDA: the event after the last copy back
 
 
+KERNEL_FLAGS = ("fused", "foreach")
+"""Param-group entries that choose an optimizer's implementation, not its mathematics (a checkpoint load
+keeps the loading optimizer's: ``checkpointing.set_train_state``)."""
+
+
 def _cpu_optimizer(factory: OptimizerFactory, masters: list[nn.Parameter], name: str) -> torch.optim.Optimizer:
     """The user's optimizer over ``masters``, with the fused CPU kernel where its class has one."""
     opt = factory(masters)
@@ -135,15 +140,25 @@ def _cpu_optimizer(factory: OptimizerFactory, masters: list[nn.Parameter], name:
     if {id(p) for g in opt.param_groups for p in g["params"]} != {id(p) for p in masters}:
         raise WhalepyError(f"block {name!r}: the optimizer factory must optimise exactly the parameters it "
                            "is given (optimizer_tier='cpu' builds one optimizer per block over its host copies)")
+    return fused_variant(opt)
+
+
+def fused_variant(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """``opt`` rebuilt with ``fused=True`` (its class and hyper-parameters, no states yet) where its class
+    has a fused kernel for these hyper-parameters and the user did not ask for ``fused`` or
+    ``differentiable``, else ``opt`` itself. torch's fused CPU AdamW is one vectorised, multi-threaded
+    pass per tensor, about 6x faster than its ``foreach`` or single-tensor steps over host memory
+    (``benchmarks/bench_cpu_adamw.py``), the rate the cost model prices host steps at; the user's own
+    flags are kept in ``whalepy_user_flags`` for checkpoints."""
     if "fused" in inspect.signature(type(opt).__init__).parameters and not any(
             g.get("fused") or g.get("differentiable") for g in opt.param_groups):
         groups = [{**g, "fused": True, "foreach": None} for g in opt.param_groups]
         try:
             fused = type(opt)(groups)
         except (RuntimeError, ValueError, TypeError):
-            return opt  # this class or these hyper-parameters have no fused CPU kernel
+            return opt  # this class or these hyper-parameters have no fused kernel on these devices
         # what the user's factory chose, for checkpoints (a plan stepping on the device loads them)
-        fused.whalepy_user_flags = [{k: g[k] for k in ("fused", "foreach") if k in g}  # type: ignore[attr-defined]
+        fused.whalepy_user_flags = [{k: g[k] for k in KERNEL_FLAGS if k in g}  # type: ignore[attr-defined]
                                     for g in opt.param_groups]
         return fused
     return opt

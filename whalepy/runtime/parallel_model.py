@@ -75,7 +75,8 @@ from whalepy.runtime.mesh import RankMeshes, build_meshes, check_world
 from whalepy.runtime._amp import AmpContext
 from whalepy.runtime._report import StepReporter, plan_log_lines
 from whalepy.runtime._joint_step import JointStep, host_grad_params
-from whalepy.runtime.host_optimizer import HostOptimizer
+from whalepy.runtime._held import offloaded_params
+from whalepy.runtime.host_optimizer import HostOptimizer, fused_variant
 from whalepy.runtime.nvme import NvmeTier, build_nvme_tier
 from whalepy._launch_errors import install_error_hook
 from whalepy.runtime.tensor_parallel import apply_tensor_parallel
@@ -442,6 +443,10 @@ class ParallelModel:
         params = list({id(p): p for mod in self._modules for p in mod.parameters() if id(p) not in on_host}.values())
         self.optimizer = (build_optimizer(optimizer_factory, params, kind=self.dp_kind, dp_mesh=m.dp_mesh)
                           if params or self.host_optimizer is None else None)
+        if self.optimizer is not None and offloaded_params(self._modules):
+            # FSDP2 keeps these shards in host memory and the optimizer steps them there: its fused CPU
+            # kernel, as the host optimizer does (cost_models/offload.py prices both at its rate)
+            self.optimizer = fused_variant(self.optimizer)
         # the disk tier (after TP / FSDP2 and materialisation, so its files hold this rank's shards)
         self.nvme: NvmeTier | None = None
         if nvme_blocks:
