@@ -467,7 +467,10 @@ def run_search(profile: ModelProfile, hw: Hardware, G: int, opts, *,  # type: ig
 
     for pass_no in (0, 1):
         # the second pass's queue is what the first set aside, read once the first is done
-        queue = _by_bound(bounded, light, incumbent) if pass_no == 0 else sorted(deferred, key=lambda x: x[:2])
+        # in the second, those whose first look found a plan come first, best plan first: the incumbent
+        # improves early (often to the optimum), against which the others are refuted sooner
+        queue = _by_bound(bounded, light, incumbent) if pass_no == 0 else sorted(
+            deferred, key=lambda x: (first_look[x[1]].objective, x[0], x[1]))
         for lb, idx, cand in queue:
             if best is not None and lb >= best[0] * (1 - 1e-9):
                 rejections.append(Rejection(cand, f"pruned: its lower bound {lb:.4g} s is not below the best "
@@ -480,6 +483,17 @@ def run_search(profile: ModelProfile, hw: Hardware, G: int, opts, *,  # type: ig
                                             "before it was solved", lb, kind=RejectionKind.TIME_LIMIT))
                 continue
             cc = build_coefficients(ctx, cand, segments, options, mixed_tiers=opts.mixed_tiers)
+            if pass_no == 1 and best is not None and best[2] is not first_look.get(idx):
+                # set aside by its first look: before the full ILP, does the bound with whole blocks and
+                # state options (a small MIP, step 7 of lower_bound) reach the ILP's own cutoff? Where it
+                # does, the ILP could only say the same ("no better than the incumbent"), in seconds more
+                cut = best[0] * (1 - MIP_REL_GAP)
+                lb = max(lb, lower_bound(cc, whole_blocks=True, cutoff=cut))
+                if lb >= cut:
+                    rejections.append(Rejection(cand, f"pruned: its lower bound (whole blocks, state options) is "
+                                                f"not below the best {best[0]:.4g} s less the MIP gap", lb,
+                                                kind=RejectionKind.PRUNED))
+                    continue
             allowed = allowed_stage_ranges(cand, cons)
             if solver == "exhaustive":
                 res = solve_exhaustive(cc, allowed_stages=allowed, allow_checkpointing=opts.allow_checkpointing,
