@@ -30,7 +30,7 @@ import math
 from collections.abc import Sequence
 
 from whalepy.planner._solvers import EQ, GE, LE, _Model, _solve_highs, _Var
-from whalepy.planner.costing import CandidateCoeffs, CellCoeffs
+from whalepy.planner._coeffs import CandidateCoeffs, CellCoeffs
 
 GIB = float(2**30)
 BILLION = 1e9

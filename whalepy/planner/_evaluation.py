@@ -10,7 +10,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from whalepy.planner.costing import (
+from whalepy.planner._coeffs import (
     CandidateCoeffs,
     CellCoeffs,
     StageCoeffs,
