@@ -8,7 +8,9 @@ no better than the incumbent, the rest cannot win and are not solved. The bound 
 its candidate by construction (the argument is in its docstring), so the pruning never loses the
 optimum: ``tests/test_planner_bound.py`` checks this against a brute force without any pruning.
 Each ILP gets a short first look; those it does not settle are solved in full after the others, against
-the better incumbent found by then (:data:`FIRST_LOOK_S`).
+the better incumbent found by then (:data:`FIRST_LOOK_S`): first those whose first look found a plan,
+best first, and each only where the bound's whole-block part (``lower_bound(cc, whole_blocks=True,
+cutoff=...)``, a small MIP) does not already show that it cannot beat the incumbent less the MIP gap.
 
 Mixed clusters. Two layouts are enumerated: ``"replicas"`` (each data-parallel replica is a whole
 pipeline on one group; replicas get uneven integer batch shares, tried from uniform to proportional to
