@@ -87,9 +87,11 @@ def test_planner_equals_brute_force(seed: int) -> None:
 
 
 def _check_bounds(inst: Instance) -> tuple[int, int]:
-    """``lower_bound <= cost`` for every candidate: against its best plan that fits, host copies of
-    activations included where the bound is above the best plan ignoring memory (its memory part).
-    Returns the candidates checked and how many of them the memory part lifted."""
+    """``lower_bound <= cost`` for every candidate, with and without its whole-block part (step 7, a small
+    MIP): against its best plan that fits, host copies of activations included where the bound is above
+    the best plan ignoring memory (its memory part). The whole-block part asked about a cutoff (what the
+    search does) claims to reach it only when no plan that fits is below it. Returns the candidates
+    checked and how many of them the memory part lifted."""
     opts = make_options(inst.options)
     ctx = CostContext(inst.profile, Hardware(inst.cluster), precision=opts.precision,
                       sequence_parallel=opts.sequence_parallel)
@@ -104,17 +106,23 @@ def _check_bounds(inst: Instance) -> tuple[int, int]:
         assert lower_bound(build_coefficients(ctx, cand, segments, ())) == lb
         # without activation or checkpoint offload: their copies only add time, so the best plan ignoring
         # memory never offloads and bounds every plan that does (and enumerating it made this test 20x slower)
+        whole = lower_bound(cc, whole_blocks=True)
+        assert whole >= lb
         fit, any_ = candidate_optimum(cc, opts.allow_checkpointing, allow_activation_offload=False,
                                       allow_checkpoint_offload=False)
-        assert lb <= fit * (1 + REL), (lb, any_, fit, cand, inst)
-        if lb > any_ * (1 + REL):
-            lifted += 1
+        assert whole <= fit * (1 + REL), (lb, whole, any_, fit, cand, inst)
+        if whole > any_ * (1 + REL):
+            lifted += lb > any_ * (1 + REL)
             # above the best plan ignoring memory: the bound's memory part (planner/_bound.py) says every
             # plan that fits pays recompute or host copies; check it against every plan that fits, host
             # copies included
             fit = candidate_optimum(cc, opts.allow_checkpointing, allow_activation_offload=True,
                                     allow_checkpoint_offload=True)[0]
-            assert lb <= fit * (1 + REL), (lb, any_, fit, cand, inst)
+            assert whole <= fit * (1 + REL), (lb, whole, any_, fit, cand, inst)
+        if math.isfinite(fit):
+            # asked whether it reaches a cutoff just above the best plan: it must not claim to
+            below = fit * (1 + 1e-6)
+            assert lower_bound(cc, whole_blocks=True, cutoff=below) < below, (fit, cand, inst)
     return len(cands), lifted
 
 
@@ -145,7 +153,7 @@ def test_bound_below_cost_on_a_full_size_gpt() -> None:
     cons = read_annotations(prof, ctx.hw)
     cands, _ = outer_candidates(ctx, 8)
     segments, options = build_segments(prof), build_state_options(opts.zero_stages, opts.allow_offload, ctx.precision)
-    checked = 0
+    checked = tighter = 0
     for cand in cands:
         cc = build_coefficients(ctx, cand, segments, options)
         res = solve_candidate(cc, allowed_stages=allowed_stage_ranges(cand, cons), allow_checkpointing=True,
@@ -155,7 +163,11 @@ def test_bound_below_cost_on_a_full_size_gpt() -> None:
         checked += 1
         # below the optimum, hence below what the ILP returns (within MIP_REL_GAP above it)
         assert lower_bound(cc) <= res.evaluation.step_time_s * (1 + REL), (cand, res.evaluation.step_time_s)
+        whole = lower_bound(cc, whole_blocks=True)
+        assert whole <= res.evaluation.step_time_s * (1 + REL), (cand, whole, res.evaluation.step_time_s)
+        tighter += whole > lower_bound(cc) * (1 + 1e-6)
     assert checked >= 20
+    assert tighter >= checked // 2  # the whole-block part (sends, tail, whole blocks) lifts most
 
 
 def test_candidates_set_aside_are_solved_in_full(monkeypatch) -> None:  # type: ignore[no-untyped-def]

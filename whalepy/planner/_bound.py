@@ -29,10 +29,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from whalepy.planner._solvers import EQ, LE, _Model, _solve_highs, _Var
-from whalepy.planner.costing import CandidateCoeffs, CellCoeffs
+from whalepy.planner._solvers import EQ, GE, LE, _Model, _solve_highs, _Var
+from whalepy.planner._coeffs import CandidateCoeffs, CellCoeffs
 
 GIB = float(2**30)
+BILLION = 1e9
 
 LP_TIME_LIMIT_S = 10.0
 """A ceiling for the bound's LP (a few dozen columns, solved in milliseconds): never reached in practice."""
@@ -59,54 +60,159 @@ def _host_capacity(cc: CandidateCoeffs, s: int) -> float:
     return min(caps) if caps else math.inf
 
 
+def _add_stage_rows(prob: _Model, cc: CandidateCoeffs, s: int, c: CellCoeffs, n: list[_Var],
+                    states: tuple[dict[_Var, float], dict[_Var, float], float] = ({}, {}, 0.0)) -> dict[_Var, float]:
+    """Stage ``s``'s recompute and host-copy columns, its ``c + o <= n``, ``w <= c``, device-memory and
+    host-memory rows, for blocks per segment ``n``; returns its compute (seconds per micro-batch) as a
+    linear form, without the sends. ``states``: terms of the model states (device GiB, host GiB, constant
+    device GiB) added to the memory rows."""
+    G, v = len(cc.segments), cc.candidate.virtual_stages
+
+    def col(name: str) -> _Var:
+        return prob.var(name, 0.0, None, "Continuous")
+
+    k = c.inflight / v / GIB
+    compute: dict[_Var, float] = {}
+    mem_row: dict[_Var, float] = dict(states[0])
+    host_row: dict[_Var, float] = dict(states[1])
+    for g in range(G):
+        compute[n[g]] = c.seg_time[g]
+        mem_row[n[g]] = k * c.seg_saved[g]
+        ck = col(f"c_{s}_{g}")
+        within = {ck: 1.0, n[g]: -1.0}  # c <= n (o joins below)
+        compute[ck] = c.seg_recompute[g]
+        mem_row[ck] = k * (c.seg_input[g] - c.seg_saved[g])
+        if c.seg_offload is not None and c.seg_host is not None and c.seg_saved[g] > 0:
+            o = col(f"o_{s}_{g}")
+            within[o] = 1.0  # c + o <= n
+            compute[o] = c.seg_offload[g]
+            mem_row[o] = -k * c.seg_saved[g]
+            host_row[o] = c.seg_host[g] / GIB
+        prob.rows.append((within, 0.0, LE, f"within_{s}_{g}"))
+        if c.seg_ckoff is not None and c.seg_ckhost is not None and c.seg_input[g] > 0:
+            w = col(f"w_{s}_{g}")
+            prob.rows.append(({w: 1.0, ck: -1.0}, 0.0, LE, f"ckoff_{s}_{g}"))  # w <= c
+            compute[w] = c.seg_ckoff[g]
+            mem_row[w] = -k * c.seg_input[g]
+            host_row[w] = c.seg_ckhost[g] / GIB
+    prob.rows.append((mem_row, states[2] - (c.capacity * (1 + 1e-6) - c.loss_bytes) / GIB, LE, f"memory_{s}"))
+    host = _host_capacity(cc, s)
+    if host_row and host < math.inf:
+        prob.rows.append((host_row, -host / GIB, LE, f"host_{s}"))
+    return compute
+
+
 def relaxed_stage_time(cc: CandidateCoeffs, cells: Sequence[CellCoeffs]) -> float | None:
     """The LP optimum for one pipeline (``cells[s]``: its cell of stage ``s``), or None where memory does not
     bind or the LP says nothing (infeasible: then the ILP finds that no plan fits)."""
     if not _memory_binds(cc, cells):
         return None
-    S, G, v = len(cells), len(cc.segments), cc.candidate.virtual_stages
+    G = len(cc.segments)
     lengths = [seg.length for seg in cc.segments]
     prob = _Model()
-
-    def col(name: str, ub: float | None = None) -> _Var:
-        return prob.var(name, 0.0, ub, "Continuous")
-
-    t = col("t")
+    t = prob.var("t", 0.0, None, "Continuous")
     prob.objective = {t: 1.0}
-    n = [[col(f"n_{s}_{g}", float(lengths[g])) for g in range(G)] for s in range(S)]
+    n = [[prob.var(f"n_{s}_{g}", 0.0, float(lengths[g]), "Continuous") for g in range(G)] for s in range(len(cells))]
     for g in range(G):
-        prob.rows.append(({n[s][g]: 1.0 for s in range(S)}, -float(lengths[g]), EQ, f"blocks_{g}"))
+        prob.rows.append(({n[s][g]: 1.0 for s in range(len(cells))}, -float(lengths[g]), EQ, f"blocks_{g}"))
     for s, c in enumerate(cells):
-        k = c.inflight / v / GIB
-        time_row: dict[_Var, float] = {t: -1.0}
-        mem_row: dict[_Var, float] = {}
-        host_row: dict[_Var, float] = {}
-        for g in range(G):
-            time_row[n[s][g]] = c.seg_time[g]
-            mem_row[n[s][g]] = k * c.seg_saved[g]
-            ck = col(f"c_{s}_{g}")
-            within = {ck: 1.0, n[s][g]: -1.0}  # c <= n (o joins below)
-            time_row[ck] = c.seg_recompute[g]
-            mem_row[ck] = k * (c.seg_input[g] - c.seg_saved[g])
-            if c.seg_offload is not None and c.seg_host is not None and c.seg_saved[g] > 0:
-                o = col(f"o_{s}_{g}")
-                within[o] = 1.0  # c + o <= n
-                time_row[o] = c.seg_offload[g]
-                mem_row[o] = -k * c.seg_saved[g]
-                host_row[o] = c.seg_host[g] / GIB
-            prob.rows.append((within, 0.0, LE, f"within_{s}_{g}"))
-            if c.seg_ckoff is not None and c.seg_ckhost is not None and c.seg_input[g] > 0:
-                w = col(f"w_{s}_{g}")
-                prob.rows.append(({w: 1.0, ck: -1.0}, 0.0, LE, f"ckoff_{s}_{g}"))  # w <= c
-                time_row[w] = c.seg_ckoff[g]
-                mem_row[w] = -k * c.seg_input[g]
-                host_row[w] = c.seg_ckhost[g] / GIB
-        prob.rows.append((time_row, 0.0, LE, f"time_{s}"))
-        prob.rows.append((mem_row, -(c.capacity * (1 + 1e-6) - c.loss_bytes) / GIB, LE, f"memory_{s}"))
-        host = _host_capacity(cc, s)
-        if host_row and host < math.inf:
-            prob.rows.append((host_row, -host / GIB, LE, f"host_{s}"))
+        compute = _add_stage_rows(prob, cc, s, c, n[s])
+        prob.rows.append(({**compute, t: -1.0}, 0.0, LE, f"time_{s}"))
     status, objective, _ = _solve_highs(prob, LP_TIME_LIMIT_S, None)
     if status != "optimal":
         return None
     return objective * (1 - LP_SAFETY)
+
+
+INTEGER_TIME_LIMIT_S = 1.0
+"""Time limit of the whole-block bound's small MIP (:func:`integer_step_bound`); where it stops there,
+HiGHS's dual bound at that moment is used, which is still a bound."""
+
+
+def _state_terms(prob: _Model, cc: CandidateCoeffs, s: int, c: CellCoeffs, n: list[_Var]):  # type: ignore[no-untyped-def]
+    """Stage ``s``'s model states, whatever its state options: its parameters spread over the options as
+    continuous ``Q[o] >= 0`` (billions per device, ``sum_o Q[o] = sum_g n_g p_g``; one option, or a mix
+    of them, is such a point), each per-parameter cost summed over them and each per-block or per-stage
+    cost the least over the options. Returns ``(device GiB, host GiB, constant device GiB)`` for the
+    memory rows, and the forms (terms, constant) ``fetch`` (parameter fetches per micro-batch,
+    :func:`~whalepy.planner._evaluation.evaluate_stage`'s ``per_param(fetch_beta)``), ``exposed``
+    (data-parallel communication per micro-batch) and ``tail`` (optimizer step and exposed
+    synchronisation per step, the post-step all-gather's fixed part dropped). Gradients count as freed
+    at the activation peak (the peak is at least the states less the gradients, plus activations)."""
+    sc = cc.stages[s]
+    G, opts = len(cc.segments), sc.options
+    dp, v = cc.candidate.dp, cc.candidate.virtual_stages
+    q = {o: prob.var(f"Q_{s}_{i}", 0.0, None, "Continuous") for i, o in enumerate(opts)}
+    prob.rows.append(({**{x: 1.0 for x in q.values()}, **{n[g]: -sc.seg_params[g] / BILLION for g in range(G)}},
+                      0.0, EQ, f"params_{s}"))
+    device = {q[o]: (sc.mem_beta[o] + sc.buffer_beta[o] - sc.state_split[o][1]) * BILLION / GIB for o in opts}
+    host = {q[o]: sc.cpu_beta[o] * BILLION / GIB for o in opts if sc.cpu_beta[o]}
+    const = (min(sc.working_bytes[o] for o in opts) + min(c.autocast_bytes[o] for o in opts)) / GIB
+    fetch = ({q[o]: c.fetch_beta[o] * BILLION for o in opts if c.fetch_beta[o]}, 0.0)
+    exposed = ({n[g]: min(c.seg_exposed[o][g] for o in opts) for g in range(G)}, v * min(c.edge[o] for o in opts))
+    tail: dict[_Var, float] = {q[o]: c.opt_beta[o] * BILLION for o in opts}
+    tail_const = 0.0
+    if dp > 1:  # exposed synchronisation: the last backward's reductions and the post-step all-gather
+        post = min(sc.sync[o][1] for o in opts) * BILLION
+        for o in opts:
+            tail[q[o]] += post
+        for g in range(G):
+            tail[n[g]] = min(c.seg_tail[o][g] for o in opts)
+        tail_const = min(c.tail_edge[o] for o in opts)
+    return (device, host, const), fetch, exposed, (tail, tail_const)
+
+
+def integer_step_bound(cc: CandidateCoeffs, cells: Sequence[CellCoeffs], cutoff: float | None = None) -> float | None:
+    """A step time no plan of one pipeline beats, with whole blocks: a small MIP, ``min M t + (S - 1) tc +
+    x`` (``tc = t`` for ``v = 1``) over integer blocks per stage and segment ``n[s][g]`` (``sum_s = L_g``,
+    at least ``v`` per stage), continuous recompute and host copies under the stage's device and host
+    memory (the rows of :func:`relaxed_stage_time`), with ``t >= compute_s + p2p_s``, ``v tc >=
+    compute_s + p2p_s`` and, the largest chunk holding at least ``u[s][g] >= n[s][g] / v`` (integer)
+    blocks of segment ``g``, ``tc >= u[s][g] seg_time_g + min_k chunk_p2p_k``. Where ``cc`` has state
+    options, their terms too (:func:`_state_terms`: states in memory, fetches, exposed communication,
+    ``x >=`` the tail); else ``x = 0``. None where HiGHS proves nothing.
+
+    ``cutoff``: the question is only whether the bound reaches it. HiGHS then stops at the first
+    solution below it (the bound cannot reach it: the dual bound of that moment is returned) or proves
+    that none exists (``cutoff`` is returned: the MIP's optimum is at least that)."""
+    S, G, v = len(cells), len(cc.segments), cc.candidate.virtual_stages
+    M = cc.candidate.num_microbatches
+    lengths = [seg.length for seg in cc.segments]
+    prob = _Model()
+    t = prob.var("t", 0.0, None, "Continuous")
+    tc = prob.var("tc", 0.0, None, "Continuous") if v > 1 else t
+    x = prob.var("x", 0.0, None, "Continuous")
+    prob.objective = {t: float(M + S - 1), x: 1.0} if v == 1 else {t: float(M), tc: float(S - 1), x: 1.0}
+    n = [[prob.var(f"n_{s}_{g}", 0.0, float(lengths[g]), "Integer") for g in range(G)] for s in range(S)]
+    for g in range(G):
+        prob.rows.append(({n[s][g]: 1.0 for s in range(S)}, -float(lengths[g]), EQ, f"blocks_{g}"))
+    for s, c in enumerate(cells):
+        prob.rows.append(({ns: 1.0 for ns in n[s]}, -float(v), GE, f"nonempty_{s}"))
+        times = []
+        if cc.stages[s].options:
+            memory, fetch, (exposed, edge), (tail, tail_const) = _state_terms(prob, cc, s, c, n[s])
+            compute = _add_stage_rows(prob, cc, s, c, n[s], memory)
+            busy = {**compute}
+            for var, a in exposed.items():
+                busy[var] = busy.get(var, 0.0) + a
+            times += [(busy, edge + c.p2p), (fetch[0], c.p2p)]
+            prob.rows.append(({**tail, x: -1.0}, tail_const, LE, f"tail_{s}"))
+        else:
+            times.append((_add_stage_rows(prob, cc, s, c, n[s]), c.p2p))
+        for i, (form, const) in enumerate(times):
+            prob.rows.append(({**form, t: -1.0}, const, LE, f"time_{s}_{i}"))
+            if v > 1:
+                prob.rows.append(({**form, tc: -float(v)}, const, LE, f"chunks_{s}_{i}"))
+        if v == 1:
+            continue
+        for g in range(G):
+            if lengths[g] > 1 and c.seg_time[g] > 0:
+                u = prob.var(f"u_{s}_{g}", 0.0, float(lengths[g]), "Integer")
+                prob.rows.append(({n[s][g]: 1.0, u: -float(v)}, 0.0, LE, f"largest_chunk_{s}_{g}"))
+                prob.rows.append(({u: c.seg_time[g], tc: -1.0}, min(c.chunk_p2p), LE, f"chunk_{s}_{g}"))
+    status, _, _ = _solve_highs(prob, INTEGER_TIME_LIMIT_S, cutoff, first_solution=cutoff is not None)
+    if cutoff is not None and status in ("cutoff", "infeasible"):
+        return cutoff
+    if status == "infeasible" or not math.isfinite(prob.dual_bound) or prob.dual_bound <= 0:
+        return None
+    return prob.dual_bound * (1 - LP_SAFETY)

@@ -10,7 +10,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from whalepy.planner.costing import (
+from whalepy.planner._coeffs import (
     CandidateCoeffs,
     CellCoeffs,
     StageCoeffs,
@@ -399,7 +399,8 @@ def step_time(cc: CandidateCoeffs, T: float, Tc: float, X: float) -> float:
     return cc.candidate.num_microbatches * T + cc.chunk_coefficient * Tc + X
 
 
-def lower_bound(cc: CandidateCoeffs, *, memory: bool = True) -> float:
+def lower_bound(cc: CandidateCoeffs, *, memory: bool = True, whole_blocks: bool = False,
+                cutoff: float | None = None) -> float:
     """A step time no plan of ``cc``'s candidate beats, read off the coefficients its cost is made of.
 
     It uses nothing but ``CellCoeffs.seg_time`` (per block of each segment, seconds per micro-batch:
@@ -443,13 +444,23 @@ def lower_bound(cc: CandidateCoeffs, *, memory: bool = True) -> float:
     (``build_coefficients(ctx, cand, segments, ())``, what the search does: it skips the per-option
     work for candidates it never solves). ``memory=False`` skips step 6 (the search's first ordering,
     before it adds step 6 to the candidates that come up below the incumbent).
+
+    7. Whole blocks and state options (``whole_blocks=True``, on coefficients built with their state
+       options): a small MIP per pipeline, :func:`~whalepy.planner._bound.integer_step_bound` (its
+       docstring has the argument): integer blocks per stage, memory with the model states, sends,
+       fetches, exposed communication and the tail. A step time in itself; the bound is the larger of it
+       and the above. Costlier (a MIP, 0.1-1 s), so the search uses it only on the candidates whose
+       first look (:data:`~whalepy.planner.search.FIRST_LOOK_S`) did not settle them, and with
+       ``cutoff`` (the incumbent less the MIP gap): it only asks whether the bound reaches that, which
+       HiGHS answers at its first solution below it, or with a proof that there is none (the bound is
+       then ``cutoff``).
     """
-    from whalepy.planner._bound import relaxed_stage_time
+    from whalepy.planner._bound import integer_step_bound, relaxed_stage_time
 
     cand = cc.candidate
     S, v, M = cand.num_stages, cand.virtual_stages, cand.num_microbatches
     lengths = [seg.length for seg in cc.segments]
-    T, B = 0.0, 0.0
+    T, B, whole_step = 0.0, 0.0, 0.0
     # replicas whose stages all run in the same cells are one pipeline as far as the bound goes
     cells = [{r: c for c in st.cells for r in c.replicas} for st in cc.stages]
     pipelines = {tuple(id(cell_of[r]) for cell_of in cells): r for r in range(cand.dp)}
@@ -469,5 +480,8 @@ def lower_bound(cc: CandidateCoeffs, *, memory: bool = True) -> float:
         if relaxed is not None:
             frac = max(frac, relaxed)
         T, B = max(T, frac, block), max(B, chunk)
+        # 7. whole blocks and state options: a small MIP (planner/_bound.py)
+        if whole_blocks:
+            whole_step = max(whole_step, integer_step_bound(cc, [cell_of[r] for cell_of in cells], cutoff) or 0.0)
     Tc = T if v == 1 else max(T / v, B)
-    return M * T + (S - 1) * Tc
+    return max(M * T + (S - 1) * Tc, whole_step)

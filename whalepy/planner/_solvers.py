@@ -36,6 +36,9 @@ class _Model:
         self.vars: list[_Var] = []
         self.rows: list[tuple[dict, float, int, str]] = []  # type: ignore[type-arg]
         self.objective: dict = {}  # type: ignore[type-arg]
+        self.dual_bound = -math.inf
+        """After :func:`_solve_highs`: a lower bound of the optimum HiGHS proved (its MIP dual bound, or
+        the LP's optimum), valid even when it stopped at its time limit; ``-inf`` where it proved none."""
 
     def var(self, name: str, lb: float | None, ub: float | None, cat: str) -> _Var:
         if cat == "Binary":
@@ -92,10 +95,11 @@ def choose_solver(requested: str) -> tuple[str, list[str]]:
 
 
 def _solve_highs(prob: _Model, time_limit_s: float, cutoff: float | None,
-                 rel_gap: float = MIP_REL_GAP) -> tuple[str, float, float]:
+                 rel_gap: float = MIP_REL_GAP, *, first_solution: bool = False) -> tuple[str, float, float]:
     """Solve with HiGHS in-process: ``(status, objective, mip gap)``, column values into ``varValue``.
     ``status``: ``optimal``, ``feasible`` (stopped with a solution), ``infeasible``, ``cutoff`` (nothing
-    below ``cutoff``) or ``no solution``."""
+    below ``cutoff``) or ``no solution``. ``first_solution``: stop at the first solution found (below
+    ``cutoff``, if given): for a question that one solution answers."""
     import highspy
     import numpy as np
 
@@ -105,6 +109,8 @@ def _solve_highs(prob: _Model, time_limit_s: float, cutoff: float | None,
         h.setOptionValue(key, value)
     if cutoff is not None:
         h.setOptionValue("objective_bound", float(cutoff))
+    if first_solution:
+        h.setOptionValue("mip_max_improving_sols", 1)
     inf = highspy.kHighsInf
     # columns: the variables that appear, sorted by name, as PuLP handed them to HiGHS (the same model
     # gives the same optimum among the many ties of identical layers)
@@ -135,6 +141,10 @@ def _solve_highs(prob: _Model, time_limit_s: float, cutoff: float | None,
     h.run()
     ms, info = h.getModelStatus(), h.getInfo()
     S = highspy.HighsModelStatus
+    if len(ints):
+        prob.dual_bound = float(info.mip_dual_bound)
+    elif ms == S.kOptimal:
+        prob.dual_bound = float(info.objective_function_value)
     if ms in (S.kInfeasible, S.kUnboundedOrInfeasible):
         return "infeasible", math.inf, 0.0
     if ms == S.kObjectiveBound:

@@ -70,336 +70,53 @@ stage's offload fetches are spread evenly over its chunks. For ``v = 1`` the chu
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
-import torch
-
-from whalepy.cost_models.communication import (
-    Collective,
-    CommGroup,
-    Link,
-    estimate_collective_time,
-    estimate_p2p_time,
-)
-from whalepy.cost_models.compute import estimate_block_time, estimate_kernels_time, precision_bytes
+from whalepy.cost_models.communication import CommGroup
+from whalepy.cost_models.compute import precision_bytes
 from whalepy.cost_models.memory import (
     AUTOCAST_WEIGHT_COPY_BYTES,
-    estimate_fsdp_working_bytes,
     MASTER_GRAD_BYTES,
     ModelStateBytes,
+    estimate_fsdp_working_bytes,
     estimate_model_state_bytes,
     estimate_stage_model_state_bytes,
-    inflight_microbatches,
 )
 from whalepy.cost_models.offload import host_capacity_per_gpu, nvme_capacity_per_gpu
 from whalepy._capabilities import LoweringKind, offloads_to_host
-from whalepy.plan import Tier, TPStyle, ZeroStage
+from whalepy.plan import Tier, ZeroStage
 from whalepy.planner.space import Candidate, GroupView, Hardware, Segment, StateOption, build_layout
-from whalepy.planner._offload_costs import (
-    activation_offload_coefficients,
-    checkpoint_offload_coefficients,
-    offload_coefficients,
-)
 from whalepy.planner._tiling_costs import tiled_options, tiling_latency_s, unit_params
 from whalepy.planner._runtime_costs import (
-    DPComm,
-    build_dp_block_comm,
-    dp_edges,
-    exposed_dp,
     grads_at_activation_peak,
     lowering_kind,
     post_step_affine,
     usable_device_bytes,
     uses_autocast,
 )
-from whalepy.profile import BlockKind, BlockProfile, ModelProfile
-
-def _shared_nic(group: CommGroup, sharers: int) -> CommGroup:
-    if sharers <= 1 or group.num_nodes <= 1:
-        return group
-    return dataclasses.replace(group, inter=group.inter.shared(sharers))
-
-
-def _pair_link(group: CommGroup) -> Link:
-    return group.inter if group.num_nodes > 1 else group.intra
-
-
-TP_REPLICATED_ACTIVATION_FRACTION = 10 / 34
-"""Share of a transformer layer's saved activations that tensor parallelism does not split unless
-sequence parallelism is on: Korthikanti et al. 2022 count ``34 sbh`` bytes per layer besides the
-attention scores, of which ``10 sbh`` (the two layer-norm inputs, the dropout masks and inputs of the
-residual branches) stay whole on every TP rank, giving ``sbh(10 + 24/t + 5as/(ht))``; with sequence
-parallelism they are split too, ``sbh/t (34 + 5as/h)``. The profile measures a layer's total; this
-fraction applies Korthikanti's split to it."""
-
-
-LOSS_LOGPROB_BYTES = 4
-"""Bytes per output element cross-entropy keeps for backward: its log-softmax, in fp32 (autocast runs
-``cross_entropy`` / ``log_softmax`` in fp32). The profile captures the model, not the user's loss, so
-the last stage is charged its output plus this."""
-
-
-def has_sequence_rules(profile: ModelProfile) -> bool:
-    return any(r.style is TPStyle.SEQUENCE for b in profile.blocks for r in b.tp_rules)
-
-
-def tp_activation_fraction(block: BlockProfile, tp: int, sequence_parallel: bool) -> float:
-    """Fraction of ``block``'s saved activations held per rank of a TP group of ``tp``."""
-    if not tp_applies(block, tp) or tp == 1:
-        return 1.0
-    if block.kind is BlockKind.LAYER and not sequence_parallel:
-        f = TP_REPLICATED_ACTIVATION_FRACTION
-        return f + (1 - f) / tp
-    return 1 / tp
-
-
-def tp_applies(block: BlockProfile, tp: int) -> bool:
-    """Whether a block is split across the TP group: it has TP rules and every sharded dimension divides
-    by ``tp``. Otherwise it runs replicated on every rank of the TP group (whole compute, whole
-    parameters), which the costs charge."""
-    return tp > 1 and bool(block.tp_rules) and tp in block.tp_degrees
-
-
-# -- coefficients -----------------------------------------------------------------------------------
-
-@dataclass(slots=True)
-class CellCoeffs:
-    """One ``(stage, device group, batch share)`` cell: the replicas of a stage that cost the same."""
-
-    group: GroupView
-    share: int
-    micro_batch: float
-    replicas: tuple[int, ...]
-    capacity: float
-    """Usable device memory, bytes."""
-    cpu_capacity: float | None
-    """Host memory per GPU for offloaded states, bytes (None: no CPU offload possible); the constraint
-    is the node's (:class:`NodeShare`), this is the even share shown in plans."""
-    nvme_capacity: float | None
-    seg_time: list[float]
-    """Per block of each segment: forward + backward + TP all-reduces, seconds per micro-batch."""
-    seg_recompute: list[float]
-    """Per block: extra time when checkpointed (forward again + its TP all-reduce)."""
-    seg_fwd: list[float]
-    seg_bwd: list[float]
-    seg_comm: list[float]
-    """Per block: TP all-reduce time included in seg_time."""
-    seg_saved: list[float]
-    seg_input: list[float]
-    p2p: float
-    chunk_p2p: list[float]
-    """Per chunk ``k`` of the stage (virtual stage ``s + k S``): its own sends; they sum to ``p2p``."""
-    inflight: int
-    opt_beta: dict[StateOption, float]
-    """Optimizer step seconds per local parameter of the stage that nothing hides (after the last
-    backward)."""
-    opt_overlap: dict[StateOption, float]
-    """Optimizer-step seconds per local parameter that run beside the last micro-batch's backward
-    (ZeRO-Offload's gradient copies, and its CPU step unless it comes after the backward): exposed only
-    past the backward's length."""
-    fetch_beta: dict[StateOption, float]
-    """Parameter fetch seconds per micro-batch per local parameter (parameters off the GPU)."""
-    seg_exposed: dict[StateOption, list[float]]
-    """Per option, per block of each segment: exposed data-parallel communication per micro-batch
-    (FSDP2 all-gathers beside the block's forward and backward), see :func:`~whalepy.planner._runtime_costs.exposed_dp`."""
-    edge: dict[StateOption, float]
-    """Per option: the exposed all-gathers of a chunk's first block per micro-batch (nothing to hide
-    behind)."""
-    seg_tail: dict[StateOption, list[float]]
-    """Per option, per block: extra exposed time of the last micro-batch's backward, where the block's
-    gradient reduction joins its gathers."""
-    tail_edge: dict[StateOption, float]
-    """Per option: the last block's gradient reduction, exposed after the last backward."""
-    loss_bytes: float
-    """Last stage only: the model's output (logits) and the loss's fp32 log-probabilities, alive from
-    the end of the forward into the loss's backward (:data:`LOSS_LOGPROB_BYTES`)."""
-    autocast_bytes: dict[StateOption, float]
-    """Per option: activation bytes autocast keeps beyond the 16-bit ones, the fp32 residual input of
-    every block (``2 sbh`` per GPT block, measured; see ``AUTOCAST_WEIGHT_COPY_BYTES``). Autocast
-    applies only without pipelining, so the stage holds every block and this is a constant."""
-    seg_offload: list[float] | None = None
-    """Per block: exposed seconds per micro-batch of keeping its saved activations in host memory
-    (:func:`~whalepy.cost_models.offload.estimate_activation_offload_time`); None where the group has
-    no host memory given (activation offload not possible)."""
-    seg_host: list[float] | None = None
-    """Per block: host bytes per rank of its offloaded activations over the micro-batches in flight
-    (:func:`~whalepy.cost_models.memory.estimate_stage_activation_host_bytes`)."""
-    seg_ckoff: list[float] | None = None
-    """Per block: seconds per micro-batch of keeping its checkpointed input in host memory, on top of
-    the recompute (:func:`~whalepy.planner._offload_costs.checkpoint_offload_coefficients`); None where
-    the group has no host memory given."""
-    seg_ckhost: list[float] | None = None
-    """Per block: host bytes per rank of its checkpointed input over the micro-batches in flight."""
-
-
-@dataclass(slots=True)
-class StageCoeffs:
-    index: int
-    cells: list[CellCoeffs]
-    seg_params: list[float]
-    """Parameters per device (after TP) of one block of each segment."""
-    options: tuple[StateOption, ...]
-    """State options allowed on this stage (offload only where every cell's group has the tier)."""
-    sync: dict[StateOption, tuple[float, float]]
-    """Per option, exposed communication after the optimizer step, ``(alpha, beta)`` seconds per step,
-    beta per local parameter: ZeroRedundancyOptimizer's parameter all-gather (ZeRO-1 lowered to DDP)."""
-    mem_beta: dict[StateOption, float]
-    """GPU bytes of model states per local parameter."""
-    cpu_beta: dict[StateOption, float]
-    nvme_beta: dict[StateOption, float]
-    working_bytes: dict[StateOption, float]
-    """Per option, GPU bytes of FSDP2's working set (:func:`estimate_fsdp_working_bytes`)."""
-    state_split: dict[StateOption, tuple[float, float, float]]
-    """Per option, GPU bytes per local parameter of ``(parameters, gradients, optimizer states)``."""
-    grads_freed: dict[StateOption, bool]
-    """Per option: the gradients do not exist at the activation peak (:func:`grads_at_activation_peak`),
-    so the peak is ``max(states - grads + buffers + activations, states + buffers)``."""
-    buffer_beta: dict[StateOption, float]
-    """Per option, GPU bytes per local parameter of buffers beside the model states (FSDP2's unsharded
-    gradient accumulation across micro-batches)."""
-    dp_ranks: tuple[int, ...]
-    host_fixed: dict[StateOption, float] = field(default_factory=dict)
-    """Per option, host bytes per rank it holds whatever its parameter count: the disk tier's staging
-    buffers (:func:`~whalepy._capabilities.staging_slots` at prefetch depth 1, each the file-homed
-    bytes of the model's largest local block); 0 without NVMe."""
-    tied_segments: tuple[int, ...] = ()
-    """Segments whose blocks share parameters (:attr:`~whalepy.profile.BlockProfile.shares_params`):
-    in a mix, all of the stage's such blocks take one option (FSDP2 keeps tied weights in one unit)."""
-    families: tuple[tuple[StateOption, ...], ...] = ()
-    """Groups of two or more of :attr:`options` whose blocks may share this stage, each block keeping
-    its states where its option says (granular tiers, M6-10T; :data:`~whalepy.planner.space.StateMix`):
-    the options of one lowering (FSDP2, per-block ``fully_shard`` with per-block offload policies), ZeRO
-    stage, gradient reduction and tiling, whose per-stage costs (working set, first-block gathers, last
-    reduction, post-step communication, autocast copies) are one value, so a mix pays them once.
-    Empty: one option per stage (without interleaving only, and unless ``PlannerOptions.mixed_tiers`` is
-    off)."""
-
-
-@dataclass(frozen=True, slots=True)
-class NodeShare:
-    """Nodes whose ranks split the same way over the stages: host memory and NVMe are the node's, shared
-    by its GPUs, whichever stages they run."""
-
-    ranks_per_stage: tuple[int, ...]
-    """Ranks of each stage on one such node."""
-    cpu_capacity: float | None
-    """Host bytes of the node for offloaded states (:func:`~whalepy.cost_models.offload.host_capacity_per_gpu`
-    times its GPUs); None: not given."""
-    nvme_capacity: float | None
-
-
-@dataclass(slots=True)
-class CandidateCoeffs:
-    candidate: Candidate
-    segments: tuple[Segment, ...]
-    stages: list[StageCoeffs]
-    ranks: tuple[tuple[tuple[int, ...], ...], ...]
-    nodes: tuple[NodeShare, ...]
-    """Distinct node shares (host memory and NVMe constraints, one per share); empty when no stage may
-    keep states or activations off the device."""
-    bubble: float
-    """``M + (S - 1)/v``: the step's coefficient of ``T`` when chunks are balanced (the lower bound's)."""
-
-    @property
-    def chunk_coefficient(self) -> float:
-        """Coefficient of the largest chunk time ``Tc`` in the step: ``S - 1``."""
-        return float(self.candidate.num_stages - 1)
-
-    @property
-    def num_blocks(self) -> int:
-        return sum(s.length for s in self.segments)
-
-
-class CostContext:
-    """Caches block-level costs shared across candidates of one planning run."""
-
-    def __init__(self, profile: ModelProfile, hw: Hardware, *, precision: str = "bf16",
-                 sequence_parallel: bool | None = None, clip_gradients: bool = False) -> None:
-        self.profile = profile
-        self.hw = hw
-        self.precision = precision
-        self.clip_gradients = clip_gradients
-        """The run clips gradients (``PlannerOptions.clip_gradients``): ZeRO-Offload steps after backward."""
-        # Sequence parallelism is on when the profile carries SEQUENCE rules (the runtime lowers them).
-        self.sequence_parallel = (has_sequence_rules(profile) if sequence_parallel is None
-                                  else sequence_parallel)
-        # Profiles measure bytes in the model's own dtype (often fp32 when built for planning); training
-        # keeps activations, communicated tensors and weight reads in the training precision.
-        self.byte_scale = precision_bytes(precision) / (torch.finfo(getattr(torch, profile.dtype)).bits // 8)
-        self.block_time = functools.lru_cache(maxsize=None)(self._block_time)
-        self.collective = functools.lru_cache(maxsize=None)(self._collective)
-        # per-segment costs repeat across the stages and candidates of a run: computed once each, keyed
-        # by the segments' identity (hashing them would hash every block profile); _kept keeps them alive
-        self._kept: dict[int, tuple[Segment, ...]] = {}
-        self._cache: dict[tuple, object] = {}  # type: ignore[type-arg]
-        nonfinal = [b.output_bytes for b in profile.blocks[:-1]] or [0]
-        self.boundary_bytes = float(max(nonfinal)) * self.byte_scale
-
-    def _collective(self, kind: Collective, nbytes: float, group: CommGroup) -> float:
-        return estimate_collective_time(kind, nbytes, group)
-
-    def _cached(self, name: str, segments: tuple[Segment, ...], args: tuple, fn):  # type: ignore[no-untyped-def, type-arg]
-        key = (name, id(segments), *args)
-        if key not in self._cache:
-            self._kept[id(segments)] = segments
-            self._cache[key] = fn()
-        return self._cache[key]
-
-    def dp_block_comm(self, segments: tuple[Segment, ...], seg_params: tuple[float, ...],
-                      group: CommGroup | None) -> DPComm:
-        """:func:`build_dp_block_comm` of a stage's data-parallel group (cached)."""
-        return self._cached("dp", segments, (seg_params, group), lambda: build_dp_block_comm(
-            self.collective, segments, list(seg_params), group, self.precision))
-
-    def segment_costs(self, segments: tuple[Segment, ...], device_name: str, tp: int, micro_batch: float,
-                      tp_group: CommGroup | None) -> tuple[tuple[float, ...], ...]:
-        """Cached :meth:`_segment_costs`."""
-        return self._cached("seg", segments, (device_name, tp, micro_batch, tp_group),
-                            lambda: self._segment_costs(segments, device_name, tp, micro_batch, tp_group))
-
-    def _segment_costs(self, segments: tuple[Segment, ...], device_name: str, tp: int, micro_batch: float,
-                       tp_group: CommGroup | None) -> tuple[tuple[float, ...], ...]:
-        """Per segment, one block's ``(time, recompute, forward, backward, TP communication, saved
-        bytes, input bytes)`` for one micro-batch on one device of a TP group (``tp_group``: its ranks'
-        communicator, None without TP): forward and backward each run the block's TP all-reduce."""
-        ratio = micro_batch / self.profile.batch_size
-        rows = []
-        for seg in segments:
-            b = seg.block
-            fwd, bwd = self.block_time(b.index, device_name, tp, micro_batch)
-            ar = 0.0
-            if tp_group is not None and tp_applies(b, tp) and b.tp_comm_bytes:
-                ar = self.collective(Collective.ALL_REDUCE, b.tp_comm_bytes * ratio * self.byte_scale, tp_group)
-            rows.append((fwd + bwd + 2 * ar, fwd + ar, fwd, bwd + ar, 2 * ar,
-                         b.activation_bytes * ratio * self.byte_scale
-                         * tp_activation_fraction(b, tp, self.sequence_parallel),
-                         b.input_bytes * ratio * self.byte_scale))
-        return tuple(zip(*rows)) if rows else ((),) * 7
-
-    def _block_time(self, block_index: int, device_name: str, tp: int, micro_batch: float
-                    ) -> tuple[float, float]:
-        """Forward and backward seconds of one block for one micro-batch on one device of a TP group:
-        the shape-dependent model of :func:`estimate_kernels_time` over the block's recorded GEMMs,
-        attention and memory-bound bytes, with the device's profile (calibrated, shipped or datasheet
-        transfer); blocks without recorded kernels use the aggregate roofline."""
-        b = self.profile.blocks[block_index]
-        device = next(g.device for g in self.hw.groups if g.device.name == device_name)
-        ratio = micro_batch / self.profile.batch_size
-        div = tp if tp_applies(b, tp) else 1
-        if b.kernels is not None:
-            return estimate_kernels_time(b.kernels, device=device, precision=self.precision, batch_ratio=ratio,
-                                         tp=div, byte_scale=self.byte_scale)
-        act_bytes = max(0.0, b.bytes_moved - b.param_bytes) * ratio
-        t = estimate_block_time(forward_flops=b.fwd_flops * ratio / div,
-                                forward_bytes=(b.param_bytes + act_bytes) * self.byte_scale / div, device=device,
-                                backward_flops=b.bwd_flops * ratio / div, precision=self.precision)
-        return t.forward_s, t.backward_s
-
-    def model_time_per_sample(self, device: GroupView) -> float:
-        """Forward + backward seconds of one sample through the whole model on one device."""
-        return sum(sum(self.block_time(i, device.device.name, 1, 1.0)) for i in range(len(self.profile.blocks)))
+# the coefficients, the run's block-level costs and a cell's coefficients are in modules of their own;
+# their names are re-exported here, where the rest of whalepy imports them from
+from whalepy.planner._coeffs import (  # noqa: F401
+    CandidateCoeffs,
+    CellCoeffs,
+    NodeShare,
+    StageCoeffs,
+    node_fits,
+    stage_checkpoint_offloadable,
+    stage_host_activation,
+    stage_host_checkpoint,
+    stage_offloadable,
+)
+from whalepy.planner._cost_context import (  # noqa: F401
+    LOSS_LOGPROB_BYTES,
+    TP_REPLICATED_ACTIVATION_FRACTION,
+    CostContext,
+    _shared_nic,
+    has_sequence_rules,
+    tp_activation_fraction,
+    tp_applies,
+)
+from whalepy.planner._cells import _cell
 
 
 def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...],
@@ -553,43 +270,6 @@ def reduce_each_options(options: tuple[StateOption, ...], cand: Candidate) -> tu
     return tuple(options) + tuple(e for e in extra if e not in options)
 
 
-def stage_offloadable(sc: StageCoeffs) -> list[int]:
-    """Segments whose blocks may keep their activations in host memory on stage ``sc`` (the space the
-    ILP, the exhaustive solver and the brute force share): every cell's group has host memory, the
-    block saves something, and its exposed copies cost less than recomputing it on every cell (where
-    they do not, checkpointing the block is as fast and needs no host memory)."""
-    if not sc.cells or any(c.seg_offload is None for c in sc.cells):
-        return []
-    return [g for g in range(len(sc.seg_params))
-            if any(c.seg_saved[g] > 0 for c in sc.cells)
-            and all(c.seg_offload[g] < c.seg_recompute[g] for c in sc.cells)]  # type: ignore[index]
-
-
-def stage_host_activation(sc: StageCoeffs) -> list[float]:
-    """Per block of each segment: host bytes per rank of the stage when offloaded (the largest over its
-    cells, so every replica's host share is covered; 0 where not offloadable)."""
-    ok = set(stage_offloadable(sc))
-    return [max(c.seg_host[g] for c in sc.cells) if g in ok else 0.0  # type: ignore[index]
-            for g in range(len(sc.seg_params))]
-
-
-def stage_checkpoint_offloadable(sc: StageCoeffs) -> list[int]:
-    """Segments whose checkpointed blocks may keep their input in host memory on stage ``sc``
-    (``BlockPlan.checkpoint_offload``; the space the ILP and the exhaustive solver share): every cell's
-    group has host memory and the block has an input."""
-    if not sc.cells or any(c.seg_ckoff is None for c in sc.cells):
-        return []
-    return [g for g in range(len(sc.seg_params)) if any(c.seg_input[g] > 0 for c in sc.cells)]
-
-
-def stage_host_checkpoint(sc: StageCoeffs) -> list[float]:
-    """Per block of each segment: host bytes per rank of the stage when its checkpointed input is in host
-    memory (the largest over its cells; 0 where not allowed)."""
-    ok = set(stage_checkpoint_offloadable(sc))
-    return [max(c.seg_ckhost[g] for c in sc.cells) if g in ok else 0.0  # type: ignore[index]
-            for g in range(len(sc.seg_params))]
-
-
 def _node_shares(hw: Hardware, ranks) -> tuple[NodeShare, ...]:  # type: ignore[no-untyped-def]
     if ranks not in hw.node_shares:
         hw.node_shares[ranks] = _build_node_shares(hw, ranks)
@@ -616,17 +296,6 @@ def _build_node_shares(hw: Hardware, ranks) -> tuple[NodeShare, ...]:  # type: i
                           nvme_capacity=None if nvme is None else nvme * g.gpus_per_node)
         out[share] = None
     return tuple(out)
-
-
-def node_fits(cc: CandidateCoeffs, cpu_bytes: Sequence[float], nvme_bytes: Sequence[float]) -> bool:
-    """Whether every node holds its ranks' offloaded states: ``cpu_bytes[s]`` / ``nvme_bytes[s]`` per rank
-    of stage ``s``, summed over the node's ranks, within its host memory and NVMe."""
-    for n in cc.nodes:
-        for per_rank, cap in ((cpu_bytes, n.cpu_capacity), (nvme_bytes, n.nvme_capacity)):
-            need = sum(k * b for k, b in zip(n.ranks_per_stage, per_rank))
-            if need > 0 and (cap is None or need > cap * (1 + 1e-6)):
-                return False
-    return True
 
 
 def stage_model_states(ctx: CostContext, cand: Candidate, option: StateOption, num_params: float, *,
@@ -690,98 +359,6 @@ def _tier_ok(g: GroupView, o: StateOption) -> bool:
     if Tier.NVME in tiers and (g.nvme_capacity_bytes is None or g.cpu_memory_bytes is None):
         return False
     return True
-
-
-def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: int, g: GroupView,
-          share: int, reps: tuple[int, ...], ranks, allowed: tuple[StateOption, ...],  # type: ignore[no-untyped-def]
-          dp_comm: DPComm, tile_extra: dict[StateOption, list[float]] | None = None,
-          memo: tuple[dict, tuple] | None = None) -> CellCoeffs:  # type: ignore[type-arg]
-    """``memo``: ``(dict, stage key)`` shared by the stages of one candidate; cells of the same group,
-    share and TP group on stages of the same key get the same per-option coefficients (one computation,
-    the same objects)."""
-    hw, t, d, M = ctx.hw, cand.tp, cand.dp, cand.num_microbatches
-    S, v = cand.num_stages, cand.virtual_stages
-    mb = share / M
-    ratio = mb / ctx.profile.batch_size
-    rep = reps[0]
-    tp_group = hw.comm(ranks[s][rep]) if t > 1 else None
-    seg_time, seg_re, seg_fwd, seg_bwd, seg_comm, seg_saved, seg_input = (
-        list(x) for x in ctx.segment_costs(segments, g.device.name, t, mb, tp_group))
-    # point-to-point sends of this physical stage's chunks
-    chunk_p2p = []
-    nbytes = ctx.boundary_bytes * ratio
-    J = S * v
-    for k in range(v):
-        j = s + k * S
-        p2p = 0.0
-        for nj in ((j + 1) if j < J - 1 else None, (j - 1) if j > 0 else None):
-            if nj is None:
-                continue
-            ns = nj % S
-            if ns == s:
-                continue
-            link = _pair_link(hw.comm((ranks[s][rep][0], ranks[ns][rep][0])))
-            p2p += estimate_p2p_time(nbytes, link)
-        chunk_p2p.append(p2p)
-    p2p = sum(chunk_p2p)
-    inflight = inflight_microbatches(cand.schedule, stage_index=s, num_stages=S, num_microbatches=M,
-                                     virtual_stages=v)
-    mkey = memo and (memo[1], g.index, share, tp_group)
-    if memo is not None and mkey in memo[0]:
-        opt_beta, opt_overlap, fetch_beta, seg_exposed, edge, seg_tail, tail_edge, autocast_bytes = memo[0][mkey]
-    else:
-        opt_beta, opt_overlap, fetch_beta, seg_exposed, edge, seg_tail, tail_edge, autocast_bytes = \
-            _cell_options(ctx, cand, segments, g, allowed, dp_comm, tile_extra, seg_fwd, seg_bwd, seg_input)
-        if memo is not None:
-            memo[0][mkey] = (opt_beta, opt_overlap, fetch_beta, seg_exposed, edge, seg_tail, tail_edge,
-                             autocast_bytes)
-    loss_bytes = 0.0
-    if s == S - 1 and ctx.profile.blocks:
-        out = ctx.profile.blocks[-1].output_bytes * ratio
-        elem = torch.finfo(getattr(torch, ctx.profile.dtype)).bits // 8
-        loss_bytes = out * ctx.byte_scale + out / elem * LOSS_LOGPROB_BYTES
-    cpu_cap = host_capacity_per_gpu(g.cpu_memory_bytes, g.gpus_per_node)
-    nvme_cap = nvme_capacity_per_gpu(g.nvme_capacity_bytes, g.gpus_per_node)
-    hkey = ("host copies", g.index, tuple(seg_saved), tuple(seg_input), inflight, v)
-    if hkey not in ctx._cache:  # the same for every stage and candidate with these bytes in flight
-        ctx._cache[hkey] = (
-            activation_offload_coefficients(g, saved=seg_saved, inflight=inflight, virtual_stages=v),
-            checkpoint_offload_coefficients(g, inputs=seg_input, inflight=inflight, virtual_stages=v))
-    (seg_offload, seg_host), (seg_ckoff, seg_ckhost) = ctx._cache[hkey]  # type: ignore[misc]
-    return CellCoeffs(group=g, share=share, micro_batch=mb, replicas=reps,
-                      capacity=usable_device_bytes(g, cand), cpu_capacity=cpu_cap,
-                      nvme_capacity=nvme_cap, seg_time=seg_time, seg_recompute=seg_re, seg_fwd=seg_fwd,
-                      seg_bwd=seg_bwd, seg_comm=seg_comm, seg_saved=seg_saved, seg_input=seg_input, p2p=p2p,
-                      chunk_p2p=chunk_p2p, inflight=inflight, opt_beta=opt_beta, opt_overlap=opt_overlap,
-                      fetch_beta=fetch_beta,
-                      seg_exposed=seg_exposed, edge=edge, seg_tail=seg_tail, tail_edge=tail_edge,
-                      autocast_bytes=autocast_bytes, loss_bytes=loss_bytes, seg_offload=seg_offload,
-                      seg_host=seg_host, seg_ckoff=seg_ckoff, seg_ckhost=seg_ckhost)
-
-
-def _cell_options(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], g: GroupView,  # type: ignore[no-untyped-def]
-                  allowed: tuple[StateOption, ...], dp_comm: DPComm, tile_extra, seg_fwd, seg_bwd, seg_input):
-    """A cell's per-option coefficients: optimizer step, fetches, exposed data-parallel communication per
-    block and at the edges, autocast's copies."""
-    t, d, S = cand.tp, cand.dp, cand.num_stages
-    key = ("offload", g.index, d, t, S, allowed)
-    if key not in ctx._cache:  # the same for every cell of this group and degrees, across candidates
-        ctx._cache[key] = offload_coefficients(ctx, cand, g, allowed)
-    opt_beta, opt_overlap, fetch_beta = ctx._cache[key]  # type: ignore[misc]
-    seg_exposed, edge, seg_tail, tail_edge, autocast_bytes = {}, {}, {}, {}, {}
-    pipelined = S > 1
-    for o in allowed:
-        kind, z3 = lowering_kind(o, cand), o.zero is ZeroStage.PARAMETERS
-        rows = [exposed_dp(kind, z3, pipelined, f, b, dp_comm, i, o.reduce_each)
-                for i, (f, b) in enumerate(zip(seg_fwd, seg_bwd))]
-        seg_exposed[o] = [r[0] for r in rows]
-        if tile_extra and o in tile_extra:  # memory-centric tiling's extra collectives (exposed)
-            seg_exposed[o] = [x + e for x, e in zip(seg_exposed[o], tile_extra[o])]
-        seg_tail[o] = [r[1] for r in rows]
-        edge[o], tail_edge[o] = dp_edges(kind, z3, pipelined, dp_comm, o.reduce_each) if rows else (0.0, 0.0)
-        autocast_bytes[o] = (sum(seg.length * x for seg, x in zip(segments, seg_input))
-                             if uses_autocast(kind, ctx.precision) else 0.0)
-    return opt_beta, opt_overlap, fetch_beta, seg_exposed, edge, seg_tail, tail_edge, autocast_bytes
 
 
 # -- evaluation of a fully specified configuration: whalepy/planner/_evaluation.py (re-exported) ------

@@ -8,7 +8,9 @@ no better than the incumbent, the rest cannot win and are not solved. The bound 
 its candidate by construction (the argument is in its docstring), so the pruning never loses the
 optimum: ``tests/test_planner_bound.py`` checks this against a brute force without any pruning.
 Each ILP gets a short first look; those it does not settle are solved in full after the others, against
-the better incumbent found by then (:data:`FIRST_LOOK_S`).
+the better incumbent found by then (:data:`FIRST_LOOK_S`): first those whose first look found a plan,
+best first, and each only where the bound's whole-block part (``lower_bound(cc, whole_blocks=True,
+cutoff=...)``, a small MIP) does not already show that it cannot beat the incumbent less the MIP gap.
 
 Mixed clusters. Two layouts are enumerated: ``"replicas"`` (each data-parallel replica is a whole
 pipeline on one group; replicas get uneven integer batch shares, tried from uniform to proportional to
@@ -467,7 +469,10 @@ def run_search(profile: ModelProfile, hw: Hardware, G: int, opts, *,  # type: ig
 
     for pass_no in (0, 1):
         # the second pass's queue is what the first set aside, read once the first is done
-        queue = _by_bound(bounded, light, incumbent) if pass_no == 0 else sorted(deferred, key=lambda x: x[:2])
+        # in the second, those whose first look found a plan come first, best plan first: the incumbent
+        # improves early (often to the optimum), against which the others are refuted sooner
+        queue = _by_bound(bounded, light, incumbent) if pass_no == 0 else sorted(
+            deferred, key=lambda x: (first_look[x[1]].objective, x[0], x[1]))
         for lb, idx, cand in queue:
             if best is not None and lb >= best[0] * (1 - 1e-9):
                 rejections.append(Rejection(cand, f"pruned: its lower bound {lb:.4g} s is not below the best "
@@ -480,6 +485,17 @@ def run_search(profile: ModelProfile, hw: Hardware, G: int, opts, *,  # type: ig
                                             "before it was solved", lb, kind=RejectionKind.TIME_LIMIT))
                 continue
             cc = build_coefficients(ctx, cand, segments, options, mixed_tiers=opts.mixed_tiers)
+            if pass_no == 1 and best is not None and best[2] is not first_look.get(idx):
+                # set aside by its first look: before the full ILP, does the bound with whole blocks and
+                # state options (a small MIP, step 7 of lower_bound) reach the ILP's own cutoff? Where it
+                # does, the ILP could only say the same ("no better than the incumbent"), in seconds more
+                cut = best[0] * (1 - MIP_REL_GAP)
+                lb = max(lb, lower_bound(cc, whole_blocks=True, cutoff=cut))
+                if lb >= cut:
+                    rejections.append(Rejection(cand, f"pruned: its lower bound (whole blocks, state options) is "
+                                                f"not below the best {best[0]:.4g} s less the MIP gap", lb,
+                                                kind=RejectionKind.PRUNED))
+                    continue
             allowed = allowed_stage_ranges(cand, cons)
             if solver == "exhaustive":
                 res = solve_exhaustive(cc, allowed_stages=allowed, allow_checkpointing=opts.allow_checkpointing,

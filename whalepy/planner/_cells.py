@@ -1,0 +1,115 @@
+"""A cell's cost coefficients (split from :mod:`whalepy.planner.costing`, whose
+:func:`~whalepy.planner.costing.build_coefficients` calls :func:`_cell` once per ``(stage, device group,
+batch share)``): per block of each segment its compute, recompute, saved and input bytes; its sends;
+micro-batches in flight; and per state option its optimizer step, fetches, exposed data-parallel
+communication and autocast copies."""
+
+from __future__ import annotations
+
+import torch
+
+from whalepy.cost_models.communication import estimate_p2p_time
+from whalepy.cost_models.memory import inflight_microbatches
+from whalepy.cost_models.offload import host_capacity_per_gpu, nvme_capacity_per_gpu
+from whalepy.plan import ZeroStage
+from whalepy.planner._coeffs import CellCoeffs
+from whalepy.planner._cost_context import LOSS_LOGPROB_BYTES, CostContext, _pair_link
+from whalepy.planner._offload_costs import (
+    activation_offload_coefficients,
+    checkpoint_offload_coefficients,
+    offload_coefficients,
+)
+from whalepy.planner._runtime_costs import DPComm, dp_edges, exposed_dp, lowering_kind, usable_device_bytes, uses_autocast
+from whalepy.planner.space import Candidate, GroupView, Segment, StateOption
+
+
+def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: int, g: GroupView,
+          share: int, reps: tuple[int, ...], ranks, allowed: tuple[StateOption, ...],  # type: ignore[no-untyped-def]
+          dp_comm: DPComm, tile_extra: dict[StateOption, list[float]] | None = None,
+          memo: tuple[dict, tuple] | None = None) -> CellCoeffs:  # type: ignore[type-arg]
+    """``memo``: ``(dict, stage key)`` shared by the stages of one candidate; cells of the same group,
+    share and TP group on stages of the same key get the same per-option coefficients (one computation,
+    the same objects)."""
+    hw, t, d, M = ctx.hw, cand.tp, cand.dp, cand.num_microbatches
+    S, v = cand.num_stages, cand.virtual_stages
+    mb = share / M
+    ratio = mb / ctx.profile.batch_size
+    rep = reps[0]
+    tp_group = hw.comm(ranks[s][rep]) if t > 1 else None
+    seg_time, seg_re, seg_fwd, seg_bwd, seg_comm, seg_saved, seg_input = (
+        list(x) for x in ctx.segment_costs(segments, g.device.name, t, mb, tp_group))
+    # point-to-point sends of this physical stage's chunks
+    chunk_p2p = []
+    nbytes = ctx.boundary_bytes * ratio
+    J = S * v
+    for k in range(v):
+        j = s + k * S
+        p2p = 0.0
+        for nj in ((j + 1) if j < J - 1 else None, (j - 1) if j > 0 else None):
+            if nj is None:
+                continue
+            ns = nj % S
+            if ns == s:
+                continue
+            link = _pair_link(hw.comm((ranks[s][rep][0], ranks[ns][rep][0])))
+            p2p += estimate_p2p_time(nbytes, link)
+        chunk_p2p.append(p2p)
+    p2p = sum(chunk_p2p)
+    inflight = inflight_microbatches(cand.schedule, stage_index=s, num_stages=S, num_microbatches=M,
+                                     virtual_stages=v)
+    mkey = memo and (memo[1], g.index, share, tp_group)
+    if memo is not None and mkey in memo[0]:
+        opt_beta, opt_overlap, fetch_beta, seg_exposed, edge, seg_tail, tail_edge, autocast_bytes = memo[0][mkey]
+    else:
+        opt_beta, opt_overlap, fetch_beta, seg_exposed, edge, seg_tail, tail_edge, autocast_bytes = \
+            _cell_options(ctx, cand, segments, g, allowed, dp_comm, tile_extra, seg_fwd, seg_bwd, seg_input)
+        if memo is not None:
+            memo[0][mkey] = (opt_beta, opt_overlap, fetch_beta, seg_exposed, edge, seg_tail, tail_edge,
+                             autocast_bytes)
+    loss_bytes = 0.0
+    if s == S - 1 and ctx.profile.blocks:
+        out = ctx.profile.blocks[-1].output_bytes * ratio
+        elem = torch.finfo(getattr(torch, ctx.profile.dtype)).bits // 8
+        loss_bytes = out * ctx.byte_scale + out / elem * LOSS_LOGPROB_BYTES
+    cpu_cap = host_capacity_per_gpu(g.cpu_memory_bytes, g.gpus_per_node)
+    nvme_cap = nvme_capacity_per_gpu(g.nvme_capacity_bytes, g.gpus_per_node)
+    hkey = ("host copies", g.index, tuple(seg_saved), tuple(seg_input), inflight, v)
+    if hkey not in ctx._cache:  # the same for every stage and candidate with these bytes in flight
+        ctx._cache[hkey] = (
+            activation_offload_coefficients(g, saved=seg_saved, inflight=inflight, virtual_stages=v),
+            checkpoint_offload_coefficients(g, inputs=seg_input, inflight=inflight, virtual_stages=v))
+    (seg_offload, seg_host), (seg_ckoff, seg_ckhost) = ctx._cache[hkey]  # type: ignore[misc]
+    return CellCoeffs(group=g, share=share, micro_batch=mb, replicas=reps,
+                      capacity=usable_device_bytes(g, cand), cpu_capacity=cpu_cap,
+                      nvme_capacity=nvme_cap, seg_time=seg_time, seg_recompute=seg_re, seg_fwd=seg_fwd,
+                      seg_bwd=seg_bwd, seg_comm=seg_comm, seg_saved=seg_saved, seg_input=seg_input, p2p=p2p,
+                      chunk_p2p=chunk_p2p, inflight=inflight, opt_beta=opt_beta, opt_overlap=opt_overlap,
+                      fetch_beta=fetch_beta,
+                      seg_exposed=seg_exposed, edge=edge, seg_tail=seg_tail, tail_edge=tail_edge,
+                      autocast_bytes=autocast_bytes, loss_bytes=loss_bytes, seg_offload=seg_offload,
+                      seg_host=seg_host, seg_ckoff=seg_ckoff, seg_ckhost=seg_ckhost)
+
+
+def _cell_options(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], g: GroupView,  # type: ignore[no-untyped-def]
+                  allowed: tuple[StateOption, ...], dp_comm: DPComm, tile_extra, seg_fwd, seg_bwd, seg_input):
+    """A cell's per-option coefficients: optimizer step, fetches, exposed data-parallel communication per
+    block and at the edges, autocast's copies."""
+    t, d, S = cand.tp, cand.dp, cand.num_stages
+    key = ("offload", g.index, d, t, S, allowed)
+    if key not in ctx._cache:  # the same for every cell of this group and degrees, across candidates
+        ctx._cache[key] = offload_coefficients(ctx, cand, g, allowed)
+    opt_beta, opt_overlap, fetch_beta = ctx._cache[key]  # type: ignore[misc]
+    seg_exposed, edge, seg_tail, tail_edge, autocast_bytes = {}, {}, {}, {}, {}
+    pipelined = S > 1
+    for o in allowed:
+        kind, z3 = lowering_kind(o, cand), o.zero is ZeroStage.PARAMETERS
+        rows = [exposed_dp(kind, z3, pipelined, f, b, dp_comm, i, o.reduce_each)
+                for i, (f, b) in enumerate(zip(seg_fwd, seg_bwd))]
+        seg_exposed[o] = [r[0] for r in rows]
+        if tile_extra and o in tile_extra:  # memory-centric tiling's extra collectives (exposed)
+            seg_exposed[o] = [x + e for x, e in zip(seg_exposed[o], tile_extra[o])]
+        seg_tail[o] = [r[1] for r in rows]
+        edge[o], tail_edge[o] = dp_edges(kind, z3, pipelined, dp_comm, o.reduce_each) if rows else (0.0, 0.0)
+        autocast_bytes[o] = (sum(seg.length * x for seg, x in zip(segments, seg_input))
+                             if uses_autocast(kind, ctx.precision) else 0.0)
+    return opt_beta, opt_overlap, fetch_beta, seg_exposed, edge, seg_tail, tail_edge, autocast_bytes

@@ -1,0 +1,155 @@
+"""Block-level costs of one planning run (split from :mod:`whalepy.planner.costing`, which re-exports
+these names): :class:`CostContext` caches each block's forward, backward and TP communication time per
+device, TP degree and micro-batch, and the data-parallel collectives of a stage's blocks; the helpers
+say how TP splits a block's parameters and activations, and which link a stage's sends and a shared
+NIC's collectives cross."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from whalepy.cost_models.communication import Collective, CommGroup, Link, estimate_collective_time
+from whalepy.cost_models.compute import estimate_block_time, estimate_kernels_time, precision_bytes
+from whalepy.plan import TPStyle
+from whalepy.planner._runtime_costs import DPComm, build_dp_block_comm
+from whalepy.planner.space import GroupView, Hardware, Segment
+from whalepy.profile import BlockKind, BlockProfile, ModelProfile
+
+
+def _shared_nic(group: CommGroup, sharers: int) -> CommGroup:
+    if sharers <= 1 or group.num_nodes <= 1:
+        return group
+    return dataclasses.replace(group, inter=group.inter.shared(sharers))
+
+
+def _pair_link(group: CommGroup) -> Link:
+    return group.inter if group.num_nodes > 1 else group.intra
+
+
+TP_REPLICATED_ACTIVATION_FRACTION = 10 / 34
+"""Share of a transformer layer's saved activations that tensor parallelism does not split unless
+sequence parallelism is on: Korthikanti et al. 2022 count ``34 sbh`` bytes per layer besides the
+attention scores, of which ``10 sbh`` (the two layer-norm inputs, the dropout masks and inputs of the
+residual branches) stay whole on every TP rank, giving ``sbh(10 + 24/t + 5as/(ht))``; with sequence
+parallelism they are split too, ``sbh/t (34 + 5as/h)``. The profile measures a layer's total; this
+fraction applies Korthikanti's split to it."""
+
+
+LOSS_LOGPROB_BYTES = 4
+"""Bytes per output element cross-entropy keeps for backward: its log-softmax, in fp32 (autocast runs
+``cross_entropy`` / ``log_softmax`` in fp32). The profile captures the model, not the user's loss, so
+the last stage is charged its output plus this."""
+
+
+def has_sequence_rules(profile: ModelProfile) -> bool:
+    return any(r.style is TPStyle.SEQUENCE for b in profile.blocks for r in b.tp_rules)
+
+
+def tp_activation_fraction(block: BlockProfile, tp: int, sequence_parallel: bool) -> float:
+    """Fraction of ``block``'s saved activations held per rank of a TP group of ``tp``."""
+    if not tp_applies(block, tp) or tp == 1:
+        return 1.0
+    if block.kind is BlockKind.LAYER and not sequence_parallel:
+        f = TP_REPLICATED_ACTIVATION_FRACTION
+        return f + (1 - f) / tp
+    return 1 / tp
+
+
+def tp_applies(block: BlockProfile, tp: int) -> bool:
+    """Whether a block is split across the TP group: it has TP rules and every sharded dimension divides
+    by ``tp``. Otherwise it runs replicated on every rank of the TP group (whole compute, whole
+    parameters), which the costs charge."""
+    return tp > 1 and bool(block.tp_rules) and tp in block.tp_degrees
+
+
+class CostContext:
+    """Caches block-level costs shared across candidates of one planning run."""
+
+    def __init__(self, profile: ModelProfile, hw: Hardware, *, precision: str = "bf16",
+                 sequence_parallel: bool | None = None, clip_gradients: bool = False) -> None:
+        self.profile = profile
+        self.hw = hw
+        self.precision = precision
+        self.clip_gradients = clip_gradients
+        """The run clips gradients (``PlannerOptions.clip_gradients``): ZeRO-Offload steps after backward."""
+        # Sequence parallelism is on when the profile carries SEQUENCE rules (the runtime lowers them).
+        self.sequence_parallel = (has_sequence_rules(profile) if sequence_parallel is None
+                                  else sequence_parallel)
+        # Profiles measure bytes in the model's own dtype (often fp32 when built for planning); training
+        # keeps activations, communicated tensors and weight reads in the training precision.
+        self.byte_scale = precision_bytes(precision) / (torch.finfo(getattr(torch, profile.dtype)).bits // 8)
+        self.block_time = functools.lru_cache(maxsize=None)(self._block_time)
+        self.collective = functools.lru_cache(maxsize=None)(self._collective)
+        # per-segment costs repeat across the stages and candidates of a run: computed once each, keyed
+        # by the segments' identity (hashing them would hash every block profile); _kept keeps them alive
+        self._kept: dict[int, tuple[Segment, ...]] = {}
+        self._cache: dict[tuple, object] = {}  # type: ignore[type-arg]
+        nonfinal = [b.output_bytes for b in profile.blocks[:-1]] or [0]
+        self.boundary_bytes = float(max(nonfinal)) * self.byte_scale
+
+    def _collective(self, kind: Collective, nbytes: float, group: CommGroup) -> float:
+        return estimate_collective_time(kind, nbytes, group)
+
+    def _cached(self, name: str, segments: tuple[Segment, ...], args: tuple, fn):  # type: ignore[no-untyped-def, type-arg]
+        key = (name, id(segments), *args)
+        if key not in self._cache:
+            self._kept[id(segments)] = segments
+            self._cache[key] = fn()
+        return self._cache[key]
+
+    def dp_block_comm(self, segments: tuple[Segment, ...], seg_params: tuple[float, ...],
+                      group: CommGroup | None) -> DPComm:
+        """:func:`build_dp_block_comm` of a stage's data-parallel group (cached)."""
+        return self._cached("dp", segments, (seg_params, group), lambda: build_dp_block_comm(
+            self.collective, segments, list(seg_params), group, self.precision))
+
+    def segment_costs(self, segments: tuple[Segment, ...], device_name: str, tp: int, micro_batch: float,
+                      tp_group: CommGroup | None) -> tuple[tuple[float, ...], ...]:
+        """Cached :meth:`_segment_costs`."""
+        return self._cached("seg", segments, (device_name, tp, micro_batch, tp_group),
+                            lambda: self._segment_costs(segments, device_name, tp, micro_batch, tp_group))
+
+    def _segment_costs(self, segments: tuple[Segment, ...], device_name: str, tp: int, micro_batch: float,
+                       tp_group: CommGroup | None) -> tuple[tuple[float, ...], ...]:
+        """Per segment, one block's ``(time, recompute, forward, backward, TP communication, saved
+        bytes, input bytes)`` for one micro-batch on one device of a TP group (``tp_group``: its ranks'
+        communicator, None without TP): forward and backward each run the block's TP all-reduce."""
+        ratio = micro_batch / self.profile.batch_size
+        rows = []
+        for seg in segments:
+            b = seg.block
+            fwd, bwd = self.block_time(b.index, device_name, tp, micro_batch)
+            ar = 0.0
+            if tp_group is not None and tp_applies(b, tp) and b.tp_comm_bytes:
+                ar = self.collective(Collective.ALL_REDUCE, b.tp_comm_bytes * ratio * self.byte_scale, tp_group)
+            rows.append((fwd + bwd + 2 * ar, fwd + ar, fwd, bwd + ar, 2 * ar,
+                         b.activation_bytes * ratio * self.byte_scale
+                         * tp_activation_fraction(b, tp, self.sequence_parallel),
+                         b.input_bytes * ratio * self.byte_scale))
+        return tuple(zip(*rows)) if rows else ((),) * 7
+
+    def _block_time(self, block_index: int, device_name: str, tp: int, micro_batch: float
+                    ) -> tuple[float, float]:
+        """Forward and backward seconds of one block for one micro-batch on one device of a TP group:
+        the shape-dependent model of :func:`estimate_kernels_time` over the block's recorded GEMMs,
+        attention and memory-bound bytes, with the device's profile (calibrated, shipped or datasheet
+        transfer); blocks without recorded kernels use the aggregate roofline."""
+        b = self.profile.blocks[block_index]
+        device = next(g.device for g in self.hw.groups if g.device.name == device_name)
+        ratio = micro_batch / self.profile.batch_size
+        div = tp if tp_applies(b, tp) else 1
+        if b.kernels is not None:
+            return estimate_kernels_time(b.kernels, device=device, precision=self.precision, batch_ratio=ratio,
+                                         tp=div, byte_scale=self.byte_scale)
+        act_bytes = max(0.0, b.bytes_moved - b.param_bytes) * ratio
+        t = estimate_block_time(forward_flops=b.fwd_flops * ratio / div,
+                                forward_bytes=(b.param_bytes + act_bytes) * self.byte_scale / div, device=device,
+                                backward_flops=b.bwd_flops * ratio / div, precision=self.precision)
+        return t.forward_s, t.backward_s
+
+    def model_time_per_sample(self, device: GroupView) -> float:
+        """Forward + backward seconds of one sample through the whole model on one device."""
+        return sum(sum(self.block_time(i, device.device.name, 1, 1.0)) for i in range(len(self.profile.blocks)))
