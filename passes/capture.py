@@ -68,6 +68,7 @@ def capture(
             raise _Skipped("symbolic_trace requested")
         gm = _capture_export(model, args, kwargs)
         gm.meta["whalepy.capture_method"] = "export"
+        _check_embedding_indices(gm)
     except Exception as export_error:  # noqa: BLE001 - any tracer failure means: try the fallback
         if method == "export":
             raise CaptureError(
@@ -87,6 +88,10 @@ def capture(
                 f"failed with {_short(export_error)}; the fallback torch.fx.symbolic_trace "
                 f"failed with {_short(fx_error)}. {_FIXES}"
             ) from export_error
+        try:
+            _check_embedding_indices(gm)
+        except ValueError as e:
+            raise CaptureError(f"could not capture {type(model).__name__}: {e}. {_FIXES}") from None
         gm.meta["whalepy.capture_method"] = "symbolic_trace"
         if not isinstance(export_error, _Skipped):
             gm.meta["whalepy.export_error"] = _short(export_error)
@@ -96,6 +101,24 @@ def capture(
 
 class _Skipped(Exception):
     """Export was not attempted."""
+
+
+def _check_embedding_indices(gm: fx.GraphModule) -> None:
+    """An embedding looked up with floating-point indices is an error torch 2.13 raises while tracing
+    and torch 2.11 traces through (its meta kernel does not check the dtype); raise it here on every
+    release, so ``profile`` can name the fix (integer token ids) before the run fails inside torch."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is torch.ops.aten.embedding.default and len(node.args) > 1:
+            indices = node.args[1]
+        elif node.target is torch.nn.functional.embedding and node.args:
+            indices = node.args[0]
+        else:
+            continue
+        val = getattr(indices, "meta", {}).get("val")
+        if isinstance(val, torch.Tensor) and val.is_floating_point():
+            raise ValueError(f"embedding indices of dtype {val.dtype} at {node.name}: expected integer ids")
 
 
 def _short(e: BaseException, limit: int = 300) -> str:

@@ -16,6 +16,14 @@ that has the error class it does nothing.
 (``FSDPState._fsdp_param_groups``, with ``_fsdp_param_group`` a property that warns when there are
 several); torch 2.11 has the one attribute ``_fsdp_param_group`` (``None`` for a unit without
 parameters of its own).
+
+``match_pipeline_mode``: a pipeline stage's activation receive buffers need ``requires_grad`` for a
+training step (the previous stage gets its input gradients through them) and not for ``eval``. torch
+2.11 sets it once, when the schedule's first call builds them, so a schedule whose first call is
+``eval`` never sends gradients back afterwards and the first stage waits for them forever (seen:
+``ParallelModel.evaluate`` before the first ``train_step`` on 2 gloo ranks hung). torch 2.13 rebuilds
+the buffers when the mode changes (``_PipelineSchedule._initialize_pp_stages``); on a torch without it,
+this sets the existing buffers' flag for the coming call.
 """
 
 from __future__ import annotations
@@ -59,3 +67,19 @@ def fsdp_param_groups(module: Any) -> list[Any]:
         return list(groups)
     group = state._fsdp_param_group  # torch < 2.13
     return [] if group is None else [group]
+
+
+def match_pipeline_mode(schedule: Any, train: bool) -> None:
+    """Give ``schedule``'s built receive buffers the ``requires_grad`` of the coming call (module
+    docstring); nothing on a torch that rebuilds them itself, or before the first call builds them."""
+    from torch.distributed.pipelining import schedules
+
+    if hasattr(schedules._PipelineSchedule, "_initialize_pp_stages"):
+        return  # torch >= 2.13
+    stages = getattr(schedule, "_stages", None) or [schedule._stage]
+    for stage in stages:
+        for infos in stage.args_recv_info.values():
+            for info in infos:
+                buffer = getattr(info, "buffer", None)  # the first stage's placeholders have none
+                if buffer is not None and buffer.requires_grad != train:
+                    buffer.requires_grad_(train)

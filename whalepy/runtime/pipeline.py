@@ -26,6 +26,7 @@ from torch import nn
 from whalepy._errors import LaunchError
 from whalepy.plan import Schedule
 from whalepy.runtime._stage_split import retarget_device, split_stages, tied_parameters
+from whalepy.runtime._torch_compat import match_pipeline_mode
 
 __all__ = [
     "MicrobatchMeanLoss",
@@ -140,6 +141,7 @@ def run_pipeline_step(
     """
     losses: list[torch.Tensor] = []
     args = tuple(inputs) if rank_stage_is_first else ()
+    match_pipeline_mode(schedule, train)  # torch 2.11: eval before the first training step
     run = schedule.step if train else schedule.eval
     if rank_stage_is_last:
         run(*args, target=targets, losses=losses)
