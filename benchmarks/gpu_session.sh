@@ -12,7 +12,7 @@
 #     bash benchmarks/gpu_session.sh                 # first call: adamw tiers offload offload_large
 #     bash benchmarks/gpu_session.sh step            # second call
 #
-# offload: the configuration, global batch 4 (predicted ZeRO-Offload / GPU-only: 4.1x, the host
+# offload: the configuration, global batch 4 (predicted ZeRO-Offload / GPU-only: 4.4x, the host
 # AdamW over 1.4B parameters against a 0.08 s step); offload_large: global batch 32 in one micro-batch,
 # every block checkpointed (predicted 1.06x: the backward hides the host step).
 # bench_gpu_step.py runs with STEP_ARGS (default "--model gpt --plan-time-limit 20"). Each part has its

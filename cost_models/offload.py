@@ -42,16 +42,16 @@ has no calibrated profile: ZeRO-Offload's CPU-Adam updates 1 B parameters in 0.2
 PyTorch's CPU Adam took 1.39 s there). Shared by the node's GPUs. Used for torch's fused CPU AdamW, the
 same kind of kernel (one vectorised, multi-threaded pass over each tensor)."""
 
-FUSED_OVER_FOREACH_CPU_ADAMW = 0.16
+FUSED_OVER_FOREACH_CPU_ADAMW = 0.18
 """Seconds of torch's fused CPU AdamW step over those of its ``foreach`` step, same parameters: applied
 to a profile that measured only ``foreach`` (the shipped H100 profile: 0.11 s per 1e8 parameters, 16
 threads) to get the fused kernel's rate. Measured with ``python benchmarks/bench_cpu_adamw.py`` on the
-2-core development machine (torch 2.13.0, 2e7 parameters in 8 tensors, weight decay, alternating steps,
-median of 9): 0.118 to 0.180 over eight runs at 1 and 2 threads under load, median 0.16; ATC'21, Table 3
-gives 0.158 for a vectorised CPU Adam against PyTorch's on a DGX-2 host (0.22 s and 1.39 s per 1e9).
-Both kernels are bound by host memory traffic (the fused one reads and writes each state once, the
-foreach one once per elementwise op), so the ratio carries across CPUs better than either rate; a
-calibration on the machine (``whalepy calibrate`` measures the fused kernel) replaces it."""
+2-core development machine (torch 2.13.0, 2e7 parameters in 8 tensors, weight decay, the kinds' steps
+alternating, median of 9), eight runs at 1 and 2 threads, load average 2 to 3.5 (2026-11-23): 0.118,
+0.159, 0.161, 0.177, 0.180, 0.199, 0.211, 0.266, median 0.18; ATC'21, Table 3 gives 0.158 for a
+vectorised CPU Adam against PyTorch's on a DGX-2 host (0.22 s and 1.39 s per 1e9). Both kernels are
+bound by host memory traffic (the fused one reads and writes each state once, the foreach one once
+per elementwise op), so the ratio carries across CPUs better than either rate; a calibration on the machine (``whalepy calibrate`` measures the fused kernel) replaces it."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
