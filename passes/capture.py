@@ -68,7 +68,6 @@ def capture(
             raise _Skipped("symbolic_trace requested")
         gm = _capture_export(model, args, kwargs)
         gm.meta["whalepy.capture_method"] = "export"
-        _check_embedding_indices(gm)
     except Exception as export_error:  # noqa: BLE001 - any tracer failure means: try the fallback
         if method == "export":
             raise CaptureError(
@@ -88,13 +87,10 @@ def capture(
                 f"failed with {_short(export_error)}; the fallback torch.fx.symbolic_trace "
                 f"failed with {_short(fx_error)}. {_FIXES}"
             ) from export_error
-        try:
-            _check_embedding_indices(gm)
-        except ValueError as e:
-            raise CaptureError(f"could not capture {type(model).__name__}: {e}. {_FIXES}") from None
         gm.meta["whalepy.capture_method"] = "symbolic_trace"
         if not isinstance(export_error, _Skipped):
             gm.meta["whalepy.export_error"] = _short(export_error)
+    _check_embedding_indices(gm, type(model).__name__)
     gm.meta["whalepy.capture_time_s"] = time.perf_counter() - start
     return gm
 
@@ -103,7 +99,7 @@ class _Skipped(Exception):
     """Export was not attempted."""
 
 
-def _check_embedding_indices(gm: fx.GraphModule) -> None:
+def _check_embedding_indices(gm: fx.GraphModule, model_name: str) -> None:
     """An embedding looked up with floating-point indices is an error torch 2.13 raises while tracing
     and torch 2.11 traces through (its meta kernel does not check the dtype); raise it here on every
     release, so ``profile`` can name the fix (integer token ids) before the run fails inside torch."""
@@ -118,7 +114,8 @@ def _check_embedding_indices(gm: fx.GraphModule) -> None:
             continue
         val = getattr(indices, "meta", {}).get("val")
         if isinstance(val, torch.Tensor) and val.is_floating_point():
-            raise ValueError(f"embedding indices of dtype {val.dtype} at {node.name}: expected integer ids")
+            raise CaptureError(f"could not capture {model_name}: embedding indices of dtype {val.dtype} at "
+                               f"{node.name}, expected integer ids. {_FIXES}")
 
 
 def _short(e: BaseException, limit: int = 300) -> str:
