@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from whalepy._capabilities import resolve_precision
 from whalepy._errors import InfeasibleError
 from whalepy.planner import make_options, plan_from_profile
+from whalepy.planner._bound import Choices
 from whalepy.planner.costing import CostContext, build_coefficients, lower_bound
 from whalepy.planner.ilp import MIP_REL_GAP, solve_candidate
 from whalepy.planner.search import allowed_stage_ranges, read_annotations
@@ -111,6 +112,14 @@ def _check_bounds(inst: Instance) -> tuple[int, int]:
         fit, any_ = candidate_optimum(cc, opts.allow_checkpointing, allow_activation_offload=False,
                                       allow_checkpoint_offload=False)
         assert whole <= fit * (1 + REL), (lb, whole, any_, fit, cand, inst)
+        # told that the ILP makes no host copies (the planner's options), steps 6-7 leave their columns
+        # out: below the best plan without them, and no claim to reach a cutoff just above it
+        no_copies = Choices(opts.allow_checkpointing, False, False)
+        narrow = lower_bound(cc, whole_blocks=True, choices=no_copies)
+        assert narrow <= fit * (1 + REL), (lb, narrow, fit, cand, inst)
+        if math.isfinite(fit):
+            below = fit * (1 + 1e-6)
+            assert lower_bound(cc, whole_blocks=True, cutoff=below, choices=no_copies) < below, (fit, cand, inst)
         if whole > any_ * (1 + REL):
             lifted += lb > any_ * (1 + REL)
             # above the best plan ignoring memory: the bound's memory part (planner/_bound.py) says every

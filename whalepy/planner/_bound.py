@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from whalepy.planner._solvers import EQ, GE, LE, _Model, _solve_highs, _Var
 from whalepy.planner._coeffs import CandidateCoeffs, CellCoeffs
@@ -60,49 +61,85 @@ def _host_capacity(cc: CandidateCoeffs, s: int) -> float:
     return min(caps) if caps else math.inf
 
 
-def _add_stage_rows(prob: _Model, cc: CandidateCoeffs, s: int, c: CellCoeffs, n: list[_Var],
-                    states: tuple[dict[_Var, float], dict[_Var, float], float] = ({}, {}, 0.0)) -> dict[_Var, float]:
-    """Stage ``s``'s recompute and host-copy columns, its ``c + o <= n``, ``w <= c``, device-memory and
-    host-memory rows, for blocks per segment ``n``; returns its compute (seconds per micro-batch) as a
-    linear form, without the sends. ``states``: terms of the model states (device GiB, host GiB, constant
-    device GiB) added to the memory rows."""
-    G, v = len(cc.segments), cc.candidate.virtual_stages
+class Choices(NamedTuple):
+    """Which per-block choices the candidate's ILP may make (the search's ``PlannerOptions``
+    ``allow_checkpointing``, ``allow_activation_offload``, ``allow_checkpoint_offload``): the bound
+    relaxes that ILP, so it leaves out the columns the ILP does not have. All allowed by default (a
+    bound of every plan, whatever the options)."""
 
-    def col(name: str) -> _Var:
-        return prob.var(name, 0.0, None, "Continuous")
+    checkpointing: bool = True
+    activation_offload: bool = True
+    checkpoint_offload: bool = True
 
-    k = c.inflight / v / GIB
+
+ALL_CHOICES = Choices()
+
+
+def _block_columns(prob: _Model, c: CellCoeffs, tag: str, n: list[_Var], cat: str,  # type: ignore[no-untyped-def]
+                   choices: Choices = ALL_CHOICES):
+    """Recompute and host-copy columns for the blocks per segment ``n`` of a stage or chunk (``tag``
+    names them): checkpointed ``c``, activation-offloaded ``o``, checkpoint-offloaded ``w`` (of kind
+    ``cat``; those ``choices`` allows), rows ``c + o <= n`` and ``w <= c``. Returns the forms of their compute (seconds per
+    micro-batch, without the sends), kept activation bytes per micro-batch in flight (GiB) and host
+    bytes per rank (GiB)."""
     compute: dict[_Var, float] = {}
-    mem_row: dict[_Var, float] = dict(states[0])
-    host_row: dict[_Var, float] = dict(states[1])
-    for g in range(G):
-        compute[n[g]] = c.seg_time[g]
-        mem_row[n[g]] = k * c.seg_saved[g]
-        ck = col(f"c_{s}_{g}")
-        within = {ck: 1.0, n[g]: -1.0}  # c <= n (o joins below)
+    kept: dict[_Var, float] = {}
+    host: dict[_Var, float] = {}
+    back: dict[int, list[_Var]] = {}
+    for g, ng in enumerate(n):
+        compute[ng] = c.seg_time[g]
+        kept[ng] = c.seg_saved[g] / GIB
+        ck = prob.var(f"c_{tag}_{g}", 0.0, None if choices.checkpointing else 0.0, cat)
+        within = {ck: 1.0, ng: -1.0}  # c <= n (o joins below)
         compute[ck] = c.seg_recompute[g]
-        mem_row[ck] = k * (c.seg_input[g] - c.seg_saved[g])
-        if c.seg_offload is not None and c.seg_host is not None and c.seg_saved[g] > 0:
-            o = col(f"o_{s}_{g}")
+        kept[ck] = (c.seg_input[g] - c.seg_saved[g]) / GIB
+        back[g] = [ck]
+        if choices.activation_offload and c.seg_offload is not None and c.seg_host is not None and c.seg_saved[g] > 0:
+            o = prob.var(f"o_{tag}_{g}", 0.0, None, cat)
             within[o] = 1.0  # c + o <= n
             compute[o] = c.seg_offload[g]
-            mem_row[o] = -k * c.seg_saved[g]
-            host_row[o] = c.seg_host[g] / GIB
-        prob.rows.append((within, 0.0, LE, f"within_{s}_{g}"))
-        if c.seg_ckoff is not None and c.seg_ckhost is not None and c.seg_input[g] > 0:
-            w = col(f"w_{s}_{g}")
-            prob.rows.append(({w: 1.0, ck: -1.0}, 0.0, LE, f"ckoff_{s}_{g}"))  # w <= c
+            kept[o] = -c.seg_saved[g] / GIB
+            host[o] = c.seg_host[g] / GIB
+            back[g].append(o)
+        prob.rows.append((within, 0.0, LE, f"within_{tag}_{g}"))
+        if choices.checkpointing and choices.checkpoint_offload and c.seg_ckoff is not None and c.seg_ckhost is not None and c.seg_input[g] > 0:
+            w = prob.var(f"w_{tag}_{g}", 0.0, None, cat)
+            prob.rows.append(({w: 1.0, ck: -1.0}, 0.0, LE, f"ckoff_{tag}_{g}"))  # w <= c
             compute[w] = c.seg_ckoff[g]
-            mem_row[w] = -k * c.seg_input[g]
-            host_row[w] = c.seg_ckhost[g] / GIB
-    prob.rows.append((mem_row, states[2] - (c.capacity * (1 + 1e-6) - c.loss_bytes) / GIB, LE, f"memory_{s}"))
+            kept[w] = -c.seg_input[g] / GIB
+            host[w] = c.seg_ckhost[g] / GIB
+    return compute, kept, host, back
+
+
+def _add_host_row(prob: _Model, cc: CandidateCoeffs, s: int, host_row: dict[_Var, float]) -> None:
     host = _host_capacity(cc, s)
     if host_row and host < math.inf:
         prob.rows.append((host_row, -host / GIB, LE, f"host_{s}"))
+
+
+States = tuple[dict[_Var, float], dict[_Var, float], float]
+"""A stage's model states in its memory rows: device GiB terms, host GiB terms, constant device GiB."""
+NO_STATES: States = ({}, {}, 0.0)
+
+
+def _add_stage_rows(prob: _Model, cc: CandidateCoeffs, s: int, c: CellCoeffs, n: list[_Var],
+                    choices: Choices = ALL_CHOICES, states: States = NO_STATES) -> dict[_Var, float]:
+    """Stage ``s``'s recompute and host-copy columns (continuous), its ``c + o <= n``, ``w <= c``,
+    device-memory (``inflight / v`` times the stage's kept bytes, plus ``states``) and host-memory rows,
+    for blocks per segment ``n``; returns its compute (seconds per micro-batch) as a linear form,
+    without the sends."""
+    compute, kept, host, _ = _block_columns(prob, c, str(s), n, "Continuous", choices)
+    k = c.inflight / cc.candidate.virtual_stages
+    mem_row = dict(states[0])
+    for x, a in kept.items():
+        mem_row[x] = mem_row.get(x, 0.0) + k * a
+    prob.rows.append((mem_row, states[2] - (c.capacity * (1 + 1e-6) - c.loss_bytes) / GIB, LE, f"memory_{s}"))
+    _add_host_row(prob, cc, s, {**states[1], **host})
     return compute
 
 
-def relaxed_stage_time(cc: CandidateCoeffs, cells: Sequence[CellCoeffs]) -> float | None:
+def relaxed_stage_time(cc: CandidateCoeffs, cells: Sequence[CellCoeffs],
+                       choices: Choices = ALL_CHOICES) -> float | None:
     """The LP optimum for one pipeline (``cells[s]``: its cell of stage ``s``), or None where memory does not
     bind or the LP says nothing (infeasible: then the ILP finds that no plan fits)."""
     if not _memory_binds(cc, cells):
@@ -116,7 +153,7 @@ def relaxed_stage_time(cc: CandidateCoeffs, cells: Sequence[CellCoeffs]) -> floa
     for g in range(G):
         prob.rows.append(({n[s][g]: 1.0 for s in range(len(cells))}, -float(lengths[g]), EQ, f"blocks_{g}"))
     for s, c in enumerate(cells):
-        compute = _add_stage_rows(prob, cc, s, c, n[s])
+        compute = _add_stage_rows(prob, cc, s, c, n[s], choices)
         prob.rows.append(({**compute, t: -1.0}, 0.0, LE, f"time_{s}"))
     status, objective, _ = _solve_highs(prob, LP_TIME_LIMIT_S, None)
     if status != "optimal":
@@ -133,44 +170,46 @@ def _state_terms(prob: _Model, cc: CandidateCoeffs, s: int, c: CellCoeffs, n: li
     """Stage ``s``'s model states, whatever its state options: its parameters spread over the options as
     continuous ``Q[o] >= 0`` (billions per device, ``sum_o Q[o] = sum_g n_g p_g``; one option, or a mix
     of them, is such a point), each per-parameter cost summed over them and each per-block or per-stage
-    cost the least over the options. Returns ``(device GiB, host GiB, constant device GiB)`` for the
-    memory rows, and the forms (terms, constant) ``fetch`` (parameter fetches per micro-batch,
+    cost the least over the options. Returns the model states for the memory rows (:data:`States`),
+    and the forms (terms, constant) ``fetch`` (parameter fetches per micro-batch,
     :func:`~whalepy.planner._evaluation.evaluate_stage`'s ``per_param(fetch_beta)``), ``exposed``
     (data-parallel communication per micro-batch) and ``tail`` (optimizer step and exposed
-    synchronisation per step, the post-step all-gather's fixed part dropped). Gradients count as freed
-    at the activation peak (the peak is at least the states less the gradients, plus activations)."""
+    synchronisation per step, the post-step all-gather's fixed part dropped: a stage without
+    parameters has none). The gradients count as freed at the activation peak where the option frees
+    them (the peak is then at least the states less the gradients, plus activations)."""
     sc = cc.stages[s]
     G, opts = len(cc.segments), sc.options
     dp, v = cc.candidate.dp, cc.candidate.virtual_stages
     q = {o: prob.var(f"Q_{s}_{i}", 0.0, None, "Continuous") for i, o in enumerate(opts)}
     prob.rows.append(({**{x: 1.0 for x in q.values()}, **{n[g]: -sc.seg_params[g] / BILLION for g in range(G)}},
                       0.0, EQ, f"params_{s}"))
-    device = {q[o]: (sc.mem_beta[o] + sc.buffer_beta[o] - sc.state_split[o][1]) * BILLION / GIB for o in opts}
+    device = {q[o]: (sc.mem_beta[o] + sc.buffer_beta[o]
+                     - (sc.state_split[o][1] if sc.grads_freed[o] else 0.0)) * BILLION / GIB for o in opts}
     host = {q[o]: sc.cpu_beta[o] * BILLION / GIB for o in opts if sc.cpu_beta[o]}
-    const = (min(sc.working_bytes[o] for o in opts) + min(c.autocast_bytes[o] for o in opts)) / GIB
+    const = min(sc.working_bytes[o] + c.autocast_bytes[o] for o in opts) / GIB
     fetch = ({q[o]: c.fetch_beta[o] * BILLION for o in opts if c.fetch_beta[o]}, 0.0)
     exposed = ({n[g]: min(c.seg_exposed[o][g] for o in opts) for g in range(G)}, v * min(c.edge[o] for o in opts))
     tail: dict[_Var, float] = {q[o]: c.opt_beta[o] * BILLION for o in opts}
     tail_const = 0.0
     if dp > 1:  # exposed synchronisation: the last backward's reductions and the post-step all-gather
-        post = min(sc.sync[o][1] for o in opts) * BILLION
         for o in opts:
-            tail[q[o]] += post
+            tail[q[o]] += sc.sync[o][1] * BILLION
         for g in range(G):
             tail[n[g]] = min(c.seg_tail[o][g] for o in opts)
         tail_const = min(c.tail_edge[o] for o in opts)
     return (device, host, const), fetch, exposed, (tail, tail_const)
 
 
-def integer_step_bound(cc: CandidateCoeffs, cells: Sequence[CellCoeffs], cutoff: float | None = None) -> float | None:
+def integer_step_bound(cc: CandidateCoeffs, cells: Sequence[CellCoeffs], cutoff: float | None = None,
+                       choices: Choices = ALL_CHOICES) -> float | None:
     """A step time no plan of one pipeline beats, with whole blocks: a small MIP, ``min M t + (S - 1) tc +
     x`` (``tc = t`` for ``v = 1``) over integer blocks per stage and segment ``n[s][g]`` (``sum_s = L_g``,
-    at least ``v`` per stage), continuous recompute and host copies under the stage's device and host
-    memory (the rows of :func:`relaxed_stage_time`), with ``t >= compute_s + p2p_s``, ``v tc >=
-    compute_s + p2p_s`` and, the largest chunk holding at least ``u[s][g] >= n[s][g] / v`` (integer)
-    blocks of segment ``g``, ``tc >= u[s][g] seg_time_g + min_k chunk_p2p_k``. Where ``cc`` has state
-    options, their terms too (:func:`_state_terms`: states in memory, fetches, exposed communication,
-    ``x >=`` the tail); else ``x = 0``. None where HiGHS proves nothing.
+    at least ``v`` per stage), continuous recompute and host copies (those ``choices`` allows) under the
+    stage's device and host memory (the rows of :func:`relaxed_stage_time`), with ``t >= compute_s +
+    p2p_s``, ``v tc >= compute_s + p2p_s`` and, the largest chunk holding at least ``u[s][g] >= n[s][g]
+    / v`` (integer) blocks of segment ``g``, ``tc >= u[s][g] seg_time_g + min_k chunk_p2p_k``. Where
+    ``cc`` has state options, their terms too (:func:`_state_terms`: states in memory, fetches, exposed
+    communication, ``x >=`` the tail); else ``x = 0``. None where HiGHS proves nothing.
 
     ``cutoff``: the question is only whether the bound reaches it. HiGHS then stops at the first
     solution below it (the bound cannot reach it: the dual bound of that moment is returned) or proves
@@ -190,15 +229,15 @@ def integer_step_bound(cc: CandidateCoeffs, cells: Sequence[CellCoeffs], cutoff:
         prob.rows.append(({ns: 1.0 for ns in n[s]}, -float(v), GE, f"nonempty_{s}"))
         times = []
         if cc.stages[s].options:
-            memory, fetch, (exposed, edge), (tail, tail_const) = _state_terms(prob, cc, s, c, n[s])
-            compute = _add_stage_rows(prob, cc, s, c, n[s], memory)
+            states, fetch, (exposed, edge), (tail, tail_const) = _state_terms(prob, cc, s, c, n[s])
+            compute = _add_stage_rows(prob, cc, s, c, n[s], choices, states)
             busy = {**compute}
             for var, a in exposed.items():
                 busy[var] = busy.get(var, 0.0) + a
             times += [(busy, edge + c.p2p), (fetch[0], c.p2p)]
             prob.rows.append(({**tail, x: -1.0}, tail_const, LE, f"tail_{s}"))
         else:
-            times.append((_add_stage_rows(prob, cc, s, c, n[s]), c.p2p))
+            times.append((_add_stage_rows(prob, cc, s, c, n[s], choices), c.p2p))
         for i, (form, const) in enumerate(times):
             prob.rows.append(({**form, t: -1.0}, const, LE, f"time_{s}_{i}"))
             if v > 1:
@@ -210,8 +249,10 @@ def integer_step_bound(cc: CandidateCoeffs, cells: Sequence[CellCoeffs], cutoff:
                 u = prob.var(f"u_{s}_{g}", 0.0, float(lengths[g]), "Integer")
                 prob.rows.append(({n[s][g]: 1.0, u: -float(v)}, 0.0, LE, f"largest_chunk_{s}_{g}"))
                 prob.rows.append(({u: c.seg_time[g], tc: -1.0}, min(c.chunk_p2p), LE, f"chunk_{s}_{g}"))
-    status, _, _ = _solve_highs(prob, INTEGER_TIME_LIMIT_S, cutoff, first_solution=cutoff is not None)
-    if cutoff is not None and status in ("cutoff", "infeasible"):
+    status, objective, _ = _solve_highs(prob, INTEGER_TIME_LIMIT_S, cutoff, first_solution=cutoff is not None)
+    if cutoff is not None and (status in ("cutoff", "infeasible") or (status == "optimal" and objective >= cutoff)):
+        # HiGHS may end "optimal" on a solution at or above the cutoff: it searched the whole tree and
+        # found nothing below it, so the optimum is at least the cutoff (its objective is not a bound)
         return cutoff
     if status == "infeasible" or not math.isfinite(prob.dual_bound) or prob.dual_bound <= 0:
         return None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from whalepy.planner._coeffs import (
     CandidateCoeffs,
@@ -19,6 +20,9 @@ from whalepy.planner._coeffs import (
     stage_host_checkpoint,
 )
 from whalepy.planner.space import MAX_OPTIONS_PER_STAGE, StateMix, StateOption
+
+if TYPE_CHECKING:
+    from whalepy.planner._bound import Choices
 
 __all__ = ["CellEval", "Evaluation", "StageEval", "checkpoint_offload_s", "chunk_busy_s", "chunk_counts_from_sizes", "counts_from_boundaries", "evaluate", "evaluate_stage", "lower_bound", "memory_breakdown", "offload_s", "split_stage_checkpoints", "step_time"]
 
@@ -400,7 +404,7 @@ def step_time(cc: CandidateCoeffs, T: float, Tc: float, X: float) -> float:
 
 
 def lower_bound(cc: CandidateCoeffs, *, memory: bool = True, whole_blocks: bool = False,
-                cutoff: float | None = None) -> float:
+                cutoff: float | None = None, choices: Choices | None = None) -> float:
     """A step time no plan of ``cc``'s candidate beats, read off the coefficients its cost is made of.
 
     It uses nothing but ``CellCoeffs.seg_time`` (per block of each segment, seconds per micro-batch:
@@ -455,8 +459,9 @@ def lower_bound(cc: CandidateCoeffs, *, memory: bool = True, whole_blocks: bool 
        HiGHS answers at its first solution below it, or with a proof that there is none (the bound is
        then ``cutoff``).
     """
-    from whalepy.planner._bound import integer_step_bound, relaxed_stage_time
+    from whalepy.planner._bound import ALL_CHOICES, integer_step_bound, relaxed_stage_time
 
+    choices = choices or ALL_CHOICES
     cand = cc.candidate
     S, v, M = cand.num_stages, cand.virtual_stages, cand.num_microbatches
     lengths = [seg.length for seg in cc.segments]
@@ -476,12 +481,12 @@ def lower_bound(cc: CandidateCoeffs, *, memory: bool = True, whole_blocks: bool 
             norm = sum(1.0 / x for x in whole)
             frac = sum(n * min(row[g] / (x * norm) for row, x in zip(w, whole)) for g, n in enumerate(lengths))
         # 6. memory: every stage's activations fit (recompute, offload), as a small LP (planner/_bound.py)
-        relaxed = relaxed_stage_time(cc, [cell_of[r] for cell_of in cells]) if memory else None
+        relaxed = relaxed_stage_time(cc, [cell_of[r] for cell_of in cells], choices) if memory else None
         if relaxed is not None:
             frac = max(frac, relaxed)
         T, B = max(T, frac, block), max(B, chunk)
         # 7. whole blocks and state options: a small MIP (planner/_bound.py)
         if whole_blocks:
-            whole_step = max(whole_step, integer_step_bound(cc, [cell_of[r] for cell_of in cells], cutoff) or 0.0)
+            whole_step = max(whole_step, integer_step_bound(cc, [cell_of[r] for cell_of in cells], cutoff, choices) or 0.0)
     Tc = T if v == 1 else max(T / v, B)
     return max(M * T + (S - 1) * Tc, whole_step)

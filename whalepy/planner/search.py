@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from whalepy._capabilities import microbatch_error, schedule_error, sequence_parallel_error
 from whalepy._errors import AnnotationError, InfeasibleError
 from whalepy.plan import Schedule, Tier
+from whalepy.planner._bound import Choices
 from whalepy.planner.costing import (
     CandidateCoeffs,
     CostContext,
@@ -410,7 +411,7 @@ not keeps the best it found, or the plan as the search left it."""
 
 
 def _by_bound(bounded: list[tuple[float, int, Candidate]], light: list[CandidateCoeffs],
-              incumbent: Callable[[], float]):  # type: ignore[no-untyped-def]
+              incumbent: Callable[[], float], choices: Choices):  # type: ignore[no-untyped-def]
     """Candidates in order of their bound, ties by enumeration order: ``bounded`` holds compute bounds
     (:func:`lower_bound` with ``memory=False``); a candidate that comes up below the incumbent gets its
     full bound (memory part included, from ``light``, its coefficients without state options) and, if
@@ -421,7 +422,7 @@ def _by_bound(bounded: list[tuple[float, int, Candidate]], light: list[Candidate
     while heap:
         lb, i, full, c = heapq.heappop(heap)
         if not full and lb < incumbent() * (1 - 1e-9):
-            whole = max(lb, lower_bound(light[i]))
+            whole = max(lb, lower_bound(light[i], choices=choices))
             if whole > lb:
                 heapq.heappush(heap, (whole, i, True, c))
                 continue
@@ -452,6 +453,8 @@ def run_search(profile: ModelProfile, hw: Hardware, G: int, opts, *,  # type: ig
     # Its memory part (a small LP, planner/_bound.py) is added lazily: only for a candidate that comes up
     # with its compute bound below the incumbent; one whose bound rises goes back in line (_by_bound).
     light = [build_coefficients(ctx, c, segments, ()) for c in cands]
+    # the bound relaxes the candidate's ILP, which has only the per-block choices the options allow
+    choices = Choices(opts.allow_checkpointing, opts.allow_activation_offload, opts.allow_checkpoint_offload)
     bounded = [(lower_bound(cc, memory=False), i, c) for i, (c, cc) in enumerate(zip(cands, light))]
     progress(f"{len(cands)} candidates; solving the promising ones with {solver}")
     solved: list[tuple[Candidate, ILPResult]] = []
@@ -471,7 +474,7 @@ def run_search(profile: ModelProfile, hw: Hardware, G: int, opts, *,  # type: ig
         # the second pass's queue is what the first set aside, read once the first is done
         # in the second, those whose first look found a plan come first, best plan first: the incumbent
         # improves early (often to the optimum), against which the others are refuted sooner
-        queue = _by_bound(bounded, light, incumbent) if pass_no == 0 else sorted(
+        queue = _by_bound(bounded, light, incumbent, choices) if pass_no == 0 else sorted(
             deferred, key=lambda x: (first_look[x[1]].objective, x[0], x[1]))
         for lb, idx, cand in queue:
             if best is not None and lb >= best[0] * (1 - 1e-9):
@@ -490,7 +493,7 @@ def run_search(profile: ModelProfile, hw: Hardware, G: int, opts, *,  # type: ig
                 # state options (a small MIP, step 7 of lower_bound) reach the ILP's own cutoff? Where it
                 # does, the ILP could only say the same ("no better than the incumbent"), in seconds more
                 cut = best[0] * (1 - MIP_REL_GAP)
-                lb = max(lb, lower_bound(cc, whole_blocks=True, cutoff=cut))
+                lb = max(lb, lower_bound(cc, whole_blocks=True, cutoff=cut, choices=choices))
                 if lb >= cut:
                     rejections.append(Rejection(cand, f"pruned: its lower bound (whole blocks, state options) is "
                                                 f"not below the best {best[0]:.4g} s less the MIP gap", lb,
