@@ -75,48 +75,6 @@ class Choices(NamedTuple):
 ALL_CHOICES = Choices()
 
 
-def _block_columns(prob: _Model, c: CellCoeffs, tag: str, n: list[_Var], cat: str,  # type: ignore[no-untyped-def]
-                   choices: Choices = ALL_CHOICES):
-    """Recompute and host-copy columns for the blocks per segment ``n`` of a stage or chunk (``tag``
-    names them): checkpointed ``c``, activation-offloaded ``o``, checkpoint-offloaded ``w`` (of kind
-    ``cat``; those ``choices`` allows), rows ``c + o <= n`` and ``w <= c``. Returns the forms of their compute (seconds per
-    micro-batch, without the sends), kept activation bytes per micro-batch in flight (GiB) and host
-    bytes per rank (GiB)."""
-    compute: dict[_Var, float] = {}
-    kept: dict[_Var, float] = {}
-    host: dict[_Var, float] = {}
-    back: dict[int, list[_Var]] = {}
-    for g, ng in enumerate(n):
-        compute[ng] = c.seg_time[g]
-        kept[ng] = c.seg_saved[g] / GIB
-        ck = prob.var(f"c_{tag}_{g}", 0.0, None if choices.checkpointing else 0.0, cat)
-        within = {ck: 1.0, ng: -1.0}  # c <= n (o joins below)
-        compute[ck] = c.seg_recompute[g]
-        kept[ck] = (c.seg_input[g] - c.seg_saved[g]) / GIB
-        back[g] = [ck]
-        if choices.activation_offload and c.seg_offload is not None and c.seg_host is not None and c.seg_saved[g] > 0:
-            o = prob.var(f"o_{tag}_{g}", 0.0, None, cat)
-            within[o] = 1.0  # c + o <= n
-            compute[o] = c.seg_offload[g]
-            kept[o] = -c.seg_saved[g] / GIB
-            host[o] = c.seg_host[g] / GIB
-            back[g].append(o)
-        prob.rows.append((within, 0.0, LE, f"within_{tag}_{g}"))
-        if choices.checkpointing and choices.checkpoint_offload and c.seg_ckoff is not None and c.seg_ckhost is not None and c.seg_input[g] > 0:
-            w = prob.var(f"w_{tag}_{g}", 0.0, None, cat)
-            prob.rows.append(({w: 1.0, ck: -1.0}, 0.0, LE, f"ckoff_{tag}_{g}"))  # w <= c
-            compute[w] = c.seg_ckoff[g]
-            kept[w] = -c.seg_input[g] / GIB
-            host[w] = c.seg_ckhost[g] / GIB
-    return compute, kept, host, back
-
-
-def _add_host_row(prob: _Model, cc: CandidateCoeffs, s: int, host_row: dict[_Var, float]) -> None:
-    host = _host_capacity(cc, s)
-    if host_row and host < math.inf:
-        prob.rows.append((host_row, -host / GIB, LE, f"host_{s}"))
-
-
 States = tuple[dict[_Var, float], dict[_Var, float], float]
 """A stage's model states in its memory rows: device GiB terms, host GiB terms, constant device GiB."""
 NO_STATES: States = ({}, {}, 0.0)
@@ -124,17 +82,45 @@ NO_STATES: States = ({}, {}, 0.0)
 
 def _add_stage_rows(prob: _Model, cc: CandidateCoeffs, s: int, c: CellCoeffs, n: list[_Var],
                     choices: Choices = ALL_CHOICES, states: States = NO_STATES) -> dict[_Var, float]:
-    """Stage ``s``'s recompute and host-copy columns (continuous), its ``c + o <= n``, ``w <= c``,
-    device-memory (``inflight / v`` times the stage's kept bytes, plus ``states``) and host-memory rows,
-    for blocks per segment ``n``; returns its compute (seconds per micro-batch) as a linear form,
-    without the sends."""
-    compute, kept, host, _ = _block_columns(prob, c, str(s), n, "Continuous", choices)
-    k = c.inflight / cc.candidate.virtual_stages
-    mem_row = dict(states[0])
-    for x, a in kept.items():
-        mem_row[x] = mem_row.get(x, 0.0) + k * a
+    """Stage ``s``'s recompute and host-copy columns (those ``choices`` allows), its ``c + o <= n``, ``w <=
+    c``, device-memory and host-memory rows, for blocks per segment ``n``; returns its compute (seconds
+    per micro-batch) as a linear form, without the sends. ``states``: the model states, added to the
+    memory rows."""
+    G, v = len(cc.segments), cc.candidate.virtual_stages
+
+    def col(name: str, up: float | None = None) -> _Var:
+        return prob.var(name, 0.0, up, "Continuous")
+
+    k = c.inflight / v / GIB
+    compute: dict[_Var, float] = {}
+    mem_row: dict[_Var, float] = dict(states[0])
+    host_row: dict[_Var, float] = dict(states[1])
+    for g in range(G):
+        compute[n[g]] = c.seg_time[g]
+        mem_row[n[g]] = k * c.seg_saved[g]
+        ck = col(f"c_{s}_{g}", None if choices.checkpointing else 0.0)
+        within = {ck: 1.0, n[g]: -1.0}  # c <= n (o joins below)
+        compute[ck] = c.seg_recompute[g]
+        mem_row[ck] = k * (c.seg_input[g] - c.seg_saved[g])
+        if (choices.activation_offload and c.seg_offload is not None and c.seg_host is not None
+                and c.seg_saved[g] > 0):
+            o = col(f"o_{s}_{g}")
+            within[o] = 1.0  # c + o <= n
+            compute[o] = c.seg_offload[g]
+            mem_row[o] = -k * c.seg_saved[g]
+            host_row[o] = c.seg_host[g] / GIB
+        prob.rows.append((within, 0.0, LE, f"within_{s}_{g}"))
+        if (choices.checkpointing and choices.checkpoint_offload and c.seg_ckoff is not None
+                and c.seg_ckhost is not None and c.seg_input[g] > 0):
+            w = col(f"w_{s}_{g}")
+            prob.rows.append(({w: 1.0, ck: -1.0}, 0.0, LE, f"ckoff_{s}_{g}"))  # w <= c
+            compute[w] = c.seg_ckoff[g]
+            mem_row[w] = -k * c.seg_input[g]
+            host_row[w] = c.seg_ckhost[g] / GIB
     prob.rows.append((mem_row, states[2] - (c.capacity * (1 + 1e-6) - c.loss_bytes) / GIB, LE, f"memory_{s}"))
-    _add_host_row(prob, cc, s, {**states[1], **host})
+    host = _host_capacity(cc, s)
+    if host_row and host < math.inf:
+        prob.rows.append((host_row, -host / GIB, LE, f"host_{s}"))
     return compute
 
 

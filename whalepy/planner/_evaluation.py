@@ -487,6 +487,7 @@ def lower_bound(cc: CandidateCoeffs, *, memory: bool = True, whole_blocks: bool 
         T, B = max(T, frac, block), max(B, chunk)
         # 7. whole blocks and state options: a small MIP (planner/_bound.py)
         if whole_blocks:
-            whole_step = max(whole_step, integer_step_bound(cc, [cell_of[r] for cell_of in cells], cutoff, choices) or 0.0)
+            pipeline = [cell_of[r] for cell_of in cells]
+            whole_step = max(whole_step, integer_step_bound(cc, pipeline, cutoff, choices) or 0.0)
     Tc = T if v == 1 else max(T / v, B)
     return max(M * T + (S - 1) * Tc, whole_step)
