@@ -43,6 +43,10 @@ def check_model(model: Any, where: str) -> None:
         hint = " (a built-in name works on the command line: `whalepy plan NAME ...`)" if isinstance(model, str) else ""
         raise ArgumentError(f"{where} needs a torch.nn.Module, got {type(model).__name__} {model!r:.60}{hint}; "
                             "build the model first and pass it")
+    if next(model.parameters(), None) is None:
+        raise ArgumentError(f"{where}: {type(model).__name__} has no parameters, so there is nothing to train, "
+                            "shard or place; pass the model whose weights you train (its modules registered as "
+                            "attributes or in nn.ModuleList, not a plain Python list)")
 
 
 def max_positions(model: Any) -> tuple[int, str] | None:
@@ -160,8 +164,9 @@ def check_nvme_dir(nvme_dir: Any, keep: Any, *, on_node: bool, needed_bytes: flo
     import tempfile
     from pathlib import Path
 
-    if nvme_dir is not None and not isinstance(nvme_dir, (str, os.PathLike)):
-        raise ArgumentError(f"{where}: nvme_dir={nvme_dir!r:.60} is a {type(nvme_dir).__name__}; pass the path of a "
+    if nvme_dir is not None and (not isinstance(nvme_dir, (str, os.PathLike)) or not os.fspath(nvme_dir)):
+        said = "an empty path" if isinstance(nvme_dir, str) else f"a {type(nvme_dir).__name__}"
+        raise ArgumentError(f"{where}: nvme_dir={nvme_dir!r:.60} is {said}; pass the path of a "
                             "directory on the node's NVMe drive, e.g. nvme_dir='/local_nvme/whalepy'")
     if not isinstance(keep, bool):
         raise ArgumentError(f"{where}: nvme_keep={keep!r:.60} must be True (keep the files to resume) or False")

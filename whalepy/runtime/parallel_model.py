@@ -83,6 +83,7 @@ from whalepy.runtime.tensor_parallel import apply_tensor_parallel
 from whalepy.runtime.tiling import check_tiles, plan_tiling, tile_model
 from whalepy.runtime._pm_setup import (
     _check_arguments,
+    _check_lowering_options,
     _check_training_options,
     _explain_fsdp_view_warning,
     _init_process_group,
@@ -189,6 +190,8 @@ def parallelize(
         install_error_hook()
     _check_arguments(model, loss_fn, optimizer)
     _check_training_options(max_grad_norm, log_every)
+    _check_lowering_options(loss_parallel=loss_parallel, sync_initial_weights=sync_initial_weights, seed=seed,
+                            init_fn=init_fn, profile=profile, checkpoint=checkpoint)
     check_nvme_dir(nvme_dir, nvme_keep, on_node=launched and nvme_dir is not None)
     check_positive_int(global_batch, "global_batch", "whalepy.parallelize()")
     check_example_inputs(model, example_inputs, "whalepy.parallelize()")
