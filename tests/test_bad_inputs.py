@@ -463,6 +463,26 @@ MORE = [
      PlanError, ("'int8'", "bf16, fp16 or fp32")),
     ("export of a missing checkpoint", lambda: whalepy.export_safetensors("/nonexistent", "/tmp/whalepy-out"),
      WhalepyError, ("/nonexistent", "ParallelModel.save")),
+    ("export shard size 0", lambda: whalepy.export_safetensors("/nonexistent", "/tmp/o", max_shard_size=0),
+     WhalepyError, ("shard size 0", "5GB")),
+    ("export shard size with a typo", lambda: whalepy.export_safetensors("/nonexistent", "/tmp/o", max_shard_size="5XB"),
+     WhalepyError, ("'5XB'",)),
+    ("export dtype a string", lambda: whalepy.export_safetensors("/nonexistent", "/tmp/o", dtype="bf16"),
+     WhalepyError, ("dtype='bf16'", "torch.bfloat16")),
+    ("export checkpoint an int", lambda: whalepy.export_safetensors(5, "/tmp/o"), ArgumentError, ("got int 5",)),
+    ("pseudo_to_real of a name", lambda: whalepy.pseudo_to_real("gpt"), ArgumentError, ("needs an nn.Module",)),
+    ("delink of a name", lambda: whalepy.delink("gpt"), ArgumentError, ("pseudo model", "got str")),
+    ("delink with an optimizer name", lambda: whalepy.delink(whalepy.pseudo_to_real(tiny()), optimizer="adam"),
+     ArgumentError, ("torch.optim.Optimizer", "got str")),
+    ("profile option not a bool", lambda: whalepy.profile(tiny(), (TOKENS,), sequence_parallel="yes"),
+     ArgumentError, ("sequence_parallel='yes'", "True or False")),
+    ("token ids beyond the vocabulary", lambda: whalepy.profile(tiny(), (torch.full((1, 8), 100),)),
+     ArgumentError, ("token id 100", "32 rows", "model's own vocabulary")),
+    ("ClusterSpec.local(device_type=5)", lambda: ClusterSpec.local(2, device_type=5), ClusterSpecError,
+     ("device_type=5", "'H100-SXM'")),
+    ("Plan.save into a directory", lambda: _plan_of_tiny().save("/tmp"), PlanError, ("is a directory", "plan.json")),
+    ("Plan.save into a missing directory", lambda: _plan_of_tiny().save("/nonexistent/p.json"), PlanError,
+     ("'/nonexistent' does not exist", "mkdir -p")),
     ("materialize a built model", lambda: whalepy.materialize(tiny()), WhalepyError, ("meta device",)),
     ("calibrate an unknown device", lambda: whalepy.calibrate(device="tpu"), ArgumentError, ("'tpu'", "'cpu'")),
 ]
@@ -485,6 +505,18 @@ def test_train_step_mistakes(one_rank_launch) -> None:
     assert_clear(lambda: pm.train_step({"idx": ok}, ok), ArgumentError, "tuple of tensors", "got dict")
     long = torch.zeros(4, 32, dtype=torch.long)
     assert_clear(lambda: pm.train_step(long, long), ArgumentError, "32 tokens", "16 positions", "shorten")
+    assert_clear(lambda: pm.train_step(torch.full((4, 8), 40), ok), ArgumentError, "token id 40",
+                 "transformer.wte has 32 rows", "model's own vocabulary")
+    assert_clear(lambda: pm.train_step(torch.full((4, 8), -1), ok), ArgumentError, "token id -1")
+    assert_clear(lambda: pm.train_step(ok.float(), ok), ArgumentError, "float32[4, 8]", "integer token ids")
+    assert_clear(lambda: pm.train_step(ok[:, 0], ok), ArgumentError, "shape (4,)", "example input had 2")
+    assert_clear(lambda: pm.train_step((ok, ok), ok), ArgumentError, "2 model inputs", "train_step(inputs, targets)")
+    assert_clear(lambda: pm.train_step(ok.to("meta"), ok), ArgumentError, "meta device")
+    assert_clear(lambda: pm.load_state_dict({"x": 1}), ArgumentError, "ParallelModel.state_dict()", "['x']")
+    assert_clear(lambda: pm.save(5), ArgumentError, "directory path, got int 5")
+    afile = one_rank_launch / "afile"
+    afile.write_text("x")
+    assert_clear(lambda: pm.save(str(afile / "ckpt")), ArgumentError, "is a file, not a directory")
     vector = whalepy.parallelize(tiny(), one, example_inputs=(TOKENS,), optimizer=sgd, global_batch=4,
                                  loss_fn=lambda out, y: out.float().mean(dim=-1))
     assert_clear(lambda: vector.train_step(ok, ok), ArgumentError, "not a scalar", ".mean()")
@@ -495,6 +527,19 @@ def test_train_step_mistakes(one_rank_launch) -> None:
     assert_clear(lambda: pw.load(str(one_rank_launch / "ckpt")), WhalepyError, "shape [32, 16]", "[32, 32]",
                  "other sizes")
     assert_clear(lambda: pw.load(str(one_rank_launch)), WhalepyError, "no .metadata", "pm.save()")
+    import shutil
+
+    for name, damage in (("truncated .metadata", lambda d: (d / ".metadata").write_bytes(b"\x80\x04")),
+                         ("truncated data", lambda d: [f.write_bytes(b"") for f in d.glob("*.distcp")]),
+                         ("missing data", lambda d: [f.unlink() for f in d.glob("*.distcp")])):
+        bad = one_rank_launch / name.replace(" ", "_")
+        shutil.copytree(one_rank_launch / "ckpt", bad)
+        damage(bad)
+        assert_clear(lambda: pm.load(str(bad)), WhalepyError, "is damaged", "use an earlier checkpoint")
+        if name.startswith("truncated ."):
+            assert_clear(lambda: whalepy.export_safetensors(str(bad), str(one_rank_launch / "out"), config={}),
+                         WhalepyError, ".metadata cannot be read")
+    pm.load(str(one_rank_launch / "ckpt"))  # the intact one still loads
     other = whalepy.estimate(tiny(), ClusterSpec.local(2), {"dp": 2}, **plan_kw()).plan
     assert_clear(lambda: whalepy.parallelize(tiny(), one, example_inputs=(TOKENS,), loss_fn=mean_loss,
                                              optimizer=sgd, global_batch=8, plan=other),

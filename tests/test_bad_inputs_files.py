@@ -68,6 +68,7 @@ def test_unreadable_plan_files(tmp_path: Path, text, needles) -> None:
 
 def test_plan_path_is_a_directory(tmp_path: Path) -> None:
     assert_clear(lambda: whalepy.Plan.load(tmp_path), PlanError, "is a directory", "JSON plan")
+    assert_clear(lambda: whalepy.Plan.load(5), PlanError, "path of a JSON plan, got int 5")
 
 
 # -- hand-edited plans checked against the model -------------------------------------------------------
@@ -160,6 +161,12 @@ CLI = [
     ("function returns a model", ["plan", "bad_input_cases:not_a_pair", "--cluster", CPU4],
      ("must return (model, example_inputs)",)),
     ("synthetic unknown", ["plan", "synthetic:gpt9", "--cluster", CPU4], ("gpt9",)),
+    ("names a constant, not a function", ["plan", "bad_input_cases:CPU4", "--cluster", CPU4],
+     ("bad_input_cases:CPU4 is a str, not a function",)),
+    ("function needs arguments", ["plan", "bad_input_cases:write", "--cluster", CPU4],
+     ("needs arguments", "def build(): return my_fn(...)")),
+    ("show --model without --check", ["show", "p.json", "--model", MODEL], ("--model is used by --check only",)),
+    ("show a cluster spec", ["show", CPU4], ("cpu4.yaml: plan is not valid JSON", "whalepy plan --out")),
     ("estimate --dp 0", EST + ["--dp", "0"], ("--dp 0",)),
     ("estimate --zero 5", EST + ["--dp", "4", "--zero", "5"], ("--zero 5", "0, 1, 2 or 3")),
     ("estimate --schedule foo", EST + ["--dp", "4", "--schedule", "foo"], ("--schedule foo",)),

@@ -500,6 +500,10 @@ class ClusterSpec:
         """
         import torch
 
+        _require(device_type is None or isinstance(device_type, DeviceType)
+                 or (isinstance(device_type, str) and bool(device_type.strip())),
+                 f"ClusterSpec.local(device_type={device_type!r:.60}): give a device type name such as 'H100-SXM' "
+                 "or 'CPU', or a DeviceType")
         custom: tuple[DeviceType, ...] = ()
         if isinstance(device_type, DeviceType) and CATALOG.get(device_type.name) != device_type:
             custom = (device_type,)  # a catalog name with other numbers is refused as shadowing

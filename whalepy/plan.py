@@ -16,6 +16,7 @@ import dataclasses
 import enum
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -478,7 +479,17 @@ class Plan:
         return json.dumps(self.to_dict(), indent=2)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json() + "\n")
+        if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+            raise PlanError(f"Plan.save() takes a file path, got {type(path).__name__} {path!r:.60}; e.g. "
+                            "plan.save('plan.json')")
+        p = Path(path)
+        if p.is_dir():
+            raise PlanError(f"Plan.save({os.fspath(path)!r}): that is a directory; give a file name, e.g. "
+                            f"{os.fspath(p / 'plan.json')!r}")
+        if not p.parent.is_dir():
+            raise PlanError(f"Plan.save({os.fspath(path)!r}): the directory {os.fspath(p.parent)!r} does not exist; "
+                            "create it (mkdir -p) or save elsewhere")
+        p.write_text(self.to_json() + "\n")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
@@ -522,7 +533,8 @@ class Plan:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
-            raise PlanError(f"plan is not valid JSON: {e}") from e
+            raise PlanError(f"plan is not valid JSON ({e}); give a plan file written by `whalepy plan --out` or "
+                            "Plan.save() (a truncated one: re-create it)") from None
         return cls.from_dict(data)
 
     @classmethod
@@ -533,6 +545,9 @@ class Plan:
         with an embedding) or its ``profile``, check the plan against the model and its annotations
         (:func:`whalepy._plan_check.check_plan`): a hand-edited plan that cannot lower as written is a
         PlanError here, not a failure inside torch later."""
+        if not isinstance(path, (str, os.PathLike)):
+            raise PlanError(f"Plan.load() takes the path of a JSON plan, got {type(path).__name__} {path!r:.60}; "
+                            "e.g. Plan.load('plan.json')")
         p = Path(path)
         if not p.exists():
             raise PlanError(f"no plan file at {p}; give the path of a JSON plan written by `whalepy plan --out` "
@@ -543,7 +558,10 @@ class Plan:
             text = p.read_text()
         except (OSError, UnicodeDecodeError) as e:
             raise PlanError(f"cannot read plan file {p}: {e}; give a readable JSON plan file") from None
-        plan = cls.from_json(text)
+        try:
+            plan = cls.from_json(text)
+        except PlanError as e:
+            raise PlanError(f"{p}: {e}") from None
         if model_fingerprint is not None:
             plan.check_model(model_fingerprint)
         if model is not None or profile is not None:
