@@ -313,6 +313,11 @@ RUNTIME = [
      ("['solver']", "drop")),
     ("plan for another global batch", lambda: _parallelize(plan=_plan_of_tiny(), global_batch=16)(), PlanError,
      ("global batch of 8", "global_batch=16")),
+    ("plan for another cluster size", lambda: _parallelize(plan=_plan_of_tiny(), cluster_spec=ClusterSpec.local(8))(),
+     PlanError, ("plan is for 4 devices but the cluster spec has 8",)),
+    ("plan for other device types", lambda: _parallelize(plan=_plan_of_tiny(), cluster_spec=ClusterSpec.from_dict(
+        {"groups": [{"name": "t", "gpu": "T4", "gpus_per_node": 4, "intra_node": "pcie3", "simulated": True}]}))(),
+     PlanError, ("puts a CPU on rank 0", "has a T4 there", "re-plan")),
     ("checkpoint missing", _parallelize(checkpoint="/nonexistent/ckpt"), WhalepyError,
      ("/nonexistent/ckpt",)),
     ("float example inputs", _parallelize(example_inputs=(torch.zeros(1, 8),)), ArgumentError, ("token ids",)),

@@ -103,6 +103,7 @@ from whalepy.runtime._pm_helpers import (  # noqa: F401 - _checked_loss: tests i
     _pipeline_chunks,
     _resolve_block_modules,
     _check_device,
+    _check_plan_cluster,
 )
 
 __all__ = ["ParallelModel", "UnlaunchedModel", "is_distributed_launch", "parallelize"]
@@ -234,6 +235,7 @@ def parallelize(
     if plan.global_batch != global_batch:
         raise PlanError(f"the plan is for a global batch of {plan.global_batch}, parallelize() was "
                         f"given global_batch={global_batch}; re-plan or pass the plan's batch")
+    _check_plan_cluster(plan, cluster_spec)
     if not is_distributed_launch():
         global _hint_printed
         if not _hint_printed:
