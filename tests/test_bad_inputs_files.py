@@ -213,6 +213,13 @@ def test_run_mistakes(tmp_path: Path, capsys) -> None:
     script = write(tmp_path, "s.py", "")
     assert main(["run", "-n", "2", "--plan", str(tmp_path / "p.json"), script]) == 2
     assert "no plan file at" in capsys.readouterr().err
+    plan4 = edited_plan_json(tmp_path, lambda d: None)  # a plan for 4 processes, refused before any starts
+    assert main(["run", "-n", "2", "--plan", plan4, script]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "-n 2 starts 2 processes but the plan" in err[0] and "use -n 4" in err[0], err
+    assert main(["run", "-n", "4", "--plan", write(tmp_path, "bad.json", "{"), script]) == 2
+    assert "plan is not valid JSON" in capsys.readouterr().err
+    assert main(["run", "-n", "4", "--plan", plan4, "--dry-run", script]) == 0
 
 
 USAGE = [
