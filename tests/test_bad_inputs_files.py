@@ -46,6 +46,17 @@ MALFORMED = [
      ("tensor parallelism (tp=2)", "use tp=1 or tiles=1")),
     ("reduce every micro-batch not a bool", lambda d: _stage(d).update(reduce_every_microbatch="yes"),
      ("reduce_every_microbatch must be true or false",)),
+    ("stages a string", lambda d: d.update(stages="x"), ("plan.stages must be a JSON list", "str 'x'")),
+    ("a stage a list", lambda d: d.update(stages=[[1]]), ("plan.stages[0] must be a JSON object (a StagePlan)",)),
+    ("ranks a string", lambda d: _stage(d).update(ranks="0,1"), ("plan.stages[0].ranks must be a JSON list",)),
+    ("global batch a string", lambda d: d.update(global_batch="8"), ("plan.global_batch must be a number",)),
+    ("block name a number", lambda d: _stage(d)["blocks"][0].update(name=5),
+     ("plan.stages[0].blocks[0].name must be a string",)),
+    ("checkpoint a string", lambda d: _stage(d)["blocks"][0].update(checkpoint="yes"),
+     ("blocks[0].checkpoint must be true or false", "'yes'")),
+    ("fingerprint a number", lambda d: d.update(model_fingerprint=5), ("plan.model_fingerprint must be a string",)),
+    ("unknown TP style", lambda d: d["tensor_parallel"][0].update(style="diagonal"),
+     ("'diagonal'", "re-create it with `whalepy plan`")),
 ]
 
 
