@@ -235,8 +235,8 @@ def parallelize(
     if plan.global_batch != global_batch:
         raise PlanError(f"the plan is for a global batch of {plan.global_batch}, parallelize() was "
                         f"given global_batch={global_batch}; re-plan or pass the plan's batch")
-    _check_plan_cluster(plan, cluster_spec)
     if not is_distributed_launch():
+        _check_plan_cluster(plan, cluster_spec)
         global _hint_printed
         if not _hint_printed:
             print(f"whalepy: {launch_hint(plan.world_size)}", file=sys.stderr)
@@ -245,7 +245,8 @@ def parallelize(
 
     device_type = _init_process_group(cluster_spec)
     rank = dist.get_rank()
-    check_world(plan)
+    check_world(plan)  # the launch against the plan first: its message says how to launch
+    _check_plan_cluster(plan, cluster_spec)
     check_tiles(plan)  # memory-centric tiling only where it is lowered, before profiling
     mine = next(st for st in plan.stages if rank in st.all_ranks)  # the disk tier's space, before any lowering
     if any(Tier.NVME in (b.param_tier, b.optimizer_tier) for b in mine.blocks):
