@@ -100,3 +100,15 @@ def one_rank_launch(tmp_path: Path, monkeypatch):  # type: ignore[no-untyped-def
     finally:
         dist.destroy_process_group()
         sys.excepthook = hook
+
+
+@pytest.fixture()
+def no_capture(monkeypatch):  # type: ignore[no-untyped-def]
+    """Fail the test if the call gets as far as capturing the model (the mistake must be refused first)."""
+    import importlib
+
+    def capture(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError("the model was captured before the bad input was refused")
+
+    # the module (whalepy.profile, the attribute, is the function of that name)
+    monkeypatch.setattr(importlib.import_module("whalepy.profile"), "profile", capture)

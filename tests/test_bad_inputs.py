@@ -27,7 +27,7 @@ from whalepy import (
 from whalepy.cluster import ClusterSpec
 
 from bad_input_cases import CPU4, TOKENS, a100, assert_clear, cluster4, plan_kw, tiny, write
-from bad_input_cases import one_rank_launch  # noqa: F401  (a fixture)
+from bad_input_cases import no_capture, one_rank_launch  # noqa: F401  (fixtures)
 
 sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
 mean_loss = lambda out, y: out.float().mean()  # noqa: E731
@@ -85,6 +85,12 @@ PLAN_TIME_ANNOTATIONS = [
      AnnotationError, ("'fast'", "does not have")),
     ("cluster(gpu=) unknown custom", lambda: _plan(tiny(**{"transformer.h.0": whalepy.cluster(gpu="RTX9")}))(),
      AnnotationError, ("'RTX9'", "does not have")),
+    ("cluster(count=8) on 4 devices", lambda: _plan(tiny(**{"transformer.h.0": whalepy.cluster(count=8)}))(),
+     AnnotationError, ("cluster(count=8)", "more than the matching group(s) have", "4 devices on 1 nodes")),
+    ("cluster(nodes=5) on 1 node", lambda: _plan(tiny(**{"transformer.h.0": whalepy.cluster(nodes=5)}))(),
+     AnnotationError, ("nodes=5", "more than", "add the devices")),
+    ("cluster(count=2) part of the only group", lambda: _plan(tiny(**{"transformer.h.0": whalepy.cluster(count=2)}))(),
+     AnnotationError, ("count=2 asks for part", "node group of their own")),
 ]
 
 
@@ -117,6 +123,20 @@ CLUSTER_DICTS = [
     ("custom device missing field", {"devices": {"MyGPU": {"peak_tflops_16": 10}},
                                      "groups": [_group(gpu="MyGPU", intra_node="pcie4")]}, ("MyGPU",)),
     ("nvme missing read_gbs", {"groups": [_group(nvme={"capacity_tb": 1, "write_gbs": 1})]}, ("read_gbs",)),
+    ("host memory in bytes", {"groups": [_group(cpu_memory_gb=512 * 2**30)]},
+     ("cpu_memory_gb: 549755813888", "more than any hardware has", "in bytes, write cpu_memory_gb: 512")),
+    ("NVMe capacity in GB", {"groups": [_group(cpu_memory_gb=64, nvme={"capacity_tb": 3840, "read_gbs": 6.8,
+                                                                      "write_gbs": 4})]},
+     ("capacity_tb: 3840", "in GB, write capacity_tb: 3.84")),
+    ("NVMe read in MB/s", {"groups": [_group(cpu_memory_gb=64, nvme={"capacity_tb": 3.84, "read_gbs": 6800,
+                                                                    "write_gbs": 4})]},
+     ("read_gbs: 6800", "in MB/s, write read_gbs: 6.8")),
+    ("network in bit/s", {"network": {"bandwidth_gbps": 1e11}, "groups": [_group()]},
+     ("bandwidth_gbps", "in bit/s, write bandwidth_gbps: 100")),
+    ("custom device memory in bytes", {"devices": {"X": {"peak_tflops_16": 1, "peak_tflops_32": 1, "memory_gb": 80e9,
+                                                         "memory_bandwidth_gbs": 100, "host_link_gbs": 10}},
+                                       "groups": [_group(gpu="X", intra_node="pcie4")]},
+     ("memory_gb: 80000000000.0", "in bytes, write memory_gb: 74.51")),
 ]
 
 
@@ -130,12 +150,18 @@ CLUSTER_FILES = [
     ("malformed YAML", "groups: [ {name: a, gpu: CPU\n", "c.yaml", ("not valid YAML", "line", "fix the syntax")),
     ("malformed JSON", "{bad", "c.json", ("not valid JSON", "fix the syntax")),
     ("empty YAML", "", "c.yaml", ("mapping",)),
+    ("binary file", "\udcff\udcfegroups", "c.yaml", ("not UTF-8 text", "byte 0")),
+    ("YAML key given twice", "groups:\n  - {name: g, gpu: CPU, gpus_per_node: 2, gpus_per_node: 4, intra_node: shm}\n",
+     "c.yaml", ("key 'gpus_per_node' is given twice", "line 2", "keep one")),
+    ("JSON key given twice", '{"groups": [], "groups": [{"name": "g"}]}', "c.json", ("key 'groups' is given twice",)),
 ]
 
 
 @pytest.mark.parametrize("text, name, needles", [c[1:] for c in CLUSTER_FILES], ids=[c[0] for c in CLUSTER_FILES])
 def test_cluster_file_mistakes(tmp_path: Path, text, name, needles) -> None:
-    path = str(tmp_path / name) if text is None else write(tmp_path, name, text)
+    path = str(tmp_path / name)
+    if text is not None:
+        (tmp_path / name).write_bytes(text.encode("utf-8", "surrogateescape"))  # lone surrogates: raw bytes
     assert_clear(lambda: ClusterSpec.load(path), ClusterSpecError, *needles)
 
 
@@ -152,6 +178,13 @@ PLANNER = [
     ("model is a name", lambda: whalepy.plan("gpt2", cluster4(), **plan_kw()), ArgumentError,
      ("needs a torch.nn.Module", "`whalepy plan NAME"),),
     ("model is None", lambda: whalepy.plan(None, cluster4(), **plan_kw()), ArgumentError, ("nn.Module",)),
+    ("empty nn.Sequential", lambda: whalepy.plan(torch.nn.Sequential(), cluster4(), **plan_kw()), ArgumentError,
+     ("Sequential has no parameters", "nothing to train")),
+    ("model without parameters", lambda: whalepy.profile(torch.nn.ReLU(), (torch.zeros(1, 4),)), ArgumentError,
+     ("whalepy.profile(): ReLU has no parameters",)),
+    ("global batch in tokens (10**12), answered at once", lambda: whalepy.plan(tiny(), cluster4(),
+                                                                               **plan_kw(global_batch=10**12)),
+     InfeasibleError, ("no plan fits", "a smaller micro-batch")),
     ("example inputs None", lambda: whalepy.plan(tiny(), cluster4(), example_inputs=None, global_batch=8),
      ArgumentError, ("example_inputs is None", "torch.zeros")),
     ("example inputs empty", lambda: whalepy.plan(tiny(), cluster4(), example_inputs=(), global_batch=8),
@@ -236,6 +269,25 @@ def test_estimate_and_profile_mistakes(fn, exc, needles) -> None:
     assert_clear(fn, exc, *needles)
 
 
+ESTIMATE_BEFORE_CAPTURE = [  # what the configuration asks of the cluster and the batch needs no model
+    ("global batch 0", _estimate({"dp": 4}, global_batch=0), ArgumentError, ("global_batch", "got 0")),
+    ("degrees do not multiply to the world", _estimate({"dp": 3}), PlanError, ("dp(3) * tp(1) * pp(1) = 3",)),
+    ("batch not divisible by dp", _estimate({"dp": 4}, global_batch=6), PlanError, ("does not split evenly over dp=4",)),
+    ("micro-batches do not divide", _estimate({"dp": 4, "num_microbatches": 3}), PlanError, ("3 equal micro-batches",)),
+    ("batch shares of the wrong length", _estimate({"dp": 4, "batch_shares": (4, 4)}), PlanError, ("4 positive numbers",)),
+    ("precision unknown", _estimate({"dp": 4}, precision="half"), PlanError, ("'half'", "bf16, fp16 or fp32")),
+    ("tp beyond a node", lambda: whalepy.estimate(tiny(), {"network": {"bandwidth_gbps": 100}, "groups": [
+        {"name": "g", "gpu": "CPU", "gpus_per_node": 2, "nodes": 2, "intra_node": "shm"}]}, {"dp": 1, "tp": 4},
+        **plan_kw()), PlanError, ("tp=4 does not divide the 2 GPUs per node",)),
+]
+
+
+@pytest.mark.parametrize("fn, exc, needles", [c[1:] for c in ESTIMATE_BEFORE_CAPTURE],
+                         ids=[c[0] for c in ESTIMATE_BEFORE_CAPTURE])
+def test_estimate_mistakes_before_the_capture(no_capture, fn, exc, needles) -> None:
+    assert_clear(fn, exc, *needles)
+
+
 def _parallelize(**kw):  # type: ignore[no-untyped-def]
     args = dict(model=tiny(), cluster_spec=cluster4(), example_inputs=(TOKENS,), loss_fn=mean_loss,
                 optimizer=sgd, global_batch=8)
@@ -261,14 +313,43 @@ RUNTIME = [
      ("['solver']", "drop")),
     ("plan for another global batch", lambda: _parallelize(plan=_plan_of_tiny(), global_batch=16)(), PlanError,
      ("global batch of 8", "global_batch=16")),
+    ("plan for another cluster size", lambda: _parallelize(plan=_plan_of_tiny(), cluster_spec=ClusterSpec.local(8))(),
+     PlanError, ("plan is for 4 devices but the cluster spec has 8",)),
+    ("plan for other device types", lambda: _parallelize(plan=_plan_of_tiny(), cluster_spec=ClusterSpec.from_dict(
+        {"groups": [{"name": "t", "gpu": "T4", "gpus_per_node": 4, "intra_node": "pcie3", "simulated": True}]}))(),
+     PlanError, ("puts a CPU on rank 0", "has a T4 there", "re-plan")),
     ("checkpoint missing", _parallelize(checkpoint="/nonexistent/ckpt"), WhalepyError,
      ("/nonexistent/ckpt",)),
     ("float example inputs", _parallelize(example_inputs=(torch.zeros(1, 8),)), ArgumentError, ("token ids",)),
 ]
 
+RUNTIME_BEFORE_CAPTURE = [
+    ("loss_parallel a string", _parallelize(loss_parallel="yes"), ArgumentError, ("loss_parallel='yes'", "True or False")),
+    ("sync_initial_weights a string", _parallelize(sync_initial_weights="no"), ArgumentError,
+     ("sync_initial_weights='no'",)),
+    ("seed negative", _parallelize(seed=-1), ArgumentError, ("seed=-1", "integer >= 0")),
+    ("seed a string", _parallelize(seed="0"), ArgumentError, ("seed='0'",)),
+    ("init_fn not callable", _parallelize(init_fn=5), ArgumentError, ("init_fn=5", "callable")),
+    ("profile a string", _parallelize(profile="gpt"), ArgumentError, ("ModelProfile", "got str")),
+    ("checkpoint an int", _parallelize(checkpoint=5), ArgumentError, ("checkpoint=5", "path of a checkpoint")),
+    ("nvme_dir empty", _parallelize(nvme_dir=""), ArgumentError, ("nvme_dir='' is an empty path",)),
+    ("loss_fn of one argument", _parallelize(loss_fn=lambda out: out.mean()), ArgumentError,
+     ("loss_fn(outputs, targets)", "F.cross_entropy")),
+    ("optimizer factory of two arguments", _parallelize(optimizer=lambda params, lr: None), ArgumentError,
+     ("with the parameters alone", "lambda params")),
+    ("model without parameters", _parallelize(model=torch.nn.ReLU(), example_inputs=(torch.zeros(1, 4),)),
+     ArgumentError, ("ReLU has no parameters",)),
+]
+
 
 @pytest.mark.parametrize("fn, exc, needles", [c[1:] for c in RUNTIME], ids=[c[0] for c in RUNTIME])
 def test_runtime_argument_mistakes(fn, exc, needles) -> None:
+    assert_clear(fn, exc, *needles)
+
+
+@pytest.mark.parametrize("fn, exc, needles", [c[1:] for c in RUNTIME_BEFORE_CAPTURE],
+                         ids=[c[0] for c in RUNTIME_BEFORE_CAPTURE])
+def test_runtime_argument_mistakes_before_the_capture(no_capture, fn, exc, needles) -> None:
     assert_clear(fn, exc, *needles)
 
 
@@ -387,6 +468,26 @@ MORE = [
      PlanError, ("'int8'", "bf16, fp16 or fp32")),
     ("export of a missing checkpoint", lambda: whalepy.export_safetensors("/nonexistent", "/tmp/whalepy-out"),
      WhalepyError, ("/nonexistent", "ParallelModel.save")),
+    ("export shard size 0", lambda: whalepy.export_safetensors("/nonexistent", "/tmp/o", max_shard_size=0),
+     WhalepyError, ("shard size 0", "5GB")),
+    ("export shard size with a typo", lambda: whalepy.export_safetensors("/nonexistent", "/tmp/o", max_shard_size="5XB"),
+     WhalepyError, ("'5XB'",)),
+    ("export dtype a string", lambda: whalepy.export_safetensors("/nonexistent", "/tmp/o", dtype="bf16"),
+     WhalepyError, ("dtype='bf16'", "torch.bfloat16")),
+    ("export checkpoint an int", lambda: whalepy.export_safetensors(5, "/tmp/o"), ArgumentError, ("got int 5",)),
+    ("pseudo_to_real of a name", lambda: whalepy.pseudo_to_real("gpt"), ArgumentError, ("needs an nn.Module",)),
+    ("delink of a name", lambda: whalepy.delink("gpt"), ArgumentError, ("pseudo model", "got str")),
+    ("delink with an optimizer name", lambda: whalepy.delink(whalepy.pseudo_to_real(tiny()), optimizer="adam"),
+     ArgumentError, ("torch.optim.Optimizer", "got str")),
+    ("profile option not a bool", lambda: whalepy.profile(tiny(), (TOKENS,), sequence_parallel="yes"),
+     ArgumentError, ("sequence_parallel='yes'", "True or False")),
+    ("token ids beyond the vocabulary", lambda: whalepy.profile(tiny(), (torch.full((1, 8), 100),)),
+     ArgumentError, ("token id 100", "32 rows", "model's own vocabulary")),
+    ("ClusterSpec.local(device_type=5)", lambda: ClusterSpec.local(2, device_type=5), ClusterSpecError,
+     ("device_type=5", "'H100-SXM'")),
+    ("Plan.save into a directory", lambda: _plan_of_tiny().save("/tmp"), PlanError, ("is a directory", "plan.json")),
+    ("Plan.save into a missing directory", lambda: _plan_of_tiny().save("/nonexistent/p.json"), PlanError,
+     ("'/nonexistent' does not exist", "mkdir -p")),
     ("materialize a built model", lambda: whalepy.materialize(tiny()), WhalepyError, ("meta device",)),
     ("calibrate an unknown device", lambda: whalepy.calibrate(device="tpu"), ArgumentError, ("'tpu'", "'cpu'")),
 ]
@@ -409,6 +510,18 @@ def test_train_step_mistakes(one_rank_launch) -> None:
     assert_clear(lambda: pm.train_step({"idx": ok}, ok), ArgumentError, "tuple of tensors", "got dict")
     long = torch.zeros(4, 32, dtype=torch.long)
     assert_clear(lambda: pm.train_step(long, long), ArgumentError, "32 tokens", "16 positions", "shorten")
+    assert_clear(lambda: pm.train_step(torch.full((4, 8), 40), ok), ArgumentError, "token id 40",
+                 "transformer.wte has 32 rows", "model's own vocabulary")
+    assert_clear(lambda: pm.train_step(torch.full((4, 8), -1), ok), ArgumentError, "token id -1")
+    assert_clear(lambda: pm.train_step(ok.float(), ok), ArgumentError, "float32[4, 8]", "integer token ids")
+    assert_clear(lambda: pm.train_step(ok[:, 0], ok), ArgumentError, "shape (4,)", "example input had 2")
+    assert_clear(lambda: pm.train_step((ok, ok), ok), ArgumentError, "2 model inputs", "train_step(inputs, targets)")
+    assert_clear(lambda: pm.train_step(ok.to("meta"), ok), ArgumentError, "meta device")
+    assert_clear(lambda: pm.load_state_dict({"x": 1}), ArgumentError, "ParallelModel.state_dict()", "['x']")
+    assert_clear(lambda: pm.save(5), ArgumentError, "directory path, got int 5")
+    afile = one_rank_launch / "afile"
+    afile.write_text("x")
+    assert_clear(lambda: pm.save(str(afile / "ckpt")), ArgumentError, "is a file, not a directory")
     vector = whalepy.parallelize(tiny(), one, example_inputs=(TOKENS,), optimizer=sgd, global_batch=4,
                                  loss_fn=lambda out, y: out.float().mean(dim=-1))
     assert_clear(lambda: vector.train_step(ok, ok), ArgumentError, "not a scalar", ".mean()")
@@ -419,6 +532,19 @@ def test_train_step_mistakes(one_rank_launch) -> None:
     assert_clear(lambda: pw.load(str(one_rank_launch / "ckpt")), WhalepyError, "shape [32, 16]", "[32, 32]",
                  "other sizes")
     assert_clear(lambda: pw.load(str(one_rank_launch)), WhalepyError, "no .metadata", "pm.save()")
+    import shutil
+
+    for name, damage in (("truncated .metadata", lambda d: (d / ".metadata").write_bytes(b"\x80\x04")),
+                         ("truncated data", lambda d: [f.write_bytes(b"") for f in d.glob("*.distcp")]),
+                         ("missing data", lambda d: [f.unlink() for f in d.glob("*.distcp")])):
+        bad = one_rank_launch / name.replace(" ", "_")
+        shutil.copytree(one_rank_launch / "ckpt", bad)
+        damage(bad)
+        assert_clear(lambda: pm.load(str(bad)), WhalepyError, "is damaged", "use an earlier checkpoint")
+        if name.startswith("truncated ."):
+            assert_clear(lambda: whalepy.export_safetensors(str(bad), str(one_rank_launch / "out"), config={}),
+                         WhalepyError, ".metadata cannot be read")
+    pm.load(str(one_rank_launch / "ckpt"))  # the intact one still loads
     other = whalepy.estimate(tiny(), ClusterSpec.local(2), {"dp": 2}, **plan_kw()).plan
     assert_clear(lambda: whalepy.parallelize(tiny(), one, example_inputs=(TOKENS,), loss_fn=mean_loss,
                                              optimizer=sgd, global_batch=8, plan=other),

@@ -46,6 +46,17 @@ MALFORMED = [
      ("tensor parallelism (tp=2)", "use tp=1 or tiles=1")),
     ("reduce every micro-batch not a bool", lambda d: _stage(d).update(reduce_every_microbatch="yes"),
      ("reduce_every_microbatch must be true or false",)),
+    ("stages a string", lambda d: d.update(stages="x"), ("plan.stages must be a JSON list", "str 'x'")),
+    ("a stage a list", lambda d: d.update(stages=[[1]]), ("plan.stages[0] must be a JSON object (a StagePlan)",)),
+    ("ranks a string", lambda d: _stage(d).update(ranks="0,1"), ("plan.stages[0].ranks must be a JSON list",)),
+    ("global batch a string", lambda d: d.update(global_batch="8"), ("plan.global_batch must be a number",)),
+    ("block name a number", lambda d: _stage(d)["blocks"][0].update(name=5),
+     ("plan.stages[0].blocks[0].name must be a string",)),
+    ("checkpoint a string", lambda d: _stage(d)["blocks"][0].update(checkpoint="yes"),
+     ("blocks[0].checkpoint must be true or false", "'yes'")),
+    ("fingerprint a number", lambda d: d.update(model_fingerprint=5), ("plan.model_fingerprint must be a string",)),
+    ("unknown TP style", lambda d: d["tensor_parallel"][0].update(style="diagonal"),
+     ("'diagonal'", "re-create it with `whalepy plan`")),
 ]
 
 
@@ -68,6 +79,7 @@ def test_unreadable_plan_files(tmp_path: Path, text, needles) -> None:
 
 def test_plan_path_is_a_directory(tmp_path: Path) -> None:
     assert_clear(lambda: whalepy.Plan.load(tmp_path), PlanError, "is a directory", "JSON plan")
+    assert_clear(lambda: whalepy.Plan.load(5), PlanError, "path of a JSON plan, got int 5")
 
 
 # -- hand-edited plans checked against the model -------------------------------------------------------
@@ -160,6 +172,12 @@ CLI = [
     ("function returns a model", ["plan", "bad_input_cases:not_a_pair", "--cluster", CPU4],
      ("must return (model, example_inputs)",)),
     ("synthetic unknown", ["plan", "synthetic:gpt9", "--cluster", CPU4], ("gpt9",)),
+    ("names a constant, not a function", ["plan", "bad_input_cases:CPU4", "--cluster", CPU4],
+     ("bad_input_cases:CPU4 is a str, not a function",)),
+    ("function needs arguments", ["plan", "bad_input_cases:write", "--cluster", CPU4],
+     ("needs arguments", "def build(): return my_fn(...)")),
+    ("show --model without --check", ["show", "p.json", "--model", MODEL], ("--model is used by --check only",)),
+    ("show a cluster spec", ["show", CPU4], ("cpu4.yaml: plan is not valid JSON", "whalepy plan --out")),
     ("estimate --dp 0", EST + ["--dp", "0"], ("--dp 0",)),
     ("estimate --zero 5", EST + ["--dp", "4", "--zero", "5"], ("--zero 5", "0, 1, 2 or 3")),
     ("estimate --schedule foo", EST + ["--dp", "4", "--schedule", "foo"], ("--schedule foo",)),
@@ -206,6 +224,13 @@ def test_run_mistakes(tmp_path: Path, capsys) -> None:
     script = write(tmp_path, "s.py", "")
     assert main(["run", "-n", "2", "--plan", str(tmp_path / "p.json"), script]) == 2
     assert "no plan file at" in capsys.readouterr().err
+    plan4 = edited_plan_json(tmp_path, lambda d: None)  # a plan for 4 processes, refused before any starts
+    assert main(["run", "-n", "2", "--plan", plan4, script]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "-n 2 starts 2 processes but the plan" in err[0] and "use -n 4" in err[0], err
+    assert main(["run", "-n", "4", "--plan", write(tmp_path, "bad.json", "{"), script]) == 2
+    assert "plan is not valid JSON" in capsys.readouterr().err
+    assert main(["run", "-n", "4", "--plan", plan4, "--dry-run", script]) == 0
 
 
 USAGE = [

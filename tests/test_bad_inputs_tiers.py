@@ -21,21 +21,9 @@ from whalepy.runtime import make_plan
 from whalepy.trace import trace_memory
 
 from bad_input_cases import CPU4, TOKENS, assert_clear, cluster4, plan_kw, tiny, write
-from bad_input_cases import one_rank_launch  # noqa: F401  (a fixture)
+from bad_input_cases import no_capture, one_rank_launch  # noqa: F401  (fixtures)
 
 BLOCKS = ["embed", "transformer.h.0", "transformer.h.1", "head"]  # tiny()'s blocks
-
-
-@pytest.fixture()
-def no_capture(monkeypatch):  # type: ignore[no-untyped-def]
-    """Fail the test if whalepy.plan gets as far as capturing the model."""
-    import importlib
-
-    def capture(*args, **kwargs):  # type: ignore[no-untyped-def]
-        raise AssertionError("the model was captured before the bad option was refused")
-
-    # the module (whalepy.profile, the attribute, is the function of that name)
-    monkeypatch.setattr(importlib.import_module("whalepy.profile"), "profile", capture)
 
 
 # -- planner options: refused before the capture -------------------------------------------------------

@@ -104,7 +104,7 @@ def test_errors_are_one_line_and_early(tmp_path):
                     global_batch=8, checkpoint=tmp_path)
     with pytest.raises(whalepy.WhalepyError, match="needs a model with tensors on the meta device"):
         whalepy.materialize(real)
-    with pytest.raises(whalepy.WhalepyError, match="not a torch.distributed.checkpoint directory"):
+    with pytest.raises(whalepy.WhalepyError, match="not a checkpoint directory written by ParallelModel.save"):
         export_safetensors(tmp_path, tmp_path / "out")
 
 
@@ -119,5 +119,5 @@ def test_export_refuses_a_config_of_another_model(tmp_path):
     with pytest.raises(whalepy.WhalepyError, match=r"does not match GPT2LMHeadModel: it lacks"):
         export_safetensors(tmp_path / "ckpt", tmp_path / "out", config=other)
     assert parse_size("5GB") == 5 * 10**9 and parse_size("2MiB") == 2 * 2**20 and parse_size(10) == 10
-    with pytest.raises(whalepy.WhalepyError, match="is not a size"):
+    with pytest.raises(whalepy.WhalepyError, match="is not a positive size"):
         parse_size("lots")

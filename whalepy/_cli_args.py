@@ -98,6 +98,9 @@ def check_cli_args(args: argparse.Namespace) -> None:
         raise ArgumentError(f"--max-tp {max_tp}: must be a power of two (1, 2, 4, 8, ...)")
     _check_run(args)
     _output_paths(args)
+    if getattr(args, "command", None) == "show" and (args.model or args.seq_len) and not args.check:
+        raise ArgumentError(f"{'--model' if args.model else '--seq-len'} is used by --check only; add --check to "
+                            "check the plan against the model, or drop it")
     model = getattr(args, "model", None)
     if model and ":" in model and not model.startswith("synthetic:") and getattr(args, "seq_len", None):
         raise ArgumentError(f"--seq-len applies to built-in and synthetic: models; {model} returns its own "

@@ -63,6 +63,24 @@ _UNITS = {  # schema key -> what its number counts (docs/cluster_spec.md, "Units
 }
 
 
+_MOST = {  # schema key -> (largest plausible value, what holds more, the unit a too-large number is likely in)
+    "cpu_memory_gb": (2**16, "64 TiB; the largest single servers hold 24-32 TB", ("bytes", 2**30)),
+    "capacity_tb": (2000, "24 drives of 61.44 TB make 1475 TB per node", ("GB", 1e3)),
+    "read_gbs": (1000, "24 PCIe 5 drives read about 340 GB/s", ("MB/s", 1e3)),
+    "write_gbs": (1000, "24 PCIe 5 drives write about 240 GB/s", ("MB/s", 1e3)),
+    "bandwidth_gbps": (10**5, "8 NICs of 800 Gb/s make 6400 Gb/s per node", ("bit/s", 1e9)),
+    "bandwidth_gbs": (10**4, "NVLink 5 moves 900 GB/s per GPU per direction", ("bytes/s", 1e9)),
+    "memory_gb": (2**14, "the largest GPUs hold 288 GB", ("bytes", 2**30)),
+    "memory_bandwidth_gbs": (10**5, "HBM3e reaches 8 TB/s", ("bytes/s", 1e9)),
+    "host_link_gbs": (10**4, "NVLink-C2C moves 450 GB/s per direction", ("bytes/s", 1e9)),
+    "peak_tflops_16": (10**5, "a B200 computes about 2250 dense 16-bit TFLOP/s", ("FLOP/s", 1e12)),
+    "peak_tflops_32": (10**5, "a B200 computes about 80 fp32 TFLOP/s", ("FLOP/s", 1e12)),
+}
+"""A number above these is a unit mistake (bytes for GiB, GB for TB, bits for Gb), refused rather than
+planned with: the bounds sit 1.5-50x above today's largest hardware (the reason beside each), far below
+the value the usual wrong unit gives."""
+
+
 def _num(d: Mapping[str, Any], key: str, where: str, scale: float, *, required: bool = False,
          zero_ok: bool = False) -> float | None:
     value = d.get(key)
@@ -74,6 +92,11 @@ def _num(d: Mapping[str, Any], key: str, where: str, scale: float, *, required: 
     ok = ok and (value >= 0 if zero_ok else value > 0)
     _require(ok, f"{where}: {key} must be a {'non-negative' if zero_ok else 'positive'} number, "
              f"got {value!r}; write a plain number ({unit}) without units or quotes")
+    if key in _MOST and value > _MOST[key][0]:
+        most, reason, (likely, factor) = _MOST[key]
+        raise ClusterSpecError(
+            f"{where}: {key}: {value!r} is more than any hardware has (above {most:g}; {reason}); {key} counts "
+            f"{unit}: if {value!r} is in {likely}, write {key}: {value / factor:.4g}")
     return value * scale
 
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from whalepy._errors import AnnotationError, InfeasibleError, LaunchError, WhalepyError
+from whalepy._errors import AnnotationError, ArgumentError, InfeasibleError, LaunchError, WhalepyError
 
 if TYPE_CHECKING:
     from whalepy.plan import Plan
@@ -137,13 +137,16 @@ def delink(
     """
     if isinstance(target, nn.Module):
         if plan is not None or profile is not None or checkpoint_dir is not None or planner_options:
-            raise TypeError("delink(model) takes only optimizer=; plan, checkpoint_dir and planner options "
+            raise ArgumentError("delink(model) takes only optimizer=; plan, checkpoint_dir and planner options "
                             "are for delink(pm) on a ParallelModel")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise ArgumentError(f"delink(model, optimizer=...) takes the model's torch.optim.Optimizer (to give each "
+                                f"untied layer its state), got {type(optimizer).__name__}; or leave it out")
         return _delink_module(target, optimizer)
     from whalepy.runtime.parallel_model import ParallelModel
 
     if not isinstance(target, ParallelModel):
-        raise TypeError(f"delink() takes a pseudo model (nn.Module) or a ParallelModel of one, got "
+        raise ArgumentError(f"delink() takes a pseudo model (nn.Module) or a ParallelModel of one, got "
                         f"{type(target).__name__}")
     if optimizer is not None:
         raise TypeError("delink(pm) maps pm's own optimizer; optimizer= is for delink(model)")
@@ -155,7 +158,8 @@ def delink(
 
 def _layer_container(model: nn.Module, layers: str) -> nn.Module:
     if not isinstance(model, nn.Module):
-        raise TypeError(f"pseudo_to_real() needs an nn.Module, got {type(model).__name__}")
+        raise ArgumentError(f"pseudo_to_real() needs an nn.Module, got {type(model).__name__}; build the model "
+                            "first and pass it")
     try:
         container = model.get_submodule(layers)
     except AttributeError:

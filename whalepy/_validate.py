@@ -15,7 +15,8 @@ from typing import Any
 from whalepy._errors import ArgumentError, ClusterSpecError
 
 __all__ = ["as_cluster", "check_model", "check_example_inputs", "max_positions", "check_positive_int",
-           "check_scalar_loss", "first_embedding", "token_dtype_hint", "check_nvme_dir"]
+           "check_scalar_loss", "first_embedding", "token_dtype_hint", "check_nvme_dir", "token_vocab",
+           "check_token_ids"]
 
 _POSITION_FIELDS = ("block_size", "n_positions", "max_position_embeddings")
 """Config fields that bound the sequence length: whalepy's GPTConfig, HF GPT-2, HF Llama / BERT."""
@@ -43,6 +44,10 @@ def check_model(model: Any, where: str) -> None:
         hint = " (a built-in name works on the command line: `whalepy plan NAME ...`)" if isinstance(model, str) else ""
         raise ArgumentError(f"{where} needs a torch.nn.Module, got {type(model).__name__} {model!r:.60}{hint}; "
                             "build the model first and pass it")
+    if next(model.parameters(), None) is None:
+        raise ArgumentError(f"{where}: {type(model).__name__} has no parameters, so there is nothing to train, "
+                            "shard or place; pass the model whose weights you train (its modules registered as "
+                            "attributes or in nn.ModuleList, not a plain Python list)")
 
 
 def max_positions(model: Any) -> tuple[int, str] | None:
@@ -104,6 +109,9 @@ def check_example_inputs(model: Any, example_inputs: Any, where: str) -> None:
         if x.dim() >= 1 and x.shape[0] == 0:
             raise ArgumentError(f"{where}: {name} has an empty batch dimension ({_describe(x)}); give at "
                                 "least one sample")
+    first = tensors[0] if items[0][1] is tensors[0][1] else None
+    if first is not None and not first[1].is_floating_point():  # float ids: told after the capture (token_dtype_hint)
+        check_token_ids(first[1], token_vocab(model), where, first[0])
 
 
 def token_dtype_hint(model: Any, example_inputs: Any) -> ArgumentError | None:
@@ -117,6 +125,40 @@ def token_dtype_hint(model: Any, example_inputs: Any) -> ArgumentError | None:
     return ArgumentError(
         f"the model could not be captured: the first example input is {_describe(first)} but {type(model).__name__} starts with an "
         f"embedding ({embed}) that takes integer token ids; pass e.g. torch.zeros{tuple(first.shape)}.long()")
+
+
+def token_vocab(model: Any) -> tuple[int, str] | None:
+    """``(rows, path)`` of the model's token embedding, which its first input (token ids ``0 .. rows - 1``)
+    goes through: the one of ``config.vocab_size`` rows, else the model's only embedding; None when it is
+    not clear which embedding takes the first input (a position table registered first, several tables)."""
+    import torch.nn as nn
+
+    embeddings = [(p, m) for p, m in model.named_modules() if isinstance(m, nn.Embedding)]
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    chosen = [(p, m) for p, m in embeddings if m.num_embeddings == vocab] if isinstance(vocab, int) else []
+    chosen = chosen or (embeddings if len(embeddings) == 1 and first_embedding(model) is not None else [])
+    return (chosen[0][1].num_embeddings, chosen[0][0]) if chosen else None
+
+
+def check_token_ids(x: Any, vocab: tuple[int, str] | None, where: str, name: str) -> None:
+    """Token ids in ``x`` (a model's first input) fit the embedding ``vocab`` (:func:`token_vocab`): an
+    id outside it fails deep inside ``F.embedding`` on the CPU and as a device-side assert on a GPU.
+    Checked on CPU tensors only (reading a GPU tensor's range would synchronise every step)."""
+    import torch
+
+    if vocab is None or not isinstance(x, torch.Tensor) or x.device.type != "cpu" or x.numel() == 0:
+        return
+    rows, path = vocab
+    if x.is_floating_point():
+        raise ArgumentError(f"{where}: {name} is {_describe(x)} but the model starts with an embedding ({path}) that "
+                            "takes integer token ids; pass e.g. tokens.long()")
+    if x.dtype is torch.bool or x.is_complex():
+        return
+    low, high = int(x.min()), int(x.max())
+    if low < 0 or high >= rows:
+        raise ArgumentError(f"{where}: {name} holds token id {low if low < 0 else high} but the embedding {path} has "
+                            f"{rows} rows (ids 0 to {rows - 1}); tokenize with the model's own vocabulary, or build "
+                            "the model with a larger vocab_size")
 
 
 def first_embedding(model: Any) -> str | None:
@@ -160,8 +202,9 @@ def check_nvme_dir(nvme_dir: Any, keep: Any, *, on_node: bool, needed_bytes: flo
     import tempfile
     from pathlib import Path
 
-    if nvme_dir is not None and not isinstance(nvme_dir, (str, os.PathLike)):
-        raise ArgumentError(f"{where}: nvme_dir={nvme_dir!r:.60} is a {type(nvme_dir).__name__}; pass the path of a "
+    if nvme_dir is not None and (not isinstance(nvme_dir, (str, os.PathLike)) or not os.fspath(nvme_dir)):
+        said = "an empty path" if isinstance(nvme_dir, str) else f"a {type(nvme_dir).__name__}"
+        raise ArgumentError(f"{where}: nvme_dir={nvme_dir!r:.60} is {said}; pass the path of a "
                             "directory on the node's NVMe drive, e.g. nvme_dir='/local_nvme/whalepy'")
     if not isinstance(keep, bool):
         raise ArgumentError(f"{where}: nvme_keep={keep!r:.60} must be True (keep the files to resume) or False")

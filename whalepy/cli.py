@@ -44,6 +44,18 @@ def load_model(spec: str, *, batch: int, seq_len: int | None) -> tuple[Any, Any]
             fn = getattr(importlib.import_module(mod_name), fn_name)
         except (ImportError, AttributeError) as e:
             raise WhalepyError(f"cannot load {spec!r}: {e}; give package.module:function") from None
+        if not callable(fn):
+            raise WhalepyError(f"{spec} is a {type(fn).__name__}, not a function; give package.module:function "
+                               "returning (model, example_inputs)")
+        try:
+            import inspect
+
+            inspect.signature(fn).bind()
+        except TypeError:
+            raise WhalepyError(f"{spec} needs arguments; give a function callable with none that returns "
+                               "(model, example_inputs) (wrap yours: def build(): return my_fn(...))") from None
+        except ValueError:
+            pass  # no signature to inspect: let the call decide
         out = fn()
         if not (isinstance(out, tuple) and len(out) == 2):
             raise WhalepyError(f"{spec} must return (model, example_inputs), got {type(out).__name__}")

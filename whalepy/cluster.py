@@ -455,7 +455,7 @@ class ClusterSpec:
             raise ClusterSpecError(f"reading {str(path)!r} needs PyYAML, which is not installed; "
                                    "pip install pyyaml (or whalepy[yaml]), or use a JSON spec") from None
         try:
-            data = yaml.safe_load(_read_spec_file(path))
+            data = yaml.load(_read_spec_file(path), Loader=_yaml_loader(path))  # noqa: S506 (a safe loader)
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -466,7 +466,8 @@ class ClusterSpec:
     @classmethod
     def from_json(cls, path: str | os.PathLike[str]) -> ClusterSpec:
         try:
-            data = json.loads(_read_spec_file(path))
+            data = json.loads(_read_spec_file(path),
+                              object_pairs_hook=lambda pairs: _refuse_duplicate_keys(pairs, path))
         except json.JSONDecodeError as e:
             raise ClusterSpecError(f"{str(path)!r} is not valid JSON ({e}); fix the syntax") from e
         return cls._from_file_data(data, path)
@@ -499,6 +500,10 @@ class ClusterSpec:
         """
         import torch
 
+        _require(device_type is None or isinstance(device_type, DeviceType)
+                 or (isinstance(device_type, str) and bool(device_type.strip())),
+                 f"ClusterSpec.local(device_type={device_type!r:.60}): give a device type name such as 'H100-SXM' "
+                 "or 'CPU', or a DeviceType")
         custom: tuple[DeviceType, ...] = ()
         if isinstance(device_type, DeviceType) and CATALOG.get(device_type.name) != device_type:
             custom = (device_type,)  # a catalog name with other numbers is refused as shadowing
@@ -661,12 +666,41 @@ def _place_ranks(spec: ClusterSpec) -> tuple[RankDevice, ...]:
 
 
 def _read_spec_file(path: str | os.PathLike[str]) -> str:
+    examples = Path(__file__).resolve().parent.parent / "examples" / "clusters"
     try:
-        return Path(path).read_text()
+        return Path(path).read_text(encoding="utf-8")
     except OSError as e:
-        examples = Path(__file__).resolve().parent.parent / "examples" / "clusters"
         raise ClusterSpecError(f"cannot read cluster spec {str(path)!r}: {e.strerror}; give the path of a "
                                f"YAML or JSON spec (examples: {examples})") from None
+    except UnicodeDecodeError as e:
+        raise ClusterSpecError(f"cluster spec {str(path)!r} is not UTF-8 text (byte {e.start}: {e.reason}); give "
+                               f"the path of a YAML or JSON spec (examples: {examples})") from None
+
+
+def _refuse_duplicate_keys(pairs: list[tuple[Any, Any]], path: str | os.PathLike[str], line: str = "") -> dict:
+    """A mapping from ``pairs``; a key given twice is refused (YAML and JSON parsers keep the last one
+    silently, so ``gpus_per_node: 2, gpus_per_node: 4`` would plan with 4)."""
+    out: dict[Any, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ClusterSpecError(f"{str(path)!r}: key {key!r} is given twice in one mapping{line}; keep one")
+        out[key] = value
+    return out
+
+
+def _yaml_loader(path: str | os.PathLike[str]) -> Any:
+    """PyYAML's safe loader, refusing duplicate keys (:func:`_refuse_duplicate_keys`)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> dict:
+            self.flatten_mapping(node)
+            pairs = [(self.construct_object(k, deep=deep), self.construct_object(v, deep=deep))
+                     for k, v in node.value]
+            return _refuse_duplicate_keys(pairs, path, f" (line {node.start_mark.line + 1})")
+
+    Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, Loader.construct_mapping)
+    return Loader
 
 
 def _host_memory_bytes() -> int | None:

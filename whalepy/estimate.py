@@ -223,10 +223,56 @@ def estimate(model: Any, cluster: ClusterSpec, config: ParallelConfig | dict[str
 
     check_model(model, "whalepy.estimate()")
     cluster = as_cluster(cluster, "whalepy.estimate()")
-    _coerce(config)  # a bad configuration fails before the capture
+    check_config_on_cluster(_coerce(config), cluster, global_batch, precision)  # before the capture
     check_example_inputs(model, example_inputs, "whalepy.estimate()")
     return estimate_from_profile(profile(model, example_inputs), cluster, config, global_batch=global_batch,
                                  precision=precision)
+
+
+def check_config_on_cluster(cfg: ParallelConfig, cluster: ClusterSpec, global_batch: Any, precision: str | None
+                            ) -> tuple[str, Any, tuple[int, ...]]:
+    """What ``cfg`` asks of the cluster and the batch, checked without the model (so :func:`estimate`
+    refuses it before the capture): the precision (resolved), the state option and the batch shares."""
+    from whalepy._capabilities import check_state_option, resolve_precision
+    from whalepy._validate import check_positive_int
+    from whalepy.planner.space import StateOption
+
+    check_positive_int(global_batch, "global_batch", "whalepy.estimate()")
+    resolved = resolve_precision((g.device for g in cluster.groups), precision).value
+    tier = Tier(cfg.offload) if cfg.offload is not None else Tier.GPU
+    param_tier = (Tier.GPU if cfg.zero_offload else Tier.CPU) if tier is Tier.CPU else \
+        Tier.NVME if cfg.offload_params else Tier.GPU
+    option = StateOption(ZeroStage(cfg.zero_stage), tier, param_tier, cfg.tiles, cfg.reduce_every_microbatch)
+    check_state_option(option.zero, option.param_tier, option.optimizer_tier, where=f"offload={tier.value}")
+    W = cluster.world_size
+    if cfg.dp * cfg.tp * cfg.pp != W:
+        raise PlanError(f"dp({cfg.dp}) * tp({cfg.tp}) * pp({cfg.pp}) = {cfg.dp * cfg.tp * cfg.pp} != world size "
+                        f"({W}); a configuration must use every device")
+    for g in cluster.groups:
+        if g.gpus_per_node % cfg.tp:
+            raise PlanError(f"tp={cfg.tp} does not divide the {g.gpus_per_node} GPUs per node of group "
+                            f"{g.name!r}; TP stays inside a node")
+    shares = cfg.batch_shares or ((global_batch // cfg.dp,) * cfg.dp if global_batch % cfg.dp == 0 else None)
+    if shares is None:
+        raise PlanError(f"global batch {global_batch} does not split evenly over dp={cfg.dp}; give batch_shares")
+    if len(shares) != cfg.dp or sum(shares) != global_batch or min(shares) < 1:
+        raise PlanError(f"batch_shares {list(shares)} must be {cfg.dp} positive numbers summing to {global_batch}")
+    if any(s % cfg.num_microbatches for s in shares):
+        raise PlanError(f"batch shares {list(shares)} must divide into {cfg.num_microbatches} equal micro-batches")
+    return resolved, option, tuple(shares)
+
+
+def _check_tp_degree(profile: ModelProfile, tp: int) -> None:
+    """``tp`` splits at least one block: a block whose heads, features or vocabulary do not divide by it
+    runs replicated (``tp_applies``, costed so), and a degree that splits none would only waste devices."""
+    from whalepy.planner._cost_context import tp_applies
+
+    if tp == 1 or any(tp_applies(b, tp) for b in profile.blocks):
+        return
+    degrees = sorted({d for b in profile.blocks if b.tp_rules for d in b.tp_degrees})
+    raise PlanError(f"tp={tp} splits no block of this model (its heads, features or vocabulary do not divide by "
+                    f"{tp}; tensor-parallel degrees it takes: {', '.join(map(str, degrees)) or '1'}); use one of "
+                    "those, or tp=1")
 
 
 def _coerce(config: ParallelConfig | dict[str, Any]) -> ParallelConfig:
@@ -282,39 +328,19 @@ def estimate_from_profile(profile: ModelProfile, cluster: ClusterSpec, config: P
     from whalepy._validate import as_cluster, check_positive_int
 
     cluster = as_cluster(cluster, "whalepy.estimate()")
-    check_positive_int(global_batch, "global_batch", "whalepy.estimate()")
     cfg = _coerce(config)
+    precision, option, shares = check_config_on_cluster(cfg, cluster, global_batch, precision)
+    tier = option.optimizer_tier
     sp = sequence_parallel_error(sequence_parallel=has_sequence_rules(profile) and cfg.tp > 1, num_stages=cfg.pp)
     if sp is not None:
         raise PlanError(f"ParallelConfig: {sp}")
-    precision = resolve_precision((g.device for g in cluster.groups), precision).value
-    tier = Tier(cfg.offload) if cfg.offload is not None else Tier.GPU
-    param_tier = (Tier.GPU if cfg.zero_offload else Tier.CPU) if tier is Tier.CPU else \
-        Tier.NVME if cfg.offload_params else Tier.GPU
-    option = StateOption(ZeroStage(cfg.zero_stage), tier, param_tier, cfg.tiles,
-                         cfg.reduce_every_microbatch)
-    check_state_option(option.zero, option.param_tier, option.optimizer_tier, where=f"offload={tier.value}")
     hw = Hardware(cluster)
     check_device_reserve(hw.groups, hw.world_size)
-    W = hw.world_size
-    if cfg.dp * cfg.tp * cfg.pp != W:
-        raise PlanError(f"dp({cfg.dp}) * tp({cfg.tp}) * pp({cfg.pp}) = {cfg.dp * cfg.tp * cfg.pp} != world size "
-                        f"({W}); a configuration must use every device")
-    for g in hw.groups:
-        if g.gpus_per_node % cfg.tp:
-            raise PlanError(f"tp={cfg.tp} does not divide the {g.gpus_per_node} GPUs per node of group "
-                            f"{g.name!r}; TP stays inside a node")
     N = len(profile.blocks)
     J = cfg.pp * cfg.virtual_stages
     if J > N:
         raise PlanError(f"{J} (virtual) stages for {N} blocks: every stage needs at least one block")
-    shares = cfg.batch_shares or ((global_batch // cfg.dp,) * cfg.dp if global_batch % cfg.dp == 0 else None)
-    if shares is None:
-        raise PlanError(f"global batch {global_batch} does not split evenly over dp={cfg.dp}; give batch_shares")
-    if len(shares) != cfg.dp or sum(shares) != global_batch or min(shares) < 1:
-        raise PlanError(f"batch_shares {list(shares)} must be {cfg.dp} positive numbers summing to {global_batch}")
-    if any(s % cfg.num_microbatches for s in shares):
-        raise PlanError(f"batch shares {list(shares)} must divide into {cfg.num_microbatches} equal micro-batches")
+    _check_tp_degree(profile, cfg.tp)
     layout = cfg.layout
     if len(hw.groups) == 1:
         cell_groups = tuple((0,) * cfg.dp for _ in range(cfg.pp))

@@ -32,13 +32,13 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "M
 
 
 def parse_size(size: int | str) -> int:
-    """``5GB``, ``500MiB``, ``1000`` -> bytes."""
-    if isinstance(size, int):
-        return size
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)?\s*", size.upper())
-    if not m:
-        raise WhalepyError(f"shard size {size!r} is not a size; write e.g. 5GB, 500MB or 1000000")
-    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+    """``5GB``, ``500MiB``, ``1000`` -> bytes (a positive number)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)?\s*", size.upper()) if isinstance(size, str) else None
+    value = size if isinstance(size, int) and not isinstance(size, bool) else (
+        int(float(m.group(1)) * _UNITS[m.group(2) or ""]) if m else None)
+    if value is None or value < 1:
+        raise WhalepyError(f"shard size {size!r} is not a positive size; write e.g. 5GB, 500MB or 1000000")
+    return value
 
 
 def _config_dict(checkpoint: Path, config: Any) -> dict[str, Any]:
@@ -48,23 +48,38 @@ def _config_dict(checkpoint: Path, config: Any) -> dict[str, Any]:
             raise WhalepyError(
                 f"{checkpoint} holds no config.json (ParallelModel.save writes it for a model with an HF "
                 "config); pass the model's HF config: --config config.json (or config= in Python)")
-        return json.loads(path.read_text())
+        return _read_config(path)
     if isinstance(config, Mapping):
         return dict(config)
     if callable(getattr(config, "to_dict", None)):
         return config.to_dict()
-    return json.loads(Path(config).read_text())
+    if not isinstance(config, (str, Path)):
+        raise WhalepyError(f"config={config!r:.60}: give the HF config as a dict, a config object or the path of "
+                           "its config.json")
+    return _read_config(Path(config))
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except OSError as e:
+        raise WhalepyError(f"cannot read the config {str(path)!r}: {e.strerror}; give the model's HF "
+                           "config.json") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise WhalepyError(f"the config {str(path)!r} is not valid JSON ({e}); give the model's HF config.json") from None
+    if not isinstance(data, dict):
+        raise WhalepyError(f"the config {str(path)!r} holds a {type(data).__name__}, not a JSON object; give the "
+                           "model's HF config.json")
+    return data
 
 
 def _checkpoint_tensors(checkpoint: Path) -> tuple[dict[str, Any], bool]:
     """Model tensor name -> DCP metadata, and whether the names sit under ``model.``."""
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    if not (checkpoint / ".metadata").is_file():
-        raise WhalepyError(f"{checkpoint} is not a torch.distributed.checkpoint directory (no .metadata); "
-                           "give the directory ParallelModel.save wrote")
-    entries = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    from whalepy.runtime._dcp_files import read_metadata
+
+    entries = read_metadata(checkpoint).state_dict_metadata
     tensors = {k: v for k, v in entries.items() if isinstance(v, TensorStorageMetadata)}
     nested = any(k.startswith("model.") for k in tensors)
     if nested:
@@ -109,16 +124,23 @@ def export_safetensors(
     module docstring); return the files written. ``config``: the HF config (a dict, a config object or
     a ``config.json`` path), by default the ``config.json`` in the checkpoint. ``dtype`` converts
     floating-point tensors (default: as stored, fp32 master weights)."""
-    import torch.distributed.checkpoint as dcp
+    from whalepy.runtime._dcp_files import load_files
 
     try:
         from safetensors.torch import save_file
     except ImportError as e:
         raise WhalepyError("export needs the safetensors package: pip install 'whalepy[hf]'") from e
-    checkpoint, out_dir = Path(checkpoint), Path(out_dir)
-    tensors, nested = _checkpoint_tensors(checkpoint)
-    cfg = _config_dict(checkpoint, config)
+    if not isinstance(out_dir, (str, Path)):
+        raise WhalepyError(f"out_dir={out_dir!r:.60}: give the path of the directory to write")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise WhalepyError(f"dtype={dtype!r:.60}: give a floating-point torch.dtype (torch.bfloat16, torch.float16, "
+                           "torch.float32), or None to keep the stored dtype")
     limit = parse_size(max_shard_size)
+    tensors, nested = _checkpoint_tensors(checkpoint)
+    checkpoint, out_dir = Path(checkpoint), Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise WhalepyError(f"{out_dir} is a file; export writes a directory: give a new or existing directory")
+    cfg = _config_dict(checkpoint, config)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     hf = _hf_names(out_dir, cfg)
@@ -154,7 +176,7 @@ def export_safetensors(
         state = {k: torch.empty(tuple(tensors[k].size), dtype=tensors[k].properties.dtype) for k in names}
         with warnings.catch_warnings():  # DCP warns that it loads in one process, as asked
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single")
-            dcp.load({"model": state} if nested else state, checkpoint_id=str(checkpoint), no_dist=True)
+            load_files({"model": state} if nested else state, checkpoint, no_dist=True)
         state = {k: v.to(out_dtype(tensors[k])).contiguous() for k, v in state.items()}
         file = out_dir / ("model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors")
         save_file(state, str(file), metadata={"format": "pt"})

@@ -68,6 +68,22 @@ def build_torchrun_command(args: argparse.Namespace) -> list[str]:
     return [*cmd, args.script, *args.script_args]
 
 
+def _check_plan_for_launch(args: argparse.Namespace) -> None:
+    """``--plan``: a readable plan (one line here, not one failure per rank) made for as many processes as
+    the launch starts, when ``-n`` and ``--nnodes`` are plain counts."""
+    from whalepy._errors import LaunchError
+    from whalepy.plan import Plan
+
+    plan = Plan.load(args.plan)
+    n, nodes = str(args.nproc_per_node), str(args.nnodes)
+    if n.isdigit() and nodes.isdigit() and int(n) * int(nodes) != plan.world_size:
+        per_node, whole = divmod(plan.world_size, int(nodes))
+        fix = f"-n {per_node}" if not whole and per_node else f"a launch of {plan.world_size} processes"
+        raise LaunchError(f"-n {n}{f' on {nodes} nodes' if nodes != '1' else ''} starts {int(n) * int(nodes)} "
+                          f"processes but the plan {args.plan} is for {plan.world_size}; use {fix}, or re-plan "
+                          "for this launch")
+
+
 def main_run(args: argparse.Namespace) -> int:
     """Run torchrun; return its exit status."""
     if not os.path.exists(args.script):
@@ -76,9 +92,7 @@ def main_run(args: argparse.Namespace) -> int:
     cmd = build_torchrun_command(args)
     env = dict(os.environ)
     if args.plan is not None:
-        if not os.path.exists(args.plan):
-            print(f"whalepy run: no plan file at {args.plan}", file=sys.stderr)
-            return 2
+        _check_plan_for_launch(args)
         env[PLAN_ENV] = os.path.abspath(args.plan)
     if args.dry_run:
         print(" ".join(cmd))

@@ -16,6 +16,7 @@ import dataclasses
 import enum
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -478,7 +479,17 @@ class Plan:
         return json.dumps(self.to_dict(), indent=2)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json() + "\n")
+        if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+            raise PlanError(f"Plan.save() takes a file path, got {type(path).__name__} {path!r:.60}; e.g. "
+                            "plan.save('plan.json')")
+        p = Path(path)
+        if p.is_dir():
+            raise PlanError(f"Plan.save({os.fspath(path)!r}): that is a directory; give a file name, e.g. "
+                            f"{os.fspath(p / 'plan.json')!r}")
+        if not p.parent.is_dir():
+            raise PlanError(f"Plan.save({os.fspath(path)!r}): the directory {os.fspath(p.parent)!r} does not exist; "
+                            "create it (mkdir -p) or save elsewhere")
+        p.write_text(self.to_json() + "\n")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
@@ -507,7 +518,7 @@ class Plan:
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, PlanError):
                 raise
-            raise PlanError(f"plan data is malformed: {e}") from e
+            raise PlanError(f"plan data is malformed: {e}; fix the plan file or re-create it with `whalepy plan`") from None
         from whalepy._capabilities import state_option_error
 
         for st in plan.stages:  # a tier pair edited into the file that the runtime does not lower
@@ -522,7 +533,8 @@ class Plan:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
-            raise PlanError(f"plan is not valid JSON: {e}") from e
+            raise PlanError(f"plan is not valid JSON ({e}); give a plan file written by `whalepy plan --out` or "
+                            "Plan.save() (a truncated one: re-create it)") from None
         return cls.from_dict(data)
 
     @classmethod
@@ -533,6 +545,9 @@ class Plan:
         with an embedding) or its ``profile``, check the plan against the model and its annotations
         (:func:`whalepy._plan_check.check_plan`): a hand-edited plan that cannot lower as written is a
         PlanError here, not a failure inside torch later."""
+        if not isinstance(path, (str, os.PathLike)):
+            raise PlanError(f"Plan.load() takes the path of a JSON plan, got {type(path).__name__} {path!r:.60}; "
+                            "e.g. Plan.load('plan.json')")
         p = Path(path)
         if not p.exists():
             raise PlanError(f"no plan file at {p}; give the path of a JSON plan written by `whalepy plan --out` "
@@ -543,7 +558,10 @@ class Plan:
             text = p.read_text()
         except (OSError, UnicodeDecodeError) as e:
             raise PlanError(f"cannot read plan file {p}: {e}; give a readable JSON plan file") from None
-        plan = cls.from_json(text)
+        try:
+            plan = cls.from_json(text)
+        except PlanError as e:
+            raise PlanError(f"{p}: {e}") from None
         if model_fingerprint is not None:
             plan.check_model(model_fingerprint)
         if model is not None or profile is not None:
@@ -609,39 +627,54 @@ def _to_jsonable(obj: Any) -> Any:
     return obj
 
 
-def _from_jsonable(cls: type, data: dict[str, Any]) -> Any:
+def _from_jsonable(cls: type, data: dict[str, Any], where: str = "plan") -> Any:
     import typing
 
+    if not isinstance(data, dict):
+        raise PlanError(f"{where} must be a JSON object (a {cls.__name__}), got {type(data).__name__} {data!r:.40}")
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for f in dataclasses.fields(cls):
         if f.name not in data:
             continue
-        kwargs[f.name] = _convert(hints[f.name], data[f.name])
+        kwargs[f.name] = _convert(hints[f.name], data[f.name], f"{where}.{f.name}")
     unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
     if unknown:
         raise PlanError(f"{cls.__name__} has no field(s) {sorted(unknown)}")
     return cls(**kwargs)
 
 
-def _convert(tp: Any, value: Any) -> Any:
+_JSON_KINDS = {str: (str,), bool: (bool,), int: (int, float), float: (int, float, str)}
+"""The JSON values a plan field of each Python type may hold (a float may be "inf"; an int field written as
+a float by an older whalepy still loads)."""
+
+
+def _convert(tp: Any, value: Any, where: str = "plan") -> Any:
     import typing
 
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise PlanError(f"{where} must be a JSON list, got {type(value).__name__} {value!r:.40}")
         if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_convert(args[0], v) for v in value)
-        return tuple(_convert(a, v) for a, v in zip(args, value))
+            return tuple(_convert(args[0], v, f"{where}[{i}]") for i, v in enumerate(value))
+        return tuple(_convert(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
     if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
         if value is None:
             return None
         non_none = [a for a in args if a is not type(None)]
-        return _convert(non_none[0], value)
+        return _convert(non_none[0], value, where)
     if dataclasses.is_dataclass(tp):
-        return _from_jsonable(tp, value)
+        return _from_jsonable(tp, value, where)
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return tp(value)
+    kinds = _JSON_KINDS.get(tp)
+    if kinds is not None and (not isinstance(value, kinds) or (isinstance(value, bool) and tp is not bool)
+                              or (isinstance(value, str) and tp is float and value != "inf")):
+        want = {bool: "true or false", str: "a string"}.get(tp, "a number")
+        raise PlanError(f"{where} must be {want}, got {type(value).__name__} {value!r:.40}; fix the plan file or "
+                        "re-create it with `whalepy plan`")
     if tp is float:
         return math.inf if value == "inf" else float(value)
     return value

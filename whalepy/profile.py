@@ -215,10 +215,13 @@ def _check_profile_options(kwargs: dict[str, Any]) -> None:
     from whalepy._errors import ArgumentError
     from whalepy.passes.profile import build_profile
 
-    known = [n for n, p in inspect.signature(build_profile).parameters.items() if p.kind is p.KEYWORD_ONLY]
-    unknown = sorted(set(kwargs) - set(known))
+    params = {n: p for n, p in inspect.signature(build_profile).parameters.items() if p.kind is p.KEYWORD_ONLY}
+    unknown = sorted(set(kwargs) - set(params))
     if unknown:
-        raise ArgumentError(f"whalepy.profile(): unknown option(s) {unknown}; options are: {', '.join(known)}")
+        raise ArgumentError(f"whalepy.profile(): unknown option(s) {unknown}; options are: {', '.join(params)}")
+    for name, value in kwargs.items():
+        if isinstance(params[name].default, bool) and not isinstance(value, bool):
+            raise ArgumentError(f"whalepy.profile({name}={value!r:.60}): give True or False")
 
 
 def profile(model: Any, example_inputs: Any, **kwargs: Any) -> ModelProfile:

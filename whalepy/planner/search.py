@@ -90,6 +90,11 @@ def _check_cluster_size(block, a, groups) -> None:  # type: ignore[no-untyped-de
     if (a.cluster_count in (None, devices)) and (a.cluster_nodes in (None, nodes)):
         return
     want = ", ".join(f"{k}={v}" for k, v in (("count", a.cluster_count), ("nodes", a.cluster_nodes)) if v)
+    if (a.cluster_count or 0) > devices or (a.cluster_nodes or 0) > nodes:
+        raise AnnotationError(
+            f"{_source(block, 'cluster(...)')}: {want} asks for more than the matching group(s) have "
+            f"({', '.join(g.name for g in groups)}: {devices} devices on {nodes} nodes). Fix: lower it to a "
+            "whole group's size, or add the devices to the cluster spec")
     raise AnnotationError(
         f"{_source(block, 'cluster(...)')}: {want} asks for part of the matching group(s) "
         f"({', '.join(g.name for g in groups)}: {devices} devices on {nodes} nodes); the planner places "
@@ -126,6 +131,15 @@ def read_annotations(profile: ModelProfile, hw: Hardware) -> Constraints:
             _check_cluster_size(b, a, [g for g in hw.groups if g.index in ok])
             c.groups_of_block[b.index] = ok
             c.sources.setdefault("cluster", _source(b, "cluster(...)"))
+        elif a.cluster_count is not None or a.cluster_nodes is not None:
+            # count / nodes alone: the region on any one whole group of that size, or on the whole cluster
+            ok = frozenset(g.index for g in hw.groups
+                           if a.cluster_count in (None, g.size) and a.cluster_nodes in (None, g.num_nodes))
+            if not ok:
+                _check_cluster_size(b, a, list(hw.groups))  # the whole cluster, or the error naming it
+            else:
+                c.groups_of_block[b.index] = ok
+                c.sources.setdefault("cluster", _source(b, "cluster(...)"))
     positive = {n for n in splits if n > 0}
     if len(positive) > 1:
         raise AnnotationError(f"conflicting split degrees {sorted(positive)}: {', '.join(splits.values())}; "

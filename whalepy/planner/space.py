@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import functools
 import itertools
+import math
 from dataclasses import dataclass, field
 
 from whalepy.cluster import ClusterSpec
@@ -267,7 +268,9 @@ def build_layout(cand: Candidate, hw: Hardware) -> tuple[tuple[tuple[int, ...], 
 
 
 def divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
+    """The divisors of ``n`` in increasing order, in O(sqrt n) (a global batch may be large)."""
+    small = [k for k in range(1, math.isqrt(n) + 1) if n % k == 0]
+    return small + [n // k for k in reversed(small) if k * k != n]
 
 
 def distinct_orders(items: tuple[int, ...], key: dict[int, str]) -> list[tuple[int, ...]]:

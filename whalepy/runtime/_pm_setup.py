@@ -51,6 +51,42 @@ def _check_training_options(max_grad_norm: Any, log_every: Any) -> None:
                            "None for no step reports")
 
 
+def _check_lowering_options(*, loss_parallel: Any, sync_initial_weights: Any, seed: Any, init_fn: Any,
+                            profile: Any, checkpoint: Any) -> None:
+    """``parallelize``'s remaining keyword arguments, by type (a truthy string is not ``True``)."""
+    import os
+
+    from whalepy.profile import ModelProfile
+
+    for name, value in (("loss_parallel", loss_parallel), ("sync_initial_weights", sync_initial_weights)):
+        if not isinstance(value, bool):
+            raise ArgumentError(f"parallelize({name}={value!r:.60}): give True or False")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ArgumentError(f"parallelize(seed={seed!r:.60}): the initialisation seed is an integer >= 0, e.g. seed=0")
+    if init_fn is not None and not callable(init_fn):
+        raise ArgumentError(f"parallelize(init_fn={init_fn!r:.60}) must be callable (module -> None, filling its "
+                            "parameters in place), or None for each module's reset_parameters()")
+    if profile is not None and not isinstance(profile, ModelProfile) and not hasattr(profile, "fingerprint"):
+        raise ArgumentError(f"parallelize(profile=...) takes the model's whalepy.ModelProfile (from "
+                            f"whalepy.profile(model, example_inputs)), got {type(profile).__name__}; or leave it out")
+    if checkpoint is not None and (not isinstance(checkpoint, (str, os.PathLike)) or not str(checkpoint)):
+        raise ArgumentError(f"parallelize(checkpoint={checkpoint!r:.60}) takes the path of a checkpoint directory "
+                            "(ParallelModel.save) or of HF safetensors, or None")
+
+
+def _takes(fn: Any, n: int) -> bool:
+    """Whether ``fn`` can be called with ``n`` positional arguments (True when its signature is unknown)."""
+    import inspect
+
+    try:
+        inspect.signature(fn).bind(*([None] * n))
+    except TypeError:
+        return False
+    except ValueError:  # no signature (some builtins): let the call decide
+        return True
+    return True
+
+
 def _check_arguments(model: nn.Module, loss_fn: Any, optimizer: Any) -> None:
     from whalepy._validate import check_model
 
@@ -67,6 +103,14 @@ def _check_arguments(model: nn.Module, loss_fn: Any, optimizer: Any) -> None:
         raise ArgumentError(f"parallelize(loss_fn=...) must be callable (output, targets) -> loss, got "
                             f"{loss_fn!r:.60}; pass e.g. loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), "
                             "y.flatten())")
+    if not _takes(optimizer, 1):
+        raise ArgumentError(f"parallelize(optimizer={getattr(optimizer, '__name__', optimizer)!r:.60}) cannot be "
+                            "called with the parameters alone; pass a factory of one argument, e.g. "
+                            "optimizer=lambda params: torch.optim.AdamW(params, lr=3e-4)")
+    if not _takes(loss_fn, 2):
+        raise ArgumentError(f"parallelize(loss_fn={getattr(loss_fn, '__name__', loss_fn)!r:.60}) cannot be called "
+                            "as loss_fn(outputs, targets); pass a function of those two, e.g. "
+                            "loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())")
 
 
 GLOO_RELEASE_GRACE_S = 0.1

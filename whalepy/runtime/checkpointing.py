@@ -13,7 +13,7 @@ them back on load (``split_state``), so checkpoints move between tiled and until
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +28,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from whalepy._errors import WhalepyError
+from whalepy._errors import ArgumentError, WhalepyError
 from whalepy.runtime._activations import (
     apply_activation_checkpointing,
     apply_activation_offload,
     apply_checkpoint_offload,
 )
+from whalepy.runtime._dcp_files import load_files, read_metadata
 from whalepy.runtime._tile_state import merge_state, split_state
 from whalepy.runtime.host_optimizer import KERNEL_FLAGS, MASTER_KEY, HostStateView, full_tensor
 from whalepy.runtime.tiling import tiled_layout
@@ -159,6 +160,12 @@ def _reshard_like(state: dict[str, Any], template: dict[str, Any]) -> dict[str, 
 
 def set_train_state(modules: Sequence[nn.Module], optimizer: Optimizers,
                     state: dict[str, Any]) -> None:
+    if not isinstance(state, Mapping) or not isinstance(state.get("model"), Mapping) \
+            or not isinstance(state.get("optim", {}), Mapping):
+        keys = sorted(map(str, state))[:5] if isinstance(state, Mapping) else type(state).__name__
+        raise ArgumentError(f"load_state_dict() takes what ParallelModel.state_dict() returned (a dict with 'model' "
+                            f"and 'optim' entries), got {keys}; to load weights alone, use pm.load(path) or "
+                            "parallelize(checkpoint=...)")
     _check_optimizer(optimizer)
     target = list(modules) if len(modules) > 1 else modules[0]
     template_model, template_optim = get_state_dict(target, optimizer)
@@ -216,10 +223,7 @@ def save_train_state(path: str | Path, modules: Sequence[nn.Module],
 def check_checkpoint_fits(path: str | Path, model_state: dict[str, Any]) -> None:
     """A DCP directory written by :func:`save_train_state` for this model (same tensor names and global
     shapes; any plan): otherwise one line naming the first tensor that differs, before DCP reads a byte."""
-    if not (Path(path) / ".metadata").is_file():
-        raise WhalepyError(f"{path} is not a checkpoint directory written by ParallelModel.save (no .metadata); "
-                           "give the directory pm.save() wrote")
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = read_metadata(path).state_dict_metadata
     for name, t in model_state.items():
         meta = saved.get(f"model.{name}")
         if meta is None:
@@ -241,10 +245,10 @@ def load_train_state(path: str | Path, modules: Sequence[nn.Module],
     own = [list(g["params"]) for g in state["optim"].get("param_groups", [])]
     check_checkpoint_fits(path, state["model"])
     if extra:
-        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        saved = read_metadata(path).state_dict_metadata
         extra = {k: v for k, v in extra.items() if any(n == k or n.startswith(f"{k}.") for n in saved)}
         state.update(extra)
-    dcp.load(state, checkpoint_id=str(path))
+    load_files(state, path)
     # each param group's list of parameter names is one object in the files, written by one rank;
     # under another plan (other pipeline stages, layers delinked) this rank's names are its own
     for group, names in zip(state["optim"].get("param_groups", []), own):
@@ -263,8 +267,7 @@ def _model_state(modules: Sequence[nn.Module]) -> dict[str, Any]:
 def load_model_state(path: str | Path, modules: Sequence[nn.Module]) -> None:
     """Fill the modules' weights (not the optimizer's state) from a DCP directory written under any
     plan: by :func:`save_train_state` (keys ``model.<name>``) or from a bare model state dict."""
-    reader = dcp.FileSystemReader(str(path))
-    keys = reader.read_metadata().state_dict_metadata
+    keys = read_metadata(path).state_dict_metadata
     nested = any(k.startswith("model.") for k in keys)
     state = _map_tensors(_model_state(modules), lambda t: full_tensor(t) if _is_strided(t) else t)
     state = merge_state(state, tiled_layout(modules))
@@ -273,7 +276,7 @@ def load_model_state(path: str | Path, modules: Sequence[nn.Module]) -> None:
     if missing:
         raise WhalepyError(f"the checkpoint {path} has no tensor {missing[0]!r} ({len(missing)} missing); "
                            "it is of another model")
-    dcp.load({"model": state} if nested else state, checkpoint_id=str(path))
+    load_files({"model": state} if nested else state, path)
     for m in modules:
         template = get_model_state_dict(m)
         split = split_state(state, template, tiled_layout([m]))

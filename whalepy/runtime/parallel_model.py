@@ -40,7 +40,7 @@ from whalepy._capabilities import check_pipeline, host_steps_after_backward, ste
 from whalepy._errors import ArgumentError, LaunchError, PlanError, WhalepyError
 from whalepy._log import info_once, is_rank0, warn_once
 from whalepy._pseudo_to_real import PseudoBuild, record_pseudo
-from whalepy._validate import max_positions
+from whalepy._validate import check_token_ids, max_positions, token_vocab
 from whalepy.plan import Plan, Tier, TPStyle
 from whalepy.runtime.checkpointing import (
     apply_activation_checkpointing,
@@ -83,6 +83,7 @@ from whalepy.runtime.tensor_parallel import apply_tensor_parallel
 from whalepy.runtime.tiling import check_tiles, plan_tiling, tile_model
 from whalepy.runtime._pm_setup import (
     _check_arguments,
+    _check_lowering_options,
     _check_training_options,
     _explain_fsdp_view_warning,
     _init_process_group,
@@ -102,6 +103,7 @@ from whalepy.runtime._pm_helpers import (  # noqa: F401 - _checked_loss: tests i
     _pipeline_chunks,
     _resolve_block_modules,
     _check_device,
+    _check_plan_cluster,
 )
 
 __all__ = ["ParallelModel", "UnlaunchedModel", "is_distributed_launch", "parallelize"]
@@ -189,6 +191,8 @@ def parallelize(
         install_error_hook()
     _check_arguments(model, loss_fn, optimizer)
     _check_training_options(max_grad_norm, log_every)
+    _check_lowering_options(loss_parallel=loss_parallel, sync_initial_weights=sync_initial_weights, seed=seed,
+                            init_fn=init_fn, profile=profile, checkpoint=checkpoint)
     check_nvme_dir(nvme_dir, nvme_keep, on_node=launched and nvme_dir is not None)
     check_positive_int(global_batch, "global_batch", "whalepy.parallelize()")
     check_example_inputs(model, example_inputs, "whalepy.parallelize()")
@@ -232,6 +236,7 @@ def parallelize(
         raise PlanError(f"the plan is for a global batch of {plan.global_batch}, parallelize() was "
                         f"given global_batch={global_batch}; re-plan or pass the plan's batch")
     if not is_distributed_launch():
+        _check_plan_cluster(plan, cluster_spec)
         global _hint_printed
         if not _hint_printed:
             print(f"whalepy: {launch_hint(plan.world_size)}", file=sys.stderr)
@@ -240,7 +245,8 @@ def parallelize(
 
     device_type = _init_process_group(cluster_spec)
     rank = dist.get_rank()
-    check_world(plan)
+    check_world(plan)  # the launch against the plan first: its message says how to launch
+    _check_plan_cluster(plan, cluster_spec)
     check_tiles(plan)  # memory-centric tiling only where it is lowered, before profiling
     mine = next(st for st in plan.stages if rank in st.all_ranks)  # the disk tier's space, before any lowering
     if any(Tier.NVME in (b.param_tier, b.optimizer_tier) for b in mine.blocks):
@@ -313,7 +319,11 @@ class ParallelModel:
         self.plan = plan
         self.loss_fn = _checked_loss(loss_fn)
         self._example_shapes = [tuple(x.shape[1:]) for x in example_inputs if isinstance(x, torch.Tensor)]
+        self._num_inputs = len(example_inputs)
         self._max_positions = max_positions(model)
+        first = example_inputs[0] if example_inputs else None  # token ids (integers) in, token ids checked
+        self._vocab = (token_vocab(model) if isinstance(first, torch.Tensor) and not first.is_floating_point()
+                       else None)  # before lowering shards the embedding
         self.loss_parallel = loss_parallel
         self.max_grad_norm = max_grad_norm
         self.last_grad_norm: float | None = None
@@ -582,9 +592,25 @@ class ParallelModel:
         return None
 
     def _check_batch(self, inputs: tuple) -> None:
-        """Inputs a pipeline can run (the shapes it was built for) and the model can take (its positions)."""
+        """Inputs a pipeline can run (the shapes it was built for) and the model can take (as many as the
+        example inputs, with as many dims, its positions and its token ids)."""
+        if len(inputs) != self._num_inputs:
+            raise ArgumentError(f"train_step: got {len(inputs)} model inputs, the example inputs had "
+                                f"{self._num_inputs}; pass the inputs as a tuple like example_inputs and the "
+                                "targets separately: train_step(inputs, targets)")
         for i, x in enumerate(inputs):
-            if not isinstance(x, torch.Tensor) or x.dim() < 2:
+            if not isinstance(x, torch.Tensor):
+                continue
+            if x.device.type == "meta":
+                raise ArgumentError(f"train_step: inputs[{i}] is on the meta device (no data); pass real tensors")
+            if i < len(self._example_shapes) and x.dim() != len(self._example_shapes[i]) + 1:
+                raise ArgumentError(
+                    f"train_step: inputs[{i}] has shape {tuple(x.shape)}, {x.dim()} dims where the example input had "
+                    f"{len(self._example_shapes[i]) + 1} (batch, {', '.join(map(str, self._example_shapes[i]))}); "
+                    "pass batches shaped like the example inputs")
+            if i == 0:
+                check_token_ids(x, self._vocab, "train_step", "inputs[0]")
+            if x.dim() < 2:
                 continue
             if self._max_positions and not x.is_floating_point() and x.shape[1] > self._max_positions[0]:
                 raise ArgumentError(
@@ -638,6 +664,9 @@ class ParallelModel:
     def save(self, path: str | Path) -> None:
         """Write a distributed checkpoint (DCP) directory; loadable under any plan for this model.
         An HF model's config goes along as ``config.json`` (for ``whalepy export``)."""
+        from whalepy.runtime._dcp_files import check_save_path
+
+        check_save_path(path)
         save_train_state(path, self._modules, self._optimizers(), aliases=self._tied_aliases,
                          extra=self.amp.state_dict())
         config, arch = self._hf_config
