@@ -1,5 +1,5 @@
 """The ``whalepy`` console script: ``plan``, ``show``, ``estimate``, ``study zero`` (whalepy.study),
-``calibrate`` (whalepy._calibrate),
+``calibrate`` (whalepy._calibrate), ``check`` (whalepy.runtime.rank_check),
 ``export`` and ``run`` (whalepy.launch).
 
 Errors whalepy raises on purpose print as one line and exit with code 2, without a traceback. Each
@@ -335,6 +335,8 @@ COMMANDS: dict[str, Command] = {
     "study": Command("studies of a model on a cluster (zero: the ZeRO-stage trade-off)", "whalepy.cli:_add_study"),
     "calibrate": Command("measure this device and write its device profile (JSON)",
                          "whalepy._calibrate:add_calibrate_subparser"),
+    "check": Command("lower every rank role of a plan in one process (fake process group, meta model) and "
+                     "compare what each rank holds with the plan", "whalepy.runtime.rank_check:add_check_subparser"),
     "export": Command("write a checkpoint's weights as HF safetensors", "whalepy.cli:_add_export"),
     "run": Command("launch a training script on N processes (a thin wrapper over torchrun)",
                    "whalepy.launch:add_run_subparser"),

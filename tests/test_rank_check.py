@@ -1,0 +1,141 @@
+"""``whalepy check``: every rank of a plan lowered in one process (whalepy/runtime/rank_check.py).
+
+Layouts of every rank of large plans (1,024 ranks, 3-D; 64 mixed-type ranks with uneven stages and
+per-block tiers; interleaved stages) are read and checked without torch; plans broken by hand are
+refused with the rank named. Lowering (the runtime's ``parallelize`` on the fake process group, the
+model on the meta device, shards as FakeTensors) runs on tiny models, one representative per role, and
+the bytes each holds must equal the plan's prediction exactly.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from precision_cases import cpu_cluster
+from runtime_cases import batches, build_model, case_profile
+from whalepy.estimate import ParallelConfig, estimate_from_profile
+from whalepy.runtime.mesh import make_plan
+from whalepy.runtime.rank_check import RankCheckError, check_ranks, rank_layout, roles, simulated
+
+GPT3_BLOCKS = ["embed", *[f"transformer.h.{i}" for i in range(96)], "head"]
+
+
+def _gpt3_plan() -> dict:
+    """GPT-3 175B's 98 blocks on 1,024 A100: pp 8 x dp 16 x tp 8 (the layout of Narayanan et al., SC'21)."""
+    return make_plan(GPT3_BLOCKS, pp=8, dp=16, tp=8, global_batch=1536, num_microbatches=12,
+                     device_type="A100-80GB", zero_stage=1, precision="bf16").to_dict()
+
+
+def test_every_rank_of_a_1024_rank_3d_plan_has_its_place():
+    plan = _gpt3_plan()
+    layouts = rank_layout(plan, GPT3_BLOCKS)
+    assert len(layouts) == 1024 and len(roles(layouts)) == 8  # one role per stage: same type and share
+    from whalepy.plan import Plan
+
+    p = Plan.from_dict(plan)
+    for r in (0, 517, 1023):
+        lay = layouts[r]
+        stage, replica, tp_index = p.stage_of_rank(r)  # the runtime's own reading of the grid
+        assert (lay.stage, lay.replica, lay.tp_index) == (stage.index, replica, tp_index)
+        assert lay.tp_group == stage.ranks[replica] and r in lay.dp_group and r in lay.pp_group
+        assert len(lay.dp_group) == 16 and len(lay.pp_group) == 8 and lay.batch_share == 96
+        assert [b for c in lay.chunks for b in c] == list(stage.block_names)
+
+
+def test_mixed_types_uneven_stages_and_interleaving_layouts():
+    """Llama-70B's 82 blocks on 32 A100 + 32 L40S: 4 uneven stages, per-block tiers, replicas of two types
+    with uneven batch shares; and interleaved stages (2 virtual stages per rank)."""
+    blocks = ["embed", *[f"model.layers.{i}" for i in range(80)], "head"]
+    plan = make_plan(blocks, pp=4, dp=4, tp=4, global_batch=64, num_microbatches=4, stage_sizes=(26, 22, 18, 16),
+                     batch_shares=(20, 20, 12, 12), zero_stage=3, precision="bf16", device_type="A100-80GB",
+                     tiers={f"model.layers.{i}": ("cpu", "cpu") for i in range(20, 26)}).to_dict()
+    types = ["A100-80GB" if (r // 4) % 4 < 2 else "L40S" for r in range(64)]  # replicas 0-1 A100, 2-3 L40S
+    plan["rank_device_types"] = types
+    for s in plan["stages"]:
+        s["device_types"] = [types[row[0]] for row in s["ranks"]]
+    layouts = rank_layout(plan, blocks)
+    by_role = roles(layouts)
+    assert len(by_role) == 4 * 2  # (stage, type, share): each stage has an A100 and an L40S role
+    assert [len(layouts[s["ranks"][0][0]].chunks[0]) for s in plan["stages"]] == [26, 22, 18, 16]
+    assert {layouts[r].batch_share for r in by_role[(0, "L40S", 12)]} == {12}
+    inter = make_plan([f"b{i}" for i in range(8)], pp=2, dp=2, global_batch=8, num_microbatches=4,
+                      schedule="interleaved_1f1b", virtual_stages=2).to_dict()
+    lay = rank_layout(inter, [f"b{i}" for i in range(8)])
+    assert lay[0].chunks == (("b0", "b1"), ("b4", "b5")) and lay[2].chunks == (("b2", "b3"), ("b6", "b7"))
+
+
+@pytest.mark.parametrize("breakage, rank, words", [
+    ("width", 296, "tensor-parallel group"),
+    ("block", 384, "'transformer.h.40' is on no stage"),
+    ("share", 7 * 8, "sum to 1537"),
+    ("rank", 1023, "rank 1023 is on no stage"),
+])
+def test_a_broken_plan_is_refused_with_its_rank_named(breakage, rank, words):
+    plan = copy.deepcopy(_gpt3_plan())
+    stage3 = next(s for s in plan["stages"] if s["index"] == 2)
+    if breakage == "width":  # stage 2, replica 5's TP group loses a rank
+        stage3["ranks"][5] = stage3["ranks"][5][:-1]
+    elif breakage == "block":  # a block on no stage
+        holder = next(s for s in plan["stages"] if any(b["name"] == "transformer.h.40" for b in s["blocks"]))
+        holder["blocks"] = [b for b in holder["blocks"] if b["name"] != "transformer.h.40"]
+    elif breakage == "share":  # replica 7 takes one sample more
+        plan["batch_shares"][7] += 1
+    else:  # the last rank given twice, rank 1023 nowhere
+        last = next(s for s in plan["stages"] if s["index"] == 7)
+        last["ranks"][-1][-1] = 1022
+    with pytest.raises(RankCheckError, match=rf"rank(s)? {rank}\b.*|.*{words}") as err:
+        rank_layout(plan, GPT3_BLOCKS)
+    assert f"{rank}" in str(err.value) and words in str(err.value), str(err.value)
+
+
+# -- lowering, one representative per role ----------------------------------------------------------
+
+
+def _check(kind: str, layers: int, world: int, config: ParallelConfig, **kwargs):
+    prof = case_profile(kind, layers)
+    cluster = cpu_cluster(world)
+    plan = estimate_from_profile(prof, cluster, config, global_batch=8, precision="fp32").plan
+
+    def build():
+        with torch.device("meta"):
+            return build_model(kind, layers), (batches(8, 1)[0][0][:2],)
+
+    return plan, check_ranks(plan.to_dict(), build, profile=prof, cluster=simulated(cluster), **kwargs)
+
+
+def test_lowered_roles_hold_what_the_plan_predicts():
+    """Uneven stages, uneven batch shares, a ZeRO-3 stage with host-tier blocks beside device blocks, an
+    interleaved schedule with tied embeddings (HF GPT-2's wte / lm_head) across stages: every role's
+    representative holds, per place, exactly the plan's model-state bytes."""
+    plan, reports = _check("hf_tied", 4, 4, ParallelConfig(pp=2, dp=2, zero_stage=3, num_microbatches=2,
+                                                           schedule="interleaved_1f1b", virtual_stages=2,
+                                                           batch_shares=(6, 2)))
+    assert {r.layout.rank for r in reports} == {0, 1, 2, 3}  # 2 stages x 2 batch shares
+    for rep in reports:
+        assert rep.error is None and rep.meshes["pp"] == rep.layout.pp_group, rep.lines()
+        assert rep.held["optimizer"]["device"] > 0  # the step made the states
+        assert rep.ok, rep.lines()
+
+
+def test_tensor_parallel_roles_expose_the_replicated_parameters_the_plan_divides():
+    """Under TP the planner divides every parameter of a TP block by the TP degree
+    (``planner/build.py``), while LayerNorms, row-parallel biases and the position embedding stay whole on
+    every TP rank: the check finds exactly that difference (16 bytes per parameter: fp32 weight,
+    gradient and two Adam states; ZeRO-3 divides them by dp)."""
+    plan, reports = _check("gpt", 2, 8, ParallelConfig(pp=2, dp=2, tp=2, zero_stage=3, num_microbatches=2))
+    model = build_model("gpt")
+    replicated = {}
+    for rep in reports:
+        assert rep.error is None and not rep.ok
+        names = [b for c in rep.layout.chunks for b in c]
+        mods = [m for b in case_profile("gpt").blocks if b.name in names for m in b.modules]
+        whole = sum(p.numel() for n, p in model.named_parameters()
+                    if any(n.startswith(m + ".") for m in mods)
+                    and (n.endswith("ln_1.weight") or "ln_" in n or n.endswith("c_proj.bias") or "wpe" in n))
+        replicated[rep.layout.rank] = whole
+        extra = rep.held_by_place["device"] - rep.predicted["device"]
+        assert extra == 16 * whole // 2 // 2, (rep.lines(), whole)  # whole / dp, less the 1 / tp the plan gave
+    assert all(v > 0 for v in replicated.values())
