@@ -94,7 +94,7 @@ def test_a_broken_plan_is_refused_with_its_rank_named(breakage, rank, words):
 # -- lowering, one representative per role ----------------------------------------------------------
 
 
-def _check(kind: str, layers: int, world: int, config: ParallelConfig, **kwargs):
+def _check(kind: str, layers: int, world: int, config: ParallelConfig, **kwargs):  # type: ignore[no-untyped-def]
     prof = case_profile(kind, layers)
     cluster = cpu_cluster(world)
     plan = estimate_from_profile(prof, cluster, config, global_batch=8, precision="fp32").plan
@@ -107,35 +107,47 @@ def _check(kind: str, layers: int, world: int, config: ParallelConfig, **kwargs)
 
 
 def test_lowered_roles_hold_what_the_plan_predicts():
-    """Uneven stages, uneven batch shares, a ZeRO-3 stage with host-tier blocks beside device blocks, an
-    interleaved schedule with tied embeddings (HF GPT-2's wte / lm_head) across stages: every role's
-    representative holds, per place, exactly the plan's model-state bytes."""
-    plan, reports = _check("hf_tied", 4, 4, ParallelConfig(pp=2, dp=2, zero_stage=3, num_microbatches=2,
-                                                           schedule="interleaved_1f1b", virtual_stages=2,
-                                                           batch_shares=(6, 2)))
-    assert {r.layout.rank for r in reports} == {0, 1, 2, 3}  # 2 stages x 2 batch shares
+    """Uneven stages (1 + 3 blocks), uneven batch shares (6 and 2), ZeRO-3 over 2 replicas: the roles'
+    representatives hold, per place, exactly the plan's model-state bytes, in the meshes of the plan's
+    grid."""
+    plan, reports = _check("gpt", 2, 4, ParallelConfig(pp=2, dp=2, zero_stage=3, num_microbatches=2,
+                                                       boundaries=(1, 3), batch_shares=(6, 2)), ranks=[0, 3])
+    assert [len(b) for b in (plan.stages[0].blocks, plan.stages[1].blocks)] == [1, 3]
     for rep in reports:
         assert rep.error is None and rep.meshes["pp"] == rep.layout.pp_group, rep.lines()
         assert rep.held["optimizer"]["device"] > 0  # the step made the states
         assert rep.ok, rep.lines()
 
 
-def test_tensor_parallel_roles_expose_the_replicated_parameters_the_plan_divides():
-    """Under TP the planner divides every parameter of a TP block by the TP degree
-    (``planner/build.py``), while LayerNorms, row-parallel biases and the position embedding stay whole on
-    every TP rank: the check finds exactly that difference (16 bytes per parameter: fp32 weight,
-    gradient and two Adam states; ZeRO-3 divides them by dp)."""
-    plan, reports = _check("gpt", 2, 8, ParallelConfig(pp=2, dp=2, tp=2, zero_stage=3, num_microbatches=2))
+def test_lowering_finds_what_the_plan_leaves_out():
+    """Two gaps of the memory model that the check exposes, each to the byte (16 bytes per parameter:
+    fp32 weight, gradient and two Adam states, ZeRO-3 divides them by dp = 2):
+
+    - TP 2: the planner divides every parameter of a TP block by the TP degree (``planner/build.py``),
+      but parameters of modules without a sharding rule, of ``replicate`` rules and the biases of
+      row-parallel linears stay whole on every TP rank;
+    - interleaved stages with tied embeddings (HF GPT-2's ``lm_head`` is ``wte``): the stage holding the
+      head keeps a copy of the tied weight, which the plan charges to the embedding's stage only."""
+    from whalepy.plan import TPStyle
+
+    prof = case_profile("gpt", 2)
+    plan, reports = _check("gpt", 2, 8, ParallelConfig(pp=2, dp=2, tp=2, zero_stage=3, num_microbatches=2),
+                           ranks=[0, 4])
     model = build_model("gpt")
-    replicated = {}
     for rep in reports:
-        assert rep.error is None and not rep.ok
-        names = [b for c in rep.layout.chunks for b in c]
-        mods = [m for b in case_profile("gpt").blocks if b.name in names for m in b.modules]
+        blocks = [b for b in prof.blocks if b.name in {n for c in rep.layout.chunks for n in c}]
+        style = {r.module: r.style for b in blocks for r in b.tp_rules}
         whole = sum(p.numel() for n, p in model.named_parameters()
-                    if any(n.startswith(m + ".") for m in mods)
-                    and (n.endswith("ln_1.weight") or "ln_" in n or n.endswith("c_proj.bias") or "wpe" in n))
-        replicated[rep.layout.rank] = whole
+                    for b in blocks if any(n.startswith(m + ".") for m in b.modules)
+                    for mod, kind in [n.rsplit(".", 1)]
+                    if style.get(mod) in (None, TPStyle.REPLICATE) or (style[mod] is TPStyle.ROWWISE and kind == "bias"))
         extra = rep.held_by_place["device"] - rep.predicted["device"]
-        assert extra == 16 * whole // 2 // 2, (rep.lines(), whole)  # whole / dp, less the 1 / tp the plan gave
-    assert all(v > 0 for v in replicated.values())
+        assert rep.error is None and extra == 16 * whole // 2 // 2 > 0, (rep.lines(), whole)
+    plan, reports = _check("hf_tied", 4, 4, ParallelConfig(pp=2, dp=2, zero_stage=3, num_microbatches=2,
+                                                           schedule="interleaved_1f1b", virtual_stages=2),
+                           ranks=[0, 2])
+    wte = build_model("hf_tied", 4).transformer.wte.weight.numel()
+    owner, other = reports
+    assert owner.ok, owner.lines()  # the embedding's stage: as predicted
+    assert other.layout.chunks[-1][-1] == "head"
+    assert other.held_by_place["device"] - other.predicted["device"] == 16 * wte // 2, other.lines()
