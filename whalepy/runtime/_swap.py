@@ -89,10 +89,11 @@ class Item:
     """While staged (items with a ``device``): the copy the step uses, laid out as the first view."""
 
     def device_tensor(self) -> torch.Tensor:
-        """A tensor on ``device`` with the item's values (:attr:`on_device` while staged, else a new copy)."""
-        if self.on_device is not None:
-            return self.on_device
-        return self.views[0].tensor.detach().to(self.device, copy=True)
+        """:attr:`on_device`, made from the views' values first where it is missing (an item staged by
+        :meth:`SwapEngine.capture`); the release copies it back into the slot."""
+        if self.on_device is None:
+            self.on_device = self.views[0].tensor.detach().to(self.device, copy=True)
+        return self.on_device
 
     @property
     def nbytes(self) -> int:
