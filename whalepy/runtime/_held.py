@@ -40,6 +40,13 @@ def _elements_bytes(t: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
+def _view_key(ptr: int, t: torch.Tensor) -> tuple[int, int, int]:
+    from torch.distributed.tensor import DTensor
+
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    return ptr, local.storage_offset(), local.numel()
+
+
 def offloaded_params(modules: list[torch.nn.Module]) -> set[int]:
     """Ids of the parameters FSDP2 offloads to the host (its ``FSDPParam.offload_to_cpu``)."""
     from torch.distributed.fsdp import FSDPModule
@@ -69,13 +76,13 @@ def held_state_bytes(pm: Any, *, unpadded: bool = False) -> dict[str, dict[str, 
     # ZeRO-Offload: the host copies are separate tensors (counted below), whatever the device is
     on_cpu_device = pm.device.type == "cpu"
     nvme = getattr(pm, "nvme", None)
-    seen: set[int] = set()
+    seen: set[Any] = set()
     out = {k: {"device": 0, "host": 0, "files": 0} for k in ("params", "grads", "optimizer")}
 
     def add(kind: str, t: torch.Tensor, owner: torch.nn.Parameter, mapped: bool = False) -> None:
         ptr, nbytes = storage_of(t)
-        if unpadded:
-            nbytes = _elements_bytes(t)
+        if unpadded:  # views of one buffer (FSDP2's reduce-scatter output) each count their own elements
+            ptr, nbytes = _view_key(ptr, t), _elements_bytes(t)
         if ptr in seen or nbytes == 0:
             return
         seen.add(ptr)
@@ -100,7 +107,7 @@ def held_state_bytes(pm: Any, *, unpadded: bool = False) -> dict[str, dict[str, 
         for kind, t in host_optimizer.held():
             ptr, nbytes = storage_of(t)
             if unpadded:
-                nbytes = _elements_bytes(t)
+                ptr, nbytes = _view_key(ptr, t), _elements_bytes(t)
             if ptr not in seen and nbytes:
                 seen.add(ptr)
                 out[kind]["host"] += nbytes

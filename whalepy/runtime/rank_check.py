@@ -27,9 +27,15 @@ process, one rank at a time, as that rank would:
 3. **Against the prediction**: the held bytes per place must equal the plan's
    ``StageCost.model_state_bytes`` (device), ``host_state_bytes`` and ``nvme_state_bytes`` exactly.
 
-Not done here (said in each report): the collectives of a step. The fake process group carries no
-objects, and the pipeline schedule's first step exchanges stage metadata as objects
-(``recv_object_list``), so a step cannot run there; counting them needs a schedule given its shapes.
+4. **Collectives** (plans without pipeline stages): one training step runs on the fake tensors under
+   :class:`whalepy._comm_count.CollectiveCounter` (the counter of ``study zero --measure``), its
+   payload by kind compared with the cost model's (``dp_step_payload_bytes`` plus the loss report)
+   within :data:`COLLECTIVE_RTOL` where every collective is data parallelism (TP 1); under TP the
+   bytes are reported, not compared (the plan predicts TP communication as time only).
+
+Not done here (said in each report): the collectives of a step with pipeline stages. The fake process
+group carries no objects, and the pipeline schedule's first step exchanges stage metadata as objects
+(``recv_object_list``), so such a step cannot run there; counting it needs a schedule given its shapes.
 The disk tier writes real files and is not dry-run (a rank with ``nvme`` blocks reports the
 lowering error).
 """
@@ -43,6 +49,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from whalepy._errors import WhalepyError
+
+COLLECTIVE_RTOL = 0.01
+"""Measured against predicted collective bytes: FSDP2 pads a parameter's first dimension to a multiple of
+the dp degree, which the cost model leaves out (``dp_step_payload_bytes``); 1% holds that and nothing
+more."""
 
 __all__ = ["RankCheckError", "RankLayout", "RankReport", "check_ranks", "lower_rank", "rank_layout", "roles"]
 
@@ -85,6 +96,12 @@ class RankReport:
     """The ``dp`` / ``tp`` / ``pp`` groups as the lowered ``DeviceMesh`` made them."""
     allocated: dict[str, dict[str, int]] = field(default_factory=dict)
     """As ``held``, storage bytes (FSDP2's padded shards): what the allocator would hand out."""
+    collectives: dict[str, int] | None = None
+    """Payload bytes of one training step's collectives by kind (``_comm_count.CollectiveCounter``'s
+    convention); None where no step ran (pipeline stages, docstring)."""
+    predicted_collectives: dict[str, float] | None = None
+    """The cost model's payload of that step (data parallelism and the loss report; plans without TP
+    or pipeline stages, whose collectives are all of that kind)."""
     error: str | None = None
     seconds: float = 0.0
 
@@ -103,6 +120,11 @@ class RankReport:
             if held.get(place, 0) != want:
                 out.append(f"{place}: holds {held.get(place, 0):,} bytes of model states, the plan predicts {want:,}")
         lowered = {"dp": self.layout.dp_group, "tp": self.layout.tp_group, "pp": self.layout.pp_group}
+        if self.collectives is not None and self.predicted_collectives is not None:
+            for kind in sorted(set(self.collectives) | set(self.predicted_collectives)):
+                got, want = self.collectives.get(kind, 0), self.predicted_collectives.get(kind, 0.0)
+                if abs(got - want) > COLLECTIVE_RTOL * max(want, 1.0):
+                    out.append(f"{kind}: one step moves {got:,} bytes, the plan's cost model {want:,.0f}")
         for axis, ranks in self.meshes.items():
             if tuple(sorted(ranks)) != tuple(sorted(lowered[axis])):
                 out.append(f"{axis} group: lowered {list(ranks)}, the plan's grid says {list(lowered[axis])}")
@@ -128,7 +150,14 @@ class RankReport:
                 f"{p} {held[p]:,} (plan {self.predicted.get(p, 0):,})" for p in ("device", "host", "files")))
             alloc = {p: sum(self.allocated[k][p] for k in self.allocated) for p in ("device", "host", "files")}
             out.append("  allocated with FSDP2's shard padding: " + ", ".join(f"{p} {alloc[p]:,}" for p in alloc))
-        out.append("  collectives of one step: not run in the dry run (module docstring)")
+        if self.collectives is None:
+            out.append("  collectives of one step: not run (pipeline stages: see the module docstring)")
+        else:
+            pred = self.predicted_collectives
+            out.append("  collectives of one step: " + ", ".join(
+                f"{k} {v:,}" + (f" (plan {pred.get(k, 0):,.0f})" if pred is not None else "")
+                for k, v in sorted(self.collectives.items()))
+                + ("" if pred is not None else " (no byte prediction under TP)"))
         out += [f"  MISMATCH {m}" for m in self.mismatches]
         return out
 
@@ -298,14 +327,63 @@ def lower_rank(plan: Any, build: Callable[[], tuple[Any, tuple]], layout: RankLa
                                  optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4))
             report.meshes = {"dp": _group_ranks(pm.meshes.dp_mesh), "tp": _group_ranks(pm.meshes.tp_mesh),
                              "pp": tuple(torch.distributed.get_process_group_ranks(pm.meshes.pp_group))}
-            with mode, torch.no_grad():
-                _first_step_states(pm)
-            report.held = held_state_bytes(pm, unpadded=True)
-            report.allocated = held_state_bytes(pm)
+            if plan.pp_degree == 1 and pm.optimizer is not None:  # a whole step runs on fake tensors
+                at_step: list[tuple[Any, Any]] = []
+                step = pm.optimizer.step
+
+                def measured(*a: Any, **k: Any) -> Any:  # what it holds at the step: gradients included
+                    at_step.append((held_state_bytes(pm, unpadded=True), held_state_bytes(pm)))
+                    return step(*a, **k)
+
+                pm.optimizer.step = measured
+                report.collectives, report.predicted_collectives = _one_step(pm, plan, inputs, profile)
+                pm.optimizer.step = step
+                # the states the step made (what every later step holds), the gradients it stepped with
+                # (dropped after it)
+                report.held, report.allocated = held_state_bytes(pm, unpadded=True), held_state_bytes(pm)
+                if at_step:
+                    report.held["grads"], report.allocated["grads"] = at_step[-1][0]["grads"], at_step[-1][1]["grads"]
+            else:
+                with mode, torch.no_grad():
+                    _first_step_states(pm)
+                report.held = held_state_bytes(pm, unpadded=True)
+                report.allocated = held_state_bytes(pm)
         except Exception as e:  # noqa: BLE001 - a lowering error is this rank's result, reported with it
             report.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _one_step(pm: Any, plan: Any, inputs: Sequence[Any], profile: Any) -> tuple[dict[str, int], dict[str, float] | None]:
+    """One training step of the global batch (the example inputs repeated; the loss ignores targets)
+    under ``CollectiveCounter``, and the cost model's payload for it (data parallelism plus the loss
+    report) when every collective is of that kind (TP 1)."""
+    import torch
+
+    from whalepy._comm_count import CollectiveCounter
+    from whalepy.planner._runtime_costs import LOSS_REPORT_BYTES, dp_step_payload_bytes
+
+    B = plan.global_batch
+    inputs = [torch.zeros(x.shape, dtype=x.dtype) if isinstance(x, torch.Tensor) and x.is_meta else x
+              for x in inputs]  # built under the meta device: zeros (token 0) of the same shape
+    batch = tuple(x.repeat(-(-B // x.shape[0]), *([1] * (x.dim() - 1)))[:B] if isinstance(x, torch.Tensor) else x
+                  for x in inputs)
+    counter = CollectiveCounter()
+    with counter:
+        pm.train_step(batch if len(batch) > 1 else batch[0], torch.zeros(B))
+    got = {c.value: int(n) for c, n in counter.bytes.items()}
+    stage = pm.meshes.stage
+    if stage.tp_degree > 1:
+        return got, None
+    params = sum(b.num_params for b in (profile.blocks if profile is not None else ())
+                 if b.name in stage.block_names)
+    if not params:
+        return got, None
+    want = dp_step_payload_bytes(pm.dp_kind.value, zero3=stage.zero_stage == 3, num_params=params,
+                                 num_microbatches=plan.num_microbatches, precision=plan.precision.value)
+    out = {c.value: float(n) for c, n in want.items()}
+    out["all_reduce"] = out.get("all_reduce", 0.0) + LOSS_REPORT_BYTES
+    return got, out
 
 
 def _first_step_states(pm: Any) -> None:
