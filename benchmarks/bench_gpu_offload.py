@@ -57,7 +57,7 @@ def estimate_both(args: argparse.Namespace, cluster: Any) -> tuple[Any, dict[str
     """The meta model's profile and, per mode, the estimate with the same layout; activation
     checkpointing only when a mode does not fit without it (then for both)."""
     from whalepy.estimate import estimate_from_profile
-    from whalepy.profile import profile
+    from whalepy.frontend.profile import profile
 
     with torch.device("meta"):
         meta, vocab, seq = build("gpt", args.smoke)

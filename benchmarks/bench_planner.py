@@ -40,7 +40,7 @@ def _profile(model: str, seq_len: int, synthetic: bool):  # type: ignore[no-unty
         from whalepy.planner.synthetic import gpt_profile
 
         return gpt_profile(model, seq_len=seq_len)
-    from whalepy.profile import profile
+    from whalepy.frontend.profile import profile
     from whalepy.zoo import build
 
     m, inputs = build(model, batch=1, seq_len=seq_len)

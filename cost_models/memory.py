@@ -10,7 +10,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from whalepy.plan import Schedule, Tier, ZeroStage
+from whalepy.ir.types import Schedule, Tier, ZeroStage
 
 HALF_PRECISION_BYTES = 2
 """Bytes of one fp16/bf16 parameter or gradient in mixed-precision training."""
@@ -197,7 +197,7 @@ def _disk_block_bytes(kind: object, param_tier: Tier, optimizer_tier: Tier, bloc
     bytes of its file-homed tensors (a staging buffer holds one such block: 4 per nvme parameter plus
     ``k`` for nvme optimizer states, divided by ``d`` where the lowering shards them) and, for device
     parameters with nvme states, the device copy of its states during its step."""
-    from whalepy._capabilities import LoweringKind
+    from whalepy.ir.types import LoweringKind
 
     share = block_params if kind is LoweringKind.DDP else block_params / d
     slot = ((MASTER_PARAM_BYTES if param_tier is Tier.NVME else 0.0)

@@ -111,4 +111,4 @@ def no_capture(monkeypatch):  # type: ignore[no-untyped-def]
         raise AssertionError("the model was captured before the bad input was refused")
 
     # the module (whalepy.profile, the attribute, is the function of that name)
-    monkeypatch.setattr(importlib.import_module("whalepy.profile"), "profile", capture)
+    monkeypatch.setattr(importlib.import_module("whalepy.frontend.profile"), "profile", capture)

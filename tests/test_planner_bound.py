@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from whalepy._capabilities import resolve_precision
+from whalepy.cluster import resolve_precision
 from whalepy._errors import InfeasibleError
 from whalepy.planner import make_options, plan_from_profile
 from whalepy.planner._bound import Choices

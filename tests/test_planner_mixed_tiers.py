@@ -147,7 +147,7 @@ def test_profile_marks_blocks_that_share_parameters() -> None:
     import torch
     from torch import nn
 
-    from whalepy.profile import profile
+    from whalepy.frontend.profile import profile
 
     class Tied(nn.Module):
         def __init__(self) -> None:

@@ -16,7 +16,8 @@ import pytest
 from dist_harness import run_distributed
 from planner_fixtures import a100
 from precision_cases import held_vs_predicted, numerics
-from whalepy._capabilities import LoweringKind, choose_lowering_kind, resolve_precision, state_option_error
+from whalepy._capabilities import LoweringKind, choose_lowering_kind, state_option_error
+from whalepy.cluster import resolve_precision
 from whalepy._errors import PlanError
 from whalepy.cost_models.devices import CATALOG
 from whalepy.cost_models.memory import estimate_model_state_bytes

@@ -38,7 +38,7 @@ _LAZY = {
                      "replicate", "resolve_annotations", "split", "stage"), "whalepy.primitives"),
     **dict.fromkeys(("Estimate", "ParallelConfig", "estimate"), "whalepy.estimate"),
     **dict.fromkeys(("homogeneous_baseline", "plan", "plan_from_profile"), "whalepy.planner"),
-    **dict.fromkeys(("ModelProfile", "profile"), "whalepy.profile"),
+    "ModelProfile": "whalepy.profile", "profile": "whalepy.frontend.profile",
     "parallelize": "whalepy.runtime", "ParallelModel": "whalepy.runtime", "calibrate": "whalepy._calibrate",
     "materialize": "whalepy.runtime.materialize", "export_safetensors": "whalepy.export",
     **dict.fromkeys(("plan_html", "plan_timeline_svg", "plan_diff"), "whalepy._show"),

@@ -13,8 +13,6 @@ Data parallelism, state tiers and precision:
 - :func:`shared_unit_tiers_error`: whether parameters of blocks with different tiers can be sharded as
   one FSDP2 unit (a stage's root: weights tied between blocks), in a stage whose blocks have different
   tiers (granular offloading).
-- :func:`resolve_precision`: the training precision of a cluster (default, or a requested one checked
-  against every device type).
 
 Pipeline shape:
 
@@ -32,14 +30,11 @@ Kept free of ``torch.distributed`` imports so the planner and the cost models ca
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 from whalepy._errors import PlanError
-from whalepy.cost_models.compute import Precision
-from whalepy.cost_models.devices import DeviceType
-from whalepy.plan import Schedule, Tier, ZeroStage
+from whalepy.ir.types import LoweringKind, Precision, Schedule, Tier, ZeroStage
 
 __all__ = [
     "DiskTierFileBytes",
@@ -52,7 +47,6 @@ __all__ = [
     "choose_lowering_kind",
     "microbatch_error",
     "offloads_to_host",
-    "resolve_precision",
     "schedule_error",
     "sequence_parallel_error",
     "disk_tier_file_bytes",
@@ -64,19 +58,6 @@ __all__ = [
     "steps_on_host",
     "uses_cpu_offload_policy",
 ]
-
-
-class LoweringKind(str, enum.Enum):
-    """The data-parallel lowering of one pipeline stage (docs/runtime.md, "What each kind holds")."""
-
-    NONE = "none"
-    """One replica, nothing to wrap."""
-    DDP = "ddp"
-    """``DistributedDataParallel``: every rank holds whole parameters, gradients, optimizer states."""
-    ZERO1 = "ddp+zero_redundancy_optimizer"
-    """DDP with ``ZeroRedundancyOptimizer``: optimizer states partitioned by whole tensors."""
-    FSDP = "fsdp2"
-    """FSDP2 ``fully_shard``: parameters, gradients and optimizer states sharded over the dp axis."""
 
 
 def choose_lowering_kind(zero: ZeroStage | int, dp: int, *, tp: int, pp: int, offload: bool) -> LoweringKind:
@@ -240,33 +221,6 @@ def check_state_option(zero: ZeroStage | int, param_tier: Tier | str, optimizer_
     if reason is not None:
         raise PlanError(f"{where}{': ' if where else ''}{reason}")
 
-
-def _is_cpu(device: DeviceType) -> bool:
-    return device.vendor == "cpu"
-
-
-def resolve_precision(devices: Iterable[DeviceType], requested: Precision | str | None = None) -> Precision:
-    """The training precision for a cluster of ``devices``.
-
-    Default (``requested`` None): fp32 when any device type is a CPU (CPU runs keep exact fp32
-    numerics unless they ask for bf16), bf16 where every device type supports it, otherwise fp16
-    (tensor-core GPUs without bf16: V100, T4; trained with dynamic loss scaling). A requested bf16 on
-    a device type without bf16 is a :class:`PlanError` naming the device and the alternatives."""
-    devs = list({d.name: d for d in devices}.values())
-    if requested is None:
-        if any(_is_cpu(d) for d in devs):
-            return Precision.FP32
-        return Precision.BF16 if all(d.supports_bf16 for d in devs) else Precision.FP16
-    try:
-        p = Precision(requested)
-    except ValueError:
-        raise PlanError(f"precision={requested!r}: use bf16, fp16 or fp32") from None
-    if p is Precision.BF16:
-        lacking = [d.name for d in devs if not d.supports_bf16]
-        if lacking:
-            raise PlanError(f"precision='bf16' is not supported by {', '.join(lacking)}; use precision='fp16' "
-                            "(dynamic loss scaling) or 'fp32'")
-    return p
 
 def schedule_error(schedule: Schedule | str, *, num_stages: int, virtual_stages: int) -> str | None:
     """Why the runtime cannot run ``schedule`` over ``num_stages`` pipeline ranks with ``virtual_stages``

@@ -20,11 +20,25 @@ from __future__ import annotations
 from typing import Any
 
 from whalepy._errors import ArgumentError, PlanError
-from whalepy.plan import Plan, TPStyle
+from whalepy.ir.types import TPStyle
+from whalepy.plan import Plan
 
-__all__ = ["check_plan", "check_costs", "default_example_inputs"]
+__all__ = ["check_against", "check_plan", "check_costs", "default_example_inputs"]
 
 _REPLAN = "re-plan with whalepy.plan() / `whalepy plan`, or undo the edit"
+
+
+def check_against(plan: Plan, model: Any = None, *, example_inputs: Any = None, profile: Any = None) -> None:
+    """:meth:`Plan.check_against`: profile ``model`` (unless its ``profile`` is given) and :func:`check_plan`."""
+    if profile is None:
+        from whalepy._validate import check_model
+        from whalepy.frontend.profile import profile as build
+
+        check_model(model, "Plan.load(model=...)")
+        inputs = example_inputs if example_inputs is not None else default_example_inputs(plan, model)
+        profile = build(model, inputs, sequence_parallel=any(r.style is TPStyle.SEQUENCE
+                                                             for r in plan.tensor_parallel))
+    check_plan(plan, profile, model)
 
 
 def default_example_inputs(plan: Plan, model: Any) -> tuple:

@@ -7,7 +7,7 @@ import re
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from whalepy.cost_models.devices import GIB
+from whalepy.ir.types import GIB
 
 if TYPE_CHECKING:
     from whalepy.plan import Plan

@@ -24,13 +24,14 @@ import logging
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from whalepy._errors import AnnotationError, ArgumentError, InfeasibleError, LaunchError, WhalepyError
+from whalepy.runtime.pseudo_record import (  # noqa: F401  (PseudoBuild, record_pseudo: re-exported)
+    PSEUDO_MARK, PseudoBuild, PseudoLayers, meta_copy, pseudo_layers, record_pseudo)
 
 if TYPE_CHECKING:
     from whalepy.plan import Plan
@@ -40,42 +41,6 @@ __all__ = ["PseudoBuild", "PseudoLayers", "delink", "meta_copy", "pseudo_layers"
            "record_pseudo"]
 
 log = logging.getLogger("whalepy.pseudo_to_real")
-
-_MARK = "_whalepy_pseudo_layers"
-
-
-@dataclass(frozen=True, slots=True)
-class PseudoLayers:
-    """What :func:`pseudo_to_real` tied: the layer container's module path and its length."""
-
-    path: str
-    num_layers: int
-
-
-@dataclass(frozen=True, slots=True)
-class PseudoBuild:
-    """What ``parallelize`` keeps of a pseudo model so that :func:`delink` can build the real one:
-    a meta-device copy made before lowering, and the arguments it was lowered with."""
-
-    layers: PseudoLayers
-    skeleton: nn.Module
-    cluster_spec: Any
-    example_inputs: tuple
-    optimizer_factory: Any
-    nvme_dir: Any
-
-
-def record_pseudo(model: nn.Module, **arguments: Any) -> PseudoBuild | None:
-    """For ``parallelize``: a :class:`PseudoBuild` of ``model`` if it is a pseudo model, else ``None``
-    (call it before lowering changes the model)."""
-    info = pseudo_layers(model)
-    return None if info is None else PseudoBuild(layers=info, skeleton=meta_copy(model), **arguments)
-
-
-def pseudo_layers(model: nn.Module) -> PseudoLayers | None:
-    """The tied layers of a pseudo model, or ``None`` for any other model."""
-    return getattr(model, _MARK, None)
-
 
 def pseudo_to_real(model: nn.Module, layers: str = "transformer.h") -> nn.Module:
     """Tie every layer of the ``ModuleList`` / ``Sequential`` at ``layers`` to the first layer's
@@ -107,7 +72,7 @@ def pseudo_to_real(model: nn.Module, layers: str = "transformer.h") -> nn.Module
             for name, p in list(mod._parameters.items()):
                 if p is not None:
                     mod._parameters[name] = src._parameters[name]
-    setattr(model, _MARK, PseudoLayers(path=layers, num_layers=len(container)))
+    setattr(model, PSEUDO_MARK, PseudoLayers(path=layers, num_layers=len(container)))
     return model
 
 
@@ -210,7 +175,7 @@ def _delink_module(model: nn.Module, optimizer: torch.optim.Optimizer | None) ->
                 new = nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
                 mod._parameters[name] = new
                 copies.setdefault(id(src._parameters[name]), []).append(new)
-    delattr(model, _MARK)
+    delattr(model, PSEUDO_MARK)
     if optimizer is not None:
         _map_optimizer(optimizer, first, copies)
     return model
@@ -241,18 +206,6 @@ def _require_pseudo(model: nn.Module) -> PseudoLayers:
         raise WhalepyError(f"delink: {type(model).__name__} is not a pseudo model (no layers tied by "
                            "whalepy.pseudo_to_real); nothing to untie")
     return info
-
-
-def meta_copy(model: nn.Module) -> nn.Module:
-    """A deep copy of ``model`` with every parameter and buffer on the meta device (no memory), ties
-    kept: the skeleton :func:`delink` builds the real model from after lowering changed ``model``."""
-    memo: dict[int, Any] = {}
-    for t in itertools.chain(model.parameters(), model.buffers()):
-        if id(t) not in memo:
-            meta = torch.empty_like(t, device="meta")
-            memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(
-                t, nn.Parameter) else meta
-    return copy.deepcopy(model, memo)
 
 
 def _delink_parallel(pm: ParallelModel, plan: Plan | None, profile: Any, checkpoint_dir: Any,

@@ -71,7 +71,7 @@ def _rank_measure(spec: str, prof: ModelProfile, cluster: ClusterSpec, cases: li
     import torch
 
     from whalepy._comm_count import CollectiveCounter
-    from whalepy.cli import load_model
+    from whalepy.tools.model_arg import load_model
     from whalepy.estimate import ParallelConfig, estimate_from_profile
     from whalepy.runtime import parallelize
     from whalepy.runtime.materialize import has_meta_tensors, materialize

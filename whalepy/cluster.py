@@ -19,12 +19,12 @@ import math
 import operator
 import os
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from whalepy._errors import ClusterSpecError
+from whalepy._errors import ClusterSpecError, PlanError
 from whalepy.cost_models.communication import NCCL_LAUNCH_LATENCY_S, CommGroup, Fabric, Link, bus_efficiency
 from whalepy.cost_models.devices import (
     ALIASES,
@@ -33,6 +33,7 @@ from whalepy.cost_models.devices import (
     match_device_name,
     resolve_device_type,
 )
+from whalepy.ir.types import Precision
 
 NVLINK_LATENCY_S = 3.4e-6
 """Per-step latency over NVLink: NCCL's ring/Simple ``hwLat`` (src/graph/tuning.cc)."""
@@ -708,3 +709,31 @@ def _host_memory_bytes() -> int | None:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def _is_cpu(device: DeviceType) -> bool:
+    return device.vendor == "cpu"
+
+
+def resolve_precision(devices: Iterable[DeviceType], requested: Precision | str | None = None) -> Precision:
+    """The training precision for a cluster of ``devices``.
+
+    Default (``requested`` None): fp32 when any device type is a CPU (CPU runs keep exact fp32
+    numerics unless they ask for bf16), bf16 where every device type supports it, otherwise fp16
+    (tensor-core GPUs without bf16: V100, T4; trained with dynamic loss scaling). A requested bf16 on
+    a device type without bf16 is a :class:`PlanError` naming the device and the alternatives."""
+    devs = list({d.name: d for d in devices}.values())
+    if requested is None:
+        if any(_is_cpu(d) for d in devs):
+            return Precision.FP32
+        return Precision.BF16 if all(d.supports_bf16 for d in devs) else Precision.FP16
+    try:
+        p = Precision(requested)
+    except ValueError:
+        raise PlanError(f"precision={requested!r}: use bf16, fp16 or fp32") from None
+    if p is Precision.BF16:
+        lacking = [d.name for d in devs if not d.supports_bf16]
+        if lacking:
+            raise PlanError(f"precision='bf16' is not supported by {', '.join(lacking)}; use precision='fp16' "
+                            "(dynamic loss scaling) or 'fp32'")
+    return p

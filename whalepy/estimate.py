@@ -219,7 +219,7 @@ def estimate(model: Any, cluster: ClusterSpec, config: ParallelConfig | dict[str
     """Predicted step time and memory of ``config``; ``precision`` None resolves from the cluster as
     the planner does (``PlannerOptions.precision``)."""
     from whalepy._validate import as_cluster, check_example_inputs, check_model
-    from whalepy.profile import profile
+    from whalepy.frontend.profile import profile
 
     check_model(model, "whalepy.estimate()")
     cluster = as_cluster(cluster, "whalepy.estimate()")
@@ -233,7 +233,8 @@ def check_config_on_cluster(cfg: ParallelConfig, cluster: ClusterSpec, global_ba
                             ) -> tuple[str, Any, tuple[int, ...]]:
     """What ``cfg`` asks of the cluster and the batch, checked without the model (so :func:`estimate`
     refuses it before the capture): the precision (resolved), the state option and the batch shares."""
-    from whalepy._capabilities import check_state_option, resolve_precision
+    from whalepy._capabilities import check_state_option
+    from whalepy.cluster import resolve_precision
     from whalepy._validate import check_positive_int
     from whalepy.planner.space import StateOption
 
@@ -323,7 +324,8 @@ def estimate_from_profile(profile: ModelProfile, cluster: ClusterSpec, config: P
     from whalepy.planner.costing import CostContext, build_coefficients, evaluate, has_sequence_rules
     from whalepy.planner.space import Candidate, Hardware, StateOption, build_segments
 
-    from whalepy._capabilities import check_state_option, resolve_precision
+    from whalepy._capabilities import check_state_option
+    from whalepy.cluster import resolve_precision
 
     from whalepy._validate import as_cluster, check_positive_int
 

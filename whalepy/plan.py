@@ -21,63 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from whalepy._errors import PlanError, enum_member
-from whalepy.cost_models.compute import Precision
+from whalepy._errors import PlanError
+from whalepy.ir.types import Precision, Schedule, Tier, TPStyle, ZeroStage
 
 PLAN_VERSION = 5
 """Version 5 added :attr:`BlockPlan.checkpoint_offload`; version 4 :attr:`BlockPlan.tiles` and :attr:`StagePlan.reduce_every_microbatch`; version 3 :attr:`BlockPlan.activation_offload` and
 :attr:`BlockPlan.prefetch_depth`; version 2 :attr:`Plan.precision`. Older plans still load (see
 :meth:`Plan.from_dict`)."""
-
-
-class Schedule(str, enum.Enum):
-    """Pipeline schedule; values match the names used in ``torch.distributed.pipelining``."""
-
-    GPIPE = "gpipe"
-    ONE_F_ONE_B = "1f1b"
-    INTERLEAVED_1F1B = "interleaved_1f1b"
-
-    @classmethod
-    def _missing_(cls, value: object) -> Schedule:
-        return enum_member(cls, value, "pipeline schedule")  # type: ignore[return-value]
-
-
-class Tier(str, enum.Enum):
-    """Where a block's model states live between uses (ZeRO-Infinity's tiers)."""
-
-    GPU = "gpu"
-    CPU = "cpu"
-    NVME = "nvme"
-
-    @classmethod
-    def _missing_(cls, value: object) -> Tier:
-        hint = ("a disk tier is 'nvme' (files on the node's drive, nvme_dir); " if isinstance(value, str) and
-                value.strip().lower() in ("disk", "ssd", "file", "files", "nvm") else "")
-        hint = "the host tier is 'cpu'; " if str(value).strip().lower() in ("host", "ram", "dram") else hint
-        return enum_member(cls, value, "memory tier", hint)  # type: ignore[return-value]
-
-
-class ZeroStage(enum.IntEnum):
-    """ZeRO stage (Rajbhandari et al., SC'20): 0 plain DP, 1 optimizer states, 2 + gradients, 3 + params."""
-
-    NONE = 0
-    OPTIMIZER = 1
-    GRADIENTS = 2
-    PARAMETERS = 3
-
-    @classmethod
-    def _missing_(cls, value: object) -> ZeroStage:
-        raise PlanError(f"unknown ZeRO stage {value!r}: give an integer 0, 1, 2 or 3 (e.g. zero_stage=3)")
-
-
-class TPStyle(str, enum.Enum):
-    """How one module's weights are split across a tensor-parallel group."""
-
-    COLWISE = "colwise"  # output features sharded; input replicated
-    ROWWISE = "rowwise"  # input features sharded; output all-reduced (or reduce-scattered)
-    VOCAB = "vocab"  # embedding table sharded along the vocabulary (rowwise over num_embeddings)
-    SEQUENCE = "sequence"  # norm / dropout run on sequence shards (sequence parallel)
-    REPLICATE = "replicate"  # kept whole on every TP rank
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -340,7 +290,7 @@ class Plan:
     precision: Precision = Precision.FP32
     """What the runtime trains in: ``bf16`` / ``fp16`` (low-precision compute, fp32 master weights,
     gradient reduction and optimizer states; fp16 with dynamic loss scaling) or ``fp32``. The planner
-    sets it from the cluster (``whalepy._capabilities.resolve_precision``); a hand-made plan trains in
+    sets it from the cluster (``whalepy.cluster.resolve_precision``); a hand-made plan trains in
     fp32 unless it says otherwise."""
     costs_for: str = ""
     """:meth:`decision_hash` of the decisions the predicted costs (``cost``, stage costs, alternatives) were
@@ -571,17 +521,9 @@ class Plan:
     def check_against(self, model: Any = None, *, example_inputs: Any = None, profile: Any = None) -> None:
         """Raise :class:`PlanError` where this plan cannot lower ``model`` as written (blocks, TP rules,
         annotations, fingerprint); see :mod:`whalepy._plan_check`."""
-        from whalepy._plan_check import check_plan, default_example_inputs
+        from whalepy._plan_check import check_against  # the one import up a layer (tests/test_layers.py)
 
-        if profile is None:
-            from whalepy._validate import check_model
-            from whalepy.profile import profile as build
-
-            check_model(model, "Plan.load(model=...)")
-            inputs = example_inputs if example_inputs is not None else default_example_inputs(self, model)
-            profile = build(model, inputs, sequence_parallel=any(r.style is TPStyle.SEQUENCE
-                                                                 for r in self.tensor_parallel))
-        check_plan(self, profile, model)
+        check_against(self, model, example_inputs=example_inputs, profile=profile)
 
     def check_model(self, model_fingerprint: str) -> None:
         if model_fingerprint != self.model_fingerprint:

@@ -1,7 +1,7 @@
 """ModelProfile: what the planner knows about a model, per block, measured from its FX graph.
 
-``whalepy.profile(model, example_inputs)`` captures the model (no weights materialised; the meta
-device is fine), runs the analysis passes in ``whalepy.passes`` and summarises the graph into blocks:
+Data only: ``whalepy.profile(model, example_inputs)`` (:mod:`whalepy.frontend.profile`) captures the
+model (no weights materialised; the meta device is fine), runs the analysis passes in ``whalepy.passes`` and summarises the graph into blocks:
 the units of pipeline partitioning (transformer layers, the embeddings, the head). Figures are for the
 example inputs' batch; the planner scales FLOPs and activation bytes linearly in the batch.
 """
@@ -207,37 +207,3 @@ class ModelProfile:
         from whalepy._profile_format import format_profile
 
         return format_profile(self)
-
-
-def _check_profile_options(kwargs: dict[str, Any]) -> None:
-    import inspect
-
-    from whalepy._errors import ArgumentError
-    from whalepy.passes.profile import build_profile
-
-    params = {n: p for n, p in inspect.signature(build_profile).parameters.items() if p.kind is p.KEYWORD_ONLY}
-    unknown = sorted(set(kwargs) - set(params))
-    if unknown:
-        raise ArgumentError(f"whalepy.profile(): unknown option(s) {unknown}; options are: {', '.join(params)}")
-    for name, value in kwargs.items():
-        if isinstance(params[name].default, bool) and not isinstance(value, bool):
-            raise ArgumentError(f"whalepy.profile({name}={value!r:.60}): give True or False")
-
-
-def profile(model: Any, example_inputs: Any, **kwargs: Any) -> ModelProfile:
-    """Capture ``model`` on ``example_inputs`` (a tuple of tensors, or a dict of keyword inputs) and
-    return its :class:`ModelProfile`. Weights are never materialised."""
-    from whalepy._errors import CaptureError
-    from whalepy._validate import check_example_inputs, check_model, token_dtype_hint
-    from whalepy.passes.profile import build_profile
-
-    check_model(model, "whalepy.profile()")
-    _check_profile_options(kwargs)
-    check_example_inputs(model, example_inputs, "whalepy.profile()")
-    try:
-        return build_profile(model, example_inputs, **kwargs)
-    except CaptureError:
-        hint = token_dtype_hint(model, example_inputs)
-        if hint is None:
-            raise
-        raise hint from None

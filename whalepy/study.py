@@ -109,7 +109,7 @@ def study_zero(models: Sequence[str | ModelProfile] | str | ModelProfile, cluste
     ``measure=True`` runs each row on ``cluster.world_size`` CPU gloo processes for ``measure_steps``
     steps (the cluster must be CPU devices, or ``simulated``; small models only) and fills the
     ``measured_*`` fields from the last step."""
-    from whalepy.cli import load_model
+    from whalepy.tools.model_arg import load_model
     from whalepy.estimate import ParallelConfig, estimate_from_profile
     from whalepy._capabilities import choose_lowering_kind
     from whalepy.planner._runtime_costs import LOSS_REPORT_BYTES, dp_step_payload_bytes
@@ -182,7 +182,7 @@ def _expand(models: Sequence[str | ModelProfile] | str | ModelProfile) -> list[s
 
 
 def _profile(loaded: tuple[Any, Any]) -> ModelProfile:
-    from whalepy.profile import profile
+    from whalepy.frontend.profile import profile
 
     model, inputs = loaded
     return profile(model, inputs)

@@ -211,7 +211,7 @@ def _check_trace_args(target: Any, inputs: tuple, loss_fn: Any, optimizer: Any, 
 
 
 def _blocks_of(model: nn.Module, inputs: tuple) -> dict[str, tuple[str, ...]]:
-    from whalepy.profile import profile
+    from whalepy.frontend.profile import profile
 
     return {b.name: tuple(b.modules) for b in profile(model, inputs).blocks}
 

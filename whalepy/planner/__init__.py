@@ -219,7 +219,7 @@ def plan(model: Any, cluster: ClusterSpec, *, example_inputs: Any, global_batch:
     check_annotation_degrees(model, cluster.world_size)
     progress = _progress_fn(opts.progress)
     progress("capturing the model")
-    from whalepy.profile import profile as build
+    from whalepy.frontend.profile import profile as build
 
     prof = build(model, example_inputs, sequence_parallel=opts.sequence_parallel)
     progress(f"captured {len(prof.blocks)} blocks in {prof.capture_time_s:.2f} s ({prof.capture_method})")
@@ -280,7 +280,7 @@ def _check_global_batch(global_batch: Any) -> None:
 
 def _with_precision(opts: PlannerOptions, cluster: ClusterSpec) -> PlannerOptions:
     """``opts`` with its precision resolved for (and checked against) the cluster's device types."""
-    from whalepy._capabilities import resolve_precision
+    from whalepy.cluster import resolve_precision
 
     precision = resolve_precision((g.device for g in cluster.groups), opts.precision)
     return replace(opts, precision=precision.value)

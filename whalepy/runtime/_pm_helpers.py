@@ -98,7 +98,7 @@ def _broadcast_weights(model: nn.Module) -> None:
 
 def _profile_or_none(model: nn.Module, example_inputs: Any, plan: Plan) -> Any:
     try:
-        from whalepy.profile import profile
+        from whalepy.frontend.profile import profile
     except ImportError:
         return None
     try:

@@ -39,7 +39,7 @@ from torch import nn
 from whalepy._capabilities import check_pipeline, host_steps_after_backward, steps_on_host
 from whalepy._errors import ArgumentError, LaunchError, PlanError, WhalepyError
 from whalepy._log import info_once, is_rank0, warn_once
-from whalepy._pseudo_to_real import PseudoBuild, record_pseudo
+from whalepy.runtime.pseudo_record import PseudoBuild, record_pseudo
 from whalepy._validate import check_token_ids, max_positions, token_vocab
 from whalepy.plan import Plan, Tier, TPStyle
 from whalepy.runtime.checkpointing import (
