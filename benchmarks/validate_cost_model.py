@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import published as pub  # noqa: E402
 
-from whalepy.cluster import ClusterSpec  # noqa: E402
+from whalepy import ClusterSpec  # noqa: E402
 from whalepy.cost_models.communication import (  # noqa: E402
     Collective,
     CommGroup,
@@ -40,7 +40,7 @@ from whalepy.cost_models.compute import gemm_time, memory_bound_time  # noqa: E4
 from whalepy.cost_models.device_profiles import resolve_compute_profile  # noqa: E402
 from whalepy.cost_models.devices import CATALOG  # noqa: E402
 from whalepy.cost_models.memory import estimate_zero_paper_model_state_bytes  # noqa: E402
-from whalepy.estimate import estimate_from_profile  # noqa: E402
+from whalepy.planner.estimate import estimate_from_profile  # noqa: E402
 from whalepy.models import GPT, GPTConfig  # noqa: E402
 from whalepy.planner.costing import CostContext  # noqa: E402
 from whalepy.planner.space import Hardware  # noqa: E402

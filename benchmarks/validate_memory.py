@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from whalepy.cluster import ClusterSpec, NodeGroup
+from whalepy.hardware.cluster import ClusterSpec, NodeGroup
 from whalepy.cost_models.memory import AUTOCAST_WEIGHT_COPY_BYTES
-from whalepy.estimate import estimate_from_profile
+from whalepy.planner.estimate import estimate_from_profile
 from whalepy.models import GPT, GPTConfig
 from whalepy.frontend.profile import profile
 

@@ -211,7 +211,7 @@ def memory_bound_time(nbytes: float, profile: ComputeProfile) -> float:
 def estimate_kernels_time(kernels: Any, *, device: DeviceType, precision: Precision | str = Precision.BF16,
                           batch_ratio: float = 1.0, tp: int = 1, byte_scale: float = 1.0,
                           profile: ComputeProfile | None = None) -> tuple[float, float]:
-    """``(forward, backward)`` seconds of one block from its :class:`~whalepy.profile.BlockKernels`.
+    """``(forward, backward)`` seconds of one block from its :class:`~whalepy.ir.profile.BlockKernels`.
 
     ``batch_ratio`` scales the recorded batch (micro-batch / profiled batch); ``tp > 1`` divides the
     sharded GEMM dimension, the attention heads and the memory-bound bytes by ``tp`` (the block runs

@@ -22,7 +22,7 @@ import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from whalepy._errors import ClusterSpecError
+from whalepy.errors import ClusterSpecError
 from whalepy.ir.types import GIB
 
 

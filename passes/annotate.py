@@ -13,9 +13,9 @@ from typing import Any
 
 import torch.fx as fx
 
-from whalepy._errors import AnnotationError
+from whalepy.errors import AnnotationError
 from whalepy.passes.manager import PassContext
-from whalepy.profile import BlockAnnotations
+from whalepy.ir.profile import BlockAnnotations
 
 _EMPTY = BlockAnnotations()
 _FIELDS = ("split", "replicate", "stage", "cluster_gpu", "cluster_group", "cluster_count",
@@ -24,7 +24,7 @@ _FIELDS = ("split", "replicate", "stage", "cluster_gpu", "cluster_group", "clust
 
 def resolve_model_annotations(model: Any) -> dict[str, BlockAnnotations]:
     """Every module path of ``model`` mapped to its effective annotations."""
-    from whalepy._annotate import resolve_annotations
+    from whalepy.ir.annotations import resolve_annotations
 
     return resolve_annotations(model)
 

@@ -62,8 +62,8 @@ def enum_member(cls: type[enum.Enum], value: object, what: str, hint: str = "") 
 
 
 def log_once(logger: logging.Logger, level: int, key: str, msg: str, *args: object) -> bool:
-    """Log ``msg % args`` once per job (rank 0, once per ``key``): :func:`whalepy._log.warn_once`'s rule
+    """Log ``msg % args`` once per job (rank 0, once per ``key``): :func:`whalepy.log.warn_once`'s rule
     at any level. Returns whether it was logged."""
-    from whalepy._log import log_once_at
+    from whalepy.log import log_once_at
 
     return log_once_at(level, key, msg, *args, log=logger)

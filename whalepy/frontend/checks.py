@@ -2,7 +2,7 @@
 
 Every public entry point (``plan``, ``profile``, ``estimate``, ``parallelize``, ``train_step``, the
 CLI) calls these on its arguments, so a mistake costs nothing and reads as one line naming the cause and
-the fix (an :class:`~whalepy._errors.ArgumentError` or another whalepy error), never a traceback from
+the fix (an :class:`~whalepy.errors.ArgumentError` or another whalepy error), never a traceback from
 deep inside torch.
 """
 
@@ -12,7 +12,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from whalepy._errors import ArgumentError, ClusterSpecError
+from whalepy.errors import ArgumentError, ClusterSpecError
 
 __all__ = ["as_cluster", "check_model", "check_example_inputs", "max_positions", "check_positive_int",
            "check_scalar_loss", "first_embedding", "token_dtype_hint", "check_nvme_dir", "token_vocab",
@@ -24,7 +24,7 @@ _POSITION_FIELDS = ("block_size", "n_positions", "max_position_embeddings")
 
 def as_cluster(cluster: Any, where: str) -> Any:
     """A :class:`~whalepy.ClusterSpec` from a spec, a path to a YAML / JSON spec or a dict."""
-    from whalepy.cluster import ClusterSpec
+    from whalepy.hardware.cluster import ClusterSpec
 
     if isinstance(cluster, ClusterSpec):
         return cluster

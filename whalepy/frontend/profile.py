@@ -1,18 +1,18 @@
 """``whalepy.profile(model, example_inputs)``: capture the model, run the analysis passes of
-``whalepy.passes`` and return its :class:`~whalepy.profile.ModelProfile` (the data lives in the data model,
+``whalepy.passes`` and return its :class:`~whalepy.ir.profile.ModelProfile` (the data lives in the data model,
 the capture here, above the passes it runs)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from whalepy.profile import ModelProfile
+from whalepy.ir.profile import ModelProfile
 
 
 def _check_profile_options(kwargs: dict[str, Any]) -> None:
     import inspect
 
-    from whalepy._errors import ArgumentError
+    from whalepy.errors import ArgumentError
     from whalepy.passes.profile import build_profile
 
     params = {n: p for n, p in inspect.signature(build_profile).parameters.items() if p.kind is p.KEYWORD_ONLY}
@@ -27,8 +27,8 @@ def _check_profile_options(kwargs: dict[str, Any]) -> None:
 def profile(model: Any, example_inputs: Any, **kwargs: Any) -> ModelProfile:
     """Capture ``model`` on ``example_inputs`` (a tuple of tensors, or a dict of keyword inputs) and
     return its :class:`ModelProfile`. Weights are never materialised."""
-    from whalepy._errors import CaptureError
-    from whalepy._validate import check_example_inputs, check_model, token_dtype_hint
+    from whalepy.errors import CaptureError
+    from whalepy.frontend.checks import check_example_inputs, check_model, token_dtype_hint
     from whalepy.passes.profile import build_profile
 
     check_model(model, "whalepy.profile()")

@@ -33,7 +33,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from whalepy._errors import WhalepyError
+from whalepy.errors import WhalepyError
 
 __all__ = ["MemoryTrace", "TraceEvent", "apply_memory_trace", "trace_memory"]
 
@@ -184,8 +184,8 @@ def _state_tensors(optimizer: Any) -> list[torch.Tensor]:
 
 def _check_trace_args(target: Any, inputs: tuple, loss_fn: Any, optimizer: Any, blocks: Any, parallel: bool) -> None:
     """One line for an argument of :func:`trace_memory` it cannot use, before the model runs."""
-    from whalepy._errors import ArgumentError
-    from whalepy._validate import check_example_inputs
+    from whalepy.errors import ArgumentError
+    from whalepy.frontend.checks import check_example_inputs
 
     if loss_fn is not None and not callable(loss_fn):
         raise ArgumentError(f"trace_memory(loss_fn={loss_fn!r:.60}) must be callable (output, targets) -> scalar "

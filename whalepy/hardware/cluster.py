@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from whalepy._errors import ClusterSpecError, PlanError
+from whalepy.errors import ClusterSpecError, PlanError
 from whalepy.cost_models.communication import NCCL_LAUNCH_LATENCY_S, CommGroup, Fabric, Link, bus_efficiency
 from whalepy.cost_models.devices import (
     ALIASES,
@@ -438,13 +438,13 @@ class ClusterSpec:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ClusterSpec:
         """Parse the documented schema (docs/cluster_spec.md)."""
-        from whalepy._cluster_schema import _from_dict
+        from whalepy.hardware.schema import _from_dict
 
         return _from_dict(cls, data)
 
     def to_dict(self) -> dict[str, Any]:
         """The schema form; ``ClusterSpec.from_dict(spec.to_dict()) == spec``."""
-        from whalepy._cluster_schema import _to_dict
+        from whalepy.hardware.schema import _to_dict
 
         return _to_dict(self)
 

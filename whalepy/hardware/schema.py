@@ -1,6 +1,6 @@
 """The dict / YAML / JSON schema of a cluster spec (documented in docs/cluster_spec.md).
 
-Kept apart from whalepy/cluster.py so the dataclasses read on their own; ClusterSpec.from_dict and
+Kept apart from whalepy/hardware/cluster.py so the dataclasses read on their own; ClusterSpec.from_dict and
 to_dict call into here.
 """
 
@@ -11,8 +11,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from whalepy._errors import ClusterSpecError
-from whalepy.cluster import (
+from whalepy.errors import ClusterSpecError
+from whalepy.hardware.cluster import (
     PCIE_LATENCY_S,
     ClusterSpec,
     NodeGroup,

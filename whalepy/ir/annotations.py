@@ -18,8 +18,8 @@ import re
 from collections.abc import Collection, Iterable
 from typing import Any
 
-from whalepy._errors import AnnotationError
-from whalepy.profile import BlockAnnotations
+from whalepy.errors import AnnotationError
+from whalepy.ir.profile import BlockAnnotations
 
 ANNOTATIONS_ATTR = "_whalepy_annotations"
 _NESTING = "cluster > stage > replicate > split"

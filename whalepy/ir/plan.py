@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from whalepy._errors import PlanError
+from whalepy.errors import PlanError
 from whalepy.ir.types import Precision, Schedule, Tier, TPStyle, ZeroStage
 
 PLAN_VERSION = 5
@@ -65,7 +65,7 @@ class BlockPlan:
     and ``nn.Embedding`` of the block is split along its rows (output features, vocabulary) into
     ``tiles`` modules, each its own FSDP2 unit, so ZeRO-3 gathers (and reduce-scatters) one tile at a
     time and the working set is one tile, not the block. 1: not tiled. Only with ZeRO-3 and tp 1, and
-    not on a block that shares a tied parameter with another (:func:`whalepy._capabilities.tiling_error`)."""
+    not on a block that shares a tied parameter with another (:func:`whalepy.ir.rules.tiling_error`)."""
     checkpoint_offload: bool = False
     """A checkpointed block keeps its input (the activation checkpoint) in host memory between its
     forward and its backward, which brings it back for the recompute (ZeRO-Infinity, Rajbhandari et al.
@@ -166,7 +166,7 @@ class StagePlan:
     DeepSpeed) instead of accumulating unsharded gradients over the micro-batches and reducing once
     (``set_requires_gradient_sync(False)`` until the last one): ``M`` times the reduce-scatters, no
     unsharded fp32 gradient of the whole stage on the device. FSDP2 lowering without pipeline stages
-    only (:func:`whalepy._capabilities.reduce_every_microbatch_error`)."""
+    only (:func:`whalepy.ir.rules.reduce_every_microbatch_error`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "zero_stage", ZeroStage(self.zero_stage))
@@ -175,13 +175,13 @@ class StagePlan:
         if not isinstance(self.reduce_every_microbatch, bool):
             raise PlanError(f"stage {self.index}: reduce_every_microbatch must be true or false, got "
                             f"{self.reduce_every_microbatch!r}")
-        from whalepy._capabilities import stage_tiers_error
+        from whalepy.ir.rules import stage_tiers_error
 
         reason = stage_tiers_error(self.blocks)
         if reason is not None:
             raise PlanError(f"stage {self.index}: {reason}")
         if any(b.tiles > 1 for b in self.blocks):
-            from whalepy._capabilities import tiling_error
+            from whalepy.ir.rules import tiling_error
 
             tp = len(self.ranks[0]) if self.ranks else 1
             for b in self.blocks:
@@ -290,7 +290,7 @@ class Plan:
     precision: Precision = Precision.FP32
     """What the runtime trains in: ``bf16`` / ``fp16`` (low-precision compute, fp32 master weights,
     gradient reduction and optimizer states; fp16 with dynamic loss scaling) or ``fp32``. The planner
-    sets it from the cluster (``whalepy.cluster.resolve_precision``); a hand-made plan trains in
+    sets it from the cluster (``whalepy.hardware.cluster.resolve_precision``); a hand-made plan trains in
     fp32 unless it says otherwise."""
     costs_for: str = ""
     """:meth:`decision_hash` of the decisions the predicted costs (``cost``, stage costs, alternatives) were
@@ -469,7 +469,7 @@ class Plan:
             if isinstance(e, PlanError):
                 raise
             raise PlanError(f"plan data is malformed: {e}; fix the plan file or re-create it with `whalepy plan`") from None
-        from whalepy._capabilities import state_option_error
+        from whalepy.ir.rules import state_option_error
 
         for st in plan.stages:  # a tier pair edited into the file that the runtime does not lower
             for b in st.blocks:
@@ -493,7 +493,7 @@ class Plan:
         """Load a plan; with ``model_fingerprint`` refuse a plan made for a different model. With ``model``
         (and its ``example_inputs``, default: token ids of the plan's ``seq_len`` for a model that starts
         with an embedding) or its ``profile``, check the plan against the model and its annotations
-        (:func:`whalepy._plan_check.check_plan`): a hand-edited plan that cannot lower as written is a
+        (:func:`whalepy.planner.check.check_plan`): a hand-edited plan that cannot lower as written is a
         PlanError here, not a failure inside torch later."""
         if not isinstance(path, (str, os.PathLike)):
             raise PlanError(f"Plan.load() takes the path of a JSON plan, got {type(path).__name__} {path!r:.60}; "
@@ -520,8 +520,8 @@ class Plan:
 
     def check_against(self, model: Any = None, *, example_inputs: Any = None, profile: Any = None) -> None:
         """Raise :class:`PlanError` where this plan cannot lower ``model`` as written (blocks, TP rules,
-        annotations, fingerprint); see :mod:`whalepy._plan_check`."""
-        from whalepy._plan_check import check_against  # the one import up a layer (tests/test_layers.py)
+        annotations, fingerprint); see :mod:`whalepy.planner.check`."""
+        from whalepy.planner.check import check_against  # the one import up a layer (tests/test_layers.py)
 
         check_against(self, model, example_inputs=example_inputs, profile=profile)
 
@@ -534,7 +534,7 @@ class Plan:
             )
 
     def __str__(self) -> str:
-        from whalepy._plan_format import format_plan
+        from whalepy.ir.plan_text import format_plan
 
         text = format_plan(self)
         if self.costs_stale:
@@ -546,7 +546,7 @@ class Plan:
         return str(self)
 
     def explain(self) -> str:
-        from whalepy._plan_format import format_explanation
+        from whalepy.ir.plan_text import format_explanation
 
         return format_explanation(self)
 

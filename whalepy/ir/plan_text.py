@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from whalepy.ir.types import GIB
 
 if TYPE_CHECKING:
-    from whalepy.plan import Plan
+    from whalepy.ir.plan import Plan
 
 
 

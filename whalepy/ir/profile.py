@@ -12,7 +12,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from whalepy.plan import TPRule
+from whalepy.ir.plan import TPRule
 
 
 class BlockKind(str, enum.Enum):
@@ -137,7 +137,7 @@ class BlockProfile:
     tp_degrees: tuple[int, ...] = (1,)
     """TP degrees every sharded dimension of the block (heads, features, vocab) divides by."""
     linear_params: int = 0
-    """Parameters of the block's tileable modules (:func:`whalepy._tiling.tileable_modules`: its
+    """Parameters of the block's tileable modules (:func:`whalepy.ir.tiling.tileable_modules`: its
     ``nn.Linear`` s and ``nn.Embedding`` s, weights and biases; 0: unknown or none). With
     :attr:`largest_linear_params` it sizes the FSDP2 units of a tiled block (``BlockPlan.tiles``); only
     the tiling uses these four fields (a block's time is costed from :attr:`kernels` and its FLOPs)."""
@@ -150,12 +150,12 @@ class BlockProfile:
     linear_rows: tuple[tuple[int, int], ...] = ()
     """Per tileable module, ``(rows, parameters per row)``: a linear's output features and input
     features (+1 for a bias), an embedding's vocabulary and width; a tile of ``t`` has ``ceil(rows / t)``
-    rows at most (:func:`whalepy._tiling.largest_tile_params`); empty: unknown."""
+    rows at most (:func:`whalepy.ir.tiling.largest_tile_params`); empty: unknown."""
     shares_params: bool = False
     """A module of the block shares a parameter with a module outside it (a tied weight, e.g. GPT-2's
     ``lm_head.weight`` is ``wte.weight``; ``whalepy.pseudo_to_real``'s tied layers). FSDP2 keeps such a
     parameter in the stage's root unit, so all such blocks of one stage keep their states in one tier
-    (:func:`whalepy._capabilities.shared_unit_tiers_error`)."""
+    (:func:`whalepy.ir.rules.shared_unit_tiers_error`)."""
     annotations: BlockAnnotations = field(default_factory=BlockAnnotations)
     kernels: BlockKernels | None = None
     """GEMM and attention shapes, memory-bound bytes and launches of the forward; None when unknown
@@ -204,6 +204,6 @@ class ModelProfile:
         raise KeyError(f"no block named {name!r}; blocks are {[b.name for b in self.blocks]}")
 
     def __str__(self) -> str:
-        from whalepy._profile_format import format_profile
+        from whalepy.ir.profile_text import format_profile
 
         return format_profile(self)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from whalepy.plan import TPStyle
+from whalepy.ir.plan import TPStyle
 
 _SHORT = {TPStyle.COLWISE: "col", TPStyle.ROWWISE: "row", TPStyle.VOCAB: "vocab",
           TPStyle.SEQUENCE: "seq", TPStyle.REPLICATE: "rep"}

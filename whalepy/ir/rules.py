@@ -9,7 +9,7 @@ Data parallelism, state tiers and precision:
 - :func:`check_state_option`: whether a (ZeRO stage, parameter tier, optimizer tier) combination is
   lowered, and why not.
 - :func:`stage_tiers_error`: whether one stage's blocks, with their own tiers, are lowered together
-  (checked when a :class:`~whalepy.plan.StagePlan` is made, and by the disk tier).
+  (checked when a :class:`~whalepy.ir.plan.StagePlan` is made, and by the disk tier).
 - :func:`shared_unit_tiers_error`: whether parameters of blocks with different tiers can be sharded as
   one FSDP2 unit (a stage's root: weights tied between blocks), in a stage whose blocks have different
   tiers (granular offloading).
@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
-from whalepy._errors import PlanError
+from whalepy.errors import PlanError
 from whalepy.ir.types import LoweringKind, Precision, Schedule, Tier, ZeroStage
 
 __all__ = [

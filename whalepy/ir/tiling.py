@@ -37,7 +37,7 @@ def tileable_modules(model: Any, paths: Iterable[str]) -> list[tuple[str, Any]]:
     under the module paths ``paths`` of ``model``, in module order, each once; a module whose weight
     another module also uses (tied, e.g. a language-model head sharing the embedding) is left out:
     splitting it would untie it (a block that shares a parameter with another block is not tiled at
-    all: :func:`whalepy._capabilities.tiling_error`)."""
+    all: :func:`whalepy.ir.rules.tiling_error`)."""
     users: dict[int, int] = {}
     for _, m in model.named_modules(remove_duplicate=False):
         for p in m.parameters(recurse=False):

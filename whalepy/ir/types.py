@@ -1,6 +1,6 @@
 """Every enum shared between whalepy's steps, and the unit constant ``GIB``: the bottom of the data model.
 
-Imports only :mod:`whalepy._errors`, so the plan, the cost models, the rules of what the runtime lowers and
+Imports only :mod:`whalepy.errors`, so the plan, the cost models, the rules of what the runtime lowers and
 the planner can all name these without importing one another.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 
-from whalepy._errors import PlanError, enum_member
+from whalepy.errors import PlanError, enum_member
 
 GIB = 2**30
 """Bytes in a GiB: device and host memory sizes are read as GiB (cost_models/devices.py)."""

@@ -54,7 +54,7 @@ T5_SIZES: dict[str, T5Config] = {
     # not published: small enough to train on CPU (``whalepy study zero t5-tiny --measure``, the tests)
     "t5-tiny": T5Config(d_model=64, d_ff=128, num_heads=4, d_kv=16, num_layers=2, vocab_size=256),
 }
-"""Configurations by the name ``whalepy.zoo.build`` knows them under."""
+"""Configurations by the name ``whalepy.models.zoo.build`` knows them under."""
 
 
 class RMSNorm(nn.Module):

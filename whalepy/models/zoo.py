@@ -8,7 +8,7 @@ as eight elementwise ops, each saving its input for backward, where whalepy call
 Megatron-LM trains GPT-3), so the built-in's activation memory per layer is about 45% lower than that
 of the eager HF model (48 vs 87 MiB for gpt2 at seq 1024, fp32). The others are HuggingFace configs (``use_cache=False``: a KV cache output breaks
 ``torch.export``). The T5 v1.1 / mT5 family (``mt5-base`` ... ``mt5-xxl``,
-``t5-v1_1-xl``, ``t5-v1_1-xxl``) is whalepy's own encoder-decoder (:mod:`whalepy._t5`, no transformers
+``t5-v1_1-xl``, ``t5-v1_1-xxl``) is whalepy's own encoder-decoder (:mod:`whalepy.models.t5`, no transformers
 import).
 
 ``build("llama3-8b", batch=1, seq_len=8192)`` -> ``(model, example_inputs)``.
@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from whalepy._errors import WhalepyError
+from whalepy.errors import WhalepyError
 
 GPT2_VOCAB = 50257
 """GPT-2's BPE vocabulary (Radford et al. 2019), which GPT-3 kept (Brown et al. 2020, section 2.1)."""
@@ -75,14 +75,14 @@ MODELS: dict[str, tuple[Callable[[], Any], int]] = {
 
 T5_DEFAULT_SEQ_LEN = 512
 """Tokens per sample on each side of the built-in T5 v1.1 / mT5 models (whalepy's own encoder-decoder,
-:mod:`whalepy._t5`; no transformers import): the input length of T5's and mT5's pre-training."""
+:mod:`whalepy.models.t5`; no transformers import): the input length of T5's and mT5's pre-training."""
 
 
 def build(name: str, *, batch: int = 1, seq_len: int | None = None) -> tuple[Any, Any]:
     """``(model on the meta device, example inputs)`` for a built-in model name."""
     import torch
 
-    from whalepy._t5 import T5_SIZES, build_t5
+    from whalepy.models.t5 import T5_SIZES, build_t5
 
     key = name.strip().lower()
     if key in T5_SIZES:

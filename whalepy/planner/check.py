@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from whalepy._errors import ArgumentError, PlanError
+from whalepy.errors import ArgumentError, PlanError
 from whalepy.ir.types import TPStyle
-from whalepy.plan import Plan
+from whalepy.ir.plan import Plan
 
 __all__ = ["check_against", "check_plan", "check_costs", "default_example_inputs"]
 
@@ -31,7 +31,7 @@ _REPLAN = "re-plan with whalepy.plan() / `whalepy plan`, or undo the edit"
 def check_against(plan: Plan, model: Any = None, *, example_inputs: Any = None, profile: Any = None) -> None:
     """:meth:`Plan.check_against`: profile ``model`` (unless its ``profile`` is given) and :func:`check_plan`."""
     if profile is None:
-        from whalepy._validate import check_model
+        from whalepy.frontend.checks import check_model
         from whalepy.frontend.profile import profile as build
 
         check_model(model, "Plan.load(model=...)")
@@ -45,7 +45,7 @@ def default_example_inputs(plan: Plan, model: Any) -> tuple:
     """Token ids of the plan's sequence length, for a model that starts with an embedding."""
     import torch
 
-    from whalepy._validate import first_embedding
+    from whalepy.frontend.checks import first_embedding
 
     if plan.seq_len is None or first_embedding(model) is None:
         raise ArgumentError(

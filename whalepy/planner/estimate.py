@@ -10,11 +10,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from whalepy._capabilities import check_pipeline, sequence_parallel_error, tiling_error
-from whalepy._errors import PlanError
-from whalepy.cluster import ClusterSpec
-from whalepy.plan import Plan, Schedule, Tier, ZeroStage
-from whalepy.profile import ModelProfile
+from whalepy.ir.rules import check_pipeline, sequence_parallel_error, tiling_error
+from whalepy.errors import PlanError
+from whalepy.hardware.cluster import ClusterSpec
+from whalepy.ir.plan import Plan, Schedule, Tier, ZeroStage
+from whalepy.ir.profile import ModelProfile
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -218,7 +218,7 @@ def estimate(model: Any, cluster: ClusterSpec, config: ParallelConfig | dict[str
              example_inputs: Any, global_batch: int, precision: str | None = None) -> Estimate:
     """Predicted step time and memory of ``config``; ``precision`` None resolves from the cluster as
     the planner does (``PlannerOptions.precision``)."""
-    from whalepy._validate import as_cluster, check_example_inputs, check_model
+    from whalepy.frontend.checks import as_cluster, check_example_inputs, check_model
     from whalepy.frontend.profile import profile
 
     check_model(model, "whalepy.estimate()")
@@ -233,9 +233,9 @@ def check_config_on_cluster(cfg: ParallelConfig, cluster: ClusterSpec, global_ba
                             ) -> tuple[str, Any, tuple[int, ...]]:
     """What ``cfg`` asks of the cluster and the batch, checked without the model (so :func:`estimate`
     refuses it before the capture): the precision (resolved), the state option and the batch shares."""
-    from whalepy._capabilities import check_state_option
-    from whalepy.cluster import resolve_precision
-    from whalepy._validate import check_positive_int
+    from whalepy.ir.rules import check_state_option
+    from whalepy.hardware.cluster import resolve_precision
+    from whalepy.frontend.checks import check_positive_int
     from whalepy.planner.space import StateOption
 
     check_positive_int(global_batch, "global_batch", "whalepy.estimate()")
@@ -319,15 +319,15 @@ def _balanced_sizes(times: list[float], parts: int) -> list[int]:
 
 def estimate_from_profile(profile: ModelProfile, cluster: ClusterSpec, config: ParallelConfig | dict[str, Any], *,
                           global_batch: int, precision: str | None = None) -> Estimate:
-    from whalepy.planner._runtime_costs import check_device_reserve
+    from whalepy.planner.runtime_costs import check_device_reserve
     from whalepy.planner.build import build_plan
     from whalepy.planner.costing import CostContext, build_coefficients, evaluate, has_sequence_rules
     from whalepy.planner.space import Candidate, Hardware, StateOption, build_segments
 
-    from whalepy._capabilities import check_state_option
-    from whalepy.cluster import resolve_precision
+    from whalepy.ir.rules import check_state_option
+    from whalepy.hardware.cluster import resolve_precision
 
-    from whalepy._validate import as_cluster, check_positive_int
+    from whalepy.frontend.checks import as_cluster, check_positive_int
 
     cluster = as_cluster(cluster, "whalepy.estimate()")
     cfg = _coerce(config)
@@ -365,8 +365,8 @@ def estimate_from_profile(profile: ModelProfile, cluster: ClusterSpec, config: P
                      schedule=Schedule(cfg.schedule), virtual_stages=cfg.virtual_stages, cell_groups=cell_groups,
                      batch_shares=tuple(shares), layout=layout)
     if option.reduce_each:
-        from whalepy._capabilities import reduce_every_microbatch_error
-        from whalepy.planner._runtime_costs import lowering_kind
+        from whalepy.ir.rules import reduce_every_microbatch_error
+        from whalepy.planner.runtime_costs import lowering_kind
 
         reason = reduce_every_microbatch_error(lowering_kind(option, cand), pp=cfg.pp, param_tier=option.param_tier,
                                                optimizer_tier=option.optimizer_tier)

@@ -1,5 +1,5 @@
 """How the runtime runs data parallelism, in the terms of the cost model: which wrapper a state option is
-lowered to (the runtime's own :func:`~whalepy._capabilities.choose_lowering_kind`), which of its
+lowered to (the runtime's own :func:`~whalepy.ir.rules.choose_lowering_kind`), which of its
 collectives overlap which compute (per block, with contention), what it holds beside the model states,
 and how much device memory is left to the allocator. Used by :mod:`whalepy.planner.costing`; formulas
 in docs/cost_model.md ("Overlap with compute", "Buffers and working sets", "Reserve").
@@ -19,8 +19,8 @@ from whalepy.cost_models.memory import (
     estimate_fixed_device_bytes,
     estimate_usable_device_bytes,
 )
-from whalepy._capabilities import LoweringKind, choose_lowering_kind, offloads_to_host
-from whalepy._errors import InfeasibleError
+from whalepy.ir.rules import LoweringKind, choose_lowering_kind, offloads_to_host
+from whalepy.errors import InfeasibleError
 from whalepy.planner.space import Candidate, GroupView, Segment, StateOption
 
 CollectiveFn = Callable[[Collective, float, CommGroup], float]
@@ -62,7 +62,7 @@ def check_device_reserve(groups: tuple[GroupView, ...], world_size: int) -> None
 
 def lowering_kind(o: StateOption, cand: Candidate) -> str:
     """How the runtime lowers data parallelism for state option ``o`` in candidate ``cand`` (the
-    runtime's own :func:`~whalepy._capabilities.choose_lowering_kind`: DDP, DDP + ZeroRedundancyOptimizer,
+    runtime's own :func:`~whalepy.ir.rules.choose_lowering_kind`: DDP, DDP + ZeroRedundancyOptimizer,
     FSDP2, or nothing)."""
     offload = offloads_to_host(o.param_tier, o.optimizer_tier) or o.beside_offload
     return choose_lowering_kind(o.zero, cand.dp, tp=cand.tp, pp=cand.num_stages, offload=offload)

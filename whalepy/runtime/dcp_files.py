@@ -12,7 +12,7 @@ from typing import Any
 
 import torch.distributed.checkpoint as dcp
 
-from whalepy._errors import ArgumentError, WhalepyError
+from whalepy.errors import ArgumentError, WhalepyError
 
 __all__ = ["check_save_path", "load_files", "read_metadata"]
 

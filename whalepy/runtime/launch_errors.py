@@ -25,7 +25,7 @@ import sys
 from types import TracebackType
 from typing import Any
 
-from whalepy._errors import WhalepyError
+from whalepy.errors import WhalepyError
 
 __all__ = ["install_error_hook", "report_failure"]
 

@@ -1,7 +1,7 @@
 """What ``parallelize`` keeps of a pseudo model (layers tied by ``whalepy.pseudo_to_real``) so that
 ``whalepy.delink`` can build the real one: the mark the tie leaves on the model, and a meta-device copy
 with the launch arguments, recorded before lowering changes the model. Plain data; the feature itself
-(tie, delink) is ``whalepy._pseudo_to_real``, above the runtime, which the runtime never imports.
+(tie, delink) is ``whalepy.tools.pseudo_to_real``, above the runtime, which the runtime never imports.
 """
 
 from __future__ import annotations

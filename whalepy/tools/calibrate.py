@@ -1,6 +1,6 @@
 """``whalepy calibrate``: measure the current device and write its device profile (versioned JSON).
 
-What is measured (:mod:`whalepy._calibrate_bench`): GEMM times across shapes, causal SDPA forward and
+What is measured (:mod:`whalepy.tools.calibrate_bench`): GEMM times across shapes, causal SDPA forward and
 backward, memory-bound bandwidth, the host-side launch cost, AdamW step rates on the device and on the
 CPU (for offload), host <-> device bandwidth pinned and pageable (CUDA), disk write/read (the NVMe
 tier), and, under ``torchrun`` with more than one process, all-reduce / all-gather / reduce-scatter /
@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from whalepy import _calibrate_bench as bench
-from whalepy._errors import ArgumentError, WhalepyError
+from whalepy.tools import calibrate_bench as bench
+from whalepy.errors import ArgumentError, WhalepyError
 from whalepy.cost_models.compute import attention_flops, fit_gemm, peak_flops
 from whalepy.cost_models.device_profiles import (
     ATTENTION_EFFICIENCY_AMPERE,
@@ -70,7 +70,7 @@ def _sizes(device: torch.device, quick: bool) -> dict[str, Any]:
 
 
 def _parse_device(device: Any) -> torch.device:
-    from whalepy._errors import ArgumentError
+    from whalepy.errors import ArgumentError
 
     try:
         dev = torch.device(device)

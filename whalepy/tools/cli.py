@@ -1,6 +1,6 @@
-"""The ``whalepy`` console script: ``plan``, ``show``, ``estimate``, ``study zero`` (whalepy.study),
-``calibrate`` (whalepy._calibrate),
-``export`` and ``run`` (whalepy.launch).
+"""The ``whalepy`` console script: ``plan``, ``show``, ``estimate``, ``study zero`` (whalepy.tools.study),
+``calibrate`` (whalepy.tools.calibrate),
+``export`` and ``run`` (whalepy.tools.launch).
 
 Errors whalepy raises on purpose print as one line and exit with code 2, without a traceback. Each
 subcommand's module is imported only when it runs (``COMMANDS``); output piped into ``head`` ends
@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from whalepy._errors import WhalepyError
+from whalepy.errors import WhalepyError
 from whalepy.tools.model_arg import load_model
 
 EXIT_USER_ERROR = 2
@@ -31,7 +31,7 @@ def _err(msg: str) -> None:
 
 def _profile(args: argparse.Namespace, progress) -> Any:  # type: ignore[no-untyped-def]
     from whalepy.frontend.profile import profile
-    from whalepy.profile import ModelProfile
+    from whalepy.ir.profile import ModelProfile
 
     loaded = load_model(args.model, batch=1, seq_len=args.seq_len)
     if isinstance(loaded, ModelProfile):
@@ -46,7 +46,7 @@ def _profile(args: argparse.Namespace, progress) -> Any:  # type: ignore[no-unty
 
 
 def _cluster(path: str):  # type: ignore[no-untyped-def]
-    from whalepy.cluster import ClusterSpec
+    from whalepy.hardware.cluster import ClusterSpec
 
     return ClusterSpec.load(path)
 
@@ -88,13 +88,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from whalepy.plan import Plan
+    from whalepy.ir.plan import Plan
 
     plan = Plan.load(args.plan)
     if args.check:
         check_plan_cli(plan, args)
     if args.html or args.svg:
-        from whalepy._show import plan_html, plan_timeline_svg, write_text
+        from whalepy.tools.show import plan_html, plan_timeline_svg, write_text
 
         for path, render in ((args.html, plan_html), (args.svg, plan_timeline_svg)):
             if path:
@@ -109,8 +109,8 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    from whalepy._show import plan_diff
-    from whalepy.plan import Plan
+    from whalepy.tools.show import plan_diff
+    from whalepy.ir.plan import Plan
 
     print(plan_diff(Plan.load(args.first), Plan.load(args.second)))
     return 0
@@ -118,11 +118,11 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 def check_plan_cli(plan: Any, args: argparse.Namespace) -> None:
     """``whalepy show --check``: stale costs, and with ``--model`` the plan against that model."""
-    from whalepy._plan_check import check_costs
+    from whalepy.planner.check import check_costs
 
     check_costs(plan)
     if args.model:
-        from whalepy.profile import ModelProfile
+        from whalepy.ir.profile import ModelProfile
 
         loaded = load_model(args.model, batch=1, seq_len=args.seq_len or plan.seq_len)
         if isinstance(loaded, ModelProfile):
@@ -133,7 +133,7 @@ def check_plan_cli(plan: Any, args: argparse.Namespace) -> None:
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    from whalepy.estimate import ParallelConfig, estimate_from_profile
+    from whalepy.planner.estimate import ParallelConfig, estimate_from_profile
 
     progress = _err if not args.quiet else (lambda _m: None)
     cluster = _cluster(args.cluster)
@@ -147,8 +147,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 
 def cmd_study_zero(args: argparse.Namespace) -> int:
-    from whalepy._study_format import format_zero_study, plot_zero_study, write_zero_study_csv
-    from whalepy.study import study_zero
+    from whalepy.tools.study_format import format_zero_study, plot_zero_study, write_zero_study_csv
+    from whalepy.tools.study import study_zero
 
     progress = _err if not args.quiet else (lambda _m: None)
     models = [m for m in ([args.model] if args.model else []) + (args.sizes.split(",") if args.sizes else []) if m]
@@ -168,7 +168,7 @@ def cmd_study_zero(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     import torch
 
-    from whalepy.export import export_safetensors
+    from whalepy.tools.export import export_safetensors
 
     dtype = None if args.dtype is None else getattr(torch, args.dtype)
     files = export_safetensors(args.checkpoint, args.to, config=args.config,
@@ -293,16 +293,17 @@ class Command:
 
 
 COMMANDS: dict[str, Command] = {
-    "plan": Command("find the fastest plan that fits", "whalepy.cli:_add_plan"),
-    "show": Command("print a saved plan", "whalepy.cli:_add_show"),
-    "diff": Command("what changed between two saved plans, and the predicted effect", "whalepy.cli:_add_diff"),
-    "estimate": Command("predict one configuration", "whalepy.cli:_add_estimate"),
-    "study": Command("studies of a model on a cluster (zero: the ZeRO-stage trade-off)", "whalepy.cli:_add_study"),
+    "plan": Command("find the fastest plan that fits", "whalepy.tools.cli:_add_plan"),
+    "show": Command("print a saved plan", "whalepy.tools.cli:_add_show"),
+    "diff": Command("what changed between two saved plans, and the predicted effect", "whalepy.tools.cli:_add_diff"),
+    "estimate": Command("predict one configuration", "whalepy.tools.cli:_add_estimate"),
+    "study": Command("studies of a model on a cluster (zero: the ZeRO-stage trade-off)",
+                     "whalepy.tools.cli:_add_study"),
     "calibrate": Command("measure this device and write its device profile (JSON)",
-                         "whalepy._calibrate:add_calibrate_subparser"),
-    "export": Command("write a checkpoint's weights as HF safetensors", "whalepy.cli:_add_export"),
+                         "whalepy.tools.calibrate:add_calibrate_subparser"),
+    "export": Command("write a checkpoint's weights as HF safetensors", "whalepy.tools.cli:_add_export"),
     "run": Command("launch a training script on N processes (a thin wrapper over torchrun)",
-                   "whalepy.launch:add_run_subparser"),
+                   "whalepy.tools.launch:add_run_subparser"),
 }
 """The subcommands, in the order ``--help`` lists them. Adding one is one entry here plus its
 registering function."""
@@ -342,18 +343,18 @@ def _quiet_broken_pipe() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from whalepy._cli_args import one_line_usage_errors
+    from whalepy.tools.cli_args import one_line_usage_errors
 
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(_command_in(argv) or "")
     one_line_usage_errors(parser)
     args = parser.parse_args(argv)
     try:
-        from whalepy._cli_args import check_cli_args
+        from whalepy.tools.cli_args import check_cli_args
 
         check_cli_args(args)
         if getattr(args, "global_batch", "absent") is None:
-            from whalepy.cluster import ClusterSpec
+            from whalepy.hardware.cluster import ClusterSpec
 
             args.global_batch = 8 * ClusterSpec.load(args.cluster).world_size
         code = int(args.func(args) or 0)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from whalepy._errors import ArgumentError
+from whalepy.errors import ArgumentError
 
 __all__ = ["check_cli_args", "one_line_usage_errors"]
 
@@ -49,7 +49,7 @@ def _output_paths(args: argparse.Namespace) -> None:
     for dest in ("out", "html", "svg", "csv", "plot"):
         value = getattr(args, dest, None)
         if dest == "out" and getattr(args, "command", None) == "calibrate":
-            continue  # a file or a directory there (whalepy._calibrate checks it)
+            continue  # a file or a directory there (whalepy.tools.calibrate checks it)
         if not isinstance(value, str) or not value:
             continue
         parent = os.path.dirname(os.path.abspath(value))

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from whalepy._errors import WhalepyError
+from whalepy.errors import WhalepyError
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def _checkpoint_tensors(checkpoint: Path) -> tuple[dict[str, Any], bool]:
     """Model tensor name -> DCP metadata, and whether the names sit under ``model.``."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from whalepy.runtime._dcp_files import read_metadata
+    from whalepy.runtime.dcp_files import read_metadata
 
     entries = read_metadata(checkpoint).state_dict_metadata
     tensors = {k: v for k, v in entries.items() if isinstance(v, TensorStorageMetadata)}
@@ -124,7 +124,7 @@ def export_safetensors(
     module docstring); return the files written. ``config``: the HF config (a dict, a config object or
     a ``config.json`` path), by default the ``config.json`` in the checkpoint. ``dtype`` converts
     floating-point tensors (default: as stored, fp32 master weights)."""
-    from whalepy.runtime._dcp_files import load_files
+    from whalepy.runtime.dcp_files import load_files
 
     try:
         from safetensors.torch import save_file

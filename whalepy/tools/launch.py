@@ -71,8 +71,8 @@ def build_torchrun_command(args: argparse.Namespace) -> list[str]:
 def _check_plan_for_launch(args: argparse.Namespace) -> None:
     """``--plan``: a readable plan (one line here, not one failure per rank) made for as many processes as
     the launch starts, when ``-n`` and ``--nnodes`` are plain counts."""
-    from whalepy._errors import LaunchError
-    from whalepy.plan import Plan
+    from whalepy.errors import LaunchError
+    from whalepy.ir.plan import Plan
 
     plan = Plan.load(args.plan)
     n, nodes = str(args.nproc_per_node), str(args.nnodes)
@@ -98,8 +98,8 @@ def main_run(args: argparse.Namespace) -> int:
         print(" ".join(cmd))
         return 0
     try:
-        # the same torchrun, through whalepy._torchrun: a failed rank ends in one line, not torchrun's report
-        return subprocess.call([cmd[0], "-m", "whalepy._torchrun", *cmd[3:]], env=env)
+        # the same torchrun, through whalepy.tools.torchrun: a failed rank ends in one line, not torchrun's report
+        return subprocess.call([cmd[0], "-m", "whalepy.tools.torchrun", *cmd[3:]], env=env)
     except KeyboardInterrupt:
         return 130
 

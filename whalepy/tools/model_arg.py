@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from whalepy._errors import WhalepyError
+from whalepy.errors import WhalepyError
 
 
 def load_model(spec: str, *, batch: int, seq_len: int | None) -> tuple[Any, Any] | Any:
@@ -41,6 +41,6 @@ def load_model(spec: str, *, batch: int, seq_len: int | None) -> tuple[Any, Any]
         if not (isinstance(out, tuple) and len(out) == 2):
             raise WhalepyError(f"{spec} must return (model, example_inputs), got {type(out).__name__}")
         return out
-    from whalepy.zoo import build
+    from whalepy.models.zoo import build
 
     return build(spec, batch=batch, seq_len=seq_len)

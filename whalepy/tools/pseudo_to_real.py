@@ -29,12 +29,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from whalepy._errors import AnnotationError, ArgumentError, InfeasibleError, LaunchError, WhalepyError
+from whalepy.errors import AnnotationError, ArgumentError, InfeasibleError, LaunchError, WhalepyError
 from whalepy.runtime.pseudo_record import (  # noqa: F401  (PseudoBuild, record_pseudo: re-exported)
     PSEUDO_MARK, PseudoBuild, PseudoLayers, meta_copy, pseudo_layers, record_pseudo)
 
 if TYPE_CHECKING:
-    from whalepy.plan import Plan
+    from whalepy.ir.plan import Plan
     from whalepy.runtime.parallel_model import ParallelModel
 
 __all__ = ["PseudoBuild", "PseudoLayers", "delink", "meta_copy", "pseudo_layers", "pseudo_to_real",

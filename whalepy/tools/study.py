@@ -5,13 +5,13 @@ For every ZeRO stage 0-3 on all devices as one data-parallel group (and, where e
 host memory, with the states offloaded to the host), one :class:`ZeroStudyRow` per model: the per-GPU
 model-state, activation and peak memory, the step time, throughput and fit of
 :func:`whalepy.estimate_from_profile` (the planner's own costing), and the communication volume per step
-of the collectives the runtime issues (:func:`whalepy.planner._runtime_costs.dp_step_payload_bytes`),
+of the collectives the runtime issues (:func:`whalepy.planner.runtime_costs.dp_step_payload_bytes`),
 split into the bytes each GPU sends over intra-node and inter-node links
 (:func:`whalepy.cost_models.communication.estimate_collective_link_bytes`). Nothing is re-derived here.
 
 ``measure=True`` also trains a few steps of each row on CPU gloo processes and puts the model-state
 bytes each rank holds and the collective bytes counted at its process group next to the prediction
-(:mod:`whalepy._study_measure`). Output: :mod:`whalepy._study_format` (table, CSV, plot).
+(:mod:`whalepy.tools.study_measure`). Output: :mod:`whalepy.tools.study_format` (table, CSV, plot).
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from whalepy._errors import WhalepyError
-from whalepy.cluster import ClusterSpec
+from whalepy.errors import WhalepyError
+from whalepy.hardware.cluster import ClusterSpec
 from whalepy.cost_models.communication import Collective, estimate_collective_link_bytes
-from whalepy.plan import Tier
-from whalepy.profile import ModelProfile
+from whalepy.ir.plan import Tier
+from whalepy.ir.profile import ModelProfile
 
 __all__ = ["STUDY_FAMILIES", "ZeroStudyRow", "study_zero", "zero_study_cases"]
 
@@ -32,7 +32,7 @@ STUDY_FAMILIES: dict[str, tuple[str, ...]] = {
     "mt5": ("mt5-base", "mt5-large", "mt5-xl", "mt5-xxl"),
     "t5": ("t5-v1_1-xl", "t5-v1_1-xxl"),
 }
-"""``--sizes`` shorthands: the mT5 family (580M to 13B) and T5 v1.1 XL / XXL (whalepy._t5)."""
+"""``--sizes`` shorthands: the mT5 family (580M to 13B) and T5 v1.1 XL / XXL (whalepy.models.t5)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,7 +90,7 @@ def zero_study_cases(cluster: ClusterSpec, *, offload: bool = True) -> list[tupl
     """``(zero stage, offload)`` rows: stages 0-3 on the GPU and, when ``offload`` and every node group
     has host memory (``cpu_memory_gb``), ZeRO-2 and ZeRO-3 with the states on the host. (The runtime
     lowers a host tier onto FSDP2 at any stage, so ZeRO-0/1 with offload would be ZeRO-2 + offload.)"""
-    from whalepy._capabilities import state_option_error
+    from whalepy.ir.rules import state_option_error
 
     cases: list[tuple[int, str | None]] = [(z, None) for z in range(4)]
     if offload and all(g.cpu_memory_bytes for g in cluster.groups):
@@ -110,9 +110,9 @@ def study_zero(models: Sequence[str | ModelProfile] | str | ModelProfile, cluste
     steps (the cluster must be CPU devices, or ``simulated``; small models only) and fills the
     ``measured_*`` fields from the last step."""
     from whalepy.tools.model_arg import load_model
-    from whalepy.estimate import ParallelConfig, estimate_from_profile
-    from whalepy._capabilities import choose_lowering_kind
-    from whalepy.planner._runtime_costs import LOSS_REPORT_BYTES, dp_step_payload_bytes
+    from whalepy.planner.estimate import ParallelConfig, estimate_from_profile
+    from whalepy.ir.rules import choose_lowering_kind
+    from whalepy.planner.runtime_costs import LOSS_REPORT_BYTES, dp_step_payload_bytes
 
     if isinstance(cluster, str):
         cluster = ClusterSpec.load(cluster)
@@ -120,7 +120,7 @@ def study_zero(models: Sequence[str | ModelProfile] | str | ModelProfile, cluste
     W = cluster.world_size
     global_batch = global_batch or 8 * W
     if measure:
-        from whalepy._study_measure import check_measurable
+        from whalepy.tools.study_measure import check_measurable
 
         check_measurable(cluster, names)
     say = progress or (lambda _m: None)
@@ -157,7 +157,7 @@ def study_zero(models: Sequence[str | ModelProfile] | str | ModelProfile, cluste
                 step_time_s=est.step_time_s, samples_per_s=est.samples_per_s,
                 tflops_per_gpu=est.plan.cost.model_tflops_per_gpu))
         if measure:
-            from whalepy._study_measure import measure_rows
+            from whalepy.tools.study_measure import measure_rows
 
             say(f"training {name} on {W} gloo processes, {len(model_rows)} configurations")
             model_rows = measure_rows(spec, prof, cluster, model_rows, seq_len=seq_len, steps=measure_steps,

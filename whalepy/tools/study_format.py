@@ -7,8 +7,8 @@ import csv
 from collections.abc import Sequence
 from pathlib import Path
 
-from whalepy._errors import WhalepyError
-from whalepy.study import ZeroStudyRow
+from whalepy.errors import WhalepyError
+from whalepy.tools.study import ZeroStudyRow
 
 __all__ = ["format_zero_study", "plot_zero_study", "write_zero_study_csv"]
 

@@ -10,7 +10,7 @@ Each row's plan is the one :func:`whalepy.estimate_from_profile` made for the pr
   (DDP's bucket views) and of the optimizer's tensor states (not the 0-dim ``step`` counters), each
   storage once; "host" for those FSDP2 offloads (``CPUOffloadPolicy``), "device" for the rest;
 - communication: the payload of every collective of the step, counted at the process group by
-  :class:`whalepy._comm_count.CollectiveCounter` (FSDP2's all-gathers and reduce-scatters, DDP's
+  :class:`whalepy.tools.comm_count.CollectiveCounter` (FSDP2's all-gathers and reduce-scatters, DDP's
   bucket all-reduces, ZeroRedundancyOptimizer's broadcasts).
 
 The first steps are not counted: FSDP2 initialises lazily in the first, DDP rebuilds its buckets
@@ -28,9 +28,9 @@ import tempfile
 import traceback
 from typing import Any
 
-from whalepy._errors import WhalepyError
-from whalepy.cluster import ClusterSpec
-from whalepy.profile import ModelProfile
+from whalepy.errors import WhalepyError
+from whalepy.hardware.cluster import ClusterSpec
+from whalepy.ir.profile import ModelProfile
 
 __all__ = ["check_measurable", "held_state_bytes", "measure_rows"]
 
@@ -58,8 +58,8 @@ def check_measurable(cluster: ClusterSpec, models: list[Any]) -> None:
 
 def held_state_bytes(pm: Any) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer states this rank holds: ``{"device", "host"}``
-    (:func:`whalepy.runtime._held.held_state_bytes` summed over kinds; the study has no disk tier)."""
-    from whalepy.runtime._held import held_state_bytes as by_kind
+    (:func:`whalepy.runtime.held.held_state_bytes` summed over kinds; the study has no disk tier)."""
+    from whalepy.runtime.held import held_state_bytes as by_kind
 
     held = by_kind(pm)
     return {place: sum(held[k][place] for k in held) for place in ("device", "host")}
@@ -70,9 +70,9 @@ def _rank_measure(spec: str, prof: ModelProfile, cluster: ClusterSpec, cases: li
                   num_microbatches: int, checkpoint: bool) -> list[dict[str, Any]]:
     import torch
 
-    from whalepy._comm_count import CollectiveCounter
+    from whalepy.tools.comm_count import CollectiveCounter
     from whalepy.tools.model_arg import load_model
-    from whalepy.estimate import ParallelConfig, estimate_from_profile
+    from whalepy.planner.estimate import ParallelConfig, estimate_from_profile
     from whalepy.runtime import parallelize
     from whalepy.runtime.materialize import has_meta_tensors, materialize
 
@@ -134,7 +134,7 @@ def _worker(rank: int, world: int, store_path: str, args: tuple, kwargs: dict, r
 
 def measure_rows(spec: Any, prof: ModelProfile, cluster: ClusterSpec, rows: list[Any], *, seq_len: int | None,
                  steps: int, precision: str | None, num_microbatches: int, checkpoint: bool) -> list[Any]:
-    """``rows`` (one model's :class:`~whalepy.study.ZeroStudyRow`) with ``measured_*`` filled in: the
+    """``rows`` (one model's :class:`~whalepy.tools.study.ZeroStudyRow`) with ``measured_*`` filled in: the
     largest held device (or, offloaded, host) bytes and the largest payload over the ranks."""
     check_measurable(cluster, [spec])
     if steps < 3:

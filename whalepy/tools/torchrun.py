@@ -1,6 +1,6 @@
 """``whalepy run``'s launcher process: ``torch.distributed.run`` with its failure report cut to one line.
 
-Run as ``python -m whalepy._torchrun <torchrun arguments>``. When a rank fails, torchrun itself logs each
+Run as ``python -m whalepy.tools.torchrun <torchrun arguments>``. When a rank fails, torchrun itself logs each
 failed rank and raises ``ChildFailedError``, whose traceback and report box add about 40 lines after the
 rank's own message (with whalepy's excepthook, one ``whalepy: error (rank R): ...`` line). Here the elastic
 agent's loggers are quieted to CRITICAL (and torchrun's OMP_NUM_THREADS banner to ERROR) and the failure becomes one line naming the failed ranks and their

@@ -13,33 +13,33 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from whalepy.plan import Plan
+    from whalepy.ir.plan import Plan
 
 
 def plan_html(plan: Plan) -> str:
     """The plan as one self-contained HTML page (inline CSS, SVG and JavaScript; nothing fetched)."""
-    from whalepy._show.page import plan_html as render
+    from whalepy.tools.show.page import plan_html as render
 
     return render(_check(plan))
 
 
 def plan_timeline_svg(plan: Plan) -> str:
     """The plan's pipeline schedule (forward, backward, sends, gradient sync, bubbles per rank) as SVG."""
-    from whalepy._show.timeline import timeline_svg
+    from whalepy.tools.show.timeline import timeline_svg
 
     return timeline_svg(_check(plan))
 
 
 def plan_diff(a: Plan, b: Plan) -> str:
     """What changed from plan ``a`` to plan ``b`` and the predicted effect on step time and memory."""
-    from whalepy._show.diff import plan_diff as render
+    from whalepy.tools.show.diff import plan_diff as render
 
     return render(_check(a), _check(b))
 
 
 def write_text(path: str | Path, text: str) -> None:
     """Write a page or picture, with a one-line error if the place cannot be written."""
-    from whalepy._errors import WhalepyError
+    from whalepy.errors import WhalepyError
 
     try:
         Path(path).write_text(text, encoding="utf-8")
@@ -48,8 +48,8 @@ def write_text(path: str | Path, text: str) -> None:
 
 
 def _check(plan: object) -> Plan:
-    from whalepy._errors import PlanError
-    from whalepy.plan import Plan
+    from whalepy.errors import PlanError
+    from whalepy.ir.plan import Plan
 
     if not isinstance(plan, Plan):
         raise PlanError(f"expected a whalepy.Plan, got {type(plan).__name__}; load one with whalepy.Plan.load(path)")

@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from whalepy._plan_format import _rate, compress_names
-from whalepy._show.svg import fmt_bytes, fmt_time, stage_devices
+from whalepy.ir.plan_text import _rate, compress_names
+from whalepy.tools.show.svg import fmt_bytes, fmt_time, stage_devices
 
 if TYPE_CHECKING:
-    from whalepy.plan import Plan
+    from whalepy.ir.plan import Plan
 
 
 def _degrees(p: Plan) -> str:

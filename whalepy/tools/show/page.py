@@ -8,20 +8,20 @@ import math
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from whalepy._plan_format import _rate, block_tiers, compress_names, compress_ranks
-from whalepy._show.panels import (
+from whalepy.ir.plan_text import _rate, block_tiers, compress_names, compress_ranks
+from whalepy.tools.show.panels import (
     alternatives_table,
     batch_shares_bar,
     devices_grid,
     memory_bars,
     types_table,
 )
-from whalepy._show.schedule import simulate
-from whalepy._show.svg import STAGE_COLOURS, colour, esc, fmt_time, stage_devices
-from whalepy._show.timeline import timeline_caption, timeline_svg
+from whalepy.tools.show.schedule import simulate
+from whalepy.tools.show.svg import STAGE_COLOURS, colour, esc, fmt_time, stage_devices
+from whalepy.tools.show.timeline import timeline_caption, timeline_svg
 
 if TYPE_CHECKING:
-    from whalepy.plan import Plan
+    from whalepy.ir.plan import Plan
 
 CSS = """
 body{font-family:Helvetica,Arial,sans-serif;margin:0;background:#f5f6f8;color:#222}

@@ -8,8 +8,8 @@ import math
 import re
 from typing import TYPE_CHECKING
 
-from whalepy._plan_format import compress_names, compress_ranks
-from whalepy._show.svg import (
+from whalepy.ir.plan_text import compress_names, compress_ranks
+from whalepy.tools.show.svg import (
     MEMORY_COLOURS,
     STAGE_COLOURS,
     TYPE_COLOURS,
@@ -25,7 +25,7 @@ from whalepy._show.svg import (
 )
 
 if TYPE_CHECKING:
-    from whalepy.plan import Plan, StagePlan
+    from whalepy.ir.plan import Plan, StagePlan
 
 WIDTH = 1140
 

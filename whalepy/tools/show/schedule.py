@@ -27,10 +27,10 @@ import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from whalepy._errors import PlanError
+from whalepy.errors import PlanError
 
 if TYPE_CHECKING:
-    from whalepy.plan import Plan
+    from whalepy.ir.plan import Plan
 
 BACKWARD_PER_FORWARD = 2.0
 """Used only for plans that predate ``StageCost.chunk_forward_s``: a backward pass does twice the
@@ -149,7 +149,7 @@ def interleaved_order(rank: int, num_ranks: int, num_microbatches: int, virtual_
 
 def op_order(plan: Plan, rank: int) -> list[PipeOp]:
     """The forwards and backwards pipeline rank ``rank`` runs, in the order torch runs them."""
-    from whalepy.plan import Schedule
+    from whalepy.ir.plan import Schedule
 
     S, M = plan.pp_degree, plan.num_microbatches
     if plan.schedule is Schedule.GPIPE:

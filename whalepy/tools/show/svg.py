@@ -7,10 +7,10 @@ from collections import Counter
 from html import escape
 from typing import TYPE_CHECKING
 
-from whalepy._plan_format import _t as fmt_time  # noqa: F401  (one time format for text and pictures)
+from whalepy.ir.plan_text import _t as fmt_time  # noqa: F401  (one time format for text and pictures)
 
 if TYPE_CHECKING:
-    from whalepy.plan import StagePlan
+    from whalepy.ir.plan import StagePlan
 
 STAGE_COLOURS = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7",
                  "#9c755f", "#bab0ac")

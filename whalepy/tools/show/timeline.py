@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from whalepy._plan_format import compress_ranks
-from whalepy._show.schedule import OpKind, Timeline, simulate
-from whalepy._show.svg import (
+from whalepy.ir.plan_text import compress_ranks
+from whalepy.tools.show.schedule import OpKind, Timeline, simulate
+from whalepy.tools.show.svg import (
     BACKWARD_SHADES,
     FORWARD_SHADES,
     KIND_COLOURS,
@@ -23,7 +23,7 @@ from whalepy._show.svg import (
 )
 
 if TYPE_CHECKING:
-    from whalepy.plan import Plan
+    from whalepy.ir.plan import Plan
 
 LABEL_W = 190
 PLOT_W = 940
