@@ -1,4 +1,4 @@
-"""``whalepy check``: every rank of a plan lowered in one process (whalepy/runtime/rank_check.py).
+"""``whalepy check``: every rank of a plan lowered in one process (whalepy/tools/rank_check.py).
 
 Layouts of every rank of large plans (1,024 ranks, 3-D; 64 mixed-type ranks with uneven stages and
 per-block tiers; interleaved stages) are read and checked without torch; plans broken by hand are
@@ -16,9 +16,9 @@ import torch
 
 from precision_cases import cpu_cluster
 from runtime_cases import batches, build_model, case_profile
-from whalepy.estimate import ParallelConfig, estimate_from_profile
+from whalepy.planner.estimate import ParallelConfig, estimate_from_profile
 from whalepy.runtime.mesh import make_plan
-from whalepy.runtime.rank_check import RankCheckError, check_ranks, rank_layout, roles, simulated
+from whalepy.tools.rank_check import RankCheckError, check_ranks, rank_layout, roles, simulated
 
 GPT3_BLOCKS = ["embed", *[f"transformer.h.{i}" for i in range(96)], "head"]
 
@@ -33,7 +33,7 @@ def test_every_rank_of_a_1024_rank_3d_plan_has_its_place():
     plan = _gpt3_plan()
     layouts = rank_layout(plan, GPT3_BLOCKS)
     assert len(layouts) == 1024 and len(roles(layouts)) == 8  # one role per stage: same type and share
-    from whalepy.plan import Plan
+    from whalepy.ir.plan import Plan
 
     p = Plan.from_dict(plan)
     for r in (0, 517, 1023):
@@ -128,7 +128,7 @@ def test_lowering_finds_what_the_plan_leaves_out():
       row-parallel linears stay whole on every TP rank;
     - interleaved stages with tied embeddings (HF GPT-2's ``lm_head`` is ``wte``): the stage holding the
       head keeps a copy of the tied weight, which the plan charges to the embedding's stage only."""
-    from whalepy.plan import TPStyle
+    from whalepy.ir.plan import TPStyle
 
     prof = case_profile("gpt", 2)
     plan, reports = _check("gpt", 2, 8, ParallelConfig(pp=2, dp=2, tp=2, zero_stage=3, num_microbatches=2),
