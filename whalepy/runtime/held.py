@@ -24,9 +24,27 @@ def storage_of(t: torch.Tensor) -> tuple[int, int]:
     """``(data pointer, bytes)`` of the storage under ``t`` (a DTensor's local shard)."""
     from torch.distributed.tensor import DTensor
 
+    from torch._subclasses.fake_tensor import is_fake
+
     local = t._local_tensor if isinstance(t, DTensor) else t
     st = local.untyped_storage()
+    if is_fake(local) or local.is_meta:  # a dry run (whalepy check): no data; the storage's identity
+        return -st._cdata, st.nbytes()
     return st.data_ptr(), st.nbytes()
+
+
+def _elements_bytes(t: torch.Tensor) -> int:
+    from torch.distributed.tensor import DTensor
+
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    return local.numel() * local.element_size()
+
+
+def _view_key(ptr: int, t: torch.Tensor) -> tuple[int, int, int]:
+    from torch.distributed.tensor import DTensor
+
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    return ptr, local.storage_offset(), local.numel()
 
 
 def offloaded_params(modules: list[torch.nn.Module]) -> set[int]:
@@ -44,9 +62,11 @@ def offloaded_params(modules: list[torch.nn.Module]) -> set[int]:
     return out
 
 
-def held_state_bytes(pm: Any) -> dict[str, dict[str, int]]:
+def held_state_bytes(pm: Any, *, unpadded: bool = False) -> dict[str, dict[str, int]]:
     """``{kind: {place: bytes}}`` this rank holds now, kinds ``params``, ``grads``, ``optimizer``, places
-    ``device``, ``host``, ``files`` (module docstring)."""
+    ``device``, ``host``, ``files`` (module docstring). ``unpadded``: a tensor's own elements rather than
+    its storage's bytes (FSDP2 pads each shard's storage to a multiple of the replicas; the memory model
+    counts the elements, ``whalepy check`` compares those exactly)."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     modules = pm.module if isinstance(pm.module, list) else [pm.module]
@@ -56,11 +76,13 @@ def held_state_bytes(pm: Any) -> dict[str, dict[str, int]]:
     # ZeRO-Offload: the host copies are separate tensors (counted below), whatever the device is
     on_cpu_device = pm.device.type == "cpu"
     nvme = getattr(pm, "nvme", None)
-    seen: set[int] = set()
+    seen: set[Any] = set()
     out = {k: {"device": 0, "host": 0, "files": 0} for k in ("params", "grads", "optimizer")}
 
     def add(kind: str, t: torch.Tensor, owner: torch.nn.Parameter, mapped: bool = False) -> None:
         ptr, nbytes = storage_of(t)
+        if unpadded:  # views of one buffer (FSDP2's reduce-scatter output) each count their own elements
+            ptr, nbytes = _view_key(ptr, t), _elements_bytes(t)
         if ptr in seen or nbytes == 0:
             return
         seen.add(ptr)
@@ -84,6 +106,8 @@ def held_state_bytes(pm: Any) -> dict[str, dict[str, int]]:
     if host_optimizer is not None:
         for kind, t in host_optimizer.held():
             ptr, nbytes = storage_of(t)
+            if unpadded:
+                ptr, nbytes = _view_key(ptr, t), _elements_bytes(t)
             if ptr not in seen and nbytes:
                 seen.add(ptr)
                 out[kind]["host"] += nbytes

@@ -66,12 +66,22 @@ when the device keeps the parameter in another dtype (checkpoints hold it as the
 
 
 def as_shard_of(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Host tensor ``v`` (a shard of ``p``, or a scalar) as a DTensor laid out like ``p``, sharing memory."""
+    """Host tensor ``v`` (a shard of ``p``, or a scalar) as a DTensor laid out like ``p``, sharing memory:
+    its local tensor IS ``v`` (same storage, same device, ``v``'s dtype), so writes through it (a
+    checkpoint load, clipping) land in ``v``.
+
+    Not ``DTensor.from_local``: it moves a local tensor whose device differs from the mesh's device
+    type to the mesh's device (a copy), so on a CUDA mesh a load or a clip through the wrapper would
+    write into that copy and leave the host masters, states and gradients as they were (what the first
+    GPU run found). The wrapper is built as FSDP2 builds its host shards (``DTensor(local, spec)``)."""
     from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
     if v.dim() == 0 or not isinstance(p, DTensor):
         return v
-    return DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+    spec = DTensorSpec(p.device_mesh, p.placements, tensor_meta=TensorMeta(p.shape, p.stride(), v.dtype))
+    local = v.detach()  # same storage; the wrapper is a view of the state, not part of a graph
+    return DTensor(local, spec, requires_grad=False)  # type: ignore[call-arg]
 
 
 def on_mesh_device(t: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ largest host module copy alive at a time.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import hashlib
 import json
@@ -323,6 +324,21 @@ def _allocate(modules: Sequence[nn.Module], device: torch.device) -> None:
                 m.get_submodule(owner).register_parameter(field, first)
 
 
+_DRY_RUN: contextvars.ContextVar[Any] = contextvars.ContextVar("whalepy_dry_run", default=None)
+
+
+@contextlib.contextmanager
+def dry_run(mode: Any) -> Iterator[None]:
+    """Inside: :func:`materialize_modules` allocates under ``mode`` (a ``FakeTensorMode``), so a meta
+    model is lowered onto tensors with shapes and devices but no memory (``whalepy check``,
+    :mod:`whalepy.tools.rank_check`)."""
+    token = _DRY_RUN.set(mode)
+    try:
+        yield
+    finally:
+        _DRY_RUN.reset(token)
+
+
 def materialize_modules(
     modules: Sequence[nn.Module],
     skeleton: Skeleton,
@@ -333,7 +349,20 @@ def materialize_modules(
     checkpoint: str | Path | None = None,
 ) -> MaterializeStats:
     """Allocate and fill this rank's tensors of ``modules`` (lowered from the model ``skeleton`` was
-    taken of; names are the original module paths). See the module docstring."""
+    taken of; names are the original module paths). See the module docstring. Inside
+    :func:`dry_run` the tensors are FakeTensors of that mode (no checkpoint is read)."""
+    mode = _DRY_RUN.get()
+    if mode is not None:  # whalepy check: every tensor a FakeTensor (shapes, no memory, no values)
+        with mode:
+            _allocate(modules, torch.device(device))
+        share = _storage_bytes([t for _, t, is_p in _local_tensors(modules) if is_p])
+        return MaterializeStats(share_bytes=share, peak_bytes=share, largest_unit_bytes=0,
+                                num_tensors=len(_local_tensors(modules)))
+    return _materialize_modules(modules, skeleton, device, seed=seed, init_fn=init_fn, checkpoint=checkpoint)
+
+
+def _materialize_modules(modules: Sequence[nn.Module], skeleton: Skeleton, device: torch.device | str, *,
+                         seed: int, init_fn: InitFn | None, checkpoint: str | Path | None) -> MaterializeStats:
     from whalepy.runtime.tiling import tile_origins
 
     device = torch.device(device)

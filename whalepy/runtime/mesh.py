@@ -88,10 +88,13 @@ def build_meshes(plan: Plan, device_type: str) -> RankMeshes:
             f"stages have tensor-parallel degrees {plan.tp_degrees}; the runtime needs one TP degree "
             "for all stages (pipeline stages exchange activations between matching TP ranks)"
         )
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
     rank = dist.get_rank()
     set_local_device(device_type)
-    grid = torch.tensor([[list(row) for row in s.ranks] for s in plan.stages], dtype=torch.int)
-    world = DeviceMesh(device_type, grid, mesh_dim_names=("pp", "dp", "tp"))
+    with unset_fake_temporarily():  # rank numbers are real even in a dry run (whalepy check)
+        grid = torch.tensor([[list(row) for row in s.ranks] for s in plan.stages], dtype=torch.int)
+        world = DeviceMesh(device_type, grid, mesh_dim_names=("pp", "dp", "tp"))
     stage, replica, tp_index = plan.stage_of_rank(rank)
     return RankMeshes(
         device_type=device_type, rank=rank, stage=stage, replica=replica, tp_index=tp_index,

@@ -519,10 +519,11 @@ class ParallelModel:
             self.host_optimizer.finish()
         optimizer = self._joint if self._joint is not None else self.optimizer
         if optimizer is not None:
-            if self.max_grad_norm is not None:
-                self.amp.unscale(optimizer)  # type: ignore[arg-type]
-                self.last_grad_norm = float(self._clip_grads(self.max_grad_norm))
-            self.amp.step(optimizer)  # type: ignore[arg-type]
+            max_norm = self.max_grad_norm
+            norm = self.amp.clip_and_step(optimizer,  # type: ignore[arg-type]
+                                          (lambda: self._clip_grads(max_norm)) if max_norm is not None else None)
+            if norm is not None:
+                self.last_grad_norm = float(norm)
             optimizer.zero_grad(set_to_none=True)
         report = self._mean_loss(local)
         self.reporter.step_done(report, self._tokens(inputs))

@@ -1,5 +1,5 @@
 """The ``whalepy`` console script: ``plan``, ``show``, ``estimate``, ``study zero`` (whalepy.tools.study),
-``calibrate`` (whalepy.tools.calibrate),
+``calibrate`` (whalepy.tools.calibrate), ``check`` (whalepy.tools.rank_check),
 ``export`` and ``run`` (whalepy.tools.launch).
 
 Errors whalepy raises on purpose print as one line and exit with code 2, without a traceback. Each
@@ -301,6 +301,8 @@ COMMANDS: dict[str, Command] = {
                      "whalepy.tools.cli:_add_study"),
     "calibrate": Command("measure this device and write its device profile (JSON)",
                          "whalepy.tools.calibrate:add_calibrate_subparser"),
+    "check": Command("lower every rank role of a plan in one process (fake process group, meta model) and "
+                     "compare what each rank holds with the plan", "whalepy.tools.rank_check:add_check_subparser"),
     "export": Command("write a checkpoint's weights as HF safetensors", "whalepy.tools.cli:_add_export"),
     "run": Command("launch a training script on N processes (a thin wrapper over torchrun)",
                    "whalepy.tools.launch:add_run_subparser"),
