@@ -212,12 +212,35 @@ def _add_aliases(state: dict[str, Any], aliases: Sequence[Sequence[str]]) -> dic
 
 def save_train_state(path: str | Path, modules: Sequence[nn.Module],
                      optimizer: Optimizers,
-                     aliases: Sequence[Sequence[str]] = (), extra: dict[str, Any] | None = None) -> None:
+                     aliases: Sequence[Sequence[str]] = (), extra: dict[str, Any] | None = None,
+                     async_save: bool = False) -> Any:
     """Write model and optimizer state, plus ``extra`` top-level entries (the fp16 loss scaler's
-    state: Python numbers, which DCP writes once, from one rank), as a DCP directory."""
+    state: Python numbers, which DCP writes once, from one rank), as a DCP directory. ``async_save``:
+    ``dcp.async_save`` (the state is copied to host memory before it returns, then written by a
+    background thread over a gloo group of its own, so its collectives never interleave with
+    training's); returns its future, else None."""
     state = get_train_state(modules, optimizer)
     state.update(extra or {})
-    dcp.save(_add_aliases(state, list(aliases) + tied_aliases(modules)), checkpoint_id=str(path))
+    state = _add_aliases(state, list(aliases) + tied_aliases(modules))
+    if async_save:
+        return dcp.async_save(state, checkpoint_id=str(path), process_group=_async_group())
+    dcp.save(state, checkpoint_id=str(path))
+    return None
+
+
+_ASYNC_GROUP: tuple[Any, Any] = (None, None)
+
+
+def _async_group() -> Any:
+    """The gloo group asynchronous saves coordinate over (made by every rank's first async save under
+    the current default group)."""
+    global _ASYNC_GROUP
+    import torch.distributed as dist
+
+    world = dist.group.WORLD
+    if _ASYNC_GROUP[0] is not world:
+        _ASYNC_GROUP = (world, dist.new_group(backend="gloo"))
+    return _ASYNC_GROUP[1]
 
 
 def check_checkpoint_fits(path: str | Path, model_state: dict[str, Any]) -> None:
