@@ -122,6 +122,11 @@ class StepReporter:
         if log_every is not None and want and is_rank0():
             self._progress = _rich_progress()
 
+    def not_waiting_for_data(self) -> None:
+        """Time since the last step went elsewhere (a checkpoint save): not counted as data wait."""
+        if self._last_end is not None:
+            self._last_end = time.perf_counter()
+
     def reports_next(self) -> bool:
         """Whether the step about to finish is a report step."""
         return self.log_every is not None and (self.steps + 1) % self.log_every == 0

@@ -13,7 +13,8 @@ them back on load (``split_state``), so checkpoints move between tiled and until
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -85,8 +86,41 @@ def get_train_state(modules: Sequence[nn.Module], optimizer: Optimizers) -> dict
     _check_optimizer(optimizer)
     model_sd, optim_sd = get_state_dict(list(modules) if len(modules) > 1 else modules[0], optimizer)
     state = {"model": model_sd, "optim": _masters_to_model(model_sd, optim_sd)}
-    state = _map_tensors(state, lambda t: full_tensor(t) if _is_strided(t) else t)
+    strided: list[bool] = []
+    _map_tensors(state, lambda t: strided.append(True) if _is_strided(t) else None)
+    if strided:
+        with _quiet_strided_gather():
+            state = _map_tensors(state, lambda t: full_tensor(t) if _is_strided(t) else t)
     return merge_state(state, tiled_layout(modules))  # tiled modules under their original names
+
+
+_REDISTRIBUTE_LOGGER = "torch.distributed.tensor._redistribute"
+
+
+@contextlib.contextmanager
+def _quiet_strided_gather() -> Iterator[None]:
+    """Gathering a ``_StridedShard`` tensor whole makes DTensor log, on every rank, that "2 sequential
+    all_gather operations will be performed" and "may give inconsistent results between ranks due to
+    different reduction orders". An all-gather reduces nothing, so every rank gets the same bytes; the
+    cost is one extra collective per fused tensor, once per save. So the per-rank line is replaced by
+    one note per job (rank 0)."""
+    import logging
+    import warnings
+
+    from whalepy._log import info_once
+
+    torch_log = logging.getLogger(_REDISTRIBUTE_LOGGER)
+    level = torch_log.level
+    torch_log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*sequential all_gather.*")
+            yield
+    finally:
+        torch_log.setLevel(level)
+    info_once("strided-gather", "whalepy: note: fused tensor-parallel weights are gathered whole for the "
+              "checkpoint (two all-gathers each, identical on every rank; DTensor's per-rank warning about it "
+              "is silenced)")
 
 
 def _masters_to_model(model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> dict[str, Any]:

@@ -185,11 +185,12 @@ def take_local(what: str, inputs: Any, targets: Any, share: LocalShare,
                                 "inputs and targets as tensors")
     rows = {x.shape[0] if x.dim() else None for x in given}
     if rows - {share.global_batch, share.size} or len(rows) > 1:
-        shapes = [tuple(x.shape) for x in given]
+        bad = next((x for x in given if (x.shape[0] if x.dim() else None) not in (share.global_batch, share.size)),
+                   given[-1])
         raise ArgumentError(
-            f"{what} got tensors of shapes {shapes}; pass along dim 0 either the whole global batch "
-            f"({share.global_batch} samples; whalepy takes this replica's share) or this replica's share "
-            f"({share.size} samples, rows {share.start}:{share.start + share.size}: pm.local_share, "
+            f"{what} got a tensor of shape {tuple(bad.shape)}; every rank passes the whole global batch "
+            f"({share.global_batch} samples along dim 0; whalepy takes this replica's share) or this replica's "
+            f"share ({share.size} samples, rows {share.start}:{share.start + share.size}: pm.local_share, "
             "pm.batch_sampler), the same for inputs and targets")
     if rows == {share.global_batch} and share.size != share.global_batch:
         ins = tuple(share.slice(x) for x in ins)

@@ -720,8 +720,9 @@ class ParallelModel:
         if dist.get_rank() == 0 and callable(getattr(config, "to_diff_dict", None)):
             # as save_pretrained writes it: with the model class, which from_pretrained needs
             text = json.dumps({**config.to_diff_dict(), "architectures": [arch]}, indent=2, sort_keys=True)
+            Path(path).mkdir(parents=True, exist_ok=True)  # an asynchronous save may not have made it yet
             (Path(path) / "config.json").write_text(text + "\n")
-
+        self.reporter.not_waiting_for_data()
         return self._pending_save
 
     def wait_for_save(self) -> None:
