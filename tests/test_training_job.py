@@ -59,3 +59,55 @@ def test_per_rank_data_and_preempted_resume(tmp_path):
         want.append(sched.get_last_lr()[0])
     assert [r["lr"] for r in records] == pytest.approx(want, rel=1e-12)
     assert records[-1]["eta_s"] == 0.0 and records[0]["eta_s"] > 0
+
+
+def test_sinks_check_their_package_before_any_work(monkeypatch, tmp_path):
+    """A sink whose optional package is missing fails when it is built, in one line, before parallelize
+    plans or lowers anything; a bad metrics / scheduler / total_steps argument too."""
+    import sys
+
+    import whalepy
+    from whalepy._errors import ArgumentError, WhalepyError
+    from whalepy.runtime.metrics import JsonlSink, TensorBoardSink, WandbSink
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as if not installed
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(WhalepyError, match="pip install tensorboard"):
+        TensorBoardSink(tmp_path / "tb")
+    with pytest.raises(WhalepyError, match="pip install wandb"):
+        WandbSink(project="x")
+    model = torch.nn.Linear(4, 4)
+    kw = dict(example_inputs=(torch.zeros(2, 4),), loss_fn=torch.nn.functional.mse_loss,
+              optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), global_batch=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for bad, word in (({"metrics": JsonlSink(tmp_path / "m.jsonl")}, "list of sinks"),
+                      ({"metrics": [object()]}, "not a sink"),
+                      ({"total_steps": 0}, "total_steps"),
+                      ({"lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 1)}, "factory")):
+        with pytest.raises(ArgumentError, match=word):
+            whalepy.parallelize(model, whalepy.ClusterSpec.local(2), **kw, **bad)
+
+
+def test_sampler_is_the_global_order_split_by_shares():
+    """The replicas' indices of each batch are consecutive pieces of one permutation per epoch, in
+    replica order; the position resumes; another seed is refused on load."""
+    from whalepy._errors import ArgumentError
+    from whalepy.runtime.data import LocalShare, ShardedBatchSampler
+
+    shares = (3, 1, 2, 2)
+    samplers = [ShardedBatchSampler(20, LocalShare(replica=r, num_replicas=4, start=sum(shares[:r]), size=n,
+                                                   global_batch=8, needs_inputs=True, needs_targets=True), seed=4)
+                for r, n in enumerate(shares)]
+    epochs = [[b for _ in range(2) for b in s] for s in samplers]  # 2 epochs of 2 batches (4 samples dropped)
+    for step in range(4):
+        joined = [i for e in epochs for i in e[step]]
+        perm = torch.randperm(20, generator=torch.Generator().manual_seed(4 + step // 2)).tolist()
+        assert joined == perm[(step % 2) * 8:(step % 2 + 1) * 8]
+    s = samplers[2]
+    again = ShardedBatchSampler(20, s.share, seed=4)
+    it = iter(s)
+    next(it)
+    again.load_state_dict(s.state_dict())
+    assert next(iter(again)) == next(it)
+    with pytest.raises(ArgumentError, match="seed"):
+        ShardedBatchSampler(20, s.share, seed=5).load_state_dict(s.state_dict())
