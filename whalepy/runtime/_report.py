@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from whalepy._log import is_rank0, logger
-from whalepy._plan_format import block_tiers, compress_names, compress_ranks
+from whalepy._plan_format import block_tiers, compress_names, compress_ranks, stage_lowering
 from whalepy.plan import Plan, Tier
 
 __all__ = ["StepReporter", "plan_log_lines"]
@@ -63,7 +63,7 @@ def plan_log_lines(plan: Plan) -> list[str]:
                if s.cost.capacity_bytes else "")
         lines.append(f"whalepy:   stage {s.index}: {compress_names(s.block_names)} on ranks "
                      f"[{compress_ranks(s.all_ranks)}] ({', '.join(sorted(set(s.device_types)))}), "
-                     f"tp {s.tp_degree} x dp {s.dp_degree}, ZeRO-{int(s.zero_stage)}, "
+                     f"tp {s.tp_degree} x dp {s.dp_degree}, {stage_lowering(plan, s)}, "
                      f"recompute {ck}/{len(s.blocks)} blocks" + "".join(f", {t}" for t in tiers) + mem)
     return lines
 
