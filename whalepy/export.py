@@ -26,7 +26,7 @@ from whalepy._errors import WhalepyError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["export_safetensors", "parse_size"]
+__all__ = ["build_whalepy_model", "export_safetensors", "parse_size", "saved_config"]
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -46,8 +46,8 @@ def _config_dict(checkpoint: Path, config: Any) -> dict[str, Any]:
         path = checkpoint / "config.json"
         if not path.is_file():
             raise WhalepyError(
-                f"{checkpoint} holds no config.json (ParallelModel.save writes it for a model with an HF "
-                "config); pass the model's HF config: --config config.json (or config= in Python)")
+                f"{checkpoint} holds no config.json (ParallelModel.save writes it for an HF model and for "
+                "whalepy.models.GPT); pass the model's HF config: --config config.json (or config= in Python)")
         return _read_config(path)
     if isinstance(config, Mapping):
         return dict(config)
@@ -87,9 +87,50 @@ def _checkpoint_tensors(checkpoint: Path) -> tuple[dict[str, Any], bool]:
     return tensors, nested
 
 
+WHALEPY_MODEL_KEY = "whalepy_model"
+"""In a checkpoint's ``config.json``: ``"module:Class"`` of a whalepy model (``whalepy.models.GPT``), whose
+other entries are its config dataclass's fields (:func:`saved_config`)."""
+
+
+def saved_config(config: Any, cls: type) -> dict[str, Any] | None:
+    """What ``ParallelModel.save`` writes as ``config.json`` for a model of class ``cls``: an HF config as
+    ``save_pretrained`` writes it (with ``architectures``), or a whalepy model's config dataclass
+    with :data:`WHALEPY_MODEL_KEY` naming the class and ``whalepy_config`` the dataclass; None for
+    other models (``whalepy export`` then needs ``--config``)."""
+    import dataclasses
+
+    if callable(getattr(config, "to_diff_dict", None)):
+        return {**config.to_diff_dict(), "architectures": [cls.__name__]}
+    if dataclasses.is_dataclass(config) and cls.__module__.split(".")[0] == "whalepy":
+        return {WHALEPY_MODEL_KEY: f"{cls.__module__}:{cls.__qualname__}",
+                "whalepy_config": f"{type(config).__module__}:{type(config).__qualname__}",
+                **dataclasses.asdict(config)}
+    return None
+
+
+def build_whalepy_model(cfg: dict[str, Any], device: Any = None) -> Any:
+    """The whalepy model a :func:`saved_config` dict describes (on ``device``, e.g. ``"meta"``)."""
+    import importlib
+
+    def load(ref: str) -> Any:
+        module, _, name = ref.partition(":")
+        if not module.startswith("whalepy"):
+            raise WhalepyError(f"config.json names {ref!r}, not a whalepy model; give an HF config (--config)")
+        return getattr(importlib.import_module(module), name)
+
+    cls, config_cls = load(cfg[WHALEPY_MODEL_KEY]), load(cfg["whalepy_config"])
+    fields = {k: v for k, v in cfg.items() if k not in (WHALEPY_MODEL_KEY, "whalepy_config")}
+    with torch.device(device or "cpu"):
+        return cls(config_cls(**fields))
+
+
 def _hf_names(out_dir: Path, cfg: dict[str, Any]) -> tuple[set[str], dict[str, str]] | None:
     """The state dict keys the HF model of ``cfg`` saves, and each tied alias -> its first name, from
-    the model built on the meta device; None without transformers or an ``architectures`` entry."""
+    the model built on the meta device; None without transformers or an ``architectures`` entry. A
+    whalepy model (:data:`WHALEPY_MODEL_KEY`) saves every key, tied ones included (``load_state_dict``
+    of the model then takes the file as it is)."""
+    if WHALEPY_MODEL_KEY in cfg:
+        return set(build_whalepy_model(cfg, "meta").state_dict()), {}
     try:
         import transformers
     except ImportError:
@@ -140,7 +181,7 @@ def export_safetensors(
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise WhalepyError(f"{out_dir} is a file; export writes a directory: give a new or existing directory")
-    cfg = _config_dict(checkpoint, config)
+    cfg = _config_dict(checkpoint, config)  # before any tensor is read
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     hf = _hf_names(out_dir, cfg)
@@ -149,7 +190,7 @@ def export_safetensors(
         tensors = {k: v for k, v in tensors.items() if k not in alias}
         missing, extra = sorted(keys - set(tensors)), sorted(set(tensors) - keys)
         if missing or extra:
-            arch = cfg["architectures"][0]
+            arch = cfg[WHALEPY_MODEL_KEY] if WHALEPY_MODEL_KEY in cfg else cfg["architectures"][0]
             raise WhalepyError(
                 f"the checkpoint does not match {arch}: "
                 + (f"it lacks {missing[:3]} ({len(missing)} in all)" if missing else "")

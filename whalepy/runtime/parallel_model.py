@@ -73,6 +73,7 @@ from whalepy.runtime.materialize import (
 )
 from whalepy.runtime.mesh import RankMeshes, build_meshes, check_world
 from whalepy.runtime._amp import AmpContext
+from whalepy.export import saved_config
 from whalepy.runtime._report import StepReporter, plan_log_lines
 from whalepy.runtime._train_state import check_loader, job_state, job_template, restore_job_state
 from whalepy.runtime.data import ShardedBatchSampler, dataset_length, local_share, take_local
@@ -356,7 +357,7 @@ class ParallelModel:
         device = m.device
         # a meta-device model is lowered as it is and materialised shard by shard afterwards
         skeleton = snapshot(model) if has_meta_tensors(model) else None
-        self._hf_config = getattr(model, "config", None), type(model).__name__
+        self._hf_config = getattr(model, "config", None), type(model)  # what save() writes as config.json
         if skeleton is None:
             model.to(device)
             if sync_initial_weights:
@@ -716,10 +717,10 @@ class ParallelModel:
                                                       loader=loader, device=self.device)}
         self._pending_save = save_train_state(path, self._modules, self._optimizers(), aliases=self._tied_aliases,
                                               extra=extra, async_save=async_save)
-        config, arch = self._hf_config
-        if dist.get_rank() == 0 and callable(getattr(config, "to_diff_dict", None)):
-            # as save_pretrained writes it: with the model class, which from_pretrained needs
-            text = json.dumps({**config.to_diff_dict(), "architectures": [arch]}, indent=2, sort_keys=True)
+        saved = saved_config(*self._hf_config)
+        if dist.get_rank() == 0 and saved is not None:
+            # an HF config as save_pretrained writes it (with the model class), or a whalepy model's
+            text = json.dumps(saved, indent=2, sort_keys=True)
             Path(path).mkdir(parents=True, exist_ok=True)  # an asynchronous save may not have made it yet
             (Path(path) / "config.json").write_text(text + "\n")
         self.reporter.not_waiting_for_data()
