@@ -311,8 +311,9 @@ class UnlaunchedModel:
 class ParallelModel:
     """This rank's part of the model, its optimizer and the step that trains them.
 
-    Every rank passes the FULL global batch to :meth:`train_step`; each replica takes its contiguous
-    slice (``batch_shares`` in replica order), so scripts stay the same as single-process ones.
+    Every rank passes :meth:`train_step` the full global batch (each replica takes its contiguous slice,
+    ``batch_shares`` in replica order, so scripts stay the same as single-process ones) or only its
+    replica's share (:attr:`local_share`, :meth:`batch_sampler`; docs/training.md).
     """
 
     def __init__(self, model: nn.Module, plan: Plan, *, cluster_spec: Any, example_inputs: tuple,
