@@ -306,6 +306,7 @@ class UnlaunchedModel:
         raise LaunchError(f"not inside a distributed launch: {launch_hint(self.plan.world_size)}")
 
     state_dict = save = load = load_state_dict = evaluate = full_state_dict = train_step  # type: ignore[assignment]
+    batch_sampler = local_batch = train_step  # type: ignore[assignment]
 
 
 class ParallelModel:
