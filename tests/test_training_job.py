@@ -30,6 +30,7 @@ def test_per_rank_data_and_preempted_resume(tmp_path):
     from whalepy.runtime.metrics import FIELDS
 
     per_rank = run_distributed(run_all, 4, str(tmp_path), timeout=300)
+    print("seconds per part (rank 0):", per_rank[0]["seconds"])
     for rank, out in enumerate(per_rank):
         for r in out["data"]:
             assert r["rows"] == r["share"], r["name"]  # the loader read this replica's rows only

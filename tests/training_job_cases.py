@@ -154,9 +154,15 @@ def run_all(root: str) -> dict[str, Any]:
     import warnings
 
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+    warnings.filterwarnings("ignore", message=".*'set_vital' is deprecated.*")  # torchdata 0.11 on torch >= 2.9
     data_cases = [Case("pp2 x dp2, 2 micro-batches", pp=2, dp=2, microbatches=2, steps=4),
                   Case("dp4 mixed shares (3, 3, 1, 1)", dp=4, shares=(3, 3, 1, 1), zero=2, steps=4)]
-    out = {"data": [_per_rank_vs_global(c) for c in data_cases]}
+    import time
+
+    t = time.perf_counter()
+    out: dict[str, Any] = {"data": [_per_rank_vs_global(c) for c in data_cases]}
+    t1 = time.perf_counter()
     out["resume"] = _preempt_and_resume(Case("pp2 x dp2 resume", pp=2, dp=2, microbatches=2), root)
+    out["seconds"] = {"data": t1 - t, "resume": time.perf_counter() - t1}
     out["cosine_ok"] = math.isfinite(out["resume"]["lrs"][0])
     return out
