@@ -18,7 +18,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeat", type=int, default=5, help="runs per command; the best is shown")
     args = ap.parse_args()
-    from whalepy.cli import COMMANDS
+    from whalepy.tools.cli import COMMANDS
 
     commands = [[]] + [[c] if c != "study" else ["study", "zero"] for c in COMMANDS]
     print(f"load before: {open('/proc/loadavg').read().split()[:3]}" if os.path.exists("/proc/loadavg") else "")
@@ -29,7 +29,7 @@ def main() -> None:
         for _ in range(args.repeat):
             before = resource.getrusage(resource.RUSAGE_CHILDREN)
             t = time.perf_counter()
-            subprocess.run([sys.executable, "-m", "whalepy.cli", *cmd, "--help"], check=True,
+            subprocess.run([sys.executable, "-m", "whalepy.tools.cli", *cmd, "--help"], check=True,
                            stdout=subprocess.DEVNULL)
             times.append(time.perf_counter() - t)
             after = resource.getrusage(resource.RUSAGE_CHILDREN)

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from whalepy.cli import COMMANDS, build_parser
+from whalepy.tools.cli import COMMANDS, build_parser
 
 
 def _actions(parser: argparse.ArgumentParser):
@@ -32,7 +32,7 @@ def test_every_flag_has_help(command):
 
 
 def test_help_imports_no_torch():
-    code = ("import sys, json\nfrom whalepy.cli import COMMANDS, main\nout = {}\n"
+    code = ("import sys, json\nfrom whalepy.tools.cli import COMMANDS, main\nout = {}\n"
             "for c in COMMANDS:\n"
             "    try:\n        main([c, '--help'])\n    except SystemExit:\n        pass\n"
             "    out[c] = sorted(m for m in ('torch', 'pulp', 'highspy') if m in sys.modules)\n"

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import whalepy
-from whalepy.export import export_safetensors, parse_size
+from whalepy.tools.export import export_safetensors, parse_size
 from whalepy.models import GPT, GPTConfig
 
 # DCP says it saves and loads in one process: that is what these tests ask of it
@@ -130,8 +130,8 @@ def test_export_of_whalepy_gpt_with_the_config_save_writes(tmp_path):
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file
 
-    from whalepy.cli import main
-    from whalepy.export import build_whalepy_model, saved_config
+    from whalepy.runtime.model_config import build_whalepy_model, saved_config
+    from whalepy.tools.cli import main
 
     cfg = GPTConfig(vocab_size=64, block_size=16, num_layers=2, num_heads=4, hidden_size=32, tie_embeddings=True)
     torch.manual_seed(0)

@@ -68,7 +68,7 @@ def test_sinks_check_their_package_before_any_work(monkeypatch, tmp_path):
     import sys
 
     import whalepy
-    from whalepy._errors import ArgumentError, WhalepyError
+    from whalepy.errors import ArgumentError, WhalepyError
     from whalepy.runtime.metrics import JsonlSink, TensorBoardSink, WandbSink
 
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as if not installed
@@ -92,7 +92,7 @@ def test_sinks_check_their_package_before_any_work(monkeypatch, tmp_path):
 def test_sampler_is_the_global_order_split_by_shares():
     """The replicas' indices of each batch are consecutive pieces of one permutation per epoch, in
     replica order; the position resumes; another seed is refused on load."""
-    from whalepy._errors import ArgumentError
+    from whalepy.errors import ArgumentError
     from whalepy.runtime.data import LocalShare, ShardedBatchSampler
 
     shares = (3, 1, 2, 2)

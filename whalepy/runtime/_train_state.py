@@ -25,8 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from whalepy._errors import ArgumentError
-from whalepy._log import warn_once
+from whalepy.errors import ArgumentError
+from whalepy.log import warn_once
 
 __all__ = ["JOB_KEY", "check_loader", "job_state", "job_template", "restore_job_state"]
 

@@ -29,13 +29,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from whalepy._errors import ArgumentError, WhalepyError
+from whalepy.errors import ArgumentError, WhalepyError
 from whalepy.runtime._activations import (
     apply_activation_checkpointing,
     apply_activation_offload,
     apply_checkpoint_offload,
 )
-from whalepy.runtime._dcp_files import load_files, read_metadata
+from whalepy.runtime.dcp_files import load_files, read_metadata
 from whalepy.runtime._tile_state import merge_state, split_state
 from whalepy.runtime.host_optimizer import KERNEL_FLAGS, MASTER_KEY, HostStateView, full_tensor
 from whalepy.runtime.tiling import tiled_layout
@@ -107,7 +107,7 @@ def _quiet_strided_gather() -> Iterator[None]:
     import logging
     import warnings
 
-    from whalepy._log import info_once
+    from whalepy.log import info_once
 
     torch_log = logging.getLogger(_REDISTRIBUTE_LOGGER)
     level = torch_log.level

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from whalepy._errors import ArgumentError
+from whalepy.errors import ArgumentError
 
 __all__ = ["LocalShare", "ShardedBatchSampler"]
 

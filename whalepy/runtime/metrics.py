@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from whalepy._errors import ArgumentError, WhalepyError
+from whalepy.errors import ArgumentError, WhalepyError
 
 __all__ = ["FIELDS", "JsonlSink", "MetricsSink", "TensorBoardSink", "WandbSink", "check_job_options"]
 

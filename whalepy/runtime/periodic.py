@@ -27,7 +27,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from whalepy._errors import ArgumentError
+from whalepy.errors import ArgumentError
 
 __all__ = ["Checkpointer", "complete_checkpoints"]
 
