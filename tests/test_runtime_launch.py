@@ -44,7 +44,7 @@ def _attempt(kind: str) -> str:
     elif kind == "per-rank batch":
         pm = parallelize(model, spec, example_inputs=(x,), loss_fn=lm_loss, optimizer=adamw,
                          global_batch=8, plan=plan)
-        local = torch.zeros(4, 16, dtype=torch.long)  # this rank's share instead of the global batch
+        local = torch.zeros(3, 16, dtype=torch.long)  # neither the global batch nor this rank's share (4)
         try:
             pm.train_step(local, local)
         except WhalepyError as e:
@@ -75,7 +75,8 @@ def test_wrong_launches_raise_launch_error():
         assert model.startswith("LaunchError") and "fingerprint" in model
         assert device.startswith("PlanError") and "puts a A100 on rank 0" in device  # a plan of another cluster
         assert "nvme" in nvme and "transformer.h.0" in nvme and "param_tier" in nvme
-        assert "shape (4, 16)" in batch and "whole global batch (8 samples" in batch, batch
+        assert "shape (3, 16)" in batch and "whole global batch (8 samples" in batch, batch
+        assert "share (4 samples" in batch, batch
 
 
 def test_outside_a_launch_returns_plan_holder(monkeypatch, capsys):

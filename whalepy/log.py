@@ -6,13 +6,15 @@
   reports. Once the root logger has a handler, the records go there instead (no line twice). Quiet
   it with ``logging.getLogger("whalepy").setLevel(logging.WARNING)``.
 - :func:`warn_once` emits a warning once per job: only on global rank 0 of a distributed launch (every
-  rank would print the same line), and only the first time its key is seen in the process (a warning
+  rank would print the same line; before the process group exists, the launcher's ``RANK``), and only
+  the first time its key is seen in the process (a warning
   about a layout is raised per block, per stage or per step otherwise).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 __all__ = ["info_once", "is_rank0", "log_once_at", "logger", "warn_once"]
@@ -48,7 +50,10 @@ def is_rank0() -> bool:
         import torch.distributed as dist
     except ImportError:  # pragma: no cover - torch is a core dependency
         return True
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    # inside a launch whose process group is not made yet (a script's set-up): the launcher's rank
+    return os.environ.get("RANK", "0") == "0"
 
 
 def _once(level: int, key: str, msg: str, *args: object, log: logging.Logger | None = None) -> bool:

@@ -18,7 +18,6 @@ import json
 import math
 import operator
 import os
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -528,9 +527,10 @@ class ClusterSpec:
             device = resolve_device_type(named, {d.name: d for d in custom})
             kind = suggest_link_kind(device) if count > 1 else None
             if kind is not None:
-                warnings.warn(f"ClusterSpec.local(): assuming intra-node link {kind.value!r} for "
-                              f"{count} x {device.name}; write a cluster spec if that is wrong",
-                              stacklevel=2)
+                from whalepy.log import warn_once  # once per job: every rank of a launch builds this spec
+
+                warn_once(f"local-link-{count}-{device.name}", "whalepy: ClusterSpec.local(): assuming intra-node "
+                          "link %r for %d x %s; write a cluster spec if that is wrong", kind.value, count, device.name)
             group = NodeGroup.build(name="local", gpu=named, gpus_per_node=count, intra_link=kind,
                                     cpu_memory_bytes=cpu_memory,
                                     custom_devices={d.name: d for d in custom})

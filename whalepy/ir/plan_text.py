@@ -87,8 +87,8 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"  batch: {shares[0]} samples per replica, micro-batch {shares[0] // plan.num_microbatches}")
     else:
         lines.append("  batch shares per replica: " + ", ".join(map(str, plan.batch_shares)))
-    rows = [("stage", "blocks", "devices", "tp", "dp", "zero", "ckpt", "offload", "compute", "comm", "bubble",
-             "memory / usable")]
+    rows = [("stage", "blocks", "devices", "tp", "dp", "dp wrapper", "ckpt", "offload", "compute", "comm",
+             "bubble", "memory / usable")]
     for s in plan.stages:
         devs = Counter(s.device_types)
         dev = ", ".join(f"{n} x{k * s.tp_degree}" for n, k in devs.items()) + f" [{compress_ranks(s.all_ranks)}]"
@@ -102,11 +102,15 @@ def format_plan(plan: Plan) -> str:
         k = s.cost
         mem = (f"{k.memory_bytes / GIB:.1f} / {k.capacity_bytes / GIB:.1f} GiB" if k.capacity_bytes else "-")
         rows.append((str(s.index), compress_names(s.block_names), dev, str(s.tp_degree), str(s.dp_degree),
-                     str(int(s.zero_stage)), f"{ck}/{len(s.blocks)}", " ".join(tiers) or "-", _t(k.compute_s),
+                     stage_lowering(plan, s), f"{ck}/{len(s.blocks)}", " ".join(tiers) or "-", _t(k.compute_s),
                      _t(k.comm_s), _t(k.bubble_s), mem))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines += ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
     lines.append("  (compute and comm per micro-batch; bubble per step)")
+    if any(r[5].endswith("*") for r in rows[1:]):
+        from whalepy.ir.rules import LOWERED_NOTE
+
+        lines.append(f"  ({LOWERED_NOTE})")
     lines += _memory_lines(plan)
     tok = f", {_rate(c.tokens_per_s)} tokens/s" if c.tokens_per_s else ""
     lines.append(f"  step time {_t(c.step_time_s)}: {_rate(c.samples_per_s)} samples/s{tok}, "
@@ -124,6 +128,14 @@ def format_plan(plan: Plan) -> str:
     for n in plan.notes:
         lines.append(f"  note: {n}")
     return "\n".join(lines)
+
+
+def stage_lowering(plan: Plan, stage) -> str:  # type: ignore[no-untyped-def]
+    """The data-parallel wrapper the runtime lowers ``stage`` onto (:func:`whalepy.ir.rules.lowering_label`)."""
+    from whalepy.ir.rules import lowering_label, offloads_to_host
+
+    offload = any(offloads_to_host(b.param_tier, b.optimizer_tier) for b in stage.blocks)
+    return lowering_label(stage.zero_stage, plan.dp_degree, tp=stage.tp_degree, pp=plan.pp_degree, offload=offload)
 
 
 def block_tiers(stage) -> str:  # type: ignore[no-untyped-def]

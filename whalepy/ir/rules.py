@@ -76,6 +76,29 @@ def choose_lowering_kind(zero: ZeroStage | int, dp: int, *, tp: int, pp: int, of
     return LoweringKind.ZERO1 if zero == ZeroStage.OPTIMIZER else LoweringKind.DDP
 
 
+def lowering_label(zero: ZeroStage | int, dp: int, *, tp: int, pp: int, offload: bool) -> str:
+    """What a plan table shows for a stage's data parallelism: the wrapper that runs
+    (:func:`choose_lowering_kind`) and the ZeRO stage it behaves as. ZeRO-0/1 lowered to FSDP2 (under
+    TP, PP or offload) runs with ``reshard_after_forward=False``, as ZeRO-2, its states sharded over the
+    replicas; a ``*`` marks that it differs from the planned stage."""
+    kind = choose_lowering_kind(zero, dp, tp=tp, pp=pp, offload=offload)
+    zero = ZeroStage(zero)
+    if kind is LoweringKind.NONE:
+        return "none"
+    if kind is LoweringKind.DDP:
+        return "DDP"
+    if kind is LoweringKind.ZERO1:
+        return "DDP+ZeRO-1"
+    if zero >= ZeroStage.GRADIENTS:
+        return f"FSDP2 ZeRO-{int(zero)}"
+    return "FSDP2 ZeRO-2*"
+
+
+LOWERED_NOTE = ("* planned as ZeRO-0/1, but DDP does not compose with TP, PP or host offload: runs as FSDP2 "
+                "with sharded states (reshard_after_forward=False)")
+"""The plan table's footnote for :func:`lowering_label`'s ``*``."""
+
+
 def offloads_to_host(param_tier: Tier | str, optimizer_tier: Tier | str) -> bool:
     """Whether a block with these tiers keeps model states off the device through the host: a ``cpu``
     tier (FSDP2's ``CPUOffloadPolicy`` or whalepy's host optimizer) or parameters on ``nvme`` (host shards

@@ -27,7 +27,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,7 +73,11 @@ from whalepy.runtime.materialize import (
 )
 from whalepy.runtime.mesh import RankMeshes, build_meshes, check_world
 from whalepy.runtime._amp import AmpContext
+from whalepy.runtime.model_config import saved_config
 from whalepy.runtime._report import StepReporter, plan_log_lines
+from whalepy.runtime._train_state import check_loader, job_state, job_template, restore_job_state
+from whalepy.runtime.data import ShardedBatchSampler, dataset_length, local_share, take_local
+from whalepy.runtime.metrics import check_job_options
 from whalepy.runtime._joint_step import JointStep, host_grad_params
 from whalepy.runtime.held import offloaded_params
 from whalepy.runtime.host_optimizer import HostOptimizer, fused_variant
@@ -111,6 +115,7 @@ __all__ = ["ParallelModel", "UnlaunchedModel", "is_distributed_launch", "paralle
 log = logging.getLogger("whalepy.runtime")
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
 _hint_printed = False
 
@@ -148,6 +153,9 @@ def parallelize(
     checkpoint: str | os.PathLike[str] | None = None,
     max_grad_norm: float | None = None,
     log_every: int | None = None,
+    lr_scheduler: SchedulerFactory | None = None,
+    total_steps: int | None = None,
+    metrics: Sequence[Any] = (),
     **options: Any,
 ) -> ParallelModel | UnlaunchedModel:
     """Plan ``model`` for ``cluster_spec`` (unless ``plan`` is given) and, inside a distributed launch,
@@ -177,7 +185,13 @@ def parallelize(
     over the whole model, whatever the layout; :attr:`ParallelModel.last_grad_norm`). ``log_every``
     reports step, loss, step time, tokens/s, MFU and peak memory every that many steps on rank 0
     (logger ``"whalepy"``; a ``rich`` progress line on a terminal when ``rich`` is installed). The plan
-    being lowered is logged on rank 0 in any case, one line per stage.
+    being lowered is logged on rank 0 in any case, one line per stage. ``metrics``: sinks that receive
+    each report's record (:mod:`whalepy.runtime.metrics`: ``JsonlSink``, ``TensorBoardSink``,
+    ``WandbSink``; rank 0); ``total_steps`` adds an ETA to it.
+
+    ``lr_scheduler`` is a factory ``optimizer -> LRScheduler`` (any ``torch.optim.lr_scheduler``), applied
+    to each optimizer this rank builds and stepped after every optimizer step; its state, the step count,
+    RNG states and a loader's position go into :meth:`ParallelModel.save` (docs/training.md).
     """
     from whalepy.frontend.checks import as_cluster, check_example_inputs, check_nvme_dir, check_positive_int
 
@@ -191,6 +205,7 @@ def parallelize(
         install_error_hook()
     _check_arguments(model, loss_fn, optimizer)
     _check_training_options(max_grad_norm, log_every)
+    check_job_options(lr_scheduler, total_steps, metrics)
     _check_lowering_options(loss_parallel=loss_parallel, sync_initial_weights=sync_initial_weights, seed=seed,
                             init_fn=init_fn, profile=profile, checkpoint=checkpoint)
     check_nvme_dir(nvme_dir, nvme_keep, on_node=launched and nvme_dir is not None)
@@ -271,7 +286,8 @@ def parallelize(
                          device_type=device_type, loss_parallel=loss_parallel,
                          sync_initial_weights=sync_initial_weights, nvme_dir=nvme_dir,
                          init_fn=init_fn, seed=seed, checkpoint=checkpoint,
-                         max_grad_norm=max_grad_norm, log_every=log_every, nvme_keep=nvme_keep)
+                         max_grad_norm=max_grad_norm, log_every=log_every, nvme_keep=nvme_keep,
+                         lr_scheduler=lr_scheduler, total_steps=total_steps, metrics=metrics)
 
 
 @dataclass
@@ -290,13 +306,15 @@ class UnlaunchedModel:
         raise LaunchError(f"not inside a distributed launch: {launch_hint(self.plan.world_size)}")
 
     state_dict = save = load = load_state_dict = evaluate = full_state_dict = train_step  # type: ignore[assignment]
+    batch_sampler = local_batch = train_step  # type: ignore[assignment]
 
 
 class ParallelModel:
     """This rank's part of the model, its optimizer and the step that trains them.
 
-    Every rank passes the FULL global batch to :meth:`train_step`; each replica takes its contiguous
-    slice (``batch_shares`` in replica order), so scripts stay the same as single-process ones.
+    Every rank passes :meth:`train_step` the full global batch (each replica takes its contiguous slice,
+    ``batch_shares`` in replica order, so scripts stay the same as single-process ones) or only its
+    replica's share (:attr:`local_share`, :meth:`batch_sampler`; docs/training.md).
     """
 
     def __init__(self, model: nn.Module, plan: Plan, *, cluster_spec: Any, example_inputs: tuple,
@@ -305,7 +323,8 @@ class ParallelModel:
                  nvme_dir: str | os.PathLike[str] | None = None, init_fn: InitFn | None = None,
                  seed: int = 0, checkpoint: str | os.PathLike[str] | None = None,
                  max_grad_norm: float | None = None, log_every: int | None = None,
-                 nvme_keep: bool = False) -> None:
+                 nvme_keep: bool = False, lr_scheduler: SchedulerFactory | None = None,
+                 total_steps: int | None = None, metrics: Sequence[Any] = ()) -> None:
         check_pipeline(plan.schedule, num_stages=plan.pp_degree, virtual_stages=plan.virtual_stages,
                        num_microbatches=plan.num_microbatches,
                        sequence_parallel=any(r.style is TPStyle.SEQUENCE for r in plan.tensor_parallel),
@@ -340,7 +359,7 @@ class ParallelModel:
         device = m.device
         # a meta-device model is lowered as it is and materialised shard by shard afterwards
         skeleton = snapshot(model) if has_meta_tensors(model) else None
-        self._hf_config = getattr(model, "config", None), type(model).__name__
+        self._hf_config = getattr(model, "config", None), type(model)  # what save() writes as config.json
         if skeleton is None:
             model.to(device)
             if sync_initial_weights:
@@ -486,7 +505,14 @@ class ParallelModel:
                 compute_dtype=self.amp.dtype)
         # contributions to the reported loss: one rank per replica (last stage, TP index 0)
         self._reports_loss = stage.index == pp - 1 and m.tp_index == 0
-        self.reporter = StepReporter(plan, device, log_every)
+        self.reporter = StepReporter(plan, device, log_every, sinks=metrics, total_steps=total_steps)
+        self.step = 0
+        """Optimizer steps taken (restored by :meth:`load`)."""
+        opts = [self.optimizer] + (self.host_optimizer.optimizers if self.host_optimizer is not None else [])
+        self.lr_schedulers: list[Any] = [lr_scheduler(o) for o in opts if o is not None] if lr_scheduler else []
+        self.local_share = local_share(plan, m.replica, self.stage_indices, self.num_stages)
+        """What this rank reads of each global batch (:class:`~whalepy.runtime.data.LocalShare`)."""
+        self._pending_save: Any = None
 
     # -- public --------------------------------------------------------------------------------
 
@@ -505,8 +531,10 @@ class ParallelModel:
     def device(self) -> torch.device:
         return self.meshes.device
 
-    def train_step(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
-        """One optimizer step on the global batch ``(inputs, targets)``; returns its mean loss."""
+    def train_step(self, inputs: Any, targets: torch.Tensor | None) -> torch.Tensor:
+        """One optimizer step on the global batch; returns its mean loss. Pass the whole global batch
+        ``(inputs, targets)`` or this rank's share of it (:attr:`local_share`; ``None`` for what this
+        rank's pipeline stage does not use)."""
         self.reporter.step_started()
         inputs, targets = self._local_batch("train_step", inputs, targets)
         if self.host_optimizer is not None:
@@ -518,16 +546,42 @@ class ParallelModel:
         if self.host_optimizer is not None:
             self.host_optimizer.finish()
         optimizer = self._joint if self._joint is not None else self.optimizer
+        scale_before = self.amp.loss_scale()
         if optimizer is not None:
             max_norm = self.max_grad_norm
-            norm = self.amp.clip_and_step(optimizer,  # type: ignore[arg-type]
-                                          (lambda: self._clip_grads(max_norm)) if max_norm is not None else None)
+            # clipping, or a report's grad norm (max_norm inf: the norm alone, gradients unchanged)
+            clip = ((lambda: self._clip_grads(max_norm if max_norm is not None else float("inf")))
+                    if max_norm is not None or self.reporter.reports_next() else None)
+            norm = self.amp.clip_and_step(optimizer, clip)  # type: ignore[arg-type]
             if norm is not None:
                 self.last_grad_norm = float(norm)
             optimizer.zero_grad(set_to_none=True)
+        for scheduler in self.lr_schedulers:
+            scheduler.step()
+        self.step += 1
         report = self._mean_loss(local)
-        self.reporter.step_done(report, self._tokens(inputs))
+        self.reporter.step_done(report, self._tokens(inputs), extra=self._step_metrics(scale_before))
         return report
+
+    def _step_metrics(self, scale_before: float) -> dict[str, Any]:
+        """The record fields only the model knows (:mod:`whalepy.runtime.metrics`)."""
+        opt = self.optimizer or (self.host_optimizer.optimizers[0] if self.host_optimizer is not None else None)
+        return {"grad_norm": self.last_grad_norm, "lr": float(opt.param_groups[0]["lr"]) if opt else None,
+                "loss_scale": scale_before if self.amp.scaler is not None else None,
+                "skipped": self.amp.scaler is not None and self.amp.loss_scale() < scale_before}
+
+    # -- data ----------------------------------------------------------------------------------
+
+    def batch_sampler(self, dataset: Any, *, shuffle: bool = True, seed: int = 0) -> ShardedBatchSampler:
+        """A ``batch_sampler`` yielding the dataset indices of this rank's share of each global batch
+        (``DataLoader(dataset, batch_sampler=pm.batch_sampler(dataset))``); ``dataset`` may be its length.
+        The same order on every rank, a function of ``seed`` and the epoch; resumable (its state is its
+        position). See :mod:`whalepy.runtime.data`."""
+        return ShardedBatchSampler(dataset_length(dataset), self.local_share, shuffle=shuffle, seed=seed)
+
+    def local_batch(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This replica's rows of global-batch tensors (what :meth:`train_step` takes of them)."""
+        return tuple(self.local_share.slice(t) for t in tensors)
 
     @torch.no_grad()
     def evaluate(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
@@ -557,22 +611,11 @@ class ParallelModel:
                 mod.training = flag
         return self._mean_loss(local)
 
-    def _local_batch(self, what: str, inputs: Any, targets: Any) -> tuple[tuple, torch.Tensor]:
-        """Check a global batch and take this replica's share of it, on this rank's device."""
-        inputs = _as_tuple(inputs)
-        self._check_batch(inputs)
-        for x in (*inputs, targets):
-            if not isinstance(x, torch.Tensor):
-                raise ArgumentError(f"{what} got a {type(x).__name__} where a tensor is expected; pass the "
-                                    "global batch's inputs and targets as tensors")
-            if x.dim() == 0 or x.shape[0] != self.plan.global_batch:
-                got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-                raise ArgumentError(
-                    f"{what} got a tensor of shape {got}; every rank passes the whole global batch "
-                    f"({self.plan.global_batch} samples along dim 0) and whalepy takes this replica's "
-                    f"share ({self.plan.batch_shares[self.meshes.replica]} samples)")
-        return (tuple(x[self._slice].to(self.device) for x in inputs),
-                targets[self._slice].to(self.device))
+    def _local_batch(self, what: str, inputs: Any, targets: Any) -> tuple[tuple, torch.Tensor | None]:
+        """Check a global batch or a local share and take this replica's share, on this rank's device."""
+        inputs, targets = take_local(what, inputs, targets, self.local_share, self._check_batch)
+        return (tuple(x.to(self.device) for x in inputs),
+                targets.to(self.device) if targets is not None else None)
 
     def _mean_loss(self, local: torch.Tensor) -> torch.Tensor:
         """The global batch's mean loss on every rank, from this rank's share of it."""
@@ -662,26 +705,57 @@ class ParallelModel:
         return gather_full_state_dict(self._modules, stage_ranks=stage_ranks, cpu_offload=cpu_offload,
                                       masters=master_weights(self._modules, self._optimizers()))
 
-    def save(self, path: str | Path) -> None:
+    def save(self, path: str | Path, *, loader: Any = None, async_save: bool = False) -> Any:
         """Write a distributed checkpoint (DCP) directory; loadable under any plan for this model.
-        An HF model's config goes along as ``config.json`` (for ``whalepy export``)."""
+        It holds the model, the optimizer, the fp16 loss scaler, the step, the LR schedulers, every rank's
+        RNG states and ``loader``'s ``state_dict()`` (its position; docs/training.md). An HF model's
+        config goes along as ``config.json`` (for ``whalepy export``). ``async_save``: staged in memory,
+        written in the background by ``dcp.async_save``; returns its future (the next save waits
+        for it)."""
         from whalepy.runtime.dcp_files import check_save_path
 
         check_save_path(path)
-        save_train_state(path, self._modules, self._optimizers(), aliases=self._tied_aliases,
-                         extra=self.amp.state_dict())
-        config, arch = self._hf_config
-        if dist.get_rank() == 0 and callable(getattr(config, "to_diff_dict", None)):
-            # as save_pretrained writes it: with the model class, which from_pretrained needs
-            text = json.dumps({**config.to_diff_dict(), "architectures": [arch]}, indent=2, sort_keys=True)
+        check_loader(loader, "save")
+        self.wait_for_save()
+        extra = {**self.amp.state_dict(), **job_state(step=self.step, schedulers=self.lr_schedulers,
+                                                      loader=loader, device=self.device)}
+        self._pending_save = save_train_state(path, self._modules, self._optimizers(), aliases=self._tied_aliases,
+                                              extra=extra, async_save=async_save)
+        saved = saved_config(*self._hf_config)
+        if dist.get_rank() == 0 and saved is not None:
+            # an HF config as save_pretrained writes it (with the model class), or a whalepy model's
+            text = json.dumps(saved, indent=2, sort_keys=True)
+            Path(path).mkdir(parents=True, exist_ok=True)  # an asynchronous save may not have made it yet
             (Path(path) / "config.json").write_text(text + "\n")
+        self.reporter.not_waiting_for_data()
+        return self._pending_save
 
-    def load(self, path: str | Path) -> None:
-        extra = load_train_state(path, self._modules, self._optimizers(), extra=self.amp.state_dict())
+    def wait_for_save(self) -> None:
+        """Block until the last asynchronous :meth:`save` has been written."""
+        if self._pending_save is not None:
+            self._pending_save.result()
+            self._pending_save = None
+
+    def load(self, path: str | Path, *, loader: Any = None) -> None:
+        """Restore what :meth:`save` wrote (written under any plan): model, optimizer, loss scaler, step,
+        LR schedulers, RNG states, and ``loader``'s position when given."""
+        from whalepy.runtime.dcp_files import read_metadata
+
+        check_loader(loader, "load")
+        self.wait_for_save()
+        template = job_template(set(read_metadata(path).state_dict_metadata))
+        extra = load_train_state(path, self._modules, self._optimizers(), extra={**self.amp.state_dict(), **template})
         self._after_load(extra, f"the checkpoint {path}")
+        step = restore_job_state(extra, schedulers=self.lr_schedulers, loader=loader, device=self.device,
+                                 source=f"the checkpoint {path}")
+        if step is not None:
+            self.step = self.reporter.steps = step
 
     def close(self) -> None:
-        """Finish the disk tier's writes and remove its files (kept with ``nvme_keep``)."""
+        """Finish an asynchronous save and the disk tier's writes, remove the disk tier's files (kept
+        with ``nvme_keep``) and close the metrics sinks."""
+        self.wait_for_save()
+        self.reporter.close()
         if self.nvme is not None:
             self.nvme.close()
             self.nvme = None

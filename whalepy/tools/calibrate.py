@@ -201,17 +201,9 @@ def derive_from_microbench(path: str | Path) -> dict[str, Any]:
                 {k: r[k] for k in ("h", "seq", "mb", "mode", "fwd_s", "fwd_bwd_s")} for r in raw["block"]]}}
 
 
-def add_calibrate_subparser(sub: Any) -> None:
-    sp = sub.add_parser("calibrate", help="measure this device and write its device profile (JSON)")
-    sp.add_argument("--quick", action="store_true", help="a few small shapes: seconds on a CPU (for CI)")
-    sp.add_argument("--out", help=f"a .json file, or a directory for <device type>.json (default {default_profile_dir()})")
-    sp.add_argument("--device", help="torch device, e.g. cuda:1 or cpu (default: cuda if available)")
-    sp.add_argument("--disk-dir", help="directory on the NVMe tier for the disk benchmark (default: temp dir)")
-    sp.add_argument("--from-microbench", help="derive a profile from a microbench JSON instead of measuring")
-    sp.set_defaults(func=_cmd_calibrate)
-
-
-def _cmd_calibrate(args: argparse.Namespace) -> int:
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """``whalepy calibrate`` (its arguments: ``whalepy.tools.cli._add_calibrate``, which imports this module only
+    when the command runs: torch takes seconds to import, ``--help`` must not wait for it)."""
     import sys
 
     def say(m: str) -> None:

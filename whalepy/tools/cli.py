@@ -194,19 +194,22 @@ def _add_plan(sub: Any) -> None:
     sp = sub.add_parser("plan", help=COMMANDS["plan"].help)
     _model_args(sp)
     sp.add_argument("--out", help="write the plan as JSON")
-    sp.add_argument("--solver", default="highs", choices=("highs", "cbc", "exhaustive"))
+    sp.add_argument("--solver", default="highs", choices=("highs", "cbc", "exhaustive"),
+                    help="ILP solver (default highs; cbc through pulp; exhaustive: every candidate, small cases)")
     sp.add_argument("--time-limit", type=float, default=60.0, help="search budget in seconds")
     sp.add_argument("--schedules", help="comma-separated: gpipe,1f1b,interleaved_1f1b")
     sp.add_argument("--zero-stages", help="comma-separated ZeRO stages to consider, e.g. 0,1,2,3")
-    sp.add_argument("--no-checkpointing", action="store_true")
-    sp.add_argument("--no-offload", action="store_true")
+    sp.add_argument("--no-checkpointing", action="store_true", help="never recompute activations "
+                    "(allow_checkpointing=False)")
+    sp.add_argument("--no-offload", action="store_true", help="keep parameters and optimizer states on the "
+                    "devices (no cpu / nvme tiers)")
     sp.add_argument("--no-activation-offload", action="store_true",
                     help="never keep activations in host memory (allow_activation_offload=False)")
     sp.add_argument("--checkpoint-offload", action="store_true",
                     help="may keep activation checkpoints in host memory (allow_checkpoint_offload=True)")
     sp.add_argument("--one-tier-per-stage", action="store_true",
                     help="give all blocks of a stage one (param, optimizer) tier pair (mixed_tiers=False)")
-    sp.add_argument("--max-tp", type=int)
+    sp.add_argument("--max-tp", type=int, help="largest tensor-parallel degree to consider")
     sp.add_argument("--baseline", action="store_true", help="homogeneous-slowest baseline instead")
     sp.add_argument("--explain", action="store_true", help="also list the alternatives and why they lost")
     sp.set_defaults(func=cmd_plan)
@@ -214,8 +217,8 @@ def _add_plan(sub: Any) -> None:
 
 def _add_show(sub: Any) -> None:
     sp = sub.add_parser("show", help=COMMANDS["show"].help)
-    sp.add_argument("plan")
-    sp.add_argument("--explain", action="store_true")
+    sp.add_argument("plan", help="plan JSON written by `whalepy plan --out`")
+    sp.add_argument("--explain", action="store_true", help="also list the alternatives and why they lost")
     sp.add_argument("--html", metavar="PATH", help="write a self-contained page: devices, memory, pipeline "
                                                    "timeline, GPU types, alternatives (docs/show.md)")
     sp.add_argument("--svg", metavar="PATH", help="write the pipeline timeline alone as SVG")
@@ -228,21 +231,23 @@ def _add_show(sub: Any) -> None:
 
 def _add_diff(sub: Any) -> None:
     sp = sub.add_parser("diff", help=COMMANDS["diff"].help)
-    sp.add_argument("first")
-    sp.add_argument("second")
+    sp.add_argument("first", help="the plan JSON to compare from")
+    sp.add_argument("second", help="the plan JSON to compare to")
     sp.set_defaults(func=cmd_diff)
 
 def _add_estimate(sub: Any) -> None:
     sp = sub.add_parser("estimate", help=COMMANDS["estimate"].help)
     _model_args(sp)
-    sp.add_argument("--dp", type=int, required=True)
-    sp.add_argument("--tp", type=int, default=1)
-    sp.add_argument("--pp", type=int, default=1)
-    sp.add_argument("--microbatches", type=int, default=1)
-    sp.add_argument("--schedule", default="1f1b")
-    sp.add_argument("--zero", type=int, default=0)
-    sp.add_argument("--checkpoint", action="store_true")
-    sp.add_argument("--offload", choices=("cpu", "nvme"))
+    sp.add_argument("--dp", type=int, required=True, help="data-parallel degree (replicas)")
+    sp.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
+    sp.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
+    sp.add_argument("--microbatches", type=int, default=1, help="micro-batches per step (default 1)")
+    sp.add_argument("--schedule", default="1f1b", help="pipeline schedule: gpipe, 1f1b or interleaved_1f1b "
+                                                      "(default 1f1b)")
+    sp.add_argument("--zero", type=int, default=0, help="ZeRO stage 0-3 (default 0)")
+    sp.add_argument("--checkpoint", action="store_true", help="activation checkpointing of every block")
+    sp.add_argument("--offload", choices=("cpu", "nvme"), help="cpu: parameters, gradients and optimizer "
+                    "states on the host (FSDP2 CPUOffloadPolicy); nvme: optimizer states in files")
     sp.set_defaults(func=cmd_estimate)
 
 
@@ -260,7 +265,8 @@ def _add_study(sub: Any) -> None:
     sp.add_argument("--seq-len", type=int, default=None, help="tokens per sample (built-in models)")
     sp.add_argument("--microbatches", type=int, default=1, help="gradient-accumulation micro-batches")
     sp.add_argument("--checkpoint", action="store_true", help="activation checkpointing of every block")
-    sp.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None)
+    sp.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None,
+                    help="training precision (default as for `whalepy plan`)")
     sp.add_argument("--no-offload", action="store_true", help="leave out the CPU-offload rows")
     sp.add_argument("--measure", action="store_true", help="also train each row a few steps on CPU gloo "
                                                            "processes and show measured bytes (small models)")
@@ -278,8 +284,20 @@ def _add_export(sub: Any) -> None:
     sp.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB")
     sp.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                     help="convert floating-point weights (default: as stored)")
-    sp.add_argument("-q", "--quiet", action="store_true")
+    sp.add_argument("-q", "--quiet", action="store_true", help="no summary line on stderr")
     sp.set_defaults(func=cmd_export)
+
+
+def _add_calibrate(sub: Any) -> None:
+    from whalepy.cost_models.device_profiles import default_profile_dir
+
+    sp = sub.add_parser("calibrate", help=COMMANDS["calibrate"].help)
+    sp.add_argument("--quick", action="store_true", help="a few small shapes: seconds on a CPU (for CI)")
+    sp.add_argument("--out", help=f"a .json file, or a directory for <device type>.json (default {default_profile_dir()})")
+    sp.add_argument("--device", help="torch device, e.g. cuda:1 or cpu (default: cuda if available)")
+    sp.add_argument("--disk-dir", help="directory on the NVMe tier for the disk benchmark (default: temp dir)")
+    sp.add_argument("--from-microbench", help="derive a profile from a microbench JSON instead of measuring")
+    sp.set_defaults(func=lambda args: importlib.import_module("whalepy.tools.calibrate").cmd_calibrate(args))
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,7 +318,7 @@ COMMANDS: dict[str, Command] = {
     "study": Command("studies of a model on a cluster (zero: the ZeRO-stage trade-off)",
                      "whalepy.tools.cli:_add_study"),
     "calibrate": Command("measure this device and write its device profile (JSON)",
-                         "whalepy.tools.calibrate:add_calibrate_subparser"),
+                         "whalepy.tools.cli:_add_calibrate"),
     "check": Command("lower every rank role of a plan in one process (fake process group, meta model) and "
                      "compare what each rank holds with the plan", "whalepy.tools.rank_check:add_check_subparser"),
     "export": Command("write a checkpoint's weights as HF safetensors", "whalepy.tools.cli:_add_export"),

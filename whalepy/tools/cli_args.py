@@ -81,6 +81,31 @@ def _check_run(args: argparse.Namespace) -> None:
         raise ArgumentError(f"--master-port {port}: a TCP port is 1 to 65535")
 
 
+def _installed(module: str) -> bool:
+    import importlib.util
+    import sys
+
+    if module in sys.modules:
+        return sys.modules[module] is not None  # None: import blocked
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _optional_extras(args: argparse.Namespace) -> None:
+    """The optional packages a command will need, looked up (not imported) before any work: a missing
+    one is one line naming the extra, not a failure after the planning or the study."""
+    needs = []
+    if getattr(args, "plot", None):
+        needs.append(("matplotlib", "plot", "--plot", "leave out --plot"))
+    if getattr(args, "command", None) == "export":
+        needs.append(("safetensors", "hf", "whalepy export", "export from Python with pm.full_state_dict()"))
+    for module, extra, what, other in needs:
+        if not _installed(module):
+            raise ArgumentError(f"{what} needs {module}: pip install 'whalepy[{extra}]' (or {other})")
+
+
 def check_cli_args(args: argparse.Namespace) -> None:
     """Raise :class:`ArgumentError` for a value no command can use; a no-op for commands without them."""
     for dest in ("global_batch", "seq_len", "dp", "tp", "pp", "microbatches", "max_tp"):
@@ -98,6 +123,7 @@ def check_cli_args(args: argparse.Namespace) -> None:
         raise ArgumentError(f"--max-tp {max_tp}: must be a power of two (1, 2, 4, 8, ...)")
     _check_run(args)
     _output_paths(args)
+    _optional_extras(args)
     if getattr(args, "command", None) == "show" and (args.model or args.seq_len) and not args.check:
         raise ArgumentError(f"{'--model' if args.model else '--seq-len'} is used by --check only; add --check to "
                             "check the plan against the model, or drop it")

@@ -24,6 +24,8 @@ import torch
 
 from whalepy.errors import WhalepyError
 
+from whalepy.runtime.model_config import WHALEPY_MODEL_KEY, build_whalepy_model
+
 log = logging.getLogger(__name__)
 
 __all__ = ["export_safetensors", "parse_size"]
@@ -46,8 +48,8 @@ def _config_dict(checkpoint: Path, config: Any) -> dict[str, Any]:
         path = checkpoint / "config.json"
         if not path.is_file():
             raise WhalepyError(
-                f"{checkpoint} holds no config.json (ParallelModel.save writes it for a model with an HF "
-                "config); pass the model's HF config: --config config.json (or config= in Python)")
+                f"{checkpoint} holds no config.json (ParallelModel.save writes it for an HF model and for "
+                "whalepy.models.GPT); pass the model's HF config: --config config.json (or config= in Python)")
         return _read_config(path)
     if isinstance(config, Mapping):
         return dict(config)
@@ -89,7 +91,11 @@ def _checkpoint_tensors(checkpoint: Path) -> tuple[dict[str, Any], bool]:
 
 def _hf_names(out_dir: Path, cfg: dict[str, Any]) -> tuple[set[str], dict[str, str]] | None:
     """The state dict keys the HF model of ``cfg`` saves, and each tied alias -> its first name, from
-    the model built on the meta device; None without transformers or an ``architectures`` entry."""
+    the model built on the meta device; None without transformers or an ``architectures`` entry. A
+    whalepy model (:data:`WHALEPY_MODEL_KEY`) saves every key, tied ones included (``load_state_dict``
+    of the model then takes the file as it is)."""
+    if WHALEPY_MODEL_KEY in cfg:
+        return set(build_whalepy_model(cfg, "meta").state_dict()), {}
     try:
         import transformers
     except ImportError:
@@ -140,7 +146,7 @@ def export_safetensors(
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise WhalepyError(f"{out_dir} is a file; export writes a directory: give a new or existing directory")
-    cfg = _config_dict(checkpoint, config)
+    cfg = _config_dict(checkpoint, config)  # before any tensor is read
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     hf = _hf_names(out_dir, cfg)
@@ -149,7 +155,7 @@ def export_safetensors(
         tensors = {k: v for k, v in tensors.items() if k not in alias}
         missing, extra = sorted(keys - set(tensors)), sorted(set(tensors) - keys)
         if missing or extra:
-            arch = cfg["architectures"][0]
+            arch = cfg[WHALEPY_MODEL_KEY] if WHALEPY_MODEL_KEY in cfg else cfg["architectures"][0]
             raise WhalepyError(
                 f"the checkpoint does not match {arch}: "
                 + (f"it lacks {missing[:3]} ({len(missing)} in all)" if missing else "")

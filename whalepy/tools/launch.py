@@ -32,11 +32,14 @@ def add_run_subparser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--nnodes", default="1", help="number of nodes, or MIN:MAX (default 1)")
     p.add_argument("--node-rank", dest="node_rank", type=int, default=None,
                    help="this node's rank (static rendezvous)")
-    p.add_argument("--master-addr", dest="master_addr", default=None)
-    p.add_argument("--master-port", dest="master_port", type=int, default=None)
+    p.add_argument("--master-addr", dest="master_addr", default=None,
+                   help="address of node 0 for the static rendezvous (torchrun's --master-addr)")
+    p.add_argument("--master-port", dest="master_port", type=int, default=None,
+                   help="free port on node 0 for the static rendezvous (torchrun's --master-port)")
     p.add_argument("--rdzv-endpoint", dest="rdzv_endpoint", default=None,
                    help="host:port of the c10d rendezvous (multi-node)")
-    p.add_argument("--rdzv-id", dest="rdzv_id", default=None)
+    p.add_argument("--rdzv-id", dest="rdzv_id", default=None,
+                   help="job id shared by every node's launch with --rdzv-endpoint (torchrun's --rdzv-id)")
     p.add_argument("--plan", default=None, help="plan JSON to use instead of planning (sets "
                    f"{PLAN_ENV})")
     p.add_argument("--dry-run", dest="dry_run", action="store_true",
