@@ -100,6 +100,9 @@ class ComputeProfile:
     """RMS of ``log(predicted / measured)`` over the GEMM rows the fit used."""
     extra: tuple[tuple[str, float], ...] = ()
     """Other measured rates (optimizer steps, host link, disk, collectives): name -> value."""
+    measured: Any = dataclasses.field(default=None, compare=False, hash=False)
+    """Measured block costs (``whalepy._measure.MeasuredCosts``, the file's ``measured`` section:
+    ``whalepy calibrate --model`` or ``--import``); the planner prefers them to the model above."""
 
     def value(self, name: str) -> float | None:
         return dict(self.extra).get(name)
@@ -138,9 +141,22 @@ def profile_from_dict(data: dict[str, Any], *, source: str) -> ComputeProfile:
     if data.get("version") != PROFILE_VERSION:
         raise WhalepyError(f"device profile version {data.get('version')!r} is not supported (this whalepy "
                            f"reads version {PROFILE_VERSION}); re-run `whalepy calibrate`")
-    fit = data["fit"]
     extra = tuple(sorted((k, float(v)) for k, v in data.get("rates", {}).items() if v is not None))
-    return ComputeProfile(
+    measured = None
+    if data.get("measured"):
+        from whalepy._measure import MeasuredCosts
+
+        measured = MeasuredCosts.from_dict(data["measured"], where=f"device profile {source}")
+    if "fit" not in data:  # a measured-only profile (imported per-layer table): the model is the transfer rule
+        from .devices import CATALOG
+
+        if data["device_type"] not in CATALOG:
+            raise WhalepyError(f"device profile {source}: device type {data['device_type']!r} is not in the "
+                               "catalog and the file has no 'fit' section; add a fit or use a catalog type")
+        return dataclasses.replace(datasheet_profile(CATALOG[data["device_type"]]), source=source, extra=extra,
+                                   measured=measured)
+    fit = data["fit"]
+    return ComputeProfile(measured=measured,
         device=data["device_type"], source=source, gemm_efficiency=float(fit["gemm_efficiency"]),
         gemm_k_overhead=float(fit["gemm_k_overhead"]), gemm_tile=tuple(fit.get("gemm_tile", (128, 256))),  # type: ignore[arg-type]
         num_sms=fit.get("num_sms"), memory_bandwidth=float(fit["memory_bandwidth"]),
