@@ -208,6 +208,19 @@ def add_calibrate_subparser(sub: Any) -> None:
     sp.add_argument("--device", help="torch device, e.g. cuda:1 or cpu (default: cuda if available)")
     sp.add_argument("--disk-dir", help="directory on the NVMe tier for the disk benchmark (default: temp dir)")
     sp.add_argument("--from-microbench", help="derive a profile from a microbench JSON instead of measuring")
+    sp.add_argument("--model", metavar="MODULE:FN",
+                    help="measure this model's distinct blocks here (FN() returns (model, example_inputs)) and add "
+                         "them to the device profile's 'measured' section; with --import: the model the table is of")
+    sp.add_argument("--micro-batches", default="1,2,4", help="with --model: micro-batch sizes to time (default 1,2,4)")
+    sp.add_argument("--tp", default="1,2", help="with --model: tensor-parallel degrees to time (default 1,2)")
+    sp.add_argument("--precision", default=None, help="with --model: fp32, bf16 or fp16 (default bf16 on a GPU, "
+                                                      "fp32 on the CPU)")
+    sp.add_argument("--import", dest="import_file", metavar="FILE",
+                    help="import a per-layer table (forward/backward/update seconds per layer, micro-batch and TP "
+                         "degree; docs/profiling.md) as device profiles, one per GPU in it; needs --model")
+    sp.add_argument("--table-model", help="with --import: the table's model name (when it holds several)")
+    sp.add_argument("--device-type", action="append", default=[], metavar="TABLE_NAME=TYPE",
+                    help="with --import: file a table GPU under this device type name (repeatable)")
     sp.set_defaults(func=_cmd_calibrate)
 
 
@@ -217,6 +230,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     def say(m: str) -> None:
         print(f"[whalepy] {m}", file=sys.stderr, flush=True)
 
+    if args.import_file or args.model:
+        return _cmd_measured(args, say)
     if args.from_microbench:
         data = derive_from_microbench(args.from_microbench)
         path = _out_path(args.out, data["device_type"])
@@ -233,5 +248,49 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend)
     path = calibrate(quick=args.quick, out=args.out, device=args.device, disk_dir=args.disk_dir, progress=say)
+    print(path)
+    return 0
+
+
+def _ints(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        vals = ()
+    if not vals or min(vals) < 1:
+        raise ArgumentError(f"{flag} {text!r}: give positive integers separated by commas, e.g. {flag} 1,2,4")
+    return vals
+
+
+def _cmd_measured(args: argparse.Namespace, say: Any) -> int:
+    """``--model`` (measure here) and ``--import`` (a per-layer table): the device profiles' ``measured``
+    sections (:mod:`whalepy._measure_files`)."""
+    from whalepy._measure_files import import_layer_table, load_model_fn, write_measured
+    from whalepy.profile import profile
+
+    if args.model is None:
+        raise ArgumentError("--import needs --model MODULE:FN: the model the table was measured on, whose blocks "
+                            "its layers are bound to")
+    model, inputs = load_model_fn(args.model)
+    if args.import_file:
+        names = {}
+        for item in args.device_type:
+            k, sep, v = item.partition("=")
+            if not sep or not k or not v:
+                raise ArgumentError(f"--device-type {item!r}: give TABLE_NAME=TYPE, e.g. --device-type GH-96=GH200")
+            names[k] = v
+        prof = profile(model, inputs)
+        for m in import_layer_table(args.import_file, prof, table_model=args.table_model, device_types=names):
+            path = write_measured(m, _out_path(args.out, m.device_type))
+            say(f"imported {len(m.times)} distinct blocks of {m.device_name} as {m.device_type}: {path}")
+            print(path)
+        return 0
+    dev = _parse_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    precision = args.precision or ("bf16" if dev.type == "cuda" else "fp32")
+    prof = profile(model, inputs, measure=True, device=dev, precision=precision,
+                   micro_batches=_ints(args.micro_batches, "--micro-batches"), tp_degrees=_ints(args.tp, "--tp"))
+    m = prof.measured
+    path = write_measured(m, _out_path(args.out, m.device_type))
+    say(f"measured {len(m.times)} distinct blocks of {type(model).__name__} on {m.device_name}: {path}")
     print(path)
     return 0

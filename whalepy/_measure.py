@@ -49,6 +49,9 @@ __all__ = ["MeasuredCosts", "block_signature", "measure_costs", "MEASURED_FORMAT
 MEASURED_FORMAT = 1
 """Version of the ``measured`` section of a device profile (:meth:`MeasuredCosts.to_dict`)."""
 
+ANY_PRECISION = "any"
+"""The precision of times imported from a table that does not state one: used for every precision."""
+
 
 def block_signature(profile: Any, block: Any) -> str:
     """A structural key of a block, the same for identical blocks of any model: its kind and its
@@ -90,7 +93,10 @@ class MeasuredCosts:
     def block_time(self, sig: str, precision: str, tp: int, micro_batch: float) -> tuple[float, float] | None:
         """Forward and backward seconds at ``micro_batch``: piecewise linear between the measured sizes,
         linear through the two nearest beyond them (proportional with one size); None if not measured."""
-        rows = sorted((mb, t) for (p, d, mb), t in self.times.get(sig, {}).items() if p == precision and d == tp)
+        entries = self.times.get(sig, {})
+        if not any(p == precision for p, _, _ in entries):
+            precision = ANY_PRECISION  # an imported table that does not say its precision
+        rows = sorted((mb, t) for (p, d, mb), t in entries.items() if p == precision and d == tp)
         if not rows:
             return None
         if len(rows) == 1:
