@@ -41,4 +41,6 @@ def run_plan(plan, steps: int) -> list[float]:
     model, x, y = build()
     pm = whalepy.parallelize(model, None, plan=plan, example_inputs=(x,), loss_fn=loss_fn,
                              optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), global_batch=4)
-    return [float(pm.train_step((x,), y)) for _ in range(steps)]
+    losses = [float(pm.train_step((x,), y)) for _ in range(steps)]
+    seen = pm.measured_profile()
+    return losses, None if seen is None else (seen.steps, seen.step_s, seen.predicted_step_s, seen.peak_bytes)

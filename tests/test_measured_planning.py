@@ -61,11 +61,15 @@ def test_planner_uses_measured_times_and_says_so(measured, tmp_path, monkeypatch
     assert len(notes) == len(plan.stages)
     assert all(f"measured for {len(s.blocks)} of {len(s.blocks)} blocks" in n and "optimizer step measured" in n
                for s, n in zip(plan.stages, notes))
-    # the run of that plan on 2 gloo processes trains as one process does
-    got = run_distributed(run_plan, plan.world_size, plan, 2, timeout=240)
-    ref = reference_losses(2)
-    for losses in got:
+    # the run of that plan on 2 gloo processes trains as one process does, and after its warm-up
+    # steps the plan check (closed loop) times steps 3-5 against the plan
+    got = run_distributed(run_plan, plan.world_size, plan, 5, timeout=240)
+    ref = reference_losses(5)
+    for losses, seen in got:
         assert losses == pytest.approx(ref, rel=1e-4, abs=1e-5)
+        steps, step_s, predicted, peak = seen
+        assert steps == 3 and step_s > 0 and predicted == plan.cost.step_time_s and peak is None
+    assert got[0][1][1] == got[1][1][1]  # the slowest rank's time, on every rank
 
 
 def test_measured_costs_round_trip_through_a_device_profile(measured, tmp_path, monkeypatch):

@@ -679,6 +679,11 @@ class ParallelModel:
         extra = load_train_state(path, self._modules, self._optimizers(), extra=self.amp.state_dict())
         self._after_load(extra, f"the checkpoint {path}")
 
+    def measured_profile(self) -> Any:
+        """What the plan check saw (:class:`whalepy.runtime._report.ObservedStep`: mean step time of
+        steps 3-5 and the allocator's peak, next to the plan's predictions), or None before step 5."""
+        return self.reporter.observed
+
     def close(self) -> None:
         """Finish the disk tier's writes and remove its files (kept with ``nvme_keep``)."""
         if self.nvme is not None:
