@@ -212,7 +212,7 @@ def add_calibrate_subparser(sub: Any) -> None:
                     help="measure this model's distinct blocks here (FN() returns (model, example_inputs)) and add "
                          "them to the device profile's 'measured' section; with --import: the model the table is of")
     sp.add_argument("--micro-batches", default="1,2,4", help="with --model: micro-batch sizes to time (default 1,2,4)")
-    sp.add_argument("--tp", default="1,2", help="with --model: tensor-parallel degrees to time (default 1,2)")
+    sp.add_argument("--tp-degrees", default="1,2", help="with --model: tensor-parallel degrees to time (default 1,2)")
     sp.add_argument("--precision", default=None, help="with --model: fp32, bf16 or fp16 (default bf16 on a GPU, "
                                                       "fp32 on the CPU)")
     sp.add_argument("--import", dest="import_file", metavar="FILE",
@@ -288,7 +288,7 @@ def _cmd_measured(args: argparse.Namespace, say: Any) -> int:
     dev = _parse_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     precision = args.precision or ("bf16" if dev.type == "cuda" else "fp32")
     prof = profile(model, inputs, measure=True, device=dev, precision=precision,
-                   micro_batches=_ints(args.micro_batches, "--micro-batches"), tp_degrees=_ints(args.tp, "--tp"))
+                   micro_batches=_ints(args.micro_batches, "--micro-batches"), tp_degrees=_ints(args.tp_degrees, "--tp-degrees"))
     m = prof.measured
     path = write_measured(m, _out_path(args.out, m.device_type))
     say(f"measured {len(m.times)} distinct blocks of {type(model).__name__} on {m.device_name}: {path}")

@@ -35,6 +35,11 @@ def load_model_fn(spec: str) -> tuple[Any, Any]:
     if not mod or not fn:
         raise ArgumentError(f"--model {spec!r}: give MODULE:FN, a function returning (model, example_inputs), "
                             "e.g. --model mypkg.models:build_gpt")
+    import os
+    import sys
+
+    if os.getcwd() not in sys.path:  # as `python -m` does: modules of the working directory load
+        sys.path.insert(0, os.getcwd())
     try:
         built = getattr(importlib.import_module(mod), fn)()
     except (ImportError, AttributeError) as e:
