@@ -44,3 +44,9 @@ def run_plan(plan, steps: int) -> list[float]:
     losses = [float(pm.train_step((x,), y)) for _ in range(steps)]
     seen = pm.measured_profile()
     return losses, None if seen is None else (seen.steps, seen.step_s, seen.predicted_step_s, seen.peak_bytes)
+
+
+def cli_model():
+    """For ``whalepy calibrate --model measured_cases:cli_model``: ``(model, example_inputs)``."""
+    model, x, _ = build()
+    return model, (x,)

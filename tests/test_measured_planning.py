@@ -96,6 +96,20 @@ def test_measured_costs_round_trip_through_a_device_profile(measured, tmp_path, 
     forget_resolved_profiles()
 
 
+def test_calibrate_model_writes_a_measured_profile(tmp_path, monkeypatch, capsys):
+    from whalepy.cli import main
+    from whalepy.cost_models.device_profiles import forget_resolved_profiles, load_profile_file
+
+    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parent))
+    assert main(["calibrate", "--model", "measured_cases:cli_model", "--micro-batches", "2",
+                 "--tp-degrees", "1", "--out", str(tmp_path)]) == 0
+    m = load_profile_file(tmp_path / "CPU.json").measured
+    assert len(m.times) == 3 and all(set(t) == {("fp32", 1, 2.0)} for t in m.times.values())
+    assert main(["calibrate", "--import", str(tmp_path / "CPU.json")]) == 2  # --import needs --model
+    assert "needs --model" in capsys.readouterr().err
+    forget_resolved_profiles()
+
+
 def test_imported_layer_table_drives_a_plan(measured, tmp_path, monkeypatch):
     n = len(measured.blocks)
     # a per-layer table as another system writes it: fwd 1 ms + 0.5 ms per sample, bwd twice that
