@@ -29,7 +29,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from whalepy._errors import WhalepyError
+from whalepy.errors import WhalepyError
 
 from .devices import DeviceType
 
@@ -101,7 +101,7 @@ class ComputeProfile:
     extra: tuple[tuple[str, float], ...] = ()
     """Other measured rates (optimizer steps, host link, disk, collectives): name -> value."""
     measured: Any = dataclasses.field(default=None, compare=False, hash=False)
-    """Measured block costs (``whalepy._measure.MeasuredCosts``, the file's ``measured`` section:
+    """Measured block costs (``whalepy.ir.measured.MeasuredCosts``, the file's ``measured`` section:
     ``whalepy calibrate --model`` or ``--import``); the planner prefers them to the model above."""
 
     def value(self, name: str) -> float | None:
@@ -146,7 +146,7 @@ def profile_from_dict(data: dict[str, Any], *, source: str, device: DeviceType |
     extra = tuple(sorted((k, float(v)) for k, v in data.get("rates", {}).items() if v is not None))
     measured = None
     if data.get("measured"):
-        from whalepy._measure import MeasuredCosts
+        from whalepy.ir.measured import MeasuredCosts
 
         measured = MeasuredCosts.from_dict(data["measured"], where=f"device profile {source}")
     if "fit" not in data:  # a measured-only profile (an imported per-layer table): modelled costs use the

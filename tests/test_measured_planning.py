@@ -1,4 +1,4 @@
-"""Measured planning on the CPU device (whalepy._measure): profile(measure=True) -> plan -> a short
+"""Measured planning on the CPU device (whalepy.frontend.measure): profile(measure=True) -> plan -> a short
 run of the plan on 2 gloo processes; the measured-costs format round-trips through a device-profile
 file; an imported per-layer table drives a plan."""
 
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import whalepy
-from whalepy._errors import WhalepyError
-from whalepy._measure import MeasuredCosts, block_signature
-from whalepy._measure_files import import_layer_table, write_measured
-from whalepy.cluster import ClusterSpec
+from whalepy.errors import WhalepyError
+from whalepy.ir.measured import MeasuredCosts, block_signature
+from whalepy.tools.measured_files import import_layer_table, write_measured
+from whalepy import ClusterSpec
 from whalepy.planner import plan_from_profile
 from whalepy.planner.costing import CostContext
 from whalepy.planner.space import Hardware

@@ -13,10 +13,11 @@ import torch
 
 from whalepy.cost_models.communication import Collective, CommGroup, Link, estimate_collective_time
 from whalepy.cost_models.compute import estimate_block_time, estimate_kernels_time, precision_bytes
-from whalepy.plan import TPStyle
-from whalepy.planner._runtime_costs import DPComm, build_dp_block_comm
+from whalepy.ir.plan import TPStyle
+from whalepy.planner.runtime_costs import DPComm, build_dp_block_comm
 from whalepy.planner.space import GroupView, Hardware, Segment
-from whalepy.profile import BlockKind, BlockProfile, ModelProfile
+from whalepy.ir.profile import BlockKind, BlockProfile, ModelProfile
+from whalepy.ir.rules import tp_applies  # noqa: F401 - re-exported: the rule lives with the lowering rules
 
 
 def _shared_nic(group: CommGroup, sharers: int) -> CommGroup:
@@ -58,13 +59,6 @@ def tp_activation_fraction(block: BlockProfile, tp: int, sequence_parallel: bool
     return 1 / tp
 
 
-def tp_applies(block: BlockProfile, tp: int) -> bool:
-    """Whether a block is split across the TP group: it has TP rules and every sharded dimension divides
-    by ``tp``. Otherwise it runs replicated on every rank of the TP group (whole compute, whole
-    parameters), which the costs charge."""
-    return tp > 1 and bool(block.tp_rules) and tp in block.tp_degrees
-
-
 class CostContext:
     """Caches block-level costs shared across candidates of one planning run."""
 
@@ -90,10 +84,10 @@ class CostContext:
         nonfinal = [b.output_bytes for b in profile.blocks[:-1]] or [0]
         self.boundary_bytes = float(max(nonfinal)) * self.byte_scale
         self.measured = _measured_by_device(profile, hw)
-        """Device type -> the measured block costs the planner prefers (``whalepy._measure``)."""
+        """Device type -> the measured block costs the planner prefers (``whalepy.ir.measured``)."""
         self.signatures: tuple[str, ...] = ()
         if self.measured:
-            from whalepy._measure import block_signature
+            from whalepy.ir.measured import block_signature
 
             self.signatures = tuple(block_signature(profile, b) for b in profile.blocks)
 

@@ -31,9 +31,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from whalepy._log import info_once, is_rank0, logger, warn_once
-from whalepy._plan_format import block_tiers, compress_names, compress_ranks
-from whalepy.plan import Plan, Tier
+from whalepy.log import info_once, is_rank0, logger, warn_once
+from whalepy.ir.plan_text import block_tiers, compress_names, compress_ranks
+from whalepy.ir.plan import Plan, Tier
 
 __all__ = ["ObservedStep", "StepReporter", "plan_log_lines"]
 
