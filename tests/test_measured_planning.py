@@ -97,7 +97,7 @@ def test_measured_costs_round_trip_through_a_device_profile(measured, tmp_path, 
 
 
 def test_calibrate_model_writes_a_measured_profile(tmp_path, monkeypatch, capsys):
-    from whalepy.cli import main
+    from whalepy.tools.cli import main
     from whalepy.cost_models.device_profiles import forget_resolved_profiles, load_profile_file
 
     monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parent))
