@@ -105,7 +105,7 @@ def cluster_for(link):
 
 def predict(name, cluster):
     import whalepy
-    from whalepy.estimate import ParallelConfig, estimate_from_profile
+    from whalepy.planner.estimate import ParallelConfig, estimate_from_profile
 
     model, x, _ = build(name)
     t0 = time.perf_counter()
