@@ -216,6 +216,24 @@ def _one_step(model: nn.Module, inputs: Any, clock: _BlockClock, loss_fn: Callab
     return clock.intervals()
 
 
+WARMUP_STEPS = (2, 6)
+"""Least and most warm-up steps before timing a shape: the first steps of a new shape (and of a fresh
+process: kernel selection, allocator growth, lazy initialisation) run slower than the steady state the
+runtime reaches; warm-up continues past the least until a step is within :data:`WARMUP_SETTLED` of the
+one before."""
+
+WARMUP_SETTLED = 0.1
+
+
+def _warm_up(model: nn.Module, inputs: Any, clock: _BlockClock, loss_fn: Callable, autocast: Any, last: int) -> None:
+    prev = None
+    for i in range(WARMUP_STEPS[1]):
+        t = sum(_one_step(model, inputs, clock, loss_fn, autocast, last).values())
+        if i + 1 >= WARMUP_STEPS[0] and prev is not None and abs(t / prev - 1) <= WARMUP_SETTLED:
+            return
+        prev = t
+
+
 def _median_times(runs: list[dict[tuple[int, str], float]]) -> dict[tuple[int, str], float]:
     keys = set().union(*runs) if runs else set()
     return {k: statistics.median(r.get(k, 0.0) for r in runs) for k in keys}
@@ -309,7 +327,7 @@ def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device
             try:
                 for mb in mbs:
                     inputs = _resize(example_inputs, mb, dev)
-                    _one_step(work, inputs, clock, loss_fn, autocast, last)  # warm-up
+                    _warm_up(work, inputs, clock, loss_fn, autocast, last)
                     med = _median_times([_one_step(work, inputs, clock, loss_fn, autocast, last)
                                          for _ in range(repeats)])
                     for i in blocks:
