@@ -211,9 +211,11 @@ def _check_trace_args(target: Any, inputs: tuple, loss_fn: Any, optimizer: Any, 
 
 
 def _blocks_of(model: nn.Module, inputs: tuple) -> dict[str, tuple[str, ...]]:
-    from whalepy.frontend.profile import profile
+    # the capture itself (inputs were checked by _check_trace_args): whalepy.frontend.profile measures
+    # with trace_memory, so importing it here would make a cycle
+    from whalepy.passes.profile import build_profile
 
-    return {b.name: tuple(b.modules) for b in profile(model, inputs).blocks}
+    return {b.name: tuple(b.modules) for b in build_profile(model, inputs).blocks}
 
 
 def trace_memory(target: Any, inputs: Any, targets: Any = None, *,
@@ -287,17 +289,18 @@ def trace_memory(target: Any, inputs: Any, targets: Any = None, *,
                 and not isinstance(t, nn.Parameter) and not isinstance(t._base, nn.Parameter)):
             # parameters (and views of them) saved for backward are model data, not activations;
             # FSDP2's all-gathered parameters are Parameters too
-            ptr = t.untyped_storage().data_ptr()
+            local = _plain(t)  # a DTensor (tensor parallelism) saves its local shard
+            ptr = local.untyped_storage().data_ptr()
             if ptr in tracker.freed:  # a new storage at a freed one's address
                 tracker.freed.discard(ptr)
                 saved_ptrs.discard(ptr)
             if ptr not in seen and ptr not in saved_ptrs:
                 saved_ptrs.add(ptr)
-                n = t.untyped_storage().nbytes()
+                n = local.untyped_storage().nbytes()
                 passes[-1][tracker.block] = passes[-1].get(tracker.block, 0) + n
-                if t.is_floating_point():
-                    saved_dtype[str(t.dtype).removeprefix("torch.")] = saved_dtype.get(
-                        str(t.dtype).removeprefix("torch."), 0) + n
+                if local.is_floating_point():
+                    saved_dtype[str(local.dtype).removeprefix("torch.")] = saved_dtype.get(
+                        str(local.dtype).removeprefix("torch."), 0) + n
         return t
 
     try:

@@ -183,6 +183,9 @@ class ModelProfile:
     capture_time_s: float = 0.0
     graph: Any = field(default=None, repr=False, compare=False)
     """The analysed ``torch.fx.GraphModule`` (node.meta carries the ``whalepy.*`` keys)."""
+    measured: Any = field(default=None, repr=False, compare=False)
+    """A :class:`whalepy.ir.measured.MeasuredCosts` of this model's blocks on the local device type
+    (``whalepy.profile(..., measure=True)``), which the planner prefers to its model for that type."""
 
     @property
     def fwd_flops(self) -> float:

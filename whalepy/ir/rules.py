@@ -378,3 +378,38 @@ def mixed_tiers_error(kind: LoweringKind | str, tiers: Sequence[tuple[Tier | str
     return (f"blocks of one stage with different tiers {names} need the FSDP2 lowering, not "
             f"{LoweringKind(kind).value}: give the stage one (param_tier, optimizer_tier) pair, or a ZeRO "
             "stage and degrees that lower to FSDP2")
+
+
+# -- tensor-parallel shapes (the runtime's lowering and measured planning's sharded shapes) ---------
+
+LOCAL_COUNT_ATTRIBUTES = (
+    "num_heads", "num_attention_heads", "n_head", "n_heads", "num_key_value_heads", "num_kv_heads",
+    "split_size",
+)
+"""Integer attributes of an attention-like module that count heads or head-sharded features."""
+
+
+def localize_counts(parent: Any, parent_name: str, tp: int) -> None:
+    """Divide ``parent``'s :data:`LOCAL_COUNT_ATTRIBUTES` by the TP degree (the local head counts)."""
+    for attr in LOCAL_COUNT_ATTRIBUTES:
+        value = getattr(parent, attr, None)
+        if isinstance(value, bool) or not isinstance(value, int):
+            continue
+        if value % tp:
+            raise PlanError(
+                f"{parent_name or 'model'}.{attr} = {value} is not divisible by the tensor-parallel "
+                f"degree {tp}; choose a TP degree that divides it or mark the module replicated"
+            )
+        setattr(parent, attr, value // tp)
+
+
+def is_conv1d(m: Any) -> bool:
+    # HF transformers.pytorch_utils.Conv1D: weight [in, out], attribute nf = out features
+    return type(m).__name__ == "Conv1D" and hasattr(m, "nf") and getattr(m, "weight", None) is not None
+
+
+def tp_applies(block: Any, tp: int) -> bool:
+    """Whether a block is split across the TP group: it has TP rules and every sharded dimension divides
+    by ``tp``. Otherwise it runs replicated on every rank of the TP group (whole compute, whole
+    parameters), which the costs charge."""
+    return tp > 1 and bool(block.tp_rules) and tp in block.tp_degrees

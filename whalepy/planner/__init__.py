@@ -98,6 +98,12 @@ class PlannerOptions:
     """A :class:`~whalepy.frontend.trace.MemoryTrace` (or its JSON path) of one warm-up iteration of this model:
     the planner charges its measured activation bytes per block instead of the profile's estimate
     (:func:`whalepy.frontend.trace.apply_memory_trace`)."""
+    measure: bool = False
+    """Time each distinct block of the model on this machine's device (CUDA GPU or CPU) before planning
+    (``whalepy.profile(..., measure=True)``: forward, backward and optimizer step at the micro-batch
+    sizes and TP degrees the search considers, saved activations); the planner then prefers these
+    measurements for device types of the cluster equal to the local one. :func:`plan` only (a model
+    is needed to run)."""
     notes: tuple[str, ...] = field(default=())
     """Lines copied into ``plan.notes`` (used by callers that adjust options, e.g. a solver fallback)."""
 
@@ -145,7 +151,7 @@ class PlannerOptions:
 _NUMBER_FIELDS = ("time_limit_s", "ilp_time_limit_s")
 _INT_FIELDS = ("top_k", "max_tp", "max_microbatches")
 _BOOL_FIELDS = ("allow_checkpointing", "allow_activation_offload", "allow_checkpoint_offload", "allow_offload",
-                "mixed_tiers", "sequence_parallel", "homogeneous_baseline", "clip_gradients")
+                "mixed_tiers", "sequence_parallel", "homogeneous_baseline", "clip_gradients", "measure")
 
 
 def _check_option_types(opts: PlannerOptions) -> None:
@@ -223,6 +229,8 @@ def plan(model: Any, cluster: ClusterSpec, *, example_inputs: Any, global_batch:
 
     prof = build(model, example_inputs, sequence_parallel=opts.sequence_parallel)
     progress(f"captured {len(prof.blocks)} blocks in {prof.capture_time_s:.2f} s ({prof.capture_method})")
+    if opts.measure:
+        prof = _measured(model, example_inputs, prof, cluster, global_batch, opts, progress)
     return plan_from_profile(prof, cluster, global_batch=global_batch, **{**options, "progress": progress})
 
 
@@ -259,8 +267,28 @@ def plan_from_profile(profile: ModelProfile, cluster: ClusterSpec, *, global_bat
     plan_ = build_plan(best, ctx=result.ctx, global_batch=global_batch, result=result,
                        solver_name=result.solver_used, status=result.best_result.status,
                        mip_gap=result.best_result.mip_gap, notes=notes, alternatives=alts)
+    source_notes = result.ctx.cost_source_notes(plan_)
+    if source_notes:
+        plan_ = replace(plan_, notes=plan_.notes + tuple(source_notes))
     progress(f"plan: {plan_.cost.step_time_s:.4g} s/step, {plan_.cost.samples_per_s:.4g} samples/s")
     return plan_
+
+
+def _measured(model: Any, example_inputs: Any, prof: ModelProfile, cluster: ClusterSpec, global_batch: int,
+              opts: PlannerOptions, progress: Callable[[str], None]) -> ModelProfile:
+    """``prof`` with its blocks timed on the local device (``plan(..., measure=True)``) at the
+    micro-batch sizes and TP degrees this search may use."""
+    from whalepy.frontend.measure import apply_measured_activations, measure_costs, micro_batch_sizes
+
+    t0 = time.perf_counter()
+    max_tp = opts.max_tp or max(g.gpus_per_node for g in cluster.groups)
+    tps = tuple(1 << k for k in range(max_tp.bit_length()) if (1 << k) <= max_tp)
+    measured = measure_costs(model, example_inputs, prof, precision=opts.precision or "fp32",
+                             micro_batches=micro_batch_sizes(global_batch),
+                             tp_degrees=tps)
+    progress(f"measured {len(measured.times)} distinct blocks on {measured.device_name} in "
+             f"{time.perf_counter() - t0:.2f} s")
+    return replace(apply_measured_activations(prof, measured, opts.precision or "fp32"), measured=measured)
 
 
 def _host_notes(opts: PlannerOptions, cluster: ClusterSpec) -> list[str]:

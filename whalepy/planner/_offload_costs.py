@@ -49,8 +49,10 @@ def offload_coefficients(ctx: CostContext, cand: Candidate, g: GroupView, allowe
     (:mod:`whalepy.cost_models.offload`; bytes from :func:`stage_model_states`)."""
     d, low = cand.dp, precision_bytes(ctx.precision)
     n = 1e9
-    gpu_step = estimate_compute_time(flops=ADAM_FLOPS_PER_PARAM * n, bytes_moved=ADAM_BYTES_PER_PARAM * n,
-                                     device=g.device, precision="fp32") / n
+    gpu_step = ctx.optimizer_s_per_param(g.device.name)  # measured on this device type, if it was
+    if gpu_step is None:
+        gpu_step = estimate_compute_time(flops=ADAM_FLOPS_PER_PARAM * n, bytes_moved=ADAM_BYTES_PER_PARAM * n,
+                                         device=g.device, precision="fp32") / n
     rates = None
     if any(o.param_tier is not Tier.GPU or o.optimizer_tier is not Tier.GPU for o in allowed):
         rates = group_rates(g)

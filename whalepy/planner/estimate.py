@@ -434,6 +434,9 @@ def estimate_from_profile(profile: ModelProfile, cluster: ClusterSpec, config: P
     busiest = max((c for st in ev.stages for c in st.cells), key=lambda c: c.time_s)
     plan = build_plan(ev, ctx=ctx, global_batch=global_batch, result=None, solver_name="given", status="given",
                       mip_gap=0.0, notes=[] if ev.fits else ["does not fit: " + reason])
+    source_notes = ctx.cost_source_notes(plan)  # which costs were measured (whalepy.frontend.measure)
+    if source_notes:
+        plan = dataclasses.replace(plan, notes=plan.notes + tuple(source_notes))
     stages = tuple(_stage_estimate(st) for st in ev.stages)
     return Estimate(config=cfg, step_time_s=ev.step_time_s, compute_s=M * busiest.compute_s,
                     comm_s=M * busiest.comm_s, bubble_s=ev.bubble_s, tail_s=ev.X,

@@ -6,6 +6,12 @@
   steps, next to what the plan predicted; a ``rich`` progress line when ``rich`` is installed and
   stderr is a terminal.
 
+- the plan check (closed loop): after :data:`PLAN_CHECK_WARMUP` warm-up steps, the next
+  :data:`PLAN_CHECK_STEPS` steps are timed (device synchronised at both ends, the slowest rank's) and,
+  on a GPU, the allocator's peak is read; the ratios to the plan's predictions are logged once on rank
+  0, with a warning when the step time is more than :data:`OFF_PLAN_TOLERANCE` off.
+  :meth:`~whalepy.ParallelModel.measured_profile` returns what was seen (:class:`ObservedStep`).
+
 Measured MFU is the plan's: the same model FLOPs and peak (``plan.cost.mfu`` at the predicted step
 time), so ``MFU = plan MFU x predicted step time / measured step time``. Peak memory is the largest
 over all ranks: the CUDA caching allocator's peak of allocated bytes on GPUs, the process's peak
@@ -21,18 +27,56 @@ import sys
 from collections.abc import Sequence
 import time
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from whalepy.log import is_rank0, logger
+from whalepy.log import info_once, is_rank0, logger, warn_once
 from whalepy.ir.plan_text import block_tiers, compress_names, compress_ranks, stage_lowering
 from whalepy.ir.plan import Plan, Tier
 
-__all__ = ["StepReporter", "plan_log_lines"]
+__all__ = ["ObservedStep", "StepReporter", "plan_log_lines"]
 
 GIB = 1 << 30
+
+PLAN_CHECK_WARMUP = 2
+"""Steps before the plan check starts timing: the first steps allocate the optimizer states, build the
+communicators and warm the allocator's caches, and are slower than the steady state the plan predicts."""
+
+PLAN_CHECK_STEPS = 3
+"""Steps the plan check times (a mean, so one noisy step does not decide)."""
+
+OFF_PLAN_TOLERANCE = 0.15
+"""Relative step-time difference from the plan above which the plan check warns (issue 21: a plan that
+runs more than 15% off its prediction says so, once)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ObservedStep:
+    """What the plan check measured against what the plan predicted."""
+
+    steps: int
+    """Steps timed (after the warm-up)."""
+    step_s: float
+    """Mean step time, the slowest rank's."""
+    predicted_step_s: float
+    peak_bytes: int | None
+    """Largest allocator peak over the ranks (GPU); None on CPU, whose resident set is no tensor peak."""
+    predicted_peak_bytes: int
+    """The plan's largest per-device memory."""
+
+    @property
+    def step_ratio(self) -> float:
+        """Measured / predicted step time."""
+        return self.step_s / self.predicted_step_s if self.predicted_step_s > 0 else float("inf")
+
+    @property
+    def memory_ratio(self) -> float | None:
+        if self.peak_bytes is None or self.predicted_peak_bytes <= 0:
+            return None
+        return self.peak_bytes / self.predicted_peak_bytes
 
 
 def _secs(x: float) -> str:
@@ -117,6 +161,9 @@ class StepReporter:
         self.skipped_steps = 0
         self._last_end: float | None = None
         self._data_wait = 0.0
+        self.last: dict[str, float] = {}
+        self.observed: ObservedStep | None = None
+        self._check_start: float | None = None
         self._progress: Any = None
         want = progress if progress is not None else sys.stderr.isatty()
         if log_every is not None and want and is_rank0():
@@ -135,6 +182,11 @@ class StepReporter:
         now = time.perf_counter()
         if self._last_end is not None:
             self._data_wait += now - self._last_end  # between steps: the loader (and user code)
+        if self.steps == PLAN_CHECK_WARMUP and self._check_start is None:
+            _synchronize(self.device)
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
+            self._check_start = time.perf_counter()
         if self._window_start is None:
             _synchronize(self.device)
             self._window_start = time.perf_counter()
@@ -144,6 +196,8 @@ class StepReporter:
         self.steps += 1
         self._window_steps += 1
         self.skipped_steps += bool(extra.get("skipped"))
+        if self.steps == PLAN_CHECK_WARMUP + PLAN_CHECK_STEPS and self._check_start is not None:
+            self._check_plan()
         if self._progress is not None:
             self._progress[0].update(self._progress[1], advance=1)
         if self.log_every is None or self.steps % self.log_every:
@@ -192,6 +246,32 @@ class StepReporter:
         rec.update({k: v for k, v in full.items() if k in ("grad_norm", "lr", "loss_scale", "eta_s", "data_wait_s",
                                                            "memory_share") and v is not None})
         return full
+
+    def _check_plan(self) -> None:
+        """The closed loop (module docstring): every rank calls it at the same step (collectives)."""
+        _synchronize(self.device)
+        step_s = (time.perf_counter() - (self._check_start or 0.0)) / PLAN_CHECK_STEPS
+        vals = torch.tensor([step_s, float(_peak_bytes(self.device))], device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(vals, op=dist.ReduceOp.MAX)
+        c = self.plan.cost
+        self.observed = ObservedStep(
+            steps=PLAN_CHECK_STEPS, step_s=float(vals[0]), predicted_step_s=c.step_time_s,
+            peak_bytes=int(vals[1]) if self.device.type == "cuda" else None,
+            predicted_peak_bytes=max((s.cost.memory_bytes for s in self.plan.stages), default=0))
+        if c.step_time_s <= 0:
+            return
+        o = self.observed
+        mem = (f", peak memory {_bytes(o.peak_bytes)} vs plan {_bytes(o.predicted_peak_bytes)} "
+               f"({o.memory_ratio:.2f}x)" if o.memory_ratio is not None else "")
+        line = (f"whalepy: plan check over steps {PLAN_CHECK_WARMUP + 1}-{self.steps}: {_secs(o.step_s)}/step vs "
+                f"plan {_secs(o.predicted_step_s)} ({o.step_ratio:.2f}x){mem}")
+        if abs(o.step_ratio - 1) > OFF_PLAN_TOLERANCE:
+            warn_once(f"plan-check-{id(self)}", "%s: more than %d%% off the prediction; re-plan from what was measured "
+                      "(whalepy.plan(..., measure=True) on this device type, or calibrate it)", line,
+                      int(100 * OFF_PLAN_TOLERANCE))
+        else:
+            info_once(f"plan-check-{id(self)}", "%s", line)
 
     def format(self, rec: dict[str, float]) -> str:
         c = self.plan.cost

@@ -751,6 +751,11 @@ class ParallelModel:
         if step is not None:
             self.step = self.reporter.steps = step
 
+    def measured_profile(self) -> Any:
+        """What the plan check saw (:class:`whalepy.runtime._report.ObservedStep`: mean step time of
+        steps 3-5 and the allocator's peak, next to the plan's predictions), or None before step 5."""
+        return self.reporter.observed
+
     def close(self) -> None:
         """Finish an asynchronous save and the disk tier's writes, remove the disk tier's files (kept
         with ``nvme_keep``) and close the metrics sinks."""

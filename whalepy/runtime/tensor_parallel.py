@@ -72,17 +72,16 @@ from torch.distributed.tensor.parallel import (
 )
 
 from whalepy.errors import PlanError
+from whalepy.ir.rules import LOCAL_COUNT_ATTRIBUTES, is_conv1d, localize_counts
 from whalepy.ir.plan import TPRule, TPStyle
 
 __all__ = ["LOCAL_COUNT_ATTRIBUTES", "apply_tensor_parallel"]
 
 log = logging.getLogger(__name__)
 
-LOCAL_COUNT_ATTRIBUTES = (
-    "num_heads", "num_attention_heads", "n_head", "n_heads", "num_key_value_heads", "num_kv_heads",
-    "split_size",
-)
-"""Integer attributes of an attention-like module that count heads or head-sharded features."""
+# the shapes TP gives a module are rules measured planning applies too (whalepy.frontend.measure)
+_localize_counts, _is_conv1d = localize_counts, is_conv1d
+
 
 
 def apply_tensor_parallel(
@@ -269,24 +268,6 @@ class _ScatterSequence(ParallelStyle):
 
         module.register_forward_pre_hook(hook, with_kwargs=True)
         return module
-
-
-def _localize_counts(parent: nn.Module, parent_name: str, tp: int) -> None:
-    for attr in LOCAL_COUNT_ATTRIBUTES:
-        value = getattr(parent, attr, None)
-        if isinstance(value, bool) or not isinstance(value, int):
-            continue
-        if value % tp:
-            raise PlanError(
-                f"{parent_name or 'model'}.{attr} = {value} is not divisible by the tensor-parallel "
-                f"degree {tp}; choose a TP degree that divides it or mark the module replicated"
-            )
-        setattr(parent, attr, value // tp)
-
-
-def _is_conv1d(m: nn.Module) -> bool:
-    # HF transformers.pytorch_utils.Conv1D: weight [in, out], attribute nf = out features
-    return type(m).__name__ == "Conv1D" and hasattr(m, "nf") and getattr(m, "weight", None) is not None
 
 
 def _fused_factor(parent: nn.Module, m: nn.Module) -> int:

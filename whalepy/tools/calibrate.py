@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from whalepy.tools import calibrate_bench as bench
+from whalepy.frontend.measure import local_device_type as _device_type, parse_device as _parse_device
 from whalepy.errors import ArgumentError, WhalepyError
 from whalepy.cost_models.compute import attention_flops, fit_gemm, peak_flops
 from whalepy.cost_models.device_profiles import (
@@ -40,47 +41,6 @@ from whalepy.cost_models.device_profiles import (
 from whalepy.cost_models.devices import CATALOG, DeviceType, match_device_name
 
 __all__ = ["calibrate", "derive_from_microbench"]
-
-
-def _device_type(device: torch.device) -> tuple[DeviceType, str]:
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        row = match_device_name(name, torch.cuda.get_device_properties(device).total_memory)
-        if row is None:
-            raise WhalepyError(f"GPU {name!r} is not in the device catalog; add it under 'devices:' in the "
-                               "cluster spec first, then calibrate")
-        return row, name
-    return CATALOG["CPU"], f"CPU ({os.cpu_count()} threads)"
-
-
-def _sizes(device: torch.device, quick: bool) -> dict[str, Any]:
-    if device.type == "cpu":
-        gemm = [(m, k, n) for m in (64, 256) for k, n in ((256, 256), (256, 1024), (1024, 256))] if quick else \
-            [(m, k, n) for m in (256, 1024, 2048) for k, n in ((512, 512), (512, 2048), (2048, 512), (1024, 1024))]
-        return dict(gemm=gemm, dtype=torch.float32, attn=[(1, 4, 128, 32)] if quick else [(2, 8, 512, 64)],
-                    mem=1 << 22 if quick else 1 << 25, adam=1 << 20 if quick else 1 << 24, repeats=3 if quick else 5,
-                    disk=16 << 20 if quick else 512 << 20, comm=[1 << 10, 1 << 16] if quick else [1 << s for s in range(10, 27, 4)])
-    hs = (1024, 2048) if quick else (1024, 2048, 4096, 8192)
-    ms = (2048,) if quick else (2048, 8192, 32768)
-    gemm = [(m, k, n) for h in hs for m in ms for k, n in ((h, 3 * h), (h, 4 * h), (4 * h, h), (h, h))]
-    return dict(gemm=gemm, dtype=torch.bfloat16, attn=[(4, 16, 2048, 128)] if quick else
-                [(b, 16, s, 128) for b, s in ((8, 1024), (4, 2048), (1, 8192))],
-                mem=1 << 26 if quick else 1 << 28, adam=1 << 24 if quick else 1 << 28, repeats=5 if quick else 20,
-                disk=64 << 20 if quick else 2 << 30, comm=[1 << s for s in range(10, 31, 2 if not quick else 6)])
-
-
-def _parse_device(device: Any) -> torch.device:
-    from whalepy.errors import ArgumentError
-
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ArgumentError(f"calibrate(device={device!r}): not a torch device; use 'cuda', 'cuda:1' or "
-                            "'cpu'") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ArgumentError(f"calibrate(device={device!r}): CUDA is not available on this machine; use "
-                            "device='cpu' or run on a GPU machine")
-    return dev
 
 
 def calibrate(*, quick: bool = False, out: str | Path | None = None, device: str | None = None,
@@ -209,6 +169,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     def say(m: str) -> None:
         print(f"[whalepy] {m}", file=sys.stderr, flush=True)
 
+    if args.import_file or args.model:
+        return _cmd_measured(args, say)
     if args.from_microbench:
         data = derive_from_microbench(args.from_microbench)
         path = _out_path(args.out, data["device_type"])
@@ -225,5 +187,49 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend)
     path = calibrate(quick=args.quick, out=args.out, device=args.device, disk_dir=args.disk_dir, progress=say)
+    print(path)
+    return 0
+
+
+def _ints(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        vals = ()
+    if not vals or min(vals) < 1:
+        raise ArgumentError(f"{flag} {text!r}: give positive integers separated by commas, e.g. {flag} 1,2,4")
+    return vals
+
+
+def _cmd_measured(args: argparse.Namespace, say: Any) -> int:
+    """``--model`` (measure here) and ``--import`` (a per-layer table): the device profiles' ``measured``
+    sections (:mod:`whalepy.tools.measured_files`)."""
+    from whalepy.tools.measured_files import import_layer_table, load_model_fn, write_measured
+    from whalepy.frontend.profile import profile
+
+    if args.model is None:
+        raise ArgumentError("--import needs --model MODULE:FN: the model the table was measured on, whose blocks "
+                            "its layers are bound to")
+    model, inputs = load_model_fn(args.model)
+    if args.import_file:
+        names = {}
+        for item in args.device_type:
+            k, sep, v = item.partition("=")
+            if not sep or not k or not v:
+                raise ArgumentError(f"--device-type {item!r}: give TABLE_NAME=TYPE, e.g. --device-type GH-96=GH200")
+            names[k] = v
+        prof = profile(model, inputs)
+        for m in import_layer_table(args.import_file, prof, table_model=args.table_model, device_types=names):
+            path = write_measured(m, _out_path(args.out, m.device_type))
+            say(f"imported {len(m.times)} distinct blocks of {m.device_name} as {m.device_type}: {path}")
+            print(path)
+        return 0
+    dev = _parse_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    precision = args.precision or ("bf16" if dev.type == "cuda" else "fp32")
+    prof = profile(model, inputs, measure=True, device=dev, precision=precision,
+                   micro_batches=_ints(args.micro_batches, "--micro-batches"), tp_degrees=_ints(args.tp_degrees, "--tp-degrees"))
+    m = prof.measured
+    path = write_measured(m, _out_path(args.out, m.device_type))
+    say(f"measured {len(m.times)} distinct blocks of {type(model).__name__} on {m.device_name}: {path}")
     print(path)
     return 0

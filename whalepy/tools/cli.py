@@ -297,6 +297,19 @@ def _add_calibrate(sub: Any) -> None:
     sp.add_argument("--device", help="torch device, e.g. cuda:1 or cpu (default: cuda if available)")
     sp.add_argument("--disk-dir", help="directory on the NVMe tier for the disk benchmark (default: temp dir)")
     sp.add_argument("--from-microbench", help="derive a profile from a microbench JSON instead of measuring")
+    sp.add_argument("--model", metavar="MODULE:FN",
+                    help="measure this model's distinct blocks here (FN() returns (model, example_inputs)) and add "
+                         "them to the device profile's 'measured' section; with --import: the model the table is of")
+    sp.add_argument("--micro-batches", default="1,2,4", help="with --model: micro-batch sizes to time (default 1,2,4)")
+    sp.add_argument("--tp-degrees", default="1,2", help="with --model: tensor-parallel degrees to time (default 1,2)")
+    sp.add_argument("--precision", default=None, help="with --model: fp32, bf16 or fp16 (default bf16 on a GPU, "
+                                                      "fp32 on the CPU)")
+    sp.add_argument("--import", dest="import_file", metavar="FILE",
+                    help="import a per-layer table (forward/backward/update seconds per layer, micro-batch and TP "
+                         "degree; docs/profiling.md) as device profiles, one per GPU in it; needs --model")
+    sp.add_argument("--table-model", help="with --import: the table's model name (when it holds several)")
+    sp.add_argument("--device-type", action="append", default=[], metavar="TABLE_NAME=TYPE",
+                    help="with --import: file a table GPU under this device type name (repeatable)")
     sp.set_defaults(func=lambda args: importlib.import_module("whalepy.tools.calibrate").cmd_calibrate(args))
 
 
