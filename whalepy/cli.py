@@ -230,7 +230,9 @@ def _add_plan(sub: Any) -> None:
     _model_args(sp)
     sp.add_argument("--out", help="write the plan as JSON")
     sp.add_argument("--solver", default="highs", choices=("highs", "cbc", "exhaustive"))
-    sp.add_argument("--time-limit", type=float, default=60.0, help="search budget in seconds")
+    sp.add_argument("--time-limit", type=float, default=None,
+                    help="wall-clock limit of the search in seconds (default: none; the search is limited by work, "
+                    "so the same inputs give the same plan on any load)")
     sp.add_argument("--schedules", help="comma-separated: gpipe,1f1b,interleaved_1f1b")
     sp.add_argument("--zero-stages", help="comma-separated ZeRO stages to consider, e.g. 0,1,2,3")
     sp.add_argument("--no-checkpointing", action="store_true")

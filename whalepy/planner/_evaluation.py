@@ -454,7 +454,7 @@ def lower_bound(cc: CandidateCoeffs, *, memory: bool = True, whole_blocks: bool 
        docstring has the argument): integer blocks per stage, memory with the model states, sends,
        fetches, exposed communication and the tail. A step time in itself; the bound is the larger of it
        and the above. Costlier (a MIP, 0.1-1 s), so the search uses it only on the candidates whose
-       first look (:data:`~whalepy.planner.search.FIRST_LOOK_S`) did not settle them, and with
+       first look (:data:`~whalepy.planner.search.FIRST_LOOK_NODES`) did not settle them, and with
        ``cutoff`` (the incumbent less the MIP gap): it only asks whether the bound reaches that, which
        HiGHS answers at its first solution below it, or with a proof that there is none (the bound is
        then ``cutoff``).
