@@ -201,13 +201,12 @@ def integer_step_bound(cc: CandidateCoeffs, cells: Sequence[CellCoeffs], cutoff:
     solution below it (the bound cannot reach it: the dual bound of that moment is returned) or proves
     that none exists (``cutoff`` is returned: the MIP's optimum is at least that)."""
     S, G, v = len(cells), len(cc.segments), cc.candidate.virtual_stages
-    M = cc.candidate.num_microbatches
     lengths = [seg.length for seg in cc.segments]
     prob = _Model()
     t = prob.var("t", 0.0, None, "Continuous")
     tc = prob.var("tc", 0.0, None, "Continuous") if v > 1 else t
     x = prob.var("x", 0.0, None, "Continuous")
-    prob.objective = {t: float(M + S - 1), x: 1.0} if v == 1 else {t: float(M), tc: float(S - 1), x: 1.0}
+    prob.objective = cc.candidate.step_form.terms(t, tc, x)
     n = [[prob.var(f"n_{s}_{g}", 0.0, float(lengths[g]), "Integer") for g in range(G)] for s in range(S)]
     for g in range(G):
         prob.rows.append(({n[s][g]: 1.0 for s in range(S)}, -float(lengths[g]), EQ, f"blocks_{g}"))

@@ -137,11 +137,7 @@ def _build(cc: CandidateCoeffs, *, allowed_stages: dict[int, tuple[int, int]], a
     """The ILP of one candidate, its objective the predicted step time."""
     prob = _Model()
     v = build_variables(prob, cc, per_stage)
-    M, S = cc.candidate.num_microbatches, cc.candidate.num_stages
-    if v.Tc is None:
-        prob.objective = {v.T: float(M + S - 1), v.X: 1.0}
-    else:
-        prob.objective = {v.T: float(M), v.Tc: cc.chunk_coefficient, v.X: 1.0}
+    prob.objective = cc.candidate.step_form.terms(v.T, v.T if v.Tc is None else v.Tc, v.X)
     add_partition_constraints(prob, cc, v)
     add_annotation_constraints(prob, cc, v, allowed_stages)
     add_checkpoint_constraints(prob, cc, v, allow_checkpointing)
@@ -163,12 +159,13 @@ def _run(prob: _Model, solver: str, node_limit: int | None, cutoff: float | None
     return _solve_cbc(prob, node_limit, rel_gap, time_limit_s=time_limit_s)
 
 
-ILP_NODE_LIMIT = 1000
+ILP_NODE_LIMIT = 250
 """Default work limit of one candidate's ILP, in branch-and-bound nodes (``PlannerOptions.ilp_node_limit``).
 Work, not seconds, so that the same inputs give the same plan on any machine load. Most ILPs of the
-benchmark cases settle within 50 nodes; the few that do not needed thousands and did not settle within
-5 s either (docs/benchmarks.md, "Deterministic limits"): an ILP stopped here keeps its best plan, and its
-dual bound enters the search's proven gap."""
+benchmark cases settle within 40 nodes; the few that do not ran 180-3,400 nodes in 5 s without settling,
+at 1-16 ms a node (docs/benchmarks.md, "At scale, limited by work"): 250 nodes is about the old 5 s
+budget on the slowest of them. An ILP stopped here keeps its best plan, and its dual bound enters the
+search's proven gap."""
 
 
 def solve_candidate(cc: CandidateCoeffs, *, allowed_stages: dict[int, tuple[int, int]],
@@ -245,8 +242,8 @@ def polish_candidate(cc: CandidateCoeffs, found: ILPResult, *, allowed_stages: d
                      allow_checkpoint_offload=allow_checkpoint_offload, per_stage=True)
     # the step time stays at most the one found (its objective, as the solver computed it)
     _add(prob, dict(prob.objective), -found.objective * (1 + 1e-9), LE, "polish_step_time")
-    M, S = cc.candidate.num_microbatches, cc.candidate.num_stages
-    weight = float(M + S - 1) if v.Tc is None else float(M)
+    # each stage's time weighs what T does in the step form (the chunk term stays on Tc where there is one)
+    weight = cc.candidate.step_form.terms(v.T, v.T if v.Tc is None else v.Tc, v.X)[v.T]
     objective: dict = {}
     # Q is in billions of parameters per device; the model's, per device, is the same on every stage
     local_params = sum(p * seg.length for p, seg in zip(cc.stages[0].seg_params, cc.segments))
