@@ -57,15 +57,15 @@ CASES = {  # key: (label, model, seq_len, cluster dict, global batch)
 
 @functools.cache
 def profile_of(model: str, seq_len: int):  # type: ignore[no-untyped-def]
-    from whalepy.profile import profile
-    from whalepy.zoo import build
+    from whalepy.frontend.profile import profile
+    from whalepy.models.zoo import build
 
     m, inputs = build(model, batch=1, seq_len=seq_len)
     return profile(m, inputs)
 
 
 def cluster_of(spec: dict):  # type: ignore[no-untyped-def]
-    from whalepy.cluster import ClusterSpec
+    from whalepy.hardware.cluster import ClusterSpec
 
     return ClusterSpec.from_dict(spec)
 

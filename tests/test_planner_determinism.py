@@ -23,7 +23,7 @@ CASE = dict(model="gpt3-1.3b", global_batch=64, ilp_node_limit=20)
 
 _PLAN = textwrap.dedent("""
     import json, sys
-    from whalepy.cluster import ClusterSpec
+    from whalepy.hardware.cluster import ClusterSpec
     from whalepy.planner import plan_from_profile
     from whalepy.planner.synthetic import gpt_profile
     case, cluster = json.loads(sys.argv[1]), ClusterSpec.from_dict(json.loads(sys.argv[2]))
@@ -43,7 +43,7 @@ def _comparable(text: str) -> dict:
 
 
 def test_same_plan_on_a_loaded_machine_and_no_solver_output() -> None:
-    from whalepy.cluster import ClusterSpec
+    from whalepy.hardware.cluster import ClusterSpec
 
     idle = plan_from_profile(gpt_profile(CASE["model"]), ClusterSpec.from_dict(CLUSTER),
                              global_batch=CASE["global_batch"], ilp_node_limit=CASE["ilp_node_limit"])

@@ -13,10 +13,10 @@ import torch
 
 from whalepy.cost_models.communication import Collective, CommGroup, Link, estimate_collective_time
 from whalepy.cost_models.compute import estimate_block_time, estimate_kernels_time, precision_bytes
-from whalepy.plan import TPStyle
-from whalepy.planner._runtime_costs import DPComm, build_dp_block_comm
+from whalepy.ir.plan import TPStyle
+from whalepy.planner.runtime_costs import DPComm, build_dp_block_comm
 from whalepy.planner.space import GroupView, Hardware, Segment
-from whalepy.profile import BlockKind, BlockProfile, ModelProfile
+from whalepy.ir.profile import BlockKind, BlockProfile, ModelProfile
 
 
 def _shared_nic(group: CommGroup, sharers: int) -> CommGroup:
