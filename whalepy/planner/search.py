@@ -611,8 +611,8 @@ def _what_was_proven(best: float, proven: dict[int, float], cands: list[Candidat
     if opts.time_limit_s is not None or opts.ilp_time_limit_s is not None:
         limits.append("the time limit")
     limits.append(f"its work limit (ilp_node_limit={opts.ilp_node_limit} branch-and-bound nodes)")
-    shown = "; ".join(f"{cands[i].describe(hw.groups)}: at least "
-                      + (f"{b:.4g} s" if math.isfinite(b) else "nothing proven") for b, i in open_[:3])
+    shown = "; ".join(f"{cands[i].describe(hw.groups)}: "
+                      + (f"at least {b:.4g} s" if math.isfinite(b) else "nothing proven") for b, i in open_[:3])
     more = f" and {len(open_) - 3} more" if len(open_) > 3 else ""
     gap_text = f"{100 * gap:.2g}%" if gap < 1 else "unknown (nothing proven of one)"
     return "feasible", gap, [
