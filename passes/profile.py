@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from whalepy.ir.tiling import linear_param_counts, linear_rows
+from whalepy.ir.tiling import linear_param_counts, linear_rows, parameter_users
 from whalepy.passes.annotate import (
     annotate_nodes,
     lookup,
@@ -112,13 +112,17 @@ def build_profile(
     boundaries = [b.spec.name if b.spec.kind is BlockKind.LAYER
                   else f"{b.spec.name} ({', '.join(b.spec.modules)})" for b in raw]
     blocks = []
+    # who uses which parameter: one walk of the model for all blocks (per block, these walks grew the
+    # capture quadratically with the depth: 2-3 s each at 96 layers, docs/benchmarks.md)
+    users = parameter_users(model)
+    named = [(n, id(p)) for n, p in model.named_parameters(remove_duplicate=False)]
     for b in raw:
         spec, tp, fig = b.spec, b.tp, b.fig
         merged = merge_block_annotations(
             spec.name, [(p, lookup(ann, p)) for p in (*spec.modules, *fig["paths"])],
             boundaries)
         degrees = check_split_degrees(spec.name, merged, tp, spec.modules)
-        rows = linear_rows(model, spec.modules)
+        rows = linear_rows(model, spec.modules, users)
         lin_sum, lin_max, lin_n = linear_param_counts(rows)
         blocks.append(BlockProfile(
             name=spec.name, index=spec.index, kind=spec.kind, modules=spec.modules,
@@ -128,7 +132,7 @@ def build_profile(
             output_bytes=int(fig["out"]), tp_rules=tp.rules, tp_comm_bytes=int(tp.comm_bytes),
             tp_degrees=degrees, annotations=merged, kernels=fig["kernels"],
             linear_params=lin_sum, largest_linear_params=lin_max, num_linears=lin_n,
-            linear_rows=rows, shares_params=shares_params(model, spec.modules),
+            linear_rows=rows, shares_params=shares_params(model, spec.modules, named),
         ))
     unique = list(model.parameters())
     batch, seq = _batch_and_seq(gm)
@@ -147,14 +151,17 @@ def build_profile(
     )
 
 
-def shares_params(model: torch.nn.Module, modules: tuple[str, ...]) -> bool:
+def shares_params(model: torch.nn.Module, modules: tuple[str, ...],
+                  named: list[tuple[str, int]] | None = None) -> bool:
     """Whether a module of ``modules`` (paths in ``model``) shares a parameter with a module outside it
-    (:attr:`~whalepy.ir.profile.BlockProfile.shares_params`)."""
+    (:attr:`~whalepy.ir.profile.BlockProfile.shares_params`). ``named``: ``(name, id)`` of every parameter
+    of ``model`` by every name (``named_parameters(remove_duplicate=False)``), where the caller has it."""
+    if named is None:
+        named = [(n, id(p)) for n, p in model.named_parameters(remove_duplicate=False)]
     for path in modules:
         prefix = path + "." if path else ""
-        inside = {id(p) for n, p in model.named_parameters(remove_duplicate=False) if n.startswith(prefix)}
-        if any(id(p) in inside for n, p in model.named_parameters(remove_duplicate=False)
-               if not n.startswith(prefix)):
+        inside = {i for n, i in named if n.startswith(prefix)}
+        if any(i in inside for n, i in named if not n.startswith(prefix)):
             return True
     return False
 

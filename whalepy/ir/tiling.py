@@ -32,16 +32,25 @@ def _tileable(m: Any) -> bool:
             and not m.sparse)
 
 
-def tileable_modules(model: Any, paths: Iterable[str]) -> list[tuple[str, Any]]:
-    """``(qualified name, module)`` of every tileable ``torch.nn.Linear`` and ``torch.nn.Embedding``
-    under the module paths ``paths`` of ``model``, in module order, each once; a module whose weight
-    another module also uses (tied, e.g. a language-model head sharing the embedding) is left out:
-    splitting it would untie it (a block that shares a parameter with another block is not tiled at
-    all: :func:`whalepy.ir.rules.tiling_error`)."""
+def parameter_users(model: Any) -> dict[int, int]:
+    """How many modules of ``model`` use each parameter (``id`` -> count): one walk of the model, which
+    the callers of :func:`tileable_modules` for every block of a model make once and pass in."""
     users: dict[int, int] = {}
     for _, m in model.named_modules(remove_duplicate=False):
         for p in m.parameters(recurse=False):
             users[id(p)] = users.get(id(p), 0) + 1
+    return users
+
+
+def tileable_modules(model: Any, paths: Iterable[str], users: dict[int, int] | None = None) -> list[tuple[str, Any]]:
+    """``(qualified name, module)`` of every tileable ``torch.nn.Linear`` and ``torch.nn.Embedding``
+    under the module paths ``paths`` of ``model``, in module order, each once; a module whose weight
+    another module also uses (tied, e.g. a language-model head sharing the embedding) is left out:
+    splitting it would untie it (a block that shares a parameter with another block is not tiled at
+    all: :func:`whalepy.ir.rules.tiling_error`). ``users``: :func:`parameter_users` of ``model``,
+    where the caller has it (else it is computed here: a walk of the whole model)."""
+    if users is None:
+        users = parameter_users(model)
     out: dict[int, tuple[str, Any]] = {}
     for path in paths:
         root = model.get_submodule(path) if path else model
@@ -58,13 +67,13 @@ def linear_param_counts(rows: Iterable[tuple[int, int]]) -> tuple[int, int, int]
     return sum(sizes), max(sizes, default=0), len(sizes)
 
 
-def linear_rows(model: Any, paths: Iterable[str]) -> tuple[tuple[int, int], ...]:
+def linear_rows(model: Any, paths: Iterable[str], users: dict[int, int] | None = None) -> tuple[tuple[int, int], ...]:
     """``(rows, parameters per row)`` of each of :func:`tileable_modules`: a linear's output features and
     its input features plus its bias; an embedding's rows (``num_embeddings``) and ``embedding_dim``."""
     from torch import nn
 
     out = []
-    for _, m in tileable_modules(model, paths):
+    for _, m in tileable_modules(model, paths, users):
         if isinstance(m, nn.Embedding):
             out.append((m.num_embeddings, m.embedding_dim))
         else:

@@ -21,6 +21,7 @@ from whalepy.hardware.cluster import ClusterSpec
 from whalepy.ir.plan import Plan, Schedule
 from whalepy.planner.runtime_costs import check_device_reserve
 from whalepy.planner.build import build_alternatives, build_plan, raise_infeasible
+from whalepy.planner.ilp import ILP_NODE_LIMIT
 from whalepy.planner.search import run_search
 from whalepy.planner.space import Hardware, RejectionKind
 from whalepy.ir.profile import ModelProfile
@@ -36,11 +37,17 @@ class PlannerOptions:
     """``"highs"`` (default; HiGHS in-process through highspy), ``"cbc"`` (CBC where pulp provides it:
     bundled with pulp 3, ``pulp[cbc]`` or a ``cbc`` on PATH with pulp 4; also the fallback, noted in
     ``plan.notes``, when HiGHS is unavailable) or ``"exhaustive"`` (small instances)."""
-    time_limit_s: float = 60.0
-    """Wall-clock budget of the whole search."""
-    ilp_time_limit_s: float = 5.0
-    """Budget of one candidate's ILP (capped by what is left of ``time_limit_s``); an ILP stopped by
-    it keeps its best solution and reports its MIP gap."""
+    ilp_node_limit: int = ILP_NODE_LIMIT
+    """Work budget of one candidate's ILP, in branch-and-bound nodes. The search is limited by work, not
+    by the clock, so the same inputs give the same plan on an idle and on a loaded machine; an ILP
+    stopped by it keeps its best solution, and the plan states the search's proven gap."""
+    time_limit_s: float | None = None
+    """Wall-clock limit of the whole search, seconds; None (default): none, the search is limited by
+    work alone. Where set and reached, the plan says so (notes, alternatives, its status and gap); the
+    plan may then depend on the machine's load."""
+    ilp_time_limit_s: float | None = None
+    """Wall-clock limit of one candidate's ILP, seconds (within ``time_limit_s``); None (default): none.
+    An ILP stopped by it keeps its best solution; the plan states the search's proven gap."""
     schedules: tuple[Schedule, ...] = (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED_1F1B)
     """Pipeline schedules searched (names or :class:`~whalepy.Schedule` members)."""
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
@@ -111,7 +118,7 @@ class PlannerOptions:
         _check_option_types(self)
         if self.solver not in SOLVERS:
             raise PlanError(f"solver={self.solver!r}: choose one of {', '.join(SOLVERS)}")
-        if not self.time_limit_s > 0:
+        if self.time_limit_s is not None and not self.time_limit_s > 0:
             raise PlanError(f"time_limit_s must be positive, got {self.time_limit_s!r}; give the search budget in "
                             "seconds, e.g. time_limit_s=60")
         try:
@@ -122,7 +129,7 @@ class PlannerOptions:
         if not scheds:
             raise PlanError("schedules is empty: give at least one of " + ", ".join(s.value for s in Schedule))
         object.__setattr__(self, "schedules", scheds)
-        if not self.ilp_time_limit_s > 0:
+        if self.ilp_time_limit_s is not None and not self.ilp_time_limit_s > 0:
             raise PlanError(f"ilp_time_limit_s must be positive, got {self.ilp_time_limit_s!r}; give seconds per "
                             "candidate, e.g. ilp_time_limit_s=5")
         zs = tuple(self.zero_stages)
@@ -143,13 +150,16 @@ class PlannerOptions:
             raise PlanError(f"top_k must be >= 0, got {self.top_k}; give the alternatives to keep, e.g. top_k=5")
         if not self.virtual_stages or any(v < 1 for v in self.virtual_stages):
             raise PlanError(f"virtual_stages must be a non-empty tuple of counts >= 1, got {self.virtual_stages!r}")
+        if self.ilp_node_limit < 0:
+            raise PlanError(f"ilp_node_limit must be >= 0, got {self.ilp_node_limit}; give branch-and-bound nodes "
+                            f"per candidate, e.g. ilp_node_limit={ILP_NODE_LIMIT}")
         if self.max_microbatches is not None and self.max_microbatches < 1:
             raise PlanError(f"max_microbatches must be >= 1, got {self.max_microbatches}; give e.g. "
                             "max_microbatches=64, or None for no limit")
 
 
 _NUMBER_FIELDS = ("time_limit_s", "ilp_time_limit_s")
-_INT_FIELDS = ("top_k", "max_tp", "max_microbatches")
+_INT_FIELDS = ("top_k", "max_tp", "max_microbatches", "ilp_node_limit")
 _BOOL_FIELDS = ("allow_checkpointing", "allow_activation_offload", "allow_checkpoint_offload", "allow_offload",
                 "mixed_tiers", "sequence_parallel", "homogeneous_baseline", "clip_gradients", "measure")
 
@@ -161,12 +171,12 @@ def _check_option_types(opts: PlannerOptions) -> None:
 
     for name in _NUMBER_FIELDS:
         v = getattr(opts, name)
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
             raise bad(name, "a number of seconds, e.g. 60")
     for name in _INT_FIELDS:
         v = getattr(opts, name)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
-            raise bad(name, "an integer" + (" or None" if name != "top_k" else ""))
+        if (v is not None or name in ("top_k", "ilp_node_limit")) and (isinstance(v, bool) or not isinstance(v, int)):
+            raise bad(name, "an integer" + (" or None" if name not in ("top_k", "ilp_node_limit") else ""))
     for name in _BOOL_FIELDS:
         if not isinstance(getattr(opts, name), bool):
             raise bad(name, "True or False")
@@ -263,10 +273,13 @@ def plan_from_profile(profile: ModelProfile, cluster: ClusterSpec, *, global_bat
     notes = list(opts.notes) + result.notes + _annotation_notes(result) + _host_notes(opts, cluster)
     if opts.memory_trace is not None:
         notes.append("activation bytes of the traced blocks are measured (memory_trace), not estimated")
+    t0 = time.perf_counter()
     alts = build_alternatives(result, best, opts.top_k, hw)
+    result.solve_time_s += time.perf_counter() - t0  # the alternatives' re-solves are part of the search
+    # the status and gap are the whole search's (run_search), not the winning candidate's ILP's
     plan_ = build_plan(best, ctx=result.ctx, global_batch=global_batch, result=result,
-                       solver_name=result.solver_used, status=result.best_result.status,
-                       mip_gap=result.best_result.mip_gap, notes=notes, alternatives=alts)
+                       solver_name=result.solver_used, status=result.status, mip_gap=result.gap, notes=notes,
+                       alternatives=alts)
     source_notes = result.ctx.cost_source_notes(plan_)
     if source_notes:
         plan_ = replace(plan_, notes=plan_.notes + tuple(source_notes))
@@ -404,7 +417,7 @@ def homogeneous_baseline(profile: ModelProfile, cluster: ClusterSpec, *, global_
     notes = [f"homogeneous baseline: planned as if all {hw.world_size} GPUs were {slow.name} with "
              f"{small / 2**30:.0f} GiB, costed on the real cluster"]
     return build_plan(real, ctx=ctx, global_batch=global_batch, result=result, solver_name=result.solver_used,
-                      status=result.best_result.status if result.best_result else "given", mip_gap=0.0,
+                      status=result.status if result.best_result else "given", mip_gap=0.0,
                       notes=notes)
 
 

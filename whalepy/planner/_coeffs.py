@@ -152,11 +152,6 @@ class CandidateCoeffs:
     """``M + (S - 1)/v``: the step's coefficient of ``T`` when chunks are balanced (the lower bound's)."""
 
     @property
-    def chunk_coefficient(self) -> float:
-        """Coefficient of the largest chunk time ``Tc`` in the step: ``S - 1``."""
-        return float(self.candidate.num_stages - 1)
-
-    @property
     def num_blocks(self) -> int:
         return sum(s.length for s in self.segments)
 

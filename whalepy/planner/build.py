@@ -238,9 +238,10 @@ def why_lost(ev: Evaluation, best: Evaluation, hw) -> str:  # type: ignore[no-un
     return f"{name} {a:.3g} s vs {b:.3g} s"
 
 
-ALTERNATIVE_RESOLVE_TIME_S = 2.0
-"""Most seconds spent re-solving, without the incumbent's cutoff, one candidate whose cutoff solve only
-showed that nothing of it beats the incumbent (to say whether it is slower or does not fit)."""
+ALTERNATIVE_RESOLVE_NODES = 200
+"""Work limit (branch-and-bound nodes) of re-solving, without the incumbent's cutoff, one candidate whose
+cutoff solve only showed that nothing of it beats the incumbent (to say whether it is slower or does not
+fit). Work, so that the alternatives are the same on any load; counted in the plan's solve time."""
 
 
 def _slower(ev: Evaluation, best: Evaluation, res: ILPResult, hw) -> str:  # type: ignore[no-untyped-def]
@@ -250,21 +251,28 @@ def _slower(ev: Evaluation, best: Evaluation, res: ILPResult, hw) -> str:  # typ
         head = f"slower by {100 * (ev.step_time_s / best.step_time_s - 1):.1f}%: {why_lost(ev, best, hw)}"
     if res.status == "feasible":
         gap = "unknown" if math.isnan(res.mip_gap) else f"{100 * res.mip_gap:.2g}%"
-        head += f" (its ILP stopped at its time limit, gap {gap})"
+        limit = "time limit" if res.stopped_by == "time" else "work limit"
+        head += f" (its ILP stopped at its {limit}, gap {gap})"
     return head
 
 
-def _resolve(result: SearchResult, cand: Candidate) -> ILPResult:
-    """The candidate solved again without a cutoff: its real outcome."""
+def _resolve(result: SearchResult, cand: Candidate) -> ILPResult | None:
+    """The candidate solved again without a cutoff: its real outcome (None: the user's time limit has
+    run out, it is not re-solved)."""
+    import time
+
     from whalepy.planner.ilp import solve_candidate
     from whalepy.planner.search import allowed_stage_ranges
 
     assert result.ctx is not None and result.constraints is not None
+    left = None if result.deadline is None else result.deadline - time.perf_counter()
+    if left is not None and left <= 0:
+        return None
     cc = build_coefficients(result.ctx, cand, result.segments, result.options, mixed_tiers=result.mixed_tiers)
     solver = result.solver_used if result.solver_used in ("highs", "cbc") else "highs"
     return solve_candidate(cc, allowed_stages=allowed_stage_ranges(cand, result.constraints),
                            allow_checkpointing=result.allow_checkpointing, solver=solver,
-                           time_limit_s=ALTERNATIVE_RESOLVE_TIME_S,
+                           node_limit=ALTERNATIVE_RESOLVE_NODES, time_limit_s=left,
                            allow_activation_offload=result.allow_activation_offload,
                            allow_checkpoint_offload=result.allow_checkpoint_offload)
 
@@ -277,16 +285,21 @@ def _outcome(result: SearchResult, cand: Candidate, res: ILPResult, best: Evalua
     candidate is solved again without the cutoff to tell which. Returns the reason and the step time
     (``inf`` when there is none)."""
     if res.status == "no better than the incumbent":
-        res = _resolve(result, cand)
+        again = _resolve(result, cand)
+        if again is None:
+            return (f"no better than the best {best.step_time_s:.4g} s (its ILP with that cutoff found "
+                    "nothing); not re-solved without the cutoff: the search's time limit had run out"), math.inf
+        res = again
         if res.status == "no solution":
-            return (f"time limit: nothing of it beats the best {best.step_time_s:.4g} s (its ILP with that "
-                    f"cutoff found nothing), and in {ALTERNATIVE_RESOLVE_TIME_S:g} s without the cutoff it "
-                    "found no plan, so whether it fits is not known"), math.inf
+            return (f"work limit: nothing of it beats the best {best.step_time_s:.4g} s (its ILP with that "
+                    f"cutoff found nothing), and in {ALTERNATIVE_RESOLVE_NODES} branch-and-bound nodes without "
+                    "the cutoff it found no plan, so whether it fits is not known"), math.inf
     if res.evaluation is not None:
         return _slower(res.evaluation, best, res, hw), res.evaluation.step_time_s
     if res.status == "infeasible":
         return memory_shortfall_text(result.ctx, cand, result), math.inf
-    return f"time limit: its ILP found no plan within its time limit ({res.solve_time_s:.2g} s)", math.inf
+    limit = "time limit" if res.stopped_by == "time" else "work limit"
+    return f"{limit}: its ILP found no plan within its {limit}", math.inf
 
 
 def build_alternatives(result: SearchResult, best: Evaluation, top_k: int, hw) -> tuple[Alternative, ...]:  # type: ignore[no-untyped-def]

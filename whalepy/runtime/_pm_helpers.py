@@ -16,7 +16,8 @@ from torch import nn
 from whalepy.errors import ArgumentError, LaunchError, PlanError
 from whalepy.frontend.checks import check_scalar_loss
 from whalepy.ir.plan import Plan, TPStyle
-from whalepy.runtime.data_parallel import DataParallelKind, offloads_any_block
+from whalepy.ir.rules import LoweringKind
+from whalepy.runtime.data_parallel import offloads_any_block
 
 log = logging.getLogger("whalepy.runtime")
 
@@ -59,10 +60,10 @@ class _Null:
 
 
 def _sync_context(module: nn.Module, kind: str, last: bool) -> Any:
-    if kind == DataParallelKind.FSDP:
+    if kind == LoweringKind.FSDP:
         module.set_requires_gradient_sync(last)
         return _Null()
-    if kind in (DataParallelKind.DDP, DataParallelKind.ZERO1) and not last:
+    if kind in (LoweringKind.DDP, LoweringKind.ZERO1) and not last:
         return module.no_sync()
     return _Null()
 

@@ -45,17 +45,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from whalepy.ir.rules import LoweringKind as DataParallelKind
-from whalepy.ir.rules import choose_lowering_kind as choose_kind
-from whalepy.ir.rules import (offloads_to_host, shared_unit_tiers_error, state_option_error,
-                                   uses_cpu_offload_policy)
+from whalepy.ir.rules import (LoweringKind, choose_lowering_kind, offloads_to_host, shared_unit_tiers_error,
+                              state_option_error, uses_cpu_offload_policy)
 from whalepy.errors import WhalepyError
 from whalepy.ir.plan import BlockPlan, Precision, Tier, ZeroStage
 from whalepy.runtime._torch_compat import fsdp_param_groups
 from whalepy.runtime.tiling import tile_modules
 
-__all__ = ["DataParallelKind", "apply_data_parallel", "build_optimizer", "cast_sharded_params", "check_root_tiers",
-           "choose_kind", "compute_dtype", "fsdp_units", "offloads_any_block", "root_blocks", "set_prefetch"]
+__all__ = ["LoweringKind", "apply_data_parallel", "build_optimizer", "cast_sharded_params", "check_root_tiers",
+           "choose_lowering_kind", "compute_dtype", "fsdp_units", "offloads_any_block", "root_blocks", "set_prefetch"]
 
 log = logging.getLogger(__name__)
 
@@ -92,9 +90,9 @@ def apply_data_parallel(
         if reason is not None:
             raise WhalepyError(f"block {bp.name!r}: the plan's {reason}")
     check_root_tiers(module, blocks)
-    if kind == DataParallelKind.NONE:
+    if kind == LoweringKind.NONE:
         return module
-    if kind in (DataParallelKind.DDP, DataParallelKind.ZERO1):
+    if kind in (LoweringKind.DDP, LoweringKind.ZERO1):
         return DDP(module, process_group=dp_mesh.get_group(), device_ids=None, gradient_as_bucket_view=True)
     reshard = zero >= ZeroStage.PARAMETERS
     low = compute_dtype(precision)
@@ -258,7 +256,7 @@ def build_optimizer(
     """Call the user's factory; under ZeRO-1 rebuild the same optimizer class and hyper-parameters
     inside ``ZeroRedundancyOptimizer``."""
     opt = factory(params)
-    if kind != DataParallelKind.ZERO1:
+    if kind != LoweringKind.ZERO1:
         return opt
     from torch.distributed.optim import ZeroRedundancyOptimizer
 

@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from whalepy.ir.rules import check_pipeline, host_steps_after_backward, steps_on_host
+from whalepy.ir.rules import (LoweringKind, check_pipeline, choose_lowering_kind, host_steps_after_backward,
+                              steps_on_host)
 from whalepy.errors import ArgumentError, LaunchError, PlanError, WhalepyError
 from whalepy.log import info_once, is_rank0, warn_once
 from whalepy.runtime.pseudo_record import PseudoBuild, record_pseudo
@@ -54,12 +55,10 @@ from whalepy.runtime.checkpointing import (
     set_train_state,
 )
 from whalepy.runtime.data_parallel import (
-    DataParallelKind,
     apply_data_parallel,
     build_optimizer,
     cast_sharded_params,
     check_root_tiers,
-    choose_kind,
     compute_dtype,
     offloads_any_block,
 )
@@ -371,15 +370,15 @@ class ParallelModel:
         dp, tp, pp = plan.dp_degree, stage.tp_degree, plan.pp_degree
         self.loss_scale = plan.batch_shares[m.replica] * dp / plan.global_batch
         offload = offloads_any_block(stage.blocks)
-        self.dp_kind = choose_kind(stage.zero_stage, dp, tp=tp, pp=pp, offload=offload)
-        if self.dp_kind == DataParallelKind.FSDP and stage.zero_stage < 2 and dp > 1:
+        self.dp_kind = choose_lowering_kind(stage.zero_stage, dp, tp=tp, pp=pp, offload=offload)
+        if self.dp_kind == LoweringKind.FSDP and stage.zero_stage < 2 and dp > 1:
             # shards more than planned (less memory, the same gradient traffic): said, not silent; once
             # per job (rank 0), not once per stage or per call
             why = "tensor parallelism" if tp > 1 else "pipeline stages" if pp > 1 else "host offload"
             warn_once(f"fsdp-lowering-{why}",
                       "whalepy: ZeRO-0/1 stages lowered to FSDP2 (reshard_after_forward=False): DDP does not "
                       "compose with %s (same numerics; states sharded over the replicas)", why, log=log)
-        if self.dp_kind == DataParallelKind.FSDP and tp > 1:
+        if self.dp_kind == LoweringKind.FSDP and tp > 1:
             _explain_fsdp_view_warning()
 
         v = plan.virtual_stages
@@ -779,7 +778,7 @@ class ParallelModel:
         for holders in tied:
             physical = sorted({k % pp for k, _ in holders})
             names = [n for _, n in holders]
-            if len(physical) == 1 and len(holders) > 1 and (tp > 1 or dp_kind != DataParallelKind.NONE):
+            if len(physical) == 1 and len(holders) > 1 and (tp > 1 or dp_kind != LoweringKind.NONE):
                 raise WhalepyError(
                     f"tied parameter {names[0]!r} (also {names[1:]}) sits in {len(holders)} virtual "
                     f"stages {[k for k, _ in holders]} of the same rank; with tensor or data "

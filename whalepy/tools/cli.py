@@ -59,6 +59,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     prof = _profile(args, progress)
     opts: dict[str, Any] = dict(solver=args.solver, time_limit_s=args.time_limit, progress=progress,
                                 precision=args.precision)
+    if args.ilp_node_limit is not None:
+        opts["ilp_node_limit"] = args.ilp_node_limit
     if args.schedules:
         opts["schedules"] = tuple(args.schedules.split(","))
     if args.zero_stages:
@@ -196,7 +198,12 @@ def _add_plan(sub: Any) -> None:
     sp.add_argument("--out", help="write the plan as JSON")
     sp.add_argument("--solver", default="highs", choices=("highs", "cbc", "exhaustive"),
                     help="ILP solver (default highs; cbc through pulp; exhaustive: every candidate, small cases)")
-    sp.add_argument("--time-limit", type=float, default=60.0, help="search budget in seconds")
+    sp.add_argument("--time-limit", type=float, default=None,
+                    help="wall-clock limit of the search in seconds (default: none; the search is limited by work, "
+                    "so the same inputs give the same plan on any load)")
+    sp.add_argument("--ilp-node-limit", type=int, default=None,
+                    help="work limit of one candidate's ILP in branch-and-bound nodes (default 250); raise it "
+                    "to close a proven gap the plan states")
     sp.add_argument("--schedules", help="comma-separated: gpipe,1f1b,interleaved_1f1b")
     sp.add_argument("--zero-stages", help="comma-separated ZeRO stages to consider, e.g. 0,1,2,3")
     sp.add_argument("--no-checkpointing", action="store_true", help="never recompute activations "

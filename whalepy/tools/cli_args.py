@@ -108,7 +108,7 @@ def _optional_extras(args: argparse.Namespace) -> None:
 
 def check_cli_args(args: argparse.Namespace) -> None:
     """Raise :class:`ArgumentError` for a value no command can use; a no-op for commands without them."""
-    for dest in ("global_batch", "seq_len", "dp", "tp", "pp", "microbatches", "max_tp"):
+    for dest in ("global_batch", "seq_len", "dp", "tp", "pp", "microbatches", "max_tp", "ilp_node_limit"):
         _positive(args, dest)
     for dest in ("time_limit",):
         _positive(args, dest, kind="number of seconds")
