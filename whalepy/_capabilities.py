@@ -23,6 +23,9 @@ Pipeline shape:
 - :func:`sequence_parallel_error`: sequence parallelism together with pipeline stages.
 - :func:`check_pipeline`: all three, raising :class:`~whalepy.PlanError`.
 
+Tensor parallelism: :func:`tp_splits`: whether a block is split across a TP group of a given degree or
+runs whole on every rank of it (the planner's costs, the plan it writes and the plan check all ask it).
+
 Memory-centric tiling: :func:`tiling_error` (``BlockPlan.tiles``). Gradient reduction every
 micro-batch: :func:`reduce_every_microbatch_error` (``StagePlan.reduce_every_microbatch``).
 
@@ -46,6 +49,7 @@ __all__ = [
     "FILE_GENERATIONS",
     "reduce_every_microbatch_error",
     "tiling_error",
+    "tp_splits",
     "LoweringKind",
     "check_pipeline",
     "check_state_option",
@@ -401,3 +405,15 @@ def mixed_tiers_error(kind: LoweringKind | str, tiers: Sequence[tuple[Tier | str
     return (f"blocks of one stage with different tiers {names} need the FSDP2 lowering, not "
             f"{LoweringKind(kind).value}: give the stage one (param_tier, optimizer_tier) pair, or a ZeRO "
             "stage and degrees that lower to FSDP2")
+
+
+def tp_splits(block: Any, tp: int) -> bool:
+    """Whether ``block`` (a :class:`~whalepy.BlockProfile`) is split across a tensor-parallel group of
+    ``tp`` ranks: it has TP rules that shard something and every sharded dimension divides by ``tp``
+    (``block.tp_degrees``). Otherwise it runs whole on every rank of the group (whole compute, whole
+    parameters; GPT-2's 50257-token embedding under TP 2), which the costs charge, the plan carries no
+    rule for, and the plan check accepts."""
+    from whalepy.plan import TPStyle
+
+    return (tp > 1 and any(r.style is not TPStyle.REPLICATE for r in block.tp_rules)
+            and tp in block.tp_degrees)

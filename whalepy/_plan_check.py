@@ -6,8 +6,9 @@ Checks, each a :class:`~whalepy.PlanError` naming the block / module / annotatio
 
 - the model fingerprint (module paths and parameter shapes) is the plan's;
 - the plan's blocks are the model's blocks, each once, in model order across the pipeline stages;
-- every stage with TP above 1 has tensor-parallel rules for its blocks, and its TP degree divides the
-  shapes of every block it holds (heads, features, vocabulary);
+- in every stage with TP above 1, the blocks that split at that degree
+  (:func:`whalepy._capabilities.tp_splits`, the planner's rule) have their tensor-parallel rules in the
+  plan, and the others (shapes that do not divide by the degree) have none: they run whole;
 - every TP rule names a module of the model that whalepy's pattern pass found with that style;
 - the plan honours the model's annotations (``split``, ``replicate``, ``stage``, ``cluster(gpu=...)``).
 
@@ -104,6 +105,8 @@ def _check_tensor_parallel(plan: Plan, profile: Any, model: Any) -> None:
             raise PlanError(
                 f"TP rule {rule.style.value} on {rule.module!r} is not a pattern whalepy found in the model "
                 f"({'it found ' + ', '.join(styles) if styles else 'no TP pattern on that module'}); {_REPLAN}")
+    from whalepy._capabilities import tp_splits
+
     ruled = {r.module for r in plan.tensor_parallel if r.style is not TPStyle.REPLICATE}
     for s in plan.stages:
         if s.tp_degree == 1:
@@ -111,12 +114,17 @@ def _check_tensor_parallel(plan: Plan, profile: Any, model: Any) -> None:
         for name in s.block_names:
             block = profile.block(name)
             own = {r.module for r in block.tp_rules if r.style is not TPStyle.REPLICATE}
-            if not own:
-                continue  # no TP pattern: the block runs replicated inside the TP group, as planned
-            if s.tp_degree not in block.tp_degrees:
-                raise PlanError(
-                    f"stage {s.index} runs block {name!r} with TP {s.tp_degree}, but its shapes (heads, features, "
-                    f"vocabulary) divide only by {', '.join(map(str, block.tp_degrees))}; {_REPLAN}")
+            if not tp_splits(block, s.tp_degree):
+                # the planner runs this block whole on every rank of the TP group (no pattern, or shapes
+                # that do not divide by the degree: GPT-2's 50257-token embedding); a rule for it would
+                # shard what cannot be sharded
+                if own & ruled:
+                    raise PlanError(
+                        f"stage {s.index} runs block {name!r} with TP {s.tp_degree}, but its shapes (heads, "
+                        f"features, vocabulary) divide only by {', '.join(map(str, block.tp_degrees))}, so it "
+                        f"must run whole, and the plan has a tensor-parallel rule for it "
+                        f"({sorted(own & ruled)[0]}); {_REPLAN}")
+                continue
             if not own & ruled:
                 raise PlanError(
                     f"stage {s.index} has TP {s.tp_degree} but the plan has no tensor-parallel rule for block "

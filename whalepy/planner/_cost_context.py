@@ -11,6 +11,7 @@ import functools
 
 import torch
 
+from whalepy._capabilities import tp_splits
 from whalepy.cost_models.communication import Collective, CommGroup, Link, estimate_collective_time
 from whalepy.cost_models.compute import estimate_block_time, estimate_kernels_time, precision_bytes
 from whalepy.plan import TPStyle
@@ -58,11 +59,9 @@ def tp_activation_fraction(block: BlockProfile, tp: int, sequence_parallel: bool
     return 1 / tp
 
 
-def tp_applies(block: BlockProfile, tp: int) -> bool:
-    """Whether a block is split across the TP group: it has TP rules and every sharded dimension divides
-    by ``tp``. Otherwise it runs replicated on every rank of the TP group (whole compute, whole
-    parameters), which the costs charge."""
-    return tp > 1 and bool(block.tp_rules) and tp in block.tp_degrees
+tp_applies = tp_splits
+"""Whether a block is split across the TP group: :func:`whalepy._capabilities.tp_splits`, the one rule
+the plan check shares."""
 
 
 class CostContext:
