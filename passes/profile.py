@@ -276,7 +276,7 @@ def _own_params(module: torch.nn.Module) -> tuple[int, int]:
 
 def _rename_tp(tp: BlockTP, old: str, new: str) -> BlockTP:
     return replace(
-        tp, rules=tuple(TPRule(module=rename(r.module, old, new), style=r.style) for r in tp.rules),
+        tp, rules=tuple(replace(r, module=rename(r.module, old, new)) for r in tp.rules),
         dims=tuple((rename(p, old, new), what, size) for p, what, size in tp.dims))
 
 

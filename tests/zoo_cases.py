@@ -285,11 +285,16 @@ def run_case(arch: str, layout: str, prof: Any, data: list, ref: tuple) -> dict[
         import traceback
 
         out["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
+    if os.environ.get("WHALEPY_ZOO_VERBOSE") and ("error" in out or "refused" in out):
+        print(f"RANK {dist.get_rank()} {arch} {layout}:", out.get("error") or out.get("refused"), flush=True)
     # a rank that failed must not leave the others waiting in a collective of the next case
     failed = torch.tensor([1 if ("error" in out or "refused" in out) else 0])
     dist.all_reduce(failed)
     out["any_rank_failed"] = bool(failed.item())
     out["seconds"] = time.perf_counter() - start
+    if os.environ.get("WHALEPY_ZOO_VERBOSE") and dist.get_rank() == 0:
+        print("CASE", arch, layout, {k: v for k, v in out.items() if k not in ("params", "losses")},
+              flush=True)
     return out
 
 
@@ -320,9 +325,12 @@ if __name__ == "__main__":  # python tests/zoo_cases.py [arch ...]: the matrix o
     sys.path.insert(0, str(Path(__file__).parent))
     from dist_harness import run_distributed
 
-    archs = tuple(sys.argv[1:]) or ARCHS
+    os.environ["WHALEPY_ZOO_VERBOSE"] = "1"
+    args = sys.argv[1:]
+    layouts = tuple(a for a in args if a in LAYOUTS) or LAYOUTS
+    archs = tuple(a for a in args if a not in LAYOUTS) or ARCHS
     t0 = time.perf_counter()
-    per_rank = run_distributed(run_matrix, 4, archs, timeout=1800)
+    per_rank = run_distributed(run_matrix, 4, archs, layouts, timeout=1800)
     for i, r in enumerate(per_rank[0]):
         errs = [pr[i].get("error") for pr in per_rank if pr[i].get("error")]
         status = (f"loss {r['loss_err']:.1e} param {max(pr[i].get('param_err', 0) for pr in per_rank):.1e}"

@@ -91,6 +91,9 @@ def _check_blocks(plan: Plan, profile: Any) -> None:
 
 def _check_tensor_parallel(plan: Plan, profile: Any, model: Any) -> None:
     found = {(r.module, r.style) for b in profile.blocks for r in b.tp_rules}
+    parts = {r.module: r.parts for b in profile.blocks for r in b.tp_rules if r.style is TPStyle.COLWISE}
+    copies = {r.module for b in profile.blocks for r in b.tp_rules if r.copy_output}
+    pairs = {r.module for b in profile.blocks for r in b.tp_rules if r.feeds_rowwise}
     # a profile made without sequence_parallel=True has no SEQUENCE rules to compare the plan's with
     sequence_profiled = any(st is TPStyle.SEQUENCE for _, st in found)
     modules = dict(model.named_modules()) if model is not None else None
@@ -105,6 +108,19 @@ def _check_tensor_parallel(plan: Plan, profile: Any, model: Any) -> None:
             raise PlanError(
                 f"TP rule {rule.style.value} on {rule.module!r} is not a pattern whalepy found in the model "
                 f"({'it found ' + ', '.join(styles) if styles else 'no TP pattern on that module'}); {_REPLAN}")
+        if rule.style is TPStyle.COLWISE and rule.parts != parts.get(rule.module, 1):
+            raise PlanError(
+                f"TP rule colwise on {rule.module!r} shards its output as {rule.parts} fused piece(s), but the "
+                f"model splits it into {parts.get(rule.module, 1)}; sharding it so would pair the wrong halves "
+                f"on each rank; {_REPLAN}")
+        if rule.feeds_rowwise and rule.module not in pairs:
+            raise PlanError(f"TP rule colwise on {rule.module!r} keeps its output sharded (feeds_rowwise), but no "
+                            f"row-parallel layer reads it in the model; {_REPLAN}")
+        if rule.style is not TPStyle.SEQUENCE and rule.copy_output != (rule.module in copies):
+            raise PlanError(
+                f"TP rule {rule.style.value} on {rule.module!r} has copy_output={rule.copy_output}, but the model "
+                f"{'modifies' if rule.module in copies else 'does not modify'} that module's output in place; "
+                f"{_REPLAN}")
     from whalepy._capabilities import tp_splits
 
     ruled = {r.module for r in plan.tensor_parallel if r.style is not TPStyle.REPLICATE}
