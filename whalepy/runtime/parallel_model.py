@@ -730,6 +730,10 @@ class ParallelModel:
                 for p in params:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
+                    if isinstance(p.grad, DTensor) and isinstance(p, DTensor) and p.grad.placements != p.placements:
+                        # a vocab-parallel embedding's gradient comes back whole (Replicate) where the
+                        # column-parallel head's copy is sharded: bring it to the parameter's layout
+                        p.grad = p.grad.redistribute(p.device_mesh, p.placements)
                     g = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
                     if g.device == self.device:
                         dist.all_reduce(g, group=group)
