@@ -98,6 +98,9 @@ class BlockTP:
     sequence-parallel region ends here (set only with ``sequence_parallel=True``)."""
     sp_problem: str | None = None
     """Why this block's pattern cannot run sequence parallel (only with ``sequence_parallel=True``)."""
+    whole: tuple[tuple[str, str], ...] = ()
+    """``(module path, why)`` for each module of the block with parameters that no rule shards: no
+    pattern, fused layout unsupported, ... (what ``ModelProfile.tp_report()`` lists)."""
 
     @property
     def has_pattern(self) -> bool:
@@ -504,6 +507,7 @@ def find_tp_patterns(gm: fx.GraphModule, ctx: PassContext, *, sequence_parallel:
         prop.run(nodes)
         tp = _summarise(prop, nodes, vocab)
         tp = _mark_inplace_outputs(tp, nodes)
+        tp = _whole_modules(tp, prop, nodes)
         if sequence_parallel and tp.has_pattern:
             tp = _sequence_rules(tp, nodes)
         result.append(tp)
@@ -561,6 +565,51 @@ def _summarise(prop: _Propagation, nodes: list[fx.Node], vocab: set[int]) -> Blo
 _VIEW_OPS = frozenset({"view", "_unsafe_view", "reshape", "transpose", "permute", "alias", "slice", "select",
                        "unsqueeze", "squeeze", "t", "expand", "as_strided", "split", "chunk",
                        "split_with_sizes", "getitem", "unflatten", "flatten", "narrow"})
+
+
+def _whole_modules(tp: BlockTP, prop: _Propagation, nodes: list[fx.Node]) -> BlockTP:
+    """Record which parameter-holding modules of the block stay whole under TP, and why."""
+    from dataclasses import replace
+
+    ruled = {r.module for r in tp.rules if r.style is not TPStyle.REPLICATE}
+    why: dict[str, str] = {}
+    for gid in range(len(prop.groups.parent)):
+        grp = prop.groups.get(gid)
+        reason = grp.bad or (None if grp.sinks or grp.logits else
+                             "no pattern: no row-parallel layer reads its output")
+        for node in (*grp.sources, *grp.sinks):
+            if reason:
+                why.setdefault(as_linear(node)[3], reason)
+    owners: dict[str, None] = {}
+    for node in nodes:
+        for a in node.all_input_nodes:
+            name = a.meta.get("whalepy.param")
+            if name and node.meta.get("whalepy.block") == prop.block:
+                # a tied weight is fed under one of its names: name the module of this block holding it
+                names = a.meta.get("whalepy.param_aliases", (name,))
+                mods = [n.rpartition(".")[0] for n in names]
+                if not any(m in ruled for m in mods):
+                    owners.setdefault(mods[0] or name, None)
+    for node in nodes:  # linears found above are named by their module path
+        lin = as_linear(node) if node.op == "call_function" else None
+        if lin is not None:
+            owners.setdefault(lin[3], None)
+    whole = []
+    norms = _norm_paths(nodes)
+    for m in owners:
+        if m in ruled or any(r.startswith(m + ".") for r in ruled) or \
+                any(m.startswith(r + ".") for r in ruled):
+            continue
+        if m in why:
+            reason = why[m]
+        elif m in norms:
+            reason = "norm (replicated; sequence parallelism splits it)"
+        elif any(r.module == m for r in tp.rules):
+            reason = "replicated embedding (positions, token types)"
+        else:
+            reason = "no pattern: not a linear layer or token embedding whalepy can split"
+        whole.append((m, reason))
+    return replace(tp, whole=tuple(whole))
 
 
 def _writes_first_arg(node: fx.Node) -> bool:

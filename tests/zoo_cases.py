@@ -171,6 +171,20 @@ BUILDERS: dict[str, Callable[[], Any]] = {
 }
 
 
+def _gpt_v50257() -> Any:
+    """whalepy's GPT with GPT-2's vocabulary, its layers annotated ``split(2)``: the planner must put the
+    50257-token embedding (not divisible by 2) in a stage with TP 2, where it runs whole."""
+    import whalepy
+    from whalepy.models import GPT, GPTConfig
+    from whalepy.zoo import GPT2_VOCAB
+
+    model = GPT(GPTConfig(vocab_size=GPT2_VOCAB, block_size=32, num_layers=2, num_heads=4, hidden_size=32))
+    return whalepy.annotate(model, {"transformer.h.*": whalepy.split(2)})
+
+
+BUILDERS["gpt_v50257"] = _gpt_v50257
+
+
 def build(arch: str) -> torch.nn.Module:
     torch.manual_seed(0)
     model = BUILDERS[arch]()
@@ -266,6 +280,8 @@ def run_case(arch: str, layout: str, prof: Any, data: list, ref: tuple) -> dict[
     out: dict[str, Any] = {"arch": arch, "layout": layout}
     try:
         plan = layout_plan(layout, prof)
+        plan.check_against(profile=prof)  # what Plan.load(model=) and `whalepy show --check` run
+        out["embed_tp"] = next(st.tp_degree for st in plan.stages if "embed" in st.block_names)
         out["plan"] = f"pp{plan.pp_degree} dp{plan.dp_degree} tp{max(plan.tp_degrees)} " \
                       f"zero{int(plan.stages[0].zero_stage)}"
         pm = parallelize(build(arch), None, example_inputs=tuple(t[:2] for t in data[0][0]), loss_fn=loss_fn,
@@ -298,6 +314,27 @@ def run_case(arch: str, layout: str, prof: Any, data: list, ref: tuple) -> dict[
     return out
 
 
+def _shared_profile(arch: str, data: list) -> Any:
+    """The architecture's profile, captured on rank 0 only (capture is the costliest step of a case on
+    2 cores) and sent to the others without its graph, which lowering does not need."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    import whalepy
+
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = dataclasses.replace(whalepy.profile(build(arch), tuple(t[:2] for t in data[0][0])), graph=None)
+        except whalepy.WhalepyError as e:
+            box[0] = e
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], Exception):
+        raise box[0]
+    return box[0]
+
+
 def run_matrix(archs: tuple[str, ...] = ARCHS, layouts: tuple[str, ...] = LAYOUTS) -> list[dict[str, Any]]:
     """Per rank: every ``(arch, layout)`` case; a profile and a reference run per architecture."""
     import whalepy
@@ -305,17 +342,18 @@ def run_matrix(archs: tuple[str, ...] = ARCHS, layouts: tuple[str, ...] = LAYOUT
     warnings.filterwarnings("ignore")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     results = []
-    for arch in archs:
+    for arch, lays in [*((a, layouts) for a in archs), ("gpt_v50257", ("planner",))]:
         data = batches(arch)
         try:
-            prof = whalepy.profile(build(arch), tuple(t[:2] for t in data[0][0]))
+            prof = _shared_profile(arch, data)
         except whalepy.WhalepyError as e:
             results += [{"arch": arch, "layout": lay, "refused": f"{type(e).__name__}: {e}",
-                         "any_rank_failed": True} for lay in layouts]
+                         "any_rank_failed": True} for lay in lays]
             continue
         ref = reference(arch, data)
-        for layout in layouts:
+        for layout in lays:
             results.append(run_case(arch, layout, prof, data, ref))
+            results[-1]["reference_params"] = sorted(n for n, _ in build(arch).named_parameters())
     return results
 
 

@@ -99,3 +99,24 @@ def format_profile(profile: Any) -> str:
     lines = [header, fmt(cols), "  ".join("-" * w for w in widths)]
     lines += [fmt(r) for r in rows[1:]]
     return "\n".join(lines)
+
+
+def format_tp_report(blocks: Any, tp: int | None = None) -> str:
+    """One section per block: each ruled module with its style (fused pieces, copied output), then each
+    module left whole with the reason. ``tp``: the stage's degree, to say which blocks run whole at it."""
+    from whalepy._capabilities import tp_splits
+
+    lines = []
+    for b in blocks:
+        note = ""
+        if tp is not None and tp > 1 and not tp_splits(b, tp):
+            note = (f" (runs whole at TP {tp}: its shapes divide only by {', '.join(map(str, b.tp_degrees))})"
+                    if any(r.style is not TPStyle.REPLICATE for r in b.tp_rules) else " (runs whole)")
+        lines.append(f"{b.name}{note}")
+        for r in b.tp_rules:
+            extra = [f"{r.parts} fused pieces"] if r.parts > 1 else []
+            extra += ["output modified in place: copied"] if r.copy_output else []
+            lines.append(f"  {r.module}: {r.style.value}" + (f" ({', '.join(extra)})" if extra else ""))
+        for m, why in getattr(b, "tp_whole", ()):
+            lines.append(f"  {m}: whole ({why})")
+    return "\n".join(lines)
