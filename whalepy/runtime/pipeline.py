@@ -108,6 +108,10 @@ def build_pipeline_schedule(
             retarget_device(module, device)
         if compute_dtype is not None and index < num_stages - 1:
             module.register_forward_hook(lambda _m, _args, out, dt=compute_dtype: _cast_floating(out, dt))
+        if index < num_stages - 1:
+            # the schedule sends stage outputs as they are, and gloo sends only contiguous tensors (a
+            # transposed or expanded output between stages: whalepy's T5 passes its position bias on)
+            module.register_forward_hook(lambda _m, _args, out: _contiguous(out))
     stages = [
         PipelineStage(module, index, num_stages, device, group=group)
         for module, index in zip(stage_modules, stage_indices)
@@ -153,6 +157,12 @@ def run_pipeline_step(
     if getattr(getattr(schedule, "_loss_fn", None), "sums_to_batch_mean", False):
         return total
     return total / len(losses)
+
+
+def _contiguous(out: Any) -> Any:
+    import torch.utils._pytree as pytree
+
+    return pytree.tree_map(lambda t: t.contiguous() if isinstance(t, torch.Tensor) else t, out)
 
 
 def _cast_floating(out: Any, dtype: torch.dtype) -> Any:
