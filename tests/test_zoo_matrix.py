@@ -53,5 +53,37 @@ def test_zoo_matrix() -> None:
         if not set(case["reference_params"]) <= covered:
             problems.append(f"{key}: parameters never compared: {sorted(set(case['reference_params']) - covered)[:4]}")
     assert not problems, "\n".join(problems)
+    _check_patterns({c["arch"]: c["profile"] for c in cases if "profile" in c})
     vocab_case = cases[-1]
     assert vocab_case["arch"] == "gpt_v50257" and vocab_case["embed_tp"] == 2, vocab_case
+
+
+def _check_patterns(profiles: dict) -> None:
+    """What the pattern pass found in the graphs these cases were lowered from."""
+    phi3 = profiles["phi3"]
+    # Phi-3 has no split_size attribute: gate_up_proj's [gate | up] is seen as .chunk(2) in the graph
+    assert phi3["rules"]["model.layers.0.mlp.gate_up_proj"] == {
+        "style": "colwise", "parts": 2, "feeds_rowwise": True, "copy_output": False}
+    # its qkv_proj is cut apart by slicing at unequal widths: left whole, and said so
+    assert "model.layers.0.self_attn.qkv_proj" not in phi3["rules"]
+    assert phi3["whole"]["model.layers.0.self_attn.qkv_proj"].startswith("fused layout unsupported")
+    assert "model.layers.0.mlp.gate_up_proj: colwise (2 fused pieces)" in phi3["report"]
+    gpt2 = profiles["gpt2"]["rules"]
+    assert gpt2["transformer.h.0.attn.c_attn"]["parts"] == 3 and gpt2["transformer.h.0.mlp.c_fc"]["parts"] == 1
+    # FalconDecoderLayer: mlp_output += attention_output, on the row-parallel output
+    falcon = profiles["falcon"]["rules"]
+    assert falcon["transformer.h.0.mlp.dense_4h_to_h"]["copy_output"]
+    assert not any(r["copy_output"] for r in profiles["llama"]["rules"].values())
+    # BERT: query lives in attention.self, its row-parallel partner in attention.output
+    bert = profiles["bert"]["rules"]
+    assert bert["bert.encoder.layer.0.attention.self.query"]["feeds_rowwise"]
+    assert not bert["cls.predictions.decoder"]["feeds_rowwise"]  # the LM head gathers
+    # T5's stacks call their dropout after the embedding and after the last layer: in no block
+    owners: dict[str, list[str]] = {}
+    for block, modules in profiles["t5"]["blocks"].items():
+        for m in modules:
+            owners.setdefault(m, []).append(block)
+    assert all(len(v) == 1 for v in owners.values()), owners
+    assert "encoder.dropout" not in owners and "decoder.dropout" not in owners
+    # Mixtral's experts are 3-D parameters, not linears: replicated, and the profile says so
+    assert profiles["mixtral"]["whole"]["model.layers.0.mlp.experts"].startswith("no pattern")

@@ -314,6 +314,17 @@ def run_case(arch: str, layout: str, prof: Any, data: list, ref: tuple) -> dict[
     return out
 
 
+def profile_summary(prof: Any) -> dict[str, Any]:
+    """What the pattern pass found, for the test to check: rules, modules left whole, block modules."""
+    return {
+        "rules": {r.module: {"style": r.style.value, "parts": r.parts, "feeds_rowwise": r.feeds_rowwise,
+                             "copy_output": r.copy_output} for b in prof.blocks for r in b.tp_rules},
+        "whole": {m: why for b in prof.blocks for m, why in b.tp_whole},
+        "blocks": {b.name: list(b.modules) for b in prof.blocks},
+        "report": prof.tp_report(),
+    }
+
+
 def _shared_profile(arch: str, data: list) -> Any:
     """The architecture's profile, captured on rank 0 only (capture is the costliest step of a case on
     2 cores) and sent to the others without its graph, which lowering does not need."""
@@ -351,9 +362,12 @@ def run_matrix(archs: tuple[str, ...] = ARCHS, layouts: tuple[str, ...] = LAYOUT
                          "any_rank_failed": True} for lay in lays]
             continue
         ref = reference(arch, data)
+        first = len(results)
         for layout in lays:
             results.append(run_case(arch, layout, prof, data, ref))
             results[-1]["reference_params"] = sorted(n for n, _ in build(arch).named_parameters())
+        if results[first:]:
+            results[first]["profile"] = profile_summary(prof)
     return results
 
 
