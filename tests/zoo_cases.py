@@ -248,6 +248,10 @@ def layout_plan(layout: str, prof: Any) -> Any:
 
     if layout == "planner":
         return plan_from_profile(prof, ClusterSpec.load(CPU4), global_batch=GLOBAL_BATCH, precision="fp32")
+    if layout.startswith("interleaved-zero"):  # not in LAYOUTS (CI time): PP 2 x DP 2, 2 chunks per rank
+        return make_plan([b.name for b in prof.blocks], model_fingerprint=prof.fingerprint, dp=2, pp=2,
+                         zero_stage=int(layout[-1]), global_batch=GLOBAL_BATCH, num_microbatches=4,
+                         schedule="interleaved_1f1b", virtual_stages=2)
     dp, tp, pp, zero = {"dp2xtp2": (2, 2, 1, 0), "pp2xdp2": (2, 1, 2, 0), "zero3": (4, 1, 1, 3),
                         "tp2xpp2": (1, 2, 2, 0)}[layout]
     rules = tuple(r for b in prof.blocks if tp_splits(b, tp) for r in b.tp_rules)
@@ -379,8 +383,9 @@ if __name__ == "__main__":  # python tests/zoo_cases.py [arch ...]: the matrix o
 
     os.environ["WHALEPY_ZOO_VERBOSE"] = "1"
     args = sys.argv[1:]
-    layouts = tuple(a for a in args if a in LAYOUTS) or LAYOUTS
-    archs = tuple(a for a in args if a not in LAYOUTS) or ARCHS
+    known = (*LAYOUTS, "interleaved-zero0", "interleaved-zero2", "interleaved-zero3")
+    layouts = tuple(a for a in args if a in known) or LAYOUTS
+    archs = tuple(a for a in args if a not in known) or ARCHS
     t0 = time.perf_counter()
     per_rank = run_distributed(run_matrix, 4, archs, layouts, timeout=1800)
     for i, r in enumerate(per_rank[0]):
