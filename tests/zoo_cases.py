@@ -50,91 +50,43 @@ _DECODER_KW = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_h
                    use_cache=False, tie_word_embeddings=False, attention_dropout=0.0)
 
 
-def _causal(cls_name: str, cfg_name: str, **kw: Any) -> Callable[[], Any]:
+def _hf(cls_name: str, cfg_name: str, **kw: Any) -> Callable[[], Any]:
+    """A builder of ``transformers.<cls_name>`` from ``<cfg_name>(**kw)`` with eager attention."""
     def build() -> Any:
         import transformers
 
-        cfg = getattr(transformers, cfg_name)(**{**_DECODER_KW, **kw})
+        cfg = getattr(transformers, cfg_name)(**kw)
         cfg._attn_implementation = "eager"
         return getattr(transformers, cls_name)(cfg)
     return build
 
 
-def _gpt2() -> Any:
-    import transformers
-
-    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
-    cfg._attn_implementation = "eager"
-    return transformers.GPT2LMHeadModel(cfg)
+def _causal(cls_name: str, cfg_name: str, **kw: Any) -> Callable[[], Any]:
+    return _hf(cls_name, cfg_name, **{**_DECODER_KW, **kw})
 
 
-def _opt() -> Any:
-    import transformers
-
-    cfg = transformers.OPTConfig(vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
-                                 num_attention_heads=4, max_position_embeddings=32, word_embed_proj_dim=32,
-                                 dropout=0.0, attention_dropout=0.0, use_cache=False)
-    cfg._attn_implementation = "eager"
-    return transformers.OPTForCausalLM(cfg)
-
-
-def _falcon() -> Any:
-    import transformers
-
-    cfg = transformers.FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                    hidden_dropout=0.0, attention_dropout=0.0, use_cache=False)
-    cfg._attn_implementation = "eager"
-    return transformers.FalconForCausalLM(cfg)
-
-
-def _gpt_neox() -> Any:
-    import transformers
-
-    cfg = transformers.GPTNeoXConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                     num_attention_heads=4, max_position_embeddings=32, hidden_dropout=0.0,
-                                     attention_dropout=0.0, use_cache=False, tie_word_embeddings=False)
-    cfg._attn_implementation = "eager"
-    return transformers.GPTNeoXForCausalLM(cfg)
-
-
-def _phi() -> Any:
-    import transformers
-
-    cfg = transformers.PhiConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                 num_attention_heads=4, max_position_embeddings=32, resid_pdrop=0.0,
-                                 embd_pdrop=0.0, attention_dropout=0.0, use_cache=False)
-    cfg._attn_implementation = "eager"
-    return transformers.PhiForCausalLM(cfg)
-
-
-def _bert() -> Any:
-    import transformers
-
-    cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                  intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
-                                  attention_probs_dropout_prob=0.0)
-    cfg._attn_implementation = "eager"
-    return transformers.BertForMaskedLM(cfg)
-
-
-def _t5() -> Any:
-    import transformers
-
-    cfg = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_ff=64, d_kv=8, num_layers=2, num_decoder_layers=2,
-                                num_heads=4, dropout_rate=0.0, use_cache=False)
-    cfg._attn_implementation = "eager"
-    return transformers.T5ForConditionalGeneration(cfg)
-
-
-def _vit() -> Any:
-    import transformers
-
-    cfg = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-                                 image_size=16, patch_size=8, num_labels=VOCAB, hidden_dropout_prob=0.0,
-                                 attention_probs_dropout_prob=0.0)
-    cfg._attn_implementation = "eager"
-    return transformers.ViTForImageClassification(cfg)
+_NO_DROPOUT = dict(hidden_dropout=0.0, attention_dropout=0.0, use_cache=False)
+_gpt2 = _hf("GPT2LMHeadModel", "GPT2Config", vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+_opt = _hf("OPTForCausalLM", "OPTConfig", vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+           num_attention_heads=4, max_position_embeddings=32, word_embed_proj_dim=32, dropout=0.0,
+           attention_dropout=0.0, use_cache=False)
+_falcon = _hf("FalconForCausalLM", "FalconConfig", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+              num_attention_heads=4, **_NO_DROPOUT)
+_gpt_neox = _hf("GPTNeoXForCausalLM", "GPTNeoXConfig", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=32,
+                tie_word_embeddings=False, **_NO_DROPOUT)
+_phi = _hf("PhiForCausalLM", "PhiConfig", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+           num_attention_heads=4, max_position_embeddings=32, resid_pdrop=0.0, embd_pdrop=0.0,
+           attention_dropout=0.0, use_cache=False)
+_bert = _hf("BertForMaskedLM", "BertConfig", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+            num_attention_heads=4, intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0)
+_t5 = _hf("T5ForConditionalGeneration", "T5Config", vocab_size=VOCAB, d_model=32, d_ff=64, d_kv=8, num_layers=2,
+          num_decoder_layers=2, num_heads=4, dropout_rate=0.0, use_cache=False)
+_vit = _hf("ViTForImageClassification", "ViTConfig", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+           intermediate_size=64, image_size=16, patch_size=8, num_labels=VOCAB, hidden_dropout_prob=0.0,
+           attention_probs_dropout_prob=0.0)
 
 
 def _whalepy_gpt() -> Any:
