@@ -308,6 +308,10 @@ def run_matrix(archs: tuple[str, ...] = ARCHS, layouts: tuple[str, ...] = LAYOUT
 
     warnings.filterwarnings("ignore")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    if os.environ.get("WHALEPY_ZOO_DUMP"):  # manual runs: where each rank is after that many seconds
+        import faulthandler
+
+        faulthandler.dump_traceback_later(int(os.environ["WHALEPY_ZOO_DUMP"]), exit=True)
     results = []
     for arch, lays in [*((a, layouts) for a in archs), ("gpt_v50257", ("planner",))]:
         data = batches(arch)
