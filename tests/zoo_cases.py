@@ -210,8 +210,8 @@ def layout_plan(layout: str, prof: Any) -> Any:
                         "tp2xpp2": (1, 2, 2, 0)}[layout]
     rules = tuple(r for b in prof.blocks if tp_splits(b, tp) for r in b.tp_rules)
     return make_plan([b.name for b in prof.blocks], model_fingerprint=prof.fingerprint, dp=dp, tp=tp, pp=pp,
-                     zero_stage=zero, global_batch=GLOBAL_BATCH, num_microbatches=2 if pp > 1 else 1,
-                     tensor_parallel=rules)
+                     zero_stage=zero, global_batch=GLOBAL_BATCH, num_microbatches=(4 // dp) if pp > 1 else 1,
+                     tensor_parallel=rules)  # pipeline micro-batches of 2 samples: one trace serves both
 
 
 # -- the worker ---------------------------------------------------------------------------------------
@@ -304,12 +304,37 @@ def _shared_profile(arch: str, data: list) -> Any:
     return box[0]
 
 
+def _trace_each_split_once() -> None:
+    """CI time: ``split_stages`` traces the whole model (``torch.export``) for every pipeline case, the
+    costliest step of one (2.5 of 4 s for Llama under TP 2 x PP 2, every rank). The trace depends on the
+    model's structure, the example inputs and the block paths, which are the same for an architecture's
+    pipeline layouts here (one config per architecture), so each process traces a split once; the stages
+    are still built from each case's own fresh model (parameters and buffers are looked up in it)."""
+    from whalepy.runtime import _stage_split
+
+    if getattr(_stage_split._export, "zoo_cached", False):
+        return
+    export, cache = _stage_split._export, {}
+
+    def cached(model: Any, args: tuple, kwargs: dict, paths: tuple[str, ...]) -> Any:
+        key = (type(model).__qualname__, repr(getattr(model, "config", None)),
+               tuple((n, tuple(p.shape)) for n, p in model.named_parameters()),
+               tuple((tuple(a.shape), a.dtype) for a in args if isinstance(a, torch.Tensor)), tuple(kwargs), paths)
+        if key not in cache:
+            cache[key] = export(model, args, kwargs, paths)
+        return cache[key]
+
+    cached.zoo_cached = True  # type: ignore[attr-defined]
+    _stage_split._export = cached
+
+
 def run_matrix(archs: tuple[str, ...] = ARCHS, layouts: tuple[str, ...] = LAYOUTS) -> list[dict[str, Any]]:
     """Per rank: every ``(arch, layout)`` case; a profile and a reference run per architecture."""
     import whalepy
 
     warnings.filterwarnings("ignore")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    _trace_each_split_once()
     if os.environ.get("WHALEPY_ZOO_DUMP"):  # manual runs: where each rank is after that many seconds
         import faulthandler
 
