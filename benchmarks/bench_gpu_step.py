@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     _single_process_env()
-    from whalepy.cluster import ClusterSpec
+    from whalepy import ClusterSpec
 
     world = int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", "0"))

@@ -41,7 +41,7 @@ def build_model() -> GPT:
 
 
 def cluster():
-    from whalepy.cluster import ClusterSpec
+    from whalepy import ClusterSpec
 
     return ClusterSpec.local(4, device_type="A100-80GB")  # 4 simulated A100s, run on CPU with gloo
 

@@ -40,7 +40,7 @@ import torch.fx as fx
 
 from whalepy.passes.manager import PassContext
 from whalepy.passes.shapes import op_name
-from whalepy.profile import BlockAnnotations, BlockKind
+from whalepy.ir.profile import BlockAnnotations, BlockKind
 
 _CALLS = ("call_function", "call_method", "call_module")
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from whalepy._tiling import linear_param_counts, linear_rows
+from whalepy.ir.tiling import linear_param_counts, linear_rows
 from whalepy.passes.annotate import (
     annotate_nodes,
     lookup,
@@ -40,8 +40,8 @@ from whalepy.passes.memory import count_bytes
 from whalepy.passes.shapes import mark_requires_grad, nbytes
 from whalepy.passes.tp_patterns import BlockTP, check_split_degrees, find_tp_patterns
 from whalepy.passes.truncate import TruncatedRun, graph_signature, plan_truncation, rename, truncated
-from whalepy.plan import TPRule, TPStyle
-from whalepy.profile import BlockAnnotations, BlockKind, BlockProfile, ModelProfile
+from whalepy.ir.plan import TPRule, TPStyle
+from whalepy.ir.profile import BlockAnnotations, BlockKind, BlockProfile, ModelProfile
 
 
 def analysis_passes(
@@ -81,7 +81,7 @@ def build_profile(
     ``capture_method`` then ends in ``"+truncated"`` and ``profile.graph`` is the truncated graph
     (``graph.meta["whalepy.truncation"]`` says what was done, or why it was not).
 
-    ``sequence_parallel=True`` adds :attr:`~whalepy.plan.TPStyle.SEQUENCE` rules (Korthikanti et
+    ``sequence_parallel=True`` adds :attr:`~whalepy.ir.plan.TPStyle.SEQUENCE` rules (Korthikanti et
     al.) to the blocks' ``tp_rules``: one per pre-norm that feeds column-parallel layers, and one on
     the first TP layer's module, where the residual stream enters the sequence-sharded region. A plan
     holding them is lowered with sequence parallelism. Raises ``PlanError`` naming the module when a
@@ -149,7 +149,7 @@ def build_profile(
 
 def shares_params(model: torch.nn.Module, modules: tuple[str, ...]) -> bool:
     """Whether a module of ``modules`` (paths in ``model``) shares a parameter with a module outside it
-    (:attr:`~whalepy.profile.BlockProfile.shares_params`)."""
+    (:attr:`~whalepy.ir.profile.BlockProfile.shares_params`)."""
     for path in modules:
         prefix = path + "." if path else ""
         inside = {id(p) for n, p in model.named_parameters(remove_duplicate=False) if n.startswith(prefix)}
@@ -242,7 +242,7 @@ def _sequence_parallel_region(raw: list[_Raw]) -> None:
     first block with a column-then-row pair) and check that every later block keeps it: each must
     run sequence parallel, and the last must end it (a SEQUENCE norm before a column-parallel head,
     whose input is then gathered). Raises ``PlanError`` naming the block and why otherwise."""
-    from whalepy._errors import PlanError
+    from whalepy.errors import PlanError
 
     def paired(b: _Raw) -> bool:
         return any(r.style is TPStyle.ROWWISE for r in b.tp.rules)

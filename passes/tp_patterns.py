@@ -50,7 +50,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from whalepy._errors import AnnotationError
+from whalepy.errors import AnnotationError
 from whalepy.passes.manager import PassContext
 from whalepy.passes.shapes import (
     NO_DATA_OPS,
@@ -65,8 +65,8 @@ from whalepy.passes.shapes import (
     val,
     weight_module,
 )
-from whalepy.plan import TPRule, TPStyle
-from whalepy.profile import BlockAnnotations
+from whalepy.ir.plan import TPRule, TPStyle
+from whalepy.ir.profile import BlockAnnotations
 
 TP_DEGREES = (1, 2, 4, 8, 16, 32, 64)
 

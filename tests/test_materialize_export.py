@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import whalepy
-from whalepy.export import export_safetensors, parse_size
+from whalepy.tools.export import export_safetensors, parse_size
 from whalepy.models import GPT, GPTConfig
 
 # DCP says it saves and loads in one process: that is what these tests ask of it

@@ -65,7 +65,7 @@ def _check_memory(phase: dict, full: int, block: int) -> None:
 def test_meta_init_load_export_eight_ranks(tmp_path):
     from transformers import LlamaForCausalLM
 
-    from whalepy.cli import main
+    from whalepy.tools.cli import main
 
     rtol, atol = LOSS_RTOL[PRECISION], ATOL
     llama_dir = str(tmp_path / "llama_hf")

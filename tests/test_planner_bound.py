@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from whalepy._capabilities import resolve_precision
-from whalepy._errors import InfeasibleError
+from whalepy.hardware.cluster import resolve_precision
+from whalepy.errors import InfeasibleError
 from whalepy.planner import make_options, plan_from_profile
 from whalepy.planner._bound import Choices
 from whalepy.planner.costing import CostContext, build_coefficients, lower_bound

@@ -11,8 +11,8 @@ import torch
 
 from dist_harness import run_distributed
 from runtime_cases import Case, adamw, gpt_model, lm_loss, make_case_plan
-from whalepy._errors import LaunchError, PlanError, WhalepyError
-from whalepy.launch import add_run_subparser, build_torchrun_command
+from whalepy.errors import LaunchError, PlanError, WhalepyError
+from whalepy.tools.launch import add_run_subparser, build_torchrun_command
 from whalepy.runtime import UnlaunchedModel, make_plan, parallelize
 
 
@@ -20,7 +20,7 @@ def _attempt(kind: str) -> str:
     """Per rank: one wrong launch; return the error's class and message (or a failure marker)."""
     import dataclasses
 
-    from whalepy.cluster import ClusterSpec
+    from whalepy import ClusterSpec
 
     x = torch.zeros(2, 16, dtype=torch.long)
     model = gpt_model()

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import whalepy
-from whalepy._capabilities import tp_splits
-from whalepy._errors import PlanError
-from whalepy.plan import TPStyle
+from whalepy.ir.rules import tp_splits
+from whalepy.errors import PlanError
+from whalepy.ir.plan import TPStyle
 from whalepy.runtime import make_plan
 
 

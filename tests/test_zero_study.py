@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from whalepy._t5 import T5_SIZES, T5Config, build_t5
-from whalepy.cli import main
+from whalepy.models.t5 import T5_SIZES, T5Config, build_t5
+from whalepy.tools.cli import main
 from whalepy.cost_models.communication import CommGroup, Link, estimate_collective_link_bytes
-from whalepy.study import study_zero
+from whalepy.tools.study import study_zero
 
 
 def _t5_params(c: T5Config) -> int:

@@ -96,7 +96,7 @@ def _whalepy_gpt() -> Any:
 
 
 def _whalepy_t5() -> Any:
-    from whalepy._t5 import T5, T5Config
+    from whalepy.models.t5 import T5, T5Config
 
     return T5(T5Config(d_model=32, d_ff=64, num_heads=4, d_kv=8, num_layers=2, vocab_size=VOCAB))
 
@@ -128,7 +128,7 @@ def _gpt_v50257() -> Any:
     50257-token embedding (not divisible by 2) in a stage with TP 2, where it runs whole."""
     import whalepy
     from whalepy.models import GPT, GPTConfig
-    from whalepy.zoo import GPT2_VOCAB
+    from whalepy.models.zoo import GPT2_VOCAB
 
     model = GPT(GPTConfig(vocab_size=GPT2_VOCAB, block_size=32, num_layers=2, num_heads=4, hidden_size=32))
     return whalepy.annotate(model, {"transformer.h.*": whalepy.split(2)})
@@ -195,8 +195,8 @@ def reference(arch: str, data: list) -> tuple[list[float], dict[str, torch.Tenso
 def layout_plan(layout: str, prof: Any) -> Any:
     """The plan of ``layout`` for 4 ranks: a fixed layout through ``make_plan`` with the TP rules the
     planner would put in it (those of the blocks that split at that degree), or the planner's own."""
-    from whalepy._capabilities import tp_splits
-    from whalepy.cluster import ClusterSpec
+    from whalepy.ir.rules import tp_splits
+    from whalepy import ClusterSpec
     from whalepy.planner import plan_from_profile
     from whalepy.runtime import make_plan
 

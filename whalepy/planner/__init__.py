@@ -2,7 +2,7 @@
 
 Pipeline: profile (capture) -> enumerate outer candidates (:mod:`.search`) -> per candidate an ILP
 (:mod:`.ilp`, formulation in its docstring) or exhaustive enumeration (:mod:`.exhaustive`), both costed
-by :mod:`.costing` -> :class:`~whalepy.plan.Plan` (:mod:`.build`). See docs/planner.md.
+by :mod:`.costing` -> :class:`~whalepy.ir.plan.Plan` (:mod:`.build`). See docs/planner.md.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from whalepy._errors import PlanError
-from whalepy.cluster import ClusterSpec
-from whalepy.plan import Plan, Schedule
-from whalepy.planner._runtime_costs import check_device_reserve
+from whalepy.errors import PlanError
+from whalepy.hardware.cluster import ClusterSpec
+from whalepy.ir.plan import Plan, Schedule
+from whalepy.planner.runtime_costs import check_device_reserve
 from whalepy.planner.build import build_alternatives, build_plan, raise_infeasible
 from whalepy.planner.search import run_search
 from whalepy.planner.space import Hardware, RejectionKind
-from whalepy.profile import ModelProfile
+from whalepy.ir.profile import ModelProfile
 
 SOLVERS = ("highs", "cbc", "exhaustive")
 
@@ -93,11 +93,11 @@ class PlannerOptions:
     clip_gradients: bool = False
     """The run clips gradients by their global norm (``parallelize(max_grad_norm=...)`` sets it):
     ZeRO-Offload's host optimizer then steps after the backward (the norm needs every gradient), and its
-    CPU step is costed as exposed in full (:func:`whalepy._capabilities.host_steps_after_backward`)."""
+    CPU step is costed as exposed in full (:func:`whalepy.ir.rules.host_steps_after_backward`)."""
     memory_trace: Any = None
-    """A :class:`~whalepy.trace.MemoryTrace` (or its JSON path) of one warm-up iteration of this model:
+    """A :class:`~whalepy.frontend.trace.MemoryTrace` (or its JSON path) of one warm-up iteration of this model:
     the planner charges its measured activation bytes per block instead of the profile's estimate
-    (:func:`whalepy.trace.apply_memory_trace`)."""
+    (:func:`whalepy.frontend.trace.apply_memory_trace`)."""
     notes: tuple[str, ...] = field(default=())
     """Lines copied into ``plan.notes`` (used by callers that adjust options, e.g. a solver fallback)."""
 
@@ -180,7 +180,7 @@ def _check_option_types(opts: PlannerOptions) -> None:
         raise PlanError(f"memory_trace={os.fspath(trace)!r}: no such file; make one with "
                         "whalepy.trace_memory(model, batch).save(path), or leave memory_trace out")
     if trace is not None and not isinstance(trace, (str, os.PathLike)) and type(trace).__name__ != "MemoryTrace":
-        raise bad("memory_trace", "a whalepy.trace.MemoryTrace or the path of one saved with .save(path)")
+        raise bad("memory_trace", "a whalepy.frontend.trace.MemoryTrace or the path of one saved with .save(path)")
 
 
 def _progress_fn(opt: bool | Callable[[str], None]) -> Callable[[str], None]:
@@ -207,7 +207,7 @@ def plan(model: Any, cluster: ClusterSpec, *, example_inputs: Any, global_batch:
     """The fastest predicted plan for training ``model`` on ``cluster`` with ``global_batch`` samples per
     step. ``options`` are the fields of :class:`PlannerOptions`. Raises
     :class:`~whalepy.InfeasibleError` when nothing fits, saying what runs short and what to relax."""
-    from whalepy._validate import as_cluster, check_example_inputs, check_model
+    from whalepy.frontend.checks import as_cluster, check_example_inputs, check_model
 
     check_model(model, "whalepy.plan()")
     cluster = as_cluster(cluster, "whalepy.plan()")
@@ -219,7 +219,7 @@ def plan(model: Any, cluster: ClusterSpec, *, example_inputs: Any, global_batch:
     check_annotation_degrees(model, cluster.world_size)
     progress = _progress_fn(opts.progress)
     progress("capturing the model")
-    from whalepy.profile import profile as build
+    from whalepy.frontend.profile import profile as build
 
     prof = build(model, example_inputs, sequence_parallel=opts.sequence_parallel)
     progress(f"captured {len(prof.blocks)} blocks in {prof.capture_time_s:.2f} s ({prof.capture_method})")
@@ -228,7 +228,7 @@ def plan(model: Any, cluster: ClusterSpec, *, example_inputs: Any, global_batch:
 
 def plan_from_profile(profile: ModelProfile, cluster: ClusterSpec, *, global_batch: int, **options: Any) -> Plan:
     """:func:`plan` for a profile already made (by capture or :mod:`whalepy.planner.synthetic`)."""
-    from whalepy._validate import as_cluster
+    from whalepy.frontend.checks import as_cluster
 
     if not isinstance(profile, ModelProfile):
         raise PlanError(f"plan_from_profile() takes a whalepy.ModelProfile, got {type(profile).__name__}; make "
@@ -243,7 +243,7 @@ def plan_from_profile(profile: ModelProfile, cluster: ClusterSpec, *, global_bat
                                     **{k: getattr(opts, k) for k in _fields() if k != "homogeneous_baseline"})
     _check_sequence_parallel(profile, opts)
     if opts.memory_trace is not None:
-        from whalepy.trace import apply_memory_trace
+        from whalepy.frontend.trace import apply_memory_trace
 
         profile = apply_memory_trace(profile, opts.memory_trace)
     progress = _progress_fn(opts.progress)
@@ -280,7 +280,7 @@ def _check_global_batch(global_batch: Any) -> None:
 
 def _with_precision(opts: PlannerOptions, cluster: ClusterSpec) -> PlannerOptions:
     """``opts`` with its precision resolved for (and checked against) the cluster's device types."""
-    from whalepy._capabilities import resolve_precision
+    from whalepy.hardware.cluster import resolve_precision
 
     precision = resolve_precision((g.device for g in cluster.groups), opts.precision)
     return replace(opts, precision=precision.value)
@@ -344,7 +344,7 @@ def homogeneous_baseline(profile: ModelProfile, cluster: ClusterSpec, *, global_
     from whalepy.planner.costing import CostContext
     from whalepy.planner.search import evaluate_fixed
 
-    from whalepy._validate import as_cluster
+    from whalepy.frontend.checks import as_cluster
 
     cluster = as_cluster(cluster, "whalepy.homogeneous_baseline()")
     opts = _with_precision(make_options(options), cluster)

@@ -11,13 +11,13 @@ import functools
 
 import torch
 
-from whalepy._capabilities import tp_splits
+from whalepy.ir.rules import tp_splits
 from whalepy.cost_models.communication import Collective, CommGroup, Link, estimate_collective_time
 from whalepy.cost_models.compute import estimate_block_time, estimate_kernels_time, precision_bytes
-from whalepy.plan import TPStyle
-from whalepy.planner._runtime_costs import DPComm, build_dp_block_comm
+from whalepy.ir.plan import TPStyle
+from whalepy.planner.runtime_costs import DPComm, build_dp_block_comm
 from whalepy.planner.space import GroupView, Hardware, Segment
-from whalepy.profile import BlockKind, BlockProfile, ModelProfile
+from whalepy.ir.profile import BlockKind, BlockProfile, ModelProfile
 
 
 def _shared_nic(group: CommGroup, sharers: int) -> CommGroup:
@@ -60,7 +60,7 @@ def tp_activation_fraction(block: BlockProfile, tp: int, sequence_parallel: bool
 
 
 tp_applies = tp_splits
-"""Whether a block is split across the TP group: :func:`whalepy._capabilities.tp_splits`, the one rule
+"""Whether a block is split across the TP group: :func:`whalepy.ir.rules.tp_splits`, the one rule
 the plan check shares."""
 
 

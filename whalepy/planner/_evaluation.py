@@ -73,7 +73,7 @@ class CellEval:
     @property
     def reserve_bytes(self) -> float:
         """Device memory the planner keeps back from the allocator: CUDA context, NCCL buffers and
-        the allocator's fragmentation allowance (:func:`whalepy.planner._runtime_costs.usable_device_bytes`)."""
+        the allocator's fragmentation allowance (:func:`whalepy.planner.runtime_costs.usable_device_bytes`)."""
         return self.cell.group.device.memory_bytes - self.cell.capacity
 
     @property
@@ -83,7 +83,7 @@ class CellEval:
 
 
 def memory_breakdown(c: CellEval) -> dict[str, int]:
-    """A cell's memory by kind, bytes per device (the :class:`~whalepy.plan.StageCost` fields)."""
+    """A cell's memory by kind, bytes per device (the :class:`~whalepy.ir.plan.StageCost` fields)."""
     return dict(params_bytes=int(c.params_bytes), grads_bytes=int(c.grads_bytes),
                 optimizer_bytes=int(c.optimizer_bytes), activation_bytes=int(c.activation_bytes),
                 buffer_bytes=int(c.buffer_bytes), reserve_bytes=int(c.reserve_bytes),

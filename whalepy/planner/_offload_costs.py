@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from whalepy._capabilities import LoweringKind, host_steps_after_backward
+from whalepy.ir.rules import LoweringKind, host_steps_after_backward
 from whalepy.cost_models.compute import estimate_compute_time, precision_bytes
 from whalepy.cost_models.memory import MASTER_GRAD_BYTES, MASTER_PARAM_BYTES
 from whalepy.cost_models.offload import (
@@ -21,8 +21,8 @@ from whalepy.cost_models.offload import (
     resolve_offload_rates,
     zero_offload_step,
 )
-from whalepy.plan import Tier, ZeroStage
-from whalepy.planner._runtime_costs import lowering_kind
+from whalepy.ir.plan import Tier, ZeroStage
+from whalepy.planner.runtime_costs import lowering_kind
 from whalepy.planner.space import Candidate, GroupView, StateOption
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ import warnings
 
 import pulp
 
-from whalepy._errors import PlanError
+from whalepy.errors import PlanError
 
 # Linear forms are ``(dict[_Var, float], constant)``. The model is built in plain Python (``_Model``) and
 # handed to HiGHS as arrays in one call (or converted to PuLP for CBC): PuLP's model building and its

@@ -1,4 +1,4 @@
-"""Turn the search's best evaluation into a :class:`~whalepy.plan.Plan`; explain the losers; and, when
+"""Turn the search's best evaluation into a :class:`~whalepy.ir.plan.Plan`; explain the losers; and, when
 nothing fits, say which device group runs short, by how much, and what would make it fit."""
 
 from __future__ import annotations
@@ -6,11 +6,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from whalepy._errors import InfeasibleError
+from whalepy.errors import InfeasibleError
 from whalepy.cost_models.compute import peak_flops
 from whalepy.cost_models.device_profiles import compute_profile_notes
 from whalepy.cost_models.devices import GIB
-from whalepy.plan import (
+from whalepy.ir.plan import (
     Alternative,
     BlockPlan,
     Plan,
@@ -93,7 +93,7 @@ def build_plan(ev: Evaluation, *, ctx: CostContext, global_batch: int, result: S
         for o in dict.fromkeys(option_of.values()):
             mine = [i for i in positions[s] if option_of[i] == o]
             depths[o], _ = stage_prefetch(ctx, cand, st, max(st.cells, key=lambda c: c.time_s), mine, option=o)
-        # the disk tier reads a stage's NVMe parameters ahead by one depth (_capabilities.stage_tiers_error)
+        # the disk tier reads a stage's NVMe parameters ahead by one depth (ir.rules.stage_tiers_error)
         disk = max((d for o, d in depths.items() if o.param_tier is Tier.NVME), default=None)
         depths = {o: disk if o.param_tier is Tier.NVME and disk is not None else d for o, d in depths.items()}
         for o in depths:

@@ -28,9 +28,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from whalepy._capabilities import microbatch_error, schedule_error, sequence_parallel_error
-from whalepy._errors import AnnotationError, InfeasibleError
-from whalepy.plan import Schedule, Tier
+from whalepy.ir.rules import microbatch_error, schedule_error, sequence_parallel_error
+from whalepy.errors import AnnotationError, InfeasibleError
+from whalepy.ir.plan import Schedule, Tier
 from whalepy.planner._bound import Choices
 from whalepy.planner.costing import (
     CandidateCoeffs,
@@ -55,7 +55,7 @@ from whalepy.planner.space import (
     distinct_orders,
     divisors,
 )
-from whalepy.profile import ModelProfile
+from whalepy.ir.profile import ModelProfile
 
 SHARE_BLENDS = (0.0, 0.5, 0.75, 1.0)
 """Replica batch shares tried on mixed clusters: ``(1 - a) * uniform + a * proportional to throughput``."""
@@ -218,7 +218,7 @@ def _dev(name: str) -> str:
 
 
 def _gpu_matches(device_name: str, wanted: str) -> bool:
-    from whalepy._errors import ClusterSpecError
+    from whalepy.errors import ClusterSpecError
     from whalepy.cost_models.devices import resolve_device_type
 
     try:
@@ -348,7 +348,7 @@ def _apportion(total: int, weights: list[float]) -> list[int] | None:
 
 
 def _schedules(S: int, M: int, N: int, opts, cons: Constraints, multi: bool):  # type: ignore[no-untyped-def]
-    """``(schedule, virtual stages)`` pairs the runtime lowers (:mod:`whalepy._capabilities`) for ``S``
+    """``(schedule, virtual stages)`` pairs the runtime lowers (:mod:`whalepy.ir.rules`) for ``S``
     stages and ``M`` micro-batches, less those the planner does not cost or never needs."""
     if S == 1:
         yield (Schedule.ONE_F_ONE_B if Schedule.ONE_F_ONE_B in opts.schedules else opts.schedules[0]), 1

@@ -14,11 +14,11 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-from whalepy.cluster import ClusterSpec
+from whalepy.hardware.cluster import ClusterSpec
 from whalepy.cost_models.communication import CommGroup
 from whalepy.cost_models.devices import DeviceType
-from whalepy.plan import Schedule, Tier, ZeroStage
-from whalepy.profile import BlockAnnotations, BlockProfile, ModelProfile
+from whalepy.ir.plan import Schedule, Tier, ZeroStage
+from whalepy.ir.profile import BlockAnnotations, BlockProfile, ModelProfile
 
 
 # -- segments: runs of identical consecutive blocks -------------------------------------------------
@@ -82,7 +82,7 @@ class StateOption:
     """Gradients reduce-scattered every micro-batch (``StagePlan.reduce_every_microbatch``)."""
     beside_offload: bool = False
     """An on-device option costed as FSDP2 lowers it beside offloading blocks of the same stage (the
-    runtime lowers a stage to FSDP2 when any block offloads, :func:`~whalepy._capabilities.choose_lowering_kind`):
+    runtime lowers a stage to FSDP2 when any block offloads, :func:`~whalepy.ir.rules.choose_lowering_kind`):
     only ever part of a mix (:data:`StateMix`) with an offloading option."""
 
     @property
@@ -120,9 +120,9 @@ search-space restriction, not a cost: it keeps the ILP small and the exhaustive 
 def build_state_options(zero_stages: tuple[int, ...], allow_offload: bool,
                         precision: str | None = None, clip_gradients: bool = False) -> tuple[StateOption, ...]:
     """Every combination the planner may pick per stage: those the runtime lowers
-    (:func:`whalepy._capabilities.state_option_error`, in ``precision`` when given, with gradient
+    (:func:`whalepy.ir.rules.state_option_error`, in ``precision`` when given, with gradient
     clipping when ``clip_gradients``), on the device only unless ``allow_offload``."""
-    from whalepy._capabilities import state_option_error
+    from whalepy.ir.rules import state_option_error
 
     out = []
     tiers = (Tier.GPU, Tier.CPU, Tier.NVME) if allow_offload else (Tier.GPU,)

@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from whalepy._log import warn_once
-from whalepy.plan import Precision
+from whalepy.log import warn_once
+from whalepy.ir.plan import Precision
 
 __all__ = ["STATE_KEY", "AmpContext"]
 

@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from whalepy._errors import ArgumentError, LaunchError, PlanError
-from whalepy._validate import check_scalar_loss
-from whalepy.plan import Plan, TPStyle
+from whalepy.errors import ArgumentError, LaunchError, PlanError
+from whalepy.frontend.checks import check_scalar_loss
+from whalepy.ir.plan import Plan, TPStyle
 from whalepy.runtime.data_parallel import DataParallelKind, offloads_any_block
 
 log = logging.getLogger("whalepy.runtime")
@@ -36,7 +36,7 @@ def _checked_loss(loss_fn: LossFn) -> LossFn:
 def _check_reduce_every_microbatch(plan: Plan) -> None:
     """Refuse a stage's ``reduce_every_microbatch`` where the runtime cannot lower it (one rule,
     :func:`reduce_every_microbatch_error`), before anything is built."""
-    from whalepy._capabilities import choose_lowering_kind, reduce_every_microbatch_error
+    from whalepy.ir.rules import choose_lowering_kind, reduce_every_microbatch_error
 
     for st in plan.stages:
         if not st.reduce_every_microbatch:
@@ -98,7 +98,7 @@ def _broadcast_weights(model: nn.Module) -> None:
 
 def _profile_or_none(model: nn.Module, example_inputs: Any, plan: Plan) -> Any:
     try:
-        from whalepy.profile import profile
+        from whalepy.frontend.profile import profile
     except ImportError:
         return None
     try:

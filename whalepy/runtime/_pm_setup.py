@@ -14,13 +14,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from whalepy._errors import ArgumentError, WhalepyError
-from whalepy._log import info_once
-from whalepy.plan import Plan
+from whalepy.errors import ArgumentError, WhalepyError
+from whalepy.log import info_once
+from whalepy.ir.plan import Plan
 from whalepy.runtime.mesh import resolve_device_type, set_local_device
 
 if TYPE_CHECKING:
-    from whalepy.cluster import ClusterSpec
+    from whalepy.hardware.cluster import ClusterSpec
 
 log = logging.getLogger("whalepy.runtime")
 
@@ -56,7 +56,7 @@ def _check_lowering_options(*, loss_parallel: Any, sync_initial_weights: Any, se
     """``parallelize``'s remaining keyword arguments, by type (a truthy string is not ``True``)."""
     import os
 
-    from whalepy.profile import ModelProfile
+    from whalepy.ir.profile import ModelProfile
 
     for name, value in (("loss_parallel", loss_parallel), ("sync_initial_weights", sync_initial_weights)):
         if not isinstance(value, bool):
@@ -88,7 +88,7 @@ def _takes(fn: Any, n: int) -> bool:
 
 
 def _check_arguments(model: nn.Module, loss_fn: Any, optimizer: Any) -> None:
-    from whalepy._validate import check_model
+    from whalepy.frontend.checks import check_model
 
     check_model(model, "whalepy.parallelize()")
     if isinstance(optimizer, torch.optim.Optimizer):
@@ -163,7 +163,7 @@ def _plan_once(solve: Callable[[], Plan]) -> Plan:
     dist.broadcast_object_list(box, src=0)
     kind, *payload = box[0]  # type: ignore[misc]
     if kind == "error":
-        import whalepy._errors as errors
+        import whalepy.errors as errors
 
         raise getattr(errors, payload[0], WhalepyError)(f"planning on rank 0 failed: {payload[1]}")
     return Plan.from_json(payload[0])

@@ -24,9 +24,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from whalepy._log import is_rank0, logger
-from whalepy._plan_format import block_tiers, compress_names, compress_ranks
-from whalepy.plan import Plan, Tier
+from whalepy.log import is_rank0, logger
+from whalepy.ir.plan_text import block_tiers, compress_names, compress_ranks
+from whalepy.ir.plan import Plan, Tier
 
 __all__ = ["StepReporter", "plan_log_lines"]
 

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from whalepy._capabilities import staging_slots
+from whalepy.ir.rules import staging_slots
 from whalepy.runtime._durable import atomic_write, read_manifest, remove_files, remove_temporaries, write_manifest
 
 __all__ = ["Item", "SwapEngine", "View"]
@@ -416,7 +416,7 @@ class SwapEngine:
     def resume(self, manifest: dict) -> None:
         """Point the items at the files of ``manifest``'s generation (a restart after a crash): the
         blocks and items must be the ones the manifest names (same model and plan)."""
-        from whalepy._errors import WhalepyError
+        from whalepy.errors import WhalepyError
 
         saved = manifest["blocks"]
         if [b["name"] for b in saved] != [b.name for b in self.blocks]:

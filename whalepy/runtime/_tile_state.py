@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from whalepy._errors import WhalepyError
+from whalepy.errors import WhalepyError
 from whalepy.runtime.host_optimizer import full_tensor
 
 __all__ = ["TileChunks", "merge_state", "split_state"]

@@ -28,13 +28,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from whalepy._errors import ArgumentError, WhalepyError
+from whalepy.errors import ArgumentError, WhalepyError
 from whalepy.runtime._activations import (
     apply_activation_checkpointing,
     apply_activation_offload,
     apply_checkpoint_offload,
 )
-from whalepy.runtime._dcp_files import load_files, read_metadata
+from whalepy.runtime.dcp_files import load_files, read_metadata
 from whalepy.runtime._tile_state import merge_state, split_state
 from whalepy.runtime.host_optimizer import KERNEL_FLAGS, MASTER_KEY, HostStateView, full_tensor
 from whalepy.runtime.tiling import tiled_layout

@@ -23,7 +23,7 @@ of earlier blocks goes on; :meth:`HostOptimizer.finish` (the training step's opt
 the last ones and orders the device's next forward after the copies back.
 
 Under fp16 or with gradient clipping (``step_in_backward=False``,
-:func:`whalepy._capabilities.host_steps_after_backward`) the gradients still reach the host block by
+:func:`whalepy.ir.rules.host_steps_after_backward`) the gradients still reach the host block by
 block during the backward, but no block steps then: :meth:`HostOptimizer.finish` waits for the copies
 and leaves the host gradients as the masters' ``.grad``, where the loss scaler unscales and checks
 them and the clipping reads and scales them with the device's (:mod:`whalepy.runtime._joint_step`);
@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from whalepy._errors import WhalepyError
+from whalepy.errors import WhalepyError
 
 __all__ = ["MASTER_KEY", "HostOptimizer", "HostStateView", "as_shard_of", "full_tensor", "local_tensor",
            "on_mesh_device"]

@@ -9,7 +9,7 @@ its own ``_apply``) and fill them from one of three sources:
   time, by that module's own initialiser run on a host copy of it (``init_fn(module)`` when given,
   otherwise ``module.reset_parameters()`` and then the root model's ``_init_weights(module)``, which is
   HF's per-module initialiser and also recomputes HF's rotary tables; under transformers 4.x, whose
-  ``_init_weights`` does not, ``whalepy._hf_compat.init_rotary_tables`` does). The random generator is seeded
+  ``_init_weights`` does not, ``whalepy.models.hf_compat.init_rotary_tables`` does). The random generator is seeded
   from ``(seed, module path)``, so the values depend neither on the plan nor on the rank, and a
   single process (:func:`materialize`) gets the same weights. Only this rank's slice is kept.
 - **safetensors** (HF ``save_pretrained`` output: one file, or shards with
@@ -38,8 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from whalepy._errors import WhalepyError
-from whalepy._hf_compat import init_rotary_tables, relink_original_inv_freq
+from whalepy.errors import WhalepyError
+from whalepy.models.hf_compat import init_rotary_tables, relink_original_inv_freq
 
 __all__ = ["MaterializeStats", "Skeleton", "checkpoint_kind", "has_meta_tensors", "materialize",
            "materialize_modules", "snapshot"]
@@ -306,7 +306,7 @@ def _allocate(modules: Sequence[nn.Module], device: torch.device) -> None:
     tiers) is allocated on the host: FSDP2's ``reset_sharded_param`` (run by its ``_apply``) moves a
     shard to the host only when it pins it, so an unpinned one (the ``nvme`` tier's) would stay on
     the GPU, and a pinned one would pass through it first."""
-    from whalepy.runtime._held import offloaded_params
+    from whalepy.runtime.held import offloaded_params
 
     host = torch.device("cpu")
     for m in modules:

@@ -30,7 +30,7 @@ these tensors in place outside a step (``pm.load`` and ``pm.load_state_dict`` do
 recorded in the manifest. Files are written atomically under the other generation's names with a
 manifest as commit point; once the manifest is durable the superseded generation is removed, so the
 disk holds one generation between steps and two only while a step writes (docs/runtime.md, "Disk
-tier"; the peak: :func:`whalepy._capabilities.disk_tier_file_bytes`). The directory is removed at exit
+tier"; the peak: :func:`whalepy.ir.rules.disk_tier_file_bytes`). The directory is removed at exit
 unless ``keep``.
 """
 
@@ -144,7 +144,7 @@ class NvmeTier:
     def install(self) -> None:
         """Replace the optimizer's ``step`` by the per-block step; commit generation 0."""
         if self._step is None:
-            from whalepy._capabilities import staging_slots
+            from whalepy.ir.rules import staging_slots
 
             self.engine.num_slots = staging_slots(self.engine.prefetch_depth, len(self.engine.blocks))
             self._step = self.optimizer.step
@@ -345,10 +345,10 @@ def build_nvme_tier(optimizer: torch.optim.Optimizer, blocks: Sequence[tuple[Any
     order, after FSDP2 and materialisation): checks the directory and its free space before anything
     is written, homes the blocks' parameter shards (``param_tier = nvme``) and optimizer states
     (``optimizer_tier = nvme``) in files and, with ``keep``, resumes the last committed step there."""
-    from whalepy._capabilities import disk_tier_file_bytes, stage_tiers_error
-    from whalepy._errors import WhalepyError
+    from whalepy.ir.rules import disk_tier_file_bytes, stage_tiers_error
+    from whalepy.errors import WhalepyError
     from whalepy.cost_models.memory import ADAM_STATE_BYTES_PER_PARAM, MASTER_GRAD_BYTES, MASTER_PARAM_BYTES
-    from whalepy.plan import Tier
+    from whalepy.ir.plan import Tier
     from whalepy.runtime._durable import check_free_space
     from whalepy.runtime.data_parallel import fsdp_units
 

@@ -36,12 +36,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from whalepy._capabilities import check_pipeline, host_steps_after_backward, steps_on_host
-from whalepy._errors import ArgumentError, LaunchError, PlanError, WhalepyError
-from whalepy._log import info_once, is_rank0, warn_once
-from whalepy._pseudo_to_real import PseudoBuild, record_pseudo
-from whalepy._validate import check_token_ids, max_positions, token_vocab
-from whalepy.plan import Plan, Tier, TPStyle
+from whalepy.ir.rules import check_pipeline, host_steps_after_backward, steps_on_host
+from whalepy.errors import ArgumentError, LaunchError, PlanError, WhalepyError
+from whalepy.log import info_once, is_rank0, warn_once
+from whalepy.runtime.pseudo_record import PseudoBuild, record_pseudo
+from whalepy.frontend.checks import check_token_ids, max_positions, token_vocab
+from whalepy.ir.plan import Plan, Tier, TPStyle
 from whalepy.runtime.checkpointing import (
     apply_activation_checkpointing,
     apply_activation_offload,
@@ -75,10 +75,10 @@ from whalepy.runtime.mesh import RankMeshes, build_meshes, check_world
 from whalepy.runtime._amp import AmpContext
 from whalepy.runtime._report import StepReporter, plan_log_lines
 from whalepy.runtime._joint_step import JointStep, host_grad_params
-from whalepy.runtime._held import offloaded_params
+from whalepy.runtime.held import offloaded_params
 from whalepy.runtime.host_optimizer import HostOptimizer, fused_variant
 from whalepy.runtime.nvme import NvmeTier, build_nvme_tier
-from whalepy._launch_errors import install_error_hook
+from whalepy.runtime.launch_errors import install_error_hook
 from whalepy.runtime.tensor_parallel import apply_tensor_parallel
 from whalepy.runtime.tiling import check_tiles, plan_tiling, tile_model
 from whalepy.runtime._pm_setup import (
@@ -179,11 +179,11 @@ def parallelize(
     (logger ``"whalepy"``; a ``rich`` progress line on a terminal when ``rich`` is installed). The plan
     being lowered is logged on rank 0 in any case, one line per stage.
     """
-    from whalepy._validate import as_cluster, check_example_inputs, check_nvme_dir, check_positive_int
+    from whalepy.frontend.checks import as_cluster, check_example_inputs, check_nvme_dir, check_positive_int
 
     launched = is_distributed_launch()
     if launched:
-        install_error_hook()  # a user error below prints once and ends every rank (_launch_errors.py)
+        install_error_hook()  # a user error below prints once and ends every rank (runtime/launch_errors.py)
     if cluster_spec is not None:  # None works with a given plan; planning without one says so
         cluster_spec = as_cluster(cluster_spec, "whalepy.parallelize()")
     if launched:
@@ -260,7 +260,7 @@ def parallelize(
             except PlanError as e:
                 raise LaunchError(str(e)) from None
     if profile is not None:
-        from whalepy._plan_check import check_plan
+        from whalepy.planner.check import check_plan
 
         check_plan(plan, profile, model)  # a hand-edited plan fails here, not inside torch
     if plan.costs_stale and rank == 0:
@@ -664,7 +664,7 @@ class ParallelModel:
     def save(self, path: str | Path) -> None:
         """Write a distributed checkpoint (DCP) directory; loadable under any plan for this model.
         An HF model's config goes along as ``config.json`` (for ``whalepy export``)."""
-        from whalepy.runtime._dcp_files import check_save_path
+        from whalepy.runtime.dcp_files import check_save_path
 
         check_save_path(path)
         save_train_state(path, self._modules, self._optimizers(), aliases=self._tied_aliases,

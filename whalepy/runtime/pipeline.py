@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from whalepy._errors import LaunchError
-from whalepy.plan import Schedule
+from whalepy.errors import LaunchError
+from whalepy.ir.plan import Schedule
 from whalepy.runtime._stage_split import retarget_device, split_stages, tied_parameters
 from whalepy.runtime._torch_compat import match_pipeline_mode
 

@@ -1,6 +1,6 @@
 """Lower the plan's tensor-parallel rules onto DTensor.
 
-Each :class:`~whalepy.plan.TPRule` names a module and a :class:`~whalepy.plan.TPStyle`; the rules
+Each :class:`~whalepy.ir.plan.TPRule` names a module and a :class:`~whalepy.ir.plan.TPStyle`; the rules
 come from the front end's FX pattern pass, so nothing here knows a particular model. The mapping:
 
 ========== ===================================================================================
@@ -78,8 +78,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from whalepy._errors import PlanError
-from whalepy.plan import TPRule, TPStyle
+from whalepy.errors import PlanError
+from whalepy.ir.plan import TPRule, TPStyle
 
 __all__ = ["LOCAL_COUNT_ATTRIBUTES", "apply_tensor_parallel"]
 
