@@ -129,7 +129,7 @@ def build_profile(
             repeat_group=spec.repeat_group, num_params=b.num_params, param_bytes=b.param_bytes,
             fwd_flops=fig["fwd"], bwd_flops=fig["bwd"], bytes_moved=fig["bytes"],
             activation_bytes=int(fig["saved"]), input_bytes=int(fig["in"]),
-            output_bytes=int(fig["out"]), tp_rules=tp.rules, tp_comm_bytes=int(tp.comm_bytes),
+            output_bytes=int(fig["out"]), tp_rules=tp.rules, tp_whole=tp.whole, tp_comm_bytes=int(tp.comm_bytes),
             tp_degrees=degrees, annotations=merged, kernels=fig["kernels"],
             linear_params=lin_sum, largest_linear_params=lin_max, num_linears=lin_n,
             linear_rows=rows, shares_params=shares_params(model, spec.modules, named),
@@ -283,8 +283,9 @@ def _own_params(module: torch.nn.Module) -> tuple[int, int]:
 
 def _rename_tp(tp: BlockTP, old: str, new: str) -> BlockTP:
     return replace(
-        tp, rules=tuple(TPRule(module=rename(r.module, old, new), style=r.style) for r in tp.rules),
-        dims=tuple((rename(p, old, new), what, size) for p, what, size in tp.dims))
+        tp, rules=tuple(replace(r, module=rename(r.module, old, new)) for r in tp.rules),
+        dims=tuple((rename(p, old, new), what, size) for p, what, size in tp.dims),
+        whole=tuple((rename(p, old, new), why) for p, why in tp.whole))
 
 
 def _figures(b: _Raw, member: str) -> tuple:

@@ -314,9 +314,9 @@ def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device
         blocks = {b.index: tuple(p for p in b.modules if p in present) for b in profile.blocks}
         blocks = {i: ps for i, ps in blocks.items() if ps}
         for tp in sorted(set(int(t) for t in tp_degrees)):
-            from whalepy.ir.rules import tp_applies
+            from whalepy.ir.rules import tp_splits
 
-            ruled = [b for b in profile.blocks if b.index in blocks and tp_applies(b, tp)]
+            ruled = [b for b in profile.blocks if b.index in blocks and tp_splits(b, tp)]
             if tp > 1 and not ruled:
                 continue
             work = _materialized(model, dev)
@@ -332,7 +332,7 @@ def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device
                                          for _ in range(repeats)])
                     for i in blocks:
                         b = profile.blocks[i]
-                        if tp > 1 and not tp_applies(b, tp):
+                        if tp > 1 and not tp_splits(b, tp):
                             continue
                         times.setdefault(sigs[i], {})[(precision, tp, float(mb))] = (
                             med.get((i, "f"), 0.0), med.get((i, "b"), 0.0))

@@ -37,9 +37,26 @@ class TPRule:
     module: str
     """Qualified module name, e.g. ``"transformer.h.3.mlp.c_fc"``."""
     style: TPStyle
+    parts: int = 1
+    """A fused COLWISE projection: its output features are ``parts`` equal pieces side by side (GPT-2's
+    ``c_attn`` is ``[q | k | v]``, 3; Phi-3's ``gate_up_proj`` ``[gate | up]``, 2), which the model
+    splits apart (``chunk`` / ``split`` in its graph); each piece is sharded on its own, so every rank
+    holds ``[q_r | k_r | v_r]``."""
+    feeds_rowwise: bool = False
+    """A COLWISE module whose sharded output reaches a ROWWISE module (the pattern pass saw the pair in the
+    graph): its output stays sharded, wherever the two sit in the module tree (BERT's ``query`` in
+    ``attention.self``, its row-parallel ``dense`` in ``attention.output``). Without it the runtime pairs
+    a COLWISE module with a ROWWISE sibling under the same parent (plans made before this field)."""
+    copy_output: bool = False
+    """The model modifies this module's output in place (Falcon's ``mlp_output += attention_output``),
+    seen in the captured graph; DTensor hands on the output as a view autograd refuses to modify in
+    place, so the runtime hands on a copy."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "style", TPStyle(self.style))
+        if not isinstance(self.parts, int) or isinstance(self.parts, bool) or self.parts < 1:
+            raise PlanError(f"TP rule on {self.module!r}: parts = {self.parts!r}, expected an integer >= 1 "
+                            "(the number of fused pieces of its output)")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -131,6 +131,9 @@ class BlockProfile:
     output_bytes: int
     tp_rules: tuple[TPRule, ...] = ()
     """How tensor parallelism would split this block's modules (empty: no TP pattern found)."""
+    tp_whole: tuple[tuple[str, str], ...] = ()
+    """``(module path, why)``: the block's modules with parameters that tensor parallelism leaves whole
+    on every rank (no pattern, fused layout unsupported, ...); see :meth:`ModelProfile.tp_report`."""
     tp_comm_bytes: int = 0
     """Bytes all-reduced per forward when the block runs tensor-parallel (outputs of rowwise modules);
     backward moves the same amount again."""
@@ -205,6 +208,12 @@ class ModelProfile:
             if b.name == name:
                 return b
         raise KeyError(f"no block named {name!r}; blocks are {[b.name for b in self.blocks]}")
+
+    def tp_report(self) -> str:
+        """Per block, which modules tensor parallelism splits and how, and which stay whole and why."""
+        from whalepy.ir.profile_text import format_tp_report
+
+        return format_tp_report(self.blocks)
 
     def __str__(self) -> str:
         from whalepy.ir.profile_text import format_profile

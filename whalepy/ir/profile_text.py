@@ -99,3 +99,51 @@ def format_profile(profile: Any) -> str:
     lines = [header, fmt(cols), "  ".join("-" * w for w in widths)]
     lines += [fmt(r) for r in rows[1:]]
     return "\n".join(lines)
+
+
+def format_tp_report(blocks: Any, tp: int | None = None) -> str:
+    """One section per block: each ruled module with its style (fused pieces, copied output), then each
+    module left whole with the reason. ``tp``: the stage's degree, to say which blocks run whole at it.
+    A run of layers with the same report is printed once."""
+    from whalepy.ir.rules import tp_splits
+
+    sections: list[tuple[str, list[str]]] = []
+    for b in blocks:
+        off = tp is not None and tp > 1 and not tp_splits(b, tp)
+        note = ""
+        if off:
+            note = (f" (runs whole at TP {tp}: its shapes divide only by {', '.join(map(str, b.tp_degrees))})"
+                    if any(r.style is not TPStyle.REPLICATE for r in b.tp_rules) else " (runs whole)")
+        body = []
+        for r in b.tp_rules:
+            if r.style is TPStyle.REPLICATE:
+                continue
+            extra = [f"{r.parts} fused pieces"] if r.parts > 1 else []
+            extra += ["output modified in place: copied"] if r.copy_output else []
+            extra += ["not applied"] if off else []
+            body.append(f"  {r.module}: {r.style.value}" + (f" ({', '.join(extra)})" if extra else ""))
+        body += [f"  {m}: whole ({why})" for m, why in getattr(b, "tp_whole", ())]
+        generic = [line.replace(b.name + ".", "<block>.") for line in body]
+        if sections and b.kind.value == "layer" and sections[-1][2] == (note, generic):
+            sections[-1][1].append(b.name)
+            continue
+        sections.append((b.name, [b.name], (note, generic), body))  # type: ignore[arg-type]
+    lines = []
+    for _, names, (note, _g), body in sections:  # type: ignore[misc]
+        head = names[0] if len(names) == 1 else f"{names[0]} (and {len(names) - 1} more layers alike: " \
+            f"{names[1]}{' ... ' + names[-1] if len(names) > 2 else ''})"
+        lines.append(head + note)
+        lines += body
+    return "\n".join(lines)
+
+
+def format_plan_tp_report(plan: Any, profile: Any) -> str:
+    """:func:`format_tp_report` for each stage of ``plan`` with TP above 1, at the stage's degree: which
+    blocks split, and in each, which modules got which rule and which stayed whole and why."""
+    out = []
+    for st in plan.stages:
+        if st.tp_degree > 1:
+            blocks = [profile.block(n) for n in st.block_names]
+            out.append(f"stage {st.index}, TP {st.tp_degree}:")
+            out += ["  " + line for line in format_tp_report(blocks, st.tp_degree).splitlines()]
+    return "\n".join(out) or "no stage runs tensor-parallel"

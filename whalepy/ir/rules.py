@@ -21,6 +21,9 @@ Pipeline shape:
 - :func:`sequence_parallel_error`: sequence parallelism together with pipeline stages.
 - :func:`check_pipeline`: all three, raising :class:`~whalepy.PlanError`.
 
+Tensor parallelism: :func:`tp_splits`: whether a block is split across a TP group of a given degree or
+runs whole on every rank of it (the planner's costs, the plan it writes and the plan check all ask it).
+
 Memory-centric tiling: :func:`tiling_error` (``BlockPlan.tiles``). Gradient reduction every
 micro-batch: :func:`reduce_every_microbatch_error` (``StagePlan.reduce_every_microbatch``).
 
@@ -34,13 +37,14 @@ from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 from whalepy.errors import PlanError
-from whalepy.ir.types import LoweringKind, Precision, Schedule, Tier, ZeroStage
+from whalepy.ir.types import LoweringKind, Precision, Schedule, Tier, TPStyle, ZeroStage
 
 __all__ = [
     "DiskTierFileBytes",
     "FILE_GENERATIONS",
     "reduce_every_microbatch_error",
     "tiling_error",
+    "tp_splits",
     "LoweringKind",
     "check_pipeline",
     "check_state_option",
@@ -408,8 +412,11 @@ def is_conv1d(m: Any) -> bool:
     return type(m).__name__ == "Conv1D" and hasattr(m, "nf") and getattr(m, "weight", None) is not None
 
 
-def tp_applies(block: Any, tp: int) -> bool:
-    """Whether a block is split across the TP group: it has TP rules and every sharded dimension divides
-    by ``tp``. Otherwise it runs replicated on every rank of the TP group (whole compute, whole
-    parameters), which the costs charge."""
-    return tp > 1 and bool(block.tp_rules) and tp in block.tp_degrees
+def tp_splits(block: Any, tp: int) -> bool:
+    """Whether ``block`` (a :class:`~whalepy.BlockProfile`) is split across a tensor-parallel group of
+    ``tp`` ranks: it has TP rules that shard something and every sharded dimension divides by ``tp``
+    (``block.tp_degrees``). Otherwise it runs whole on every rank of the group (whole compute, whole
+    parameters; GPT-2's 50257-token embedding under TP 2), which the costs charge, the plan carries no
+    rule for, and the plan check accepts."""
+    return (tp > 1 and any(r.style is not TPStyle.REPLICATE for r in block.tp_rules)
+            and tp in block.tp_degrees)

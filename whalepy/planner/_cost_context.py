@@ -11,13 +11,13 @@ import functools
 
 import torch
 
+from whalepy.ir.rules import tp_splits
 from whalepy.cost_models.communication import Collective, CommGroup, Link, estimate_collective_time
 from whalepy.cost_models.compute import estimate_block_time, estimate_kernels_time, precision_bytes
 from whalepy.ir.plan import TPStyle
 from whalepy.planner.runtime_costs import DPComm, build_dp_block_comm
 from whalepy.planner.space import GroupView, Hardware, Segment
 from whalepy.ir.profile import BlockKind, BlockProfile, ModelProfile
-from whalepy.ir.rules import tp_applies  # noqa: F401 - re-exported: the rule lives with the lowering rules
 
 
 def _shared_nic(group: CommGroup, sharers: int) -> CommGroup:
@@ -51,7 +51,7 @@ def has_sequence_rules(profile: ModelProfile) -> bool:
 
 def tp_activation_fraction(block: BlockProfile, tp: int, sequence_parallel: bool) -> float:
     """Fraction of ``block``'s saved activations held per rank of a TP group of ``tp``."""
-    if not tp_applies(block, tp) or tp == 1:
+    if not tp_splits(block, tp) or tp == 1:
         return 1.0
     if block.kind is BlockKind.LAYER and not sequence_parallel:
         f = TP_REPLICATED_ACTIVATION_FRACTION
@@ -124,7 +124,7 @@ class CostContext:
             b = seg.block
             fwd, bwd = self.block_time(b.index, device_name, tp, micro_batch)
             ar = 0.0
-            if tp_group is not None and tp_applies(b, tp) and b.tp_comm_bytes:
+            if tp_group is not None and tp_splits(b, tp) and b.tp_comm_bytes:
                 ar = self.collective(Collective.ALL_REDUCE, b.tp_comm_bytes * ratio * self.byte_scale, tp_group)
             rows.append((fwd + bwd + 2 * ar, fwd + ar, fwd, bwd + ar, 2 * ar,
                          b.activation_bytes * ratio * self.byte_scale
@@ -139,7 +139,7 @@ class CostContext:
         attention and memory-bound bytes, with the device's profile (calibrated, shipped or datasheet
         transfer); blocks without recorded kernels use the aggregate roofline."""
         b = self.profile.blocks[block_index]
-        div = tp if tp_applies(b, tp) else 1
+        div = tp if tp_splits(b, tp) else 1
         measured = self.measured_block_time(block_index, device_name, div, micro_batch)
         if measured is not None:
             return measured
@@ -165,7 +165,7 @@ class CostContext:
 
     def block_cost_source(self, block_index: int, device_name: str, tp: int) -> str:
         """``"measured"`` or ``"modelled"``: where :meth:`block_time` takes this block's time from."""
-        div = tp if tp_applies(self.profile.blocks[block_index], tp) else 1
+        div = tp if tp_splits(self.profile.blocks[block_index], tp) else 1
         return "measured" if self.measured_block_time(block_index, device_name, div, 1.0) is not None else "modelled"
 
     def optimizer_s_per_param(self, device_name: str) -> float | None:

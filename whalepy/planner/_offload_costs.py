@@ -99,7 +99,7 @@ def stage_prefetch(ctx: CostContext, cand: Candidate, st: StageEval, cell: CellE
     of each pass included): :func:`~whalepy.cost_models.offload.choose_prefetch_depth` over the stage's
     blocks (``(1, 0.0)`` for parameters on the device). ``option``: the option of ``blocks`` when the
     stage mixes several (default ``st.option``)."""
-    from whalepy.planner.costing import tp_applies
+    from whalepy.planner.costing import tp_splits
 
     o = option or st.option  # of a mix: one part's option, with its blocks
     if o.param_tier is Tier.GPU or not blocks:
@@ -110,7 +110,7 @@ def stage_prefetch(ctx: CostContext, cand: Candidate, st: StageEval, cell: CellE
     prof = ctx.profile
     times = [ctx.block_time(i, g.device.name, t, mb) for i in blocks]
     hops = [fetch_hops(rates, MASTER_PARAM_BYTES * prof.blocks[i].num_params
-                       / (t if tp_applies(prof.blocks[i], t) else 1) / d, from_nvme=o.param_tier is Tier.NVME)
+                       / (t if tp_splits(prof.blocks[i], t) else 1) / d, from_nvme=o.param_tier is Tier.NVME)
             for i in blocks]
     fwd = [f for f, _ in times]
     depth, exposed = choose_prefetch_depth(compute_s=fwd, hops_s=hops)

@@ -30,7 +30,7 @@ from whalepy.planner.costing import (
     memory_breakdown,
     offload_s,
     stage_held_bytes,
-    tp_applies,
+    tp_splits,
 )
 from whalepy.planner._tiling_costs import block_tiles
 from whalepy.planner._offload_costs import stage_prefetch
@@ -125,7 +125,7 @@ def build_plan(ev: Evaluation, *, ctx: CostContext, global_batch: int, result: S
                                         param_tier=o.param_tier, optimizer_tier=o.optimizer_tier,
                                         tiles=block_tiles(prof.blocks[i], o.tiles),
                                         **depth_field))
-                if cand.tp > 1 and tp_applies(prof.blocks[i], cand.tp):
+                if cand.tp > 1 and tp_splits(prof.blocks[i], cand.tp):
                     rules.extend(prof.blocks[i].tp_rules)
         worst = max(st.cells, key=lambda c: c.time_s)
         tight = max(st.cells, key=lambda c: c.memory_bytes / c.cell.capacity)
@@ -204,7 +204,7 @@ def _held_state_bytes(ctx: CostContext, cand: Candidate, st, option_of: dict[int
     blocks' tiers (:func:`~whalepy.planner.costing.stage_held_bytes`: the disk tier's one staging pool,
     sized by its largest block and the prefetch depth of its NVMe parameters, as the runtime sizes it)."""
     prof = ctx.profile
-    local = [(prof.blocks[i].num_params / (cand.tp if cand.tp > 1 and tp_applies(prof.blocks[i], cand.tp) else 1), o)
+    local = [(prof.blocks[i].num_params / (cand.tp if cand.tp > 1 and tp_splits(prof.blocks[i], cand.tp) else 1), o)
              for i, o in option_of.items()]
     # the pool reads ahead by the depth of the NVMe parameters (one for the stage), else one block
     disk = [d for o, d in depths.items() if o.param_tier is Tier.NVME]

@@ -6,8 +6,9 @@ Checks, each a :class:`~whalepy.PlanError` naming the block / module / annotatio
 
 - the model fingerprint (module paths and parameter shapes) is the plan's;
 - the plan's blocks are the model's blocks, each once, in model order across the pipeline stages;
-- every stage with TP above 1 has tensor-parallel rules for its blocks, and its TP degree divides the
-  shapes of every block it holds (heads, features, vocabulary);
+- in every stage with TP above 1, the blocks that split at that degree
+  (:func:`whalepy.ir.rules.tp_splits`, the planner's rule) have their tensor-parallel rules in the
+  plan, and the others (shapes that do not divide by the degree) have none: they run whole;
 - every TP rule names a module of the model that whalepy's pattern pass found with that style;
 - the plan honours the model's annotations (``split``, ``replicate``, ``stage``, ``cluster(gpu=...)``).
 
@@ -104,6 +105,9 @@ def _check_blocks(plan: Plan, profile: Any) -> None:
 
 def _check_tensor_parallel(plan: Plan, profile: Any, model: Any) -> None:
     found = {(r.module, r.style) for b in profile.blocks for r in b.tp_rules}
+    parts = {r.module: r.parts for b in profile.blocks for r in b.tp_rules if r.style is TPStyle.COLWISE}
+    copies = {r.module for b in profile.blocks for r in b.tp_rules if r.copy_output}
+    pairs = {r.module for b in profile.blocks for r in b.tp_rules if r.feeds_rowwise}
     # a profile made without sequence_parallel=True has no SEQUENCE rules to compare the plan's with
     sequence_profiled = any(st is TPStyle.SEQUENCE for _, st in found)
     modules = dict(model.named_modules()) if model is not None else None
@@ -118,6 +122,21 @@ def _check_tensor_parallel(plan: Plan, profile: Any, model: Any) -> None:
             raise PlanError(
                 f"TP rule {rule.style.value} on {rule.module!r} is not a pattern whalepy found in the model "
                 f"({'it found ' + ', '.join(styles) if styles else 'no TP pattern on that module'}); {_REPLAN}")
+        if rule.style is TPStyle.COLWISE and rule.parts != parts.get(rule.module, 1):
+            raise PlanError(
+                f"TP rule colwise on {rule.module!r} shards its output as {rule.parts} fused piece(s), but the "
+                f"model splits it into {parts.get(rule.module, 1)}; sharding it so would pair the wrong halves "
+                f"on each rank; {_REPLAN}")
+        if rule.feeds_rowwise and rule.module not in pairs:
+            raise PlanError(f"TP rule colwise on {rule.module!r} keeps its output sharded (feeds_rowwise), but no "
+                            f"row-parallel layer reads it in the model; {_REPLAN}")
+        if rule.style is not TPStyle.SEQUENCE and rule.copy_output != (rule.module in copies):
+            raise PlanError(
+                f"TP rule {rule.style.value} on {rule.module!r} has copy_output={rule.copy_output}, but the model "
+                f"{'modifies' if rule.module in copies else 'does not modify'} that module's output in place; "
+                f"{_REPLAN}")
+    from whalepy.ir.rules import tp_splits
+
     ruled = {r.module for r in plan.tensor_parallel if r.style is not TPStyle.REPLICATE}
     for s in plan.stages:
         if s.tp_degree == 1:
@@ -125,12 +144,17 @@ def _check_tensor_parallel(plan: Plan, profile: Any, model: Any) -> None:
         for name in s.block_names:
             block = profile.block(name)
             own = {r.module for r in block.tp_rules if r.style is not TPStyle.REPLICATE}
-            if not own:
-                continue  # no TP pattern: the block runs replicated inside the TP group, as planned
-            if s.tp_degree not in block.tp_degrees:
-                raise PlanError(
-                    f"stage {s.index} runs block {name!r} with TP {s.tp_degree}, but its shapes (heads, features, "
-                    f"vocabulary) divide only by {', '.join(map(str, block.tp_degrees))}; {_REPLAN}")
+            if not tp_splits(block, s.tp_degree):
+                # the planner runs this block whole on every rank of the TP group (no pattern, or shapes
+                # that do not divide by the degree: GPT-2's 50257-token embedding); a rule for it would
+                # shard what cannot be sharded
+                if own & ruled:
+                    raise PlanError(
+                        f"stage {s.index} runs block {name!r} with TP {s.tp_degree}, but its shapes (heads, "
+                        f"features, vocabulary) divide only by {', '.join(map(str, block.tp_degrees))}, so it "
+                        f"must run whole, and the plan has a tensor-parallel rule for it "
+                        f"({sorted(own & ruled)[0]}); {_REPLAN}")
+                continue
             if not own & ruled:
                 raise PlanError(
                     f"stage {s.index} has TP {s.tp_degree} but the plan has no tensor-parallel rule for block "

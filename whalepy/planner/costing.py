@@ -114,7 +114,7 @@ from whalepy.planner._cost_context import (  # noqa: F401
     _shared_nic,
     has_sequence_rules,
     tp_activation_fraction,
-    tp_applies,
+    tp_splits,
 )
 from whalepy.planner._cells import _cell
 
@@ -127,7 +127,7 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
     ranks = build_layout(cand, hw)
     S, t, d = cand.num_stages, cand.tp, cand.dp
     stages = []
-    seg_params = [seg.block.num_params / (t if tp_applies(seg.block, t) else 1) for seg in segments]
+    seg_params = [seg.block.num_params / (t if tp_splits(seg.block, t) else 1) for seg in segments]
     mixing = mixed_tiers and cand.virtual_stages == 1
     # Stages whose replicas run on the same groups over equal data-parallel links have the same options
     # and per-option coefficients (only in-flight micro-batches, sends and the loss differ from stage to

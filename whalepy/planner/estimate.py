@@ -265,10 +265,10 @@ def check_config_on_cluster(cfg: ParallelConfig, cluster: ClusterSpec, global_ba
 
 def _check_tp_degree(profile: ModelProfile, tp: int) -> None:
     """``tp`` splits at least one block: a block whose heads, features or vocabulary do not divide by it
-    runs replicated (``tp_applies``, costed so), and a degree that splits none would only waste devices."""
-    from whalepy.planner._cost_context import tp_applies
+    runs replicated (``tp_splits``, costed so), and a degree that splits none would only waste devices."""
+    from whalepy.planner._cost_context import tp_splits
 
-    if tp == 1 or any(tp_applies(b, tp) for b in profile.blocks):
+    if tp == 1 or any(tp_splits(b, tp) for b in profile.blocks):
         return
     degrees = sorted({d for b in profile.blocks if b.tp_rules for d in b.tp_degrees})
     raise PlanError(f"tp={tp} splits no block of this model (its heads, features or vocabulary do not divide by "

@@ -46,7 +46,7 @@ from whalepy.planner.costing import (
     build_coefficients,
     evaluate,
     lower_bound,
-    tp_applies,
+    tp_splits,
 )
 from whalepy.planner.exhaustive import solve_exhaustive
 from whalepy.planner.ilp import MIP_REL_GAP, ILPResult, choose_solver, polish_candidate, solve_candidate
@@ -258,7 +258,7 @@ def enumerate_candidates(ctx: CostContext, G: int, opts, cons: Constraints,  # t
     refused: set[str] = set()
     multi = len(hw.groups) > 1
     for t in tps:
-        if t > 1 and not any(tp_applies(b, t) for b in prof.blocks):
+        if t > 1 and not any(tp_splits(b, t) for b in prof.blocks):
             rejections.append(Rejection(None, f"TP {t}: no block can be split {t} ways"))
             continue
         layouts = []  # (S, d, cell_groups, layout, share-mode)

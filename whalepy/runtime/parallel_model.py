@@ -804,18 +804,26 @@ class ParallelModel:
 
         with torch.no_grad():
             for params, group in self._tied:
-                if group is None:
+                if group is None and len(params) < 2:
                     continue
+                grads = []
                 for p in params:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
-                    g = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
-                    if g.device == self.device:
-                        dist.all_reduce(g, group=group)
-                    else:  # a host-tier gradient (FSDP2 CPUOffloadPolicy): NCCL has no CPU tensors
-                        summed = g.to(self.device)
-                        dist.all_reduce(summed, group=group)
-                        g.copy_(summed)
+                    if isinstance(p.grad, DTensor) and isinstance(p, DTensor) and p.grad.placements != p.placements:
+                        # a vocab-parallel embedding's gradient comes back whole (Replicate) where the
+                        # column-parallel head's copy is sharded: bring it to the parameter's layout
+                        p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+                    grads.append(p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad)
+                # copies in several virtual stages of this rank (interleaved schedules) are summed here
+                # first, so every rank of the group makes one all-reduce per tied parameter
+                total = grads[0].to(self.device, copy=True)
+                for g in grads[1:]:
+                    total += g.to(self.device)
+                if group is not None:  # on the host tier NCCL has no CPU tensors: reduced on the device
+                    dist.all_reduce(total, group=group)
+                for g in grads:
+                    g.copy_(total)
 
     # -- steps ---------------------------------------------------------------------------------
 

@@ -43,6 +43,22 @@ from whalepy.cost_models.devices import CATALOG, DeviceType, match_device_name
 __all__ = ["calibrate", "derive_from_microbench"]
 
 
+def _sizes(device: torch.device, quick: bool) -> dict[str, Any]:
+    if device.type == "cpu":
+        gemm = [(m, k, n) for m in (64, 256) for k, n in ((256, 256), (256, 1024), (1024, 256))] if quick else \
+            [(m, k, n) for m in (256, 1024, 2048) for k, n in ((512, 512), (512, 2048), (2048, 512), (1024, 1024))]
+        return dict(gemm=gemm, dtype=torch.float32, attn=[(1, 4, 128, 32)] if quick else [(2, 8, 512, 64)],
+                    mem=1 << 22 if quick else 1 << 25, adam=1 << 20 if quick else 1 << 24, repeats=3 if quick else 5,
+                    disk=16 << 20 if quick else 512 << 20, comm=[1 << 10, 1 << 16] if quick else [1 << s for s in range(10, 27, 4)])
+    hs = (1024, 2048) if quick else (1024, 2048, 4096, 8192)
+    ms = (2048,) if quick else (2048, 8192, 32768)
+    gemm = [(m, k, n) for h in hs for m in ms for k, n in ((h, 3 * h), (h, 4 * h), (4 * h, h), (h, h))]
+    return dict(gemm=gemm, dtype=torch.bfloat16, attn=[(4, 16, 2048, 128)] if quick else
+                [(b, 16, s, 128) for b, s in ((8, 1024), (4, 2048), (1, 8192))],
+                mem=1 << 26 if quick else 1 << 28, adam=1 << 24 if quick else 1 << 28, repeats=5 if quick else 20,
+                disk=64 << 20 if quick else 2 << 30, comm=[1 << s for s in range(10, 31, 2 if not quick else 6)])
+
+
 def calibrate(*, quick: bool = False, out: str | Path | None = None, device: str | None = None,
               disk_dir: str | None = None, progress: Any = None) -> Path:
     """Run the micro-benchmarks on ``device`` (default: the current CUDA device, else CPU), fit the

@@ -82,7 +82,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan = plan_from_profile(prof, cluster, global_batch=args.global_batch, **opts)
     print(plan)
     if args.explain:
+        from whalepy.ir.profile_text import format_plan_tp_report
+
         print(plan.explain())
+        print("Tensor parallelism per block (rule per module; modules left whole, and why):")
+        print(format_plan_tp_report(plan, prof))
     if args.out:
         plan.save(args.out)
         progress(f"wrote {args.out}")
