@@ -98,7 +98,9 @@ class MemoryTrace:
     def save(self, path: str | Path) -> None:
         d = asdict(self)
         d["events"] = [list(asdict(e).values()) for e in self.events]
-        Path(path).write_text(json.dumps(d))
+        from whalepy._files import write_file
+
+        write_file(path, json.dumps(d), what="MemoryTrace.save")
 
     @classmethod
     def load(cls, path: str | Path) -> MemoryTrace:

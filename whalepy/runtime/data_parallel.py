@@ -54,7 +54,7 @@ from whalepy.plan import BlockPlan, Precision, Tier, ZeroStage
 from whalepy.runtime._torch_compat import fsdp_param_groups
 from whalepy.runtime.tiling import tile_modules
 
-__all__ = ["DataParallelKind", "apply_data_parallel", "build_optimizer", "cast_sharded_params", "check_root_tiers",
+__all__ = ["DataParallelKind", "wrap_ddp", "apply_data_parallel", "build_optimizer", "cast_sharded_params", "check_root_tiers",
            "choose_kind", "compute_dtype", "fsdp_units", "offloads_any_block", "root_blocks", "set_prefetch"]
 
 log = logging.getLogger(__name__)
@@ -72,6 +72,12 @@ def offloads_any_block(blocks: Iterable[BlockPlan]) -> bool:
     ``CPUOffloadPolicy`` or the host optimizer; or ``nvme`` parameters: host shards homed in files;
     ``nvme`` optimizer states alone are handled around the optimizer)."""
     return any(offloads_to_host(b.param_tier, b.optimizer_tier) for b in blocks)
+
+
+def wrap_ddp(module: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
+    """DDP over ``dp_mesh``. Its constructor reads every parameter (shape check, broadcast from rank 0,
+    buckets), so a model built on the meta device is wrapped only after it is materialised."""
+    return DDP(module, process_group=dp_mesh.get_group(), device_ids=None, gradient_as_bucket_view=True)
 
 
 def apply_data_parallel(
@@ -95,7 +101,7 @@ def apply_data_parallel(
     if kind == DataParallelKind.NONE:
         return module
     if kind in (DataParallelKind.DDP, DataParallelKind.ZERO1):
-        return DDP(module, process_group=dp_mesh.get_group(), device_ids=None, gradient_as_bucket_view=True)
+        return wrap_ddp(module, dp_mesh)
     reshard = zero >= ZeroStage.PARAMETERS
     low = compute_dtype(precision)
     mp = {"mp_policy": MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)} if low else {}

@@ -62,6 +62,7 @@ from whalepy.runtime.data_parallel import (
     choose_kind,
     compute_dtype,
     offloads_any_block,
+    wrap_ddp,
 )
 from whalepy.runtime.materialize import (
     InitFn,
@@ -397,6 +398,7 @@ class ParallelModel:
         """Per module of a block with ``checkpoint_offload``: host bytes its last forward kept."""
         nvme_blocks: list[tuple[Any, nn.Module, list[nn.Module]]] = []
         host_blocks: list[tuple[Any, list[nn.Module]]] = []
+        defer_ddp = skeleton is not None and self.dp_kind in (DataParallelKind.DDP, DataParallelKind.ZERO1)
         for mod, chunk in zip(local, local_chunks):
             tile_model(mod, {p: t for b in chunk for p, t in tiling.get(b.name, {}).items()})
             blocks = [(b, [mod.get_submodule(p) for p in block_modules[b.name]]) for b in chunk]
@@ -411,7 +413,8 @@ class ParallelModel:
             offloaded = [x for b, mods in blocks if b.activation_offload for x in mods]
             if offloaded:
                 apply_activation_offload(offloaded, device)
-            self._modules.append(apply_data_parallel(mod, blocks, m.dp_mesh, kind=self.dp_kind,
+            self._modules.append(apply_data_parallel(mod, blocks, m.dp_mesh,
+                                                     kind=DataParallelKind.NONE if defer_ddp else self.dp_kind,
                                                      zero=stage.zero_stage, device_type=device_type,
                                                      precision=plan.precision))
             nvme_blocks += [(b, self._modules[-1], mods) for b, mods in blocks
@@ -421,6 +424,10 @@ class ParallelModel:
         if skeleton is not None:
             self.init_stats = materialize_modules(self._modules, skeleton, device, seed=seed,
                                                   init_fn=init_fn, checkpoint=checkpoint)
+        if defer_ddp:  # DDP reads its parameters when built: wrapped once they hold values
+            wrapped = {id(mod): wrap_ddp(mod, m.dp_mesh) for mod in self._modules}
+            self._modules = [wrapped[id(mod)] for mod in self._modules]
+            nvme_blocks = [(b, wrapped[id(root)], mods) for b, root, mods in nvme_blocks]
         # names of each tied parameter across stages (checkpoints carry its state under all of them)
         self._tied_aliases = [[n for _, n in holders] for holders, _ in tied_names]
         self._tied_aliases_holders = [holders for holders, _ in tied_names]
@@ -663,17 +670,23 @@ class ParallelModel:
 
     def save(self, path: str | Path) -> None:
         """Write a distributed checkpoint (DCP) directory; loadable under any plan for this model.
-        An HF model's config goes along as ``config.json`` (for ``whalepy export``)."""
+        An HF model's config goes along as ``config.json`` (for ``whalepy export``). Crash-safe: the
+        directory is written beside ``path`` and renamed into place once complete and checksummed
+        (:mod:`whalepy.runtime._commit`); an existing checkpoint at ``path`` is replaced only then."""
+        from whalepy.runtime._commit import save_committed
         from whalepy.runtime._dcp_files import check_save_path
 
         check_save_path(path)
-        save_train_state(path, self._modules, self._optimizers(), aliases=self._tied_aliases,
-                         extra=self.amp.state_dict())
         config, arch = self._hf_config
+        files = {}
         if dist.get_rank() == 0 and callable(getattr(config, "to_diff_dict", None)):
             # as save_pretrained writes it: with the model class, which from_pretrained needs
             text = json.dumps({**config.to_diff_dict(), "architectures": [arch]}, indent=2, sort_keys=True)
-            (Path(path) / "config.json").write_text(text + "\n")
+            files["config.json"] = (text + "\n").encode()
+        # written beside ``path``, checksummed and renamed into place: a crash keeps the last complete one
+        save_committed(path, lambda directory: save_train_state(
+            directory, self._modules, self._optimizers(), aliases=self._tied_aliases, extra=self.amp.state_dict()),
+            files)
 
     def load(self, path: str | Path) -> None:
         extra = load_train_state(path, self._modules, self._optimizers(), extra=self.amp.state_dict())
