@@ -103,9 +103,11 @@ def _check_corruption(pm: Any, root: str, load: str) -> None:
 
     from whalepy import WhalepyError
 
+    from whalepy.runtime._commit import resolve
+
     bad = Path(root, "corrupted")
     if dist.get_rank() == 0:
-        shutil.copytree(Path(root, load), bad)
+        shutil.copytree(resolve(Path(root, load)), bad)
         data_file = sorted(bad.glob("*.distcp"))[-1]
         size = data_file.stat().st_size
         n = min(65536, size // 2)

@@ -17,6 +17,7 @@ from dist_harness import DistributedTestError, run_distributed
 from whalepy import WhalepyError
 from whalepy.runtime._commit import MANIFEST, resolve, verify
 
+PRELOAD = ("checkpoint_fault_cases", "whalepy.runtime")  # one import for the 16 processes of 4 jobs
 KILLED = r"exited with code -9|Connection|closed|reset"
 # (load, refused naming, step the loaded state is at, save target, kill point); see _commit.KILL_POINTS
 CHAIN = [
@@ -31,12 +32,12 @@ def test_killed_saves_resume_the_last_complete_checkpoint(tmp_path: Path) -> Non
     # uninterrupted: 8 steps, "same" saved at step 2; then a save into a new directory, one rank killed
     # after DCP wrote its files
     with pytest.raises(DistributedTestError, match=KILLED):
-        run_distributed(reference_then_crash, 4, made, root, "s8", "written@1")
+        run_distributed(reference_then_crash, 4, made, root, "s8", "written@1", preload=PRELOAD)
     straight = json.loads((tmp_path / "straight.json").read_text())
     for load, fallback, step, target, kill in CHAIN:
         with pytest.raises(DistributedTestError, match=KILLED):
             run_distributed(resume_then_crash, 4, made, root, load, fallback, step, target, kill,
-                            kill == "swapped@0")
+                            kill == "swapped@0", preload=PRELOAD)
         got = json.loads((tmp_path / f"losses-{step}-{fallback or load}-{kill}.json").read_text())
         assert got == straight[step:step + 2], (kill, got, straight)
     # the last crash: the new checkpoint (step 6) is in place and whole, the old one still aside

@@ -37,12 +37,12 @@ def plan_diff(a: Plan, b: Plan) -> str:
     return render(_check(a), _check(b))
 
 
-def write_text(path: str | Path, text: str, *, inputs: tuple[str | Path, ...] = ()) -> None:
+def write_text(path: str | Path, text: str, *, inputs: tuple[str | Path, ...] = (), what: str = "output") -> None:
     """Write a page or picture atomically, with a one-line error if the place cannot be written or is
     one of ``inputs`` (the plan the page shows)."""
     from whalepy._files import write_file
 
-    write_file(path, text, inputs=inputs)
+    write_file(path, text, inputs=inputs, what=what)
 
 
 def _check(plan: object) -> Plan:

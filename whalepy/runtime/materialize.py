@@ -180,6 +180,11 @@ def _fill(target: torch.Tensor, value: torch.Tensor, name: str) -> None:
     if tuple(value.shape) != tuple(local.shape):
         raise WhalepyError(f"{name}: the source gives shape {tuple(value.shape)} for this rank's part, "
                            f"the model holds {tuple(local.shape)}; the checkpoint is of another model")
+    if local.dtype.is_floating_point != value.dtype.is_floating_point or \
+            local.dtype.is_complex != value.dtype.is_complex:  # a float <-> int cast would be silent and wrong
+        raise WhalepyError(f"{name}: the checkpoint holds it as {value.dtype}, the model as {local.dtype}; a "
+                           "checkpoint of integer tensors is not a model's weights (another file, or a "
+                           "conversion that lost the dtype): give the model's own checkpoint")
     local.copy_(value.to(device=local.device, dtype=local.dtype))
 
 
@@ -246,6 +251,11 @@ class _Safetensors:
         if p.is_dir() and (p / "model.safetensors.index.json").is_file():
             weight_map = json.loads((p / "model.safetensors.index.json").read_text())["weight_map"]
             self.where = {k: p / f for k, f in weight_map.items()}
+            missing = sorted({f for f in self.where.values() if not f.is_file()})
+            if missing:  # checked before any tensor is read, on every rank alike
+                raise WhalepyError(f"the safetensors index {p / 'model.safetensors.index.json'} names "
+                                   f"{missing[0].name}, which is not in {p} ({len(missing)} shard(s) missing); "
+                                   "copy the whole checkpoint (every shard the index names)")
         else:
             file = p if p.is_file() else sorted(p.glob("*.safetensors"))[0]
             self.where = {k: file for k in self._handle(file).keys()}
