@@ -67,6 +67,8 @@ class MemoryTrace:
     """Blocks in the order they ran, per phase: when their parameters are used."""
     block_param_bytes: dict[str, int] = field(default_factory=dict)
     events: list[TraceEvent] = field(default_factory=list)
+    model_fingerprint: str = ""
+    """The traced model's fingerprint (its profile's and plan's); empty in traces saved before it was kept."""
 
     @property
     def peak_live_bytes(self) -> int:
@@ -98,7 +100,9 @@ class MemoryTrace:
     def save(self, path: str | Path) -> None:
         d = asdict(self)
         d["events"] = [list(asdict(e).values()) for e in self.events]
-        Path(path).write_text(json.dumps(d))
+        from whalepy.files import write_file
+
+        write_file(path, json.dumps(d), what="MemoryTrace.save")
 
     @classmethod
     def load(cls, path: str | Path) -> MemoryTrace:
@@ -240,7 +244,9 @@ def trace_memory(target: Any, inputs: Any, targets: Any = None, *,
         raise WhalepyError(f"trace_memory needs a batch: a tensor (or tuple of tensors) with the batch along dim 0, "
                            f"got {got}; pass e.g. torch.zeros(4, 1024, dtype=torch.long) for 4 sequences of tokens")
     _check_trace_args(target, inputs, loss_fn, optimizer, blocks, parallel)
+    _check_targets(target, inputs, targets, parallel)
     if parallel:
+        fingerprint = str(getattr(target.plan, "model_fingerprint", "") or "")
         roots = target.module if isinstance(target.module, list) else [target.module]
         mapping = blocks if blocks is not None else getattr(target, "block_modules", {})
         optimizer = target.optimizer
@@ -250,6 +256,9 @@ def trace_memory(target: Any, inputs: Any, targets: Any = None, *,
             raise WhalepyError("trace_memory runs the model: materialise it first (whalepy.materialize or "
                                "to_empty + init), or trace a smaller configuration")
         mapping = blocks if blocks is not None else _blocks_of(target, inputs)
+        from whalepy.passes.profile import model_fingerprint
+
+        fingerprint = model_fingerprint(target)
     # a parallel model's compute device (its first parameter may be a host-tier shard)
     device = target.device if parallel else next((p.device for r in roots for p in r.parameters()), inputs[0].device)
     params = [p for r in roots for p in r.parameters()]
@@ -336,7 +345,8 @@ def trace_memory(target: Any, inputs: Any, targets: Any = None, *,
     return MemoryTrace(batch_size=int(inputs[0].shape[0]), device=str(device), baseline_bytes=baseline,
                        activation_bytes=saved,
                        activation_dtype=max(saved_dtype, key=saved_dtype.get) if saved_dtype else "float32",
-                       block_order=order, block_param_bytes=block_bytes, events=tracker.events)
+                       block_order=order, block_param_bytes=block_bytes, events=tracker.events,
+                       model_fingerprint=fingerprint)
 
 
 def _trace_parallel_step(pm: Any, tracker: _Tracker, inputs: tuple, targets: Any) -> None:
@@ -361,6 +371,15 @@ def _trace_parallel_step(pm: Any, tracker: _Tracker, inputs: tuple, targets: Any
 _DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 
 
+def _check_targets(target: Any, inputs: tuple, targets: Any, parallel: bool) -> None:
+    """Targets that are a tensor have the batch's size along dim 0 (else torch's loss raises deep inside)."""
+    if not isinstance(targets, torch.Tensor) or targets.dim() == 0 or parallel:
+        return  # a parallel model's train_step checks its own batch
+    if targets.shape[0] != inputs[0].shape[0]:
+        raise WhalepyError(f"trace_memory: targets have {targets.shape[0]} rows along dim 0, the inputs a batch of "
+                           f"{inputs[0].shape[0]}; give targets of the same batch (e.g. the labels of these inputs)")
+
+
 def apply_memory_trace(profile: Any, trace: MemoryTrace | str | Path) -> Any:
     """``profile`` with each traced block's ``activation_bytes`` replaced by the measured bytes, scaled
     from the trace's batch to the profile's and from the trace's activation dtype to the profile's
@@ -368,6 +387,11 @@ def apply_memory_trace(profile: Any, trace: MemoryTrace | str | Path) -> Any:
     keep their estimate."""
     if not isinstance(trace, MemoryTrace):
         trace = MemoryTrace.load(trace)
+    theirs, ours = trace.model_fingerprint, getattr(profile, "fingerprint", "")
+    if theirs and ours and theirs != ours:
+        raise WhalepyError(f"memory trace of another model (fingerprint {theirs}, this model's is {ours}: other "
+                           "parameter names, shapes or dtypes); trace this model with whalepy.trace_memory, or "
+                           "leave memory_trace out")
     unknown = sorted(set(trace.activation_bytes) - {b.name for b in profile.blocks})
     if unknown:
         raise WhalepyError(f"memory trace has blocks {unknown[:3]} that the profile does not: the trace is of "

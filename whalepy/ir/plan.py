@@ -456,7 +456,9 @@ class Plan:
         if not p.parent.is_dir():
             raise PlanError(f"Plan.save({os.fspath(path)!r}): the directory {os.fspath(p.parent)!r} does not exist; "
                             "create it (mkdir -p) or save elsewhere")
-        p.write_text(self.to_json() + "\n")
+        from whalepy.files import write_file
+
+        write_file(p, self.to_json() + "\n", what=f"Plan.save({os.fspath(path)!r})")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from whalepy.errors import ArgumentError, LaunchError, PlanError
+from whalepy.errors import ArgumentError, LaunchError, PlanError, WhalepyError
 from whalepy.frontend.checks import check_scalar_loss
 from whalepy.ir.plan import Plan, TPStyle
 from whalepy.ir.rules import LoweringKind
@@ -27,7 +27,19 @@ LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 def _checked_loss(loss_fn: LossFn) -> LossFn:
     """``loss_fn`` whose result is checked to be a scalar before anything differentiates it."""
     def checked(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
-        loss = loss_fn(outputs, targets)
+        try:
+            loss = loss_fn(outputs, targets)
+        except (ValueError, RuntimeError, IndexError, TypeError) as e:
+            if isinstance(e, WhalepyError):
+                raise
+            # e.g. targets of another length than the outputs: one line (printed once per job), not a
+            # traceback from inside the loss on every rank
+            out = getattr(outputs, "logits", outputs)
+            shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            text = " ".join(str(e).split())[:200]
+            raise ArgumentError(f"loss_fn(outputs, targets) raised {type(e).__name__}: {text} (this rank's outputs "
+                                f"{shape}, targets {tuple(targets.shape)}); give targets that fit the model's "
+                                "outputs (e.g. the same sequence length as the inputs)") from e
         check_scalar_loss(loss)
         return loss
 

@@ -66,6 +66,10 @@ def _check_lowering_options(*, loss_parallel: Any, sync_initial_weights: Any, se
     if init_fn is not None and not callable(init_fn):
         raise ArgumentError(f"parallelize(init_fn={init_fn!r:.60}) must be callable (module -> None, filling its "
                             "parameters in place), or None for each module's reset_parameters()")
+    if init_fn is not None and not _takes(init_fn, 1):
+        raise ArgumentError(f"parallelize(init_fn={getattr(init_fn, '__name__', init_fn)!r:.60}) must take one "
+                            "argument, the module to initialise (e.g. def init(module): ...); it is called once per "
+                            "module whose shards this rank holds")
     if profile is not None and not isinstance(profile, ModelProfile) and not hasattr(profile, "fingerprint"):
         raise ArgumentError(f"parallelize(profile=...) takes the model's whalepy.ModelProfile (from "
                             f"whalepy.profile(model, example_inputs)), got {type(profile).__name__}; or leave it out")

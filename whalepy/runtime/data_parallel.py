@@ -53,7 +53,7 @@ from whalepy.runtime._torch_compat import fsdp_param_groups
 from whalepy.runtime.tiling import tile_modules
 
 __all__ = ["LoweringKind", "apply_data_parallel", "build_optimizer", "cast_sharded_params", "check_root_tiers",
-           "choose_lowering_kind", "compute_dtype", "fsdp_units", "offloads_any_block", "root_blocks", "set_prefetch"]
+           "choose_lowering_kind", "wrap_ddp", "compute_dtype", "fsdp_units", "offloads_any_block", "root_blocks", "set_prefetch"]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,12 @@ def offloads_any_block(blocks: Iterable[BlockPlan]) -> bool:
     ``CPUOffloadPolicy`` or the host optimizer; or ``nvme`` parameters: host shards homed in files;
     ``nvme`` optimizer states alone are handled around the optimizer)."""
     return any(offloads_to_host(b.param_tier, b.optimizer_tier) for b in blocks)
+
+
+def wrap_ddp(module: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
+    """DDP over ``dp_mesh``. Its constructor reads every parameter (shape check, broadcast from rank 0,
+    buckets), so a model built on the meta device is wrapped only after it is materialised."""
+    return DDP(module, process_group=dp_mesh.get_group(), device_ids=None, gradient_as_bucket_view=True)
 
 
 def apply_data_parallel(
@@ -93,7 +99,7 @@ def apply_data_parallel(
     if kind == LoweringKind.NONE:
         return module
     if kind in (LoweringKind.DDP, LoweringKind.ZERO1):
-        return DDP(module, process_group=dp_mesh.get_group(), device_ids=None, gradient_as_bucket_view=True)
+        return wrap_ddp(module, dp_mesh)
     reshard = zero >= ZeroStage.PARAMETERS
     low = compute_dtype(precision)
     mp = {"mp_policy": MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)} if low else {}

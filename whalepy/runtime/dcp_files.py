@@ -13,6 +13,7 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 
 from whalepy.errors import ArgumentError, WhalepyError
+from whalepy.runtime._commit import check_target, resolve, verify
 
 __all__ = ["check_save_path", "load_files", "read_metadata"]
 
@@ -32,20 +33,24 @@ def read_metadata(path: str | os.PathLike[str]) -> Any:
     its ``.metadata`` cannot be read."""
     if not isinstance(path, (str, os.PathLike)):
         raise ArgumentError(f"a checkpoint is a directory path, got {type(path).__name__} {path!r:.60}")
-    if not (Path(path) / ".metadata").is_file():
-        raise WhalepyError(f"{path} is not a checkpoint directory written by ParallelModel.save (no .metadata); "
-                           "give the directory pm.save() wrote")
+    directory = resolve(path)  # an incomplete directory is refused here, naming the last complete one
     try:
-        return dcp.FileSystemReader(str(path)).read_metadata()
+        return dcp.FileSystemReader(str(directory)).read_metadata()
     except Exception as e:  # noqa: BLE001 - pickle, EOF, OS errors: all mean an unreadable file
         raise WhalepyError(f"the checkpoint {path} is damaged: its .metadata cannot be read ({_cause(e)}); it was "
                            "truncated or overwritten (an interrupted save?): use an earlier checkpoint") from None
 
 
-def load_files(state: dict[str, Any], path: str | os.PathLike[str], **kwargs: Any) -> None:
-    """``dcp.load(state, checkpoint_id=path, **kwargs)``; a missing or damaged data file is one line."""
+def load_files(state: dict[str, Any], path: str | os.PathLike[str], *, verified: bool = False,
+               **kwargs: Any) -> None:
+    """``dcp.load(state, checkpoint_id=path, **kwargs)`` after checking every file against the checkpoint's
+    checksums (:func:`whalepy.runtime._commit.verify`; ``verified``: the caller already did); a missing,
+    damaged or corrupted data file is one line. Collective, like ``dcp.load``, unless ``no_dist``."""
+    directory = resolve(path)
+    if not verified:
+        verify(directory, distributed=not kwargs.get("no_dist", False))
     try:
-        dcp.load(state, checkpoint_id=str(path), **kwargs)
+        dcp.load(state, checkpoint_id=str(directory), **kwargs)
     except dcp.api.CheckpointException as e:
         raise WhalepyError(f"the checkpoint {path} is damaged or incomplete: {_cause(e)}; a data file is missing "
                            "or truncated (an interrupted save or copy?): use an earlier checkpoint") from None
@@ -62,3 +67,10 @@ def check_save_path(path: Any) -> None:
     if not existing.is_dir():
         raise ArgumentError(f"save({os.fspath(path)!r}): {os.fspath(existing)!r} is a file, not a directory; a "
                             "checkpoint is a directory: give a new or existing directory path")
+    parent = Path(path).absolute().parent  # the new checkpoint is written beside it, then renamed
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ArgumentError(f"save({os.fspath(path)!r}): {os.fspath(parent)!r} is not writable (a save writes the "
+                            "new checkpoint beside the path, then renames it): give a directory this process can write")
+    check_target(Path(path))

@@ -181,6 +181,11 @@ def _fill(target: torch.Tensor, value: torch.Tensor, name: str) -> None:
     if tuple(value.shape) != tuple(local.shape):
         raise WhalepyError(f"{name}: the source gives shape {tuple(value.shape)} for this rank's part, "
                            f"the model holds {tuple(local.shape)}; the checkpoint is of another model")
+    if local.dtype.is_floating_point != value.dtype.is_floating_point or \
+            local.dtype.is_complex != value.dtype.is_complex:  # a float <-> int cast would be silent and wrong
+        raise WhalepyError(f"{name}: the checkpoint holds it as {value.dtype}, the model as {local.dtype}; a "
+                           "checkpoint of integer tensors is not a model's weights (another file, or a "
+                           "conversion that lost the dtype): give the model's own checkpoint")
     local.copy_(value.to(device=local.device, dtype=local.dtype))
 
 
@@ -208,18 +213,32 @@ def _host_copy(module: nn.Module) -> nn.Module:
 
 def init_module(skeleton: Skeleton, path: str, *, seed: int, init_fn: InitFn | None) -> nn.Module:
     """Host copy of module ``path`` with its tensors initialised (see the module docstring)."""
-    host = _host_copy(skeleton.root.get_submodule(path))
+    source = skeleton.root.get_submodule(path)
+    host = _host_copy(source)
+    # buffers allocated empty for meta ones: each must be written (in place, or replaced) by an initialiser
+    empty = {k: (b, b._version) for k, b in host._buffers.items()
+             if b is not None and source._buffers.get(k) is not None and source._buffers[k].is_meta}
     root_init = getattr(skeleton.root, "_init_weights", None)
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(unit_seed(seed, path))
         if init_fn is not None:
-            init_fn(host)
+            try:
+                init_fn(host)
+            except Exception as e:  # noqa: BLE001 - the user's code: one line, printed once per job
+                from whalepy.errors import WhalepyError
+
+                text = " ".join(str(e).split())[:200]
+                raise WhalepyError(f"init_fn raised {type(e).__name__}: {text} (on module {path!r}, a "
+                                   f"{type(host).__name__}); fix init_fn or leave it out for each module's "
+                                   "reset_parameters()") from e
         else:
             if callable(getattr(host, "reset_parameters", None)):
                 host.reset_parameters()
             if callable(root_init):
                 root_init(host)
             init_rotary_tables(host)  # transformers 4.x: _init_weights leaves them alone
+    host._whalepy_unset_buffers = [k for k, (b, v) in empty.items()  # type: ignore[attr-defined]
+                                   if host._buffers.get(k) is b and b._version == v]
     return host
 
 
@@ -233,6 +252,11 @@ class _Safetensors:
         if p.is_dir() and (p / "model.safetensors.index.json").is_file():
             weight_map = json.loads((p / "model.safetensors.index.json").read_text())["weight_map"]
             self.where = {k: p / f for k, f in weight_map.items()}
+            missing = sorted({f for f in self.where.values() if not f.is_file()})
+            if missing:  # checked before any tensor is read, on every rank alike
+                raise WhalepyError(f"the safetensors index {p / 'model.safetensors.index.json'} names "
+                                   f"{missing[0].name}, which is not in {p} ({len(missing)} shard(s) missing); "
+                                   "copy the whole checkpoint (every shard the index names)")
         else:
             file = p if p.is_file() else sorted(p.glob("*.safetensors"))[0]
             self.where = {k: file for k in self._handle(file).keys()}
@@ -412,9 +436,17 @@ def _materialize_modules(modules: Sequence[nn.Module], skeleton: Skeleton, devic
             for owner, items in by_unit.items():
                 host = init_module(skeleton, owner, seed=seed, init_fn=init_fn)
                 largest = max(largest, sum(p.nbytes for p in host._parameters.values() if p is not None))
-                for name, t, _ in items:
+                for name, t, is_param in items:
                     orig, first_row, rows = origins.get(name, (name, 0, None))
-                    value = getattr(host, skeleton.canonical[orig].rpartition(".")[2]).detach()
+                    attr = skeleton.canonical[orig].rpartition(".")[2]
+                    if not is_param and attr in host._whalepy_unset_buffers:
+                        raise WhalepyError(
+                            f"the buffer {name!r} was built on the meta device and nothing initialises it "
+                            f"({type(host).__name__} has no reset_parameters() or _init_weights that writes it"
+                            f"{', nor does init_fn' if init_fn is not None else ''}): it would hold uninitialised "
+                            "memory; fill it in reset_parameters() or init_fn, build it outside the meta device "
+                            "(register it after `with torch.device('meta')`), or load it from a checkpoint")
+                    value = getattr(host, attr).detach()
                     if rows is not None:
                         value = value[first_row:first_row + rows]
                     _fill(t, take(value, local_index(t, cache)), name)

@@ -61,6 +61,7 @@ from whalepy.runtime.data_parallel import (
     check_root_tiers,
     compute_dtype,
     offloads_any_block,
+    wrap_ddp,
 )
 from whalepy.runtime.materialize import (
     InitFn,
@@ -415,6 +416,7 @@ class ParallelModel:
         """Per module of a block with ``checkpoint_offload``: host bytes its last forward kept."""
         nvme_blocks: list[tuple[Any, nn.Module, list[nn.Module]]] = []
         host_blocks: list[tuple[Any, list[nn.Module]]] = []
+        defer_ddp = skeleton is not None and self.dp_kind in (LoweringKind.DDP, LoweringKind.ZERO1)
         for mod, chunk in zip(local, local_chunks):
             tile_model(mod, {p: t for b in chunk for p, t in tiling.get(b.name, {}).items()})
             blocks = [(b, [mod.get_submodule(p) for p in block_modules[b.name]]) for b in chunk]
@@ -429,7 +431,8 @@ class ParallelModel:
             offloaded = [x for b, mods in blocks if b.activation_offload for x in mods]
             if offloaded:
                 apply_activation_offload(offloaded, device)
-            self._modules.append(apply_data_parallel(mod, blocks, m.dp_mesh, kind=self.dp_kind,
+            self._modules.append(apply_data_parallel(mod, blocks, m.dp_mesh,
+                                                     kind=LoweringKind.NONE if defer_ddp else self.dp_kind,
                                                      zero=stage.zero_stage, device_type=device_type,
                                                      precision=plan.precision))
             nvme_blocks += [(b, self._modules[-1], mods) for b, mods in blocks
@@ -439,6 +442,10 @@ class ParallelModel:
         if skeleton is not None:
             self.init_stats = materialize_modules(self._modules, skeleton, device, seed=seed,
                                                   init_fn=init_fn, checkpoint=checkpoint)
+        if defer_ddp:  # DDP reads its parameters when built: wrapped once they hold values
+            wrapped = {id(mod): wrap_ddp(mod, m.dp_mesh) for mod in self._modules}
+            self._modules = [wrapped[id(mod)] for mod in self._modules]
+            nvme_blocks = [(b, wrapped[id(root)], mods) for b, root, mods in nvme_blocks]
         # names of each tied parameter across stages (checkpoints carry its state under all of them)
         self._tied_aliases = [[n for _, n in holders] for holders, _ in tied_names]
         self._tied_aliases_holders = [holders for holders, _ in tied_names]
@@ -512,6 +519,7 @@ class ParallelModel:
         self.local_share = local_share(plan, m.replica, self.stage_indices, self.num_stages)
         """What this rank reads of each global batch (:class:`~whalepy.runtime.data.LocalShare`)."""
         self._pending_save: Any = None
+        self._pending_commit: Any = None
 
     # -- public --------------------------------------------------------------------------------
 
@@ -708,9 +716,13 @@ class ParallelModel:
         """Write a distributed checkpoint (DCP) directory; loadable under any plan for this model.
         It holds the model, the optimizer, the fp16 loss scaler, the step, the LR schedulers, every rank's
         RNG states and ``loader``'s ``state_dict()`` (its position; docs/training.md). An HF model's
-        config goes along as ``config.json`` (for ``whalepy export``). ``async_save``: staged in memory,
-        written in the background by ``dcp.async_save``; returns its future (the next save waits
-        for it)."""
+        config goes along as ``config.json`` (for ``whalepy export``). Crash-safe: the directory is
+        written beside ``path`` and renamed into place once complete and checksummed
+        (:mod:`whalepy.runtime._commit`); an existing checkpoint at ``path`` is replaced only then.
+        ``async_save``: staged in memory, written in the background by ``dcp.async_save``, checksummed
+        and committed at the next :meth:`wait_for_save` (the next save, a load, :meth:`close`); returns
+        its future. Until then the last complete checkpoint is what a crash leaves."""
+        from whalepy.runtime._commit import begin_commit, finish_commit, save_committed
         from whalepy.runtime.dcp_files import check_save_path
 
         check_save_path(path)
@@ -718,22 +730,32 @@ class ParallelModel:
         self.wait_for_save()
         extra = {**self.amp.state_dict(), **job_state(step=self.step, schedulers=self.lr_schedulers,
                                                       loader=loader, device=self.device)}
-        self._pending_save = save_train_state(path, self._modules, self._optimizers(), aliases=self._tied_aliases,
-                                              extra=extra, async_save=async_save)
+        files = {}
         saved = saved_config(*self._hf_config)
         if dist.get_rank() == 0 and saved is not None:
             # an HF config as save_pretrained writes it (with the model class), or a whalepy model's
-            text = json.dumps(saved, indent=2, sort_keys=True)
-            Path(path).mkdir(parents=True, exist_ok=True)  # an asynchronous save may not have made it yet
-            (Path(path) / "config.json").write_text(text + "\n")
+            files["config.json"] = (json.dumps(saved, indent=2, sort_keys=True) + "\n").encode()
+        if async_save:
+            partial = begin_commit(path)
+            future = save_train_state(partial, self._modules, self._optimizers(), aliases=self._tied_aliases,
+                                      extra=extra, async_save=True)
+            self._pending_save = future
+            self._pending_commit = lambda: finish_commit(path, partial, files)
+        else:
+            save_committed(path, lambda directory: save_train_state(
+                directory, self._modules, self._optimizers(), aliases=self._tied_aliases, extra=extra), files)
         self.reporter.not_waiting_for_data()
         return self._pending_save
 
     def wait_for_save(self) -> None:
-        """Block until the last asynchronous :meth:`save` has been written."""
+        """Block until the last asynchronous :meth:`save` has been written, then checksum and commit it
+        (collective: every rank calls it, as every rank called :meth:`save`)."""
         if self._pending_save is not None:
             self._pending_save.result()
             self._pending_save = None
+        if self._pending_commit is not None:
+            commit, self._pending_commit = self._pending_commit, None
+            commit()
 
     def load(self, path: str | Path, *, loader: Any = None) -> None:
         """Restore what :meth:`save` wrote (written under any plan): model, optimizer, loss scaler, step,

@@ -28,6 +28,7 @@ import torch
 from whalepy.tools import calibrate_bench as bench
 from whalepy.frontend.measure import local_device_type as _device_type, parse_device as _parse_device
 from whalepy.errors import ArgumentError, WhalepyError
+from whalepy.files import check_output, write_file
 from whalepy.cost_models.compute import attention_flops, fit_gemm, peak_flops
 from whalepy.cost_models.device_profiles import (
     ATTENTION_EFFICIENCY_AMPERE,
@@ -72,6 +73,7 @@ def calibrate(*, quick: bool = False, out: str | Path | None = None, device: str
                             "drive the NVMe tier will use (--disk-dir)")
     dev = _parse_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     row, reported = _device_type(dev)
+    _writable_out(_out_path(out, row.name))  # before minutes of benchmarks
     sz = _sizes(dev, quick)
     precision = "bf16" if sz["dtype"] is torch.bfloat16 else "fp32"
     say(f"calibrating {reported} as {row.name} ({'quick' if quick else 'full'})")
@@ -112,9 +114,8 @@ def calibrate(*, quick: bool = False, out: str | Path | None = None, device: str
             "fit": fit, "rates": rates, "measurements": meas}
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
         return _out_path(out, row.name)
-    path = _out_path(out, row.name)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1) + "\n")
+    path = _writable_out(_out_path(out, row.name))
+    write_file(path, json.dumps(data, indent=1) + "\n", what="calibrate --out")
     forget_resolved_profiles()
     say(f"wrote {path} (GEMM fit: e={fit['gemm_efficiency']:.3f}, k0={fit['gemm_k_overhead']:.0f}, "
         f"RMS log error {fit['rms_log_error']:.3f})")
@@ -129,6 +130,16 @@ def _out_path(out: str | Path | None, device_type: str) -> Path:
     return out if out.suffix == ".json" else out / profile_filename(device_type)
 
 
+def _writable_out(path: Path, inputs: tuple[str | Path, ...] = ()) -> Path:
+    """``path``, its directory made, if the profile can be written there: one line otherwise."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ArgumentError(f"calibrate --out {path}: cannot create the directory {path.parent} ({e.strerror or e}); "
+                            "give a writable place (--out DIR or FILE.json)") from None
+    return check_output(path, inputs=inputs, what="calibrate --out")
+
+
 def _attention_efficiency(rows: list[dict], device: DeviceType, precision: str) -> float:
     """Fraction of peak of causal SDPA, forward + backward (causal FLOPs, backward 2.5x forward)."""
     effs = []
@@ -138,12 +149,38 @@ def _attention_efficiency(rows: list[dict], device: DeviceType, precision: str) 
     return statistics.median(effs)
 
 
+_MICROBENCH_KEYS = ("device", "torch", "matmul_bf16", "block", "adamw_gpu_foreach_s_per_1e9",
+                    "adamw_gpu_fused_s_per_1e9", "adamw_cpu_s_per_1e8", "h2d_GBps_pinned=True",
+                    "d2h_GBps_pinned=True", "h2d_GBps_pinned=False", "d2h_GBps_pinned=False", "disk_write_GBps",
+                    "disk_read_GBps")
+
+
+def _read_microbench(path: str | Path) -> dict[str, Any]:
+    """The microbench JSON at ``path``, with every key :func:`derive_from_microbench` reads: one line
+    naming what is wrong otherwise (a missing file, another JSON such as a plan or a profile)."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ArgumentError(f"--from-microbench {path}: cannot read it ({e.strerror or e}); give the microbench "
+                            "JSON (e.g. h100-sxm_microbench.json)") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ArgumentError(f"--from-microbench {path}: not valid JSON ({str(e)[:80]}); give the microbench "
+                            "JSON") from None
+    missing = [k for k in _MICROBENCH_KEYS if k not in raw] if isinstance(raw, dict) else list(_MICROBENCH_KEYS)
+    if missing:
+        kind = " (it is a whalepy plan)" if isinstance(raw, dict) and "stages" in raw else (
+            " (it is a device profile: use it as is)" if isinstance(raw, dict) and "fit" in raw else "")
+        raise ArgumentError(f"--from-microbench {path}: not a microbench JSON{kind}: it lacks {missing[:3]} "
+                            f"({len(missing)} keys in all); give the microbench file the GPU servers wrote")
+    return raw
+
+
 def derive_from_microbench(path: str | Path) -> dict[str, Any]:
     """The shipped H100-SXM profile, derived from ``h100-sxm_microbench.json`` (the calibration data
     the project was given): the ``matmul_bf16`` rows are fitted; the ``block`` rows are NOT used (they
     are held out to check the model); the other rates are copied. No attention or bandwidth
     measurement is in that file, so those two figures are the cited defaults."""
-    raw = json.loads(Path(path).read_text())
+    raw = _read_microbench(path)
     row = match_device_name(raw["device"], 80 * 2**30)
     if row is None:
         raise WhalepyError(f"{path}: device {raw['device']!r} is not in the catalog")
@@ -189,9 +226,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         return _cmd_measured(args, say)
     if args.from_microbench:
         data = derive_from_microbench(args.from_microbench)
-        path = _out_path(args.out, data["device_type"])
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(data, indent=1) + "\n")
+        path = _writable_out(_out_path(args.out, data["device_type"]), inputs=(args.from_microbench,))
+        write_file(path, json.dumps(data, indent=1) + "\n", what="calibrate --out")
         say(f"wrote {path}")
         print(path)
         return 0

@@ -104,7 +104,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
         for path, render in ((args.html, plan_html), (args.svg, plan_timeline_svg)):
             if path:
-                write_text(path, render(plan))
+                write_text(path, render(plan), inputs=(args.plan,), what=f"--{render.__name__.split('_')[-1]}")
                 _err(f"wrote {path}")
         if not args.explain:
             return 0

@@ -8,6 +8,7 @@ argparse checks types; these check ranges and combinations (``--seq-len 0``, ``-
 from __future__ import annotations
 
 import argparse
+import os
 
 from whalepy.errors import ArgumentError
 
@@ -62,6 +63,22 @@ def _output_paths(args: argparse.Namespace) -> None:
         if not os.access(parent, os.W_OK):
             raise ArgumentError(f"{_flag(dest)} {value}: cannot write there, the directory {parent} is not "
                                 "writable; write the file elsewhere")
+        _not_an_input(args, dest, value)
+
+
+_INPUTS = ("plan", "first", "second", "checkpoint", "config", "cluster", "from_microbench", "memory_trace", "model")
+
+
+def _not_an_input(args: argparse.Namespace, dest: str, value: str) -> None:
+    """An output path equal to one of the same command's input files (``show PLAN --html PLAN``) would
+    destroy it: refused before any work."""
+    from whalepy.files import same_or_inside
+
+    for name in _INPUTS:
+        given = getattr(args, name, None)
+        if isinstance(given, str) and given and os.path.exists(given) and same_or_inside(value, given):
+            raise ArgumentError(f"{_flag(dest)} {value}: that is an input of the same command ({given}), "
+                                "which writing would destroy; give another path")
 
 
 def _check_run(args: argparse.Namespace) -> None:

@@ -130,6 +130,8 @@ def export_safetensors(
     module docstring); return the files written. ``config``: the HF config (a dict, a config object or
     a ``config.json`` path), by default the ``config.json`` in the checkpoint. ``dtype`` converts
     floating-point tensors (default: as stored, fp32 master weights)."""
+    from whalepy.files import atomic_path, check_output, write_file
+    from whalepy.runtime._commit import resolve, verify
     from whalepy.runtime.dcp_files import load_files
 
     try:
@@ -142,13 +144,24 @@ def export_safetensors(
         raise WhalepyError(f"dtype={dtype!r:.60}: give a floating-point torch.dtype (torch.bfloat16, torch.float16, "
                            "torch.float32), or None to keep the stored dtype")
     limit = parse_size(max_shard_size)
-    tensors, nested = _checkpoint_tensors(checkpoint)
-    checkpoint, out_dir = Path(checkpoint), Path(out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
+    if Path(out_dir).exists() and not Path(out_dir).is_dir():
         raise WhalepyError(f"{out_dir} is a file; export writes a directory: give a new or existing directory")
-    cfg = _config_dict(checkpoint, config)  # before any tensor is read
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    tensors, nested = _checkpoint_tensors(checkpoint)
+    given, checkpoint = checkpoint, resolve(checkpoint)  # after a crash inside a commit: the complete sibling
+    out_dir = check_output(out_dir, inputs=(given, checkpoint), what="export --to", directory=True)
+    if isinstance(config, (str, Path)):
+        check_output(out_dir / "config.json", inputs=(), what="export --to")
+        if Path(config).resolve() == (out_dir / "config.json").resolve():
+            config = _read_config(Path(config))  # read before it is rewritten in place
+    cfg = _config_dict(checkpoint, config)
+    verify(checkpoint, distributed=False)  # every file against its checksum, once, before a byte is written
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise WhalepyError(f"export --to {out_dir}: cannot create it ({e.strerror or e}); give a writable "
+                           "directory") from None
+    before = {p.name for p in out_dir.glob("model*.safetensors*")}
+    write_file(out_dir / "config.json", json.dumps(cfg, indent=2, sort_keys=True) + "\n", what="export --to")
     hf = _hf_names(out_dir, cfg)
     if hf is not None:
         keys, alias = hf
@@ -182,15 +195,20 @@ def export_safetensors(
         state = {k: torch.empty(tuple(tensors[k].size), dtype=tensors[k].properties.dtype) for k in names}
         with warnings.catch_warnings():  # DCP warns that it loads in one process, as asked
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single")
-            load_files({"model": state} if nested else state, checkpoint, no_dist=True)
+            load_files({"model": state} if nested else state, checkpoint, no_dist=True, verified=True)
         state = {k: v.to(out_dtype(tensors[k])).contiguous() for k, v in state.items()}
         file = out_dir / ("model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors")
-        save_file(state, str(file), metadata={"format": "pt"})
+        with atomic_path(file, what="export --to") as tmp:
+            save_file(state, str(tmp), metadata={"format": "pt"})
         files.append(file)
         weight_map.update({k: file.name for k in names})
         total += sum(v.nbytes for v in state.values())
         del state
     if n > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        write_file(out_dir / "model.safetensors.index.json", json.dumps(index, indent=2) + "\n", what="export --to")
+    # an earlier export's weights left beside these would be what from_pretrained finds first
+    written = {f.name for f in files} | ({"model.safetensors.index.json"} if n > 1 else set())
+    for stale in sorted(before - written):
+        (out_dir / stale).unlink(missing_ok=True)
     return files

@@ -107,6 +107,13 @@ def delink(
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise ArgumentError(f"delink(model, optimizer=...) takes the model's torch.optim.Optimizer (to give each "
                                 f"untied layer its state), got {type(optimizer).__name__}; or leave it out")
+        if optimizer is None and not any(p.is_meta for p in target.parameters()):  # meta: nothing trained yet
+            import warnings
+
+            warnings.warn("delink(model) without optimizer=: the untied layers get new parameters that no "
+                          "existing optimizer holds, so an optimizer built before delink trains only the first "
+                          "layer's; pass delink(model, optimizer=opt), or build the optimizer after delink",
+                          UserWarning, stacklevel=2)
         return _delink_module(target, optimizer)
     from whalepy.runtime.parallel_model import ParallelModel
 
@@ -114,7 +121,7 @@ def delink(
         raise ArgumentError(f"delink() takes a pseudo model (nn.Module) or a ParallelModel of one, got "
                         f"{type(target).__name__}")
     if optimizer is not None:
-        raise TypeError("delink(pm) maps pm's own optimizer; optimizer= is for delink(model)")
+        raise ArgumentError("delink(pm) maps pm's own optimizer; optimizer= is for delink(model)")
     return _delink_parallel(target, plan, profile, checkpoint_dir, planner_options)
 
 

@@ -68,7 +68,9 @@ def write_zero_study_csv(rows: Sequence[ZeroStudyRow], path: str | Path) -> None
               "capacity_bytes", "fits", "comm_bytes", *(f"{k}_bytes" for k in kinds), "intra_node_bytes",
               "inter_node_bytes", "step_time_s", "samples_per_s", "tflops_per_gpu", "measured_state_bytes",
               "measured_comm_bytes", *(f"measured_{k}_bytes" for k in kinds)]
-    with open(path, "w", newline="") as f:
+    from whalepy.files import atomic_path
+
+    with atomic_path(path, what="the study's CSV") as tmp, open(tmp, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
         for r in rows:
@@ -121,5 +123,8 @@ def plot_zero_study(rows: Sequence[ZeroStudyRow], path: str | Path) -> None:
     fig.suptitle(f"ZeRO stages on {rows[0].dp} GPUs, global batch {rows[0].global_batch} "
                  "(hatched: does not fit)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    from whalepy.files import atomic_path
+
+    with atomic_path(path, what="the study's plot") as tmp:
+        fig.savefig(tmp, dpi=90, format=Path(path).suffix.lstrip(".") or "png")
     plt.close(fig)

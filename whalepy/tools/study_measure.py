@@ -56,6 +56,31 @@ def check_measurable(cluster: ClusterSpec, models: list[Any]) -> None:
                            "use a cluster of at most a few ranks per core")
 
 
+def available_host_bytes() -> int:
+    """Host memory free for new processes: ``MemAvailable`` of /proc/meminfo, else the physical total."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _check_host_memory(spec: str, rows: list[Any], world: int) -> None:
+    """Refuse before a process starts what the ranks' host memory cannot hold: each rank builds the
+    whole model in fp32 (4 bytes a parameter) and then holds its row's predicted peak (the largest
+    row); the processes share one host. Without this a too-large model swaps or hangs."""
+    per_rank = 4 * rows[0].num_params + max(r.peak_bytes for r in rows)
+    free = available_host_bytes()
+    if world * per_rank > free:
+        raise WhalepyError(f"--measure of {spec}: {world} ranks x {per_rank / 2**30:.1f} GiB (the fp32 model each "
+                           f"builds + its predicted peak) = {world * per_rank / 2**30:.1f} GiB, but this host has "
+                           f"{free / 2**30:.1f} GiB available; measure a smaller model or configuration "
+                           "(e.g. gpt2), or leave --measure out for the prediction alone")
+
+
 def held_state_bytes(pm: Any) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer states this rank holds: ``{"device", "host"}``
     (:func:`whalepy.runtime.held.held_state_bytes` summed over kinds; the study has no disk tier)."""
@@ -140,6 +165,7 @@ def measure_rows(spec: Any, prof: ModelProfile, cluster: ClusterSpec, rows: list
     if steps < 3:
         raise WhalepyError(f"--measure needs at least 3 steps (the first two initialise), got {steps}")
     world = cluster.world_size
+    _check_host_memory(spec, rows, world)
     cases = [(r.zero_stage, r.offload) for r in rows]
     args = (spec, dataclasses.replace(prof, graph=None), cluster, cases)
     kwargs = dict(seq_len=seq_len, steps=steps, global_batch=rows[0].global_batch, precision=precision,

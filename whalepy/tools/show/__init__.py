@@ -37,14 +37,12 @@ def plan_diff(a: Plan, b: Plan) -> str:
     return render(_check(a), _check(b))
 
 
-def write_text(path: str | Path, text: str) -> None:
-    """Write a page or picture, with a one-line error if the place cannot be written."""
-    from whalepy.errors import WhalepyError
+def write_text(path: str | Path, text: str, *, inputs: tuple[str | Path, ...] = (), what: str = "output") -> None:
+    """Write a page or picture atomically, with a one-line error if the place cannot be written or is
+    one of ``inputs`` (the plan the page shows)."""
+    from whalepy.files import write_file
 
-    try:
-        Path(path).write_text(text, encoding="utf-8")
-    except OSError as e:
-        raise WhalepyError(f"cannot write {path}: {e.strerror or e}; give a writable path") from None
+    write_file(path, text, inputs=inputs, what=what)
 
 
 def _check(plan: object) -> Plan:
