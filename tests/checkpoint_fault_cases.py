@@ -4,7 +4,7 @@ One job = 4 gloo ranks training the 2-layer GPT of ``runtime_cases`` (ZeRO-3, dp
 a checkpoint (or, when the test expects that checkpoint to be refused as incomplete, checks the refusal
 names the last complete one and resumes from that), trains two steps and writes their losses, then
 saves with ``WHALEPY_FAULT_KILL`` set, so one rank or every rank ``SIGKILL``-s itself at a point inside
-``pm.save`` (whalepy/runtime/_commit.py). The next job finds what that crash left. Step ``k`` always
+``pm.save`` (whalepy/runtime/commit.py). The next job finds what that crash left. Step ``k`` always
 trains on batch ``k``, so the losses of a resumed job equal those of the uninterrupted run only if it
 loaded exactly the state saved at the step the test expects."""
 
@@ -103,7 +103,7 @@ def _check_corruption(pm: Any, root: str, load: str) -> None:
 
     from whalepy import WhalepyError
 
-    from whalepy.runtime._commit import resolve
+    from whalepy.runtime.commit import resolve
 
     bad = Path(root, "corrupted")
     if dist.get_rank() == 0:

@@ -17,7 +17,7 @@ from torch import nn
 import whalepy
 from whalepy import ArgumentError, WhalepyError
 from whalepy.tools.cli import main
-from whalepy.runtime._commit import PARTIAL, resolve, save_committed
+from whalepy.runtime.commit import PARTIAL, resolve, save_committed
 from whalepy.runtime.materialize import materialize_modules, snapshot
 
 from bad_input_cases import CPU4, assert_clear, edited_plan_json, tiny

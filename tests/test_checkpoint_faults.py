@@ -15,7 +15,7 @@ import pytest
 from checkpoint_fault_cases import reference_then_crash, resume_then_crash, setup
 from dist_harness import DistributedTestError, run_distributed
 from whalepy import WhalepyError
-from whalepy.runtime._commit import MANIFEST, resolve, verify
+from whalepy.runtime.commit import MANIFEST, resolve, verify
 
 PRELOAD = ("checkpoint_fault_cases", "whalepy.runtime")  # one import for the 16 processes of 4 jobs
 KILLED = r"exited with code -9|Connection|closed|reset"

@@ -22,7 +22,7 @@ SOURCES = {"whalepy": ROOT / "whalepy", "whalepy.passes": ROOT / "passes",
 """Package name -> the folder it is installed from (pyproject's ``package-dir``)."""
 
 LAYERS = {
-    "whalepy.errors": 0, "whalepy.log": 0, "whalepy.ir": 0,
+    "whalepy.errors": 0, "whalepy.log": 0, "whalepy.files": 0, "whalepy.ir": 0,
     "whalepy.cost_models": 1,
     "whalepy.hardware": 2, "whalepy.models": 2,
     "whalepy.passes": 3,

@@ -8,7 +8,7 @@ PLAN`` would overwrite the plan with the page; ``export CKPT --to CKPT`` would w
 it reads). :func:`write_file` / :func:`atomic_path` write to a temporary name in the same directory and
 rename it over the target (``os.replace``), so a crash or a full disk leaves the old file or the new
 one, never a torn one, and a failure is one line. Checkpoint directories have their own commit
-protocol (:mod:`whalepy.runtime._commit`); the disk tier's files theirs (:mod:`whalepy.runtime._durable`).
+protocol (:mod:`whalepy.runtime.commit`); the disk tier's files theirs (:mod:`whalepy.runtime._durable`).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 
 from whalepy.errors import ArgumentError, WhalepyError
-from whalepy.runtime._commit import check_target, resolve, verify
+from whalepy.runtime.commit import check_target, resolve, verify
 
 __all__ = ["check_save_path", "load_files", "read_metadata"]
 
@@ -44,7 +44,7 @@ def read_metadata(path: str | os.PathLike[str]) -> Any:
 def load_files(state: dict[str, Any], path: str | os.PathLike[str], *, verified: bool = False,
                **kwargs: Any) -> None:
     """``dcp.load(state, checkpoint_id=path, **kwargs)`` after checking every file against the checkpoint's
-    checksums (:func:`whalepy.runtime._commit.verify`; ``verified``: the caller already did); a missing,
+    checksums (:func:`whalepy.runtime.commit.verify`; ``verified``: the caller already did); a missing,
     damaged or corrupted data file is one line. Collective, like ``dcp.load``, unless ``no_dist``."""
     directory = resolve(path)
     if not verified:

@@ -718,11 +718,11 @@ class ParallelModel:
         RNG states and ``loader``'s ``state_dict()`` (its position; docs/training.md). An HF model's
         config goes along as ``config.json`` (for ``whalepy export``). Crash-safe: the directory is
         written beside ``path`` and renamed into place once complete and checksummed
-        (:mod:`whalepy.runtime._commit`); an existing checkpoint at ``path`` is replaced only then.
+        (:mod:`whalepy.runtime.commit`); an existing checkpoint at ``path`` is replaced only then.
         ``async_save``: staged in memory, written in the background by ``dcp.async_save``, checksummed
         and committed at the next :meth:`wait_for_save` (the next save, a load, :meth:`close`); returns
         its future. Until then the last complete checkpoint is what a crash leaves."""
-        from whalepy.runtime._commit import begin_commit, finish_commit, save_committed
+        from whalepy.runtime.commit import begin_commit, finish_commit, save_committed
         from whalepy.runtime.dcp_files import check_save_path
 
         check_save_path(path)

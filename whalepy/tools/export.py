@@ -131,7 +131,7 @@ def export_safetensors(
     a ``config.json`` path), by default the ``config.json`` in the checkpoint. ``dtype`` converts
     floating-point tensors (default: as stored, fp32 master weights)."""
     from whalepy.files import atomic_path, check_output, write_file
-    from whalepy.runtime._commit import resolve, verify
+    from whalepy.runtime.commit import resolve, verify
     from whalepy.runtime.dcp_files import load_files
 
     try:

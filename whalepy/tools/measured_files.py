@@ -23,6 +23,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from whalepy.files import write_file
 from whalepy.errors import ArgumentError, WhalepyError
 from whalepy.ir.measured import ANY_PRECISION, MeasuredCosts, block_signature
 
@@ -69,7 +70,7 @@ def write_measured(measured: MeasuredCosts, path: Path) -> Path:
             measured = MeasuredCosts.from_dict(data["measured"], where=str(path)).merged(measured)
     data["measured"] = measured.to_dict()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1) + "\n")
+    write_file(path, json.dumps(data, indent=1) + "\n", what="calibrate --out")
     forget_resolved_profiles()
     return path
 

@@ -446,16 +446,9 @@ def check_ranks(plan_json: dict[str, Any], build: Callable[[], tuple[Any, tuple]
 
 
 def _plan_of(data: dict[str, Any]) -> Any:
-    import json
-    import tempfile
-    from pathlib import Path
-
     from whalepy.ir.plan import Plan
 
-    with tempfile.TemporaryDirectory() as d:
-        path = Path(d) / "plan.json"
-        path.write_text(json.dumps(data))
-        return Plan.load(path)
+    return Plan.from_dict(data)
 
 
 def simulated(cluster: Any) -> Any:
