@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from whalepy.passes.autocast import memory_bound
 from whalepy.passes.shapes import VIEW_OPS, op_name, requires_grad
 from whalepy.plan import TPStyle
 from whalepy.profile import AttentionShape, BlockKernels, GemmShape
@@ -98,7 +99,6 @@ def block_kernels(gm: fx.GraphModule, num_blocks: int, rules: Sequence[Sequence[
     styles = [{r.module: r.style for r in rs} for rs in rules]
     gemms: list[list[GemmShape]] = [[] for _ in range(num_blocks)]
     attn: list[list[AttentionShape]] = [[] for _ in range(num_blocks)]
-    mem = [0.0] * num_blocks
     fwd_ops = [0] * num_blocks
     bwd_ops = [0] * num_blocks
     for node in gm.graph.nodes:
@@ -122,8 +122,9 @@ def block_kernels(gm: fx.GraphModule, num_blocks: int, rules: Sequence[Sequence[
                 bwd_ops[b] += _grad_inputs(node)
                 continue
         if traffic > 0:
-            mem[b] += traffic
             fwd_ops[b] += 1
             bwd_ops[b] += _grad_inputs(node)
-    return [BlockKernels(gemms=tuple(g), attention=tuple(a), memory_bytes=float(m), ops_fwd=f, ops_bwd=bw)
-            for g, a, m, f, bw in zip(gemms, attn, mem, fwd_ops, bwd_ops)]
+    mb = memory_bound(gm, num_blocks, lambda n: op_name(n) not in _GEMM_OPS and op_name(n) != "sdpa")
+    return [BlockKernels(gemms=tuple(g), attention=tuple(a), memory_bytes=m.fwd, memory_bytes_bwd=m.bwd, amp=m,
+                         ops_fwd=f, ops_bwd=bw)
+            for g, a, m, f, bw in zip(gemms, attn, mb, fwd_ops, bwd_ops)]
