@@ -81,9 +81,31 @@ def _attention(node: fx.Node) -> AttentionShape | None:
     # aten variants (_scaled_dot_product_flash_attention[_for_cpu]) take (q, k, v, dropout_p, is_causal)
     pos = 5 if target.startswith("scaled_dot_product_attention") or "attn_mask" in node.kwargs else 4
     causal = node.kwargs.get("is_causal", node.args[pos] if len(node.args) > pos else False)
+    mask = node.kwargs.get("attn_mask", node.args[3] if pos == 5 and len(node.args) > 3 else None)
+    if not causal and sq[-2] == sk[-2] and isinstance(mask, fx.Node) and _positional(mask):
+        # a mask built from positions alone (HF's causal mask without padding): transformers passes
+        # ``is_causal=True`` and no mask to SDPA when the mask is purely causal (``sdpa_mask``'s
+        # ``allow_is_causal_skip``), and a sliding window skips at least as many tiles
+        causal = True
     return AttentionShape(batch_heads=int(math.prod(sq[:-2])), q_len=sq[-2], kv_len=sk[-2], head_dim=sq[-1],
                           v_dim=sv[-1], causal=bool(causal),
                           needs_grad=requires_grad(q) or requires_grad(k) or requires_grad(v))
+
+
+def _positional(mask: fx.Node) -> bool:
+    """Whether ``mask`` depends on no data input of the model (only on shapes, positions, constants)."""
+    seen, todo = set(), [mask]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder" and "whalepy.param" not in n.meta and "whalepy.buffer" not in n.meta:
+            v = n.meta.get("val")
+            if isinstance(v, torch.Tensor):
+                return False
+        todo.extend(n.all_input_nodes)
+    return True
 
 
 def _grad_inputs(node: fx.Node) -> int:
