@@ -28,7 +28,16 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from whalepy.passes.shapes import CREATION_OPS, NO_DATA_OPS, VIEW_OPS, nbytes, numel, op_name, requires_grad
+from whalepy.passes.shapes import (
+    CREATION_OPS,
+    NO_DATA_OPS,
+    VIEW_OPS,
+    nbytes,
+    numel,
+    op_name,
+    requires_grad,
+    view_base,
+)
 
 AUTOCAST_LOW_OPS = frozenset({"linear", "mm", "addmm", "bmm", "baddbmm", "matmul", "conv", "sdpa"})
 """Ops autocast runs in 16-bit (it casts their fp32 inputs)."""
@@ -79,6 +88,10 @@ class MemoryBound:
     gradient is cast down in the backward."""
     cast_launches_fwd: int = 0
     cast_launches_bwd: int = 0
+    amp_saved: float = 0.0
+    """Activation bytes the block's backward keeps under autocast (``whalepy.passes.memory``'s rules,
+    each tensor in autocast's dtype; a 16-bit op's fp32 activation input is kept as the op's own cast
+    copy, one per consuming op)."""
 
 
 def _is_param(node: Any) -> bool:
@@ -157,6 +170,7 @@ def memory_bound(gm: fx.GraphModule, num_blocks: int, is_memory_node) -> list[Me
     low = autocast_low(gm)
     out = [MemoryBound() for _ in range(num_blocks)]
     cast_params: set[tuple[int, fx.Node]] = set()
+    saved: set[Any] = set()
     for node in gm.graph.nodes:
         b = node.meta.get("whalepy.block")
         if b is None or node.op not in ("call_function", "call_method"):
@@ -220,6 +234,7 @@ def memory_bound(gm: fx.GraphModule, num_blocks: int, is_memory_node) -> list[Me
                     m.cast_launches_bwd += 1
         if not grad:
             continue
+        m.amp_saved += _amp_saved(node, name, b, low, saved)
         # bias gradient of a linear layer: a reduction over dY
         if name in ("linear", "addmm"):
             bias = (node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")) if name == "linear" \
@@ -234,3 +249,29 @@ def memory_bound(gm: fx.GraphModule, num_blocks: int, is_memory_node) -> list[Me
             m.amp_bwd += 3.0 * (k - 1) * _bytes(node, low, True)
     return out
 
+
+
+def _amp_saved(node: fx.Node, name: str, block: int, low: dict[fx.Node, bool], seen: set[Any]) -> float:
+    from whalepy.passes.memory import _is_activation, saved_items
+
+    nodes, extras = saved_items(node, name)
+    kept = 0.0
+    for n in nodes:
+        if not _is_activation(n):
+            continue
+        if name in AUTOCAST_LOW_OPS and n is not node and not low.get(n, False):
+            kept += numel(n.meta["val"]) * LOW_BYTES  # the op's own cast copy
+            continue
+        base = view_base(n)
+        key = (block, base)
+        if key not in seen:
+            seen.add(key)
+            v = base.meta.get("val")
+            kept += (numel(v) * (LOW_BYTES if low.get(base, False) else 4)
+                     if isinstance(v, torch.Tensor) and v.is_floating_point() else nbytes(v))
+    for key, size in extras:
+        key = (block, key)
+        if key not in seen:
+            seen.add(key)
+            kept += size
+    return kept

@@ -13,7 +13,7 @@ from whalepy.cost_models.memory import inflight_microbatches
 from whalepy.cost_models.offload import host_capacity_per_gpu, nvme_capacity_per_gpu
 from whalepy.plan import ZeroStage
 from whalepy.planner._coeffs import CellCoeffs
-from whalepy.planner._cost_context import LOSS_LOGPROB_BYTES, CostContext, _pair_link
+from whalepy.planner._cost_context import LOSS_BACKWARD_FP32_TENSORS, LOSS_LOGPROB_BYTES, CostContext, _pair_link
 from whalepy.planner._offload_costs import (
     activation_offload_coefficients,
     checkpoint_offload_coefficients,
@@ -72,7 +72,7 @@ def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: i
     if s == S - 1 and ctx.profile.blocks:
         out = ctx.profile.blocks[-1].output_bytes * ratio
         elem = torch.finfo(getattr(torch, ctx.profile.dtype)).bits // 8
-        loss_bytes = out * ctx.byte_scale + out / elem * LOSS_LOGPROB_BYTES
+        loss_bytes = out * ctx.byte_scale + LOSS_BACKWARD_FP32_TENSORS * out / elem * LOSS_LOGPROB_BYTES
     cpu_cap = host_capacity_per_gpu(g.cpu_memory_bytes, g.gpus_per_node)
     nvme_cap = nvme_capacity_per_gpu(g.nvme_capacity_bytes, g.gpus_per_node)
     hkey = ("host copies", g.index, tuple(seg_saved), tuple(seg_input), inflight, v)
@@ -116,8 +116,8 @@ def _cell_options(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ..
             seg_exposed[o] = [x + e for x, e in zip(seg_exposed[o], tile_extra[o])]
         seg_tail[o] = [r[1] for r in rows]
         edge[o], tail_edge[o] = dp_edges(kind, z3, pipelined, dp_comm, o.reduce_each) if rows else (0.0, 0.0)
-        autocast_bytes[o] = (sum(seg.length * x for seg, x in zip(segments, seg_input))
-                             if uses_autocast(kind, ctx.precision) else 0.0)
+        autocast_bytes[o] = (sum(seg.length * ctx.autocast_saved_extra(seg.block.index, micro_batch)
+                                 for seg in segments) if uses_autocast(kind, ctx.precision) else 0.0)
         if uses_autocast(kind, ctx.precision):  # autocast's fp32 tensors and casts, per block (compute)
             extra = [ctx.autocast_extra(seg.block.index, g.device.name, t, micro_batch) for seg in segments]
             seg_exposed[o] = [x + e for x, e in zip(seg_exposed[o], extra)]

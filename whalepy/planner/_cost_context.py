@@ -42,7 +42,14 @@ fraction applies Korthikanti's split to it."""
 LOSS_LOGPROB_BYTES = 4
 """Bytes per output element cross-entropy keeps for backward: its log-softmax, in fp32 (autocast runs
 ``cross_entropy`` / ``log_softmax`` in fp32). The profile captures the model, not the user's loss, so
-the last stage is charged its output plus this."""
+the last stage is charged its output plus ``LOSS_BACKWARD_FP32_TENSORS`` of these."""
+
+LOSS_BACKWARD_FP32_TENSORS = 3
+"""fp32 tensors of the logits' size alive at once in the loss's backward, the step's activation peak
+(every block's activations are still held): the saved log-probabilities, the zero-filled gradient
+``nll_loss_backward`` scatters into, and the input gradient ``log_softmax_backward_data`` writes
+(PyTorch's ``aten/src/ATen/native/LossNLL.cpp``, ``SoftMax.cpp``); the model's own 16-bit (or fp32)
+output is held too."""
 
 
 def has_sequence_rules(profile: ModelProfile) -> bool:
@@ -182,3 +189,13 @@ class CostContext:
                   tp=div, byte_scale=self.byte_scale)
         plain = sum(estimate_kernels_time(b.kernels, **kw))  # type: ignore[arg-type]
         return max(0.0, sum(estimate_kernels_time(b.kernels, autocast=True, **kw)) - plain)  # type: ignore[arg-type]
+
+    def autocast_saved_extra(self, block_index: int, micro_batch: float) -> float:
+        """Bytes one block keeps for backward under autocast beyond its 16-bit figure (fp32 tensors where
+        autocast keeps them, a cast copy per 16-bit op of an fp32 input; ``whalepy.passes.autocast``);
+        its 16-bit input (the fp32 residual's extra half) where the block has no such record."""
+        b = self.profile.blocks[block_index]
+        ratio = micro_batch / self.profile.batch_size
+        if b.kernels is None or b.kernels.amp is None:
+            return b.input_bytes * ratio * self.byte_scale
+        return max(0.0, b.kernels.amp.amp_saved - b.activation_bytes * self.byte_scale) * ratio
