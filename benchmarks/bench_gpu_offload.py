@@ -14,7 +14,7 @@ the same layout (one rank, ZeRO-0, the same activation checkpointing):
 Each plan is lowered by ``parallelize`` and trained ``--warmup`` + ``--steps`` steps. Per mode: the
 median step time (``torch.cuda.synchronize`` before and after each step), the peak allocated memory over
 the timed steps (``torch.cuda.max_memory_allocated``, reset after the warm-up), the model-state bytes held
-in host memory (``whalepy.runtime._held.held_state_bytes``), and the plan's predicted step time, peak
+in host memory (``whalepy.runtime.held.held_state_bytes``), and the plan's predicted step time, peak
 memory (``StageCost.memory_bytes``: states, buffers and activations, what the allocator counts; the
 plan's ``reserve_bytes`` for the CUDA context and fragmentation are apart) and host bytes. For ``zero_offload`` also the host optimizer's time (sum over blocks of
 each block's CPU AdamW and copy back, from when its gradients are on the host), the part of it that ran
@@ -56,8 +56,8 @@ ACCEPT_PREDICTION = 0.2
 def estimate_both(args: argparse.Namespace, cluster: Any) -> tuple[Any, dict[str, Any]]:
     """The meta model's profile and, per mode, the estimate with the same layout; activation
     checkpointing only when a mode does not fit without it (then for both)."""
-    from whalepy.estimate import estimate_from_profile
-    from whalepy.profile import profile
+    from whalepy.planner.estimate import estimate_from_profile
+    from whalepy.frontend.profile import profile
 
     with torch.device("meta"):
         meta, vocab, seq = build("gpt", args.smoke)
@@ -108,7 +108,7 @@ class _BackwardEnd:
 def run_mode(mode: str, est: Any, prof: Any, args: argparse.Namespace, cluster: Any,
              device: torch.device) -> dict[str, Any]:
     import whalepy
-    from whalepy.runtime._held import held_state_bytes
+    from whalepy.runtime.held import held_state_bytes
 
     cuda = device.type == "cuda"
     # what an earlier mode left allocated would count in this mode's peak: said in the report
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ["WORLD_SIZE"] != "1":
         print("bench_gpu_offload.py runs on one GPU (one process)", file=sys.stderr)
         return 2
-    from whalepy.cluster import ClusterSpec
+    from whalepy import ClusterSpec
 
     cuda = torch.cuda.is_available() and not args.smoke
     if cuda:

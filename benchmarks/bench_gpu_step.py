@@ -14,6 +14,7 @@ this rank's stage, and the ratios; then the medians.
     python benchmarks/bench_gpu_step.py                       # one GPU
     torchrun --nproc-per-node 8 benchmarks/bench_gpu_step.py  # several
     python benchmarks/bench_gpu_step.py --smoke               # tiny models on CPU (CI: no rot)
+    python benchmarks/bench_gpu_step.py --measure             # plan from the blocks measured here
 
 ``--smoke`` runs the same code on tiny models on the CPU (gloo, one process, the plan's default
 precision for a CPU device type, fp32) so a test keeps the script working where no GPU is.
@@ -104,7 +105,7 @@ def run_whalepy(name: str, args: argparse.Namespace, cluster: Any, meter: Meter)
     data = batches(vocab, seq, args.batch, args.warmup + args.steps)
     pm = whalepy.parallelize(model, cluster, example_inputs=(data[0][0][:1],), loss_fn=loss_fn,
                              optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4), global_batch=args.batch,
-                             time_limit_s=args.plan_time_limit)
+                             time_limit_s=args.plan_time_limit, measure=args.measure)
     del model
     times, peaks = [], []
     for i, (x, y) in enumerate(data):
@@ -204,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=4, help="global batch")
     ap.add_argument("--plan-time-limit", type=float, default=60.0)
     ap.add_argument("--smoke", action="store_true", help="tiny models on the CPU, 2 steps (CI)")
+    ap.add_argument("--measure", action="store_true",
+                    help="plan with measure=True: the blocks timed on this device first (docs/profiling.md)")
     args = ap.parse_args(argv)
     if args.smoke:
         args.steps, args.warmup = min(args.steps, 2), min(args.warmup, 1)
@@ -212,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     _single_process_env()
-    from whalepy.cluster import ClusterSpec
+    from whalepy import ClusterSpec
 
     world = int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", "0"))

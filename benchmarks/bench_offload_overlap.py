@@ -59,7 +59,7 @@ def worker(rank, world, store_path, args, results):
 
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     from whalepy.models import GPT, GPTConfig
-    from whalepy.profile import profile
+    from whalepy.frontend.profile import profile
 
     with torch.device("meta"):
         meta = GPT(GPTConfig(vocab_size=args.vocab, block_size=args.seq, num_layers=args.layers, num_heads=8,

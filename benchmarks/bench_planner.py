@@ -40,15 +40,15 @@ def _profile(model: str, seq_len: int, synthetic: bool):  # type: ignore[no-unty
         from whalepy.planner.synthetic import gpt_profile
 
         return gpt_profile(model, seq_len=seq_len)
-    from whalepy.profile import profile
-    from whalepy.zoo import build
+    from whalepy.frontend.profile import profile
+    from whalepy.models.zoo import build
 
     m, inputs = build(model, batch=1, seq_len=seq_len)
     return profile(m, inputs)
 
 
 def bench_end_to_end(reps: int, synthetic: bool) -> list[str]:
-    from whalepy.cluster import ClusterSpec
+    from whalepy import ClusterSpec
     from whalepy.planner import plan_from_profile
 
     rows = ["| case | capture s | plan s | total s (median of %d) | target | plan |" % reps,
@@ -76,7 +76,7 @@ def bench_end_to_end(reps: int, synthetic: bool) -> list[str]:
 def bench_mixed_tiers(reps: int) -> list[str]:
     """Search seconds with granular tiers (``mixed_tiers``, the default) and without, side by side on
     synthetic profiles, runs alternated; and the plans each finds."""
-    from whalepy.cluster import ClusterSpec
+    from whalepy import ClusterSpec
     from whalepy.planner import plan_from_profile
 
     rows = [f"| case | mixed_tiers=False s ({reps} runs) | mixed_tiers=True s | plan (False) | plan (True) |",
@@ -101,7 +101,7 @@ def bench_mixed_tiers(reps: int) -> list[str]:
 
 
 def bench_mixed(model: str, gb: int) -> list[str]:
-    from whalepy.cluster import ClusterSpec
+    from whalepy import ClusterSpec
     from whalepy.planner import homogeneous_baseline, plan_from_profile
     from whalepy.planner.synthetic import gpt_profile
 

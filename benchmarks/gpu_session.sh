@@ -16,9 +16,13 @@
 # AdamW over 1.4B parameters against a 0.08 s step); offload_large: global batch 32 in one micro-batch,
 # every block checkpointed (predicted 1.06x: the backward hides the host step).
 # bench_gpu_step.py runs with STEP_ARGS (default "--model gpt --plan-time-limit 20"). Each part has its
-# own time limit (TIERS_S, OFFLOAD_S, OFFLOAD_LARGE_S, STEP_S seconds; defaults 150, 180, 180, 300) so a
-# call ends inside the device tool's 10-minute limit even when one part hangs; a part that fails or
-# times out is recorded in summary.txt and the next one still runs.
+# own time limit (TIERS_S, OFFLOAD_S, OFFLOAD_LARGE_S, STEP_S, CALIBRATE_S seconds; defaults 150, 180, 180,
+# 300, 120) so a call ends inside the device tool's 10-minute limit even when one part hangs; with
+# TOTAL_S set, no part runs past TOTAL_S seconds from the start (its limit is cut to what is left, and a
+# part with less than 10 s left is not started). A part that fails or times out is recorded in
+# summary.txt and the next one still runs; the script exits 1 when any part failed.
+# The part `calibrate` runs `whalepy calibrate --out $OUT/profile.json` (the device profile);
+# benchmarks/gpu_check.sh runs every part once within 8 minutes.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/whalepy-gpu-out}"
@@ -32,6 +36,7 @@ summary="$OUT/summary.txt"
 start=$(date +%s)
 
 note() { echo "$*" | tee -a "$summary"; }
+failed=0
 
 # 1. the carried wheels (highspy, pulp: not on the GPU image) and the project, without dependencies
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -56,9 +61,19 @@ note "setup: $(( $(date +%s) - start )) s"
 run_part() {  # name, limit (s), log file, command...
     local name=$1 limit=$2 log=$3
     shift 3
+    if [ -n "${TOTAL_S:-}" ]; then
+        local left=$(( TOTAL_S - ($(date +%s) - start) - 10 ))
+        if [ "$left" -lt 10 ]; then
+            note "$name: NOT RUN, ${TOTAL_S} s total budget spent"
+            failed=$((failed + 1))
+            return
+        fi
+        [ "$left" -lt "$limit" ] && limit=$left
+    fi
     local t0=$(date +%s)
     timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$OUT/$log"
     local rc=$?
+    [ "$rc" -ne 0 ] && failed=$((failed + 1))
     note "$name: exit $rc after $(( $(date +%s) - t0 )) s (limit $limit s; exit 124: it timed out) -> $log"
 }
 
@@ -71,7 +86,10 @@ for part in "${parts[@]}"; do
         adamw) { echo "== bench_cpu_adamw.py ($(nproc) threads)"; timeout 60 "$PY" benchmarks/bench_cpu_adamw.py \
             --threads "$(nproc)" --params 1e8; } >>"$OUT/env.txt" 2>&1; note "adamw: exit $? -> env.txt" ;;
         step) run_part step "${STEP_S:-300}" gpu_step.log "$PY" benchmarks/bench_gpu_step.py ${STEP_ARGS:---model gpt --plan-time-limit 20} ;;
-        *) note "unknown part $part (adamw, tiers, offload, offload_large, step)" ;;
+        calibrate) run_part calibrate "${CALIBRATE_S:-120}" calibrate.log "$PY" -m whalepy.cli calibrate \
+            --out "$OUT/profile.json" ;;
+        *) note "unknown part $part (adamw, tiers, offload, offload_large, step, calibrate)"; failed=$((failed + 1)) ;;
     esac
 done
-note "total: $(( $(date +%s) - start )) s"
+note "total: $(( $(date +%s) - start )) s; parts failed or not run: $failed"
+[ "$failed" -eq 0 ]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from whalepy.cluster import ClusterSpec, NodeGroup
+from whalepy.hardware.cluster import ClusterSpec, NodeGroup
 from whalepy.cost_models.compute import (
     DOWNCAST_BANDWIDTH_FRACTION,
     UPCAST_BANDWIDTH_FRACTION,
@@ -26,8 +26,8 @@ from whalepy.cost_models.compute import (
 )
 from whalepy.cost_models.device_profiles import resolve_compute_profile
 from whalepy.cost_models.devices import CATALOG
-from whalepy.estimate import estimate_from_profile
-from whalepy.profile import profile
+from whalepy.planner.estimate import estimate_from_profile
+from whalepy.ir.profile import profile
 
 DATA = Path(__file__).resolve().parent / "data" / "h200_2026-11-26.json"
 H200 = CATALOG["H200"]

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import torch
 
-from whalepy.cluster import ClusterSpec, NodeGroup
+from whalepy.hardware.cluster import ClusterSpec, NodeGroup
 from whalepy.cost_models.memory import AUTOCAST_WEIGHT_COPY_BYTES
-from whalepy.estimate import estimate_from_profile
+from whalepy.planner.estimate import estimate_from_profile
 from whalepy.models import GPT, GPTConfig
-from whalepy.profile import profile
+from whalepy.frontend.profile import profile
 
 DEFAULT = Path(__file__).resolve().parents[1].parent / "shared" / "calibration" / "h100-sxm_microbench.json"
 GIB = 2**30

@@ -19,8 +19,8 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from whalepy._errors import InfeasibleError
-from whalepy.cluster import ClusterSpec, NodeGroup, NvmeSpec
+from whalepy.errors import InfeasibleError
+from whalepy.hardware.cluster import ClusterSpec, NodeGroup, NvmeSpec
 from whalepy.cost_models.devices import GIB
 from whalepy.planner._tiling_costs import MAX_TILES
 from whalepy.planner.synthetic import transformer_profile
@@ -173,7 +173,7 @@ def _node_margins(plan, cluster: ClusterSpec) -> list[tuple[float, str]]:  # typ
 
 def _lean_margin(case: Case) -> tuple[float, str, str]:
     """How far the leanest configuration in the case's tiers is from fitting."""
-    from whalepy.estimate import estimate_from_profile
+    from whalepy.planner.estimate import estimate_from_profile
 
     W = case.gpus_per_node * case.nodes
     offload = None if not case.allow_offload else ("nvme" if case.nvme else "cpu")
@@ -193,7 +193,7 @@ def _lean_margin(case: Case) -> tuple[float, str, str]:
 
 def _pending(case: Case) -> str:
     """Why the mode a success relies on is not lowered yet, or ''."""
-    from whalepy._capabilities import state_option_error
+    from whalepy.ir.rules import state_option_error
 
     if not case.fits or not case.allow_offload:
         return ""

@@ -27,7 +27,6 @@ The device's figures come from a :class:`~whalepy.cost_models.device_profiles.Co
 
 from __future__ import annotations
 
-import enum
 import functools
 import math
 from collections.abc import Iterable, Sequence
@@ -36,6 +35,7 @@ from typing import Any
 
 from .device_profiles import MEMORY_BANDWIDTH_EFFICIENCY, ComputeProfile, resolve_compute_profile
 from .devices import DeviceType
+from whalepy.ir.types import Precision  # noqa: F401  (re-exported: its users import it from here)
 
 __all__ = ["MEMORY_BANDWIDTH_EFFICIENCY", "BACKWARD_TO_FORWARD_RATIO", "BlockTime", "Precision", "adamw_step_time",
            "estimate_block_time", "estimate_compute_time", "estimate_kernels_time", "fit_gemm", "gemm_aligned",
@@ -49,20 +49,6 @@ The backward of a matmul ``Y = X W`` computes two matmuls of the forward's size 
 et al., "Scaling Laws for Neural Language Models", 2020). The same two products read and write about
 twice the operands, which is why the default uses the same ratio for bytes.
 """
-
-
-class Precision(str, enum.Enum):
-    """Number format of the math; selects which peak of the device row applies."""
-
-    FP16 = "fp16"
-    BF16 = "bf16"
-    FP32 = "fp32"
-
-    @classmethod
-    def _missing_(cls, value: object) -> Precision:
-        from whalepy._errors import enum_member
-
-        return enum_member(cls, value, "precision")  # type: ignore[return-value]
 
 
 def precision_bytes(precision: Precision | str) -> int:
@@ -421,7 +407,7 @@ def kernels_time(kernels: Any, *, device: DeviceType, precision: Precision | str
 def estimate_kernels_time(kernels: Any, *, device: DeviceType, precision: Precision | str = Precision.BF16,
                           batch_ratio: float = 1.0, tp: int = 1, byte_scale: float = 1.0,
                           profile: ComputeProfile | None = None, autocast: bool = False) -> tuple[float, float]:
-    """``(forward, backward)`` seconds of one block from its :class:`~whalepy.profile.BlockKernels`.
+    """``(forward, backward)`` seconds of one block from its :class:`~whalepy.ir.profile.BlockKernels`.
 
     ``batch_ratio`` scales the recorded batch (micro-batch / profiled batch); ``tp > 1`` divides the
     sharded GEMM dimension, the attention heads and the memory-bound bytes by ``tp`` (the block runs

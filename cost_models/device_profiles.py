@@ -29,7 +29,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from whalepy._errors import WhalepyError
+from whalepy.errors import WhalepyError
 
 from .devices import DeviceType
 
@@ -105,6 +105,9 @@ class ComputeProfile:
     of it (:data:`~whalepy.cost_models.compute.ELEMENTWISE_BANDWIDTH_FRACTION`)."""
     extra: tuple[tuple[str, float], ...] = ()
     """Other measured rates (optimizer steps, host link, disk, collectives): name -> value."""
+    measured: Any = dataclasses.field(default=None, compare=False, hash=False)
+    """Measured block costs (``whalepy.ir.measured.MeasuredCosts``, the file's ``measured`` section:
+    ``whalepy calibrate --model`` or ``--import``); the planner prefers them to the model above."""
 
     def value(self, name: str) -> float | None:
         return dict(self.extra).get(name)
@@ -128,24 +131,40 @@ def profile_filename(device_type: str) -> str:
     return f"{device_type}.json"
 
 
-def load_profile_file(path: str | Path, *, origin: str = "calibrated") -> ComputeProfile:
-    """Read a device-profile JSON (``version`` must be :data:`PROFILE_VERSION`)."""
+def load_profile_file(path: str | Path, *, origin: str = "calibrated", device: DeviceType | None = None
+                      ) -> ComputeProfile:
+    """Read a device-profile JSON (``version`` must be :data:`PROFILE_VERSION`); ``device``: the type it
+    is for (a file without a ``fit`` section takes that type's datasheet transfer rule)."""
     path = Path(path)
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise WhalepyError(f"cannot read device profile {path}: {e}; re-run `whalepy calibrate`") from None
     return profile_from_dict(data, source=f"{origin}: {path.name}" + (
-        f" ({data['source']})" if data.get("source") else ""))
+        f" ({data['source']})" if data.get("source") else ""), device=device)
 
 
-def profile_from_dict(data: dict[str, Any], *, source: str) -> ComputeProfile:
+def profile_from_dict(data: dict[str, Any], *, source: str, device: DeviceType | None = None) -> ComputeProfile:
     if data.get("version") != PROFILE_VERSION:
         raise WhalepyError(f"device profile version {data.get('version')!r} is not supported (this whalepy "
                            f"reads version {PROFILE_VERSION}); re-run `whalepy calibrate`")
-    fit = data["fit"]
     extra = tuple(sorted((k, float(v)) for k, v in data.get("rates", {}).items() if v is not None))
-    return ComputeProfile(
+    measured = None
+    if data.get("measured"):
+        from whalepy.ir.measured import MeasuredCosts
+
+        measured = MeasuredCosts.from_dict(data["measured"], where=f"device profile {source}")
+    if "fit" not in data:  # a measured-only profile (an imported per-layer table): modelled costs use the
+        from .devices import CATALOG  # datasheet transfer rule
+
+        device = device or CATALOG.get(data["device_type"])
+        if device is None:
+            raise WhalepyError(f"device profile {source}: device type {data['device_type']!r} is not in the "
+                               "catalog and the file has no 'fit' section; define the type in the cluster "
+                               "spec's devices: section and plan with that spec")
+        return dataclasses.replace(datasheet_profile(device), source=source, extra=extra, measured=measured)
+    fit = data["fit"]
+    return ComputeProfile(measured=measured,
         device=data["device_type"], source=source, gemm_efficiency=float(fit["gemm_efficiency"]),
         gemm_k_overhead=float(fit["gemm_k_overhead"]), gemm_tile=tuple(fit.get("gemm_tile", (128, 256))),  # type: ignore[arg-type]
         num_sms=fit.get("num_sms"), memory_bandwidth=float(fit["memory_bandwidth"]),
@@ -198,7 +217,7 @@ def _resolve(device: DeviceType, _env: tuple[str, ...]) -> ComputeProfile:
     for d in profile_dirs():
         p = d / profile_filename(device.name)
         if p.is_file():
-            return load_profile_file(p)
+            return load_profile_file(p, device=device)
     return shipped_profile(device.name) or datasheet_profile(device)
 
 

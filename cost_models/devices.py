@@ -22,7 +22,8 @@ import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from whalepy._errors import ClusterSpecError
+from whalepy.errors import ClusterSpecError
+from whalepy.ir.types import GIB
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -63,8 +64,6 @@ class DeviceType:
 
 
 _TERA = 1e12
-GIB = 2**30
-"""Bytes in a GiB: device and host memory sizes are read as GiB (see the module docstring)."""
 _GBS = 1e9
 PCIE3_X16 = 16 * _GBS
 """PCIe 3.0 x16 per direction, nominal (8 GT/s x 16 lanes, 128b/130b: 15.75 GB/s)."""

@@ -10,7 +10,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from whalepy.plan import Schedule, Tier, ZeroStage
+from whalepy.ir.types import Schedule, Tier, ZeroStage
 
 HALF_PRECISION_BYTES = 2
 """Bytes of one fp16/bf16 parameter or gradient in mixed-precision training."""
@@ -51,7 +51,7 @@ class ModelStateBytes:
     """States offloaded to host memory."""
     nvme: float = 0.0
     """States offloaded to NVMe: the disk tier's peak file bytes, while a step writes
-    (:func:`whalepy._capabilities.disk_tier_file_bytes`)."""
+    (:func:`whalepy.ir.rules.disk_tier_file_bytes`)."""
     nvme_between_steps: float = 0.0
     """The disk tier's file bytes between steps (one generation)."""
 
@@ -98,7 +98,7 @@ def estimate_model_state_bytes(
     """Model-state bytes per device that whalepy's runtime holds for ``num_params`` (P) local parameters
     (this rank's, after tensor and pipeline parallelism) on ``dp_degree`` (d) replicas.
 
-    The layout is that of the lowering :func:`whalepy._capabilities.choose_lowering_kind` picks, the
+    The layout is that of the lowering :func:`whalepy.ir.rules.choose_lowering_kind` picks, the
     function the runtime calls too. Parameters and gradients are fp32 in every precision (4 + 4 bytes),
     optimizer states ``K = optimizer_bytes_per_param`` (8 for Adam); the low precision only changes the
     transient working set:
@@ -120,11 +120,11 @@ def estimate_model_state_bytes(
       parameter shard in the compute dtype, ``b P / d``, and no gradients (each shard's gradient leaves
       for the host when FSDP2 has reduced it); the host keeps an fp32 master copy, an fp32 gradient
       buffer and the optimizer states of that shard, ``(4 + 4 + K) P / d``. Combinations
-      :func:`whalepy._capabilities.state_option_error` refuses raise ValueError.
+      :func:`whalepy.ir.rules.state_option_error` refuses raise ValueError.
     - Disk tier (:mod:`whalepy.runtime.nvme`): with S the bytes of one generation of the parameter and
       state files and G the gradient files (``4 P / d`` for nvme parameters, else 0), ``nvme`` is the
       peak ``S + max(S, G)`` (= ``2 S``: old and new generation at the end of a step) and
-      ``nvme_between_steps`` is ``S`` (:func:`whalepy._capabilities.disk_tier_file_bytes`); the host
+      ``nvme_between_steps`` is ``S`` (:func:`whalepy.ir.rules.disk_tier_file_bytes`); the host
       holds ``staging_slots(prefetch_depth, num_blocks)`` staging buffers
       (``num_blocks``: the stage's blocks on the disk tier, when known), each the
       file-homed bytes of the largest block (``largest_block_params`` local parameters before the dp
@@ -137,7 +137,7 @@ def estimate_model_state_bytes(
     to FSDP2 whatever these tiers are (:func:`estimate_stage_model_state_bytes`, a stage of blocks with
     different tiers).
     """
-    from whalepy._capabilities import (
+    from whalepy.ir.rules import (
         LoweringKind,
         choose_lowering_kind,
         offloads_to_host,
@@ -181,7 +181,7 @@ def estimate_model_state_bytes(
         nvme, optimizer = nvme + optimizer, 0.0
     rest = 0.0
     if nvme:
-        from whalepy._capabilities import disk_tier_file_bytes, staging_slots
+        from whalepy.ir.rules import disk_tier_file_bytes, staging_slots
 
         rest, nvme = disk_tier_file_bytes(nvme, file_grads)
         slot, step_copy = _disk_block_bytes(kind, param_tier, optimizer_tier, largest_block_params, d, k)
@@ -197,7 +197,7 @@ def _disk_block_bytes(kind: object, param_tier: Tier, optimizer_tier: Tier, bloc
     bytes of its file-homed tensors (a staging buffer holds one such block: 4 per nvme parameter plus
     ``k`` for nvme optimizer states, divided by ``d`` where the lowering shards them) and, for device
     parameters with nvme states, the device copy of its states during its step."""
-    from whalepy._capabilities import LoweringKind
+    from whalepy.ir.types import LoweringKind
 
     share = block_params if kind is LoweringKind.DDP else block_params / d
     slot = ((MASTER_PARAM_BYTES if param_tier is Tier.NVME else 0.0)
@@ -223,14 +223,14 @@ def estimate_stage_model_state_bytes(
 
     Each group of blocks with the same tiers holds what :func:`estimate_model_state_bytes` says for its
     parameters, in the lowering of the whole stage (FSDP2 as soon as one block offloads through the host,
-    :func:`whalepy._capabilities.choose_lowering_kind`), so parameters, gradients, optimizer states and
+    :func:`whalepy.ir.rules.choose_lowering_kind`), so parameters, gradients, optimizer states and
     file bytes add up over the groups. Shared by the stage, and so not a sum: the working set of ZeRO-3
     (``working_param_bytes``, the largest gathered block) and the disk tier's staging buffers, one pool
-    for all its blocks (:func:`whalepy._capabilities.staging_slots` of the stage's disk-tier blocks,
+    for all its blocks (:func:`whalepy.ir.rules.staging_slots` of the stage's disk-tier blocks,
     ``prefetch_depth`` ahead, each the size of the largest block's file-homed bytes), plus the device
     copy of the largest stepped block's states (device parameters with nvme states). A stage of one
     tier pair gives what :func:`estimate_model_state_bytes` gives."""
-    from whalepy._capabilities import choose_lowering_kind, offloads_to_host, staging_slots
+    from whalepy.ir.rules import choose_lowering_kind, offloads_to_host, staging_slots
 
     zero_stage = ZeroStage(zero_stage)
     pairs = [(float(n), Tier(p), Tier(o)) for n, p, o in blocks]

@@ -14,7 +14,7 @@ Rates (:class:`OffloadRates`, :func:`resolve_offload_rates`), most specific firs
   ``adamw_cpu_fused_s_per_1e8``, else its ``adamw_cpu_s_per_1e8`` (``foreach``) times
   :data:`FUSED_OVER_FOREACH_CPU_ADAMW`, else :data:`CPU_ADAM_PARAMS_PER_S_PER_NODE` (cited, a vectorised
   CPU Adam);
-- NVMe: the node's :class:`~whalepy.cluster.NvmeSpec` (datasheet read / write), shared by the node's
+- NVMe: the node's :class:`~whalepy.hardware.cluster.NvmeSpec` (datasheet read / write), shared by the node's
   GPUs, as the node's CPU optimizer is.
 """
 
@@ -75,7 +75,7 @@ class OffloadRates:
 def resolve_offload_rates(device: DeviceType, *, gpus_per_node: int, nvme_read: float | None = None,
                           nvme_write: float | None = None) -> OffloadRates:
     """Rates for one of ``gpus_per_node`` GPUs of type ``device`` (see the module docstring).
-    ``nvme_read`` / ``nvme_write`` are the node's totals (its :class:`~whalepy.cluster.NvmeSpec`)."""
+    ``nvme_read`` / ``nvme_write`` are the node's totals (its :class:`~whalepy.hardware.cluster.NvmeSpec`)."""
     if gpus_per_node < 1:
         raise ValueError(f"gpus_per_node must be at least 1, got {gpus_per_node}")
     prof = resolve_compute_profile(device)
@@ -147,7 +147,7 @@ def zero_offload_step(rates: OffloadRates, *, grad_bytes: float, param_bytes: fl
     numerics).
 
     ``after_backward`` (fp16 loss scaling or gradient clipping,
-    :func:`whalepy._capabilities.host_steps_after_backward`): the gradients still stream down during
+    :func:`whalepy.ir.rules.host_steps_after_backward`): the gradients still stream down during
     the backward (``overlap = grad / d2h``), but the CPU step waits for the whole backward and nothing
     of it is hidden: ``serial = 1 / cpu_adam + param / h2d``."""
     if grad_bytes < 0 or param_bytes < 0:

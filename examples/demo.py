@@ -1,7 +1,13 @@
-"""whalepy in one minute: plan a small GPT for a 4-device CPU "cluster", print the plan, train it on 4
-gloo processes (spawned here, no torchrun needed) and compare each step's loss with one process.
+"""whalepy in one minute: plan a small GPT for 4 A100-80GB GPUs, print the plan, train it on 4 CPU
+processes standing in for them (gloo; spawned here, no torchrun needed) and compare each step's loss with
+one process.
 
     python examples/demo.py
+
+Why A100s on a CPU machine: the cluster spec (``ClusterSpec.local(4, device_type="A100-80GB")``) says
+what to plan FOR, so the plan is costed with A100 numbers and trains in their precision, bf16; the
+ranks are simulated (run on this machine's CPU, where bf16 autocast works), so the numerics can be
+checked anywhere. The one-process reference trains in fp32, so the losses agree to bf16 rounding.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ def build_model() -> GPT:
 
 
 def cluster():
-    from whalepy.cluster import ClusterSpec
+    from whalepy import ClusterSpec
 
     return ClusterSpec.local(4, device_type="A100-80GB")  # 4 simulated A100s, run on CPU with gloo
 
@@ -80,6 +86,9 @@ def worker(rank: int, world: int, store: str, plan, prof, results) -> None:
 def main() -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     plan, prof = make_demo_plan()
+    print(f"planning for {plan.world_size} x A100-80GB (simulated: the ranks run on this machine's CPU with "
+          f"gloo), so the plan is costed as A100s and trains in {plan.precision.value}; the 1-process "
+          "reference trains in fp32")
     print(plan)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

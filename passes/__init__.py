@@ -3,7 +3,7 @@
 Each pass is a function over a ``torch.fx.GraphModule`` that records its results in
 ``node.meta["whalepy.<key>"]`` (graph-wide ones in ``gm.meta``); :func:`run_passes` orders them and
 names the pass and node when one fails. :func:`build_profile` runs the whole pipeline and returns a
-:class:`whalepy.profile.ModelProfile`. See docs/profiling.md.
+:class:`whalepy.ir.profile.ModelProfile`. See docs/profiling.md.
 """
 
 from whalepy.passes.capture import capture, normalize_inputs, run_captured

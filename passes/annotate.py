@@ -1,6 +1,6 @@
 """Attach the user's annotations (replicate / split / stage / cluster) to graph nodes and blocks.
 
-``whalepy.primitives.resolve_annotations(model)`` gives the effective annotations of every module
+``whalepy.resolve_annotations(model)`` gives the effective annotations of every module
 path; :func:`annotate_nodes` copies those of each node's innermost module to
 ``node.meta["whalepy.annotations"]``. :func:`merge_block_annotations` folds the annotations of
 everything in one block into the block's, refusing a block that straddles two stages.
@@ -13,9 +13,9 @@ from typing import Any
 
 import torch.fx as fx
 
-from whalepy._errors import AnnotationError
+from whalepy.errors import AnnotationError
 from whalepy.passes.manager import PassContext
-from whalepy.profile import BlockAnnotations
+from whalepy.ir.profile import BlockAnnotations
 
 _EMPTY = BlockAnnotations()
 _FIELDS = ("split", "replicate", "stage", "cluster_gpu", "cluster_group", "cluster_count",
@@ -24,7 +24,7 @@ _FIELDS = ("split", "replicate", "stage", "cluster_gpu", "cluster_group", "clust
 
 def resolve_model_annotations(model: Any) -> dict[str, BlockAnnotations]:
     """Every module path of ``model`` mapped to its effective annotations."""
-    from whalepy.primitives import resolve_annotations
+    from whalepy.ir.annotations import resolve_annotations
 
     return resolve_annotations(model)
 

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from whalepy._errors import CaptureError
-from whalepy._hf_compat import export_compat
+from whalepy.errors import CaptureError
+from whalepy.models.hf_compat import export_compat
 
 _FIXES = (
     "Usual fixes: for HuggingFace models set config.use_cache=False (a returned DynamicCache "
@@ -149,7 +149,7 @@ def _capture_export(model: torch.nn.Module, args: tuple, kwargs: dict) -> fx.Gra
     saved = getattr(fx_config, "do_not_emit_stack_traces", False)
     fx_config.do_not_emit_stack_traces = True
     try:
-        with export_compat():  # models written for transformers 4.x (see whalepy._hf_compat)
+        with export_compat():  # models written for transformers 4.x (see whalepy.models.hf_compat)
             ep = torch.export.export(model, args, kwargs, strict=False)
     finally:
         if had:

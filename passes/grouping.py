@@ -40,7 +40,7 @@ import torch.fx as fx
 
 from whalepy.passes.manager import PassContext
 from whalepy.passes.shapes import op_name
-from whalepy.profile import BlockAnnotations, BlockKind
+from whalepy.ir.profile import BlockAnnotations, BlockKind
 
 _CALLS = ("call_function", "call_method", "call_module")
 
@@ -293,6 +293,21 @@ def _finish(
             v = node.meta.get("val")
             shape = tuple(v.shape) if isinstance(v, torch.Tensor) else None
             signatures[b].append((op_name(node), shape, node.meta.get("whalepy.module_class")))
+    # A parameterless module called from several blocks (T5's stack dropout, after the embedding and
+    # after the last layer) belongs to none of them: its calls stay glue code of each, so no module is in
+    # two blocks (two pipeline stages, two FSDP units). One with parameters stays with its first block.
+    holders: dict[str, int] = {}
+    for spec in specs:
+        for m in spec["modules"]:
+            holders[m] = holders.get(m, 0) + 1
+    shared = {m for m, n in holders.items()
+              if n > 1 and m and next(model.get_submodule(m).parameters(), None) is None}
+    seen: set[str] = set()
+    for spec in specs:
+        for m in list(spec["modules"]):
+            if m in shared or m in seen:
+                del spec["modules"][m]
+            seen.add(m)
     groups: dict[str, int] = {}
     out = []
     for i, spec in enumerate(specs):

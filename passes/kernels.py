@@ -1,5 +1,5 @@
 """What each block's forward runs on the device: GEMM shapes, attention shapes, memory-bound bytes and
-kernel launches (:class:`~whalepy.profile.BlockKernels`), for the shape-dependent compute model.
+kernel launches (:class:`~whalepy.ir.profile.BlockKernels`), for the shape-dependent compute model.
 
 Read after the ``flops``, ``blocks``, ``memory`` and ``tp_patterns`` passes: a node is a GEMM when the
 FLOP rules cost it as one (``linear``, ``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``matmul``), an attention
@@ -20,8 +20,8 @@ import torch.fx as fx
 
 from whalepy.passes.autocast import memory_bound
 from whalepy.passes.shapes import VIEW_OPS, op_name, requires_grad
-from whalepy.plan import TPStyle
-from whalepy.profile import AttentionShape, BlockKernels, GemmShape
+from whalepy.ir.plan import TPStyle
+from whalepy.ir.profile import AttentionShape, BlockKernels, GemmShape
 
 _GEMM_OPS = frozenset({"linear", "mm", "addmm", "bmm", "baddbmm", "matmul"})
 _SHARD = {TPStyle.COLWISE: "n", TPStyle.ROWWISE: "k"}

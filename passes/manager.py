@@ -17,7 +17,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from whalepy._errors import CaptureError, WhalepyError
+from whalepy.errors import CaptureError, WhalepyError
 
 
 @dataclass(slots=True)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from whalepy._tiling import linear_param_counts, linear_rows
+from whalepy.ir.tiling import linear_param_counts, linear_rows, parameter_users
 from whalepy.passes.annotate import (
     annotate_nodes,
     lookup,
@@ -40,8 +40,8 @@ from whalepy.passes.memory import count_bytes
 from whalepy.passes.shapes import mark_requires_grad, nbytes
 from whalepy.passes.tp_patterns import BlockTP, check_split_degrees, find_tp_patterns
 from whalepy.passes.truncate import TruncatedRun, graph_signature, plan_truncation, rename, truncated
-from whalepy.plan import TPRule, TPStyle
-from whalepy.profile import BlockAnnotations, BlockKind, BlockProfile, ModelProfile
+from whalepy.ir.plan import TPRule, TPStyle
+from whalepy.ir.profile import BlockAnnotations, BlockKind, BlockProfile, ModelProfile
 
 
 def analysis_passes(
@@ -81,7 +81,7 @@ def build_profile(
     ``capture_method`` then ends in ``"+truncated"`` and ``profile.graph`` is the truncated graph
     (``graph.meta["whalepy.truncation"]`` says what was done, or why it was not).
 
-    ``sequence_parallel=True`` adds :attr:`~whalepy.plan.TPStyle.SEQUENCE` rules (Korthikanti et
+    ``sequence_parallel=True`` adds :attr:`~whalepy.ir.plan.TPStyle.SEQUENCE` rules (Korthikanti et
     al.) to the blocks' ``tp_rules``: one per pre-norm that feeds column-parallel layers, and one on
     the first TP layer's module, where the residual stream enters the sequence-sharded region. A plan
     holding them is lowered with sequence parallelism. Raises ``PlanError`` naming the module when a
@@ -112,23 +112,27 @@ def build_profile(
     boundaries = [b.spec.name if b.spec.kind is BlockKind.LAYER
                   else f"{b.spec.name} ({', '.join(b.spec.modules)})" for b in raw]
     blocks = []
+    # who uses which parameter: one walk of the model for all blocks (per block, these walks grew the
+    # capture quadratically with the depth: 2-3 s each at 96 layers, docs/benchmarks.md)
+    users = parameter_users(model)
+    named = [(n, id(p)) for n, p in model.named_parameters(remove_duplicate=False)]
     for b in raw:
         spec, tp, fig = b.spec, b.tp, b.fig
         merged = merge_block_annotations(
             spec.name, [(p, lookup(ann, p)) for p in (*spec.modules, *fig["paths"])],
             boundaries)
         degrees = check_split_degrees(spec.name, merged, tp, spec.modules)
-        rows = linear_rows(model, spec.modules)
+        rows = linear_rows(model, spec.modules, users)
         lin_sum, lin_max, lin_n = linear_param_counts(rows)
         blocks.append(BlockProfile(
             name=spec.name, index=spec.index, kind=spec.kind, modules=spec.modules,
             repeat_group=spec.repeat_group, num_params=b.num_params, param_bytes=b.param_bytes,
             fwd_flops=fig["fwd"], bwd_flops=fig["bwd"], bytes_moved=fig["bytes"],
             activation_bytes=int(fig["saved"]), input_bytes=int(fig["in"]),
-            output_bytes=int(fig["out"]), tp_rules=tp.rules, tp_comm_bytes=int(tp.comm_bytes),
+            output_bytes=int(fig["out"]), tp_rules=tp.rules, tp_whole=tp.whole, tp_comm_bytes=int(tp.comm_bytes),
             tp_degrees=degrees, annotations=merged, kernels=fig["kernels"],
             linear_params=lin_sum, largest_linear_params=lin_max, num_linears=lin_n,
-            linear_rows=rows, shares_params=shares_params(model, spec.modules),
+            linear_rows=rows, shares_params=shares_params(model, spec.modules, named),
         ))
     unique = list(model.parameters())
     batch, seq = _batch_and_seq(gm)
@@ -147,14 +151,17 @@ def build_profile(
     )
 
 
-def shares_params(model: torch.nn.Module, modules: tuple[str, ...]) -> bool:
+def shares_params(model: torch.nn.Module, modules: tuple[str, ...],
+                  named: list[tuple[str, int]] | None = None) -> bool:
     """Whether a module of ``modules`` (paths in ``model``) shares a parameter with a module outside it
-    (:attr:`~whalepy.profile.BlockProfile.shares_params`)."""
+    (:attr:`~whalepy.ir.profile.BlockProfile.shares_params`). ``named``: ``(name, id)`` of every parameter
+    of ``model`` by every name (``named_parameters(remove_duplicate=False)``), where the caller has it."""
+    if named is None:
+        named = [(n, id(p)) for n, p in model.named_parameters(remove_duplicate=False)]
     for path in modules:
         prefix = path + "." if path else ""
-        inside = {id(p) for n, p in model.named_parameters(remove_duplicate=False) if n.startswith(prefix)}
-        if any(id(p) in inside for n, p in model.named_parameters(remove_duplicate=False)
-               if not n.startswith(prefix)):
+        inside = {i for n, i in named if n.startswith(prefix)}
+        if any(i in inside for n, i in named if not n.startswith(prefix)):
             return True
     return False
 
@@ -242,7 +249,7 @@ def _sequence_parallel_region(raw: list[_Raw]) -> None:
     first block with a column-then-row pair) and check that every later block keeps it: each must
     run sequence parallel, and the last must end it (a SEQUENCE norm before a column-parallel head,
     whose input is then gathered). Raises ``PlanError`` naming the block and why otherwise."""
-    from whalepy._errors import PlanError
+    from whalepy.errors import PlanError
 
     def paired(b: _Raw) -> bool:
         return any(r.style is TPStyle.ROWWISE for r in b.tp.rules)
@@ -276,8 +283,9 @@ def _own_params(module: torch.nn.Module) -> tuple[int, int]:
 
 def _rename_tp(tp: BlockTP, old: str, new: str) -> BlockTP:
     return replace(
-        tp, rules=tuple(TPRule(module=rename(r.module, old, new), style=r.style) for r in tp.rules),
-        dims=tuple((rename(p, old, new), what, size) for p, what, size in tp.dims))
+        tp, rules=tuple(replace(r, module=rename(r.module, old, new)) for r in tp.rules),
+        dims=tuple((rename(p, old, new), what, size) for p, what, size in tp.dims),
+        whole=tuple((rename(p, old, new), why) for p, why in tp.whole))
 
 
 def _figures(b: _Raw, member: str) -> tuple:

@@ -50,7 +50,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from whalepy._errors import AnnotationError
+from whalepy.errors import AnnotationError
 from whalepy.passes.manager import PassContext
 from whalepy.passes.shapes import (
     NO_DATA_OPS,
@@ -65,8 +65,8 @@ from whalepy.passes.shapes import (
     val,
     weight_module,
 )
-from whalepy.plan import TPRule, TPStyle
-from whalepy.profile import BlockAnnotations
+from whalepy.ir.plan import TPRule, TPStyle
+from whalepy.ir.profile import BlockAnnotations
 
 TP_DEGREES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -78,6 +78,8 @@ _ELEMENTWISE = frozenset({
     "softplus", "mish", "elu", "leaky_relu", "hardswish", "hardsigmoid", "relu6", "log1p",
     "expm1", "sign", "floor_divide", "remainder", "fmod",
 })
+_KEEP_FEATURES = frozenset({"view", "reshape", "to", "contiguous", "clone", "alias", "detach",
+                            "_to_copy", "transpose", "permute", "unsqueeze", "squeeze"})
 _REDUCTIONS = frozenset({"mean", "sum", "amax", "amin", "var", "std", "norm", "max", "min",
                          "logsumexp", "prod"})
 
@@ -96,6 +98,9 @@ class BlockTP:
     sequence-parallel region ends here (set only with ``sequence_parallel=True``)."""
     sp_problem: str | None = None
     """Why this block's pattern cannot run sequence parallel (only with ``sequence_parallel=True``)."""
+    whole: tuple[tuple[str, str], ...] = ()
+    """``(module path, why)`` for each module of the block with parameters that no rule shards: no
+    pattern, fused layout unsupported, ... (what ``ModelProfile.tp_report()`` lists)."""
 
     @property
     def has_pattern(self) -> bool:
@@ -109,6 +114,8 @@ class _Group:
     dims: list[tuple[str, str, int]] = field(default_factory=list)
     bad: str | None = None
     logits: bool = False
+    parts: dict[fx.Node, int] = field(default_factory=dict)
+    """Fused COLWISE sources: output features split by the model into this many equal pieces."""
 
 
 class _Groups:
@@ -143,6 +150,7 @@ class _Groups:
             a.dims += b.dims
             a.bad = a.bad or b.bad
             a.logits = a.logits or b.logits
+            a.parts.update(b.parts)
         return root
 
     def spoil(self, gids: Any, reason: str) -> None:
@@ -173,6 +181,8 @@ class _Propagation:
         self.vocab = vocab
         self.groups = _Groups()
         self.state: dict[fx.Node, tuple[int, int]] = {}
+        self.reason: str | None = None
+        """Why the last handler refused (set by handlers that know better than the op's name)."""
 
     def run(self, nodes: list[fx.Node]) -> None:
         for node in nodes:
@@ -223,9 +233,10 @@ class _Propagation:
             handler = self._elementwise
         if handler is None and name in _REDUCTIONS:
             handler = self._reduction
+        self.reason = None
         result = handler(node, ins) if handler is not None else None
         if result is None:
-            self.groups.spoil(gids, f"{name} at {node}")
+            self.groups.spoil(gids, self.reason or f"{name} at {node}")
             return
         dim, extra = result
         root = self.groups.union(gids)
@@ -297,6 +308,8 @@ class _Propagation:
         src, dim, _ = ins[0]
         at = norm_dim(arg(node, 1, "dim", 0), val(src).ndim)
         if at == dim and val(node).shape[dim] != val(src).shape[dim]:
+            self.reason = (f"fused layout unsupported: {node} takes a part of the sharded features "
+                           f"({val(node).shape[dim]} of {val(src).shape[dim]}) by slicing")
             return None
         return dim, None
 
@@ -308,14 +321,37 @@ class _Propagation:
         return (dim - 1 if at < dim else dim), None
 
     def _op_split(self, node: fx.Node, ins: list) -> tuple | None:
-        src, dim, _ = ins[0]
+        src, dim, gid = ins[0]
         at = norm_dim(arg(node, 2, "dim", 0), val(src).ndim)
         if at == dim:
-            sizes = {int(v.shape[dim]) for v in val(node)}
+            # a fused projection ([q | k | v], [gate | up]) split apart along the sharded features: each
+            # piece must be sharded on its own, so the linear that made it is found and marked
+            sizes = [int(v.shape[dim]) for v in val(node)]
+            source = self._fused_source(src, dim)
+            if source is None:
+                self.reason = f"fused layout unsupported: {node} splits features that no single linear layer produced"
+                return None
+            if len(set(sizes)) != 1:
+                self.reason = (f"fused layout unsupported: {as_linear(source)[3]}'s output is split into unequal pieces "
+                                          f"{sizes}")
+                return None
+            grp = self.groups.get(gid)
+            grp.parts[source] = max(grp.parts.get(source, 1), len(sizes))
             path = node.meta.get("whalepy.module_path", "")
-            for s in sorted(sizes):
-                self.groups.get(ins[0][2]).dims.append((path, "features per fused chunk", s))
+            grp.dims.append((path, "features per fused chunk", sizes[0]))
         return dim, None
+
+    def _fused_source(self, node: fx.Node, dim: int) -> fx.Node | None:
+        """The linear whose output ``node`` is, through ops that keep the sharded features whole."""
+        width = val(node).shape[dim]
+        while as_linear(node) is None:
+            ins = self._sharded(node)
+            if len(ins) != 1 or op_name(node) not in _KEEP_FEATURES:
+                return None
+            node = ins[0][0]
+            if val(node).shape[self.state[node][0]] != width:
+                return None
+        return node
 
     _op_split_with_sizes = _op_split
     _op_chunk = _op_split
@@ -470,6 +506,8 @@ def find_tp_patterns(gm: fx.GraphModule, ctx: PassContext, *, sequence_parallel:
         prop = _Propagation(index, vocab, ctx)
         prop.run(nodes)
         tp = _summarise(prop, nodes, vocab)
+        tp = _mark_inplace_outputs(tp, nodes)
+        tp = _whole_modules(tp, prop, nodes)
         if sequence_parallel and tp.has_pattern:
             tp = _sequence_rules(tp, nodes)
         result.append(tp)
@@ -478,6 +516,8 @@ def find_tp_patterns(gm: fx.GraphModule, ctx: PassContext, *, sequence_parallel:
 
 def _summarise(prop: _Propagation, nodes: list[fx.Node], vocab: set[int]) -> BlockTP:
     styles: dict[str, TPStyle] = {}
+    fused: dict[str, int] = {}
+    paired: set[str] = set()
     dims: list[tuple[str, str, int]] = []
     comm = 0
     seen: set[int] = set()
@@ -491,6 +531,10 @@ def _summarise(prop: _Propagation, nodes: list[fx.Node], vocab: set[int]) -> Blo
             continue
         for node in grp.sources:
             styles.setdefault(as_linear(node)[3], TPStyle.COLWISE)
+            if grp.parts.get(node, 1) > 1:
+                fused[as_linear(node)[3]] = grp.parts[node]
+            if grp.sinks:
+                paired.add(as_linear(node)[3])
             node.meta["whalepy.tp_style"] = TPStyle.COLWISE
         for node in grp.sinks:
             styles.setdefault(as_linear(node)[3], TPStyle.ROWWISE)
@@ -513,8 +557,96 @@ def _summarise(prop: _Propagation, nodes: list[fx.Node], vocab: set[int]) -> Blo
                 styles.setdefault(module, TPStyle.REPLICATE)
                 node.meta["whalepy.tp_style"] = TPStyle.REPLICATE
     dims = list(dict.fromkeys(dims))
-    rules = tuple(TPRule(module=m, style=s) for m, s in styles.items())
+    rules = tuple(TPRule(module=m, style=s, parts=fused.get(m, 1),
+                         feeds_rowwise=s is TPStyle.COLWISE and m in paired) for m, s in styles.items())
     return BlockTP(rules=rules, comm_bytes=comm, dims=tuple(dims), degrees=_degrees(dims))
+
+
+_VIEW_OPS = frozenset({"view", "_unsafe_view", "reshape", "transpose", "permute", "alias", "slice", "select",
+                       "unsqueeze", "squeeze", "t", "expand", "as_strided", "split", "chunk",
+                       "split_with_sizes", "getitem", "unflatten", "flatten", "narrow"})
+
+
+def _whole_modules(tp: BlockTP, prop: _Propagation, nodes: list[fx.Node]) -> BlockTP:
+    """Record which parameter-holding modules of the block stay whole under TP, and why."""
+    from dataclasses import replace
+
+    ruled = {r.module for r in tp.rules if r.style is not TPStyle.REPLICATE}
+    why: dict[str, str] = {}
+    for gid in range(len(prop.groups.parent)):
+        grp = prop.groups.get(gid)
+        reason = grp.bad or (None if grp.sinks or grp.logits else
+                             "no pattern: no row-parallel layer reads its output")
+        for node in (*grp.sources, *grp.sinks):
+            if reason:
+                why.setdefault(as_linear(node)[3], reason)
+    owners: dict[str, None] = {}
+    for node in nodes:
+        for a in node.all_input_nodes:
+            name = a.meta.get("whalepy.param")
+            if name and node.meta.get("whalepy.block") == prop.block:
+                # a tied weight is fed under one of its names: name the module of this block holding it
+                names = a.meta.get("whalepy.param_aliases", (name,))
+                mods = [n.rpartition(".")[0] for n in names]
+                if not any(m in ruled for m in mods):
+                    owners.setdefault(mods[0] or name, None)
+    for node in nodes:  # linears found above are named by their module path
+        lin = as_linear(node) if node.op == "call_function" else None
+        if lin is not None:
+            owners.setdefault(lin[3], None)
+    whole = []
+    norms = _norm_paths(nodes)
+    for m in owners:
+        if m in ruled or any(r.startswith(m + ".") for r in ruled) or \
+                any(m.startswith(r + ".") for r in ruled):
+            continue
+        if m in why:
+            reason = why[m]
+        elif m in norms:
+            reason = "norm (replicated; sequence parallelism splits it)"
+        elif any(r.module == m for r in tp.rules):
+            reason = "replicated embedding (positions, token types)"
+        else:
+            reason = "no pattern: not a linear layer or token embedding whalepy can split"
+        whole.append((m, reason))
+    return replace(tp, whole=tuple(whole))
+
+
+def _writes_first_arg(node: fx.Node) -> bool:
+    """An in-place ATen op (``aten.add_``): its schema writes its first argument."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.arguments:
+        return False
+    alias = schema.arguments[0].alias_info
+    return bool(alias is not None and alias.is_write) and not schema.name.endswith("copy_")
+
+
+def _mark_inplace_outputs(tp: BlockTP, nodes: list[fx.Node]) -> BlockTP:
+    """Mark (``TPRule.copy_output``) the sharded modules whose output, or a view of it, an in-place op of
+    the graph modifies (``aten.add_`` and the like): Falcon adds the attention output into the MLP's
+    row-parallel output (``mlp_output += attention_output``)."""
+    from dataclasses import replace
+
+    ruled = {r.module for r in tp.rules if r.style in (TPStyle.COLWISE, TPStyle.ROWWISE, TPStyle.VOCAB)}
+    if not ruled:
+        return tp
+    marked: set[str] = set()
+    for node in nodes:
+        if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
+            continue
+        if not _writes_first_arg(node):
+            continue
+        base = node.args[0]
+        while op_name(base) in _VIEW_OPS and base.args and isinstance(base.args[0], fx.Node):
+            if base.meta.get("whalepy.module_path") in ruled:
+                break
+            base = base.args[0]
+        path = base.meta.get("whalepy.module_path")
+        if path in ruled:
+            marked.add(path)
+    if not marked:
+        return tp
+    return replace(tp, rules=tuple(replace(r, copy_output=True) if r.module in marked else r for r in tp.rules))
 
 
 _NORM_OPS = frozenset({"layer_norm", "rms_norm"})

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import whalepy
-from whalepy._errors import WhalepyError
-from whalepy.cluster import ClusterSpec
+from whalepy.errors import WhalepyError
+from whalepy import ClusterSpec
 from whalepy.models import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,5 +110,5 @@ def no_capture(monkeypatch):  # type: ignore[no-untyped-def]
     def capture(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise AssertionError("the model was captured before the bad input was refused")
 
-    # the module (whalepy.profile, the attribute, is the function of that name)
-    monkeypatch.setattr(importlib.import_module("whalepy.profile"), "profile", capture)
+    # the module that defines profile() (whalepy.profile, the attribute, is the function itself)
+    monkeypatch.setattr(importlib.import_module("whalepy.frontend.profile"), "profile", capture)

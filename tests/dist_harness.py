@@ -55,9 +55,13 @@ def _worker(rank: int, world_size: int, store_path: str, fn: Callable[..., Any],
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
-                    timeout: float = 180.0) -> list[Any]:
-    """Run ``fn(*args)`` on ``world_size`` gloo ranks; return the per-rank results in rank order."""
-    ctx = mp.get_context("spawn")
+                    timeout: float = 180.0, preload: tuple[str, ...] = ()) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` gloo ranks; return the per-rank results in rank order.
+    ``preload``: modules imported once by a fork server that forks the ranks (for tests that start
+    many short jobs: the ranks skip importing torch and whalepy); default a fresh interpreter each."""
+    ctx = mp.get_context("forkserver" if preload else "spawn")
+    if preload:
+        ctx.set_forkserver_preload(list(preload))
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="whalepy-dist-") as tmp:
         store_path = os.path.join(tmp, "store")

@@ -20,7 +20,7 @@ Held bytes, measured in the third step (the staging pool is in its steady state)
 
 Gradients are measured when the third step's optimizer step starts (they are freed during it);
 parameters and states after it. On these CPU runs device and host are the same memory: the split
-follows FSDP2's own record of what it offloaded, as in ``whalepy.runtime._held.held_state_bytes``.
+follows FSDP2's own record of what it offloaded, as in ``whalepy.runtime.held.held_state_bytes``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from whalepy.runtime._held import offloaded_params as _offloaded_params, storage_of as _storage
+from whalepy.runtime.held import offloaded_params as _offloaded_params, storage_of as _storage
 from runtime_cases import (
     Case, adamw, batches, build_model, case_profile, full_params, lm_loss, make_case_plan, reference_run)
 

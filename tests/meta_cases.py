@@ -1,6 +1,6 @@
 """Per-rank worker and single-process references for the meta-device tests (no tests here).
 
-One 8-process launch runs five phases in a row (process start-up is the slow part):
+One 8-process launch runs six phases in a row (process start-up is the slow part):
 
 A. GPT on meta, DP x TP x PP = 2 x 2 x 2, ZeRO-3, initialised by whalepy: 3 steps.
 B. the same meta GPT under DP x TP = 4 x 2 (ZeRO-2): 2 steps, saved (DCP).
@@ -9,6 +9,7 @@ D. HF Llama on meta, 2 x 2 x 2, weights from its ``save_pretrained`` safetensors
    gathered whole on rank 0 (pipeline path of ``full_state_dict``).
 E. HF Llama on meta, DP x TP = 4 x 2, weights from D's checkpoint: logits of a fixed batch, and the
    full state dict (``get_model_state_dict``'s own full-state-dict path).
+F. GPT on meta under plain DDP (ZeRO-0, dp 8): 1 step.
 """
 
 from __future__ import annotations
@@ -199,4 +200,9 @@ def run_meta_cases(root: str, llama_dir: str, profiles: dict[str, Any], precisio
     with torch.no_grad():
         logits = pm.module(data[0][0][:4]).logits
     out["E"] = {"logits": logits.detach().numpy().copy(), "full": _arrays(pm.full_state_dict())}
+
+    # F: the meta GPT under plain DDP (ZeRO-0, dp 8): DDP reads its parameters when built, so it is
+    # wrapped after materialisation (issue 25); A's first step
+    pm = launch(meta_gpt(), gpt_prof, dict(dp=8, tp=1, pp=1, zero=0), seed=0)
+    out["F"] = {"losses": [pm.train_step(*data[0]).item()]}
     return out

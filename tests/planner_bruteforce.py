@@ -18,7 +18,7 @@ import math
 import random
 
 from whalepy.cost_models.memory import estimate_device_bytes_for_usable
-from whalepy.plan import Schedule
+from whalepy.ir.plan import Schedule
 from whalepy.planner import make_options
 from whalepy.planner.costing import (
     CostContext,

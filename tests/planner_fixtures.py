@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from whalepy.cluster import ClusterSpec, NodeGroup
+from whalepy.hardware.cluster import ClusterSpec, NodeGroup
 from whalepy.cost_models.devices import CATALOG
-from whalepy.profile import BlockKind
+from whalepy.ir.profile import BlockKind
 
 
 def group(name: str, gpu: str, per_node: int, nodes: int, *, link: str | None = None, net_gbps: float = 200,

@@ -42,7 +42,7 @@ GLOBAL_BATCH = 8
 
 def cpu_cluster(world: int) -> Any:
     """``world`` CPU ranks on one node with host memory and an NVMe drive, so every tier is allowed."""
-    from whalepy.cluster import ClusterSpec
+    from whalepy import ClusterSpec
 
     return ClusterSpec.from_dict({"groups": [{
         "gpu": "CPU", "gpus_per_node": world, "intra_node": "shm", "cpu_memory_gb": 16,
@@ -51,8 +51,8 @@ def cpu_cluster(world: int) -> Any:
 
 def measure_held(pm: Any) -> dict[str, dict[str, int]]:
     """Bytes of parameters, gradients and optimizer states this rank holds, by kind and place
-    (:func:`whalepy.runtime._held.held_state_bytes`)."""
-    from whalepy.runtime._held import held_state_bytes
+    (:func:`whalepy.runtime.held.held_state_bytes`)."""
+    from whalepy.runtime.held import held_state_bytes
 
     return held_state_bytes(pm)
 
@@ -67,7 +67,7 @@ def held_vs_predicted(cases: list[tuple[int, str | None, str]], nvme_root: str) 
     import dataclasses
     import torch.distributed as dist
 
-    from whalepy.estimate import ParallelConfig, estimate_from_profile
+    from whalepy.planner.estimate import ParallelConfig, estimate_from_profile
     from whalepy.runtime import parallelize
 
     world = dist.get_world_size()
@@ -208,7 +208,7 @@ def numerics(cases: list[dict[str, Any]], steps: int = 3) -> list[dict[str, Any]
     fp16 run skips those whose gradients overflowed; the fp32 run then skips them too)."""
     from runtime_cases import Case, full_params, make_case_plan
     from whalepy.runtime import parallelize
-    from whalepy.runtime._held import offloaded_params
+    from whalepy.runtime.held import offloaded_params
 
     mesh = _one_rank_mesh()
     data = batches(GLOBAL_BATCH, steps)

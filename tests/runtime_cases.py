@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from whalepy.models import GPT, GPTConfig
-from whalepy.plan import TPRule
+from whalepy.ir.plan import TPRule
 
 SEQ = 16
 VOCAB = 64

@@ -5,9 +5,9 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from whalepy.cluster import ClusterSpec
-from whalepy.estimate import ParallelConfig, estimate_from_profile
-from whalepy.plan import BlockPlan, Plan, Schedule, StageCost, StagePlan
+from whalepy import ClusterSpec
+from whalepy.planner.estimate import ParallelConfig, estimate_from_profile
+from whalepy.ir.plan import BlockPlan, Plan, Schedule, StageCost, StagePlan
 from whalepy.planner import plan_from_profile
 from whalepy.planner.synthetic import gpt_profile
 

@@ -7,8 +7,8 @@ import copy
 import pytest
 import torch.nn as nn
 
-from whalepy._annotate import expand_braces, match_modules
-from whalepy._errors import AnnotationError
+from whalepy.ir.annotations import expand_braces, match_modules
+from whalepy.errors import AnnotationError
 from whalepy.primitives import (
     Split,
     Stage,

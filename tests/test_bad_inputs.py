@@ -24,7 +24,7 @@ from whalepy import (
     PlanError,
     WhalepyError,
 )
-from whalepy.cluster import ClusterSpec
+from whalepy import ClusterSpec
 
 from bad_input_cases import CPU4, TOKENS, a100, assert_clear, cluster4, plan_kw, tiny, write
 from bad_input_cases import no_capture, one_rank_launch  # noqa: F401  (fixtures)

@@ -1,6 +1,6 @@
 """Bad plan files (malformed, hand-edited against the model, stale costs) and bad command lines: each one
 whalepy error line naming the cause and the fix (issue 12, deliver 4). The CLI runs in-process
-(``whalepy.cli.main``) with a tiny model given as ``bad_input_cases:tiny_model_and_inputs``."""
+(``whalepy.tools.cli.main``) with a tiny model given as ``bad_input_cases:tiny_model_and_inputs``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 import whalepy
 from whalepy import ArgumentError, PlanError
-from whalepy.cli import main
+from whalepy.tools.cli import main
 
 from bad_input_cases import CPU4, TOKENS, assert_clear, edited_plan_json, tiny, write
 
@@ -140,7 +140,7 @@ def test_unedited_plan_passes_and_costs_are_fresh(tmp_path: Path) -> None:
 
 
 def test_stale_costs_are_detected(tmp_path: Path) -> None:
-    from whalepy._plan_check import check_costs
+    from whalepy.planner.check import check_costs
 
     plan = whalepy.Plan.load(edited_plan_json(tmp_path, _tp_to_dp))
     assert plan.costs_stale

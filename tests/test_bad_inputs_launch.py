@@ -1,5 +1,5 @@
 """A user error inside a real ``whalepy run`` (torchrun) launch of 2 gloo processes: one line, printed
-once, every rank exits promptly with a non-zero code (whalepy/_launch_errors.py, whalepy/_torchrun.py).
+once, every rank exits promptly with a non-zero code (whalepy/runtime/launch_errors.py, whalepy/tools/torchrun.py).
 
 Two launches: every rank makes the same mistake (a loss that is not a scalar: the message must appear
 once, not once per rank), and one rank makes a mistake while the other waits for it in a collective (the
@@ -30,7 +30,7 @@ failure this guards against) would last the gloo timeout, 30 minutes."""
 def test_user_error_in_launch_is_one_line(case: str, needle: str) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "whalepy.cli", "run", "-n", "2", str(SCRIPT), case],
+    proc = subprocess.run([sys.executable, "-m", "whalepy.tools.cli", "run", "-n", "2", str(SCRIPT), case],
                           capture_output=True, text=True, timeout=TIMEOUT_S, env=env, cwd=ROOT)
     elapsed = time.monotonic() - start
     out = proc.stdout + proc.stderr

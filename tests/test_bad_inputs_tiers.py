@@ -13,12 +13,12 @@ import torch
 
 import whalepy
 from whalepy import ArgumentError, ClusterSpecError, PlanError, WhalepyError
-from whalepy.cli import main
-from whalepy.cluster import ClusterSpec, NodeGroup
-from whalepy.plan import BlockPlan, StageCost, Tier
+from whalepy.tools.cli import main
+from whalepy.hardware.cluster import ClusterSpec, NodeGroup
+from whalepy.ir.plan import BlockPlan, StageCost, Tier
 from whalepy.planner import PlannerOptions
 from whalepy.runtime import make_plan
-from whalepy.trace import trace_memory
+from whalepy.frontend.trace import trace_memory
 
 from bad_input_cases import CPU4, TOKENS, assert_clear, cluster4, plan_kw, tiny, write
 from bad_input_cases import no_capture, one_rank_launch  # noqa: F401  (fixtures)

@@ -13,8 +13,8 @@ import pytest
 from checkpoint_offload_cases import InputProbe, run_checkpoint_offload
 from dist_harness import run_distributed
 from runtime_cases import Case
-from whalepy._errors import PlanError
-from whalepy.plan import BlockPlan, Plan
+from whalepy.errors import PlanError
+from whalepy.ir.plan import BlockPlan, Plan
 from whalepy.runtime import make_plan
 
 OFF = {"checkpoint": True, "checkpoint_offload": True}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from whalepy.cli import main
+from whalepy.tools.cli import main
 
 CLUSTERS = Path(__file__).resolve().parent.parent / "examples" / "clusters"
 
@@ -51,12 +51,12 @@ def test_plan_builtin_gpt2_with_capture(cluster_file, tmp_path, capsys) -> None:
 
 
 def _whalepy(*args: str, stdout: int | None = subprocess.PIPE) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", "import sys; from whalepy.cli import main; sys.exit(main())",
+    return subprocess.run([sys.executable, "-c", "import sys; from whalepy.tools.cli import main; sys.exit(main())",
                            *args], stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=300)
 
 
 def test_help_and_version_import_neither_torch_nor_the_planner() -> None:
-    code = ("import sys; from whalepy.cli import main\n"
+    code = ("import sys; from whalepy.tools.cli import main\n"
             "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    assert e.code == 0, e.code\n"
             "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'pulp', "
             "'highspy', 'networkx') or m.startswith('whalepy.planner'))\nprint('HEAVY', heavy)")
@@ -72,7 +72,7 @@ def test_help_and_version_import_neither_torch_nor_the_planner() -> None:
 def test_output_into_a_closed_pipe_ends_quietly(cluster_file) -> None:  # type: ignore[no-untyped-def]
     """``whalepy plan ... | head -1``: the reader goes away. Here it closes the pipe before the first
     write, so the write fails every time (with ``head`` that depends on timing and output size)."""
-    cmd = [sys.executable, "-c", "import sys; from whalepy.cli import main; sys.exit(main())", "plan",
+    cmd = [sys.executable, "-c", "import sys; from whalepy.tools.cli import main; sys.exit(main())", "plan",
            "synthetic:gpt2", "--cluster", cluster_file, "--global-batch", "16", "--explain", "-q"]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert p.stdout is not None and p.stderr is not None
@@ -93,7 +93,7 @@ def test_user_errors_are_one_line_with_exit_code_2(cluster_file, tmp_path, capsy
 
 
 def test_run_subcommand_is_registered_when_launch_exists() -> None:
-    from whalepy.cli import build_parser
+    from whalepy.tools.cli import build_parser
 
     parser = build_parser()
     assert "run" in parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]

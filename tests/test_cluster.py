@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from whalepy._errors import ClusterSpecError
-from whalepy.cluster import (
+from whalepy.errors import ClusterSpecError
+from whalepy.hardware.cluster import (
     DEFAULT_NETWORK_LATENCY_S,
     ClusterSpec,
     LinkKind,

@@ -19,7 +19,7 @@ import torch
 
 from whalepy.cost_models.memory import AUTOCAST_WEIGHT_COPY_BYTES
 from whalepy.models import GPT, GPTConfig
-from whalepy.profile import profile
+from whalepy.frontend.profile import profile
 
 from tiny_hf import tiny_hf_model
 

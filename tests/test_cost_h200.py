@@ -56,7 +56,7 @@ def test_h200_predictions_within_the_acceptance_bounds(rows: list[dict]) -> None
 def test_h200_shape_advice_for_a_misaligned_vocabulary() -> None:
     """The GPT's vocabulary of 50257 costs the LM head cuBLAS's fallback kernels: the plan says so, and the
     gain it predicts for 50304 is what the model predicts for the padded model."""
-    from whalepy.estimate import estimate_from_profile
+    from whalepy.planner.estimate import estimate_from_profile
 
     est = {v: estimate_from_profile(h200_check.model_profile("gpt", v), h200_check.cluster(), dict(dp=1),
                                     global_batch=h200_check.BATCH, precision="bf16") for v in (50257, 50304)}

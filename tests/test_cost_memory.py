@@ -13,7 +13,7 @@ from whalepy.cost_models.memory import (
     estimate_transformer_activation_bytes,
     inflight_microbatches,
 )
-from whalepy.plan import Schedule, Tier, ZeroStage
+from whalepy.ir.plan import Schedule, Tier, ZeroStage
 
 GB = 1e9  # ZeRO (SC'20) Figure 1 uses decimal gigabytes: 7.5e9 * 16 B = 120 GB.
 

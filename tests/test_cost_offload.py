@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from whalepy.cluster import NvmeSpec
+from whalepy.hardware.cluster import NvmeSpec
 from whalepy.cost_models.devices import CATALOG
 from whalepy.cost_models.offload import (
     CPU_ADAM_PARAMS_PER_S_PER_NODE,
@@ -20,7 +20,7 @@ from whalepy.cost_models.offload import (
     resolve_offload_rates,
     zero_offload_step,
 )
-from whalepy.plan import Tier
+from whalepy.ir.plan import Tier
 
 GB = 1e9
 
@@ -106,7 +106,7 @@ def test_zero_offload_step_exposed_under_fp16_and_clipping() -> None:
     rates are the same) is long enough to hide all of that step in bf16, and none of it hides after the
     backward."""
     from planner_fixtures import cluster, group
-    from whalepy.plan import ZeroStage
+    from whalepy.ir.plan import ZeroStage
     from whalepy.planner import PlannerOptions
     from whalepy.planner._offload_costs import group_rates
     from whalepy.planner.costing import CostContext, build_coefficients, counts_from_boundaries, evaluate
@@ -149,7 +149,7 @@ def test_state_options_follow_the_capability() -> None:
     """The runtime lowers ZeRO-Offload (gpu, cpu) and NVMe parameters (issue 10), so the planner offers
     them, in every precision and with clipping (ZeRO-Offload then steps after the backward)."""
     from whalepy.planner.space import StateOption, build_state_options
-    from whalepy.plan import ZeroStage
+    from whalepy.ir.plan import ZeroStage
 
     z3 = ZeroStage.PARAMETERS
     zero_offload = StateOption(z3, optimizer_tier=Tier.CPU, param_tier=Tier.GPU)
@@ -167,7 +167,7 @@ def test_ilp_matches_exhaustive_with_every_tier(monkeypatch: pytest.MonkeyPatch,
     cost what the evaluation costs: on small generated instances with every tier open and host memory
     and NVMe given, the ILP's plan is the exhaustive optimum; also with clipping (ZeRO-Offload's CPU
     step then after the backward)."""
-    from whalepy._errors import InfeasibleError
+    from whalepy.errors import InfeasibleError
     from whalepy.planner import plan_from_profile
     import test_planner_optimality as opt
 

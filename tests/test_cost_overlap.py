@@ -16,9 +16,9 @@ from whalepy.cost_models.communication import (
     estimate_overlapped_time,
     estimate_p2p_time,
 )
-from whalepy.estimate import estimate_from_profile
+from whalepy.planner.estimate import estimate_from_profile
 from whalepy.planner.synthetic import gpt_profile
-from whalepy.planner._runtime_costs import dp_payload_bytes_per_param
+from whalepy.planner.runtime_costs import dp_payload_bytes_per_param
 
 from planner_fixtures import cluster, group
 
@@ -137,7 +137,7 @@ def test_breakdown_in_estimate_and_plan_dump() -> None:
 
 
 def test_measured_bandwidth_is_taken_as_achieved() -> None:
-    from whalepy.cluster import NodeGroup
+    from whalepy.hardware.cluster import NodeGroup
 
     g = NodeGroup.build(name="m", gpu="A100-80GB", gpus_per_node=8, intra_link="nvswitch", intra_bandwidth=235e9)
     assert g.intra.efficiency == 1.0 and g.intra.achieved_bandwidth == 235e9

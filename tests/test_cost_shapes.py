@@ -98,10 +98,10 @@ def test_profiles_shipped_and_transferred() -> None:
 
 @pytest.mark.slow
 def test_calibrate_quick_on_cpu_is_used_and_named(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from whalepy.cli import main
+    from whalepy.tools.cli import main
     from whalepy.planner import plan_from_profile
     from whalepy.planner.synthetic import gpt_profile
-    from whalepy.cluster import ClusterSpec
+    from whalepy import ClusterSpec
 
     assert main(["calibrate", "--quick", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "CPU.json").read_text())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from whalepy._errors import ClusterSpecError
+from whalepy.errors import ClusterSpecError
 from whalepy.cost_models.devices import (
     ALIASES,
     CATALOG,

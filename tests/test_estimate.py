@@ -1,11 +1,11 @@
-"""whalepy.estimate: validated configurations, the same costing as the planner."""
+"""whalepy.planner.estimate: validated configurations, the same costing as the planner."""
 
 from __future__ import annotations
 
 import pytest
 
-from whalepy._errors import PlanError
-from whalepy.estimate import ParallelConfig, estimate_from_profile
+from whalepy.errors import PlanError
+from whalepy.planner.estimate import ParallelConfig, estimate_from_profile
 from whalepy.planner import plan_from_profile
 from whalepy.planner.synthetic import gpt_profile, transformer_profile
 

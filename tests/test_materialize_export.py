@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import whalepy
-from whalepy.export import export_safetensors, parse_size
+from whalepy.tools.export import export_safetensors, parse_size
 from whalepy.models import GPT, GPTConfig
 
 # DCP says it saves and loads in one process: that is what these tests ask of it
@@ -121,3 +121,29 @@ def test_export_refuses_a_config_of_another_model(tmp_path):
     assert parse_size("5GB") == 5 * 10**9 and parse_size("2MiB") == 2 * 2**20 and parse_size(10) == 10
     with pytest.raises(whalepy.WhalepyError, match="is not a positive size"):
         parse_size("lots")
+
+
+def test_export_of_whalepy_gpt_with_the_config_save_writes(tmp_path):
+    """whalepy's own GPT (tied embeddings): the config.json ParallelModel.save writes for it
+    (``saved_config``) lets ``whalepy export`` check the names and write every tensor, and the
+    safetensors load back into ``GPT`` as it is (logits equal)."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    from whalepy.runtime.model_config import build_whalepy_model, saved_config
+    from whalepy.tools.cli import main
+
+    cfg = GPTConfig(vocab_size=64, block_size=16, num_layers=2, num_heads=4, hidden_size=32, tie_embeddings=True)
+    torch.manual_seed(0)
+    real = GPT(cfg).eval()
+    ckpt = tmp_path / "ckpt"
+    dcp.save({"model": dict(real.state_dict())}, checkpoint_id=str(ckpt), no_dist=True)
+    (ckpt / "config.json").write_text(json.dumps(saved_config(real.config, type(real))))
+    assert main(["export", str(ckpt), "--to", str(tmp_path / "out"), "-q"]) == 0
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    back = build_whalepy_model(config).eval()
+    back.load_state_dict(load_file(str(tmp_path / "out" / "model.safetensors")))
+    x = torch.randint(0, 64, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(back(x), real(x), rtol=0, atol=0)
+    assert saved_config(real.config, torch.nn.Linear) is None  # not a whalepy model: export needs --config

@@ -65,7 +65,7 @@ def _check_memory(phase: dict, full: int, block: int) -> None:
 def test_meta_init_load_export_eight_ranks(tmp_path):
     from transformers import LlamaForCausalLM
 
-    from whalepy.cli import main
+    from whalepy.tools.cli import main
 
     rtol, atol = LOSS_RTOL[PRECISION], ATOL
     llama_dir = str(tmp_path / "llama_hf")
@@ -83,6 +83,7 @@ def test_meta_init_load_export_eight_ranks(tmp_path):
         _check_memory(out["C"], gpt_full, gpt_block)
         _check_memory(out["D"], llama_full, llama_block)
         assert (out["E"]["logits"] == ranks[0]["E"]["logits"]).all()  # every rank holds the same logits
+        assert _close(out["F"]["losses"], ref["A"][:1], rtol), (r, out["F"]["losses"], ref["A"][:1])
 
     # full_state_dict on rank 0 only, nothing elsewhere. A (pipeline path), before training: exactly
     # the single-process initialisation (the same host values, sliced and gathered back). D (pipeline

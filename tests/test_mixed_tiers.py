@@ -20,7 +20,7 @@ import pytest
 from dist_harness import run_distributed
 from mixed_tiers_cases import GPT4, mixed_cases, tiers
 from runtime_cases import Case, build_model, case_profile
-from whalepy._errors import PlanError, WhalepyError
+from whalepy.errors import PlanError, WhalepyError
 
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-5
@@ -85,7 +85,7 @@ def test_a_stage_of_mixed_tiers_matches_single_process_and_memory_model(tmp_path
 def test_blocks_sharing_a_weight_with_different_tiers_are_refused():
     """hf_tied's embedding and head share a weight, which FSDP2 keeps in the root unit: one offload
     policy for both, so different tiers for the two blocks are refused with a one-line whalepy error."""
-    from whalepy.plan import BlockPlan
+    from whalepy.ir.plan import BlockPlan
     from whalepy.runtime.data_parallel import check_root_tiers, root_blocks
 
     model, prof = build_model("hf_tied", 4), case_profile("hf_tied", 4)
@@ -121,7 +121,7 @@ def test_make_plan_tiers_per_block():
 
 
 def test_the_run_log_and_show_list_each_block_range_with_its_tiers():
-    from whalepy._show.page import _stages_table
+    from whalepy.tools.show.page import _stages_table
     from whalepy.runtime import make_plan
     from whalepy.runtime._report import plan_log_lines
 
@@ -136,7 +136,7 @@ def test_the_run_log_and_show_list_each_block_range_with_its_tiers():
 def test_the_stage_memory_model_of_one_tier_pair_is_the_block_model():
     """A stage of one tier pair costs what ``estimate_model_state_bytes`` costs; a mixed stage shares
     its lowering (FSDP2 once a block offloads) and one staging pool, so it is not the per-block sum."""
-    from whalepy._capabilities import state_option_error
+    from whalepy.ir.rules import state_option_error
     from whalepy.cost_models.memory import estimate_model_state_bytes, estimate_stage_model_state_bytes
 
     pairs = [(p, o) for p in ("gpu", "cpu", "nvme") for o in ("gpu", "cpu", "nvme")]
@@ -165,7 +165,7 @@ def test_a_stage_disk_tier_has_one_prefetch_depth():
     """The disk tier of a stage is one staging pool read ahead by one depth: its nvme-parameter blocks
     with different prefetch depths are refused when the plan is made (blocks of a cpu parameter tier
     are prefetched by FSDP2, each by its own depth)."""
-    from whalepy.plan import BlockPlan, StagePlan
+    from whalepy.ir.plan import BlockPlan, StagePlan
 
     def stage(*blocks: BlockPlan) -> StagePlan:
         return StagePlan(index=0, blocks=blocks, ranks=((0,),), device_types=("CPU",), zero_stage=3)

@@ -15,7 +15,7 @@ import pytest
 from dist_harness import run_distributed
 from precision_cases import held_vs_predicted, numerics
 from test_precision import LOSS_TOLERANCE
-from whalepy._capabilities import choose_lowering_kind, host_steps_after_backward, state_option_error, steps_on_host
+from whalepy.ir.rules import choose_lowering_kind, host_steps_after_backward, state_option_error, steps_on_host
 from whalepy.cost_models.memory import estimate_model_state_bytes
 
 HOST_OPT = {"optimizer_tier": "cpu"}
@@ -199,7 +199,7 @@ def test_offloaded_activations_leave_the_device_in_the_memory_model():
 def test_offload_messages_are_said_once_per_job(caplog):
     import logging
 
-    from whalepy._errors import log_once
+    from whalepy.errors import log_once
 
     log = logging.getLogger("whalepy.test_offload")
     with caplog.at_level(logging.INFO, logger="whalepy.test_offload"):

@@ -12,8 +12,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import validate_offload as vo  # noqa: E402
 
-from whalepy._capabilities import state_option_error  # noqa: E402
-from whalepy._plan_format import _t  # noqa: E402
+from whalepy.ir.rules import state_option_error  # noqa: E402
+from whalepy.ir.plan_text import _t  # noqa: E402
 
 
 KNOWN_GAPS: dict[str, str] = {}

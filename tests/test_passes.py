@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import whalepy
 from whalepy.passes import analysis_passes, capture, find_runs, run_passes
 from whalepy.passes.manager import PassContext
-from whalepy.profile import BlockKind
+from whalepy.ir.profile import BlockKind
 
 transformers = pytest.importorskip("transformers")
 

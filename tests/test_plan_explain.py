@@ -11,7 +11,7 @@ import random
 import re
 import time
 
-from whalepy._errors import InfeasibleError
+from whalepy.errors import InfeasibleError
 from whalepy.planner import make_options, plan_from_profile
 from whalepy.planner.costing import CostContext, build_coefficients, lower_bound
 from whalepy.planner.space import Hardware, build_segments, build_state_options

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from whalepy._plan_format import _rate, compress_names, compress_ranks
+from whalepy.ir.plan_text import _rate, compress_names, compress_ranks
 from whalepy.planner import plan_from_profile
 from whalepy.planner.synthetic import transformer_profile
 

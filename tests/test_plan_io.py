@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from whalepy._errors import PlanError
-from whalepy.plan import Plan
+from whalepy.errors import PlanError
+from whalepy.ir.plan import Plan
 from whalepy.planner import plan_from_profile
 from whalepy.planner.synthetic import transformer_profile
 
@@ -44,7 +44,7 @@ def test_wrong_model_fingerprint_is_refused(plan: Plan, tmp_path) -> None:  # ty
 
 
 def test_malformed_plans_are_plan_errors() -> None:
-    from whalepy.plan import Plan
+    from whalepy.ir.plan import Plan
     from whalepy.runtime import make_plan
 
     with pytest.raises(PlanError, match="JSON object"):
@@ -56,7 +56,7 @@ def test_malformed_plans_are_plan_errors() -> None:
 def test_offload_fields_round_trip_and_version_2_loads(plan: Plan) -> None:
     import dataclasses
 
-    from whalepy.plan import BlockPlan, PLAN_VERSION
+    from whalepy.ir.plan import BlockPlan, PLAN_VERSION
 
     assert PLAN_VERSION == 5
     s0 = plan.stages[0]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from whalepy._errors import InfeasibleError
+from whalepy.errors import InfeasibleError
 from whalepy.cost_models.devices import CATALOG
 from whalepy.cost_models.memory import BlockActivations, estimate_stage_activation_host_bytes
 from whalepy.planner import plan_from_profile
@@ -65,8 +65,8 @@ def test_checkpoints_go_to_the_host_only_where_the_device_is_short():
 def test_estimate_prices_a_fixed_checkpoint_offload():
     """``whalepy.estimate`` with ``checkpoint_offload=True``: every checkpointed input leaves the device
     for the host (the same evaluation the planner uses), the copies cost time, and the plan says so."""
-    from whalepy._errors import PlanError
-    from whalepy.estimate import estimate_from_profile
+    from whalepy.errors import PlanError
+    from whalepy.planner.estimate import estimate_from_profile
 
     dev = CATALOG["A100-80GB"].replace(name="a100-small", memory_bytes=int(ROOMY_GIB * 2**30))
     c = cluster(group("a", dev.name, 1, 1, custom={dev.name: dev}, cpu_gb=512), custom=[dev])

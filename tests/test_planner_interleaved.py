@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from whalepy.estimate import estimate_from_profile
+from whalepy.planner.estimate import estimate_from_profile
 from whalepy.planner import plan_from_profile
 from whalepy.planner.synthetic import gpt_profile, transformer_profile
-from whalepy.profile import BlockAnnotations
+from whalepy.ir.profile import BlockAnnotations
 
 from planner_fixtures import a100
 

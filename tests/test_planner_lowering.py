@@ -1,4 +1,4 @@
-"""The planner offers only what the runtime lowers: one capability check (whalepy._capabilities) decides
+"""The planner offers only what the runtime lowers: one capability check (whalepy.ir.rules) decides
 for the planner's enumeration, ``whalepy.estimate`` and the runtime's refusals.
 
 In one process: every candidate the planner enumerates on random instances passes the check, and what
@@ -17,11 +17,11 @@ import pytest
 import torch
 
 import whalepy
-from whalepy._capabilities import check_pipeline, microbatch_error, schedule_error, sequence_parallel_error
-from whalepy._errors import PlanError
-from whalepy.estimate import ParallelConfig, estimate_from_profile
-from whalepy.plan import TPStyle
-from whalepy.profile import BlockAnnotations
+from whalepy.ir.rules import check_pipeline, microbatch_error, schedule_error, sequence_parallel_error
+from whalepy.errors import PlanError
+from whalepy.planner.estimate import ParallelConfig, estimate_from_profile
+from whalepy.ir.plan import TPStyle
+from whalepy.ir.profile import BlockAnnotations
 from whalepy.planner import make_options, plan_from_profile
 from whalepy.planner.costing import CostContext
 from whalepy.planner.space import Hardware

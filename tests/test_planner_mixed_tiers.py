@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from whalepy._capabilities import LoweringKind, mixed_tiers_error
-from whalepy._errors import InfeasibleError
+from whalepy.ir.rules import LoweringKind, mixed_tiers_error
+from whalepy.errors import InfeasibleError
 from whalepy.cost_models.memory import estimate_stage_model_state_bytes
 from whalepy.cost_models.offload import host_capacity_per_gpu
-from whalepy.plan import Tier
+from whalepy.ir.plan import Tier
 from whalepy.planner import plan_from_profile
 from whalepy.planner.synthetic import transformer_profile
 
@@ -124,7 +124,7 @@ def test_blocks_sharing_parameters_take_one_tier() -> None:
     and the ILP's plan is still the exhaustive optimum."""
     import dataclasses
 
-    from whalepy.profile import BlockKind
+    from whalepy.ir.profile import BlockKind
 
     dev = tiny_device("a100-mix", "A100-80GB", 3.0)
     c = cluster(group("a", dev.name, 1, 1, custom={dev.name: dev}, cpu_gb=HOST_GIB), custom=[dev])
@@ -147,7 +147,7 @@ def test_profile_marks_blocks_that_share_parameters() -> None:
     import torch
     from torch import nn
 
-    from whalepy.profile import profile
+    from whalepy.frontend.profile import profile
 
     class Tied(nn.Module):
         def __init__(self) -> None:

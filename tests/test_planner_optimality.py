@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from whalepy._errors import InfeasibleError
+from whalepy.errors import InfeasibleError
 from whalepy.planner import plan_from_profile
 from whalepy.planner.synthetic import transformer_profile
 from whalepy.cost_models.memory import estimate_device_bytes_for_usable

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from whalepy._errors import AnnotationError, InfeasibleError, PlanError
+from whalepy.errors import AnnotationError, InfeasibleError, PlanError
 from whalepy.planner import homogeneous_baseline, plan_from_profile
 from whalepy.planner.synthetic import gpt_profile, transformer_profile
-from whalepy.profile import BlockAnnotations
+from whalepy.ir.profile import BlockAnnotations
 
 from planner_fixtures import a100, cluster, group
 
@@ -23,7 +23,7 @@ def test_175b_on_1024_a100_sequence_parallel_tp_inside_nodes_no_pipeline(gpt3_pl
     p = gpt3_plan
     assert p.world_size == 1024
     assert all(t in (2, 4, 8) for t in p.tp_degrees)
-    # the sequence-sharded residual stream cannot cross pipeline stages (whalepy._capabilities): the
+    # the sequence-sharded residual stream cannot cross pipeline stages (whalepy.ir.rules): the
     # runtime refuses sequence parallelism with pp > 1, so the planner never offers it
     assert p.pp_degree == 1
     assert any("cannot cross pipeline stages" in a.reason for a in p.alternatives), p.explain()
@@ -126,7 +126,7 @@ def test_infeasible_without_annotations_suggests_fixes() -> None:
 def test_device_below_the_fixed_reserve_is_named_before_planning() -> None:
     """A device with no more memory than the CUDA context and one NCCL communicator take has nothing left
     for the allocator: a one-line InfeasibleError naming it, from the planner and from estimate."""
-    from whalepy.estimate import estimate_from_profile
+    from whalepy.planner.estimate import estimate_from_profile
 
     from planner_fixtures import tiny_device
 
@@ -182,7 +182,7 @@ def test_mixed_replicas_get_uneven_batch_shares() -> None:
 
 
 def test_cluster_count_on_whole_group_is_honoured_and_on_part_of_it_refused() -> None:
-    from whalepy.cluster import ClusterSpec
+    from whalepy import ClusterSpec
 
     spec = ClusterSpec.from_dict({"network": {"bandwidth_gbps": 100}, "groups": [
         {"name": "fast", "gpu": "A100-80GB", "gpus_per_node": 4, "intra_node": "nvlink3"},

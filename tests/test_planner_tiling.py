@@ -8,11 +8,11 @@ import dataclasses
 
 import pytest
 
-from whalepy._errors import InfeasibleError, PlanError
+from whalepy.errors import InfeasibleError, PlanError
 from whalepy.cost_models.devices import CATALOG
 from whalepy.cost_models.memory import estimate_fsdp_working_bytes
-from whalepy.estimate import estimate_from_profile
-from whalepy.plan import Plan, ZeroStage
+from whalepy.planner.estimate import estimate_from_profile
+from whalepy.ir.plan import Plan, ZeroStage
 from whalepy.planner import plan_from_profile
 from whalepy.planner._tiling_costs import TILED_WORKING_SHARE, block_tiles, tiled_options, unit_params
 from whalepy.planner.space import StateOption

@@ -16,11 +16,12 @@ import pytest
 from dist_harness import run_distributed
 from planner_fixtures import a100
 from precision_cases import held_vs_predicted, numerics
-from whalepy._capabilities import LoweringKind, choose_lowering_kind, resolve_precision, state_option_error
-from whalepy._errors import PlanError
+from whalepy.ir.rules import LoweringKind, choose_lowering_kind, state_option_error
+from whalepy.hardware.cluster import resolve_precision
+from whalepy.errors import PlanError
 from whalepy.cost_models.devices import CATALOG
 from whalepy.cost_models.memory import estimate_model_state_bytes
-from whalepy.plan import PLAN_VERSION, Plan, Precision, Tier
+from whalepy.ir.plan import PLAN_VERSION, Plan, Precision, Tier
 from whalepy.planner import plan_from_profile
 from whalepy.planner.space import build_state_options
 from whalepy.planner.synthetic import transformer_profile
@@ -48,7 +49,7 @@ def test_planner_records_precision_and_refuses_bf16_on_v100():
     assert again.precision is Precision.BF16 and again == plan
     fp32 = plan_from_profile(prof, a100(2), global_batch=16, time_limit_s=20, precision="fp32")
     assert fp32.precision is Precision.FP32
-    from whalepy.cluster import ClusterSpec
+    from whalepy import ClusterSpec
 
     v100 = ClusterSpec.from_dict({"groups": [{"gpu": "V100-32GB", "gpus_per_node": 2, "intra_node": "nvlink2"}]})
     with pytest.raises(PlanError, match="bf16.*V100"):

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from whalepy._errors import AnnotationError
+from whalepy.errors import AnnotationError
 from whalepy.primitives import (
     Cluster,
     Replicate,

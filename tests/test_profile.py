@@ -7,7 +7,7 @@ import torch
 
 import whalepy
 from whalepy.passes import build_profile, model_fingerprint
-from whalepy.profile import BlockAnnotations, BlockKind
+from whalepy.ir.profile import BlockAnnotations, BlockKind
 
 from tiny_hf import ids as _ids
 from tiny_hf import tiny_hf_model

@@ -143,7 +143,7 @@ def test_first_real_step_is_the_pseudo_models_optimizer_step_per_layer():
         opt.zero_grad()
     real, real_opt = copy_model_and_optimizer(pseudo, opt, adamw)
     whalepy.delink(real, optimizer=real_opt)
-    assert whalepy._pseudo_to_real.pseudo_layers(real) is None
+    assert whalepy.tools.pseudo_to_real.pseudo_layers(real) is None
     shared = dict(pseudo.named_parameters(remove_duplicate=False))
     shared_state = {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in pseudo.named_parameters()}
     for name, p in real.named_parameters():

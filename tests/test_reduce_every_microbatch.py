@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from whalepy._errors import PlanError
+from whalepy.errors import PlanError
 from whalepy.cost_models.devices import CATALOG
-from whalepy.estimate import estimate_from_profile
+from whalepy.planner.estimate import estimate_from_profile
 from whalepy.planner import plan_from_profile
 from whalepy.planner.synthetic import transformer_profile
 
@@ -65,7 +65,7 @@ def test_refused_where_not_lowered() -> None:
 
 def _count_reduce_scatters(microbatches: int, each: bool) -> int:
     import whalepy
-    from whalepy._comm_count import CollectiveCounter
+    from whalepy.tools.comm_count import CollectiveCounter
     from whalepy.cost_models.communication import Collective
     from whalepy.runtime import parallelize
 

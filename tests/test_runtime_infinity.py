@@ -25,7 +25,7 @@ from dist_harness import run_distributed
 from durability_child import exit_without_close, state_checksum, tiny_blocks, tiny_model, train_forever
 from infinity_cases import infinity_cases
 from runtime_cases import Case
-from whalepy._errors import WhalepyError
+from whalepy.errors import WhalepyError
 from whalepy.runtime._durable import TMP_SUFFIX, check_free_space
 from whalepy.runtime.nvme import NvmeTier
 
@@ -163,7 +163,7 @@ def test_a_full_disk_is_a_clear_error_before_training(tmp_path):
     import shutil
     from collections import namedtuple
 
-    from whalepy.plan import BlockPlan
+    from whalepy.ir.plan import BlockPlan
     from whalepy.runtime.nvme import build_nvme_tier
 
     model, opt = tiny_model()

@@ -11,8 +11,8 @@ import torch
 
 from dist_harness import run_distributed
 from runtime_cases import Case, adamw, gpt_model, lm_loss, make_case_plan
-from whalepy._errors import LaunchError, PlanError, WhalepyError
-from whalepy.launch import add_run_subparser, build_torchrun_command
+from whalepy.errors import LaunchError, PlanError, WhalepyError
+from whalepy.tools.launch import add_run_subparser, build_torchrun_command
 from whalepy.runtime import UnlaunchedModel, make_plan, parallelize
 
 
@@ -20,7 +20,7 @@ def _attempt(kind: str) -> str:
     """Per rank: one wrong launch; return the error's class and message (or a failure marker)."""
     import dataclasses
 
-    from whalepy.cluster import ClusterSpec
+    from whalepy import ClusterSpec
 
     x = torch.zeros(2, 16, dtype=torch.long)
     model = gpt_model()
@@ -44,7 +44,7 @@ def _attempt(kind: str) -> str:
     elif kind == "per-rank batch":
         pm = parallelize(model, spec, example_inputs=(x,), loss_fn=lm_loss, optimizer=adamw,
                          global_batch=8, plan=plan)
-        local = torch.zeros(4, 16, dtype=torch.long)  # this rank's share instead of the global batch
+        local = torch.zeros(3, 16, dtype=torch.long)  # neither the global batch nor this rank's share (4)
         try:
             pm.train_step(local, local)
         except WhalepyError as e:
@@ -75,7 +75,8 @@ def test_wrong_launches_raise_launch_error():
         assert model.startswith("LaunchError") and "fingerprint" in model
         assert device.startswith("PlanError") and "puts a A100 on rank 0" in device  # a plan of another cluster
         assert "nvme" in nvme and "transformer.h.0" in nvme and "param_tier" in nvme
-        assert "shape (4, 16)" in batch and "whole global batch (8 samples" in batch, batch
+        assert "shape (3, 16)" in batch and "whole global batch (8 samples" in batch, batch
+        assert "share (4 samples" in batch, batch
 
 
 def test_outside_a_launch_returns_plan_holder(monkeypatch, capsys):

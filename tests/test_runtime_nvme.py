@@ -31,7 +31,7 @@ from runtime_cases import (
     reference_run,
     run_resume,
 )
-from whalepy._errors import WhalepyError
+from whalepy.errors import WhalepyError
 from whalepy.runtime.nvme import NvmeOptimizerStates, NvmeTier, prepare_nvme_dir
 
 LOSS_RTOL = 1e-5

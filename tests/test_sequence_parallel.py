@@ -23,8 +23,8 @@ from runtime_cases import (
     lm_loss,
     reference_run,
 )
-from whalepy._errors import PlanError
-from whalepy.plan import TPStyle
+from whalepy.errors import PlanError
+from whalepy.ir.plan import TPStyle
 
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-5

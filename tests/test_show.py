@@ -10,11 +10,11 @@ from xml.etree import ElementTree
 import pytest
 
 from show_cases import homogeneous_3d, interleaved, mixed, uniform_plan
-from whalepy._errors import PlanError
-from whalepy._show import plan_diff, plan_html, plan_timeline_svg
-from whalepy._show.schedule import OpKind, gpipe_order, interleaved_order, one_f_one_b_order, simulate
-from whalepy.cli import main
-from whalepy.plan import Schedule
+from whalepy.errors import PlanError
+from whalepy.tools.show import plan_diff, plan_html, plan_timeline_svg
+from whalepy.tools.show.schedule import OpKind, gpipe_order, interleaved_order, one_f_one_b_order, simulate
+from whalepy.tools.cli import main
+from whalepy.ir.plan import Schedule
 
 schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
 

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from show_cases import homogeneous_3d, interleaved, mixed
-from whalepy.cli import main
-from whalepy.plan import Plan
+from whalepy.tools.cli import main
+from whalepy.ir.plan import Plan
 
 WINDOW = (1220, 1800)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pulp
 import pytest
 
-from whalepy._errors import PlanError
+from whalepy.errors import PlanError
 from whalepy.planner import _solvers, ilp, plan_from_profile
 from whalepy.planner.synthetic import transformer_profile
 

@@ -17,7 +17,7 @@ import torch
 from dist_harness import run_distributed
 from runtime_cases import PAD, Case, batches, build_model, case_profile
 from tiling_cases import run_all
-from whalepy._tiling import tile_rows, tileable_modules
+from whalepy.ir.tiling import tile_rows, tileable_modules
 from whalepy.runtime._tile_state import merge_state, split_state
 from whalepy.planner._tiling_costs import unit_params
 from whalepy.runtime.tiling import TiledEmbedding, TiledLinear, tile_model, tiled_layout
@@ -79,7 +79,7 @@ def test_tied_or_unusual_embeddings_are_not_tiled():
     modules, and its block (it shares a parameter with the head's) is refused by ``tiling_error``, so
     the planner never tiles it (``block_tiles``); a hand-written plan is refused in the 2-rank test.
     ``max_norm`` / ``scale_grad_by_freq`` / ``sparse`` embeddings stay whole."""
-    from whalepy._capabilities import tiling_error
+    from whalepy.ir.rules import tiling_error
     from whalepy.planner._tiling_costs import block_tiles
 
     tied = build_model("hf_tied", 2)
@@ -94,7 +94,7 @@ def test_tied_or_unusual_embeddings_are_not_tiled():
     # what the runtime makes of a plan: the tied block refused before any lowering; a module of fewer
     # rows than the tiles (the 16 positions under tiles=20) split into one-row tiles
     from tiling_cases import tiled_plan
-    from whalepy._errors import PlanError
+    from whalepy.errors import PlanError
     from whalepy.runtime.tiling import plan_tiling
 
     def modules(kind: str) -> dict:

@@ -11,8 +11,8 @@ import whalepy
 from whalepy.passes import build_profile
 from whalepy.passes.shapes import reshape_dim
 from whalepy.passes.tp_patterns import BlockTP, check_split_degrees
-from whalepy.plan import TPRule, TPStyle
-from whalepy.profile import BlockAnnotations
+from whalepy.ir.plan import TPRule, TPStyle
+from whalepy.ir.profile import BlockAnnotations
 
 transformers = pytest.importorskip("transformers")
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import whalepy
 from whalepy.models import GPT, GPTConfig
-from whalepy.trace import MemoryTrace, apply_memory_trace
+from whalepy.frontend.trace import MemoryTrace, apply_memory_trace
 
 
 def _lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -69,7 +69,7 @@ def test_four_ranks_2d_clip_evaluate():
 
 
 def test_warn_once_per_key_and_rank0_only(caplog):
-    from whalepy._log import warn_once
+    from whalepy.log import warn_once
 
     with caplog.at_level(logging.WARNING, logger="whalepy"):
         assert warn_once("test-key-unique", "whalepy: %s", "first")
@@ -81,7 +81,7 @@ def test_bad_training_options_are_one_line_errors():
     import torch
 
     import whalepy
-    from whalepy._errors import WhalepyError
+    from whalepy.errors import WhalepyError
 
     model = torch.nn.Linear(4, 4)
     for kw, word in (({"max_grad_norm": 0}, "max_grad_norm"), ({"max_grad_norm": "1"}, "max_grad_norm"),

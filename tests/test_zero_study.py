@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from whalepy._t5 import T5_SIZES, T5Config, build_t5
-from whalepy.cli import main
+from whalepy.models.t5 import T5_SIZES, T5Config, build_t5
+from whalepy.tools.cli import main
 from whalepy.cost_models.communication import CommGroup, Link, estimate_collective_link_bytes
-from whalepy.study import study_zero
+from whalepy.tools.study import study_zero
 
 
 def _t5_params(c: T5Config) -> int:
@@ -114,6 +114,12 @@ def test_bad_input_is_one_line(tmp_path, capsys, monkeypatch) -> None:
     assert main(["study", "zero", "--sizes", "mt5-huge", "--cluster", "examples/clusters/a100_4x8.yaml", "-q"]) == 2
     assert "unknown built-in model 'mt5-huge'" in capsys.readouterr().err
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if the [plot] extra were not installed
+    import whalepy.tools.study
+
+    def no_study(*a, **k):
+        raise AssertionError("the study ran before the missing extra was found")
+
+    monkeypatch.setattr(whalepy.tools.study, "study_zero", no_study)  # the check comes before any work
     code = main(["study", "zero", "t5-tiny", "--cluster", "examples/clusters/a100_4x8.yaml", "--seq-len", "16",
                  "--plot", str(tmp_path / "p.png"), "-q"])
     assert code == 2 and "pip install 'whalepy[plot]'" in capsys.readouterr().err

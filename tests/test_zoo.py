@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import whalepy
-from whalepy.zoo import MODELS, build
+from whalepy.models.zoo import MODELS, build
 
 transformers = pytest.importorskip("transformers")
 
@@ -53,7 +53,7 @@ def test_builtin_gpt_matches_transformers_gpt2(name: str) -> None:
 
 
 def test_builtin_gpt_builds_without_transformers() -> None:
-    code = ("import sys; from whalepy.zoo import build; m, x = build('gpt3-175b'); "
+    code = ("import sys; from whalepy.models.zoo import build; m, x = build('gpt3-175b'); "
             "print(sum(p.numel() for p in m.parameters()), 'transformers' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr

@@ -163,7 +163,7 @@ def meta_run(case: Case, tiles: int, other_tiles: int, path: str) -> dict[str, A
     trained against that model tiled alike in one process (so the comparison isolates the sharding:
     tiling's own numerics against the untiled run are :func:`tiled_run`'s); then saved and read into
     another meta model with ``other_tiles`` tiles (``parallelize(checkpoint=...)``)."""
-    from whalepy._tiling import tileable_modules
+    from whalepy.ir.tiling import tileable_modules
     from whalepy.runtime.materialize import materialize
     from whalepy.runtime._tile_state import merge_state
     from whalepy.runtime.tiling import tile_model, tiled_layout
@@ -197,7 +197,7 @@ def meta_run(case: Case, tiles: int, other_tiles: int, path: str) -> dict[str, A
 
 def refusal(case: Case, tiles: int) -> str:
     """The one-line error parallelize gives for ``tiles`` on ``case``'s layout."""
-    from whalepy._errors import WhalepyError
+    from whalepy.errors import WhalepyError
 
     data = batches(case.global_batch, 1)
     try:

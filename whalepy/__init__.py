@@ -6,13 +6,11 @@ found by an ILP over a hardware-aware cost model, and train it on PyTorch's nati
 """
 
 import importlib
-import sys
-import types
 
-import whalepy._log  # noqa: F401  (whalepy's default log handler; logging only, no torch)
+import whalepy.log  # noqa: F401  (whalepy's default log handler; logging only, no torch)
 import os as _os
 
-from whalepy._errors import (
+from whalepy.errors import (
     AnnotationError,
     ArgumentError,
     CaptureError,
@@ -27,24 +25,25 @@ __version__ = "0.1.0"
 
 if "RANK" in _os.environ and "WORLD_SIZE" in _os.environ:
     # under torchrun / whalepy run: a whalepy error anywhere in the script is one line, printed once
-    from whalepy._launch_errors import install_error_hook as _install_error_hook
+    from whalepy.runtime.launch_errors import install_error_hook as _install_error_hook
 
     _install_error_hook()
 
 _LAZY = {
-    "ClusterSpec": "whalepy.cluster",
-    **dict.fromkeys(("Plan", "Precision", "Schedule", "Tier", "ZeroStage"), "whalepy.plan"),
+    "ClusterSpec": "whalepy.hardware.cluster",
+    "Plan": "whalepy.ir.plan",
+    **dict.fromkeys(("Precision", "Schedule", "Tier", "ZeroStage"), "whalepy.ir.types"),
     **dict.fromkeys(("Cluster", "Replicate", "Split", "Stage", "annotate", "clear_annotations", "cluster",
                      "replicate", "resolve_annotations", "split", "stage"), "whalepy.primitives"),
-    **dict.fromkeys(("Estimate", "ParallelConfig", "estimate"), "whalepy.estimate"),
+    **dict.fromkeys(("Estimate", "ParallelConfig", "estimate"), "whalepy.planner.estimate"),
     **dict.fromkeys(("homogeneous_baseline", "plan", "plan_from_profile"), "whalepy.planner"),
-    **dict.fromkeys(("ModelProfile", "profile"), "whalepy.profile"),
-    "parallelize": "whalepy.runtime", "ParallelModel": "whalepy.runtime", "calibrate": "whalepy._calibrate",
-    "materialize": "whalepy.runtime.materialize", "export_safetensors": "whalepy.export",
-    **dict.fromkeys(("plan_html", "plan_timeline_svg", "plan_diff"), "whalepy._show"),
-    **dict.fromkeys(("trace_memory", "MemoryTrace"), "whalepy.trace"),
-    **dict.fromkeys(("study_zero", "ZeroStudyRow"), "whalepy.study"),
-    **dict.fromkeys(("delink", "pseudo_to_real"), "whalepy._pseudo_to_real"),
+    "ModelProfile": "whalepy.ir.profile", "profile": "whalepy.frontend.profile",
+    "parallelize": "whalepy.runtime", "ParallelModel": "whalepy.runtime", "calibrate": "whalepy.tools.calibrate",
+    "materialize": "whalepy.runtime.materialize", "export_safetensors": "whalepy.tools.export",
+    **dict.fromkeys(("plan_html", "plan_timeline_svg", "plan_diff"), "whalepy.tools.show"),
+    **dict.fromkeys(("trace_memory", "MemoryTrace"), "whalepy.frontend.trace"),
+    **dict.fromkeys(("study_zero", "ZeroStudyRow"), "whalepy.tools.study"),
+    **dict.fromkeys(("delink", "pseudo_to_real"), "whalepy.tools.pseudo_to_real"),
 }
 """Public name -> the module defining it, imported on first use."""
 
@@ -66,20 +65,6 @@ def __getattr__(name: str):  # noqa: ANN202 - module-level lazy attributes (PEP 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
-
-class _Package(types.ModuleType):
-    """Four public functions share their names with submodules (``whalepy.plan`` the function and
-    ``whalepy/plan.py``, likewise ``profile``, ``estimate``, ``cluster``). Importing such a submodule
-    sets the package attribute to the module; the function keeps the name, as it did when this
-    package imported everything eagerly."""
-
-    def __setattr__(self, name: str, value: object) -> None:
-        if name in _LAZY and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
 
 __all__ = [
     "AnnotationError",

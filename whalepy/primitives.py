@@ -8,7 +8,7 @@ Each annotation marks a region of a model and is usable in three forms (docs/ann
 
 Annotations on a module live in ``module.__dict__["_whalepy_annotations"]`` as a tuple, outermost
 first; :func:`resolve_annotations` merges them with those inherited from ancestors into one
-:class:`whalepy.profile.BlockAnnotations` per module path. Nesting is cluster > stage > replicate >
+:class:`whalepy.ir.profile.BlockAnnotations` per module path. Nesting is cluster > stage > replicate >
 split.
 """
 
@@ -25,13 +25,13 @@ from typing import Any, ClassVar, TypeVar
 import torch.nn as nn
 from torch.nn.modules.module import register_module_module_registration_hook
 
-from whalepy._annotate import (
+from whalepy.ir.annotations import (
     ANNOTATIONS_ATTR,
     check_cluster_annotations,
     match_modules,
     resolve_annotations,
 )
-from whalepy._errors import AnnotationError
+from whalepy.errors import AnnotationError
 
 __all__ = [
     "Annotation",

@@ -2,7 +2,7 @@
 
 Pipeline: profile (capture) -> enumerate outer candidates (:mod:`.search`) -> per candidate an ILP
 (:mod:`.ilp`, formulation in its docstring) or exhaustive enumeration (:mod:`.exhaustive`), both costed
-by :mod:`.costing` -> :class:`~whalepy.plan.Plan` (:mod:`.build`). See docs/planner.md.
+by :mod:`.costing` -> :class:`~whalepy.ir.plan.Plan` (:mod:`.build`). See docs/planner.md.
 """
 
 from __future__ import annotations
@@ -16,14 +16,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from whalepy._errors import PlanError
-from whalepy.cluster import ClusterSpec
-from whalepy.plan import Plan, Schedule
-from whalepy.planner._runtime_costs import check_device_reserve
+from whalepy.errors import PlanError
+from whalepy.hardware.cluster import ClusterSpec
+from whalepy.ir.plan import Plan, Schedule
+from whalepy.planner.runtime_costs import check_device_reserve
 from whalepy.planner.build import build_alternatives, build_plan, raise_infeasible
+from whalepy.planner.ilp import ILP_NODE_LIMIT
 from whalepy.planner.search import run_search
 from whalepy.planner.space import Hardware, RejectionKind
-from whalepy.profile import ModelProfile
+from whalepy.ir.profile import ModelProfile
 
 SOLVERS = ("highs", "cbc", "exhaustive")
 
@@ -36,11 +37,17 @@ class PlannerOptions:
     """``"highs"`` (default; HiGHS in-process through highspy), ``"cbc"`` (CBC where pulp provides it:
     bundled with pulp 3, ``pulp[cbc]`` or a ``cbc`` on PATH with pulp 4; also the fallback, noted in
     ``plan.notes``, when HiGHS is unavailable) or ``"exhaustive"`` (small instances)."""
-    time_limit_s: float = 60.0
-    """Wall-clock budget of the whole search."""
-    ilp_time_limit_s: float = 5.0
-    """Budget of one candidate's ILP (capped by what is left of ``time_limit_s``); an ILP stopped by
-    it keeps its best solution and reports its MIP gap."""
+    ilp_node_limit: int = ILP_NODE_LIMIT
+    """Work budget of one candidate's ILP, in branch-and-bound nodes. The search is limited by work, not
+    by the clock, so the same inputs give the same plan on an idle and on a loaded machine; an ILP
+    stopped by it keeps its best solution, and the plan states the search's proven gap."""
+    time_limit_s: float | None = None
+    """Wall-clock limit of the whole search, seconds; None (default): none, the search is limited by
+    work alone. Where set and reached, the plan says so (notes, alternatives, its status and gap); the
+    plan may then depend on the machine's load."""
+    ilp_time_limit_s: float | None = None
+    """Wall-clock limit of one candidate's ILP, seconds (within ``time_limit_s``); None (default): none.
+    An ILP stopped by it keeps its best solution; the plan states the search's proven gap."""
     schedules: tuple[Schedule, ...] = (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED_1F1B)
     """Pipeline schedules searched (names or :class:`~whalepy.Schedule` members)."""
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
@@ -93,11 +100,17 @@ class PlannerOptions:
     clip_gradients: bool = False
     """The run clips gradients by their global norm (``parallelize(max_grad_norm=...)`` sets it):
     ZeRO-Offload's host optimizer then steps after the backward (the norm needs every gradient), and its
-    CPU step is costed as exposed in full (:func:`whalepy._capabilities.host_steps_after_backward`)."""
+    CPU step is costed as exposed in full (:func:`whalepy.ir.rules.host_steps_after_backward`)."""
     memory_trace: Any = None
-    """A :class:`~whalepy.trace.MemoryTrace` (or its JSON path) of one warm-up iteration of this model:
+    """A :class:`~whalepy.frontend.trace.MemoryTrace` (or its JSON path) of one warm-up iteration of this model:
     the planner charges its measured activation bytes per block instead of the profile's estimate
-    (:func:`whalepy.trace.apply_memory_trace`)."""
+    (:func:`whalepy.frontend.trace.apply_memory_trace`)."""
+    measure: bool = False
+    """Time each distinct block of the model on this machine's device (CUDA GPU or CPU) before planning
+    (``whalepy.profile(..., measure=True)``: forward, backward and optimizer step at the micro-batch
+    sizes and TP degrees the search considers, saved activations); the planner then prefers these
+    measurements for device types of the cluster equal to the local one. :func:`plan` only (a model
+    is needed to run)."""
     notes: tuple[str, ...] = field(default=())
     """Lines copied into ``plan.notes`` (used by callers that adjust options, e.g. a solver fallback)."""
 
@@ -105,7 +118,7 @@ class PlannerOptions:
         _check_option_types(self)
         if self.solver not in SOLVERS:
             raise PlanError(f"solver={self.solver!r}: choose one of {', '.join(SOLVERS)}")
-        if not self.time_limit_s > 0:
+        if self.time_limit_s is not None and not self.time_limit_s > 0:
             raise PlanError(f"time_limit_s must be positive, got {self.time_limit_s!r}; give the search budget in "
                             "seconds, e.g. time_limit_s=60")
         try:
@@ -116,7 +129,7 @@ class PlannerOptions:
         if not scheds:
             raise PlanError("schedules is empty: give at least one of " + ", ".join(s.value for s in Schedule))
         object.__setattr__(self, "schedules", scheds)
-        if not self.ilp_time_limit_s > 0:
+        if self.ilp_time_limit_s is not None and not self.ilp_time_limit_s > 0:
             raise PlanError(f"ilp_time_limit_s must be positive, got {self.ilp_time_limit_s!r}; give seconds per "
                             "candidate, e.g. ilp_time_limit_s=5")
         zs = tuple(self.zero_stages)
@@ -137,15 +150,18 @@ class PlannerOptions:
             raise PlanError(f"top_k must be >= 0, got {self.top_k}; give the alternatives to keep, e.g. top_k=5")
         if not self.virtual_stages or any(v < 1 for v in self.virtual_stages):
             raise PlanError(f"virtual_stages must be a non-empty tuple of counts >= 1, got {self.virtual_stages!r}")
+        if self.ilp_node_limit < 0:
+            raise PlanError(f"ilp_node_limit must be >= 0, got {self.ilp_node_limit}; give branch-and-bound nodes "
+                            f"per candidate, e.g. ilp_node_limit={ILP_NODE_LIMIT}")
         if self.max_microbatches is not None and self.max_microbatches < 1:
             raise PlanError(f"max_microbatches must be >= 1, got {self.max_microbatches}; give e.g. "
                             "max_microbatches=64, or None for no limit")
 
 
 _NUMBER_FIELDS = ("time_limit_s", "ilp_time_limit_s")
-_INT_FIELDS = ("top_k", "max_tp", "max_microbatches")
+_INT_FIELDS = ("top_k", "max_tp", "max_microbatches", "ilp_node_limit")
 _BOOL_FIELDS = ("allow_checkpointing", "allow_activation_offload", "allow_checkpoint_offload", "allow_offload",
-                "mixed_tiers", "sequence_parallel", "homogeneous_baseline", "clip_gradients")
+                "mixed_tiers", "sequence_parallel", "homogeneous_baseline", "clip_gradients", "measure")
 
 
 def _check_option_types(opts: PlannerOptions) -> None:
@@ -155,12 +171,12 @@ def _check_option_types(opts: PlannerOptions) -> None:
 
     for name in _NUMBER_FIELDS:
         v = getattr(opts, name)
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
             raise bad(name, "a number of seconds, e.g. 60")
     for name in _INT_FIELDS:
         v = getattr(opts, name)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
-            raise bad(name, "an integer" + (" or None" if name != "top_k" else ""))
+        if (v is not None or name in ("top_k", "ilp_node_limit")) and (isinstance(v, bool) or not isinstance(v, int)):
+            raise bad(name, "an integer" + (" or None" if name not in ("top_k", "ilp_node_limit") else ""))
     for name in _BOOL_FIELDS:
         if not isinstance(getattr(opts, name), bool):
             raise bad(name, "True or False")
@@ -180,7 +196,7 @@ def _check_option_types(opts: PlannerOptions) -> None:
         raise PlanError(f"memory_trace={os.fspath(trace)!r}: no such file; make one with "
                         "whalepy.trace_memory(model, batch).save(path), or leave memory_trace out")
     if trace is not None and not isinstance(trace, (str, os.PathLike)) and type(trace).__name__ != "MemoryTrace":
-        raise bad("memory_trace", "a whalepy.trace.MemoryTrace or the path of one saved with .save(path)")
+        raise bad("memory_trace", "a whalepy.frontend.trace.MemoryTrace or the path of one saved with .save(path)")
 
 
 def _progress_fn(opt: bool | Callable[[str], None]) -> Callable[[str], None]:
@@ -207,7 +223,7 @@ def plan(model: Any, cluster: ClusterSpec, *, example_inputs: Any, global_batch:
     """The fastest predicted plan for training ``model`` on ``cluster`` with ``global_batch`` samples per
     step. ``options`` are the fields of :class:`PlannerOptions`. Raises
     :class:`~whalepy.InfeasibleError` when nothing fits, saying what runs short and what to relax."""
-    from whalepy._validate import as_cluster, check_example_inputs, check_model
+    from whalepy.frontend.checks import as_cluster, check_example_inputs, check_model
 
     check_model(model, "whalepy.plan()")
     cluster = as_cluster(cluster, "whalepy.plan()")
@@ -219,16 +235,18 @@ def plan(model: Any, cluster: ClusterSpec, *, example_inputs: Any, global_batch:
     check_annotation_degrees(model, cluster.world_size)
     progress = _progress_fn(opts.progress)
     progress("capturing the model")
-    from whalepy.profile import profile as build
+    from whalepy.frontend.profile import profile as build
 
     prof = build(model, example_inputs, sequence_parallel=opts.sequence_parallel)
     progress(f"captured {len(prof.blocks)} blocks in {prof.capture_time_s:.2f} s ({prof.capture_method})")
+    if opts.measure:
+        prof = _measured(model, example_inputs, prof, cluster, global_batch, opts, progress)
     return plan_from_profile(prof, cluster, global_batch=global_batch, **{**options, "progress": progress})
 
 
 def plan_from_profile(profile: ModelProfile, cluster: ClusterSpec, *, global_batch: int, **options: Any) -> Plan:
     """:func:`plan` for a profile already made (by capture or :mod:`whalepy.planner.synthetic`)."""
-    from whalepy._validate import as_cluster
+    from whalepy.frontend.checks import as_cluster
 
     if not isinstance(profile, ModelProfile):
         raise PlanError(f"plan_from_profile() takes a whalepy.ModelProfile, got {type(profile).__name__}; make "
@@ -243,7 +261,7 @@ def plan_from_profile(profile: ModelProfile, cluster: ClusterSpec, *, global_bat
                                     **{k: getattr(opts, k) for k in _fields() if k != "homogeneous_baseline"})
     _check_sequence_parallel(profile, opts)
     if opts.memory_trace is not None:
-        from whalepy.trace import apply_memory_trace
+        from whalepy.frontend.trace import apply_memory_trace
 
         profile = apply_memory_trace(profile, opts.memory_trace)
     progress = _progress_fn(opts.progress)
@@ -255,12 +273,35 @@ def plan_from_profile(profile: ModelProfile, cluster: ClusterSpec, *, global_bat
     notes = list(opts.notes) + result.notes + _annotation_notes(result) + _host_notes(opts, cluster)
     if opts.memory_trace is not None:
         notes.append("activation bytes of the traced blocks are measured (memory_trace), not estimated")
+    t0 = time.perf_counter()
     alts = build_alternatives(result, best, opts.top_k, hw)
+    result.solve_time_s += time.perf_counter() - t0  # the alternatives' re-solves are part of the search
+    # the status and gap are the whole search's (run_search), not the winning candidate's ILP's
     plan_ = build_plan(best, ctx=result.ctx, global_batch=global_batch, result=result,
-                       solver_name=result.solver_used, status=result.best_result.status,
-                       mip_gap=result.best_result.mip_gap, notes=notes, alternatives=alts)
+                       solver_name=result.solver_used, status=result.status, mip_gap=result.gap, notes=notes,
+                       alternatives=alts)
+    source_notes = result.ctx.cost_source_notes(plan_)
+    if source_notes:
+        plan_ = replace(plan_, notes=plan_.notes + tuple(source_notes))
     progress(f"plan: {plan_.cost.step_time_s:.4g} s/step, {plan_.cost.samples_per_s:.4g} samples/s")
     return plan_
+
+
+def _measured(model: Any, example_inputs: Any, prof: ModelProfile, cluster: ClusterSpec, global_batch: int,
+              opts: PlannerOptions, progress: Callable[[str], None]) -> ModelProfile:
+    """``prof`` with its blocks timed on the local device (``plan(..., measure=True)``) at the
+    micro-batch sizes and TP degrees this search may use."""
+    from whalepy.frontend.measure import apply_measured_activations, measure_costs, micro_batch_sizes
+
+    t0 = time.perf_counter()
+    max_tp = opts.max_tp or max(g.gpus_per_node for g in cluster.groups)
+    tps = tuple(1 << k for k in range(max_tp.bit_length()) if (1 << k) <= max_tp)
+    measured = measure_costs(model, example_inputs, prof, precision=opts.precision or "fp32",
+                             micro_batches=micro_batch_sizes(global_batch),
+                             tp_degrees=tps)
+    progress(f"measured {len(measured.times)} distinct blocks on {measured.device_name} in "
+             f"{time.perf_counter() - t0:.2f} s")
+    return replace(apply_measured_activations(prof, measured, opts.precision or "fp32"), measured=measured)
 
 
 def _host_notes(opts: PlannerOptions, cluster: ClusterSpec) -> list[str]:
@@ -280,7 +321,7 @@ def _check_global_batch(global_batch: Any) -> None:
 
 def _with_precision(opts: PlannerOptions, cluster: ClusterSpec) -> PlannerOptions:
     """``opts`` with its precision resolved for (and checked against) the cluster's device types."""
-    from whalepy._capabilities import resolve_precision
+    from whalepy.hardware.cluster import resolve_precision
 
     precision = resolve_precision((g.device for g in cluster.groups), opts.precision)
     return replace(opts, precision=precision.value)
@@ -344,7 +385,7 @@ def homogeneous_baseline(profile: ModelProfile, cluster: ClusterSpec, *, global_
     from whalepy.planner.costing import CostContext
     from whalepy.planner.search import evaluate_fixed
 
-    from whalepy._validate import as_cluster
+    from whalepy.frontend.checks import as_cluster
 
     cluster = as_cluster(cluster, "whalepy.homogeneous_baseline()")
     opts = _with_precision(make_options(options), cluster)
@@ -376,7 +417,7 @@ def homogeneous_baseline(profile: ModelProfile, cluster: ClusterSpec, *, global_
     notes = [f"homogeneous baseline: planned as if all {hw.world_size} GPUs were {slow.name} with "
              f"{small / 2**30:.0f} GiB, costed on the real cluster"]
     return build_plan(real, ctx=ctx, global_batch=global_batch, result=result, solver_name=result.solver_used,
-                      status=result.best_result.status if result.best_result else "given", mip_gap=0.0,
+                      status=result.status if result.best_result else "given", mip_gap=0.0,
                       notes=notes)
 
 

@@ -36,8 +36,7 @@ from whalepy.planner._coeffs import CandidateCoeffs, CellCoeffs
 GIB = float(2**30)
 BILLION = 1e9
 
-LP_TIME_LIMIT_S = 10.0
-"""A ceiling for the bound's LP (a few dozen columns, solved in milliseconds): never reached in practice."""
+
 LP_SAFETY = 1e-7
 """The LP's optimum is scaled down by this share before it is used as a bound: HiGHS meets its rows to a
 primal feasibility tolerance (1e-7 absolute, on rows scaled to seconds and GiB), so its optimum may sit
@@ -141,15 +140,16 @@ def relaxed_stage_time(cc: CandidateCoeffs, cells: Sequence[CellCoeffs],
     for s, c in enumerate(cells):
         compute = _add_stage_rows(prob, cc, s, c, n[s], choices)
         prob.rows.append(({**compute, t: -1.0}, 0.0, LE, f"time_{s}"))
-    status, objective, _ = _solve_highs(prob, LP_TIME_LIMIT_S, None)
+    status, objective, _ = _solve_highs(prob, None, None)  # an LP of a few dozen columns: no limit needed
     if status != "optimal":
         return None
     return objective * (1 - LP_SAFETY)
 
 
-INTEGER_TIME_LIMIT_S = 1.0
-"""Time limit of the whole-block bound's small MIP (:func:`integer_step_bound`); where it stops there,
-HiGHS's dual bound at that moment is used, which is still a bound."""
+INTEGER_NODE_LIMIT = 200
+"""Work limit (branch-and-bound nodes) of the whole-block bound's small MIP (:func:`integer_step_bound`);
+where it stops there, HiGHS's dual bound at that moment is used, which is still a bound. Nodes, not
+seconds: the same bound on any machine load."""
 
 
 def _state_terms(prob: _Model, cc: CandidateCoeffs, s: int, c: CellCoeffs, n: list[_Var]):  # type: ignore[no-untyped-def]
@@ -201,13 +201,12 @@ def integer_step_bound(cc: CandidateCoeffs, cells: Sequence[CellCoeffs], cutoff:
     solution below it (the bound cannot reach it: the dual bound of that moment is returned) or proves
     that none exists (``cutoff`` is returned: the MIP's optimum is at least that)."""
     S, G, v = len(cells), len(cc.segments), cc.candidate.virtual_stages
-    M = cc.candidate.num_microbatches
     lengths = [seg.length for seg in cc.segments]
     prob = _Model()
     t = prob.var("t", 0.0, None, "Continuous")
     tc = prob.var("tc", 0.0, None, "Continuous") if v > 1 else t
     x = prob.var("x", 0.0, None, "Continuous")
-    prob.objective = {t: float(M + S - 1), x: 1.0} if v == 1 else {t: float(M), tc: float(S - 1), x: 1.0}
+    prob.objective = cc.candidate.step_form.terms(t, tc, x)
     n = [[prob.var(f"n_{s}_{g}", 0.0, float(lengths[g]), "Integer") for g in range(G)] for s in range(S)]
     for g in range(G):
         prob.rows.append(({n[s][g]: 1.0 for s in range(S)}, -float(lengths[g]), EQ, f"blocks_{g}"))
@@ -235,7 +234,7 @@ def integer_step_bound(cc: CandidateCoeffs, cells: Sequence[CellCoeffs], cutoff:
                 u = prob.var(f"u_{s}_{g}", 0.0, float(lengths[g]), "Integer")
                 prob.rows.append(({n[s][g]: 1.0, u: -float(v)}, 0.0, LE, f"largest_chunk_{s}_{g}"))
                 prob.rows.append(({u: c.seg_time[g], tc: -1.0}, min(c.chunk_p2p), LE, f"chunk_{s}_{g}"))
-    status, objective, _ = _solve_highs(prob, INTEGER_TIME_LIMIT_S, cutoff, first_solution=cutoff is not None)
+    status, objective, _ = _solve_highs(prob, INTEGER_NODE_LIMIT, cutoff, first_solution=cutoff is not None)
     if cutoff is not None and (status in ("cutoff", "infeasible") or (status == "optimal" and objective >= cutoff)):
         # HiGHS may end "optimal" on a solution at or above the cutoff: it searched the whole tree and
         # found nothing below it, so the optimum is at least the cutoff (its objective is not a bound)

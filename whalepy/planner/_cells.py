@@ -11,7 +11,7 @@ import torch
 from whalepy.cost_models.communication import estimate_p2p_time
 from whalepy.cost_models.memory import inflight_microbatches
 from whalepy.cost_models.offload import host_capacity_per_gpu, nvme_capacity_per_gpu
-from whalepy.plan import ZeroStage
+from whalepy.ir.plan import ZeroStage
 from whalepy.planner._coeffs import CellCoeffs
 from whalepy.planner._cost_context import LOSS_BACKWARD_FP32_TENSORS, LOSS_LOGPROB_BYTES, CostContext, _pair_link
 from whalepy.planner._offload_costs import (
@@ -19,7 +19,7 @@ from whalepy.planner._offload_costs import (
     checkpoint_offload_coefficients,
     offload_coefficients,
 )
-from whalepy.planner._runtime_costs import DPComm, dp_edges, exposed_dp, lowering_kind, usable_device_bytes, uses_autocast
+from whalepy.planner.runtime_costs import DPComm, dp_edges, exposed_dp, lowering_kind, usable_device_bytes, uses_autocast
 from whalepy.planner.space import Candidate, GroupView, Segment, StateOption
 
 

@@ -52,7 +52,7 @@ class CellCoeffs:
     """Parameter fetch seconds per micro-batch per local parameter (parameters off the GPU)."""
     seg_exposed: dict[StateOption, list[float]]
     """Per option, per block of each segment: exposed data-parallel communication per micro-batch
-    (FSDP2 all-gathers beside the block's forward and backward), see :func:`~whalepy.planner._runtime_costs.exposed_dp`."""
+    (FSDP2 all-gathers beside the block's forward and backward), see :func:`~whalepy.planner.runtime_costs.exposed_dp`."""
     edge: dict[StateOption, float]
     """Per option: the exposed all-gathers of a chunk's first block per micro-batch (nothing to hide
     behind)."""
@@ -114,10 +114,10 @@ class StageCoeffs:
     dp_ranks: tuple[int, ...]
     host_fixed: dict[StateOption, float] = field(default_factory=dict)
     """Per option, host bytes per rank it holds whatever its parameter count: the disk tier's staging
-    buffers (:func:`~whalepy._capabilities.staging_slots` at prefetch depth 1, each the file-homed
+    buffers (:func:`~whalepy.ir.rules.staging_slots` at prefetch depth 1, each the file-homed
     bytes of the model's largest local block); 0 without NVMe."""
     tied_segments: tuple[int, ...] = ()
-    """Segments whose blocks share parameters (:attr:`~whalepy.profile.BlockProfile.shares_params`):
+    """Segments whose blocks share parameters (:attr:`~whalepy.ir.profile.BlockProfile.shares_params`):
     in a mix, all of the stage's such blocks take one option (FSDP2 keeps tied weights in one unit)."""
     families: tuple[tuple[StateOption, ...], ...] = ()
     """Groups of two or more of :attr:`options` whose blocks may share this stage, each block keeping
@@ -153,11 +153,6 @@ class CandidateCoeffs:
     keep states or activations off the device."""
     bubble: float
     """``M + (S - 1)/v``: the step's coefficient of ``T`` when chunks are balanced (the lower bound's)."""
-
-    @property
-    def chunk_coefficient(self) -> float:
-        """Coefficient of the largest chunk time ``Tc`` in the step: ``S - 1``."""
-        return float(self.candidate.num_stages - 1)
 
     @property
     def num_blocks(self) -> int:

@@ -11,13 +11,14 @@ import functools
 
 import torch
 
+from whalepy.ir.rules import tp_splits
 from whalepy.cost_models.communication import Collective, CommGroup, Link, estimate_collective_time
 from whalepy.cost_models.compute import estimate_block_time, estimate_kernels_time, loss_time, precision_bytes
 from whalepy.cost_models.device_profiles import resolve_compute_profile
-from whalepy.plan import TPStyle
-from whalepy.planner._runtime_costs import DPComm, build_dp_block_comm
+from whalepy.ir.plan import TPStyle
+from whalepy.planner.runtime_costs import DPComm, build_dp_block_comm
 from whalepy.planner.space import GroupView, Hardware, Segment
-from whalepy.profile import BlockKind, BlockProfile, ModelProfile
+from whalepy.ir.profile import BlockKind, BlockProfile, ModelProfile
 
 
 def _shared_nic(group: CommGroup, sharers: int) -> CommGroup:
@@ -58,19 +59,12 @@ def has_sequence_rules(profile: ModelProfile) -> bool:
 
 def tp_activation_fraction(block: BlockProfile, tp: int, sequence_parallel: bool) -> float:
     """Fraction of ``block``'s saved activations held per rank of a TP group of ``tp``."""
-    if not tp_applies(block, tp) or tp == 1:
+    if not tp_splits(block, tp) or tp == 1:
         return 1.0
     if block.kind is BlockKind.LAYER and not sequence_parallel:
         f = TP_REPLICATED_ACTIVATION_FRACTION
         return f + (1 - f) / tp
     return 1 / tp
-
-
-def tp_applies(block: BlockProfile, tp: int) -> bool:
-    """Whether a block is split across the TP group: it has TP rules and every sharded dimension divides
-    by ``tp``. Otherwise it runs replicated on every rank of the TP group (whole compute, whole
-    parameters), which the costs charge."""
-    return tp > 1 and bool(block.tp_rules) and tp in block.tp_degrees
 
 
 class CostContext:
@@ -98,6 +92,13 @@ class CostContext:
         self._cache: dict[tuple, object] = {}  # type: ignore[type-arg]
         nonfinal = [b.output_bytes for b in profile.blocks[:-1]] or [0]
         self.boundary_bytes = float(max(nonfinal)) * self.byte_scale
+        self.measured = _measured_by_device(profile, hw)
+        """Device type -> the measured block costs the planner prefers (``whalepy.ir.measured``)."""
+        self.signatures: tuple[str, ...] = ()
+        if self.measured:
+            from whalepy.ir.measured import block_signature
+
+            self.signatures = tuple(block_signature(profile, b) for b in profile.blocks)
 
     def _collective(self, kind: Collective, nbytes: float, group: CommGroup) -> float:
         return estimate_collective_time(kind, nbytes, group)
@@ -132,7 +133,7 @@ class CostContext:
             b = seg.block
             fwd, bwd = self.block_time(b.index, device_name, tp, micro_batch)
             ar = 0.0
-            if tp_group is not None and tp_applies(b, tp) and b.tp_comm_bytes:
+            if tp_group is not None and tp_splits(b, tp) and b.tp_comm_bytes:
                 ar = self.collective(Collective.ALL_REDUCE, b.tp_comm_bytes * ratio * self.byte_scale, tp_group)
             rows.append((fwd + bwd + 2 * ar, fwd + ar, fwd, bwd + ar, 2 * ar,
                          b.activation_bytes * ratio * self.byte_scale
@@ -147,9 +148,12 @@ class CostContext:
         attention and memory-bound bytes, with the device's profile (calibrated, shipped or datasheet
         transfer); blocks without recorded kernels use the aggregate roofline."""
         b = self.profile.blocks[block_index]
+        div = tp if tp_splits(b, tp) else 1
+        measured = self.measured_block_time(block_index, device_name, div, micro_batch)
+        if measured is not None:
+            return measured
         device = next(g.device for g in self.hw.groups if g.device.name == device_name)
         ratio = micro_batch / self.profile.batch_size
-        div = tp if tp_applies(b, tp) else 1
         if b.kernels is not None:
             fwd, bwd = estimate_kernels_time(b.kernels, device=device, precision=self.precision, batch_ratio=ratio,
                                              tp=div, byte_scale=self.byte_scale)
@@ -160,6 +164,47 @@ class CostContext:
                                 forward_bytes=(b.param_bytes + act_bytes) * self.byte_scale / div, device=device,
                                 backward_flops=b.bwd_flops * ratio / div, precision=self.precision)
         return t.forward_s, t.backward_s
+
+    def measured_block_time(self, block_index: int, device_name: str, tp: int, micro_batch: float
+                            ) -> tuple[float, float] | None:
+        """The block's measured forward and backward seconds on ``device_name`` at TP degree ``tp`` (the
+        degree it runs at: 1 where TP does not apply to it), or None where it was not measured."""
+        m = self.measured.get(device_name)
+        if m is None:
+            return None
+        return m.block_time(self.signatures[block_index], self.precision, tp, micro_batch)
+
+    def block_cost_source(self, block_index: int, device_name: str, tp: int) -> str:
+        """``"measured"`` or ``"modelled"``: where :meth:`block_time` takes this block's time from."""
+        div = tp if tp_splits(self.profile.blocks[block_index], tp) else 1
+        return "measured" if self.measured_block_time(block_index, device_name, div, 1.0) is not None else "modelled"
+
+    def optimizer_s_per_param(self, device_name: str) -> float | None:
+        """Measured optimizer-step seconds per parameter on ``device_name`` over this model's blocks (the
+        implementation measured, :attr:`MeasuredCosts.optimizer`), or None: the model charges it."""
+        m = self.measured.get(device_name)
+        if m is None:
+            return None
+        return m.optimizer_s_per_param((self.signatures[b.index], b.num_params) for b in self.profile.blocks)
+
+    def cost_source_notes(self, plan) -> list[str]:  # type: ignore[no-untyped-def]
+        """One line per stage of ``plan`` saying which of its costs were measured on its device types and
+        which modelled; empty when nothing of the cluster was measured."""
+        if not self.measured:
+            return []
+        index = {b.name: b.index for b in self.profile.blocks}
+        lines = []
+        for st in plan.stages:
+            parts = []
+            for dev in dict.fromkeys(st.device_types):
+                blocks = [index[n] for n in st.block_names]
+                k = sum(self.block_cost_source(i, dev, st.tp_degree) == "measured" for i in blocks)
+                opt = "measured" if self.optimizer_s_per_param(dev) is not None else "modelled"
+                parts.append(f"on {dev}: block forward/backward/recompute measured for {k} of {len(blocks)} blocks"
+                             f"{'' if k == len(blocks) else ' (the rest modelled)'}, optimizer step {opt}")
+            lines.append(f"stage {st.index} costs: {'; '.join(parts)}; communication (alpha-beta over the cluster "
+                         "spec's links), pipeline bubble and model-state memory modelled")
+        return lines
 
     def model_time_per_sample(self, device: GroupView) -> float:
         """Forward + backward seconds of one sample through the whole model on one device."""
@@ -184,7 +229,7 @@ class CostContext:
         if self.precision == "fp32" or b.kernels is None or b.kernels.amp is None:
             return 0.0
         device = next(g.device for g in self.hw.groups if g.device.name == device_name)
-        div = tp if tp_applies(b, tp) else 1
+        div = tp if tp_splits(b, tp) else 1
         kw = dict(device=device, precision=self.precision, batch_ratio=micro_batch / self.profile.batch_size,
                   tp=div, byte_scale=self.byte_scale)
         plain = sum(estimate_kernels_time(b.kernels, **kw))  # type: ignore[arg-type]
@@ -199,3 +244,21 @@ class CostContext:
         if b.kernels is None or b.kernels.amp is None:
             return b.input_bytes * ratio * self.byte_scale
         return max(0.0, b.kernels.amp.amp_saved - b.activation_bytes * self.byte_scale) * ratio
+
+def _measured_by_device(profile: ModelProfile, hw: Hardware) -> dict:  # type: ignore[type-arg]
+    """Per device type of the cluster, the measured costs: the profile's own (``measure=True``, for the
+    type it was measured on) over the device profile's ``measured`` section."""
+    from whalepy.cost_models.device_profiles import resolve_compute_profile
+
+    out = {}
+    for g in hw.groups:
+        name = g.device.name
+        if name in out:
+            continue
+        m = resolve_compute_profile(g.device).measured
+        own = profile.measured
+        if own is not None and own.device_type == name:
+            m = own if m is None else m.merged(own)
+        if m is not None:
+            out[name] = m
+    return out

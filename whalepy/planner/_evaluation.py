@@ -73,7 +73,7 @@ class CellEval:
     @property
     def reserve_bytes(self) -> float:
         """Device memory the planner keeps back from the allocator: CUDA context, NCCL buffers and
-        the allocator's fragmentation allowance (:func:`whalepy.planner._runtime_costs.usable_device_bytes`)."""
+        the allocator's fragmentation allowance (:func:`whalepy.planner.runtime_costs.usable_device_bytes`)."""
         return self.cell.group.device.memory_bytes - self.cell.capacity
 
     @property
@@ -83,7 +83,7 @@ class CellEval:
 
 
 def memory_breakdown(c: CellEval) -> dict[str, int]:
-    """A cell's memory by kind, bytes per device (the :class:`~whalepy.plan.StageCost` fields)."""
+    """A cell's memory by kind, bytes per device (the :class:`~whalepy.ir.plan.StageCost` fields)."""
     return dict(params_bytes=int(c.params_bytes), grads_bytes=int(c.grads_bytes),
                 optimizer_bytes=int(c.optimizer_bytes), activation_bytes=int(c.activation_bytes),
                 buffer_bytes=int(c.buffer_bytes), reserve_bytes=int(c.reserve_bytes),
@@ -160,7 +160,7 @@ class Evaluation:
     @property
     def bubble_s(self) -> float:
         """Pipeline fill and drain per step: ``(S - 1) Tc``."""
-        return self.coeffs.chunk_coefficient * self.Tc
+        return self.coeffs.candidate.step_form.tc * self.Tc
 
 
 def chunk_busy_s(c: CellCoeffs, option: StateOption | StateMix, counts: Sequence[int], ckpts: Sequence[int],
@@ -402,8 +402,8 @@ def evaluate(cc: CandidateCoeffs, sizes: Sequence[int], ckpts: Sequence[Sequence
 
 
 def step_time(cc: CandidateCoeffs, T: float, Tc: float, X: float) -> float:
-    """``M T + (S - 1) Tc + X`` (see the module docstring)."""
-    return cc.candidate.num_microbatches * T + cc.chunk_coefficient * Tc + X
+    """``M T + (S - 1) Tc + X`` (:class:`~whalepy.planner.space.StepForm`)."""
+    return cc.candidate.step_form.value(T, Tc, X)
 
 
 def lower_bound(cc: CandidateCoeffs, *, memory: bool = True, whole_blocks: bool = False,
@@ -457,7 +457,7 @@ def lower_bound(cc: CandidateCoeffs, *, memory: bool = True, whole_blocks: bool 
        docstring has the argument): integer blocks per stage, memory with the model states, sends,
        fetches, exposed communication and the tail. A step time in itself; the bound is the larger of it
        and the above. Costlier (a MIP, 0.1-1 s), so the search uses it only on the candidates whose
-       first look (:data:`~whalepy.planner.search.FIRST_LOOK_S`) did not settle them, and with
+       first look (:data:`~whalepy.planner.search.FIRST_LOOK_NODES`) did not settle them, and with
        ``cutoff`` (the incumbent less the MIP gap): it only asks whether the bound reaches that, which
        HiGHS answers at its first solution below it, or with a proof that there is none (the bound is
        then ``cutoff``).
@@ -493,4 +493,4 @@ def lower_bound(cc: CandidateCoeffs, *, memory: bool = True, whole_blocks: bool 
             pipeline = [cell_of[r] for cell_of in cells]
             whole_step = max(whole_step, integer_step_bound(cc, pipeline, cutoff, choices) or 0.0)
     Tc = T if v == 1 else max(T / v, B)
-    return max(M * T + (S - 1) * Tc, whole_step)
+    return max(cc.candidate.step_form.value(T, Tc, 0.0), whole_step)

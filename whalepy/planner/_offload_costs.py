@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from whalepy._capabilities import LoweringKind, host_steps_after_backward
+from whalepy.ir.rules import LoweringKind, host_steps_after_backward
 from whalepy.cost_models.compute import adamw_step_time, precision_bytes
 from whalepy.cost_models.memory import MASTER_GRAD_BYTES, MASTER_PARAM_BYTES
 from whalepy.cost_models.offload import (
@@ -21,8 +21,8 @@ from whalepy.cost_models.offload import (
     resolve_offload_rates,
     zero_offload_step,
 )
-from whalepy.plan import Tier, ZeroStage
-from whalepy.planner._runtime_costs import lowering_kind
+from whalepy.ir.plan import Tier, ZeroStage
+from whalepy.planner.runtime_costs import lowering_kind
 from whalepy.planner.space import Candidate, GroupView, StateOption
 
 if TYPE_CHECKING:
@@ -47,9 +47,11 @@ def offload_coefficients(ctx: CostContext, cand: Candidate, g: GroupView, allowe
     (:mod:`whalepy.cost_models.offload`; bytes from :func:`stage_model_states`)."""
     d, low = cand.dp, precision_bytes(ctx.precision)
     n = 1e9
-    # the device step of the implementation the runtime builds: the user's optimizer as given, which for
-    # torch.optim.AdamW on CUDA is its default `foreach` implementation (the profile's measured rate)
-    gpu_step = adamw_step_time(n, g.device, implementation=DEVICE_OPTIMIZER_IMPLEMENTATION) / n
+    gpu_step = ctx.optimizer_s_per_param(g.device.name)  # measured on this device type, if it was
+    if gpu_step is None:
+        # the device step of the implementation the runtime builds: the user's optimizer as given, which for
+        # torch.optim.AdamW on CUDA is its default `foreach` implementation (the profile's measured rate)
+        gpu_step = adamw_step_time(n, g.device, implementation=DEVICE_OPTIMIZER_IMPLEMENTATION) / n
     rates = None
     if any(o.param_tier is not Tier.GPU or o.optimizer_tier is not Tier.GPU for o in allowed):
         rates = group_rates(g)
@@ -96,7 +98,7 @@ def stage_prefetch(ctx: CostContext, cand: Candidate, st: StageEval, cell: CellE
     of each pass included): :func:`~whalepy.cost_models.offload.choose_prefetch_depth` over the stage's
     blocks (``(1, 0.0)`` for parameters on the device). ``option``: the option of ``blocks`` when the
     stage mixes several (default ``st.option``)."""
-    from whalepy.planner.costing import tp_applies
+    from whalepy.planner.costing import tp_splits
 
     o = option or st.option  # of a mix: one part's option, with its blocks
     if o.param_tier is Tier.GPU or not blocks:
@@ -107,7 +109,7 @@ def stage_prefetch(ctx: CostContext, cand: Candidate, st: StageEval, cell: CellE
     prof = ctx.profile
     times = [ctx.block_time(i, g.device.name, t, mb) for i in blocks]
     hops = [fetch_hops(rates, MASTER_PARAM_BYTES * prof.blocks[i].num_params
-                       / (t if tp_applies(prof.blocks[i], t) else 1) / d, from_nvme=o.param_tier is Tier.NVME)
+                       / (t if tp_splits(prof.blocks[i], t) else 1) / d, from_nvme=o.param_tier is Tier.NVME)
             for i in blocks]
     fwd = [f for f, _ in times]
     depth, exposed = choose_prefetch_depth(compute_s=fwd, hops_s=hops)

@@ -8,7 +8,8 @@ import math
 
 from whalepy.cost_models.compute import GEMM_ALIGNMENT_BYTES, gemm_aligned, gemm_train_time, precision_bytes
 from whalepy.cost_models.device_profiles import resolve_compute_profile
-from whalepy.planner._cost_context import CostContext, tp_applies
+from whalepy.ir.rules import tp_splits
+from whalepy.planner._cost_context import CostContext
 
 PAD_MULTIPLE = 64
 """Elements the advice pads a misaligned dimension up to a multiple of: aligned for every 16-bit and
@@ -35,7 +36,7 @@ def shape_notes(ctx: CostContext, *, tp: int, micro_batch: float, microbatches: 
     for b in ctx.profile.blocks:
         if b.kernels is None:
             continue
-        div = tp if tp_applies(b, tp) else 1
+        div = tp if tp_splits(b, tp) else 1
         for g in b.kernels.gemms:
             m = g.m * (ratio if g.batch <= 1 else 1)
             batch = g.batch * (ratio if g.batch > 1 else 1)

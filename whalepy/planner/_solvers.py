@@ -10,7 +10,7 @@ import warnings
 
 import pulp
 
-from whalepy._errors import PlanError
+from whalepy.errors import PlanError
 
 # Linear forms are ``(dict[_Var, float], constant)``. The model is built in plain Python (``_Model``) and
 # handed to HiGHS as arrays in one call (or converted to PuLP for CBC): PuLP's model building and its
@@ -38,7 +38,10 @@ class _Model:
         self.objective: dict = {}  # type: ignore[type-arg]
         self.dual_bound = -math.inf
         """After :func:`_solve_highs`: a lower bound of the optimum HiGHS proved (its MIP dual bound, or
-        the LP's optimum), valid even when it stopped at its time limit; ``-inf`` where it proved none."""
+        the LP's optimum), valid even when it stopped at a limit; ``-inf`` where it proved none."""
+        self.stopped_by: str | None = None
+        """After a solve: ``"nodes"`` (its work limit) or ``"time"`` (a user's clock limit) where one of
+        them ended it before it settled, else None."""
 
     def var(self, name: str, lb: float | None, ub: float | None, cat: str) -> _Var:
         if cat == "Binary":
@@ -94,19 +97,59 @@ def choose_solver(requested: str) -> tuple[str, list[str]]:
                     "CBC; pip install highspy (or use solver='exhaustive' for small models)")
 
 
-def _solve_highs(prob: _Model, time_limit_s: float, cutoff: float | None,
-                 rel_gap: float = MIP_REL_GAP, *, first_solution: bool = False) -> tuple[str, float, float]:
+_banner_silenced = False
+
+
+def _highs():  # type: ignore[no-untyped-def]
+    """A ``highspy.Highs``. HiGHS prints its copyright banner to the process's stdout (file descriptor 1,
+    from C++, so ``contextlib.redirect_stdout`` does not catch it) when the first instance of a process
+    is made, before any option can be set: that first construction runs with fd 1 pointed at
+    ``/dev/null``, so that ``whalepy plan > plan.txt`` and a training log hold no solver output."""
+    global _banner_silenced
+    import highspy
+
+    if _banner_silenced:
+        return highspy.Highs()
+    import os
+    import sys
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            h = highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    _banner_silenced = True
+    return h
+
+
+def _solve_highs(prob: _Model, node_limit: int | None, cutoff: float | None,
+                 rel_gap: float = MIP_REL_GAP, *, time_limit_s: float | None = None,
+                 first_solution: bool = False) -> tuple[str, float, float]:
     """Solve with HiGHS in-process: ``(status, objective, mip gap)``, column values into ``varValue``.
     ``status``: ``optimal``, ``feasible`` (stopped with a solution), ``infeasible``, ``cutoff`` (nothing
     below ``cutoff``) or ``no solution``. ``first_solution``: stop at the first solution found (below
-    ``cutoff``, if given): for a question that one solution answers."""
+    ``cutoff``, if given): for a question that one solution answers.
+
+    Limited by work, never by the clock unless ``time_limit_s`` is given (a user's limit): at most
+    ``node_limit`` branch-and-bound nodes (``mip_max_nodes``; None: no limit), one thread, HiGHS's fixed
+    random seed. HiGHS's MIP is deterministic under these settings, so the same model stops at the same
+    node with the same answer on an idle and on a loaded machine. ``prob.stopped_by`` says which limit,
+    if any, ended the solve (``"nodes"`` or ``"time"``)."""
     import highspy
     import numpy as np
 
-    h = highspy.Highs()
-    for key, value in (("output_flag", False), ("mip_rel_gap", rel_gap), ("threads", 1),
-                       ("time_limit", float(time_limit_s))):
+    h = _highs()
+    for key, value in (("output_flag", False), ("log_to_console", False), ("mip_rel_gap", rel_gap),
+                       ("threads", 1), ("random_seed", 0)):
         h.setOptionValue(key, value)
+    if time_limit_s is not None:
+        h.setOptionValue("time_limit", float(max(time_limit_s, 1e-3)))
+    if node_limit is not None:
+        h.setOptionValue("mip_max_nodes", int(node_limit))
     if cutoff is not None:
         h.setOptionValue("objective_bound", float(cutoff))
     if first_solution:
@@ -141,6 +184,7 @@ def _solve_highs(prob: _Model, time_limit_s: float, cutoff: float | None,
     h.run()
     ms, info = h.getModelStatus(), h.getInfo()
     S = highspy.HighsModelStatus
+    prob.stopped_by = {S.kTimeLimit: "time", S.kSolutionLimit: "nodes", S.kIterationLimit: "nodes"}.get(ms)
     if len(ints):
         prob.dual_bound = float(info.mip_dual_bound)
     elif ms == S.kOptimal:
@@ -166,9 +210,11 @@ def _pulp_var(lp: pulp.LpProblem, name: str, low: float | None, up: float | None
     return pulp.LpVariable(name, low, up, cat=cat)
 
 
-def _solve_cbc(prob: _Model, time_limit_s: float, rel_gap: float = MIP_REL_GAP) -> tuple[str, float, float]:
+def _solve_cbc(prob: _Model, node_limit: int | None, rel_gap: float = MIP_REL_GAP, *,
+               time_limit_s: float | None = None) -> tuple[str, float, float]:
     """Solve with CBC through PuLP (HiGHS unavailable, or asked for); same results as
-    :func:`_solve_highs`. PuLP 3 and 4 both (:func:`_expr`, :func:`_outcome`)."""
+    :func:`_solve_highs`, with the same limits (CBC's ``maxNodes``; seconds only where given).
+    PuLP 3 and 4 both (:func:`_expr`, :func:`_outcome`)."""
     lp = pulp.LpProblem("whalepy_plan", pulp.LpMinimize)
     cols = [_pulp_var(lp, x.name, x.lowBound, x.upBound, "Integer" if x.integer else "Continuous")
             for x in prob.vars]
@@ -181,13 +227,16 @@ def _solve_cbc(prob: _Model, time_limit_s: float, rel_gap: float = MIP_REL_GAP) 
             lp.addConstraint(e, name)
         else:
             lp.addConstraint(pulp.LpConstraint(_expr(terms), sense=sense, rhs=-const), name)
-    solver = _cbc(msg=False, timeLimit=max(1, int(round(time_limit_s))), gapRel=rel_gap)
+    solver = _cbc(msg=False, gapRel=rel_gap, threads=1, maxNodes=node_limit,
+                  timeLimit=None if time_limit_s is None else max(1, int(round(time_limit_s))))
     # CBC writes its model and solution files into tmpDir; the process's working directory is left alone
     with tempfile.TemporaryDirectory(prefix="whalepy_ilp_") as tmp:
         solver.tmpDir = tmp
         outcome = _outcome(lp, lp.solve(solver))
     if outcome in ("infeasible", "no solution"):
         return outcome, math.inf, 0.0
+    if outcome == "feasible":
+        prob.stopped_by = "nodes" if time_limit_s is None else "time"
     for x, col in zip(prob.vars, cols):
         x.varValue = col.varValue
     return outcome, float(pulp.value(lp.objective)), math.nan if outcome == "feasible" else 0.0

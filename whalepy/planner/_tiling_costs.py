@@ -1,9 +1,9 @@
-"""Memory-centric tiling in the planner (``BlockPlan.tiles``, :mod:`whalepy._tiling`): the FSDP2 unit a
+"""Memory-centric tiling in the planner (``BlockPlan.tiles``, :mod:`whalepy.ir.tiling`): the FSDP2 unit a
 tiled block's working set is sized by, the tiled state options a candidate is offered, and the time a
 tiled block adds.
 
 Tiling buys working memory with collectives: a block whose linears and embeddings (the profile's
-``linear_rows``, :func:`whalepy._tiling.tileable_modules`) are split into ``t`` tiles each gathers and
+``linear_rows``, :func:`whalepy.ir.tiling.tileable_modules`) are split into ``t`` tiles each gathers and
 reduce-scatters ``num_linears * t`` units instead of one block. Its bytes are the same; what grows is
 the number of collectives, each with its latency (``cost_models.communication``, measured / cited per
 fabric). The compute is the same GEMMs cut along their output features; the smaller GEMMs' efficiency
@@ -17,12 +17,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from whalepy._capabilities import tiling_error
-from whalepy._tiling import largest_tile_params
+from whalepy.ir.rules import tiling_error
+from whalepy.ir.tiling import largest_tile_params
 from whalepy.cost_models.communication import Collective
-from whalepy.plan import ZeroStage
+from whalepy.ir.plan import ZeroStage
 from whalepy.planner.space import StateOption
-from whalepy.profile import BlockProfile
+from whalepy.ir.profile import BlockProfile
 
 __all__ = ["MAX_TILES", "TILED_WORKING_SHARE", "block_tiles", "tiled_options", "tiling_latency_s", "unit_params"]
 
@@ -51,7 +51,7 @@ def block_tiles(block: BlockProfile, tiles: int) -> int:
 def unit_params(block: BlockProfile, tiles: int) -> float:
     """Parameters of the largest FSDP2 unit of ``block`` (tp 1) with ``tiles`` tiles: the block itself
     untiled (or not tiled: :func:`block_tiles`); tiled, the largest tile (each linear's or embedding's
-    ``ceil(rows / tiles)`` rows, :func:`whalepy._tiling.largest_tile_params`; ``largest / tiles`` where
+    ``ceil(rows / tiles)`` rows, :func:`whalepy.ir.tiling.largest_tile_params`; ``largest / tiles`` where
     the profile has no shapes) or what the block's own unit keeps (its parameters outside the tiled
     modules), whichever is larger."""
     if block_tiles(block, tiles) == 1:

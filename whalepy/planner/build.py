@@ -1,4 +1,4 @@
-"""Turn the search's best evaluation into a :class:`~whalepy.plan.Plan`; explain the losers; and, when
+"""Turn the search's best evaluation into a :class:`~whalepy.ir.plan.Plan`; explain the losers; and, when
 nothing fits, say which device group runs short, by how much, and what would make it fit."""
 
 from __future__ import annotations
@@ -6,12 +6,12 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from whalepy._errors import InfeasibleError
+from whalepy.errors import InfeasibleError
 from whalepy.cost_models.compute import peak_flops
 from whalepy.cost_models.device_profiles import compute_profile_notes
 from whalepy.planner._shape_advice import shape_notes
 from whalepy.cost_models.devices import GIB
-from whalepy.plan import (
+from whalepy.ir.plan import (
     Alternative,
     BlockPlan,
     Plan,
@@ -31,7 +31,7 @@ from whalepy.planner.costing import (
     memory_breakdown,
     offload_s,
     stage_held_bytes,
-    tp_applies,
+    tp_splits,
 )
 from whalepy.planner._tiling_costs import block_tiles
 from whalepy.planner._offload_costs import stage_prefetch
@@ -94,7 +94,7 @@ def build_plan(ev: Evaluation, *, ctx: CostContext, global_batch: int, result: S
         for o in dict.fromkeys(option_of.values()):
             mine = [i for i in positions[s] if option_of[i] == o]
             depths[o], _ = stage_prefetch(ctx, cand, st, max(st.cells, key=lambda c: c.time_s), mine, option=o)
-        # the disk tier reads a stage's NVMe parameters ahead by one depth (_capabilities.stage_tiers_error)
+        # the disk tier reads a stage's NVMe parameters ahead by one depth (ir.rules.stage_tiers_error)
         disk = max((d for o, d in depths.items() if o.param_tier is Tier.NVME), default=None)
         depths = {o: disk if o.param_tier is Tier.NVME and disk is not None else d for o, d in depths.items()}
         for o in depths:
@@ -126,7 +126,7 @@ def build_plan(ev: Evaluation, *, ctx: CostContext, global_batch: int, result: S
                                         param_tier=o.param_tier, optimizer_tier=o.optimizer_tier,
                                         tiles=block_tiles(prof.blocks[i], o.tiles),
                                         **depth_field))
-                if cand.tp > 1 and tp_applies(prof.blocks[i], cand.tp):
+                if cand.tp > 1 and tp_splits(prof.blocks[i], cand.tp):
                     rules.extend(prof.blocks[i].tp_rules)
         worst = max(st.cells, key=lambda c: c.time_s)
         tight = max(st.cells, key=lambda c: c.memory_bytes / c.cell.capacity)
@@ -207,7 +207,7 @@ def _held_state_bytes(ctx: CostContext, cand: Candidate, st, option_of: dict[int
     blocks' tiers (:func:`~whalepy.planner.costing.stage_held_bytes`: the disk tier's one staging pool,
     sized by its largest block and the prefetch depth of its NVMe parameters, as the runtime sizes it)."""
     prof = ctx.profile
-    local = [(prof.blocks[i].num_params / (cand.tp if cand.tp > 1 and tp_applies(prof.blocks[i], cand.tp) else 1), o)
+    local = [(prof.blocks[i].num_params / (cand.tp if cand.tp > 1 and tp_splits(prof.blocks[i], cand.tp) else 1), o)
              for i, o in option_of.items()]
     # the pool reads ahead by the depth of the NVMe parameters (one for the stage), else one block
     disk = [d for o, d in depths.items() if o.param_tier is Tier.NVME]
@@ -241,9 +241,10 @@ def why_lost(ev: Evaluation, best: Evaluation, hw) -> str:  # type: ignore[no-un
     return f"{name} {a:.3g} s vs {b:.3g} s"
 
 
-ALTERNATIVE_RESOLVE_TIME_S = 2.0
-"""Most seconds spent re-solving, without the incumbent's cutoff, one candidate whose cutoff solve only
-showed that nothing of it beats the incumbent (to say whether it is slower or does not fit)."""
+ALTERNATIVE_RESOLVE_NODES = 200
+"""Work limit (branch-and-bound nodes) of re-solving, without the incumbent's cutoff, one candidate whose
+cutoff solve only showed that nothing of it beats the incumbent (to say whether it is slower or does not
+fit). Work, so that the alternatives are the same on any load; counted in the plan's solve time."""
 
 
 def _slower(ev: Evaluation, best: Evaluation, res: ILPResult, hw) -> str:  # type: ignore[no-untyped-def]
@@ -253,21 +254,28 @@ def _slower(ev: Evaluation, best: Evaluation, res: ILPResult, hw) -> str:  # typ
         head = f"slower by {100 * (ev.step_time_s / best.step_time_s - 1):.1f}%: {why_lost(ev, best, hw)}"
     if res.status == "feasible":
         gap = "unknown" if math.isnan(res.mip_gap) else f"{100 * res.mip_gap:.2g}%"
-        head += f" (its ILP stopped at its time limit, gap {gap})"
+        limit = "time limit" if res.stopped_by == "time" else "work limit"
+        head += f" (its ILP stopped at its {limit}, gap {gap})"
     return head
 
 
-def _resolve(result: SearchResult, cand: Candidate) -> ILPResult:
-    """The candidate solved again without a cutoff: its real outcome."""
+def _resolve(result: SearchResult, cand: Candidate) -> ILPResult | None:
+    """The candidate solved again without a cutoff: its real outcome (None: the user's time limit has
+    run out, it is not re-solved)."""
+    import time
+
     from whalepy.planner.ilp import solve_candidate
     from whalepy.planner.search import allowed_stage_ranges
 
     assert result.ctx is not None and result.constraints is not None
+    left = None if result.deadline is None else result.deadline - time.perf_counter()
+    if left is not None and left <= 0:
+        return None
     cc = build_coefficients(result.ctx, cand, result.segments, result.options, mixed_tiers=result.mixed_tiers)
     solver = result.solver_used if result.solver_used in ("highs", "cbc") else "highs"
     return solve_candidate(cc, allowed_stages=allowed_stage_ranges(cand, result.constraints),
                            allow_checkpointing=result.allow_checkpointing, solver=solver,
-                           time_limit_s=ALTERNATIVE_RESOLVE_TIME_S,
+                           node_limit=ALTERNATIVE_RESOLVE_NODES, time_limit_s=left,
                            allow_activation_offload=result.allow_activation_offload,
                            allow_checkpoint_offload=result.allow_checkpoint_offload)
 
@@ -280,16 +288,21 @@ def _outcome(result: SearchResult, cand: Candidate, res: ILPResult, best: Evalua
     candidate is solved again without the cutoff to tell which. Returns the reason and the step time
     (``inf`` when there is none)."""
     if res.status == "no better than the incumbent":
-        res = _resolve(result, cand)
+        again = _resolve(result, cand)
+        if again is None:
+            return (f"no better than the best {best.step_time_s:.4g} s (its ILP with that cutoff found "
+                    "nothing); not re-solved without the cutoff: the search's time limit had run out"), math.inf
+        res = again
         if res.status == "no solution":
-            return (f"time limit: nothing of it beats the best {best.step_time_s:.4g} s (its ILP with that "
-                    f"cutoff found nothing), and in {ALTERNATIVE_RESOLVE_TIME_S:g} s without the cutoff it "
-                    "found no plan, so whether it fits is not known"), math.inf
+            return (f"work limit: nothing of it beats the best {best.step_time_s:.4g} s (its ILP with that "
+                    f"cutoff found nothing), and in {ALTERNATIVE_RESOLVE_NODES} branch-and-bound nodes without "
+                    "the cutoff it found no plan, so whether it fits is not known"), math.inf
     if res.evaluation is not None:
         return _slower(res.evaluation, best, res, hw), res.evaluation.step_time_s
     if res.status == "infeasible":
         return memory_shortfall_text(result.ctx, cand, result), math.inf
-    return f"time limit: its ILP found no plan within its time limit ({res.solve_time_s:.2g} s)", math.inf
+    limit = "time limit" if res.stopped_by == "time" else "work limit"
+    return f"{limit}: its ILP found no plan within its {limit}", math.inf
 
 
 def build_alternatives(result: SearchResult, best: Evaluation, top_k: int, hw) -> tuple[Alternative, ...]:  # type: ignore[no-untyped-def]

@@ -19,7 +19,7 @@ after TP:
 - ``dp`` per micro-batch: data-parallel collectives not hidden by compute, per block as the runtime
   lowers the stage's state option (:func:`lowering_kind`, the runtime's own choice of DDP /
   ZeroRedundancyOptimizer / FSDP2): FSDP2 all-gathers overlap only the neighbouring block's compute
-  (one block of prefetch) and slow it while they do (:func:`~whalepy.planner._runtime_costs.exposed_dp`), plus the first block's
+  (one block of prefetch) and slow it while they do (:func:`~whalepy.planner.runtime_costs.exposed_dp`), plus the first block's
   gather of each chunk (nothing to hide behind);
 - ``fetch`` (parameters on CPU / NVMe): the fp32 shard ``4 Pl / dp`` per gather (forward, and backward
   under ZeRO-3) at the slowest hop's rate (:func:`~whalepy.cost_models.offload.fetch_seconds_per_byte`:
@@ -83,11 +83,11 @@ from whalepy.cost_models.memory import (
     estimate_stage_model_state_bytes,
 )
 from whalepy.cost_models.offload import host_capacity_per_gpu, nvme_capacity_per_gpu
-from whalepy._capabilities import LoweringKind, offloads_to_host
-from whalepy.plan import Tier, ZeroStage
+from whalepy.ir.rules import LoweringKind, offloads_to_host
+from whalepy.ir.plan import Tier, ZeroStage
 from whalepy.planner.space import Candidate, GroupView, Hardware, Segment, StateOption, build_layout
 from whalepy.planner._tiling_costs import tiled_options, tiling_latency_s, unit_params
-from whalepy.planner._runtime_costs import (
+from whalepy.planner.runtime_costs import (
     grads_at_activation_peak,
     lowering_kind,
     post_step_affine,
@@ -114,7 +114,7 @@ from whalepy.planner._cost_context import (  # noqa: F401
     _shared_nic,
     has_sequence_rules,
     tp_activation_fraction,
-    tp_applies,
+    tp_splits,
 )
 from whalepy.planner._cells import _cell
 
@@ -127,7 +127,7 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
     ranks = build_layout(cand, hw)
     S, t, d = cand.num_stages, cand.tp, cand.dp
     stages = []
-    seg_params = [seg.block.num_params / (t if tp_applies(seg.block, t) else 1) for seg in segments]
+    seg_params = [seg.block.num_params / (t if tp_splits(seg.block, t) else 1) for seg in segments]
     mixing = mixed_tiers and cand.virtual_stages == 1
     # Stages whose replicas run on the same groups over equal data-parallel links have the same options
     # and per-option coefficients (only in-flight micro-batches, sends and the loss differ from stage to
@@ -229,8 +229,8 @@ def _stage_options(ctx: CostContext, cand: Candidate, segments: tuple[Segment, .
 def _families(options, cand, sync, working, freed, cells) -> tuple[tuple[StateOption, ...], ...]:  # type: ignore[no-untyped-def]
     """:attr:`StageCoeffs.families` of a stage: its options grouped by lowering, ZeRO stage, gradient
     reduction and tiling, where the runtime lowers their blocks side by side in one stage
-    (:func:`whalepy._capabilities.mixed_tiers_error`) and the per-stage costs agree."""
-    from whalepy._capabilities import mixed_tiers_error
+    (:func:`whalepy.ir.rules.mixed_tiers_error`) and the per-stage costs agree."""
+    from whalepy.ir.rules import mixed_tiers_error
 
     groups: dict[tuple, list[StateOption]] = {}  # type: ignore[type-arg]
     for o in options:
@@ -259,8 +259,8 @@ def beside_offload_options(options: tuple[StateOption, ...], cand: Candidate) ->
 def reduce_each_options(options: tuple[StateOption, ...], cand: Candidate) -> tuple[StateOption, ...]:
     """``options`` plus, with several micro-batches, the variant of each that reduce-scatters every
     micro-batch (no unsharded gradient accumulation; ``StagePlan.reduce_every_microbatch``) where the
-    runtime lowers it (:func:`whalepy._capabilities.reduce_every_microbatch_error`)."""
-    from whalepy._capabilities import reduce_every_microbatch_error
+    runtime lowers it (:func:`whalepy.ir.rules.reduce_every_microbatch_error`)."""
+    from whalepy.ir.rules import reduce_every_microbatch_error
 
     if cand.num_microbatches == 1:
         return options

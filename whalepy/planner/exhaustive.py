@@ -21,7 +21,7 @@ import itertools
 import math
 import time
 
-from whalepy._errors import PlanError
+from whalepy.errors import PlanError
 from whalepy.planner.costing import (
     CandidateCoeffs,
     chunk_counts_from_sizes,

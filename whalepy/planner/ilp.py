@@ -122,6 +122,13 @@ class ILPResult:
     solve_time_s: float
     num_variables: int
     num_constraints: int
+    bound: float = -math.inf
+    """The least step time any plan of this candidate can have, as its solve proved it: the solver's dual
+    bound, the cutoff where nothing below it exists, ``inf`` where nothing fits, ``-inf`` where it proved
+    nothing. What the search's own proof of optimality (or its gap) is made of."""
+    stopped_by: str | None = None
+    """``"nodes"`` (the ILP's work limit) or ``"time"`` (a user's time limit) where one of them ended the
+    solve before it settled; None where it settled."""
 
 
 def _build(cc: CandidateCoeffs, *, allowed_stages: dict[int, tuple[int, int]], allow_checkpointing: bool,
@@ -130,11 +137,7 @@ def _build(cc: CandidateCoeffs, *, allowed_stages: dict[int, tuple[int, int]], a
     """The ILP of one candidate, its objective the predicted step time."""
     prob = _Model()
     v = build_variables(prob, cc, per_stage)
-    M, S = cc.candidate.num_microbatches, cc.candidate.num_stages
-    if v.Tc is None:
-        prob.objective = {v.T: float(M + S - 1), v.X: 1.0}
-    else:
-        prob.objective = {v.T: float(M), v.Tc: cc.chunk_coefficient, v.X: 1.0}
+    prob.objective = cc.candidate.step_form.terms(v.T, v.T if v.Tc is None else v.Tc, v.X)
     add_partition_constraints(prob, cc, v)
     add_annotation_constraints(prob, cc, v, allowed_stages)
     add_checkpoint_constraints(prob, cc, v, allow_checkpointing)
@@ -149,36 +152,53 @@ def _build(cc: CandidateCoeffs, *, allowed_stages: dict[int, tuple[int, int]], a
     return prob, v
 
 
-def _run(prob: _Model, solver: str, time_limit_s: float, cutoff: float | None,
-         rel_gap: float = MIP_REL_GAP) -> tuple[str, float, float]:
+def _run(prob: _Model, solver: str, node_limit: int | None, cutoff: float | None,
+         rel_gap: float = MIP_REL_GAP, time_limit_s: float | None = None) -> tuple[str, float, float]:
     if solver == "highs":
-        return _solve_highs(prob, time_limit_s, cutoff, rel_gap)
-    return _solve_cbc(prob, time_limit_s, rel_gap)
+        return _solve_highs(prob, node_limit, cutoff, rel_gap, time_limit_s=time_limit_s)
+    return _solve_cbc(prob, node_limit, rel_gap, time_limit_s=time_limit_s)
+
+
+ILP_NODE_LIMIT = 250
+"""Default work limit of one candidate's ILP, in branch-and-bound nodes (``PlannerOptions.ilp_node_limit``).
+Work, not seconds, so that the same inputs give the same plan on any machine load. Most ILPs of the
+benchmark cases settle within 40 nodes; the few that do not ran 180-3,400 nodes in 5 s without settling,
+at 1-16 ms a node (docs/benchmarks.md, "At scale, limited by work"): 250 nodes is about the old 5 s
+budget on the slowest of them. An ILP stopped here keeps its best plan, and its dual bound enters the
+search's proven gap."""
 
 
 def solve_candidate(cc: CandidateCoeffs, *, allowed_stages: dict[int, tuple[int, int]],
-                    allow_checkpointing: bool, solver: str, time_limit_s: float,
-                    cutoff: float | None = None, allow_activation_offload: bool = True,
-                    allow_checkpoint_offload: bool = True) -> ILPResult:
+                    allow_checkpointing: bool, solver: str, node_limit: int | None = ILP_NODE_LIMIT,
+                    time_limit_s: float | None = None, cutoff: float | None = None,
+                    allow_activation_offload: bool = True, allow_checkpoint_offload: bool = True) -> ILPResult:
     """Build and solve the ILP of one candidate; the returned evaluation is the costing of the solution.
 
-    ``cutoff``: only solutions with a smaller objective are wanted (the incumbent of the outer search);
-    with HiGHS a candidate that cannot beat it comes back ``"no better than the incumbent"`` sooner. CBC
-    ignores it while solving."""
+    ``node_limit``: branch-and-bound nodes (work: the same answer on any load); ``time_limit_s``: a
+    clock limit, only where a user set one. ``cutoff``: only solutions with a smaller objective are
+    wanted (the incumbent of the outer search); with HiGHS a candidate that cannot beat it comes back
+    ``"no better than the incumbent"`` sooner. CBC ignores it while solving."""
     t0 = time.perf_counter()
     prob, v = _build(cc, allowed_stages=allowed_stages, allow_checkpointing=allow_checkpointing,
                      allow_activation_offload=allow_activation_offload,
                      allow_checkpoint_offload=allow_checkpoint_offload)
-    status, objective, gap = _run(prob, solver, time_limit_s, cutoff)
+    status, objective, gap = _run(prob, solver, node_limit, cutoff, time_limit_s=time_limit_s)
     nvars, ncons = len(prob.vars), len(prob.rows)
     elapsed = time.perf_counter() - t0
-    if status == "no solution":  # stopped (time limit) before finding one: nothing to read back, nothing
+    dual = prob.dual_bound if solver == "highs" else (objective * (1 - MIP_REL_GAP) if status == "optimal"
+                                                      else -math.inf)
+    if status == "no solution":  # stopped (a limit) before finding one: nothing to read back, nothing
         # refuted (its objective is inf, which the cutoff test below would read as "no better")
-        return ILPResult(status, None, math.inf, math.inf, elapsed, nvars, ncons)
+        return ILPResult(status, None, math.inf, math.inf, elapsed, nvars, ncons, dual, prob.stopped_by)
     if status in ("infeasible", "cutoff") or (cutoff is not None and objective >= cutoff):
+        # infeasible or cut off: nothing below the cutoff exists (proven); a solution at or above it
+        # found by a solve a limit stopped proves only the solver's dual bound
+        settled = status in ("infeasible", "cutoff", "optimal")
+        bound = (math.inf if cutoff is None else cutoff) if settled else dual
         status = "infeasible" if status == "infeasible" and cutoff is None else "no better than the incumbent"
-        return ILPResult(status, None, math.inf, 0.0, elapsed, nvars, ncons)
-    return ILPResult(status, _extract(cc, v), objective, gap, elapsed, nvars, ncons)
+        return ILPResult(status, None, math.inf, 0.0, elapsed, nvars, ncons, bound,
+                         None if settled else prob.stopped_by)
+    return ILPResult(status, _extract(cc, v), objective, gap, elapsed, nvars, ncons, dual, prob.stopped_by)
 
 
 POLISH_REL_GAP = 1e-7
@@ -195,9 +215,17 @@ A preference, not a cost: the predicted step time is held fixed. Relative, so th
 tie-break's MIP gap (:data:`POLISH_REL_GAP` of a sum of ``S`` stage times) at every model size."""
 
 
+POLISH_NODE_LIMIT = 200
+"""Work limit of the tie-break among equally fast plans of the winning candidate
+(:func:`polish_candidate`), in branch-and-bound nodes. It never changes the predicted step time, so it
+gets a small, fixed budget: most settle at the root; one that does not keeps the best it found, or the
+plan as the search left it."""
+
+
 def polish_candidate(cc: CandidateCoeffs, found: ILPResult, *, allowed_stages: dict[int, tuple[int, int]],
-                     allow_checkpointing: bool, solver: str, time_limit_s: float,
-                     allow_activation_offload: bool = True, allow_checkpoint_offload: bool = True) -> ILPResult:
+                     allow_checkpointing: bool, solver: str, node_limit: int | None = POLISH_NODE_LIMIT,
+                     time_limit_s: float | None = None, allow_activation_offload: bool = True,
+                     allow_checkpoint_offload: bool = True) -> ILPResult:
     """The tie-break: among the plans of ``cc`` whose step time is no worse than ``found``'s, the one whose
     every stage is fastest (sum over stages of what each would make the step, were it the slowest),
     then with the fewest states off the device (:data:`OFFLOAD_TIE_BREAK_SHARE`).
@@ -205,7 +233,7 @@ def polish_candidate(cc: CandidateCoeffs, found: ILPResult, *, allowed_stages: d
     The step time depends only on the slowest stage and the largest tail, so the ILP is indifferent to
     what the other stages do below them: it may offload their optimizer states or checkpoint their
     blocks for nothing (gpt3-175b on 1,024 A100, pp 8: two stages with half their memory free stepped
-    on the CPU). Returns ``found`` where the tie-break finds nothing better in ``time_limit_s``."""
+    on the CPU). Returns ``found`` where the tie-break finds nothing better within its limits."""
     if found.evaluation is None:
         return found
     t0 = time.perf_counter()
@@ -214,8 +242,8 @@ def polish_candidate(cc: CandidateCoeffs, found: ILPResult, *, allowed_stages: d
                      allow_checkpoint_offload=allow_checkpoint_offload, per_stage=True)
     # the step time stays at most the one found (its objective, as the solver computed it)
     _add(prob, dict(prob.objective), -found.objective * (1 + 1e-9), LE, "polish_step_time")
-    M, S = cc.candidate.num_microbatches, cc.candidate.num_stages
-    weight = float(M + S - 1) if v.Tc is None else float(M)
+    # each stage's time weighs what T does in the step form (the chunk term stays on Tc where there is one)
+    weight = cc.candidate.step_form.terms(v.T, v.T if v.Tc is None else v.Tc, v.X)[v.T]
     objective: dict = {}
     # Q is in billions of parameters per device; the model's, per device, is the same on every stage
     local_params = sum(p * seg.length for p, seg in zip(cc.stages[0].seg_params, cc.segments))
@@ -227,7 +255,7 @@ def polish_candidate(cc: CandidateCoeffs, found: ILPResult, *, allowed_stages: d
             if o.off_device:
                 objective[v.Q[s][o]] = per_billion
     prob.objective = objective
-    status, _, _ = _run(prob, solver, time_limit_s, None, POLISH_REL_GAP)
+    status, _, _ = _run(prob, solver, node_limit, None, POLISH_REL_GAP, time_limit_s)
     elapsed = time.perf_counter() - t0
     if status not in ("optimal", "feasible"):
         return dataclasses.replace(found, solve_time_s=found.solve_time_s + elapsed)

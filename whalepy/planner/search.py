@@ -8,7 +8,7 @@ no better than the incumbent, the rest cannot win and are not solved. The bound 
 its candidate by construction (the argument is in its docstring), so the pruning never loses the
 optimum: ``tests/test_planner_bound.py`` checks this against a brute force without any pruning.
 Each ILP gets a short first look; those it does not settle are solved in full after the others, against
-the better incumbent found by then (:data:`FIRST_LOOK_S`): first those whose first look found a plan,
+the better incumbent found by then (:data:`FIRST_LOOK_NODES`): first those whose first look found a plan,
 best first, and each only where the bound's whole-block part (``lower_bound(cc, whole_blocks=True,
 cutoff=...)``, a small MIP) does not already show that it cannot beat the incumbent less the MIP gap.
 
@@ -17,6 +17,13 @@ pipeline on one group; replicas get uneven integer batch shares, tried from unif
 each group's predicted throughput, blended at :data:`SHARE_BLENDS`) and ``"stages"`` (each pipeline
 stage on one group, every order of the distinct groups; the ILP then gives the stages uneven block
 counts). TP stays inside a node of one type by construction.
+
+Limits. The search is limited by work, never by the clock: each ILP by a number of branch-and-bound nodes
+(HiGHS on one thread with a fixed seed is deterministic), so the same inputs give the same plan on an idle
+and on a loaded machine. A clock limit applies only where the user sets one (``time_limit_s``,
+``ilp_time_limit_s``), and the plan says when it cut. The plan's status is the whole search's:
+``"optimal"`` only when every candidate is proven no better (within the MIP gap), else ``"feasible"``
+with the proven gap and the candidates a limit stopped (:func:`_what_was_proven`).
 """
 
 from __future__ import annotations
@@ -28,9 +35,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from whalepy._capabilities import microbatch_error, schedule_error, sequence_parallel_error
-from whalepy._errors import AnnotationError, InfeasibleError
-from whalepy.plan import Schedule, Tier
+from whalepy.ir.rules import microbatch_error, schedule_error, sequence_parallel_error
+from whalepy.errors import AnnotationError, InfeasibleError
+from whalepy.ir.plan import Schedule, Tier
 from whalepy.planner._bound import Choices
 from whalepy.planner.costing import (
     CandidateCoeffs,
@@ -39,7 +46,7 @@ from whalepy.planner.costing import (
     build_coefficients,
     evaluate,
     lower_bound,
-    tp_applies,
+    tp_splits,
 )
 from whalepy.planner.exhaustive import solve_exhaustive
 from whalepy.planner.ilp import MIP_REL_GAP, ILPResult, choose_solver, polish_candidate, solve_candidate
@@ -55,7 +62,7 @@ from whalepy.planner.space import (
     distinct_orders,
     divisors,
 )
-from whalepy.profile import ModelProfile
+from whalepy.ir.profile import ModelProfile
 
 SHARE_BLENDS = (0.0, 0.5, 0.75, 1.0)
 """Replica batch shares tried on mixed clusters: ``(1 - a) * uniform + a * proportional to throughput``."""
@@ -218,7 +225,7 @@ def _dev(name: str) -> str:
 
 
 def _gpu_matches(device_name: str, wanted: str) -> bool:
-    from whalepy._errors import ClusterSpecError
+    from whalepy.errors import ClusterSpecError
     from whalepy.cost_models.devices import resolve_device_type
 
     try:
@@ -251,7 +258,7 @@ def enumerate_candidates(ctx: CostContext, G: int, opts, cons: Constraints,  # t
     refused: set[str] = set()
     multi = len(hw.groups) > 1
     for t in tps:
-        if t > 1 and not any(tp_applies(b, t) for b in prof.blocks):
+        if t > 1 and not any(tp_splits(b, t) for b in prof.blocks):
             rejections.append(Rejection(None, f"TP {t}: no block can be split {t} ways"))
             continue
         layouts = []  # (S, d, cell_groups, layout, share-mode)
@@ -348,7 +355,7 @@ def _apportion(total: int, weights: list[float]) -> list[int] | None:
 
 
 def _schedules(S: int, M: int, N: int, opts, cons: Constraints, multi: bool):  # type: ignore[no-untyped-def]
-    """``(schedule, virtual stages)`` pairs the runtime lowers (:mod:`whalepy._capabilities`) for ``S``
+    """``(schedule, virtual stages)`` pairs the runtime lowers (:mod:`whalepy.ir.rules`) for ``S``
     stages and ``M`` micro-batches, less those the planner does not cost or never needs."""
     if S == 1:
         yield (Schedule.ONE_F_ONE_B if Schedule.ONE_F_ONE_B in opts.schedules else opts.schedules[0]), 1
@@ -395,6 +402,13 @@ class SearchResult:
     allow_activation_offload: bool = True
     mixed_tiers: bool = False
     allow_checkpoint_offload: bool = False
+    status: str = "none"
+    """What the whole search proved: ``"optimal"`` (every candidate proven no better than the plan, within
+    the MIP gap) or ``"feasible"`` (some were stopped by a limit first: :attr:`gap`, and why in the notes)."""
+    gap: float = math.nan
+    """The search's proven gap: the plan's step time is at most this share above the best possible."""
+    deadline: float | None = None
+    """``time.perf_counter()`` at which the user's time limit runs out; None without one."""
 
 
 def allowed_stage_ranges(cand: Candidate, cons: Constraints) -> dict[int, tuple[int, int]]:
@@ -410,18 +424,12 @@ def allowed_stage_ranges(cand: Candidate, cons: Constraints) -> dict[int, tuple[
     return out
 
 
-FIRST_LOOK_S = 0.15
-"""Time limit of a candidate's first look (first pass of :func:`run_search`); candidates whose ILP it
-does not settle are solved with the full ``ilp_time_limit_s`` after all others. Short, because the
-first look's job is to settle the easy candidates and find incumbents: many ILPs of the benchmark cases
-settle in under 0.1 s, and the hard ones did not settle in 0.5 s either (measured, docs/benchmarks.md)."""
-
-
-POLISH_TIME_S = 1.0
-"""Time limit of the tie-break among equally fast plans of the winning candidate
-(:func:`~whalepy.planner.ilp.polish_candidate`), within the search's own limit. It never changes the
-predicted step time, so it gets a short, fixed budget: most settle in well under 0.1 s; one that does
-not keeps the best it found, or the plan as the search left it."""
+FIRST_LOOK_NODES = 1
+"""Work limit of a candidate's first look (first pass of :func:`run_search`), in branch-and-bound nodes:
+the root only (presolve, cuts, root heuristics). Candidates whose ILP it does not settle are solved with
+the full ``ilp_node_limit`` after all others. Small, because the first look's job is to settle the easy
+candidates and find incumbents: most ILPs of the benchmark cases settle at the root; the hard ones did
+not settle in thousands of nodes either (docs/benchmarks.md)."""
 
 
 def _by_bound(bounded: list[tuple[float, int, Candidate]], light: list[CandidateCoeffs],
@@ -445,7 +453,13 @@ def _by_bound(bounded: list[tuple[float, int, Candidate]], light: list[Candidate
 
 def run_search(profile: ModelProfile, hw: Hardware, G: int, opts, *,  # type: ignore[no-untyped-def]
                progress: Callable[[str], None], force_uniform: bool = False) -> SearchResult:
+    """The best plan over every candidate, and what the search proved about it (module docstring).
+
+    Limited by work: every ILP by ``opts.ilp_node_limit`` nodes (HiGHS deterministic: one thread, fixed
+    seed), so the same inputs give the same plan on any machine load. A clock limit applies only where
+    the user set ``opts.time_limit_s`` / ``opts.ilp_time_limit_s``, and is reported when it cuts."""
     t0 = time.perf_counter()
+    deadline = None if opts.time_limit_s is None else t0 + opts.time_limit_s
     notes: list[str] = []
     solver = opts.solver
     if solver != "exhaustive":
@@ -474,11 +488,14 @@ def run_search(profile: ModelProfile, hw: Hardware, G: int, opts, *,  # type: ig
     solved: list[tuple[Candidate, ILPResult]] = []
     best: tuple[float, Evaluation, ILPResult] | None = None
     hit_limit = False
-    # Two passes: a candidate whose ILP is not settled within a short first look (FIRST_LOOK_S) is set
-    # aside and solved in full after the others, when the incumbent they found
-    # lets HiGHS prove it cannot win in a fraction of the time. Its first-look solution, if any, is a
-    # real plan and counts as an incumbent meanwhile. Every candidate still ends pruned by its bound or
-    # solved with the full limit, so the optimum found is the same (a different tie is possible).
+    proven: dict[int, float] = {}
+    """Candidate index -> the least step time any plan of it is proven to need (its bound, or what its
+    ILP proved): the search's proof of optimality, or its gap, is read off these."""
+    # Two passes: a candidate whose ILP is not settled by a first look at its root (FIRST_LOOK_NODES) is
+    # set aside and solved in full after the others, when the incumbent they found lets HiGHS prove it
+    # cannot win in a fraction of the work. Its first-look solution, if any, is a real plan and counts as
+    # an incumbent meanwhile. Every candidate still ends pruned by its bound or solved with the full
+    # limit, so the optimum found is the same (a different tie is possible).
     deferred: list[tuple[float, int, Candidate]] = []
     first_look: dict[int, ILPResult] = {}
     def incumbent() -> float:
@@ -491,12 +508,13 @@ def run_search(profile: ModelProfile, hw: Hardware, G: int, opts, *,  # type: ig
         queue = _by_bound(bounded, light, incumbent, choices) if pass_no == 0 else sorted(
             deferred, key=lambda x: (first_look[x[1]].objective, x[0], x[1]))
         for lb, idx, cand in queue:
+            proven[idx] = max(proven.get(idx, -math.inf), lb)
             if best is not None and lb >= best[0] * (1 - 1e-9):
                 rejections.append(Rejection(cand, f"pruned: its lower bound {lb:.4g} s is not below the best "
                                             f"{best[0]:.4g} s", lb, kind=RejectionKind.PRUNED))
                 continue
-            remaining = opts.time_limit_s - (time.perf_counter() - t0)
-            if remaining <= 0:
+            remaining = None if deadline is None else deadline - time.perf_counter()
+            if remaining is not None and remaining <= 0:
                 hit_limit = True
                 rejections.append(Rejection(cand, f"time limit: the search's {opts.time_limit_s:g} s ran out "
                                             "before it was solved", lb, kind=RejectionKind.TIME_LIMIT))
@@ -505,9 +523,10 @@ def run_search(profile: ModelProfile, hw: Hardware, G: int, opts, *,  # type: ig
             if pass_no == 1 and best is not None and best[2] is not first_look.get(idx):
                 # set aside by its first look: before the full ILP, does the bound with whole blocks and
                 # state options (a small MIP, step 7 of lower_bound) reach the ILP's own cutoff? Where it
-                # does, the ILP could only say the same ("no better than the incumbent"), in seconds more
+                # does, the ILP could only say the same ("no better than the incumbent"), at more work
                 cut = best[0] * (1 - MIP_REL_GAP)
                 lb = max(lb, lower_bound(cc, whole_blocks=True, cutoff=cut, choices=choices))
+                proven[idx] = max(proven[idx], lb)
                 if lb >= cut:
                     rejections.append(Rejection(cand, f"pruned: its lower bound (whole blocks, state options) is "
                                                 f"not below the best {best[0]:.4g} s less the MIP gap", lb,
@@ -518,34 +537,34 @@ def run_search(profile: ModelProfile, hw: Hardware, G: int, opts, *,  # type: ig
                 res = solve_exhaustive(cc, allowed_stages=allowed, allow_checkpointing=opts.allow_checkpointing,
                                        allow_activation_offload=opts.allow_activation_offload,
                                        allow_checkpoint_offload=opts.allow_checkpoint_offload)
+                proven[idx] = max(proven[idx], res.evaluation.step_time_s if res.evaluation else math.inf)
+                solved.append((cand, res))
             else:
-                full = max(0.5, min(remaining, opts.ilp_time_limit_s))
-                limit = full if pass_no else min(full, FIRST_LOOK_S)
+                clock = min((x for x in (remaining, opts.ilp_time_limit_s) if x is not None), default=None)
                 res = solve_candidate(cc, allowed_stages=allowed, allow_checkpointing=opts.allow_checkpointing,
                                       allow_activation_offload=opts.allow_activation_offload,
                                       allow_checkpoint_offload=opts.allow_checkpoint_offload,
-                                      solver=solver, time_limit_s=limit,
+                                      solver=solver, node_limit=FIRST_LOOK_NODES if pass_no == 0 else
+                                      opts.ilp_node_limit, time_limit_s=clock,
                                       cutoff=best[0] * (1 - MIP_REL_GAP) if best is not None else None)
-                if pass_no == 0 and limit < full and res.status in ("feasible", "no solution"):
+                proven[idx] = max(proven[idx], res.bound)
+                if pass_no == 0 and res.stopped_by is not None:
                     deferred.append((lb, idx, cand))
                     first_look[idx] = res
                 else:
                     if best is not None and best[2] is first_look.get(idx) and res.evaluation is None:
-                        # its own first-look plan is still the incumbent: if nothing beats it (settled
-                        # before the time limit) it is proven within the gap, else it stays "feasible"
-                        proven = res.status != "no solution" and res.solve_time_s < 0.9 * limit
-                        res = best[2]
-                        if proven:
-                            res = dataclasses.replace(res, status="optimal", mip_gap=MIP_REL_GAP)
+                        # its own first-look plan is still the incumbent: nothing of it beats that plan
+                        # (proven where the ILP settled: res.bound), and that plan stands
+                        res = dataclasses.replace(best[2], bound=res.bound, stopped_by=res.stopped_by,
+                                                  status="optimal" if res.stopped_by is None else "feasible",
+                                                  mip_gap=max(0.0, 1 - res.bound / best[0]))
                         best = (best[0], best[1], res)
                     solved.append((cand, res))
-            if solver == "exhaustive":
-                solved.append((cand, res))
             if res.evaluation is not None and (best is None or res.evaluation.step_time_s < best[0]):
                 best = (res.evaluation.step_time_s, res.evaluation, res)
                 progress(f"  best so far {best[0]:.4g} s/step: {cand.describe(hw.groups)}")
-    remaining = opts.time_limit_s - (time.perf_counter() - t0)
-    if best is not None and solver != "exhaustive" and remaining > 0:
+    remaining = None if deadline is None else deadline - time.perf_counter()
+    if best is not None and solver != "exhaustive" and (remaining is None or remaining > 0):
         found = best[2]
         cc = best[1].coeffs
         t1 = time.perf_counter()
@@ -553,7 +572,7 @@ def run_search(profile: ModelProfile, hw: Hardware, G: int, opts, *,  # type: ig
                                allow_checkpointing=opts.allow_checkpointing,
                                allow_activation_offload=opts.allow_activation_offload,
                                allow_checkpoint_offload=opts.allow_checkpoint_offload, solver=solver,
-                               time_limit_s=min(POLISH_TIME_S, remaining))
+                               time_limit_s=remaining)
         solved = [(c, res if r is found else r) for c, r in solved]
         progress(f"  tie-break among plans as fast: {time.perf_counter() - t1:.2f} s"
                  + ("" if res.evaluation is found.evaluation else ", the stages below the slowest made faster "
@@ -563,13 +582,43 @@ def run_search(profile: ModelProfile, hw: Hardware, G: int, opts, *,  # type: ig
     progress(f"search done in {elapsed:.2f} s ({len(solved)} ILPs solved)")
     if hit_limit:
         notes.append(f"time limit of {opts.time_limit_s:g} s reached: some candidates were not solved")
+    status, gap = "none", math.nan
+    if best is not None:
+        status, gap, why = _what_was_proven(best[0], proven, cands, hw, opts, solver)
+        notes += why
     return SearchResult(best=best[1] if best else None, best_result=best[2] if best else None, solved=solved,
                         rejections=rejections, num_candidates=len(cands), solve_time_s=elapsed,
                         solver_used=solver, notes=notes, hit_time_limit=hit_limit, segments=segments,
                         options=options, ctx=ctx, constraints=cons, candidates=cands,
                         allow_checkpointing=opts.allow_checkpointing,
                         allow_activation_offload=opts.allow_activation_offload,
-                        allow_checkpoint_offload=opts.allow_checkpoint_offload, mixed_tiers=opts.mixed_tiers)
+                        allow_checkpoint_offload=opts.allow_checkpoint_offload, mixed_tiers=opts.mixed_tiers,
+                        status=status, gap=gap, deadline=deadline)
+
+
+def _what_was_proven(best: float, proven: dict[int, float], cands: list[Candidate], hw: Hardware,
+                     opts, solver: str) -> tuple[str, float, list[str]]:  # type: ignore[no-untyped-def]
+    """The search's status, its proven gap and, where it is not optimal, why: ``"optimal"`` only when
+    every candidate is proven no better than the plan found, within the MIP gap (pruned by its bound,
+    refuted or solved by its ILP); else ``"feasible"`` with ``1 - (least proven step time) / best`` and
+    the candidates that were cut off by a limit, with what is proven of them."""
+    floor = min(proven.values(), default=best)
+    gap = max(0.0, 1 - floor / best) if math.isfinite(floor) else 1.0
+    if solver == "exhaustive" or gap <= MIP_REL_GAP * (1 + 1e-6):
+        return "optimal", min(gap, MIP_REL_GAP), []
+    open_ = sorted((b, i) for i, b in proven.items() if b < best * (1 - MIP_REL_GAP))
+    limits = []
+    if opts.time_limit_s is not None or opts.ilp_time_limit_s is not None:
+        limits.append("the time limit")
+    limits.append(f"its work limit (ilp_node_limit={opts.ilp_node_limit} branch-and-bound nodes)")
+    shown = "; ".join(f"{cands[i].describe(hw.groups)}: "
+                      + (f"at least {b:.4g} s" if math.isfinite(b) else "nothing proven") for b, i in open_[:3])
+    more = f" and {len(open_) - 3} more" if len(open_) > 3 else ""
+    gap_text = f"{100 * gap:.2g}%" if gap < 1 else "unknown (nothing proven of one)"
+    return "feasible", gap, [
+        f"not proven optimal: proven gap {gap_text} (the plan is at most that far above the best possible); "
+        f"{len(open_)} candidate(s) stopped by {' or '.join(limits)} before they were settled: {shown}{more}. "
+        "Raise ilp_node_limit to close it"]
 
 
 def evaluate_fixed(ctx: CostContext, cand: Candidate, sizes, ckpts, options, offs=None, ckoffs=None) -> Evaluation:  # type: ignore[no-untyped-def]

@@ -14,11 +14,11 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-from whalepy.cluster import ClusterSpec
+from whalepy.hardware.cluster import ClusterSpec
 from whalepy.cost_models.communication import CommGroup
 from whalepy.cost_models.devices import DeviceType
-from whalepy.plan import Schedule, Tier, ZeroStage
-from whalepy.profile import BlockAnnotations, BlockProfile, ModelProfile
+from whalepy.ir.plan import Schedule, Tier, ZeroStage
+from whalepy.ir.profile import BlockAnnotations, BlockProfile, ModelProfile
 
 
 # -- segments: runs of identical consecutive blocks -------------------------------------------------
@@ -82,7 +82,7 @@ class StateOption:
     """Gradients reduce-scattered every micro-batch (``StagePlan.reduce_every_microbatch``)."""
     beside_offload: bool = False
     """An on-device option costed as FSDP2 lowers it beside offloading blocks of the same stage (the
-    runtime lowers a stage to FSDP2 when any block offloads, :func:`~whalepy._capabilities.choose_lowering_kind`):
+    runtime lowers a stage to FSDP2 when any block offloads, :func:`~whalepy.ir.rules.choose_lowering_kind`):
     only ever part of a mix (:data:`StateMix`) with an offloading option."""
 
     @property
@@ -120,9 +120,9 @@ search-space restriction, not a cost: it keeps the ILP small and the exhaustive 
 def build_state_options(zero_stages: tuple[int, ...], allow_offload: bool,
                         precision: str | None = None, clip_gradients: bool = False) -> tuple[StateOption, ...]:
     """Every combination the planner may pick per stage: those the runtime lowers
-    (:func:`whalepy._capabilities.state_option_error`, in ``precision`` when given, with gradient
+    (:func:`whalepy.ir.rules.state_option_error`, in ``precision`` when given, with gradient
     clipping when ``clip_gradients``), on the device only unless ``allow_offload``."""
-    from whalepy._capabilities import state_option_error
+    from whalepy.ir.rules import state_option_error
 
     out = []
     tiers = (Tier.GPU, Tier.CPU, Tier.NVME) if allow_offload else (Tier.GPU,)
@@ -199,6 +199,30 @@ class Hardware:
 # -- outer candidates -------------------------------------------------------------------------------
 
 @dataclass(frozen=True, slots=True)
+class StepForm:
+    """The predicted step time as a linear form, built in this one place for every user (the costing,
+    the ILP's objective and tie-break, the lower bound and its MIP): ``step = t T + tc Tc + x X`` with
+    ``T`` the slowest stage's time per micro-batch (all its chunks), ``Tc`` the slowest chunk's (``T``
+    itself without interleaving) and ``X`` the slowest stage's exposed gradient sync plus optimizer step.
+    For ``M`` micro-batches on ``S`` stages ``step = M T + (S - 1) Tc + X``: the pipeline bubble is
+    ``S - 1`` chunk times (Narayanan et al. SC'21), ``(M + S - 1) T + X`` for GPipe and 1F1B."""
+
+    t: float
+    tc: float
+    x: float = 1.0
+
+    def value(self, T: float, Tc: float, X: float) -> float:
+        return self.t * T + self.tc * Tc + self.x * X
+
+    def terms(self, T, Tc, X) -> dict:  # type: ignore[no-untyped-def,type-arg]
+        """The form over solver variables ``{variable: coefficient}``; ``Tc`` may be ``T`` itself (one
+        chunk per stage), whose coefficients then add up."""
+        out = {T: self.t, X: self.x}
+        out[Tc] = out.get(Tc, 0.0) + self.tc
+        return out
+
+
+@dataclass(frozen=True, slots=True)
 class Candidate:
     """One outer configuration; the ILP fills in the block partition, checkpointing and state options."""
 
@@ -219,6 +243,11 @@ class Candidate:
     @property
     def num_virtual(self) -> int:
         return self.num_stages * self.virtual_stages
+
+    @property
+    def step_form(self) -> StepForm:
+        """The step time as a linear form of ``T``, ``Tc`` and ``X`` (:class:`StepForm`)."""
+        return StepForm(float(self.num_microbatches), float(self.num_stages - 1))
 
     @property
     def bubble_coefficient(self) -> float:

@@ -1,4 +1,4 @@
-"""Analytic transformer profiles: a :class:`~whalepy.profile.ModelProfile` without capturing a model.
+"""Analytic transformer profiles: a :class:`~whalepy.ir.profile.ModelProfile` without capturing a model.
 
 Used by tests at scale (a 175B GPT on 4,096 GPUs plans in one process in seconds), by the benchmarks,
 and as a cross-check of what capture measures. Per layer, with ``s`` sequence, ``b`` batch, ``h``
@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import hashlib
 
-from whalepy.plan import TPRule, TPStyle
-from whalepy.profile import AttentionShape, BlockAnnotations, BlockKernels, BlockKind, BlockProfile, GemmShape, ModelProfile
+from whalepy.ir.plan import TPRule, TPStyle
+from whalepy.ir.profile import AttentionShape, BlockAnnotations, BlockKernels, BlockKind, BlockProfile, GemmShape, ModelProfile
 
 _BF16 = 2
 _TOKEN_ID_BYTES = 8  # int64 token ids
@@ -105,7 +105,7 @@ def transformer_profile(
                     fwd=float(b * s * h), input_bytes=_TOKEN_ID_BYTES * b * s, output_bytes=hidden_bytes,
                     tp_rules=(TPRule(module="embed", style=TPStyle.VOCAB),),
                     tp_comm_bytes=hidden_bytes, tp_degrees=_pow2_divisors(V),
-                    # memory-centric tiling splits the embeddings' rows (whalepy._tiling); a tied one
+                    # memory-centric tiling splits the embeddings' rows (whalepy.ir.tiling); a tied one
                     # is not tiled (its block shares a parameter with the head)
                     linear_params=0 if tied_embeddings else embed_params,
                     largest_linear_params=0 if tied_embeddings else V * h,

@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from whalepy._errors import WhalepyError
+from whalepy.errors import WhalepyError
 
 __all__ = ["HostCopies", "apply_activation_checkpointing", "apply_activation_offload", "apply_checkpoint_offload"]
 

@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from whalepy._log import warn_once
-from whalepy.plan import Precision
+from whalepy.log import warn_once
+from whalepy.ir.plan import Precision
 
 __all__ = ["STATE_KEY", "AmpContext"]
 
@@ -115,6 +115,21 @@ class AmpContext:
             return
         self.scaler.step(optimizer)
         self.scaler.update()
+
+    def clip_and_step(self, optimizer: torch.optim.Optimizer,
+                      clip: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
+        """The training step's update, in ``torch.amp.GradScaler``'s documented order: ``unscale_`` (the
+        gradients divided by the scale, in place, and "found inf" recorded for this optimizer), then
+        ``clip`` (it reads and scales the gradients ``optimizer.param_groups`` names, in place: the very
+        tensors the optimizer will step with), then ``scaler.step`` (which does not unscale again after
+        ``unscale_`` and skips the step on a found inf) and ``update``. Returns the norm ``clip`` gave
+        (None without ``clip``). Without a scaler: clip, step."""
+        norm = None
+        if clip is not None:
+            self.unscale(optimizer)
+            norm = clip()
+        self.step(optimizer)
+        return norm
 
 
 class _ScaledLoss:

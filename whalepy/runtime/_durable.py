@@ -20,7 +20,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from whalepy._errors import WhalepyError
+from whalepy.errors import WhalepyError
 
 __all__ = ["MANIFEST", "TMP_SUFFIX", "atomic_write", "check_free_space", "prepare_dir", "read_manifest",
            "remove_files", "remove_temporaries", "write_manifest"]

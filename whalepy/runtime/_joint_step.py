@@ -1,7 +1,7 @@
 """One optimizer step over the device optimizer and ZeRO-Offload's host optimizer, after the backward.
 
 Under fp16 or with gradient clipping ZeRO-Offload's host optimizer steps after the whole backward
-(:func:`whalepy._capabilities.host_steps_after_backward`): the fp16 loss scaler must decide from every
+(:func:`whalepy.ir.rules.host_steps_after_backward`): the fp16 loss scaler must decide from every
 gradient, device and host, whether to skip the step, and the clipping norm is one norm over all of
 them. :class:`JointStep` presents both optimizers to ``torch.amp``'s scaler as one optimizer, so that
 ``ShardedGradScaler.unscale_`` unscales the host gradients (fp32 CPU tensors, the masters' ``.grad``)

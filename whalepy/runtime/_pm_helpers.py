@@ -13,10 +13,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from whalepy._errors import ArgumentError, LaunchError, PlanError
-from whalepy._validate import check_scalar_loss
-from whalepy.plan import Plan, TPStyle
-from whalepy.runtime.data_parallel import DataParallelKind, offloads_any_block
+from whalepy.errors import ArgumentError, LaunchError, PlanError, WhalepyError
+from whalepy.frontend.checks import check_scalar_loss
+from whalepy.ir.plan import Plan, TPStyle
+from whalepy.ir.rules import LoweringKind
+from whalepy.runtime.data_parallel import offloads_any_block
 
 log = logging.getLogger("whalepy.runtime")
 
@@ -26,7 +27,19 @@ LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 def _checked_loss(loss_fn: LossFn) -> LossFn:
     """``loss_fn`` whose result is checked to be a scalar before anything differentiates it."""
     def checked(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
-        loss = loss_fn(outputs, targets)
+        try:
+            loss = loss_fn(outputs, targets)
+        except (ValueError, RuntimeError, IndexError, TypeError) as e:
+            if isinstance(e, WhalepyError):
+                raise
+            # e.g. targets of another length than the outputs: one line (printed once per job), not a
+            # traceback from inside the loss on every rank
+            out = getattr(outputs, "logits", outputs)
+            shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            text = " ".join(str(e).split())[:200]
+            raise ArgumentError(f"loss_fn(outputs, targets) raised {type(e).__name__}: {text} (this rank's outputs "
+                                f"{shape}, targets {tuple(targets.shape)}); give targets that fit the model's "
+                                "outputs (e.g. the same sequence length as the inputs)") from e
         check_scalar_loss(loss)
         return loss
 
@@ -36,7 +49,7 @@ def _checked_loss(loss_fn: LossFn) -> LossFn:
 def _check_reduce_every_microbatch(plan: Plan) -> None:
     """Refuse a stage's ``reduce_every_microbatch`` where the runtime cannot lower it (one rule,
     :func:`reduce_every_microbatch_error`), before anything is built."""
-    from whalepy._capabilities import choose_lowering_kind, reduce_every_microbatch_error
+    from whalepy.ir.rules import choose_lowering_kind, reduce_every_microbatch_error
 
     for st in plan.stages:
         if not st.reduce_every_microbatch:
@@ -59,10 +72,10 @@ class _Null:
 
 
 def _sync_context(module: nn.Module, kind: str, last: bool) -> Any:
-    if kind == DataParallelKind.FSDP:
+    if kind == LoweringKind.FSDP:
         module.set_requires_gradient_sync(last)
         return _Null()
-    if kind in (DataParallelKind.DDP, DataParallelKind.ZERO1) and not last:
+    if kind in (LoweringKind.DDP, LoweringKind.ZERO1) and not last:
         return module.no_sync()
     return _Null()
 
@@ -98,7 +111,7 @@ def _broadcast_weights(model: nn.Module) -> None:
 
 def _profile_or_none(model: nn.Module, example_inputs: Any, plan: Plan) -> Any:
     try:
-        from whalepy.profile import profile
+        from whalepy.frontend.profile import profile
     except ImportError:
         return None
     try:

@@ -14,13 +14,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from whalepy._errors import ArgumentError, WhalepyError
-from whalepy._log import info_once
-from whalepy.plan import Plan
+from whalepy.errors import ArgumentError, WhalepyError
+from whalepy.log import info_once
+from whalepy.ir.plan import Plan
 from whalepy.runtime.mesh import resolve_device_type, set_local_device
 
 if TYPE_CHECKING:
-    from whalepy.cluster import ClusterSpec
+    from whalepy.hardware.cluster import ClusterSpec
 
 log = logging.getLogger("whalepy.runtime")
 
@@ -56,7 +56,7 @@ def _check_lowering_options(*, loss_parallel: Any, sync_initial_weights: Any, se
     """``parallelize``'s remaining keyword arguments, by type (a truthy string is not ``True``)."""
     import os
 
-    from whalepy.profile import ModelProfile
+    from whalepy.ir.profile import ModelProfile
 
     for name, value in (("loss_parallel", loss_parallel), ("sync_initial_weights", sync_initial_weights)):
         if not isinstance(value, bool):
@@ -66,6 +66,10 @@ def _check_lowering_options(*, loss_parallel: Any, sync_initial_weights: Any, se
     if init_fn is not None and not callable(init_fn):
         raise ArgumentError(f"parallelize(init_fn={init_fn!r:.60}) must be callable (module -> None, filling its "
                             "parameters in place), or None for each module's reset_parameters()")
+    if init_fn is not None and not _takes(init_fn, 1):
+        raise ArgumentError(f"parallelize(init_fn={getattr(init_fn, '__name__', init_fn)!r:.60}) must take one "
+                            "argument, the module to initialise (e.g. def init(module): ...); it is called once per "
+                            "module whose shards this rank holds")
     if profile is not None and not isinstance(profile, ModelProfile) and not hasattr(profile, "fingerprint"):
         raise ArgumentError(f"parallelize(profile=...) takes the model's whalepy.ModelProfile (from "
                             f"whalepy.profile(model, example_inputs)), got {type(profile).__name__}; or leave it out")
@@ -88,7 +92,7 @@ def _takes(fn: Any, n: int) -> bool:
 
 
 def _check_arguments(model: nn.Module, loss_fn: Any, optimizer: Any) -> None:
-    from whalepy._validate import check_model
+    from whalepy.frontend.checks import check_model
 
     check_model(model, "whalepy.parallelize()")
     if isinstance(optimizer, torch.optim.Optimizer):
@@ -163,7 +167,7 @@ def _plan_once(solve: Callable[[], Plan]) -> Plan:
     dist.broadcast_object_list(box, src=0)
     kind, *payload = box[0]  # type: ignore[misc]
     if kind == "error":
-        import whalepy._errors as errors
+        import whalepy.errors as errors
 
         raise getattr(errors, payload[0], WhalepyError)(f"planning on rank 0 failed: {payload[1]}")
     return Plan.from_json(payload[0])

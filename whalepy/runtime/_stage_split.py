@@ -36,8 +36,8 @@ from torch.export.graph_signature import (
     TensorArgument,
 )
 
-from whalepy._errors import CaptureError
-from whalepy._hf_compat import export_compat
+from whalepy.errors import CaptureError
+from whalepy.models.hf_compat import export_compat
 
 __all__ = ["retarget_device", "split_stages", "tied_parameters"]
 
@@ -134,7 +134,7 @@ def _check_stage_blocks(model: nn.Module, stage_blocks: list[tuple[str, ...]]) -
 
 def _export(model: nn.Module, args: tuple, kwargs: dict, paths: tuple[str, ...]) -> Any:
     try:
-        with export_compat():  # models written for transformers 4.x (see whalepy._hf_compat)
+        with export_compat():  # models written for transformers 4.x (see whalepy.models.hf_compat)
             return torch.export.export(
                 model, args, kwargs, strict=False, preserve_module_call_signature=paths
             )

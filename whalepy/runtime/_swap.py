@@ -19,6 +19,15 @@ file. A *block* (a plan block) owns items and one staging slot at most:
   other generation (:func:`~whalepy.runtime._durable.atomic_write`), after which the views move to the
   new mappings and the slot is freed (:meth:`SwapEngine.settle`).
 
+Every view is a host tensor, and only host storages (mappings, slots) are ever installed under it:
+``Tensor.set_`` cannot move a tensor to another device (torch refuses a storage on another device
+than the tensor's). An item with a ``device`` (an optimizer state of a device parameter) gets a
+second tensor there while staged, :attr:`Item.on_device`, a copy of its slot bytes that the caller
+steps with and that :meth:`SwapEngine.release` copies back into the slot before the write-back; the
+views (what the optimizer holds between steps) stay on the host. The device may be the host itself
+(a ``gpu`` parameter tier on a CPU run): the copy is then another host tensor, which is how the CPU
+tests exercise this path.
+
 :meth:`SwapEngine.commit` queues the manifest after a step's writes (one thread: in order), so the
 manifest always names a complete generation, and after the manifest the removal of the generation it
 supersedes: one generation at rest, two only while a step writes. The pool holds ``prefetch_depth + 2`` slots (the block in
@@ -38,7 +47,7 @@ from typing import Any
 
 import torch
 
-from whalepy._capabilities import staging_slots
+from whalepy.ir.rules import staging_slots
 from whalepy.runtime._durable import atomic_write, read_manifest, remove_files, remove_temporaries, write_manifest
 
 __all__ = ["Item", "SwapEngine", "View"]
@@ -71,16 +80,31 @@ class Item:
     kind: str = "param"
     """``param`` (staged for forward, backward and the step) or ``state`` (for the step only)."""
     device: torch.device | None = None
-    """Where the views must be while staged: None for the host (the slot itself); an accelerator for
-    optimizer states of device parameters (a device copy of the slot, made at staging)."""
+    """None: the step uses the views themselves (host parameters and their states). A device (an
+    optimizer state of a device parameter, the host on a CPU run): the step uses :attr:`on_device`, a
+    copy on that device made at staging; the views stay host tensors."""
     mapped: torch.Tensor | None = None
     slot_offset: int = 0
+    on_device: torch.Tensor | None = None
+    """While staged (items with a ``device``): the copy the step uses, laid out as the first view."""
+
+    def device_tensor(self) -> torch.Tensor:
+        """:attr:`on_device`, made from the views' values first where it is missing (an item staged by
+        :meth:`SwapEngine.capture`); the release copies it back into the slot."""
+        if self.on_device is None:
+            self.on_device = self.views[0].tensor.detach().to(self.device, copy=True)
+        return self.on_device
 
     @property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
 
     def point_at(self, storage: torch.UntypedStorage, elem_offset: int = 0) -> None:
+        for v in self.views:
+            if v.tensor.device != storage.device:
+                raise RuntimeError(f"swap engine: item {self.name!r}: a view on {v.tensor.device} cannot be moved "
+                                   f"onto a storage on {storage.device} (views are host tensors; device "
+                                   "copies are Item.on_device)")
         with torch.no_grad():
             for v in self.views:
                 v.tensor.set_(storage, elem_offset + v.offset, v.size, v.stride)
@@ -261,7 +285,10 @@ class SwapEngine:
         if "state" in kinds:  # the step writes the slot: its previous write-back must be finished
             self._settle_block(block, wait=True)
         self.prefetch(index, kinds, protect)
-        if block.slot is None:
+        if block.slot is None:  # no buffer free: used from its mappings; a device item still needs its copy
+            for it in self._items(block, kinds):
+                if it.device is not None and it.on_device is None:
+                    it.on_device = _to_device(it, _storage_tensor(it), non_blocking=False)
             return
         if block.reading is not None:
             block.reading.result()
@@ -270,10 +297,8 @@ class SwapEngine:
         for it in self._items(block, kinds):
             if it.name in block.loaded and it.name not in block.on_slot:
                 it.point_at(storage, it.slot_offset // it.dtype.itemsize)
-                if it.device is not None and it.device.type != "cpu":
-                    dev = torch.empty(it.numel, dtype=it.dtype, device=it.device)
-                    dev.copy_(_storage_tensor(it), non_blocking=self.pin)
-                    it.point_at(dev.untyped_storage())
+                if it.device is not None:
+                    it.on_device = _to_device(it, _storage_tensor(it), non_blocking=self.pin)
                 block.on_slot.add(it.name)
 
     def capture(self, index: int) -> None:
@@ -298,19 +323,24 @@ class SwapEngine:
             block.loaded.add(it.name)
             block.on_slot.add(it.name)
 
-    def adopt(self, index: int, item: Item, *, replace: Item | None = None) -> None:
+    def adopt(self, index: int, item: Item, *, replace: Item | None = None,
+              values: torch.Tensor | None = None) -> None:
         """A tensor that appeared during the step (a new optimizer state; ``replace``: one that a
         ``load_state_dict`` replaced): add it to the block's items and put it, with every item already
-        staged, in the block's slot at the new layout, so the write-back gives it a file."""
+        staged, in the block's slot at the new layout, so the write-back gives it a file. ``values``
+        (laid out as the item's first view, on any device): its values, when its views (host tensors)
+        do not hold them yet. The slot then holds every staged item's latest values (device copies
+        included), so :attr:`Item.on_device` is dropped."""
         block = self.blocks[index]
-        flats = {it.name: _flat_of(it, it.views[0].tensor) for it in block.items if it.name in block.on_slot}
+        flats = {it.name: _flat_of(it, it.on_device if it.on_device is not None else it.views[0].tensor)
+                 for it in block.items if it.name in block.on_slot}
         if replace is not None:
             block.items[block.items.index(replace)] = item
             flats.pop(replace.name, None)
         elif item.numel:
             block.items.append(item)
         if item.numel:
-            flats[item.name] = _flat_of(item, item.views[0].tensor)
+            flats[item.name] = _flat_of(item, values if values is not None else item.views[0].tensor)
         self._layout(block)
         need = block.nbytes
         if block.slot is None:
@@ -324,6 +354,7 @@ class SwapEngine:
         block.loaded.clear()
         block.on_slot.clear()
         for it in block.items:
+            it.on_device = None
             if it.name in flats:
                 block.slot[it.slot_offset: it.slot_offset + it.nbytes].view(it.dtype).copy_(flats[it.name])
                 it.point_at(storage, it.slot_offset // it.dtype.itemsize)
@@ -342,6 +373,7 @@ class SwapEngine:
             block.reading = None
         if not dirty:
             for it in block.items:
+                it.on_device = None
                 if it.name in block.on_slot:
                     it.point_at(it.mapped.untyped_storage())
             self._give_back(block)
@@ -350,11 +382,11 @@ class SwapEngine:
         missing = [it for it in block.items if it.name not in block.on_slot]
         if missing:  # a dirty write covers every item: those not staged are read first
             self.stage(index, kinds=("param", "state"))
-        storage = block.slot.untyped_storage()
         for it in block.items:  # device copies back into the slot (synchronous copies)
-            if it.device is not None and it.device.type != "cpu":
-                block.slot[it.slot_offset: it.slot_offset + it.nbytes].view(it.dtype).copy_(_storage_tensor(it))
-                it.point_at(storage, it.slot_offset // it.dtype.itemsize)
+            if it.on_device is not None:
+                flat, v = _storage_tensor(it), it.views[0]
+                flat.as_strided(v.size, v.stride, flat.storage_offset() + v.offset).copy_(it.on_device)
+                it.on_device = None
         paths = [(it, self._file(block, it, parity)) for it in block.items]
         block.writing = self._io.submit(_write_from, block.slot, paths, self.fsync)
         block.parity = parity
@@ -416,7 +448,7 @@ class SwapEngine:
     def resume(self, manifest: dict) -> None:
         """Point the items at the files of ``manifest``'s generation (a restart after a crash): the
         blocks and items must be the ones the manifest names (same model and plan)."""
-        from whalepy._errors import WhalepyError
+        from whalepy.errors import WhalepyError
 
         saved = manifest["blocks"]
         if [b["name"] for b in saved] != [b.name for b in self.blocks]:
@@ -435,8 +467,20 @@ class SwapEngine:
 
 
 def _storage_tensor(item: Item) -> torch.Tensor:
-    t = item.views[0].tensor
-    return torch.empty(0, dtype=item.dtype, device=t.device).set_(t.untyped_storage(), 0, (item.numel,), (1,))
+    """The item's flat storage (``numel`` elements where its views now point: a slot or a mapping)."""
+    v = item.views[0]
+    t = v.tensor
+    return torch.empty(0, dtype=item.dtype, device=t.device).set_(
+        t.untyped_storage(), t.storage_offset() - v.offset, (item.numel,), (1,))
+
+
+def _to_device(item: Item, flat: torch.Tensor, *, non_blocking: bool) -> torch.Tensor:
+    """The item's values (``flat``: its host storage) as a new tensor on ``item.device``, laid out as
+    its first view."""
+    v = item.views[0]
+    dev = torch.empty(item.numel, dtype=item.dtype, device=item.device)
+    dev.copy_(flat, non_blocking=non_blocking)
+    return dev.as_strided(v.size, v.stride, v.offset)
 
 
 def _flat_of(item: Item, t: torch.Tensor) -> torch.Tensor:

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from whalepy._errors import WhalepyError
-from whalepy.runtime.host_optimizer import full_tensor
+from whalepy.errors import WhalepyError
+from whalepy.runtime.host_optimizer import as_shard_of, full_tensor
 
 __all__ = ["TileChunks", "merge_state", "split_state"]
 
@@ -113,8 +113,7 @@ def _split(value: Any, templates: Sequence[Any], rows: Sequence[int]) -> list[An
             if got is None or got.shape != local.shape:
                 raise WhalepyError("a tiled module's state is split unlike this plan's tiles; load it "
                                    "through ParallelModel.load / load_state_dict of the plan that made it")
-            out.append(DTensor.from_local(got, like.device_mesh, like.placements, run_check=False,
-                                          shape=like.shape, stride=like.stride()))
+            out.append(as_shard_of(like, got))  # not from_local: a host chunk stays on the host
             start += n
         return out
     full = full_tensor(value)

@@ -13,7 +13,8 @@ them back on load (``split_state``), so checkpoints move between tiled and until
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,13 +29,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from whalepy._errors import ArgumentError, WhalepyError
+from whalepy.errors import ArgumentError, WhalepyError
 from whalepy.runtime._activations import (
     apply_activation_checkpointing,
     apply_activation_offload,
     apply_checkpoint_offload,
 )
-from whalepy.runtime._dcp_files import load_files, read_metadata
+from whalepy.runtime.dcp_files import load_files, read_metadata
 from whalepy.runtime._tile_state import merge_state, split_state
 from whalepy.runtime.host_optimizer import KERNEL_FLAGS, MASTER_KEY, HostStateView, full_tensor
 from whalepy.runtime.tiling import tiled_layout
@@ -85,8 +86,41 @@ def get_train_state(modules: Sequence[nn.Module], optimizer: Optimizers) -> dict
     _check_optimizer(optimizer)
     model_sd, optim_sd = get_state_dict(list(modules) if len(modules) > 1 else modules[0], optimizer)
     state = {"model": model_sd, "optim": _masters_to_model(model_sd, optim_sd)}
-    state = _map_tensors(state, lambda t: full_tensor(t) if _is_strided(t) else t)
+    strided: list[bool] = []
+    _map_tensors(state, lambda t: strided.append(True) if _is_strided(t) else None)
+    if strided:
+        with _quiet_strided_gather():
+            state = _map_tensors(state, lambda t: full_tensor(t) if _is_strided(t) else t)
     return merge_state(state, tiled_layout(modules))  # tiled modules under their original names
+
+
+_REDISTRIBUTE_LOGGER = "torch.distributed.tensor._redistribute"
+
+
+@contextlib.contextmanager
+def _quiet_strided_gather() -> Iterator[None]:
+    """Gathering a ``_StridedShard`` tensor whole makes DTensor log, on every rank, that "2 sequential
+    all_gather operations will be performed" and "may give inconsistent results between ranks due to
+    different reduction orders". An all-gather reduces nothing, so every rank gets the same bytes; the
+    cost is one extra collective per fused tensor, once per save. So the per-rank line is replaced by
+    one note per job (rank 0)."""
+    import logging
+    import warnings
+
+    from whalepy.log import info_once
+
+    torch_log = logging.getLogger(_REDISTRIBUTE_LOGGER)
+    level = torch_log.level
+    torch_log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*sequential all_gather.*")
+            yield
+    finally:
+        torch_log.setLevel(level)
+    info_once("strided-gather", "whalepy: note: fused tensor-parallel weights are gathered whole for the "
+              "checkpoint (two all-gathers each, identical on every rank; DTensor's per-rank warning about it "
+              "is silenced)")
 
 
 def _masters_to_model(model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> dict[str, Any]:
@@ -212,12 +246,35 @@ def _add_aliases(state: dict[str, Any], aliases: Sequence[Sequence[str]]) -> dic
 
 def save_train_state(path: str | Path, modules: Sequence[nn.Module],
                      optimizer: Optimizers,
-                     aliases: Sequence[Sequence[str]] = (), extra: dict[str, Any] | None = None) -> None:
+                     aliases: Sequence[Sequence[str]] = (), extra: dict[str, Any] | None = None,
+                     async_save: bool = False) -> Any:
     """Write model and optimizer state, plus ``extra`` top-level entries (the fp16 loss scaler's
-    state: Python numbers, which DCP writes once, from one rank), as a DCP directory."""
+    state: Python numbers, which DCP writes once, from one rank), as a DCP directory. ``async_save``:
+    ``dcp.async_save`` (the state is copied to host memory before it returns, then written by a
+    background thread over a gloo group of its own, so its collectives never interleave with
+    training's); returns its future, else None."""
     state = get_train_state(modules, optimizer)
     state.update(extra or {})
-    dcp.save(_add_aliases(state, list(aliases) + tied_aliases(modules)), checkpoint_id=str(path))
+    state = _add_aliases(state, list(aliases) + tied_aliases(modules))
+    if async_save:
+        return dcp.async_save(state, checkpoint_id=str(path), process_group=_async_group())
+    dcp.save(state, checkpoint_id=str(path))
+    return None
+
+
+_ASYNC_GROUP: tuple[Any, Any] = (None, None)
+
+
+def _async_group() -> Any:
+    """The gloo group asynchronous saves coordinate over (made by every rank's first async save under
+    the current default group)."""
+    global _ASYNC_GROUP
+    import torch.distributed as dist
+
+    world = dist.group.WORLD
+    if _ASYNC_GROUP[0] is not world:
+        _ASYNC_GROUP = (world, dist.new_group(backend="gloo"))
+    return _ASYNC_GROUP[1]
 
 
 def check_checkpoint_fits(path: str | Path, model_state: dict[str, Any]) -> None:

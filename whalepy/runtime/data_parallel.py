@@ -10,7 +10,7 @@ ZeRO-0     DDP.
 DDP does not compose with DTensor tensor parallelism, and a pipeline stage is simplest to keep under
 one wrapper, so with ``tp > 1`` or ``pp > 1`` ZeRO-0/1 are lowered to FSDP2 with
 ``reshard_after_forward=False`` (ZeRO-2 behaviour: same numerics, less memory) and a log line says
-so. The kind is decided by :func:`whalepy._capabilities.choose_lowering_kind`, which the memory
+so. The kind is decided by :func:`whalepy.ir.rules.choose_lowering_kind`, which the memory
 model consults too. A block whose parameters are on the ``cpu`` tier gets FSDP2's ``CPUOffloadPolicy``
 (parameters, gradients and optimizer states on the host; ``pin_memory`` only with CUDA), and with
 ``param_tier`` cpu or nvme FSDP2's explicit prefetching fetches the next ``prefetch_depth`` blocks
@@ -20,7 +20,7 @@ the ``cpu`` tier (ZeRO-Offload) is sharded like any other here and
 :mod:`whalepy.runtime.host_optimizer` takes its gradients and steps it on the host. A stage with any
 such tier is always lowered to FSDP2. ``optimizer_tier = nvme`` needs nothing here (any kind): the
 optimizer's states of those blocks are kept in files by :mod:`whalepy.runtime.nvme`. Tier combinations the runtime does not
-lower (:func:`whalepy._capabilities.state_option_error`) raise :class:`~whalepy.WhalepyError`.
+lower (:func:`whalepy.ir.rules.state_option_error`) raise :class:`~whalepy.WhalepyError`.
 A tiled block (``BlockPlan.tiles``, :mod:`whalepy.runtime.tiling`) has each tile of its linears and embeddings
 sharded as its own unit before the block itself; :func:`fsdp_units` lists them with the block's
 units (the disk tier homes their shards with the block) and :func:`set_prefetch` prefetches a tiled
@@ -45,17 +45,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from whalepy._capabilities import LoweringKind as DataParallelKind
-from whalepy._capabilities import choose_lowering_kind as choose_kind
-from whalepy._capabilities import (offloads_to_host, shared_unit_tiers_error, state_option_error,
-                                   uses_cpu_offload_policy)
-from whalepy._errors import WhalepyError
-from whalepy.plan import BlockPlan, Precision, Tier, ZeroStage
+from whalepy.ir.rules import (LoweringKind, choose_lowering_kind, offloads_to_host, shared_unit_tiers_error,
+                              state_option_error, uses_cpu_offload_policy)
+from whalepy.errors import WhalepyError
+from whalepy.ir.plan import BlockPlan, Precision, Tier, ZeroStage
 from whalepy.runtime._torch_compat import fsdp_param_groups
 from whalepy.runtime.tiling import tile_modules
 
-__all__ = ["DataParallelKind", "apply_data_parallel", "build_optimizer", "cast_sharded_params", "check_root_tiers",
-           "choose_kind", "compute_dtype", "fsdp_units", "offloads_any_block", "root_blocks", "set_prefetch"]
+__all__ = ["LoweringKind", "apply_data_parallel", "build_optimizer", "cast_sharded_params", "check_root_tiers",
+           "choose_lowering_kind", "wrap_ddp", "compute_dtype", "fsdp_units", "offloads_any_block", "root_blocks", "set_prefetch"]
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +70,12 @@ def offloads_any_block(blocks: Iterable[BlockPlan]) -> bool:
     ``CPUOffloadPolicy`` or the host optimizer; or ``nvme`` parameters: host shards homed in files;
     ``nvme`` optimizer states alone are handled around the optimizer)."""
     return any(offloads_to_host(b.param_tier, b.optimizer_tier) for b in blocks)
+
+
+def wrap_ddp(module: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
+    """DDP over ``dp_mesh``. Its constructor reads every parameter (shape check, broadcast from rank 0,
+    buckets), so a model built on the meta device is wrapped only after it is materialised."""
+    return DDP(module, process_group=dp_mesh.get_group(), device_ids=None, gradient_as_bucket_view=True)
 
 
 def apply_data_parallel(
@@ -92,10 +96,10 @@ def apply_data_parallel(
         if reason is not None:
             raise WhalepyError(f"block {bp.name!r}: the plan's {reason}")
     check_root_tiers(module, blocks)
-    if kind == DataParallelKind.NONE:
+    if kind == LoweringKind.NONE:
         return module
-    if kind in (DataParallelKind.DDP, DataParallelKind.ZERO1):
-        return DDP(module, process_group=dp_mesh.get_group(), device_ids=None, gradient_as_bucket_view=True)
+    if kind in (LoweringKind.DDP, LoweringKind.ZERO1):
+        return wrap_ddp(module, dp_mesh)
     reshard = zero >= ZeroStage.PARAMETERS
     low = compute_dtype(precision)
     mp = {"mp_policy": MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)} if low else {}
@@ -171,7 +175,7 @@ def root_blocks(module: nn.Module, blocks: Sequence[tuple[BlockPlan, Sequence[nn
 
 def check_root_tiers(module: nn.Module, blocks: Sequence[tuple[BlockPlan, Sequence[nn.Module]]]) -> None:
     """Refuse (:class:`WhalepyError`) blocks of different tiers whose parameters the root unit would hold
-    together (:func:`whalepy._capabilities.shared_unit_tiers_error`); cheap, before any sharding. The
+    together (:func:`whalepy.ir.rules.shared_unit_tiers_error`); cheap, before any sharding. The
     root's offload policy is then that of these blocks (none when there are none: parameters in no
     block stay on the device, where the plan, which places none of them, counts nothing)."""
     owners = root_blocks(module, blocks)
@@ -258,7 +262,7 @@ def build_optimizer(
     """Call the user's factory; under ZeRO-1 rebuild the same optimizer class and hyper-parameters
     inside ``ZeroRedundancyOptimizer``."""
     opt = factory(params)
-    if kind != DataParallelKind.ZERO1:
+    if kind != LoweringKind.ZERO1:
         return opt
     from torch.distributed.optim import ZeroRedundancyOptimizer
 

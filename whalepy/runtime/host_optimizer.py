@@ -23,7 +23,7 @@ of earlier blocks goes on; :meth:`HostOptimizer.finish` (the training step's opt
 the last ones and orders the device's next forward after the copies back.
 
 Under fp16 or with gradient clipping (``step_in_backward=False``,
-:func:`whalepy._capabilities.host_steps_after_backward`) the gradients still reach the host block by
+:func:`whalepy.ir.rules.host_steps_after_backward`) the gradients still reach the host block by
 block during the backward, but no block steps then: :meth:`HostOptimizer.finish` waits for the copies
 and leaves the host gradients as the masters' ``.grad``, where the loss scaler unscales and checks
 them and the clipping reads and scales them with the device's (:mod:`whalepy.runtime._joint_step`);
@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from whalepy._errors import WhalepyError
+from whalepy.errors import WhalepyError
 
 __all__ = ["MASTER_KEY", "HostOptimizer", "HostStateView", "as_shard_of", "full_tensor", "local_tensor",
            "on_mesh_device"]
@@ -66,12 +66,22 @@ when the device keeps the parameter in another dtype (checkpoints hold it as the
 
 
 def as_shard_of(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Host tensor ``v`` (a shard of ``p``, or a scalar) as a DTensor laid out like ``p``, sharing memory."""
+    """Host tensor ``v`` (a shard of ``p``, or a scalar) as a DTensor laid out like ``p``, sharing memory:
+    its local tensor IS ``v`` (same storage, same device, ``v``'s dtype), so writes through it (a
+    checkpoint load, clipping) land in ``v``.
+
+    Not ``DTensor.from_local``: it moves a local tensor whose device differs from the mesh's device
+    type to the mesh's device (a copy), so on a CUDA mesh a load or a clip through the wrapper would
+    write into that copy and leave the host masters, states and gradients as they were (what the first
+    GPU run found). The wrapper is built as FSDP2 builds its host shards (``DTensor(local, spec)``)."""
     from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
     if v.dim() == 0 or not isinstance(p, DTensor):
         return v
-    return DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+    spec = DTensorSpec(p.device_mesh, p.placements, tensor_meta=TensorMeta(p.shape, p.stride(), v.dtype))
+    local = v.detach()  # same storage; the wrapper is a view of the state, not part of a graph
+    return DTensor(local, spec, requires_grad=False)  # type: ignore[call-arg]
 
 
 def on_mesh_device(t: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ its own ``_apply``) and fill them from one of three sources:
   time, by that module's own initialiser run on a host copy of it (``init_fn(module)`` when given,
   otherwise ``module.reset_parameters()`` and then the root model's ``_init_weights(module)``, which is
   HF's per-module initialiser and also recomputes HF's rotary tables; under transformers 4.x, whose
-  ``_init_weights`` does not, ``whalepy._hf_compat.init_rotary_tables`` does). The random generator is seeded
+  ``_init_weights`` does not, ``whalepy.models.hf_compat.init_rotary_tables`` does). The random generator is seeded
   from ``(seed, module path)``, so the values depend neither on the plan nor on the rank, and a
   single process (:func:`materialize`) gets the same weights. Only this rank's slice is kept.
 - **safetensors** (HF ``save_pretrained`` output: one file, or shards with
@@ -27,6 +27,7 @@ largest host module copy alive at a time.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import hashlib
 import json
@@ -38,8 +39,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from whalepy._errors import WhalepyError
-from whalepy._hf_compat import init_rotary_tables, relink_original_inv_freq
+from whalepy.errors import WhalepyError
+from whalepy.models.hf_compat import init_rotary_tables, relink_original_inv_freq
 
 __all__ = ["MaterializeStats", "Skeleton", "checkpoint_kind", "has_meta_tensors", "materialize",
            "materialize_modules", "snapshot"]
@@ -180,6 +181,11 @@ def _fill(target: torch.Tensor, value: torch.Tensor, name: str) -> None:
     if tuple(value.shape) != tuple(local.shape):
         raise WhalepyError(f"{name}: the source gives shape {tuple(value.shape)} for this rank's part, "
                            f"the model holds {tuple(local.shape)}; the checkpoint is of another model")
+    if local.dtype.is_floating_point != value.dtype.is_floating_point or \
+            local.dtype.is_complex != value.dtype.is_complex:  # a float <-> int cast would be silent and wrong
+        raise WhalepyError(f"{name}: the checkpoint holds it as {value.dtype}, the model as {local.dtype}; a "
+                           "checkpoint of integer tensors is not a model's weights (another file, or a "
+                           "conversion that lost the dtype): give the model's own checkpoint")
     local.copy_(value.to(device=local.device, dtype=local.dtype))
 
 
@@ -207,18 +213,32 @@ def _host_copy(module: nn.Module) -> nn.Module:
 
 def init_module(skeleton: Skeleton, path: str, *, seed: int, init_fn: InitFn | None) -> nn.Module:
     """Host copy of module ``path`` with its tensors initialised (see the module docstring)."""
-    host = _host_copy(skeleton.root.get_submodule(path))
+    source = skeleton.root.get_submodule(path)
+    host = _host_copy(source)
+    # buffers allocated empty for meta ones: each must be written (in place, or replaced) by an initialiser
+    empty = {k: (b, b._version) for k, b in host._buffers.items()
+             if b is not None and source._buffers.get(k) is not None and source._buffers[k].is_meta}
     root_init = getattr(skeleton.root, "_init_weights", None)
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(unit_seed(seed, path))
         if init_fn is not None:
-            init_fn(host)
+            try:
+                init_fn(host)
+            except Exception as e:  # noqa: BLE001 - the user's code: one line, printed once per job
+                from whalepy.errors import WhalepyError
+
+                text = " ".join(str(e).split())[:200]
+                raise WhalepyError(f"init_fn raised {type(e).__name__}: {text} (on module {path!r}, a "
+                                   f"{type(host).__name__}); fix init_fn or leave it out for each module's "
+                                   "reset_parameters()") from e
         else:
             if callable(getattr(host, "reset_parameters", None)):
                 host.reset_parameters()
             if callable(root_init):
                 root_init(host)
             init_rotary_tables(host)  # transformers 4.x: _init_weights leaves them alone
+    host._whalepy_unset_buffers = [k for k, (b, v) in empty.items()  # type: ignore[attr-defined]
+                                   if host._buffers.get(k) is b and b._version == v]
     return host
 
 
@@ -232,6 +252,11 @@ class _Safetensors:
         if p.is_dir() and (p / "model.safetensors.index.json").is_file():
             weight_map = json.loads((p / "model.safetensors.index.json").read_text())["weight_map"]
             self.where = {k: p / f for k, f in weight_map.items()}
+            missing = sorted({f for f in self.where.values() if not f.is_file()})
+            if missing:  # checked before any tensor is read, on every rank alike
+                raise WhalepyError(f"the safetensors index {p / 'model.safetensors.index.json'} names "
+                                   f"{missing[0].name}, which is not in {p} ({len(missing)} shard(s) missing); "
+                                   "copy the whole checkpoint (every shard the index names)")
         else:
             file = p if p.is_file() else sorted(p.glob("*.safetensors"))[0]
             self.where = {k: file for k in self._handle(file).keys()}
@@ -306,7 +331,7 @@ def _allocate(modules: Sequence[nn.Module], device: torch.device) -> None:
     tiers) is allocated on the host: FSDP2's ``reset_sharded_param`` (run by its ``_apply``) moves a
     shard to the host only when it pins it, so an unpinned one (the ``nvme`` tier's) would stay on
     the GPU, and a pinned one would pass through it first."""
-    from whalepy.runtime._held import offloaded_params
+    from whalepy.runtime.held import offloaded_params
 
     host = torch.device("cpu")
     for m in modules:
@@ -323,6 +348,21 @@ def _allocate(modules: Sequence[nn.Module], device: torch.device) -> None:
                 m.get_submodule(owner).register_parameter(field, first)
 
 
+_DRY_RUN: contextvars.ContextVar[Any] = contextvars.ContextVar("whalepy_dry_run", default=None)
+
+
+@contextlib.contextmanager
+def dry_run(mode: Any) -> Iterator[None]:
+    """Inside: :func:`materialize_modules` allocates under ``mode`` (a ``FakeTensorMode``), so a meta
+    model is lowered onto tensors with shapes and devices but no memory (``whalepy check``,
+    :mod:`whalepy.tools.rank_check`)."""
+    token = _DRY_RUN.set(mode)
+    try:
+        yield
+    finally:
+        _DRY_RUN.reset(token)
+
+
 def materialize_modules(
     modules: Sequence[nn.Module],
     skeleton: Skeleton,
@@ -333,7 +373,20 @@ def materialize_modules(
     checkpoint: str | Path | None = None,
 ) -> MaterializeStats:
     """Allocate and fill this rank's tensors of ``modules`` (lowered from the model ``skeleton`` was
-    taken of; names are the original module paths). See the module docstring."""
+    taken of; names are the original module paths). See the module docstring. Inside
+    :func:`dry_run` the tensors are FakeTensors of that mode (no checkpoint is read)."""
+    mode = _DRY_RUN.get()
+    if mode is not None:  # whalepy check: every tensor a FakeTensor (shapes, no memory, no values)
+        with mode:
+            _allocate(modules, torch.device(device))
+        share = _storage_bytes([t for _, t, is_p in _local_tensors(modules) if is_p])
+        return MaterializeStats(share_bytes=share, peak_bytes=share, largest_unit_bytes=0,
+                                num_tensors=len(_local_tensors(modules)))
+    return _materialize_modules(modules, skeleton, device, seed=seed, init_fn=init_fn, checkpoint=checkpoint)
+
+
+def _materialize_modules(modules: Sequence[nn.Module], skeleton: Skeleton, device: torch.device | str, *,
+                         seed: int, init_fn: InitFn | None, checkpoint: str | Path | None) -> MaterializeStats:
     from whalepy.runtime.tiling import tile_origins
 
     device = torch.device(device)
@@ -383,9 +436,17 @@ def materialize_modules(
             for owner, items in by_unit.items():
                 host = init_module(skeleton, owner, seed=seed, init_fn=init_fn)
                 largest = max(largest, sum(p.nbytes for p in host._parameters.values() if p is not None))
-                for name, t, _ in items:
+                for name, t, is_param in items:
                     orig, first_row, rows = origins.get(name, (name, 0, None))
-                    value = getattr(host, skeleton.canonical[orig].rpartition(".")[2]).detach()
+                    attr = skeleton.canonical[orig].rpartition(".")[2]
+                    if not is_param and attr in host._whalepy_unset_buffers:
+                        raise WhalepyError(
+                            f"the buffer {name!r} was built on the meta device and nothing initialises it "
+                            f"({type(host).__name__} has no reset_parameters() or _init_weights that writes it"
+                            f"{', nor does init_fn' if init_fn is not None else ''}): it would hold uninitialised "
+                            "memory; fill it in reset_parameters() or init_fn, build it outside the meta device "
+                            "(register it after `with torch.device('meta')`), or load it from a checkpoint")
+                    value = getattr(host, attr).detach()
                     if rows is not None:
                         value = value[first_row:first_row + rows]
                     _fill(t, take(value, local_index(t, cache)), name)

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from whalepy._errors import LaunchError, PlanError
-from whalepy.plan import BlockPlan, Plan, Precision, Schedule, StagePlan, Tier, TPRule, ZeroStage
+from whalepy.errors import LaunchError, PlanError
+from whalepy.ir.plan import BlockPlan, Plan, Precision, Schedule, StagePlan, Tier, TPRule, ZeroStage
 
 __all__ = ["RankMeshes", "build_meshes", "make_plan", "resolve_device_type"]
 
@@ -88,10 +88,13 @@ def build_meshes(plan: Plan, device_type: str) -> RankMeshes:
             f"stages have tensor-parallel degrees {plan.tp_degrees}; the runtime needs one TP degree "
             "for all stages (pipeline stages exchange activations between matching TP ranks)"
         )
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
     rank = dist.get_rank()
     set_local_device(device_type)
-    grid = torch.tensor([[list(row) for row in s.ranks] for s in plan.stages], dtype=torch.int)
-    world = DeviceMesh(device_type, grid, mesh_dim_names=("pp", "dp", "tp"))
+    with unset_fake_temporarily():  # rank numbers are real even in a dry run (whalepy check)
+        grid = torch.tensor([[list(row) for row in s.ranks] for s in plan.stages], dtype=torch.int)
+        world = DeviceMesh(device_type, grid, mesh_dim_names=("pp", "dp", "tp"))
     stage, replica, tp_index = plan.stage_of_rank(rank)
     return RankMeshes(
         device_type=device_type, rank=rank, stage=stage, replica=replica, tp_index=tp_index,
@@ -144,7 +147,7 @@ def make_plan(
     ``param_tier`` / ``optimizer_tier`` are every block's memory tiers; ``tiers`` overrides them per
     block (granular offloading, as M6-10T's): ``{block name: (param_tier, optimizer_tier)}``, e.g.
     ``tiers={"transformer.h.0": ("cpu", "cpu")}``. An unknown block name in ``tiers``, or a pair there
-    the runtime does not lower (:func:`whalepy._capabilities.state_option_error`), is a
+    the runtime does not lower (:func:`whalepy.ir.rules.state_option_error`), is a
     :class:`PlanError` here; the stage-wide pair is checked when the plan is lowered."""
     blocks = [] if isinstance(block_names, (str, bytes)) else list(block_names)
     if not blocks or not all(isinstance(n, str) for n in blocks):
@@ -229,7 +232,7 @@ def _block_tiers(blocks: Sequence[str], param_tier: Tier | str, optimizer_tier: 
                  tiers: Mapping[str, tuple[Tier | str, Tier | str]] | None, *, zero_stage: ZeroStage | int,
                  precision: Precision | str) -> dict[str, tuple[Tier, Tier]]:
     """Each block's ``(param_tier, optimizer_tier)``: the stage-wide pair, overridden by ``tiers``."""
-    from whalepy._capabilities import state_option_error
+    from whalepy.ir.rules import state_option_error
 
     if tiers is not None and not isinstance(tiers, Mapping):
         raise PlanError(f"tiers={tiers!r:.80} is a {type(tiers).__name__}; give a dict of block name -> "

@@ -6,10 +6,14 @@ PyTorch has no disk tier, so whalepy adds one around FSDP2 and the user's optimi
 
 * ``optimizer_tier = nvme``: the tensor states of the block's parameters (AdamW's ``exp_avg`` /
   ``exp_avg_sq``: the local shards under FSDP2, whole tensors under DDP) live in files between steps.
-  The optimizer step runs **per block**: block ``i``'s states are read into a staging slot (copied to
-  the device for device parameters), the optimizer steps over block ``i``'s parameters only, and the
-  updated states are written back by the I/O thread while block ``i + 1`` steps; the next
-  ``prefetch_depth`` blocks are read ahead meanwhile.
+  The optimizer step runs **per block**: block ``i``'s states are read into a staging slot, the
+  optimizer steps over block ``i``'s parameters only, and the updated states are written back by the
+  I/O thread while block ``i + 1`` steps; the next ``prefetch_depth`` blocks are read ahead meanwhile.
+  The states of **device parameters** (``param_tier = gpu``) are host tensors too between steps: for
+  the block's step the optimizer's state entries are swapped for copies on the parameters' device
+  (:attr:`~whalepy.runtime._swap.Item.on_device`) and swapped back after it, the updated values
+  copied into the slot first (a tensor cannot be moved to another device in place). On a CPU run the
+  "device" is the host and the copies are host tensors: the same path, which the CPU tests run.
 * ``param_tier = nvme``: the block's FSDP2 shards (host shards: FSDP2's ``CPUOffloadPolicy``) live in
   files too. Forward pre-hooks (and, for backward, hooks on the blocks' outputs, in reverse order)
   stage block ``i`` and read the next ``prefetch_depth`` blocks in the direction of travel, so FSDP2's
@@ -30,7 +34,7 @@ these tensors in place outside a step (``pm.load`` and ``pm.load_state_dict`` do
 recorded in the manifest. Files are written atomically under the other generation's names with a
 manifest as commit point; once the manifest is durable the superseded generation is removed, so the
 disk holds one generation between steps and two only while a step writes (docs/runtime.md, "Disk
-tier"; the peak: :func:`whalepy._capabilities.disk_tier_file_bytes`). The directory is removed at exit
+tier"; the peak: :func:`whalepy.ir.rules.disk_tier_file_bytes`). The directory is removed at exit
 unless ``keep``.
 """
 
@@ -112,6 +116,7 @@ class NvmeTier:
         self.grads = GradFiles(self.directory)
         self._params: list[list[nn.Parameter]] = []  # per block, the optimizer's parameters
         self._states: list[bool] = []
+        self._state_device: list[torch.device | None] = []  # per block: where its states are stepped
         self._param_blocks: list[int] = []  # blocks with file-homed parameters, in model order
         self._handles: list[Any] = []
         self._step = None
@@ -119,13 +124,20 @@ class NvmeTier:
     # -- setup -------------------------------------------------------------------------------------
 
     def add_block(self, name: str, params: Iterable[nn.Parameter], *, fsdp_params: Sequence[Any] = (),
-                  modules: Sequence[nn.Module] = (), states: bool = True, write: bool = True) -> int:
+                  modules: Sequence[nn.Module] = (), states: bool = True, write: bool = True,
+                  device_params: bool | None = None) -> int:
         """A block: ``params`` are stepped together; with ``states`` their optimizer states live in
         files; ``fsdp_params`` (FSDP2 ``FSDPParam``s of host-offloaded shards) live in files too, staged
-        around the forward and backward of ``modules``."""
+        around the forward and backward of ``modules``. ``device_params``: the parameters live on the
+        device (``param_tier = gpu``), so their states are stepped as copies on the parameters' device
+        (see the module docstring); None: when they are not host tensors."""
         i = self.engine.add_block(name)
         self._params.append(list({id(p): p for p in params}.values()))
         self._states.append(states)
+        device = _local(self._params[-1][0]).device if self._params[-1] else None
+        if device_params is None:
+            device_params = device is not None and device.type != "cpu"
+        self._state_device.append(device if device_params else None)
         for k, fp in enumerate(fsdp_params):
             flat, local = fp._sharded_param_data, fp.sharded_param._local_tensor
             if flat.device.type != "cpu":
@@ -144,7 +156,7 @@ class NvmeTier:
     def install(self) -> None:
         """Replace the optimizer's ``step`` by the per-block step; commit generation 0."""
         if self._step is None:
-            from whalepy._capabilities import staging_slots
+            from whalepy.ir.rules import staging_slots
 
             self.engine.num_slots = staging_slots(self.engine.prefetch_depth, len(self.engine.blocks))
             self._step = self.optimizer.step
@@ -225,9 +237,10 @@ class NvmeTier:
                 mine = {id(p) for p in self._params[i]}
                 for g, ps in zip(groups, full, strict=True):
                     g["params"] = [p for p in ps if id(p) in mine]
+                self._states_to(i, device=True)
                 self._step()
                 self.grads.drop(i)  # before the block's new generation is written: the disk peak
-                self._adopt(i)
+                self._adopt(i)  # the states back on the host, new ones given a home
                 eng.release(i, dirty=True)
         finally:
             for g, ps in zip(groups, full, strict=True):
@@ -236,12 +249,37 @@ class NvmeTier:
         eng.commit()
         return loss
 
+    def _state_items(self, i: int) -> Iterable[tuple[dict[str, Any], str, Item]]:
+        """``(the parameter's state dict, key, item)`` of block ``i``'s file-homed tensor states."""
+        by_name = {it.name: it for it in self.engine.blocks[i].items if it.kind == "state"}
+        for k, p in enumerate(self._params[i]):
+            state = self.optimizer.state.get(p, {})
+            for key in list(state):
+                it = by_name.get(f"s{k}.{key}")
+                if it is not None:
+                    yield state, key, it
+
+    def _states_to(self, i: int, *, device: bool) -> None:
+        """Block ``i``'s state entries for device parameters: their staged copies on the device
+        (``device``, for the step) or their host views (between steps)."""
+        if self._state_device[i] is None:
+            return
+        for state, key, it in self._state_items(i):
+            if it.device is None:
+                continue
+            local = it.device_tensor() if device else it.views[0].tensor
+            if _local(state[key]) is not local:
+                state[key] = _rewrap(state[key], local)
+
     def _adopt(self, i: int) -> None:
-        """Give new (first step) or replaced (``load_state_dict``) tensor states of block ``i`` a home."""
+        """Give new (first step) or replaced (``load_state_dict``) tensor states of block ``i`` a home;
+        the states of device parameters go back to their host views."""
         if not self._states[i]:
             return
         block = self.engine.blocks[i]
         by_name = {it.name: it for it in block.items}
+        staged = {it.name: it.on_device for it in block.items}  # adopt() below drops the device copies
+        device = self._state_device[i]
         for k, p in enumerate(self._params[i]):
             for key, v in self.optimizer.state.get(p, {}).items():
                 if not isinstance(v, torch.Tensor) or v.dim() == 0:
@@ -249,12 +287,16 @@ class NvmeTier:
                 loc = _local(v)
                 name = f"s{k}.{key}"
                 old = by_name.get(name)
-                if old is not None and old.views[0].tensor is loc:
+                if old is not None and (old.views[0].tensor is loc or staged.get(name) is loc):
                     continue
-                dev = loc.device if loc.device.type != "cpu" else None
-                item = Item(name, loc.dtype, _span(loc), [View(loc, 0, tuple(loc.shape), tuple(loc.stride()))],
-                            kind="state", device=dev)
-                self.engine.adopt(i, item, replace=old)
+                if device is None:  # a host state: the tensor itself becomes the view
+                    view, values = loc, None
+                else:  # a device state: a new host tensor becomes the view, ``loc`` gives its values
+                    view, values = torch.empty(0, dtype=loc.dtype), loc
+                item = Item(name, loc.dtype, _span(loc), [View(view, 0, tuple(loc.shape), tuple(loc.stride()))],
+                            kind="state", device=device)
+                self.engine.adopt(i, item, replace=old, values=values)
+        self._states_to(i, device=False)
 
     def _scalars(self) -> dict[str, dict[str, float]]:
         out: dict[str, dict[str, float]] = {}
@@ -295,7 +337,8 @@ class NvmeTier:
                 dt = getattr(torch, dtype.split(".")[-1])
                 local = torch.empty(0, dtype=dt)  # pointed at the file's mapping just below
                 self.optimizer.state.setdefault(p, {})[key] = _rewrap(p, local)
-                item = Item(name, dt, numel, [View(local, 0, tuple(size), tuple(stride))], kind="state")
+                item = Item(name, dt, numel, [View(local, 0, tuple(size), tuple(stride))], kind="state",
+                            device=self._state_device[i])
                 self.engine.blocks[i].items.append(item)
                 self.engine._map(self.engine.blocks[i], item, self.engine.blocks[i].parity)
             self.engine._layout(self.engine.blocks[i])
@@ -330,10 +373,11 @@ class NvmeTier:
 
 
 def NvmeOptimizerStates(optimizer: torch.optim.Optimizer, params: Iterable[nn.Parameter], directory: Path,
-                        **kwargs: Any) -> NvmeTier:  # noqa: N802 - the name callers know
-    """A tier of one block: the optimizer states of ``params`` in files under ``directory``."""
+                        *, device_params: bool | None = None, **kwargs: Any) -> NvmeTier:  # noqa: N802
+    """A tier of one block: the optimizer states of ``params`` in files under ``directory``
+    (``device_params``: :meth:`NvmeTier.add_block`)."""
     tier = NvmeTier(optimizer, directory, **kwargs)
-    tier.add_block("states", params)
+    tier.add_block("states", params, device_params=device_params)
     tier.install()
     return tier
 
@@ -345,10 +389,10 @@ def build_nvme_tier(optimizer: torch.optim.Optimizer, blocks: Sequence[tuple[Any
     order, after FSDP2 and materialisation): checks the directory and its free space before anything
     is written, homes the blocks' parameter shards (``param_tier = nvme``) and optimizer states
     (``optimizer_tier = nvme``) in files and, with ``keep``, resumes the last committed step there."""
-    from whalepy._capabilities import disk_tier_file_bytes, stage_tiers_error
-    from whalepy._errors import WhalepyError
+    from whalepy.ir.rules import disk_tier_file_bytes, stage_tiers_error
+    from whalepy.errors import WhalepyError
     from whalepy.cost_models.memory import ADAM_STATE_BYTES_PER_PARAM, MASTER_GRAD_BYTES, MASTER_PARAM_BYTES
-    from whalepy.plan import Tier
+    from whalepy.ir.plan import Tier
     from whalepy.runtime._durable import check_free_space
     from whalepy.runtime.data_parallel import fsdp_units
 
@@ -376,7 +420,8 @@ def build_nvme_tier(optimizer: torch.optim.Optimizer, blocks: Sequence[tuple[Any
     resuming = keep and (tier.engine.last_manifest(directory) or {}).get("step", 0) >= 1
     for bp, params, fsdp_params, units in layout:
         tier.add_block(bp.name, params, fsdp_params=fsdp_params, modules=units,
-                       states=bp.optimizer_tier is Tier.NVME, write=not resuming)
+                       states=bp.optimizer_tier is Tier.NVME, write=not resuming,
+                       device_params=bp.param_tier is Tier.GPU)
     if resuming:
         tier.resume()
     tier.install()

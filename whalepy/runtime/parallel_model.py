@@ -27,7 +27,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,12 +36,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from whalepy._capabilities import check_pipeline, host_steps_after_backward, steps_on_host
-from whalepy._errors import ArgumentError, LaunchError, PlanError, WhalepyError
-from whalepy._log import info_once, is_rank0, warn_once
-from whalepy._pseudo_to_real import PseudoBuild, record_pseudo
-from whalepy._validate import check_token_ids, max_positions, token_vocab
-from whalepy.plan import Plan, Tier, TPStyle
+from whalepy.ir.rules import (LoweringKind, check_pipeline, choose_lowering_kind, host_steps_after_backward,
+                              steps_on_host)
+from whalepy.errors import ArgumentError, LaunchError, PlanError, WhalepyError
+from whalepy.log import info_once, is_rank0, warn_once
+from whalepy.runtime.pseudo_record import PseudoBuild, record_pseudo
+from whalepy.frontend.checks import check_token_ids, max_positions, token_vocab
+from whalepy.ir.plan import Plan, Tier, TPStyle
 from whalepy.runtime.checkpointing import (
     apply_activation_checkpointing,
     apply_activation_offload,
@@ -54,14 +55,13 @@ from whalepy.runtime.checkpointing import (
     set_train_state,
 )
 from whalepy.runtime.data_parallel import (
-    DataParallelKind,
     apply_data_parallel,
     build_optimizer,
     cast_sharded_params,
     check_root_tiers,
-    choose_kind,
     compute_dtype,
     offloads_any_block,
+    wrap_ddp,
 )
 from whalepy.runtime.materialize import (
     InitFn,
@@ -73,12 +73,16 @@ from whalepy.runtime.materialize import (
 )
 from whalepy.runtime.mesh import RankMeshes, build_meshes, check_world
 from whalepy.runtime._amp import AmpContext
+from whalepy.runtime.model_config import saved_config
 from whalepy.runtime._report import StepReporter, plan_log_lines
+from whalepy.runtime._train_state import check_loader, job_state, job_template, restore_job_state
+from whalepy.runtime.data import ShardedBatchSampler, dataset_length, local_share, take_local
+from whalepy.runtime.metrics import check_job_options
 from whalepy.runtime._joint_step import JointStep, host_grad_params
-from whalepy.runtime._held import offloaded_params
+from whalepy.runtime.held import offloaded_params
 from whalepy.runtime.host_optimizer import HostOptimizer, fused_variant
 from whalepy.runtime.nvme import NvmeTier, build_nvme_tier
-from whalepy._launch_errors import install_error_hook
+from whalepy.runtime.launch_errors import install_error_hook
 from whalepy.runtime.tensor_parallel import apply_tensor_parallel
 from whalepy.runtime.tiling import check_tiles, plan_tiling, tile_model
 from whalepy.runtime._pm_setup import (
@@ -111,6 +115,7 @@ __all__ = ["ParallelModel", "UnlaunchedModel", "is_distributed_launch", "paralle
 log = logging.getLogger("whalepy.runtime")
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
 _hint_printed = False
 
@@ -148,6 +153,9 @@ def parallelize(
     checkpoint: str | os.PathLike[str] | None = None,
     max_grad_norm: float | None = None,
     log_every: int | None = None,
+    lr_scheduler: SchedulerFactory | None = None,
+    total_steps: int | None = None,
+    metrics: Sequence[Any] = (),
     **options: Any,
 ) -> ParallelModel | UnlaunchedModel:
     """Plan ``model`` for ``cluster_spec`` (unless ``plan`` is given) and, inside a distributed launch,
@@ -177,13 +185,19 @@ def parallelize(
     over the whole model, whatever the layout; :attr:`ParallelModel.last_grad_norm`). ``log_every``
     reports step, loss, step time, tokens/s, MFU and peak memory every that many steps on rank 0
     (logger ``"whalepy"``; a ``rich`` progress line on a terminal when ``rich`` is installed). The plan
-    being lowered is logged on rank 0 in any case, one line per stage.
+    being lowered is logged on rank 0 in any case, one line per stage. ``metrics``: sinks that receive
+    each report's record (:mod:`whalepy.runtime.metrics`: ``JsonlSink``, ``TensorBoardSink``,
+    ``WandbSink``; rank 0); ``total_steps`` adds an ETA to it.
+
+    ``lr_scheduler`` is a factory ``optimizer -> LRScheduler`` (any ``torch.optim.lr_scheduler``), applied
+    to each optimizer this rank builds and stepped after every optimizer step; its state, the step count,
+    RNG states and a loader's position go into :meth:`ParallelModel.save` (docs/training.md).
     """
-    from whalepy._validate import as_cluster, check_example_inputs, check_nvme_dir, check_positive_int
+    from whalepy.frontend.checks import as_cluster, check_example_inputs, check_nvme_dir, check_positive_int
 
     launched = is_distributed_launch()
     if launched:
-        install_error_hook()  # a user error below prints once and ends every rank (_launch_errors.py)
+        install_error_hook()  # a user error below prints once and ends every rank (runtime/launch_errors.py)
     if cluster_spec is not None:  # None works with a given plan; planning without one says so
         cluster_spec = as_cluster(cluster_spec, "whalepy.parallelize()")
     if launched:
@@ -191,6 +205,7 @@ def parallelize(
         install_error_hook()
     _check_arguments(model, loss_fn, optimizer)
     _check_training_options(max_grad_norm, log_every)
+    check_job_options(lr_scheduler, total_steps, metrics)
     _check_lowering_options(loss_parallel=loss_parallel, sync_initial_weights=sync_initial_weights, seed=seed,
                             init_fn=init_fn, profile=profile, checkpoint=checkpoint)
     check_nvme_dir(nvme_dir, nvme_keep, on_node=launched and nvme_dir is not None)
@@ -260,7 +275,7 @@ def parallelize(
             except PlanError as e:
                 raise LaunchError(str(e)) from None
     if profile is not None:
-        from whalepy._plan_check import check_plan
+        from whalepy.planner.check import check_plan
 
         check_plan(plan, profile, model)  # a hand-edited plan fails here, not inside torch
     if plan.costs_stale and rank == 0:
@@ -271,7 +286,8 @@ def parallelize(
                          device_type=device_type, loss_parallel=loss_parallel,
                          sync_initial_weights=sync_initial_weights, nvme_dir=nvme_dir,
                          init_fn=init_fn, seed=seed, checkpoint=checkpoint,
-                         max_grad_norm=max_grad_norm, log_every=log_every, nvme_keep=nvme_keep)
+                         max_grad_norm=max_grad_norm, log_every=log_every, nvme_keep=nvme_keep,
+                         lr_scheduler=lr_scheduler, total_steps=total_steps, metrics=metrics)
 
 
 @dataclass
@@ -290,13 +306,15 @@ class UnlaunchedModel:
         raise LaunchError(f"not inside a distributed launch: {launch_hint(self.plan.world_size)}")
 
     state_dict = save = load = load_state_dict = evaluate = full_state_dict = train_step  # type: ignore[assignment]
+    batch_sampler = local_batch = train_step  # type: ignore[assignment]
 
 
 class ParallelModel:
     """This rank's part of the model, its optimizer and the step that trains them.
 
-    Every rank passes the FULL global batch to :meth:`train_step`; each replica takes its contiguous
-    slice (``batch_shares`` in replica order), so scripts stay the same as single-process ones.
+    Every rank passes :meth:`train_step` the full global batch (each replica takes its contiguous slice,
+    ``batch_shares`` in replica order, so scripts stay the same as single-process ones) or only its
+    replica's share (:attr:`local_share`, :meth:`batch_sampler`; docs/training.md).
     """
 
     def __init__(self, model: nn.Module, plan: Plan, *, cluster_spec: Any, example_inputs: tuple,
@@ -305,7 +323,8 @@ class ParallelModel:
                  nvme_dir: str | os.PathLike[str] | None = None, init_fn: InitFn | None = None,
                  seed: int = 0, checkpoint: str | os.PathLike[str] | None = None,
                  max_grad_norm: float | None = None, log_every: int | None = None,
-                 nvme_keep: bool = False) -> None:
+                 nvme_keep: bool = False, lr_scheduler: SchedulerFactory | None = None,
+                 total_steps: int | None = None, metrics: Sequence[Any] = ()) -> None:
         check_pipeline(plan.schedule, num_stages=plan.pp_degree, virtual_stages=plan.virtual_stages,
                        num_microbatches=plan.num_microbatches,
                        sequence_parallel=any(r.style is TPStyle.SEQUENCE for r in plan.tensor_parallel),
@@ -340,7 +359,7 @@ class ParallelModel:
         device = m.device
         # a meta-device model is lowered as it is and materialised shard by shard afterwards
         skeleton = snapshot(model) if has_meta_tensors(model) else None
-        self._hf_config = getattr(model, "config", None), type(model).__name__
+        self._hf_config = getattr(model, "config", None), type(model)  # what save() writes as config.json
         if skeleton is None:
             model.to(device)
             if sync_initial_weights:
@@ -352,15 +371,15 @@ class ParallelModel:
         dp, tp, pp = plan.dp_degree, stage.tp_degree, plan.pp_degree
         self.loss_scale = plan.batch_shares[m.replica] * dp / plan.global_batch
         offload = offloads_any_block(stage.blocks)
-        self.dp_kind = choose_kind(stage.zero_stage, dp, tp=tp, pp=pp, offload=offload)
-        if self.dp_kind == DataParallelKind.FSDP and stage.zero_stage < 2 and dp > 1:
+        self.dp_kind = choose_lowering_kind(stage.zero_stage, dp, tp=tp, pp=pp, offload=offload)
+        if self.dp_kind == LoweringKind.FSDP and stage.zero_stage < 2 and dp > 1:
             # shards more than planned (less memory, the same gradient traffic): said, not silent; once
             # per job (rank 0), not once per stage or per call
             why = "tensor parallelism" if tp > 1 else "pipeline stages" if pp > 1 else "host offload"
             warn_once(f"fsdp-lowering-{why}",
                       "whalepy: ZeRO-0/1 stages lowered to FSDP2 (reshard_after_forward=False): DDP does not "
                       "compose with %s (same numerics; states sharded over the replicas)", why, log=log)
-        if self.dp_kind == DataParallelKind.FSDP and tp > 1:
+        if self.dp_kind == LoweringKind.FSDP and tp > 1:
             _explain_fsdp_view_warning()
 
         v = plan.virtual_stages
@@ -397,6 +416,7 @@ class ParallelModel:
         """Per module of a block with ``checkpoint_offload``: host bytes its last forward kept."""
         nvme_blocks: list[tuple[Any, nn.Module, list[nn.Module]]] = []
         host_blocks: list[tuple[Any, list[nn.Module]]] = []
+        defer_ddp = skeleton is not None and self.dp_kind in (LoweringKind.DDP, LoweringKind.ZERO1)
         for mod, chunk in zip(local, local_chunks):
             tile_model(mod, {p: t for b in chunk for p, t in tiling.get(b.name, {}).items()})
             blocks = [(b, [mod.get_submodule(p) for p in block_modules[b.name]]) for b in chunk]
@@ -411,7 +431,8 @@ class ParallelModel:
             offloaded = [x for b, mods in blocks if b.activation_offload for x in mods]
             if offloaded:
                 apply_activation_offload(offloaded, device)
-            self._modules.append(apply_data_parallel(mod, blocks, m.dp_mesh, kind=self.dp_kind,
+            self._modules.append(apply_data_parallel(mod, blocks, m.dp_mesh,
+                                                     kind=LoweringKind.NONE if defer_ddp else self.dp_kind,
                                                      zero=stage.zero_stage, device_type=device_type,
                                                      precision=plan.precision))
             nvme_blocks += [(b, self._modules[-1], mods) for b, mods in blocks
@@ -421,6 +442,10 @@ class ParallelModel:
         if skeleton is not None:
             self.init_stats = materialize_modules(self._modules, skeleton, device, seed=seed,
                                                   init_fn=init_fn, checkpoint=checkpoint)
+        if defer_ddp:  # DDP reads its parameters when built: wrapped once they hold values
+            wrapped = {id(mod): wrap_ddp(mod, m.dp_mesh) for mod in self._modules}
+            self._modules = [wrapped[id(mod)] for mod in self._modules]
+            nvme_blocks = [(b, wrapped[id(root)], mods) for b, root, mods in nvme_blocks]
         # names of each tied parameter across stages (checkpoints carry its state under all of them)
         self._tied_aliases = [[n for _, n in holders] for holders, _ in tied_names]
         self._tied_aliases_holders = [holders for holders, _ in tied_names]
@@ -486,7 +511,15 @@ class ParallelModel:
                 compute_dtype=self.amp.dtype)
         # contributions to the reported loss: one rank per replica (last stage, TP index 0)
         self._reports_loss = stage.index == pp - 1 and m.tp_index == 0
-        self.reporter = StepReporter(plan, device, log_every)
+        self.reporter = StepReporter(plan, device, log_every, sinks=metrics, total_steps=total_steps)
+        self.step = 0
+        """Optimizer steps taken (restored by :meth:`load`)."""
+        opts = [self.optimizer] + (self.host_optimizer.optimizers if self.host_optimizer is not None else [])
+        self.lr_schedulers: list[Any] = [lr_scheduler(o) for o in opts if o is not None] if lr_scheduler else []
+        self.local_share = local_share(plan, m.replica, self.stage_indices, self.num_stages)
+        """What this rank reads of each global batch (:class:`~whalepy.runtime.data.LocalShare`)."""
+        self._pending_save: Any = None
+        self._pending_commit: Any = None
 
     # -- public --------------------------------------------------------------------------------
 
@@ -505,8 +538,10 @@ class ParallelModel:
     def device(self) -> torch.device:
         return self.meshes.device
 
-    def train_step(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
-        """One optimizer step on the global batch ``(inputs, targets)``; returns its mean loss."""
+    def train_step(self, inputs: Any, targets: torch.Tensor | None) -> torch.Tensor:
+        """One optimizer step on the global batch; returns its mean loss. Pass the whole global batch
+        ``(inputs, targets)`` or this rank's share of it (:attr:`local_share`; ``None`` for what this
+        rank's pipeline stage does not use)."""
         self.reporter.step_started()
         inputs, targets = self._local_batch("train_step", inputs, targets)
         if self.host_optimizer is not None:
@@ -518,15 +553,42 @@ class ParallelModel:
         if self.host_optimizer is not None:
             self.host_optimizer.finish()
         optimizer = self._joint if self._joint is not None else self.optimizer
+        scale_before = self.amp.loss_scale()
         if optimizer is not None:
-            if self.max_grad_norm is not None:
-                self.amp.unscale(optimizer)  # type: ignore[arg-type]
-                self.last_grad_norm = float(self._clip_grads(self.max_grad_norm))
-            self.amp.step(optimizer)  # type: ignore[arg-type]
+            max_norm = self.max_grad_norm
+            # clipping, or a report's grad norm (max_norm inf: the norm alone, gradients unchanged)
+            clip = ((lambda: self._clip_grads(max_norm if max_norm is not None else float("inf")))
+                    if max_norm is not None or self.reporter.reports_next() else None)
+            norm = self.amp.clip_and_step(optimizer, clip)  # type: ignore[arg-type]
+            if norm is not None:
+                self.last_grad_norm = float(norm)
             optimizer.zero_grad(set_to_none=True)
+        for scheduler in self.lr_schedulers:
+            scheduler.step()
+        self.step += 1
         report = self._mean_loss(local)
-        self.reporter.step_done(report, self._tokens(inputs))
+        self.reporter.step_done(report, self._tokens(inputs), extra=self._step_metrics(scale_before))
         return report
+
+    def _step_metrics(self, scale_before: float) -> dict[str, Any]:
+        """The record fields only the model knows (:mod:`whalepy.runtime.metrics`)."""
+        opt = self.optimizer or (self.host_optimizer.optimizers[0] if self.host_optimizer is not None else None)
+        return {"grad_norm": self.last_grad_norm, "lr": float(opt.param_groups[0]["lr"]) if opt else None,
+                "loss_scale": scale_before if self.amp.scaler is not None else None,
+                "skipped": self.amp.scaler is not None and self.amp.loss_scale() < scale_before}
+
+    # -- data ----------------------------------------------------------------------------------
+
+    def batch_sampler(self, dataset: Any, *, shuffle: bool = True, seed: int = 0) -> ShardedBatchSampler:
+        """A ``batch_sampler`` yielding the dataset indices of this rank's share of each global batch
+        (``DataLoader(dataset, batch_sampler=pm.batch_sampler(dataset))``); ``dataset`` may be its length.
+        The same order on every rank, a function of ``seed`` and the epoch; resumable (its state is its
+        position). See :mod:`whalepy.runtime.data`."""
+        return ShardedBatchSampler(dataset_length(dataset), self.local_share, shuffle=shuffle, seed=seed)
+
+    def local_batch(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This replica's rows of global-batch tensors (what :meth:`train_step` takes of them)."""
+        return tuple(self.local_share.slice(t) for t in tensors)
 
     @torch.no_grad()
     def evaluate(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
@@ -556,22 +618,11 @@ class ParallelModel:
                 mod.training = flag
         return self._mean_loss(local)
 
-    def _local_batch(self, what: str, inputs: Any, targets: Any) -> tuple[tuple, torch.Tensor]:
-        """Check a global batch and take this replica's share of it, on this rank's device."""
-        inputs = _as_tuple(inputs)
-        self._check_batch(inputs)
-        for x in (*inputs, targets):
-            if not isinstance(x, torch.Tensor):
-                raise ArgumentError(f"{what} got a {type(x).__name__} where a tensor is expected; pass the "
-                                    "global batch's inputs and targets as tensors")
-            if x.dim() == 0 or x.shape[0] != self.plan.global_batch:
-                got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-                raise ArgumentError(
-                    f"{what} got a tensor of shape {got}; every rank passes the whole global batch "
-                    f"({self.plan.global_batch} samples along dim 0) and whalepy takes this replica's "
-                    f"share ({self.plan.batch_shares[self.meshes.replica]} samples)")
-        return (tuple(x[self._slice].to(self.device) for x in inputs),
-                targets[self._slice].to(self.device))
+    def _local_batch(self, what: str, inputs: Any, targets: Any) -> tuple[tuple, torch.Tensor | None]:
+        """Check a global batch or a local share and take this replica's share, on this rank's device."""
+        inputs, targets = take_local(what, inputs, targets, self.local_share, self._check_batch)
+        return (tuple(x.to(self.device) for x in inputs),
+                targets.to(self.device) if targets is not None else None)
 
     def _mean_loss(self, local: torch.Tensor) -> torch.Tensor:
         """The global batch's mean loss on every rank, from this rank's share of it."""
@@ -661,26 +712,76 @@ class ParallelModel:
         return gather_full_state_dict(self._modules, stage_ranks=stage_ranks, cpu_offload=cpu_offload,
                                       masters=master_weights(self._modules, self._optimizers()))
 
-    def save(self, path: str | Path) -> None:
+    def save(self, path: str | Path, *, loader: Any = None, async_save: bool = False) -> Any:
         """Write a distributed checkpoint (DCP) directory; loadable under any plan for this model.
-        An HF model's config goes along as ``config.json`` (for ``whalepy export``)."""
-        from whalepy.runtime._dcp_files import check_save_path
+        It holds the model, the optimizer, the fp16 loss scaler, the step, the LR schedulers, every rank's
+        RNG states and ``loader``'s ``state_dict()`` (its position; docs/training.md). An HF model's
+        config goes along as ``config.json`` (for ``whalepy export``). Crash-safe: the directory is
+        written beside ``path`` and renamed into place once complete and checksummed
+        (:mod:`whalepy.runtime.commit`); an existing checkpoint at ``path`` is replaced only then.
+        ``async_save``: staged in memory, written in the background by ``dcp.async_save``, checksummed
+        and committed at the next :meth:`wait_for_save` (the next save, a load, :meth:`close`); returns
+        its future. Until then the last complete checkpoint is what a crash leaves."""
+        from whalepy.runtime.commit import begin_commit, finish_commit, save_committed
+        from whalepy.runtime.dcp_files import check_save_path
 
         check_save_path(path)
-        save_train_state(path, self._modules, self._optimizers(), aliases=self._tied_aliases,
-                         extra=self.amp.state_dict())
-        config, arch = self._hf_config
-        if dist.get_rank() == 0 and callable(getattr(config, "to_diff_dict", None)):
-            # as save_pretrained writes it: with the model class, which from_pretrained needs
-            text = json.dumps({**config.to_diff_dict(), "architectures": [arch]}, indent=2, sort_keys=True)
-            (Path(path) / "config.json").write_text(text + "\n")
+        check_loader(loader, "save")
+        self.wait_for_save()
+        extra = {**self.amp.state_dict(), **job_state(step=self.step, schedulers=self.lr_schedulers,
+                                                      loader=loader, device=self.device)}
+        files = {}
+        saved = saved_config(*self._hf_config)
+        if dist.get_rank() == 0 and saved is not None:
+            # an HF config as save_pretrained writes it (with the model class), or a whalepy model's
+            files["config.json"] = (json.dumps(saved, indent=2, sort_keys=True) + "\n").encode()
+        if async_save:
+            partial = begin_commit(path)
+            future = save_train_state(partial, self._modules, self._optimizers(), aliases=self._tied_aliases,
+                                      extra=extra, async_save=True)
+            self._pending_save = future
+            self._pending_commit = lambda: finish_commit(path, partial, files)
+        else:
+            save_committed(path, lambda directory: save_train_state(
+                directory, self._modules, self._optimizers(), aliases=self._tied_aliases, extra=extra), files)
+        self.reporter.not_waiting_for_data()
+        return self._pending_save
 
-    def load(self, path: str | Path) -> None:
-        extra = load_train_state(path, self._modules, self._optimizers(), extra=self.amp.state_dict())
+    def wait_for_save(self) -> None:
+        """Block until the last asynchronous :meth:`save` has been written, then checksum and commit it
+        (collective: every rank calls it, as every rank called :meth:`save`)."""
+        if self._pending_save is not None:
+            self._pending_save.result()
+            self._pending_save = None
+        if self._pending_commit is not None:
+            commit, self._pending_commit = self._pending_commit, None
+            commit()
+
+    def load(self, path: str | Path, *, loader: Any = None) -> None:
+        """Restore what :meth:`save` wrote (written under any plan): model, optimizer, loss scaler, step,
+        LR schedulers, RNG states, and ``loader``'s position when given."""
+        from whalepy.runtime.dcp_files import read_metadata
+
+        check_loader(loader, "load")
+        self.wait_for_save()
+        template = job_template(set(read_metadata(path).state_dict_metadata))
+        extra = load_train_state(path, self._modules, self._optimizers(), extra={**self.amp.state_dict(), **template})
         self._after_load(extra, f"the checkpoint {path}")
+        step = restore_job_state(extra, schedulers=self.lr_schedulers, loader=loader, device=self.device,
+                                 source=f"the checkpoint {path}")
+        if step is not None:
+            self.step = self.reporter.steps = step
+
+    def measured_profile(self) -> Any:
+        """What the plan check saw (:class:`whalepy.runtime._report.ObservedStep`: mean step time of
+        steps 3-5 and the allocator's peak, next to the plan's predictions), or None before step 5."""
+        return self.reporter.observed
 
     def close(self) -> None:
-        """Finish the disk tier's writes and remove its files (kept with ``nvme_keep``)."""
+        """Finish an asynchronous save and the disk tier's writes, remove the disk tier's files (kept
+        with ``nvme_keep``) and close the metrics sinks."""
+        self.wait_for_save()
+        self.reporter.close()
         if self.nvme is not None:
             self.nvme.close()
             self.nvme = None
@@ -699,7 +800,7 @@ class ParallelModel:
         for holders in tied:
             physical = sorted({k % pp for k, _ in holders})
             names = [n for _, n in holders]
-            if len(physical) == 1 and len(holders) > 1 and (tp > 1 or dp_kind != DataParallelKind.NONE):
+            if len(physical) == 1 and len(holders) > 1 and (tp > 1 or dp_kind != LoweringKind.NONE):
                 raise WhalepyError(
                     f"tied parameter {names[0]!r} (also {names[1:]}) sits in {len(holders)} virtual "
                     f"stages {[k for k, _ in holders]} of the same rank; with tensor or data "
@@ -725,18 +826,26 @@ class ParallelModel:
 
         with torch.no_grad():
             for params, group in self._tied:
-                if group is None:
+                if group is None and len(params) < 2:
                     continue
+                grads = []
                 for p in params:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
-                    g = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
-                    if g.device == self.device:
-                        dist.all_reduce(g, group=group)
-                    else:  # a host-tier gradient (FSDP2 CPUOffloadPolicy): NCCL has no CPU tensors
-                        summed = g.to(self.device)
-                        dist.all_reduce(summed, group=group)
-                        g.copy_(summed)
+                    if isinstance(p.grad, DTensor) and isinstance(p, DTensor) and p.grad.placements != p.placements:
+                        # a vocab-parallel embedding's gradient comes back whole (Replicate) where the
+                        # column-parallel head's copy is sharded: bring it to the parameter's layout
+                        p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+                    grads.append(p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad)
+                # copies in several virtual stages of this rank (interleaved schedules) are summed here
+                # first, so every rank of the group makes one all-reduce per tied parameter
+                total = grads[0].to(self.device, copy=True)
+                for g in grads[1:]:
+                    total += g.to(self.device)
+                if group is not None:  # on the host tier NCCL has no CPU tensors: reduced on the device
+                    dist.all_reduce(total, group=group)
+                for g in grads:
+                    g.copy_(total)
 
     # -- steps ---------------------------------------------------------------------------------
 

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from whalepy._errors import LaunchError
-from whalepy.plan import Schedule
+from whalepy.errors import LaunchError
+from whalepy.ir.plan import Schedule
 from whalepy.runtime._stage_split import retarget_device, split_stages, tied_parameters
 from whalepy.runtime._torch_compat import match_pipeline_mode
 
@@ -108,8 +108,12 @@ def build_pipeline_schedule(
             retarget_device(module, device)
         if compute_dtype is not None and index < num_stages - 1:
             module.register_forward_hook(lambda _m, _args, out, dt=compute_dtype: _cast_floating(out, dt))
+        if index < num_stages - 1:
+            # the schedule sends stage outputs as they are, and gloo sends only contiguous tensors (a
+            # transposed or expanded output between stages: whalepy's T5 passes its position bias on)
+            module.register_forward_hook(lambda _m, _args, out: _contiguous(out))
     stages = [
-        PipelineStage(module, index, num_stages, device, group=group)
+        _stage_class(PipelineStage)(module, index, num_stages, device, group=group)
         for module, index in zip(stage_modules, stage_indices)
     ]
     if schedule is Schedule.INTERLEAVED_1F1B:
@@ -153,6 +157,32 @@ def run_pipeline_step(
     if getattr(getattr(schedule, "_loss_fn", None), "sums_to_batch_mean", False):
         return total
     return total / len(losses)
+
+
+def _stage_class(base: type) -> type:
+    """``PipelineStage`` whose shape inference feeds integer inputs received from another stage as
+    zeros: torch (2.13) makes them with ``torch.empty``, and a stage that looks them up in an embedding
+    (HF T5's ``decoder_input_ids``, passed through an earlier stage) reads garbage indices, an
+    ``IndexError`` or worse. Floating-point inputs keep torch's handling."""
+    if not hasattr(base, "_to_tensor"):
+        return base
+
+    class _Stage(base):  # type: ignore[misc, valid-type]
+        def _to_tensor(self, arg: Any) -> Any:
+            t = super()._to_tensor(arg)
+            if not isinstance(arg, torch.Tensor) and isinstance(t, torch.Tensor) and not t.is_floating_point() \
+                    and type(t) is torch.Tensor:
+                with torch.no_grad():
+                    t.zero_()
+            return t
+
+    return _Stage
+
+
+def _contiguous(out: Any) -> Any:
+    import torch.utils._pytree as pytree
+
+    return pytree.tree_map(lambda t: t.contiguous() if isinstance(t, torch.Tensor) else t, out)
 
 
 def _cast_floating(out: Any, dtype: torch.dtype) -> Any:

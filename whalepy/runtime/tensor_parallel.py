@@ -1,11 +1,11 @@
 """Lower the plan's tensor-parallel rules onto DTensor.
 
-Each :class:`~whalepy.plan.TPRule` names a module and a :class:`~whalepy.plan.TPStyle`; the rules
+Each :class:`~whalepy.ir.plan.TPRule` names a module and a :class:`~whalepy.ir.plan.TPStyle`; the rules
 come from the front end's FX pattern pass, so nothing here knows a particular model. The mapping:
 
 ========== ===================================================================================
-COLWISE    ``ColwiseParallel``. When the rule's parent module also holds a ROWWISE module, the
-           output stays sharded (the usual column -> row pair of an MLP or attention). Otherwise
+COLWISE    ``ColwiseParallel``. When the rule ``feeds_rowwise`` (or, in plans without that field,
+           its parent module also holds a ROWWISE module), the output stays sharded (the usual column -> row pair of an MLP or attention). Otherwise
            the module ends a sharded region on its own (an LM head): its output is gathered
            (``output_layouts=Replicate()``), or left ``Shard(-1)`` for ``loss_parallel`` when
            ``loss_parallel=True``.
@@ -14,6 +14,10 @@ VOCAB      ``RowwiseParallel(input_layouts=Replicate())`` on an ``nn.Embedding``
 SEQUENCE   sequence parallelism (below); a plan without SEQUENCE rules runs norms replicated.
 REPLICATE  nothing: the module's parameters stay whole on every TP rank.
 ========== ===================================================================================
+
+A rule with ``copy_output`` (the captured graph modifies the module's output in place: Falcon's
+``mlp_output += attention_output``) hands on a copy of DTensor's local output, which is a view autograd
+refuses to modify in place.
 
 **Sequence parallelism** (Korthikanti et al. 2022), when the rules hold SEQUENCE rules (the pattern
 pass adds them only with ``build_profile(..., sequence_parallel=True)``). Between blocks the residual
@@ -41,9 +45,11 @@ parameters are distributed by hand (``distribute_tensor`` with the transposed pl
 ``forward`` is replaced by one that works on local shards with Megatron's identity/all-reduce pair.
 The parameter names and shapes stay those of the original model, so checkpoints move between plans.
 
-**Fused projections.** When the parent module has an integer ``split_size`` attribute and a COLWISE
-module's output width is ``k * split_size`` (``k > 1``; HF GPT-2's ``c_attn`` is ``[q | k | v]``),
-the weight is sharded with ``_StridedShard(split_factor=k)`` so each rank holds ``[q_r | k_r | v_r]``.
+**Fused projections.** A COLWISE rule with ``parts = k > 1`` (the pattern pass saw the model split the
+module's output into ``k`` equal pieces: HF GPT-2's ``c_attn`` is ``[q | k | v]``, Phi-3's
+``gate_up_proj`` ``[gate | up]``) is sharded piece by piece, so each rank holds ``[q_r | k_r | v_r]``
+(``_StridedShard(split_factor=k)``, or a whole weight each rank slices; see ``_shard_by_hand``). Layouts
+the pass cannot see as equal pieces (unequal splits, slices) are never ruled: those modules stay whole.
 
 **Head-count attributes.** Attention code that reshapes with a stored head count (``num_heads``) or
 splits by a stored width (``split_size``) must see the local value. For the parent module of every
@@ -57,6 +63,7 @@ from __future__ import annotations
 import logging
 import types
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -71,18 +78,17 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from whalepy._errors import PlanError
-from whalepy.plan import TPRule, TPStyle
+from whalepy.errors import PlanError
+from whalepy.ir.rules import LOCAL_COUNT_ATTRIBUTES, is_conv1d, localize_counts
+from whalepy.ir.plan import TPRule, TPStyle
 
 __all__ = ["LOCAL_COUNT_ATTRIBUTES", "apply_tensor_parallel"]
 
 log = logging.getLogger(__name__)
 
-LOCAL_COUNT_ATTRIBUTES = (
-    "num_heads", "num_attention_heads", "n_head", "n_heads", "num_key_value_heads", "num_kv_heads",
-    "split_size",
-)
-"""Integer attributes of an attention-like module that count heads or head-sharded features."""
+# the shapes TP gives a module are rules measured planning applies too (whalepy.frontend.measure)
+_localize_counts, _is_conv1d = localize_counts, is_conv1d
+
 
 
 def apply_tensor_parallel(
@@ -116,12 +122,7 @@ def apply_tensor_parallel(
     tied = _tied_names(module)
     rowwise_parents = {_parent(r.module) for r in rules if r.style is TPStyle.ROWWISE}
 
-    # fused widths are read before any head-count attribute is made local
-    fused_by_rule = {
-        r.module: _fused_factor(present.get(_parent(r.module), module), present[r.module])
-        if r.style is TPStyle.COLWISE else 1
-        for r in rules
-    }
+    fused_by_rule = {r.module: r.parts if r.style is TPStyle.COLWISE else 1 for r in rules}
     styles: dict[str, ParallelStyle] = {}
     done: list[str] = []
     adjusted: set[str] = set()
@@ -129,7 +130,7 @@ def apply_tensor_parallel(
         m = present[rule.module]
         parent_name = _parent(rule.module)
         parent = present.get(parent_name, module)
-        paired = parent_name in rowwise_parents
+        paired = parent_name in rowwise_parents or rule.feeds_rowwise
         if rule.style is TPStyle.COLWISE and paired and parent_name not in adjusted:
             _localize_counts(parent, parent_name, tp)
             adjusted.add(parent_name)
@@ -155,8 +156,19 @@ def apply_tensor_parallel(
         done.append(rule.module)
     if styles:
         parallelize_module(module, tp_mesh, styles)
+        for rule in rules:
+            if rule.copy_output and rule.module in styles:
+                present[rule.module].register_forward_hook(_copy_output)
     _retie(module, tied)
     return done
+
+
+def _copy_output(module: nn.Module, args: Any, output: Any) -> Any:
+    # DTensor's local output is a view made inside an autograd Function, which autograd refuses to
+    # modify in place; the model does (TPRule.copy_output), so it gets a tensor of its own
+    if isinstance(output, torch.Tensor) and not isinstance(output, DTensor):
+        return output.clone()
+    return output
 
 
 def _tied_names(module: nn.Module) -> list[list[str]]:
@@ -168,9 +180,12 @@ def _tied_names(module: nn.Module) -> list[list[str]]:
 
 def _retie(module: nn.Module, tied: list[list[str]]) -> None:
     """Sharding replaces each module's parameters with new DTensor parameters, which unties weights
-    shared by two modules (an embedding and an LM head). Tie them again when both sides were sharded
-    the same way (vocab-parallel embedding and column-parallel head are both ``Shard(0)`` of the
-    ``[vocab, hidden]`` table); otherwise the tie cannot hold under TP and is refused."""
+    shared by two modules (an embedding and an LM head). Tie them again when the sharded sides agree
+    (vocab-parallel embedding and column-parallel head are both ``Shard(0)`` of the ``[vocab, hidden]``
+    table). A side left whole because its module has no rule (T5's ``shared`` embedding, never called;
+    BERT's ``cls.predictions.bias``, used only through the decoder it is tied to) follows the sharded
+    side; should such a module be called after all, it raises. Sharded sides that disagree cannot
+    share one tensor and are refused."""
     for names in tied:
         params = [module.get_parameter(n) for n in names]
         first = params[0]
@@ -178,19 +193,37 @@ def _retie(module: nn.Module, tied: list[list[str]]) -> None:
             continue
 
         def layout(p: torch.Tensor) -> tuple:
-            if isinstance(p, DTensor):
-                return ("dtensor", tuple(p.placements), p.device_mesh, tuple(p.shape))
-            return ("tensor", tuple(p.shape))
+            return ("dtensor", tuple(p.placements), p.device_mesh, tuple(p.shape))
 
-        if len({layout(p) for p in params}) != 1:
+        sharded = [(n, p) for n, p in zip(names, params) if isinstance(p, DTensor)]
+        if len({layout(p) for _, p in sharded}) > 1:
             raise PlanError(
                 f"tied parameters {names} are sharded differently by the tensor-parallel rules "
                 f"({[str(getattr(p, 'placements', 'whole')) for p in params]}); give the modules "
                 "that share them matching rules (vocab-parallel embedding with a column-parallel "
                 "head, or both replicated), or untie the weights")
-        for n in names[1:]:
-            owner, _, field_name = n.rpartition(".")
-            module.get_submodule(owner).register_parameter(field_name, first)
+        lead = sharded[0][1] if sharded else first
+        for n in names:
+            owner_name, _, field_name = n.rpartition(".")
+            owner = module.get_submodule(owner_name)
+            if sharded and not isinstance(module.get_parameter(n), DTensor):
+                _refuse_calls(owner, owner_name or type(module).__name__, n, sharded[0][0])
+            owner.register_parameter(field_name, lead)
+
+
+def _refuse_calls(owner: nn.Module, owner_name: str, name: str, lead: str) -> None:
+    """``owner`` holds ``name`` only as a copy of the sharded ``lead`` it is tied to; whalepy's capture
+    saw it never use it directly. A leaf that does compute with it would mix a shard with whole tensors."""
+    if any(True for _ in owner.children()):
+        return
+
+    def hook(mod: nn.Module, args: Any) -> None:
+        raise PlanError(
+            f"{owner_name} ({type(mod).__name__}) was called, but its parameter {name} is tied to "
+            f"{lead}, which tensor parallelism shards; whalepy's capture did not see it called. Give "
+            "it the same tensor-parallel rule, or untie the weights")
+
+    owner.register_forward_pre_hook(hook)
 
 
 def _parent(name: str) -> str:
@@ -271,32 +304,6 @@ class _ScatterSequence(ParallelStyle):
         return module
 
 
-def _localize_counts(parent: nn.Module, parent_name: str, tp: int) -> None:
-    for attr in LOCAL_COUNT_ATTRIBUTES:
-        value = getattr(parent, attr, None)
-        if isinstance(value, bool) or not isinstance(value, int):
-            continue
-        if value % tp:
-            raise PlanError(
-                f"{parent_name or 'model'}.{attr} = {value} is not divisible by the tensor-parallel "
-                f"degree {tp}; choose a TP degree that divides it or mark the module replicated"
-            )
-        setattr(parent, attr, value // tp)
-
-
-def _is_conv1d(m: nn.Module) -> bool:
-    # HF transformers.pytorch_utils.Conv1D: weight [in, out], attribute nf = out features
-    return type(m).__name__ == "Conv1D" and hasattr(m, "nf") and getattr(m, "weight", None) is not None
-
-
-def _fused_factor(parent: nn.Module, m: nn.Module) -> int:
-    split = getattr(parent, "split_size", None)
-    if not isinstance(split, int) or split <= 0:
-        return 1
-    out = m.weight.shape[1] if _is_conv1d(m) else getattr(m, "out_features", None)
-    if isinstance(out, int) and out % split == 0 and out // split > 1:
-        return out // split
-    return 1
 
 
 # -- manual sharding: HF Conv1D and fused projections ---------------------------------------------

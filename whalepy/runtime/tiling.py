@@ -2,7 +2,7 @@
 
 PyTorch provides the per-unit gathering: FSDP2 all-gathers a ``fully_shard`` unit's parameters just
 before its forward (and backward) and frees them after, and reduce-scatters its gradients on their
-own. What it lacks is the split: whalepy replaces every module that :func:`whalepy._tiling.tileable_modules`
+own. What it lacks is the split: whalepy replaces every module that :func:`whalepy.ir.tiling.tileable_modules`
 names in a tiled block by a tiled one at the same module path, whose ``tiles`` are plain modules over
 consecutive row ranges of the weight (``torch.tensor_split`` sizes: the first ``rows % tiles`` tiles
 have one row more), and :mod:`whalepy.runtime.data_parallel` makes each tile its own FSDP2 unit:
@@ -35,8 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from whalepy._tiling import tile_rows
-from whalepy._errors import PlanError
+from whalepy.ir.tiling import tile_rows
+from whalepy.errors import PlanError
 
 __all__ = ["TiledEmbedding", "TiledLinear", "check_tiles", "plan_tiling", "tile_model", "tile_modules",
            "tile_origins", "tile_rows", "tiled_layout"]
@@ -127,9 +127,9 @@ def _split_linear(lin: nn.Linear, tiles: int) -> TiledLinear:
 
 def check_tiles(plan: Any, shared: Collection[str] = ()) -> None:
     """:class:`PlanError` for a block whose ``tiles`` the runtime does not lower
-    (:func:`whalepy._capabilities.tiling_error`), before any lowering; ``shared``: the blocks that
+    (:func:`whalepy.ir.rules.tiling_error`), before any lowering; ``shared``: the blocks that
     share a parameter with another block (a tied weight)."""
-    from whalepy._capabilities import tiling_error
+    from whalepy.ir.rules import tiling_error
 
     for st in plan.stages:
         for b in st.blocks:
@@ -140,11 +140,11 @@ def check_tiles(plan: Any, shared: Collection[str] = ()) -> None:
 
 def plan_tiling(model: nn.Module, plan: Any, block_modules: dict[str, Sequence[str]]) -> dict[str, dict[str, int]]:
     """Block name -> {module path: tiles} for every tiled block of ``plan`` (checked with
-    :func:`check_tiles`): :func:`whalepy._tiling.tileable_modules` of the whole model, before any
+    :func:`check_tiles`): :func:`whalepy.ir.tiling.tileable_modules` of the whole model, before any
     pipeline split (so a tie across stages is seen), exactly what the profile sized. A module with
     fewer rows than the block's ``tiles`` gets one tile per row (a tile is at least a row: the
     planner's ``ceil(rows / tiles)`` rows per tile is one then too)."""
-    from whalepy._tiling import tileable_modules
+    from whalepy.ir.tiling import tileable_modules
     from whalepy.passes.profile import shares_params
 
     shared = {b.name for st in plan.stages for b in st.blocks

@@ -1,0 +1,52 @@
+"""Per-rank worker for tests/test_measured_planning.py (no tests here): a measured plan's steps on
+gloo against the same steps in one process."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def build(layers: int = 3):
+    from whalepy.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, num_layers=layers, num_heads=2, hidden_size=32))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 64, (4, 16), generator=g)
+    y = torch.randint(0, 64, (4, 16), generator=g)
+    return model, x, y
+
+
+def loss_fn(logits, y):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def reference_losses(steps: int) -> list[float]:
+    model, x, y = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    out = []
+    for _ in range(steps):
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out.append(loss.item())
+    return out
+
+
+def run_plan(plan, steps: int) -> list[float]:
+    import whalepy
+
+    model, x, y = build()
+    pm = whalepy.parallelize(model, None, plan=plan, example_inputs=(x,), loss_fn=loss_fn,
+                             optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), global_batch=4)
+    losses = [float(pm.train_step((x,), y)) for _ in range(steps)]
+    seen = pm.measured_profile()
+    return losses, None if seen is None else (seen.steps, seen.step_s, seen.predicted_step_s, seen.peak_bytes)
+
+
+def cli_model():
+    """For ``whalepy calibrate --model measured_cases:cli_model``: ``(model, example_inputs)``."""
+    model, x, _ = build()
+    return model, (x,)

@@ -1,0 +1,138 @@
+"""Measured planning on the CPU device (whalepy.frontend.measure): profile(measure=True) -> plan -> a short
+run of the plan on 2 gloo processes; the measured-costs format round-trips through a device-profile
+file; an imported per-layer table drives a plan."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import whalepy
+from whalepy.errors import WhalepyError
+from whalepy.ir.measured import MeasuredCosts, block_signature
+from whalepy.tools.measured_files import import_layer_table, write_measured
+from whalepy import ClusterSpec
+from whalepy.planner import plan_from_profile
+from whalepy.planner.costing import CostContext
+from whalepy.planner.space import Hardware
+
+from dist_harness import run_distributed
+from measured_cases import build, reference_losses, run_plan
+
+
+@pytest.fixture(scope="module")
+def measured():
+    model, x, _ = build()
+    return whalepy.profile(model, (x,), measure=True, micro_batches=(1, 2, 4), tp_degrees=(1, 2), repeats=1)
+
+
+def test_identical_blocks_share_one_measurement(measured):
+    sigs = [block_signature(measured, b) for b in measured.blocks]
+    layers = [s for s, b in zip(sigs, measured.blocks) if b.kind.value == "layer"]
+    assert len(layers) == 3 and len(set(layers)) == 1
+    m = measured.measured
+    assert m.device_type == "CPU" and set(m.times) == set(sigs)
+    for sig in set(sigs):
+        for tp in (1, 2):
+            for mb in (1.0, 2.0, 4.0):
+                f, b = m.times[sig][("fp32", tp, mb)]
+                assert f > 0 and b > 0
+        assert m.updates[sig] > 0
+    # the layer's saved activations are measured and replace the estimate
+    per = m.activation_bytes[layers[0]]["fp32"]
+    assert measured.blocks[1].activation_bytes == round(per * measured.batch_size)
+
+
+def test_planner_uses_measured_times_and_says_so(measured, tmp_path, monkeypatch):
+    monkeypatch.setenv("WHALEPY_DEVICE_PROFILES", str(tmp_path))  # no stray calibrated CPU profile
+    cluster = ClusterSpec.local(2)
+    ctx = CostContext(measured, Hardware(cluster), precision="fp32")
+    m = measured.measured
+    for b in measured.blocks:
+        sig = block_signature(measured, b)
+        assert ctx.block_time(b.index, "CPU", 1, 2.0) == m.times[sig][("fp32", 1, 2.0)]
+        # between measured sizes: linear
+        lo, hi = m.times[sig][("fp32", 1, 2.0)], m.times[sig][("fp32", 1, 4.0)]
+        assert ctx.block_time(b.index, "CPU", 1, 3.0) == pytest.approx(tuple((a + c) / 2 for a, c in zip(lo, hi)))
+    plan = plan_from_profile(measured, cluster, global_batch=4, time_limit_s=20)
+    notes = [n for n in plan.notes if n.startswith("stage ")]
+    assert len(notes) == len(plan.stages)
+    assert all(f"measured for {len(s.blocks)} of {len(s.blocks)} blocks" in n and "optimizer step measured" in n
+               for s, n in zip(plan.stages, notes))
+    # the run of that plan on 2 gloo processes trains as one process does, and after its warm-up
+    # steps the plan check (closed loop) times steps 3-5 against the plan
+    got = run_distributed(run_plan, plan.world_size, plan, 5, timeout=240)
+    ref = reference_losses(5)
+    for losses, seen in got:
+        assert losses == pytest.approx(ref, rel=1e-4, abs=1e-5)
+        steps, step_s, predicted, peak = seen
+        assert steps == 3 and step_s > 0 and predicted == plan.cost.step_time_s and peak is None
+    assert got[0][1][1] == got[1][1][1]  # the slowest rank's time, on every rank
+
+
+def test_measured_costs_round_trip_through_a_device_profile(measured, tmp_path, monkeypatch):
+    m = measured.measured
+    assert MeasuredCosts.from_dict(json.loads(json.dumps(m.to_dict()))) == m
+    path = write_measured(m, tmp_path / "CPU.json")
+    monkeypatch.setenv("WHALEPY_DEVICE_PROFILES", str(tmp_path))
+    from whalepy.cost_models.device_profiles import resolve_compute_profile
+    from whalepy.cost_models.devices import CATALOG
+
+    assert resolve_compute_profile(CATALOG["CPU"]).measured == m
+    # the file's measurements drive a profile made without measure=True
+    plain = whalepy.profile(build()[0], (build()[1],))
+    ctx = CostContext(plain, Hardware(ClusterSpec.local(1)), precision="fp32")
+    assert ctx.block_cost_source(1, "CPU", 1) == "measured"
+    data = json.loads(path.read_text())
+    data["measured"]["format"] = 99
+    path.write_text(json.dumps(data))
+    from whalepy.cost_models.device_profiles import forget_resolved_profiles
+
+    forget_resolved_profiles()
+    with pytest.raises(WhalepyError, match="format 99 is not supported"):
+        resolve_compute_profile(CATALOG["CPU"])
+    forget_resolved_profiles()
+
+
+def test_calibrate_model_writes_a_measured_profile(tmp_path, monkeypatch, capsys):
+    from whalepy.tools.cli import main
+    from whalepy.cost_models.device_profiles import forget_resolved_profiles, load_profile_file
+
+    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parent))
+    assert main(["calibrate", "--model", "measured_cases:cli_model", "--micro-batches", "2",
+                 "--tp-degrees", "1", "--out", str(tmp_path)]) == 0
+    m = load_profile_file(tmp_path / "CPU.json").measured
+    assert len(m.times) == 3 and all(set(t) == {("fp32", 1, 2.0)} for t in m.times.values())
+    assert main(["calibrate", "--import", str(tmp_path / "CPU.json")]) == 2  # --import needs --model
+    assert "needs --model" in capsys.readouterr().err
+    forget_resolved_profiles()
+
+
+def test_imported_layer_table_drives_a_plan(measured, tmp_path, monkeypatch):
+    n = len(measured.blocks)
+    # a per-layer table as another system writes it: fwd 1 ms + 0.5 ms per sample, bwd twice that
+    table = {"profiles": {"tiny": {"GPU-X": {str(mb): {"1": {str(i): [1e-3 + 5e-4 * mb, 2e-3 + 1e-3 * mb, 1e-4]
+                                                              for i in range(n)}} for mb in (1, 2, 4)}}}}
+    src = tmp_path / "layers.json"
+    src.write_text(json.dumps(table))
+    (m,) = import_layer_table(src, measured, device_types={"GPU-X": "T4"})
+    write_measured(m, tmp_path / "T4.json")
+    monkeypatch.setenv("WHALEPY_DEVICE_PROFILES", str(tmp_path))
+    from whalepy.cost_models.device_profiles import forget_resolved_profiles
+
+    forget_resolved_profiles()
+    cluster = ClusterSpec.local(1, device_type="T4")
+    plain = whalepy.profile(build()[0], (build()[1],))
+    plan = plan_from_profile(plain, cluster, global_batch=4, time_limit_s=20, allow_checkpointing=False,
+                             allow_offload=False, allow_activation_offload=False)
+    mb = 4 / plan.num_microbatches
+    per_mb = n * (3e-3 + 1.5e-3 * mb)
+    assert plan.stages[0].cost.compute_s == pytest.approx(per_mb, rel=1e-6)
+    assert "measured for" in " ".join(plan.notes)
+    with pytest.raises(WhalepyError, match="has 2 layers"):
+        bad = {"profiles": {"tiny": {"GPU-X": {"1": {"1": {"0": [1, 1, 1], "1": [1, 1, 1]}}}}}}
+        src.write_text(json.dumps(bad))
+        import_layer_table(src, measured)
+    forget_resolved_profiles()

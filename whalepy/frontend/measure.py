@@ -1,0 +1,427 @@
+"""Measured planning: time what the runtime will run on the local device, per distinct block.
+
+``whalepy.profile(model, example_inputs, measure=True)`` (and ``whalepy.plan(..., measure=True)``,
+``whalepy calibrate --model MODULE:FN``) runs the model on this machine's device (a CUDA GPU, or the
+CPU) and records, per **distinct** block (blocks keyed by :func:`block_signature`, so a run of
+identical layers is timed on the first two members only: :mod:`whalepy.passes.truncate` cuts the run
+down while the model runs):
+
+- forward and backward seconds of one micro-batch, at each micro-batch size and tensor-parallel
+  degree asked for, in the plan's precision (``torch.autocast`` for bf16/fp16, as the runtime does it).
+  A block's time is read between module hooks: forward from the pre-hook of its first module to the
+  next block's, backward from the backward pre-hook of its last module to the previous block's; the
+  loss (``loss_fn``; by default cross-entropy of logits against token ids, else the mean square of the
+  output) is charged to the last block. Recomputation runs the forward again and is charged its time.
+- tensor parallelism without extra devices: the block is timed with **TP-sharded weight shapes on one
+  device**: every COLWISE module's output features, every ROWWISE module's input features and a
+  VOCAB embedding's rows divided by the degree, head-count attributes made local as the runtime does
+  (``whalepy.runtime.tensor_parallel``). The TP collectives are not in this time; the planner adds them
+  from the communication model, as for modelled blocks;
+- the optimizer step of the implementation the runtime builds (``torch.optim.AdamW`` with its
+  defaults unless ``optimizer`` is given), per block, over that block's parameters;
+- the activation bytes one block's forward saves for backward (:func:`whalepy.frontend.trace.trace_memory`'s
+  saved-tensor accounting, the warm-up trace), which replace the profile's estimate.
+
+The result is a :class:`MeasuredCosts` table; its JSON form (:meth:`MeasuredCosts.to_dict`) is the
+``measured`` section of a device profile (docs/profiling.md, "Measured planning").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from whalepy.errors import ArgumentError, WhalepyError
+from whalepy.ir.measured import MeasuredCosts, block_signature
+
+__all__ = ["apply_measured_activations", "measure_costs", "micro_batch_sizes"]
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+
+
+def _batch_of(example_inputs: Any) -> int:
+    first = next(iter(example_inputs.values())) if isinstance(example_inputs, dict) else example_inputs[0]
+    return int(first.shape[0])
+
+
+def _resize(example_inputs: Any, mb: int, device: torch.device) -> Any:
+    def one(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            return t
+        reps = -(-mb // t.shape[0])
+        return t.repeat(reps, *([1] * (t.dim() - 1)))[:mb].to(device)
+
+    if isinstance(example_inputs, dict):
+        return {k: one(v) for k, v in example_inputs.items()}
+    return tuple(one(t) for t in example_inputs)
+
+
+def _call(model: nn.Module, inputs: Any) -> Any:
+    return model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+
+
+def _first_tensor(out: Any) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    if hasattr(out, "logits"):
+        return out.logits
+    if isinstance(out, dict):
+        out = list(out.values())
+    for o in out:
+        if isinstance(o, torch.Tensor) and o.is_floating_point():
+            return o
+    raise WhalepyError("measure: the model's output holds no floating tensor to take a loss of; pass "
+                       "loss_fn=lambda output, inputs: <scalar loss>")
+
+
+def default_loss(out: Any, inputs: Any) -> torch.Tensor:
+    """Cross-entropy of ``[..., V]`` logits against the integer token ids of the first input when their
+    shapes match (a language model), else the mean square of the first floating output."""
+    y = _first_tensor(out)
+    ids = next(iter(inputs.values())) if isinstance(inputs, dict) else inputs[0]
+    if (isinstance(ids, torch.Tensor) and not ids.is_floating_point() and y.dim() == ids.dim() + 1
+            and tuple(y.shape[:-1]) == tuple(ids.shape)):
+        return nn.functional.cross_entropy(y.reshape(-1, y.shape[-1]).float(), ids.reshape(-1) % y.shape[-1])
+    return y.float().pow(2).mean()
+
+
+# ------------------------------------------------------------------------------------- tensor parallel
+
+
+def _shrink_linear(m: nn.Module, dim: str, tp: int) -> None:
+    """Resize a Linear / HF Conv1D / Embedding in place to its local shard's shape: ``dim`` is ``"out"``
+    (column-parallel), ``"in"`` (row-parallel) or ``"rows"`` (vocab-parallel embedding)."""
+    from whalepy.ir.rules import is_conv1d
+
+    w = m.weight
+    conv1d = is_conv1d(m)
+    if isinstance(m, nn.Embedding) or dim == "rows":
+        axis = 0
+    elif dim == "out":
+        axis = 1 if conv1d else 0
+    else:
+        axis = 0 if conv1d else 1
+    shape = list(w.shape)
+    if shape[axis] % tp:
+        raise WhalepyError(f"measure: {type(m).__name__} dimension {shape[axis]} does not divide by tp={tp}")
+    shape[axis] //= tp
+    with torch.no_grad():
+        m.weight = nn.Parameter(w.detach()[tuple(slice(0, s) for s in shape)].clone(), requires_grad=w.requires_grad)
+        bias = getattr(m, "bias", None)
+        if bias is not None and dim == "out":
+            m.bias = nn.Parameter(bias.detach()[: bias.shape[0] // tp].clone(), requires_grad=bias.requires_grad)
+    if conv1d:
+        m.nf = shape[1]
+    for attr, val in (("out_features", shape[0]), ("in_features", shape[1])) if isinstance(m, nn.Linear) else ():
+        setattr(m, attr, val)
+    if isinstance(m, nn.Embedding):
+        m.num_embeddings = shape[0]
+        rows = shape[0]
+        # token ids index the local vocabulary shard as the runtime's masked lookup does
+        m.register_forward_pre_hook(lambda _m, a: (a[0] % rows, *a[1:]))
+
+
+def localize_tp(model: nn.Module, rules: Iterable[Any], tp: int) -> None:
+    """Give ``model``'s TP-ruled modules their local shard's shapes for degree ``tp`` (module docstring)."""
+    from whalepy.ir.rules import localize_counts
+    from whalepy.ir.types import TPStyle
+
+    def _parent(name: str) -> str:
+        return name.rpartition(".")[0]
+
+    present = dict(model.named_modules())
+    rules = [r for r in rules if r.module in present]
+    rowwise_parents = {_parent(r.module) for r in rules if r.style is TPStyle.ROWWISE}
+    adjusted: set[str] = set()
+    for r in rules:
+        m = present[r.module]
+        parent_name = _parent(r.module)
+        if r.style is TPStyle.COLWISE:
+            if parent_name in rowwise_parents and parent_name not in adjusted:
+                localize_counts(present.get(parent_name, model), parent_name, tp)
+                adjusted.add(parent_name)
+            _shrink_linear(m, "out", tp)
+        elif r.style is TPStyle.ROWWISE:
+            _shrink_linear(m, "in", tp)
+        elif r.style is TPStyle.VOCAB:
+            _shrink_linear(m, "rows", tp)
+
+
+# ------------------------------------------------------------------------------------------- timing
+
+
+class _BlockClock:
+    """Module hooks that cut one forward + backward into per-block intervals (module docstring)."""
+
+    def __init__(self, model: nn.Module, blocks: dict[int, tuple[str, ...]], sync: Callable[[], None]) -> None:
+        self.sync = sync
+        self.events: list[tuple[float, int | None, str]] = []
+        self.handles = []
+        named = dict(model.named_modules())
+        for idx, paths in blocks.items():
+            for path in paths:
+                mod = named.get(path)
+                if mod is None:
+                    continue
+                self.handles.append(mod.register_forward_pre_hook(lambda m, a, i=idx: self.mark(i, "f")))
+                self.handles.append(mod.register_full_backward_pre_hook(lambda m, g, i=idx: self.mark(i, "b")))
+
+    def mark(self, block: int | None, phase: str) -> None:
+        if self.events and self.events[-1][1] == block and self.events[-1][2] == phase:
+            return
+        self.sync()
+        self.events.append((time.perf_counter(), block, phase))
+
+    def intervals(self) -> dict[tuple[int, str], float]:
+        """Seconds per (block, phase) between consecutive marks; marks with block None close a phase."""
+        out: dict[tuple[int, str], float] = {}
+        for (t0, b, p), (t1, _, _) in zip(self.events, self.events[1:]):
+            if b is not None:
+                out[(b, p)] = out.get((b, p), 0.0) + t1 - t0
+        return out
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _one_step(model: nn.Module, inputs: Any, clock: _BlockClock, loss_fn: Callable, autocast: Any,
+              last: int) -> dict[tuple[int, str], float]:
+    import warnings
+
+    clock.events = []
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        with autocast():
+            out = _call(model, inputs)
+            loss = loss_fn(out, inputs)  # charged to the last block's forward
+        clock.mark(None, "f")
+        del out
+        clock.mark(last, "b")  # the loss's backward: the last block's
+        loss.backward()
+        clock.mark(None, "b")
+    for p in model.parameters():
+        p.grad = None
+    return clock.intervals()
+
+
+WARMUP_STEPS = (2, 6)
+"""Least and most warm-up steps before timing a shape: the first steps of a new shape (and of a fresh
+process: kernel selection, allocator growth, lazy initialisation) run slower than the steady state the
+runtime reaches; warm-up continues past the least until a step is within :data:`WARMUP_SETTLED` of the
+one before."""
+
+WARMUP_SETTLED = 0.1
+
+
+def _warm_up(model: nn.Module, inputs: Any, clock: _BlockClock, loss_fn: Callable, autocast: Any, last: int) -> None:
+    prev = None
+    for i in range(WARMUP_STEPS[1]):
+        t = sum(_one_step(model, inputs, clock, loss_fn, autocast, last).values())
+        if i + 1 >= WARMUP_STEPS[0] and prev is not None and abs(t / prev - 1) <= WARMUP_SETTLED:
+            return
+        prev = t
+
+
+def _median_times(runs: list[dict[tuple[int, str], float]]) -> dict[tuple[int, str], float]:
+    keys = set().union(*runs) if runs else set()
+    return {k: statistics.median(r.get(k, 0.0) for r in runs) for k in keys}
+
+
+@contextlib.contextmanager
+def _maybe_truncated(model: nn.Module, truncate: bool) -> Iterator[None]:
+    from whalepy.passes.truncate import plan_truncation, truncated
+
+    runs = plan_truncation(model)[0] if truncate else []
+    with truncated(model, runs):
+        yield
+
+
+def _materialized(model: nn.Module, device: torch.device) -> nn.Module:
+    """A copy of (the truncated) ``model`` on ``device``."""
+    return copy.deepcopy(model).to(device)
+
+
+def _time_optimizer(params: list[nn.Parameter], optimizer: Callable[[list], torch.optim.Optimizer],
+                    sync: Callable[[], None], repeats: int) -> float:
+    if not params:
+        return 0.0
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt = optimizer(params)
+    opt.step()  # states created
+    ts = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        opt.step()
+        sync()
+        ts.append(time.perf_counter() - t0)
+    for p in params:
+        p.grad = None
+    return statistics.median(ts)
+
+
+def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device: str | torch.device | None = None,
+                  precision: str = "fp32", micro_batches: Iterable[int] | None = None,
+                  tp_degrees: Iterable[int] = (1,), repeats: int = 3, loss_fn: Callable | None = None,
+                  optimizer: Callable[[list], torch.optim.Optimizer] | None = None,
+                  device_type: str | None = None) -> MeasuredCosts:
+    """Time ``model``'s distinct blocks on ``device`` (module docstring) and return the table.
+
+    ``micro_batches``: sizes to time (default the example inputs' batch); ``tp_degrees``: TP degrees
+    to time with sharded shapes (those no block divides by are skipped); ``device_type``: the catalog
+    type the times are filed under (default the local device's)."""
+    from whalepy.frontend.trace import trace_memory
+
+    dev = parse_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    row, reported = local_device_type(dev)
+    if any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()]):
+        raise ArgumentError("measure=True runs the model's blocks: build it with weights (not on the meta "
+                            "device), or measure a smaller model with the same layer shapes (blocks are "
+                            "matched by structure) and plan the large one from that profile")
+    if precision not in ("fp32", "bf16", "fp16"):
+        raise ArgumentError(f"measure: precision={precision!r}: use fp32, bf16 or fp16")
+    mbs = sorted({int(m) for m in (micro_batches or [_batch_of(example_inputs)])})
+    if not mbs or mbs[0] < 1:
+        raise ArgumentError(f"measure: micro_batches={micro_batches!r}: give positive sizes, e.g. (1, 2, 4)")
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ArgumentError(f"measure: repeats={repeats!r}: give a positive integer, e.g. 3")
+    loss_fn = loss_fn or default_loss
+    optimizer = optimizer or (lambda ps: torch.optim.AdamW(ps))
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    autocast = (lambda: torch.autocast(dev.type, dtype=low)) if low is not None else contextlib.nullcontext
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    sigs = {b.index: block_signature(profile, b) for b in profile.blocks}
+    times: dict[str, dict[tuple[str, int, float], tuple[float, float]]] = {}
+    updates: dict[str, float] = {}
+    acts: dict[str, dict[str, float]] = {}
+    names: dict[str, str] = {}
+    last = profile.blocks[-1].index
+    with _maybe_truncated(model, truncate=True):
+        present = dict(model.named_modules())
+        blocks = {b.index: tuple(p for p in b.modules if p in present) for b in profile.blocks}
+        blocks = {i: ps for i, ps in blocks.items() if ps}
+        for tp in sorted(set(int(t) for t in tp_degrees)):
+            from whalepy.ir.rules import tp_splits
+
+            ruled = [b for b in profile.blocks if b.index in blocks and tp_splits(b, tp)]
+            if tp > 1 and not ruled:
+                continue
+            work = _materialized(model, dev)
+            if tp > 1:
+                localize_tp(work, [r for b in ruled for r in b.tp_rules], tp)
+            work.train()
+            clock = _BlockClock(work, blocks, sync)
+            try:
+                for mb in mbs:
+                    inputs = _resize(example_inputs, mb, dev)
+                    _warm_up(work, inputs, clock, loss_fn, autocast, last)
+                    med = _median_times([_one_step(work, inputs, clock, loss_fn, autocast, last)
+                                         for _ in range(repeats)])
+                    for i in blocks:
+                        b = profile.blocks[i]
+                        if tp > 1 and not tp_splits(b, tp):
+                            continue
+                        times.setdefault(sigs[i], {})[(precision, tp, float(mb))] = (
+                            med.get((i, "f"), 0.0), med.get((i, "b"), 0.0))
+                        names.setdefault(sigs[i], b.name)
+            finally:
+                clock.remove()
+            if tp == 1:
+                named = dict(work.named_modules())
+                for i, paths in blocks.items():
+                    sig = sigs[i]
+                    if sig in updates:
+                        continue
+                    params = list(dict.fromkeys(p for path in paths for p in named[path].parameters()
+                                                if p.requires_grad))
+                    updates[sig] = _time_optimizer(params, optimizer, sync, repeats)
+                inputs = _resize(example_inputs, mbs[-1], dev)
+                with autocast():
+                    trace = trace_memory(work, (inputs,) if isinstance(inputs, dict) else inputs,
+                                         loss_fn=lambda out, _y, x=inputs: loss_fn(out, x),
+                                         blocks={profile.blocks[i].name: paths for i, paths in blocks.items()}) \
+                        if not isinstance(inputs, dict) else None
+                if trace is not None:
+                    for i in blocks:
+                        name = profile.blocks[i].name
+                        if name in trace.activation_bytes:
+                            acts.setdefault(sigs[i], {})[precision] = trace.activation_bytes[name] / mbs[-1]
+            del work
+    return MeasuredCosts(device_type=device_type or row.name, device_name=reported,
+                         threads=torch.get_num_threads() if dev.type == "cpu" else None,
+                         source=f"whalepy measure on {reported}, torch {torch.__version__}",
+                         optimizer=_optimizer_name(optimizer), times=times, updates=updates,
+                         activation_bytes=acts, names=names)
+
+
+def _optimizer_name(optimizer: Callable) -> str:
+    try:
+        opt = optimizer([nn.Parameter(torch.zeros(1))])
+    except Exception:  # noqa: BLE001 - a name for people only
+        return "custom"
+    d = opt.defaults
+    kind = "fused" if d.get("fused") else "foreach" if d.get("foreach") else "default (for-each on CUDA, per-tensor on CPU)"
+    return f"{type(opt).__name__} {kind}"
+
+
+def apply_measured_activations(profile: Any, measured: MeasuredCosts, precision: str) -> Any:
+    """``profile`` with the activation bytes of blocks whose signature was measured replaced by the
+    measurement (bytes per sample x the profile's batch, rescaled from the measured precision to the
+    profile's dtype as :func:`whalepy.frontend.trace.apply_memory_trace` does)."""
+    from whalepy.cost_models.compute import precision_bytes
+
+    scale = (torch.finfo(getattr(torch, profile.dtype)).bits // 8) / precision_bytes(precision)
+    blocks = []
+    for b in profile.blocks:
+        per = measured.activation_bytes.get(block_signature(profile, b), {}).get(precision)
+        blocks.append(b if per is None else replace(b, activation_bytes=int(round(per * profile.batch_size * scale))))
+    return replace(profile, blocks=tuple(blocks))
+
+
+def micro_batch_sizes(global_batch: int, max_size: int | None = None) -> tuple[int, ...]:
+    """The micro-batch sizes :func:`whalepy.plan` times by default: powers of two up to the global
+    batch (or ``max_size``) and the global batch itself; sizes between are interpolated."""
+    top = min(global_batch, max_size or global_batch)
+    out = {1 << k for k in range(int(math.log2(top)) + 1)} | {top}
+    return tuple(sorted(out))
+
+
+def local_device_type(device: torch.device) -> tuple[Any, str]:
+    """The catalog row of ``device`` (a CUDA GPU by its reported name, else the ``CPU`` type) and the
+    name it reports."""
+    from whalepy.cost_models.devices import CATALOG, match_device_name
+
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        row = match_device_name(name, torch.cuda.get_device_properties(device).total_memory)
+        if row is None:
+            raise WhalepyError(f"GPU {name!r} is not in the device catalog; add it under 'devices:' in the "
+                               "cluster spec first, then calibrate")
+        return row, name
+    return CATALOG["CPU"], f"CPU ({os.cpu_count()} threads)"
+
+
+def parse_device(device: Any) -> torch.device:
+    """``device`` as a torch device this machine has; ArgumentError otherwise."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ArgumentError(f"calibrate(device={device!r}): not a torch device; use 'cuda', 'cuda:1' or "
+                            "'cpu'") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ArgumentError(f"calibrate(device={device!r}): CUDA is not available on this machine; use "
+                            "device='cpu' or run on a GPU machine")
+    return dev

@@ -1,0 +1,137 @@
+"""Measured block costs: the data measured planning produces (:mod:`whalepy.frontend.measure`) and the
+planner reads (``CostContext._block_time``), and its JSON form, the ``measured`` section of a device
+profile (docs/profiling.md, "Measured planning"). Plain Python: no torch."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from whalepy.errors import WhalepyError
+
+__all__ = ["ANY_PRECISION", "MEASURED_FORMAT", "MeasuredCosts", "block_signature"]
+
+MEASURED_FORMAT = 1
+"""Version of the ``measured`` section of a device profile (:meth:`MeasuredCosts.to_dict`)."""
+
+ANY_PRECISION = "any"
+"""The precision of times imported from a table that does not state one: used for every precision."""
+
+
+def block_signature(profile: Any, block: Any) -> str:
+    """A structural key of a block, the same for identical blocks of any model: its kind and its
+    figures per sample (parameters, FLOPs, bytes moved and crossing its boundaries, the TP
+    communication, styles and degrees) at the profile's sequence length and dtype. Two blocks with
+    equal signatures run the same kernels on the same shapes. Saved activation bytes are left out: a
+    memory trace replaces them (:func:`whalepy.frontend.trace.apply_memory_trace`) and the key must not move."""
+    b = profile.batch_size
+    key = [block.kind.value, profile.dtype, profile.seq_len, block.num_params, block.param_bytes,
+           round(block.fwd_flops / b), round(block.bwd_flops / b), round(block.bytes_moved / b),
+           round(block.input_bytes / b), round(block.output_bytes / b),
+           round(block.tp_comm_bytes / b), list(block.tp_degrees), sorted(r.style.value for r in block.tp_rules)]
+    return hashlib.sha1(json.dumps(key).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeasuredCosts:
+    """Per device type, measured costs of distinct blocks (keyed by :func:`block_signature`).
+
+    ``times[sig][(precision, tp, micro_batch)] = (forward_s, backward_s)``; ``updates[sig]`` the
+    optimizer step over the block's parameters (tp 1, unsharded); ``activation_bytes[sig]`` the bytes
+    its forward saves per sample (tp 1, in the precision measured)."""
+
+    device_type: str
+    """Catalog device type the times are for (``"CPU"``, ``"H100-SXM"``)."""
+    device_name: str = ""
+    threads: int | None = None
+    """Intra-op threads the CPU measurement ran with (a rank of a gloo run has its own)."""
+    source: str = ""
+    optimizer: str = ""
+    """The optimizer implementation the updates were measured with."""
+    times: dict[str, dict[tuple[str, int, float], tuple[float, float]]] = field(default_factory=dict)
+    updates: dict[str, float] = field(default_factory=dict)
+    activation_bytes: dict[str, dict[str, float]] = field(default_factory=dict)
+    """``sig -> precision -> bytes per sample``."""
+    names: dict[str, str] = field(default_factory=dict)
+    """``sig -> a block name`` it was measured on (for people reading the file)."""
+
+    def block_time(self, sig: str, precision: str, tp: int, micro_batch: float) -> tuple[float, float] | None:
+        """Forward and backward seconds at ``micro_batch``: piecewise linear between the measured sizes,
+        linear through the two nearest beyond them (proportional with one size); None if not measured."""
+        entries = self.times.get(sig, {})
+        if not any(p == precision for p, _, _ in entries):
+            precision = ANY_PRECISION  # an imported table that does not say its precision
+        rows = sorted((mb, t) for (p, d, mb), t in entries.items() if p == precision and d == tp)
+        if not rows:
+            return None
+        if len(rows) == 1:
+            mb, (f, b) = rows[0]
+            return f * micro_batch / mb, b * micro_batch / mb
+        i = 1
+        while i < len(rows) - 1 and rows[i][0] < micro_batch:
+            i += 1
+        (m0, t0), (m1, t1) = rows[i - 1], rows[i]
+        w = (micro_batch - m0) / (m1 - m0)
+        return tuple(max(a + w * (c - a), 0.0) for a, c in zip(t0, t1))  # type: ignore[return-value]
+
+    def optimizer_s_per_param(self, blocks: Iterable[tuple[str, int]]) -> float | None:
+        """Seconds per parameter of the optimizer step over ``(sig, num_params)`` blocks, from their
+        measured updates; None unless every block with parameters was measured."""
+        t = n = 0.0
+        for sig, params in blocks:
+            if params == 0:
+                continue
+            if sig not in self.updates:
+                return None
+            t, n = t + self.updates[sig], n + params
+        return t / n if n else None
+
+    def merged(self, other: MeasuredCosts) -> MeasuredCosts:
+        """``self`` with ``other``'s entries added (``other`` wins where both measured)."""
+        if other.device_type != self.device_type:
+            raise WhalepyError(f"cannot merge measurements of {other.device_type} into {self.device_type}")
+        times = {s: dict(v) for s, v in self.times.items()}
+        for s, v in other.times.items():
+            times.setdefault(s, {}).update(v)
+        acts = {s: dict(v) for s, v in self.activation_bytes.items()}
+        for s, v in other.activation_bytes.items():
+            acts.setdefault(s, {}).update(v)
+        return replace(self, device_name=other.device_name or self.device_name, threads=other.threads,
+                       source=other.source or self.source, optimizer=other.optimizer or self.optimizer,
+                       times=times, updates={**self.updates, **other.updates}, activation_bytes=acts,
+                       names={**self.names, **other.names})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": MEASURED_FORMAT, "device_type": self.device_type, "device_name": self.device_name,
+                "threads": self.threads, "source": self.source, "optimizer": self.optimizer,
+                "blocks": {s: {"name": self.names.get(s, ""), "update_s": self.updates.get(s),
+                               "activation_bytes_per_sample": self.activation_bytes.get(s, {}),
+                               "times": [{"precision": p, "tp": d, "micro_batch": mb, "forward_s": f, "backward_s": b}
+                                         for (p, d, mb), (f, b) in sorted(self.times.get(s, {}).items())]}
+                           for s in sorted(set(self.times) | set(self.updates) | set(self.activation_bytes))}}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], *, where: str = "measured costs") -> MeasuredCosts:
+        if d.get("format") != MEASURED_FORMAT:
+            raise WhalepyError(f"{where}: measured-costs format {d.get('format')!r} is not supported (this whalepy "
+                               f"reads format {MEASURED_FORMAT}); measure again with whalepy calibrate --model")
+        try:
+            times, updates, acts, names = {}, {}, {}, {}
+            for sig, e in d.get("blocks", {}).items():
+                times[sig] = {(r["precision"], int(r["tp"]), float(r["micro_batch"])):
+                              (float(r["forward_s"]), float(r["backward_s"])) for r in e.get("times", [])}
+                if e.get("update_s") is not None:
+                    updates[sig] = float(e["update_s"])
+                acts[sig] = {p: float(v) for p, v in e.get("activation_bytes_per_sample", {}).items()}
+                names[sig] = e.get("name", "")
+            return cls(device_type=d["device_type"], device_name=d.get("device_name", ""), threads=d.get("threads"),
+                       source=d.get("source", ""), optimizer=d.get("optimizer", ""), times=times, updates=updates,
+                       activation_bytes=acts, names=names)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise WhalepyError(f"{where}: not a whalepy measured-costs table ({type(e).__name__}: {e}); measure "
+                               "again with whalepy calibrate --model") from None
+
+

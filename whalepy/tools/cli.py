@@ -1,0 +1,418 @@
+"""The ``whalepy`` console script: ``plan``, ``show``, ``estimate``, ``study zero`` (whalepy.tools.study),
+``calibrate`` (whalepy.tools.calibrate), ``check`` (whalepy.tools.rank_check),
+``export`` and ``run`` (whalepy.tools.launch).
+
+Errors whalepy raises on purpose print as one line and exit with code 2, without a traceback. Each
+subcommand's module is imported only when it runs (``COMMANDS``); output piped into ``head`` ends
+quietly with exit code 141.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from whalepy.errors import WhalepyError
+from whalepy.tools.model_arg import load_model
+
+EXIT_USER_ERROR = 2
+EXIT_BROKEN_PIPE = 141
+"""128 + SIGPIPE, what a shell reports for a command whose reader closed the pipe."""
+
+
+def _err(msg: str) -> None:
+    print(f"[whalepy] {msg}", file=sys.stderr, flush=True)
+
+
+def _profile(args: argparse.Namespace, progress) -> Any:  # type: ignore[no-untyped-def]
+    from whalepy.frontend.profile import profile
+    from whalepy.ir.profile import ModelProfile
+
+    loaded = load_model(args.model, batch=1, seq_len=args.seq_len)
+    if isinstance(loaded, ModelProfile):
+        return loaded
+    model, inputs = loaded
+    progress(f"capturing {args.model}")
+    t0 = time.perf_counter()
+    builtin = ":" not in args.model  # a plan of the built-in gpt3-175b is titled gpt3-175b, not by its class
+    prof = profile(model, inputs, model_name=args.model.strip().lower() if builtin else None)
+    progress(f"captured {len(prof.blocks)} blocks in {time.perf_counter() - t0:.2f} s")
+    return prof
+
+
+def _cluster(path: str):  # type: ignore[no-untyped-def]
+    from whalepy.hardware.cluster import ClusterSpec
+
+    return ClusterSpec.load(path)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from whalepy.planner import plan_from_profile
+
+    progress = _err if not args.quiet else (lambda _m: None)
+    cluster = _cluster(args.cluster)
+    prof = _profile(args, progress)
+    opts: dict[str, Any] = dict(solver=args.solver, time_limit_s=args.time_limit, progress=progress,
+                                precision=args.precision)
+    if args.ilp_node_limit is not None:
+        opts["ilp_node_limit"] = args.ilp_node_limit
+    if args.schedules:
+        opts["schedules"] = tuple(args.schedules.split(","))
+    if args.zero_stages:
+        opts["zero_stages"] = tuple(int(z) for z in args.zero_stages.split(","))
+    if args.no_checkpointing:
+        opts["allow_checkpointing"] = False
+    if args.no_offload:
+        opts["allow_offload"] = False
+    if args.no_activation_offload:
+        opts["allow_activation_offload"] = False
+    if args.checkpoint_offload:
+        opts["allow_checkpoint_offload"] = True
+    if args.one_tier_per_stage:
+        opts["mixed_tiers"] = False
+    if args.max_tp:
+        opts["max_tp"] = args.max_tp
+    if args.baseline:
+        opts["homogeneous_baseline"] = True
+    plan = plan_from_profile(prof, cluster, global_batch=args.global_batch, **opts)
+    print(plan)
+    if args.explain:
+        from whalepy.ir.profile_text import format_plan_tp_report
+
+        print(plan.explain())
+        print("Tensor parallelism per block (rule per module; modules left whole, and why):")
+        print(format_plan_tp_report(plan, prof))
+    if args.out:
+        plan.save(args.out)
+        progress(f"wrote {args.out}")
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from whalepy.ir.plan import Plan
+
+    plan = Plan.load(args.plan)
+    if args.check:
+        check_plan_cli(plan, args)
+    if args.html or args.svg:
+        from whalepy.tools.show import plan_html, plan_timeline_svg, write_text
+
+        for path, render in ((args.html, plan_html), (args.svg, plan_timeline_svg)):
+            if path:
+                write_text(path, render(plan), inputs=(args.plan,), what=f"--{render.__name__.split('_')[-1]}")
+                _err(f"wrote {path}")
+        if not args.explain:
+            return 0
+    print(plan)
+    if args.explain:
+        print(plan.explain())
+    return 0
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from whalepy.tools.show import plan_diff
+    from whalepy.ir.plan import Plan
+
+    print(plan_diff(Plan.load(args.first), Plan.load(args.second)))
+    return 0
+
+
+def check_plan_cli(plan: Any, args: argparse.Namespace) -> None:
+    """``whalepy show --check``: stale costs, and with ``--model`` the plan against that model."""
+    from whalepy.planner.check import check_costs
+
+    check_costs(plan)
+    if args.model:
+        from whalepy.ir.profile import ModelProfile
+
+        loaded = load_model(args.model, batch=1, seq_len=args.seq_len or plan.seq_len)
+        if isinstance(loaded, ModelProfile):
+            plan.check_against(profile=loaded)
+        else:
+            plan.check_against(loaded[0], example_inputs=loaded[1])
+    _err(f"checked {args.plan}: {'consistent with ' + args.model if args.model else 'costs up to date'}")
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    from whalepy.planner.estimate import ParallelConfig, estimate_from_profile
+
+    progress = _err if not args.quiet else (lambda _m: None)
+    cluster = _cluster(args.cluster)
+    prof = _profile(args, progress)
+    cfg = ParallelConfig(dp=args.dp, tp=args.tp, pp=args.pp, num_microbatches=args.microbatches,
+                         schedule=args.schedule, zero_stage=args.zero, checkpoint=args.checkpoint,
+                         offload=args.offload)
+    est = estimate_from_profile(prof, cluster, cfg, global_batch=args.global_batch, precision=args.precision)
+    print(est)
+    return 0 if est.feasible else 1
+
+
+def cmd_study_zero(args: argparse.Namespace) -> int:
+    from whalepy.tools.study_format import format_zero_study, plot_zero_study, write_zero_study_csv
+    from whalepy.tools.study import study_zero
+
+    progress = _err if not args.quiet else (lambda _m: None)
+    models = [m for m in ([args.model] if args.model else []) + (args.sizes.split(",") if args.sizes else []) if m]
+    rows = study_zero(models, _cluster(args.cluster), global_batch=args.global_batch, seq_len=args.seq_len,
+                      num_microbatches=args.microbatches, checkpoint=args.checkpoint, precision=args.precision,
+                      offload=not args.no_offload, measure=args.measure, progress=progress)
+    print(format_zero_study(rows))
+    if args.csv:
+        write_zero_study_csv(rows, args.csv)
+        progress(f"wrote {args.csv}")
+    if args.plot:
+        plot_zero_study(rows, args.plot)
+        progress(f"wrote {args.plot}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    import torch
+
+    from whalepy.tools.export import export_safetensors
+
+    dtype = None if args.dtype is None else getattr(torch, args.dtype)
+    files = export_safetensors(args.checkpoint, args.to, config=args.config,
+                               max_shard_size=args.max_shard_size, dtype=dtype)
+    if not args.quiet:
+        _err(f"wrote {len(files)} safetensors file(s) and config.json to {args.to}")
+    return 0
+
+
+def _model_args(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("model", help="built-in name (gpt2, llama3-8b, ...), package.module:function returning "
+                                  "(model, example_inputs), or synthetic:NAME")
+    sp.add_argument("--cluster", required=True, help="cluster spec (YAML or JSON)")
+    sp.add_argument("--global-batch", type=int, default=None, help="samples per step (default 8 per device)")
+    sp.add_argument("--seq-len", type=int, default=None, help="tokens per sample (built-in models)")
+    sp.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+    sp.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None,
+                    help="training precision (default: bf16 where every device supports it, fp16 on "
+                         "V100/T4-class GPUs, fp32 on CPU device types)")
+
+
+def _add_plan(sub: Any) -> None:
+    sp = sub.add_parser("plan", help=COMMANDS["plan"].help)
+    _model_args(sp)
+    sp.add_argument("--out", help="write the plan as JSON")
+    sp.add_argument("--solver", default="highs", choices=("highs", "cbc", "exhaustive"),
+                    help="ILP solver (default highs; cbc through pulp; exhaustive: every candidate, small cases)")
+    sp.add_argument("--time-limit", type=float, default=None,
+                    help="wall-clock limit of the search in seconds (default: none; the search is limited by work, "
+                    "so the same inputs give the same plan on any load)")
+    sp.add_argument("--ilp-node-limit", type=int, default=None,
+                    help="work limit of one candidate's ILP in branch-and-bound nodes (default 250); raise it "
+                    "to close a proven gap the plan states")
+    sp.add_argument("--schedules", help="comma-separated: gpipe,1f1b,interleaved_1f1b")
+    sp.add_argument("--zero-stages", help="comma-separated ZeRO stages to consider, e.g. 0,1,2,3")
+    sp.add_argument("--no-checkpointing", action="store_true", help="never recompute activations "
+                    "(allow_checkpointing=False)")
+    sp.add_argument("--no-offload", action="store_true", help="keep parameters and optimizer states on the "
+                    "devices (no cpu / nvme tiers)")
+    sp.add_argument("--no-activation-offload", action="store_true",
+                    help="never keep activations in host memory (allow_activation_offload=False)")
+    sp.add_argument("--checkpoint-offload", action="store_true",
+                    help="may keep activation checkpoints in host memory (allow_checkpoint_offload=True)")
+    sp.add_argument("--one-tier-per-stage", action="store_true",
+                    help="give all blocks of a stage one (param, optimizer) tier pair (mixed_tiers=False)")
+    sp.add_argument("--max-tp", type=int, help="largest tensor-parallel degree to consider")
+    sp.add_argument("--baseline", action="store_true", help="homogeneous-slowest baseline instead")
+    sp.add_argument("--explain", action="store_true", help="also list the alternatives and why they lost")
+    sp.set_defaults(func=cmd_plan)
+
+
+def _add_show(sub: Any) -> None:
+    sp = sub.add_parser("show", help=COMMANDS["show"].help)
+    sp.add_argument("plan", help="plan JSON written by `whalepy plan --out`")
+    sp.add_argument("--explain", action="store_true", help="also list the alternatives and why they lost")
+    sp.add_argument("--html", metavar="PATH", help="write a self-contained page: devices, memory, pipeline "
+                                                   "timeline, GPU types, alternatives (docs/show.md)")
+    sp.add_argument("--svg", metavar="PATH", help="write the pipeline timeline alone as SVG")
+    sp.add_argument("--check", action="store_true", help="validate the plan (stale costs; with --model, "
+                    "blocks, TP rules and annotations against the model); exit 2 on a problem")
+    sp.add_argument("--model", help="with --check: the model the plan is for (as for `whalepy plan`)")
+    sp.add_argument("--seq-len", type=int, default=None, help="with --model: tokens per sample (built-in)")
+    sp.set_defaults(func=cmd_show)
+
+
+def _add_diff(sub: Any) -> None:
+    sp = sub.add_parser("diff", help=COMMANDS["diff"].help)
+    sp.add_argument("first", help="the plan JSON to compare from")
+    sp.add_argument("second", help="the plan JSON to compare to")
+    sp.set_defaults(func=cmd_diff)
+
+def _add_estimate(sub: Any) -> None:
+    sp = sub.add_parser("estimate", help=COMMANDS["estimate"].help)
+    _model_args(sp)
+    sp.add_argument("--dp", type=int, required=True, help="data-parallel degree (replicas)")
+    sp.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
+    sp.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
+    sp.add_argument("--microbatches", type=int, default=1, help="micro-batches per step (default 1)")
+    sp.add_argument("--schedule", default="1f1b", help="pipeline schedule: gpipe, 1f1b or interleaved_1f1b "
+                                                      "(default 1f1b)")
+    sp.add_argument("--zero", type=int, default=0, help="ZeRO stage 0-3 (default 0)")
+    sp.add_argument("--checkpoint", action="store_true", help="activation checkpointing of every block")
+    sp.add_argument("--offload", choices=("cpu", "nvme"), help="cpu: parameters, gradients and optimizer "
+                    "states on the host (FSDP2 CPUOffloadPolicy); nvme: optimizer states in files")
+    sp.set_defaults(func=cmd_estimate)
+
+
+def _add_study(sub: Any) -> None:
+    sp = sub.add_parser("study", help=COMMANDS["study"].help)
+    studies = sp.add_subparsers(dest="study", required=True)
+    sp = studies.add_parser("zero", help="memory, communication and throughput of ZeRO stages 0-3 (and "
+                                         "offload) per model size")
+    sp.add_argument("model", nargs="?", default=None, help="built-in name, package.module:function, or "
+                                                          "synthetic:NAME (optional with --sizes)")
+    sp.add_argument("--cluster", required=True, help="cluster spec (YAML or JSON)")
+    sp.add_argument("--sizes", help="comma-separated built-in models or families: mt5 (mt5-base ... "
+                                    "mt5-xxl), t5 (t5-v1_1-xl, t5-v1_1-xxl)")
+    sp.add_argument("--global-batch", type=int, default=None, help="samples per step (default 8 per device)")
+    sp.add_argument("--seq-len", type=int, default=None, help="tokens per sample (built-in models)")
+    sp.add_argument("--microbatches", type=int, default=1, help="gradient-accumulation micro-batches")
+    sp.add_argument("--checkpoint", action="store_true", help="activation checkpointing of every block")
+    sp.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None,
+                    help="training precision (default as for `whalepy plan`)")
+    sp.add_argument("--no-offload", action="store_true", help="leave out the CPU-offload rows")
+    sp.add_argument("--measure", action="store_true", help="also train each row a few steps on CPU gloo "
+                                                           "processes and show measured bytes (small models)")
+    sp.add_argument("--csv", help="write the rows as CSV")
+    sp.add_argument("--plot", help="write a plot image (needs matplotlib: whalepy[plot])")
+    sp.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+    sp.set_defaults(func=cmd_study_zero)
+
+
+def _add_export(sub: Any) -> None:
+    sp = sub.add_parser("export", help=COMMANDS["export"].help)
+    sp.add_argument("checkpoint", help="DCP directory written by ParallelModel.save (under any plan)")
+    sp.add_argument("--to", required=True, help="output directory (loadable with from_pretrained)")
+    sp.add_argument("--config", help="the model's HF config.json (default: the one in the checkpoint)")
+    sp.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB")
+    sp.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                    help="convert floating-point weights (default: as stored)")
+    sp.add_argument("-q", "--quiet", action="store_true", help="no summary line on stderr")
+    sp.set_defaults(func=cmd_export)
+
+
+def _add_calibrate(sub: Any) -> None:
+    from whalepy.cost_models.device_profiles import default_profile_dir
+
+    sp = sub.add_parser("calibrate", help=COMMANDS["calibrate"].help)
+    sp.add_argument("--quick", action="store_true", help="a few small shapes: seconds on a CPU (for CI)")
+    sp.add_argument("--out", help=f"a .json file, or a directory for <device type>.json (default {default_profile_dir()})")
+    sp.add_argument("--device", help="torch device, e.g. cuda:1 or cpu (default: cuda if available)")
+    sp.add_argument("--disk-dir", help="directory on the NVMe tier for the disk benchmark (default: temp dir)")
+    sp.add_argument("--from-microbench", help="derive a profile from a microbench JSON instead of measuring")
+    sp.add_argument("--model", metavar="MODULE:FN",
+                    help="measure this model's distinct blocks here (FN() returns (model, example_inputs)) and add "
+                         "them to the device profile's 'measured' section; with --import: the model the table is of")
+    sp.add_argument("--micro-batches", default="1,2,4", help="with --model: micro-batch sizes to time (default 1,2,4)")
+    sp.add_argument("--tp-degrees", default="1,2", help="with --model: tensor-parallel degrees to time (default 1,2)")
+    sp.add_argument("--precision", default=None, help="with --model: fp32, bf16 or fp16 (default bf16 on a GPU, "
+                                                      "fp32 on the CPU)")
+    sp.add_argument("--import", dest="import_file", metavar="FILE",
+                    help="import a per-layer table (forward/backward/update seconds per layer, micro-batch and TP "
+                         "degree; docs/profiling.md) as device profiles, one per GPU in it; needs --model")
+    sp.add_argument("--table-model", help="with --import: the table's model name (when it holds several)")
+    sp.add_argument("--device-type", action="append", default=[], metavar="TABLE_NAME=TYPE",
+                    help="with --import: file a table GPU under this device type name (repeatable)")
+    sp.set_defaults(func=lambda args: importlib.import_module("whalepy.tools.calibrate").cmd_calibrate(args))
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    help: str
+    """One line for ``whalepy --help``."""
+    register: str
+    """``module:function`` that adds the subcommand to an argparse sub-parser set (``add_parser(name,
+    ...)``, its arguments, ``set_defaults(func=handler)``); imported only when that subcommand runs, so
+    ``whalepy --help`` imports neither torch nor the planner."""
+
+
+COMMANDS: dict[str, Command] = {
+    "plan": Command("find the fastest plan that fits", "whalepy.tools.cli:_add_plan"),
+    "show": Command("print a saved plan", "whalepy.tools.cli:_add_show"),
+    "diff": Command("what changed between two saved plans, and the predicted effect", "whalepy.tools.cli:_add_diff"),
+    "estimate": Command("predict one configuration", "whalepy.tools.cli:_add_estimate"),
+    "study": Command("studies of a model on a cluster (zero: the ZeRO-stage trade-off)",
+                     "whalepy.tools.cli:_add_study"),
+    "calibrate": Command("measure this device and write its device profile (JSON)",
+                         "whalepy.tools.cli:_add_calibrate"),
+    "check": Command("lower every rank role of a plan in one process (fake process group, meta model) and "
+                     "compare what each rank holds with the plan", "whalepy.tools.rank_check:add_check_subparser"),
+    "export": Command("write a checkpoint's weights as HF safetensors", "whalepy.tools.cli:_add_export"),
+    "run": Command("launch a training script on N processes (a thin wrapper over torchrun)",
+                   "whalepy.tools.launch:add_run_subparser"),
+}
+"""The subcommands, in the order ``--help`` lists them. Adding one is one entry here plus its
+registering function."""
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser, with every subcommand's arguments when ``command`` is None, else with only those of
+    ``command`` (the others listed by name and help)."""
+    from whalepy import __version__
+
+    p = argparse.ArgumentParser(prog="whalepy", description="Plan hybrid-parallel training of a PyTorch model.")
+    p.add_argument("--version", action="version", version=f"whalepy {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, c in COMMANDS.items():
+        if command is None or name == command:
+            mod_name, fn_name = c.register.split(":")
+            getattr(importlib.import_module(mod_name), fn_name)(sub)
+        else:
+            sub.add_parser(name, help=c.help)
+    return p
+
+
+def _command_in(argv: list[str]) -> str | None:
+    """The subcommand ``argv`` names (its first non-option word), if it is one."""
+    word = next((a for a in argv if not a.startswith("-")), None)
+    return word if word in COMMANDS else None
+
+
+def _quiet_broken_pipe() -> int:
+    """stdout's reader went away (``whalepy plan ... | head``): stop without a traceback, and point
+    stdout at /dev/null so the interpreter's final flush does not raise again."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    return EXIT_BROKEN_PIPE
+
+
+def main(argv: list[str] | None = None) -> int:
+    from whalepy.tools.cli_args import one_line_usage_errors
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(_command_in(argv) or "")
+    one_line_usage_errors(parser)
+    args = parser.parse_args(argv)
+    try:
+        from whalepy.tools.cli_args import check_cli_args
+
+        check_cli_args(args)
+        if getattr(args, "global_batch", "absent") is None:
+            from whalepy.hardware.cluster import ClusterSpec
+
+            args.global_batch = 8 * ClusterSpec.load(args.cluster).world_size
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        return _quiet_broken_pipe()
+    except WhalepyError as e:
+        _err(f"error: {e}")
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        _err("interrupted")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

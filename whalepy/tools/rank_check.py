@@ -1,0 +1,517 @@
+"""Every rank of a plan lowered without its hardware: ``whalepy check PLAN.json --model MODULE:FN``.
+
+A plan for 1,024 GPUs can be wrong for one rank (a mesh, a stage boundary, a batch share) and be
+found wrong only on that cluster, after the job is scheduled. This module lowers the plan in one
+process, one rank at a time, as that rank would:
+
+1. **Layout, every rank** (:func:`rank_layout`, no torch): from the plan file as written, before the
+   :class:`~whalepy.Plan` is built, each rank's stage, data-parallel replica and tensor-parallel
+   index, the ranks of its ``dp``, ``tp`` and ``pp`` groups, its blocks (per virtual stage) and its
+   batch share. A rank on no stage or on two, a tensor-parallel group of another width than the
+   others, a stage with another number of replicas, batch shares that are not one per replica or do
+   not sum to the global batch, and a model block on no stage are each a :class:`RankCheckError`
+   naming the rank(s).
+2. **Lowering, one representative per role** (:func:`lower_rank`): ranks of the same stage, device
+   type and batch share lower identically (their tensor-parallel shards have the same shapes: the
+   plan check refuses a TP degree that does not divide), so the lowest rank of each role stands for
+   it (``ranks="all"`` or a list lowers others). The representative is lowered by the runtime itself,
+   :func:`whalepy.runtime.parallelize`, on PyTorch's fake process group (``backend="fake"``, world
+   size the plan's, this process as that rank: every ``DeviceMesh`` and process group is made as on
+   the cluster, no collective moves data) with the model on the meta device and its shards
+   materialised as ``FakeTensor`` s (:func:`whalepy.runtime.materialize.dry_run`: shapes, dtypes and
+   devices, no memory). Its optimizer then takes one step on zero gradients (fake too), so the
+   optimizer states exist; the parameter, gradient and optimizer bytes it holds per place (device,
+   host, files) are counted by :func:`whalepy.runtime.held.held_state_bytes`, the same function
+   the multi-process tests compare with the memory model (elements, not FSDP2's padded storage,
+   which the report gives beside them).
+3. **Against the prediction**: the held bytes per place must equal the plan's
+   ``StageCost.model_state_bytes`` (device), ``host_state_bytes`` and ``nvme_state_bytes`` exactly.
+
+4. **Collectives** (plans without pipeline stages): one training step runs on the fake tensors under
+   :class:`whalepy.tools.comm_count.CollectiveCounter` (the counter of ``study zero --measure``), its
+   payload by kind compared with the cost model's (``dp_step_payload_bytes`` plus the loss report)
+   within :data:`COLLECTIVE_RTOL` where every collective is data parallelism (TP 1); under TP the
+   bytes are reported, not compared (the plan predicts TP communication as time only).
+
+Not done here (said in each report): the collectives of a step with pipeline stages. The fake process
+group carries no objects, and the pipeline schedule's first step exchanges stage metadata as objects
+(``recv_object_list``), so such a step cannot run there; counting it needs a schedule given its shapes.
+The disk tier writes real files and is not dry-run (a rank with ``nvme`` blocks reports the
+lowering error).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from whalepy.errors import WhalepyError
+
+COLLECTIVE_RTOL = 0.01
+"""Measured against predicted collective bytes: FSDP2 pads a parameter's first dimension to a multiple of
+the dp degree, which the cost model leaves out (``dp_step_payload_bytes``); 1% holds that and nothing
+more."""
+
+__all__ = ["RankCheckError", "RankLayout", "RankReport", "check_ranks", "lower_rank", "rank_layout", "roles"]
+
+
+class RankCheckError(WhalepyError):
+    """A plan that is wrong for a rank, named in the message."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankLayout:
+    """What rank ``rank`` does, read from the plan as written."""
+
+    rank: int
+    stage: int
+    replica: int
+    tp_index: int
+    device_type: str
+    chunks: tuple[tuple[str, ...], ...]
+    """Its blocks, per virtual stage it holds (one chunk without the interleaved schedule)."""
+    batch_share: int
+    dp_group: tuple[int, ...]
+    tp_group: tuple[int, ...]
+    pp_group: tuple[int, ...]
+
+    @property
+    def role(self) -> tuple[int, str, int]:
+        return (self.stage, self.device_type, self.batch_share)
+
+
+@dataclass(kw_only=True)
+class RankReport:
+    layout: RankLayout
+    role_size: int = 1
+    """Ranks this one stands for (its role)."""
+    held: dict[str, dict[str, int]] = field(default_factory=dict)
+    """``{kind: {place: bytes}}`` as lowered (kinds params / grads / optimizer; places device / host / files)."""
+    predicted: dict[str, int] = field(default_factory=dict)
+    """``{place: bytes}`` of model states, the plan's ``StageCost``."""
+    meshes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """The ``dp`` / ``tp`` / ``pp`` groups as the lowered ``DeviceMesh`` made them."""
+    allocated: dict[str, dict[str, int]] = field(default_factory=dict)
+    """As ``held``, storage bytes (FSDP2's padded shards): what the allocator would hand out."""
+    collectives: dict[str, int] | None = None
+    """Payload bytes of one training step's collectives by kind (``comm_count.CollectiveCounter``'s
+    convention); None where no step ran (pipeline stages, docstring)."""
+    predicted_collectives: dict[str, float] | None = None
+    """The cost model's payload of that step (data parallelism and the loss report; plans without TP
+    or pipeline stages, whose collectives are all of that kind)."""
+    error: str | None = None
+    seconds: float = 0.0
+
+    @property
+    def held_by_place(self) -> dict[str, int]:
+        return {p: sum(self.held[k][p] for k in self.held) for p in ("device", "host", "files")} if self.held else {}
+
+    @property
+    def mismatches(self) -> list[str]:
+        out = []
+        if self.error is not None:
+            out.append(f"lowering failed: {self.error}")
+            return out
+        held = self.held_by_place
+        for place, want in self.predicted.items():
+            if held.get(place, 0) != want:
+                out.append(f"{place}: holds {held.get(place, 0):,} bytes of model states, the plan predicts {want:,}")
+        lowered = {"dp": self.layout.dp_group, "tp": self.layout.tp_group, "pp": self.layout.pp_group}
+        if self.collectives is not None and self.predicted_collectives is not None:
+            for kind in sorted(set(self.collectives) | set(self.predicted_collectives)):
+                got, want = self.collectives.get(kind, 0), self.predicted_collectives.get(kind, 0.0)
+                if abs(got - want) > COLLECTIVE_RTOL * max(want, 1.0):
+                    out.append(f"{kind}: one step moves {got:,} bytes, the plan's cost model {want:,.0f}")
+        for axis, ranks in self.meshes.items():
+            if tuple(sorted(ranks)) != tuple(sorted(lowered[axis])):
+                out.append(f"{axis} group: lowered {list(ranks)}, the plan's grid says {list(lowered[axis])}")
+        return out
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches
+
+    def lines(self) -> list[str]:
+        lay = self.layout
+        blocks = " | ".join(_span(c) for c in lay.chunks)
+        out = [f"rank {lay.rank} (stands for {self.role_size} rank{'s' if self.role_size != 1 else ''}): stage "
+               f"{lay.stage}, replica {lay.replica} ({lay.device_type}), tp index {lay.tp_index}; blocks {blocks}; "
+               f"batch share {lay.batch_share}",
+               f"  meshes: dp {_ranks(lay.dp_group)}, tp {_ranks(lay.tp_group)}, pp {_ranks(lay.pp_group)}"]
+        if self.held:
+            for kind in ("params", "grads", "optimizer"):
+                h = self.held[kind]
+                out.append(f"  {kind:9s} device {h['device']:>15,}  host {h['host']:>15,}  files {h['files']:>13,}")
+            held = self.held_by_place
+            out.append("  model states: " + ", ".join(
+                f"{p} {held[p]:,} (plan {self.predicted.get(p, 0):,})" for p in ("device", "host", "files")))
+            alloc = {p: sum(self.allocated[k][p] for k in self.allocated) for p in ("device", "host", "files")}
+            out.append("  allocated with FSDP2's shard padding: " + ", ".join(f"{p} {alloc[p]:,}" for p in alloc))
+        if self.collectives is None:
+            out.append("  collectives of one step: not run (pipeline stages: see the module docstring)")
+        else:
+            pred = self.predicted_collectives
+            out.append("  collectives of one step: " + ", ".join(
+                f"{k} {v:,}" + (f" (plan {pred.get(k, 0):,.0f})" if pred is not None else "")
+                for k, v in sorted(self.collectives.items()))
+                + ("" if pred is not None else " (no byte prediction under TP)"))
+        out += [f"  MISMATCH {m}" for m in self.mismatches]
+        return out
+
+
+def _span(names: Sequence[str]) -> str:
+    return names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]} ({len(names)})"
+
+
+def _ranks(rs: Sequence[int]) -> str:
+    rs = list(rs)
+    if len(rs) > 2 and all(b - a == rs[1] - rs[0] for a, b in zip(rs, rs[1:])):
+        return f"{rs[0]}..{rs[-1]} step {rs[1] - rs[0]} ({len(rs)})"
+    return str(rs)
+
+
+# -- 1. layout, every rank ------------------------------------------------------------------------
+
+
+def _odd_one(values: Sequence[int]) -> int:
+    """Index of the value that differs from the most common one (the first index when all differ)."""
+    common = Counter(values).most_common(1)[0][0]
+    return next((i for i, v in enumerate(values) if v != common), 0)
+
+
+def rank_layout(plan: dict[str, Any], model_blocks: Sequence[str] | None = None) -> list[RankLayout]:
+    """Every rank's :class:`RankLayout` from a plan's JSON form (``Plan.to_json``'s dict), checked rank by
+    rank (module docstring, step 1); ``model_blocks``: the model's blocks in order, each of which must
+    be on a stage."""
+    world = int(plan["world_size"])
+    stages = sorted(plan["stages"], key=lambda s: s["index"])
+    where: dict[int, list[tuple[int, int, int]]] = {}
+    widths = [(len(row), s["index"], d, row) for s in stages for d, row in enumerate(s["ranks"])]
+    common = Counter(x[0] for x in widths).most_common(1)[0][0]
+    for w, s, d, row in widths:
+        if w != common:
+            raise RankCheckError(f"rank {row[0]} (stage {s}, replica {d}): its tensor-parallel group {list(row)} has "
+                                 f"{w} ranks, the other groups {common}; every group of the mesh has the same width "
+                                 "(fix the plan's ranks, or re-plan)")
+    for s in stages:
+        for d, row in enumerate(s["ranks"]):
+            for t, r in enumerate(row):
+                where.setdefault(r, []).append((s["index"], d, t))
+    twice = {r: w for r, w in where.items() if len(w) > 1}
+    for r in range(world):
+        if r not in where:
+            also = f" (rank {min(twice)} is on {len(twice[min(twice)])} places)" if twice else ""
+            raise RankCheckError(f"rank {r} is on no stage (world size {world}){also}; give it a place in a "
+                                 "stage's ranks, or re-plan")
+    for r in range(world):
+        if len(where[r]) > 1:
+            raise RankCheckError(f"rank {r} is on {len(where[r])} places (stage, replica, tp index) "
+                                 f"{where[r]}; every rank runs one")
+    extra = sorted(r for r in where if not 0 <= r < world)
+    if extra:
+        raise RankCheckError(f"rank {extra[0]} is in a stage's ranks but the world has ranks 0..{world - 1}")
+    dps = [len(s["ranks"]) for s in stages]
+    if len(set(dps)) > 1:
+        s = stages[_odd_one(dps)]
+        raise RankCheckError(f"rank {s['ranks'][0][0]} (stage {s['index']}): its stage has {len(s['ranks'])} "
+                             f"data-parallel replicas, the others {Counter(dps).most_common(1)[0][0]}; "
+                             "every stage has the same replicas")
+    shares = list(plan["batch_shares"])
+    first = stages[0]["ranks"]
+    if len(shares) != dps[0]:
+        d = min(len(shares), dps[0] - 1)
+        raise RankCheckError(f"rank {first[d][0]} (replica {d}): {len(shares)} batch shares for {dps[0]} "
+                             "data-parallel replicas; give one per replica")
+    if sum(shares) != plan["global_batch"] or min(shares) < 1:
+        d = _odd_one(shares) if min(shares) >= 1 else shares.index(min(shares))
+        raise RankCheckError(f"rank {first[d][0]} (replica {d}, and its stages' ranks): batch share {shares[d]}; "
+                             f"the shares {shares[:8]}{'...' if len(shares) > 8 else ''} sum to {sum(shares)}, "
+                             f"not the global batch {plan['global_batch']}")
+    chunks_of = {s["index"]: _chunks(s) for s in stages}
+    if model_blocks is not None:
+        placed = [b for s in stages for c in chunks_of[s["index"]] for b in c]
+        missing = [b for b in model_blocks if b not in placed]
+        if missing:
+            i = list(model_blocks).index(missing[0])
+            near = next((b for b in reversed(model_blocks[:i]) if b in placed), None) or \
+                next(b for b in model_blocks[i:] if b in placed)
+            s = next(s for s in stages for c in chunks_of[s["index"]] if near in c)
+            raise RankCheckError(f"block {missing[0]!r} is on no stage: ranks {_ranks(sorted(r for row in s['ranks'] for r in row))} "
+                                 f"(stage {s['index']}, which holds its neighbour {near!r}) would run without it; "
+                                 "put it on a stage, or re-plan")
+    types = plan.get("rank_device_types") or ["?"] * world
+    out = []
+    for r in range(world):
+        s_idx, d, t = where[r][0]
+        stage = next(s for s in stages if s["index"] == s_idx)
+        out.append(RankLayout(
+            rank=r, stage=s_idx, replica=d, tp_index=t, device_type=types[r], chunks=chunks_of[s_idx],
+            batch_share=shares[d], dp_group=tuple(row[t] for row in stage["ranks"]),
+            tp_group=tuple(stage["ranks"][d]), pp_group=tuple(s["ranks"][d][t] for s in stages)))
+    return out
+
+
+def _chunks(stage: dict[str, Any]) -> tuple[tuple[str, ...], ...]:
+    names = [b["name"] for b in stage["blocks"]]
+    sizes = stage.get("chunk_sizes") or [len(names)]
+    out, start = [], 0
+    for n in sizes:
+        out.append(tuple(names[start:start + n]))
+        start += n
+    return tuple(out)
+
+
+def roles(layouts: Sequence[RankLayout]) -> dict[tuple[int, str, int], list[int]]:
+    """Ranks by role (stage, device type, batch share), lowest rank first."""
+    out: dict[tuple[int, str, int], list[int]] = {}
+    for lay in layouts:
+        out.setdefault(lay.role, []).append(lay.rank)
+    return out
+
+
+# -- 2. lowering one rank ---------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _fake_world(rank: int, world: int) -> Iterator[None]:
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise WhalepyError("whalepy check lowers ranks on its own fake process group; run it outside a "
+                           "torch.distributed job")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _group_ranks(mesh: Any) -> tuple[int, ...]:
+    import torch.distributed as dist
+
+    return tuple(dist.get_process_group_ranks(mesh.get_group()))
+
+
+def lower_rank(plan: Any, build: Callable[[], tuple[Any, tuple]], layout: RankLayout, *,
+               profile: Any = None, cluster: Any = None) -> RankReport:
+    """Lower ``plan`` as rank ``layout.rank`` (module docstring, step 2). ``build()`` returns ``(model on
+    the meta device, example inputs)`` and is called once per rank (lowering changes the model)."""
+    import time
+
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from whalepy.runtime import parallelize
+    from whalepy.runtime.held import held_state_bytes
+    from whalepy.runtime.materialize import dry_run, has_meta_tensors
+
+    t0 = time.perf_counter()
+    cost = plan.stages[layout.stage].cost
+    report = RankReport(layout=layout, predicted={"device": int(cost.model_state_bytes),
+                                                  "host": int(cost.host_state_bytes),
+                                                  "files": int(cost.nvme_state_bytes)})
+    model, inputs = build()
+    if not has_meta_tensors(model):
+        raise WhalepyError("whalepy check lowers the model on the meta device: build it under "
+                           "`with torch.device('meta'):` (a real model of the plan's size would not fit here)")
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with _fake_world(layout.rank, plan.world_size):
+        try:
+            with dry_run(mode):
+                pm = parallelize(model, cluster, example_inputs=tuple(inputs), plan=plan, profile=profile,
+                                 global_batch=plan.global_batch, loss_fn=lambda y, t: y.float().mean(),
+                                 optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4))
+            report.meshes = {"dp": _group_ranks(pm.meshes.dp_mesh), "tp": _group_ranks(pm.meshes.tp_mesh),
+                             "pp": tuple(torch.distributed.get_process_group_ranks(pm.meshes.pp_group))}
+            if plan.pp_degree == 1 and pm.optimizer is not None:  # a whole step runs on fake tensors
+                at_step: list[tuple[Any, Any]] = []
+                step = pm.optimizer.step
+
+                def measured(*a: Any, **k: Any) -> Any:  # what it holds at the step: gradients included
+                    at_step.append((held_state_bytes(pm, unpadded=True), held_state_bytes(pm)))
+                    return step(*a, **k)
+
+                pm.optimizer.step = measured
+                report.collectives, report.predicted_collectives = _one_step(pm, plan, inputs, profile)
+                pm.optimizer.step = step
+                # the states the step made (what every later step holds), the gradients it stepped with
+                # (dropped after it)
+                report.held, report.allocated = held_state_bytes(pm, unpadded=True), held_state_bytes(pm)
+                if at_step:
+                    report.held["grads"], report.allocated["grads"] = at_step[-1][0]["grads"], at_step[-1][1]["grads"]
+            else:
+                with mode, torch.no_grad():
+                    _first_step_states(pm)
+                report.held = held_state_bytes(pm, unpadded=True)
+                report.allocated = held_state_bytes(pm)
+        except Exception as e:  # noqa: BLE001 - a lowering error is this rank's result, reported with it
+            report.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _one_step(pm: Any, plan: Any, inputs: Sequence[Any], profile: Any) -> tuple[dict[str, int], dict[str, float] | None]:
+    """One training step of the global batch (the example inputs repeated; the loss ignores targets)
+    under ``CollectiveCounter``, and the cost model's payload for it (data parallelism plus the loss
+    report) when every collective is of that kind (TP 1)."""
+    import torch
+
+    from whalepy.tools.comm_count import CollectiveCounter
+    from whalepy.planner.runtime_costs import LOSS_REPORT_BYTES, dp_step_payload_bytes
+
+    B = plan.global_batch
+    inputs = [torch.zeros(x.shape, dtype=x.dtype) if isinstance(x, torch.Tensor) and x.is_meta else x
+              for x in inputs]  # built under the meta device: zeros (token 0) of the same shape
+    batch = tuple(x.repeat(-(-B // x.shape[0]), *([1] * (x.dim() - 1)))[:B] if isinstance(x, torch.Tensor) else x
+                  for x in inputs)
+    counter = CollectiveCounter()
+    with counter:
+        pm.train_step(batch if len(batch) > 1 else batch[0], torch.zeros(B))
+    got = {c.value: int(n) for c, n in counter.bytes.items()}
+    stage = pm.meshes.stage
+    if stage.tp_degree > 1:
+        return got, None
+    params = sum(b.num_params for b in (profile.blocks if profile is not None else ())
+                 if b.name in stage.block_names)
+    if not params:
+        return got, None
+    want = dp_step_payload_bytes(pm.dp_kind.value, zero3=stage.zero_stage == 3, num_params=params,
+                                 num_microbatches=plan.num_microbatches, precision=plan.precision.value)
+    out = {c.value: float(n) for c, n in want.items()}
+    out["all_reduce"] = out.get("all_reduce", 0.0) + LOSS_REPORT_BYTES
+    return got, out
+
+
+def _first_step_states(pm: Any) -> None:
+    """The optimizer states of one step: zero gradients (of the parameters' own layout, as FSDP2 and DDP
+    give them) and a step of the device optimizer; the host optimizer's states (ZeRO-Offload) as its
+    checkpoints create them."""
+    import torch
+
+    opt = pm.optimizer
+    if opt is not None:
+        for g in opt.param_groups:
+            for p in g["params"]:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        opt.step()
+    if pm.host_optimizer is not None:
+        pm.host_optimizer._init_states()
+
+
+# -- 3. the check -----------------------------------------------------------------------------------
+
+
+def select_ranks(layouts: Sequence[RankLayout], ranks: str | Sequence[int] = "roles") -> list[tuple[RankLayout, int]]:
+    """``(layout, ranks it stands for)`` to lower: ``"roles"`` one per role, ``"all"`` every rank, or the
+    given ranks."""
+    by_role = roles(layouts)
+    if ranks == "roles":
+        return [(layouts[rs[0]], len(rs)) for rs in by_role.values()]
+    if ranks == "all":
+        return [(lay, 1) for lay in layouts]
+    out = []
+    for r in ranks:  # type: ignore[union-attr]
+        if not 0 <= int(r) < len(layouts):
+            raise RankCheckError(f"rank {r} is not in this plan's world of {len(layouts)} ranks")
+        out.append((layouts[int(r)], 1))
+    return out
+
+
+def check_ranks(plan_json: dict[str, Any], build: Callable[[], tuple[Any, tuple]], *,
+                ranks: str | Sequence[int] = "roles", profile: Any = None, cluster: Any = None,
+                progress: Callable[[str], None] | None = None) -> list[RankReport]:
+    """Steps 1-3 of the module docstring for a plan's JSON form and a model builder; returns the
+    lowered ranks' reports (:attr:`RankReport.ok`). Raises :class:`RankCheckError` for a layout that is
+    wrong for a rank."""
+    from whalepy.ir.plan import Plan
+
+    say = progress or (lambda _m: None)
+    model_blocks = [b.name for b in profile.blocks] if profile is not None else None
+    layouts = rank_layout(plan_json, model_blocks)
+    plan = Plan.from_dict(plan_json) if hasattr(Plan, "from_dict") else _plan_of(plan_json)
+    chosen = select_ranks(layouts, ranks)
+    say(f"{len(layouts)} ranks in {len(roles(layouts))} roles; lowering {len(chosen)}")
+    out = []
+    for lay, n in chosen:
+        rep = lower_rank(plan, build, lay, profile=profile, cluster=cluster)
+        rep.role_size = n
+        say(f"rank {lay.rank}: {'ok' if rep.ok else 'MISMATCH'} ({rep.seconds:.1f} s)")
+        out.append(rep)
+    return out
+
+
+def _plan_of(data: dict[str, Any]) -> Any:
+    from whalepy.ir.plan import Plan
+
+    return Plan.from_dict(data)
+
+
+def simulated(cluster: Any) -> Any:
+    """``cluster`` with every group marked simulated: the check lowers each rank as a CPU rank of that
+    device type (the memory model's bytes do not depend on where the bytes are)."""
+    import dataclasses
+
+    return dataclasses.replace(cluster, groups=tuple(dataclasses.replace(g, simulated=True) for g in cluster.groups))
+
+
+# -- the command line -------------------------------------------------------------------------------
+
+
+def add_check_subparser(sub: Any) -> None:
+    from whalepy.tools.cli import COMMANDS
+
+    sp = sub.add_parser("check", help=COMMANDS["check"].help)
+    sp.add_argument("plan", help="the plan file (JSON, as `whalepy plan` writes it)")
+    sp.add_argument("--model", required=True, help="package.module:function returning (model on the meta device, "
+                    "example inputs), or a built-in name")
+    sp.add_argument("--cluster", required=True, help="the cluster spec the plan was made for (YAML)")
+    sp.add_argument("--ranks", default="roles", help="'roles' (one representative per role, default), 'all', "
+                    "or ranks such as 0,517,1023")
+    sp.add_argument("--seq-len", type=int, default=None, help="tokens per sample (built-in models)")
+    sp.set_defaults(func=_cmd_check)
+
+
+def _cmd_check(args: Any) -> int:
+    import json
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    from whalepy.frontend.profile import profile
+    from whalepy.hardware.cluster import ClusterSpec
+    from whalepy.tools.model_arg import load_model
+
+    try:
+        data = json.loads(Path(args.plan).read_text())
+    except (OSError, ValueError) as e:
+        raise WhalepyError(f"cannot read the plan {args.plan}: {e}") from None
+    if args.ranks in ("roles", "all"):
+        ranks: str | list[int] = args.ranks
+    else:
+        try:
+            ranks = [int(r) for r in args.ranks.split(",") if r.strip()]
+        except ValueError:
+            raise WhalepyError(f"--ranks {args.ranks!r}: give 'roles', 'all' or ranks such as 0,517,1023") from None
+
+    def build() -> tuple[Any, tuple]:
+        with torch.device("meta"):
+            model, inputs = load_model(args.model, batch=1, seq_len=args.seq_len or data.get("seq_len"))
+        return model, inputs if isinstance(inputs, tuple) else (inputs,)
+
+    model, inputs = build()
+    prof = profile(model, inputs, model_name=None if ":" in args.model else args.model.strip().lower())
+    cluster = simulated(ClusterSpec.load(args.cluster))
+    reports = check_ranks(data, build, ranks=ranks, profile=prof, cluster=cluster,
+                          progress=lambda m: print(f"[whalepy] {m}", file=sys.stderr, flush=True))
+    for rep in reports:
+        print("\n".join(rep.lines()))
+    bad = [r for r in reports if not r.ok]
+    print(f"{len(reports) - len(bad)} of {len(reports)} lowered ranks match the plan"
+          + (f"; mismatches on ranks {[r.layout.rank for r in bad]}" if bad else ""))
+    return 1 if bad else 0
