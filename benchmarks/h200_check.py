@@ -27,7 +27,7 @@ from whalepy.cost_models.compute import (
 from whalepy.cost_models.device_profiles import resolve_compute_profile
 from whalepy.cost_models.devices import CATALOG
 from whalepy.planner.estimate import estimate_from_profile
-from whalepy.ir.profile import profile
+from whalepy.frontend.profile import profile
 
 DATA = Path(__file__).resolve().parent / "data" / "h200_2026-11-26.json"
 H200 = CATALOG["H200"]

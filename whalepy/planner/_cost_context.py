@@ -228,8 +228,10 @@ class CostContext:
         b = self.profile.blocks[block_index]
         if self.precision == "fp32" or b.kernels is None or b.kernels.amp is None:
             return 0.0
-        device = next(g.device for g in self.hw.groups if g.device.name == device_name)
         div = tp if tp_splits(b, tp) else 1
+        if self.measured_block_time(block_index, device_name, div, micro_batch) is not None:
+            return 0.0  # a measured time already holds what the runtime ran, autocast's casts included
+        device = next(g.device for g in self.hw.groups if g.device.name == device_name)
         kw = dict(device=device, precision=self.precision, batch_ratio=micro_batch / self.profile.batch_size,
                   tp=div, byte_scale=self.byte_scale)
         plain = sum(estimate_kernels_time(b.kernels, **kw))  # type: ignore[arg-type]
