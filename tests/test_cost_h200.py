@@ -21,9 +21,10 @@ import h200_check  # noqa: E402
 
 pytest.importorskip("transformers")
 
-LLAMA_PEAK_KNOWN_GAP = 0.12
-"""Llama's peak: -11.0% today (the 4 GiB the run holds beyond the model's accounting are not yet
-explained). Not a tolerance for anything else."""
+KNOWN_MISS = {("llama", "peak GiB")}
+"""Rows that miss the acceptance bound today, checked by their own strict xfail below so that the day
+they pass is noticed: Llama's peak is -11.0% (about 4 GiB the run holds beyond the model's accounting,
+two logit-sized fp32 tensors' worth, are not explained yet; the plain loop holds them too)."""
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,9 @@ def test_h200_profile_is_the_shipped_measured_one() -> None:
 def test_h200_predictions_within_the_acceptance_bounds(rows: list[dict]) -> None:
     out = []
     for r in rows:
-        bound = LLAMA_PEAK_KNOWN_GAP if (r["model"], r["what"]) == ("llama", "peak GiB") else r["bound"]
+        if (r["model"], r["what"]) in KNOWN_MISS:
+            continue
+        bound = r["bound"]
         if abs(r["err"]) > bound:
             out.append(f"{r['model']} {r['what']}: predicted {r['predicted']:.2f}, measured {r['measured']:.2f} "
                        f"({100 * r['err']:+.1f}%, bound {100 * bound:.0f}%)")
@@ -51,6 +54,13 @@ def test_h200_predictions_within_the_acceptance_bounds(rows: list[dict]) -> None
     assert {(r["model"], r["what"]) for r in rows} >= {("gpt", "step ms"), ("llama", "step ms"), ("gpt", "peak GiB"),
                                                        ("gpt", "lm_head_gemms ms"), ("gpt", "optimizer ms"),
                                                        ("llama", "casts ms"), ("llama", "elementwise_norm ms")}
+
+
+@pytest.mark.xfail(strict=True, reason="Llama's H200 peak memory is predicted 11% low (KNOWN_MISS)")
+def test_h200_known_misses_within_the_acceptance_bounds(rows: list[dict]) -> None:
+    for r in rows:
+        if (r["model"], r["what"]) in KNOWN_MISS:
+            assert abs(r["err"]) <= r["bound"], f"{r['model']} {r['what']}: {100 * r['err']:+.1f}%"
 
 
 def test_h200_shape_advice_for_a_misaligned_vocabulary() -> None:
