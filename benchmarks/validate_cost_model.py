@@ -9,7 +9,8 @@ that shape (whalepy.models.GPT, captured), full recomputation, fp16, the paper's
 interleaving, on DGX A100 nodes (8 x A100-80GB on NVSwitch, 8 x 200 Gb/s HDR InfiniBand per node).
 Predicted TFLOP/s per GPU = the paper's FLOP count / predicted step time / GPUs. "compute only" divides
 the same FLOPs by the busiest stage's compute time alone (no communication, no bubble, no optimizer).
-Nothing here is fitted to these numbers.
+Nothing here is fitted to these numbers. Last, the H200 section (``h200_check.py``): one GPU, predicted vs
+measured step, peak memory and per-component time of the two models ``bench_gpu_step.py`` ran there.
 """
 
 from __future__ import annotations
@@ -222,6 +223,18 @@ def gpt3_plan() -> tuple[str, float]:
     return desc, plan.cost.mfu
 
 
+def h200_section() -> list[str]:
+    """Predicted vs measured on one H200 (benchmarks/h200_check.py; needs transformers for the Llama)."""
+    try:
+        import h200_check
+    except ImportError as e:  # pragma: no cover - transformers missing
+        return ["", f"H200 section skipped: {e}"]
+    return ["", "One H200, GPT 1.42B (vocabulary 50257) and HF Llama 1.2B, global batch 4 x 1024, bf16 autocast, "
+            "AdamW (foreach), one micro-batch, no parallelism (../shared/calibration/h200-2026-11-26/, figures in "
+            "benchmarks/data/h200_2026-11-26.json), predicted with the shipped H200 profile; worst rows first:", "",
+            h200_check.render()]
+
+
 def render() -> str:
     lines = []
     t1 = sorted(table1_rows(), key=lambda r: -abs(r["err"]))
@@ -263,6 +276,7 @@ def render() -> str:
               f"{desc}; planner's predicted MFU {100 * mfu:.1f}% (model FLOPs, no recomputation). Published for this "
               "class on A100: Korthikanti et al. 54.2% MFU (530B, selective recomputation); Megatron-LM SC'21 "
               "52% of peak counting recomputation (39% MFU) for 530B/1T, 140 TFLOP/s (45%, 34% MFU) for 175B."]
+    lines += h200_section()
     return "\n".join(lines)
 
 

@@ -37,8 +37,9 @@ from .device_profiles import MEMORY_BANDWIDTH_EFFICIENCY, ComputeProfile, resolv
 from .devices import DeviceType
 from whalepy.ir.types import Precision  # noqa: F401  (re-exported: its users import it from here)
 
-__all__ = ["MEMORY_BANDWIDTH_EFFICIENCY", "BACKWARD_TO_FORWARD_RATIO", "BlockTime", "Precision", "estimate_block_time",
-           "estimate_compute_time", "estimate_kernels_time", "fit_gemm", "gemm_time", "peak_flops", "precision_bytes"]
+__all__ = ["MEMORY_BANDWIDTH_EFFICIENCY", "BACKWARD_TO_FORWARD_RATIO", "BlockTime", "Precision", "adamw_step_time",
+           "estimate_block_time", "estimate_compute_time", "estimate_kernels_time", "fit_gemm", "gemm_aligned",
+           "gemm_time", "loss_time", "peak_flops", "precision_bytes"]
 
 BACKWARD_TO_FORWARD_RATIO = 2.0
 """Backward work relative to forward, for FLOPs and for bytes moved, when no measurement is given.
@@ -152,6 +153,29 @@ saved input or output and writes the input gradient (three). Dropout's backward 
 forward does, a residual add's backward nothing; 1.5 is the common case."""
 
 
+GEMM_ALIGNMENT_BYTES = 16
+"""Row stride (in bytes) cuBLAS needs on every operand of a 16-bit (or TF32) GEMM for its tensor-core
+kernels with 16-byte vector loads: 8 elements of bf16 / fp16, 16 of fp8, 4 of fp32 (NVIDIA, "Matrix
+Multiplication Background User's Guide", section "Tensor Core Requirements"; cuBLAS documentation,
+"Tensor Core Usage"). For a row-major ``(m x k) @ (k x n)`` and both backward products the strides are
+``k`` and ``n`` (never ``m``), so a GEMM is misaligned when ``k`` or ``n`` is not a multiple."""
+
+MISALIGNED_GEMM_EFFICIENCY = 0.125
+"""Fraction of the 16-bit peak a misaligned GEMM reaches. Measured: on one H200 (torch 2.11,
+../shared/calibration/h200-2026-11-26/whalepy_step_kernels.txt, GPT 1.42B with vocabulary 50257) the LM
+head's three GEMMs (``4096 x 2048 x 50257`` forward, ``dX``, ``dW``: 2.53 TFLOP per step) ran as cuBLAS's
+fallback, sm75 CUTLASS ``s1688gemm ... align1`` kernels (Turing-style ``mma.sync``, 2-byte loads, no
+Hopper ``wgmma``), in 8.65 + 6.04 + 5.78 = 20.48 ms per step: 123.5 TFLOP/s, 0.125 of the 989.4 TFLOP/s
+peak (the aligned GEMMs of the same step ran at 0.65-0.72). Applied to every device: the fallback is
+the same CUTLASS kernel family on Ampere and later (an A100 measurement would refine it)."""
+
+
+def gemm_aligned(k: float, n: float, precision: Precision | str = Precision.BF16) -> bool:
+    """Whether ``(m x k) @ (k x n)`` meets :data:`GEMM_ALIGNMENT_BYTES` (``k`` and ``n`` strides)."""
+    b = precision_bytes(precision)
+    return all(float(x).is_integer() and (int(x) * b) % GEMM_ALIGNMENT_BYTES == 0 for x in (k, n))
+
+
 def gemm_time(m: float, k: float, n: float, *, device: DeviceType, profile: ComputeProfile,
               precision: Precision | str = Precision.BF16, batch: float = 1) -> float:
     """Device seconds of ``[batch x] (m x k) @ (k x n)`` (module docstring: tiles in waves, roofline)."""
@@ -163,6 +187,12 @@ def gemm_time(m: float, k: float, n: float, *, device: DeviceType, profile: Comp
 @functools.lru_cache(maxsize=65536)
 def _gemm_time(m: float, k: float, n: float, device: DeviceType, profile: ComputeProfile, precision: Precision,
                batch: float) -> float:
+    nbytes = batch * (m * k + k * n + m * n) * precision_bytes(precision)
+    if device.vendor == "nvidia" and precision is not Precision.FP32 and not gemm_aligned(k, n, precision):
+        # cuBLAS's fallback kernels (MISALIGNED_GEMM_EFFICIENCY); fp32 without TF32 (torch's default,
+        # ``allow_tf32 = False``) runs on CUDA cores and has no such path
+        math_s = batch * 2.0 * m * k * n / (peak_flops(device, precision) * MISALIGNED_GEMM_EFFICIENCY)
+        return max(math_s, nbytes / profile.memory_bandwidth)
     peak = peak_flops(device, precision) * profile.gemm_efficiency
     work = 2.0 * (k + profile.gemm_k_overhead)
     sms = profile.num_sms
@@ -174,7 +204,6 @@ def _gemm_time(m: float, k: float, n: float, device: DeviceType, profile: Comput
         math_s = best
     else:
         math_s = batch * m * n * work / peak
-    nbytes = batch * (m * k + k * n + m * n) * precision_bytes(precision)
     return max(math_s, nbytes / profile.memory_bandwidth)
 
 
@@ -204,22 +233,132 @@ def attention_train_time(batch_heads: float, q_len: int, kv_len: int, head_dim: 
     return f / rate, (ATTENTION_BACKWARD_FLOP_RATIO * f / rate if needs_grad else 0.0)
 
 
+ELEMENTWISE_BANDWIDTH_FRACTION = 0.62
+"""Fraction of the profile's streaming bandwidth (``memory_bandwidth``, a 1 GiB ``add``) that PyTorch's
+eager memory-bound kernels reach at a transformer layer's sizes. Measured on one H200
+(../shared/calibration/h200-2026-11-26/gpt_whalepy_step_trace.json.gz, GPT 1.42B, batch 4 x 1024 under
+autocast): one layer's forward norms, residual adds and GELU move 436 MB (two fp32 layer norms of
+``(4096, 2048)``: 67 MB each; two fp32 + bf16 residual adds: 84 MB each; a bf16 GELU of ``(4096,
+8192)``: 134 MB) in 28 + 28 + 32 + 32 + 46 = 166 us: 2.62 TB/s, 0.62 of the 4.25 TB/s ``whalepy
+calibrate`` measured on that GPU (per-row reductions, mixed-dtype operands that defeat vectorised
+loads). The layer-norm backward of the same trace runs at the same 2.6 TB/s. Derived from the GPT
+trace alone; the Llama kernel table of the same day is the held-out check (docs/cost_model.md)."""
+
+DOWNCAST_BANDWIDTH_FRACTION = 0.85
+"""The same for autocast's fp32 -> 16-bit casts (``bfloat16_copy_kernel_cuda``, vectorised): on the H200
+trace the forward casts of one step (1.31e9 weight and 0.81e9 activation elements, 6 bytes each: 12.75
+GB) took 3.54 ms: 3.61 TB/s, 0.85 of the measured bandwidth."""
+
+UPCAST_BANDWIDTH_FRACTION = 0.45
+"""The same for 16-bit -> fp32 casts (the backward's ``ToCopyBackward``: gradients of autocast's weight
+and activation casts; ``.float()`` of the logits): PyTorch runs a dtype-converting copy that has no
+vectorised specialisation through its unrolled element-wise kernel. On the H200 trace the same 12.75 GB
+took 6.74 ms per step: 1.89 TB/s, 0.45 of the measured bandwidth."""
+
+SOFTMAX_PASS_BYTES = 16
+"""Bytes per logit of cross-entropy's ``log_softmax`` forward, and again of its backward, on fp32
+logits whose rows do not fit in shared memory (a vocabulary over ~12k): the forward reads the row for
+its maximum, again for the sum of exponentials, and a third time to write the output (3 reads + 1
+write of 4 bytes); the backward reads the gradient for its sum, then the gradient and the output, and
+writes the input gradient (PyTorch's ``cunn_SoftMaxForward`` / ``cunn_SoftMaxBackward``). Checked on the
+H200 trace: 0.76 + 0.89 ms for 206M logits (GPT), 4.0 + 4.3 ms for 525M (Llama): 3.7-4.3 TB/s against
+the 4.25 measured, so charged at the full measured bandwidth."""
+
+NLL_GRAD_FILL_BYTES = 4
+"""``nll_loss``'s backward writes a zero fp32 gradient the size of the log-probabilities before
+scattering into it: 4 bytes per logit."""
+
+ADAMW_FOREACH_BYTES_PER_PARAM = 80.0
+"""Device-memory traffic per fp32 parameter of ``torch.optim.AdamW``'s default ``foreach``
+implementation (``torch/optim/adamw.py``, ``_multi_tensor_adamw``: one pass per ``_foreach_*`` call):
+weight decay ``mul_`` (read + write the parameter, 8), ``lerp_`` of the first moment towards the
+gradient (12), ``mul_`` and ``addcmul_`` of the second moment (8 + 12), ``sqrt``, ``div_``, ``add_`` of
+its denominator (8 each), ``addcdiv_`` into the parameter (16). The H100 profile's measured rate (30.5 ms
+per 1e9) is 80 bytes at 2.62 TB/s, its bandwidth 2.68 TB/s; used only when a profile has no measured
+rate."""
+
+ADAMW_FUSED_BYTES_PER_PARAM = 28.0
+"""The same for ``fused=True`` (one kernel): read the fp32 parameter, gradient, both moments (16), write
+the parameter and moments (12)."""
+
+
+def bandwidth_fractions(profile: ComputeProfile) -> tuple[float, float, float]:
+    """``(element-wise, downcast, upcast)`` fractions of ``profile.memory_bandwidth`` the kernels reach:
+    the measured ones (:data:`ELEMENTWISE_BANDWIDTH_FRACTION`, :data:`DOWNCAST_BANDWIDTH_FRACTION`,
+    :data:`UPCAST_BANDWIDTH_FRACTION`) against a measured streaming bandwidth; against a datasheet-derived
+    one (already the element-wise figure, :data:`MEMORY_BANDWIDTH_EFFICIENCY`) the same ratios to the
+    element-wise kernels: 1, 1 (a vectorised cast is no slower than them) and 0.45 / 0.62."""
+    if profile.bandwidth_measured:
+        return ELEMENTWISE_BANDWIDTH_FRACTION, DOWNCAST_BANDWIDTH_FRACTION, UPCAST_BANDWIDTH_FRACTION
+    return 1.0, 1.0, UPCAST_BANDWIDTH_FRACTION / ELEMENTWISE_BANDWIDTH_FRACTION
+
+
 def memory_bound_time(nbytes: float, profile: ComputeProfile) -> float:
-    return nbytes / profile.memory_bandwidth
+    """Seconds of element-wise / normalisation kernels moving ``nbytes`` (:func:`bandwidth_fractions`)."""
+    return nbytes / (profile.memory_bandwidth * bandwidth_fractions(profile)[0])
 
 
-def estimate_kernels_time(kernels: Any, *, device: DeviceType, precision: Precision | str = Precision.BF16,
-                          batch_ratio: float = 1.0, tp: int = 1, byte_scale: float = 1.0,
-                          profile: ComputeProfile | None = None) -> tuple[float, float]:
-    """``(forward, backward)`` seconds of one block from its :class:`~whalepy.ir.profile.BlockKernels`.
-
-    ``batch_ratio`` scales the recorded batch (micro-batch / profiled batch); ``tp > 1`` divides the
-    sharded GEMM dimension, the attention heads and the memory-bound bytes by ``tp`` (the block runs
-    tensor-parallel); ``byte_scale`` converts memory-bound bytes from the profiled dtype to the
-    training precision. Each phase takes ``max(device time, launches * launch_overhead_s)``.
-    """
+def adamw_step_time(num_params: float, device: DeviceType, *, implementation: str = "foreach",
+                    profile: ComputeProfile | None = None) -> float:
+    """Seconds of one AdamW step over ``num_params`` fp32 parameters on the device, for the
+    implementation the runtime builds: ``"foreach"`` (torch's default on CUDA, what the runtime steps a
+    user's ``AdamW(params)`` with) or ``"fused"``. The profile's measured rate
+    (``adamw_device_s_per_1e9`` / ``adamw_device_fused_s_per_1e9``, ``whalepy calibrate``), else its bytes
+    (:data:`ADAMW_FOREACH_BYTES_PER_PARAM`, :data:`ADAMW_FUSED_BYTES_PER_PARAM`) at the profile's bandwidth."""
     prof = profile or resolve_compute_profile(device)
-    fwd = bwd = 0.0
+    if implementation not in ("foreach", "fused"):
+        raise ValueError(f"implementation must be 'foreach' or 'fused', got {implementation!r}")
+    rate = prof.value("adamw_device_s_per_1e9" if implementation == "foreach" else "adamw_device_fused_s_per_1e9")
+    if rate is not None and device.vendor != "cpu":
+        return num_params * rate / 1e9
+    per = ADAMW_FOREACH_BYTES_PER_PARAM if implementation == "foreach" else ADAMW_FUSED_BYTES_PER_PARAM
+    return num_params * per / prof.memory_bandwidth
+
+
+def loss_time(logits: float, *, logits_bytes: int, profile: ComputeProfile) -> tuple[float, float]:
+    """``(forward, backward)`` seconds of cross-entropy over ``logits`` elements held in ``logits_bytes``
+    bytes each: the upcast of 16-bit logits to fp32 (``.float()`` or autocast's fp32 loss) and its
+    gradient's downcast, ``log_softmax`` (:data:`SOFTMAX_PASS_BYTES` each way), the zero gradient
+    ``nll_loss`` writes (:data:`NLL_GRAD_FILL_BYTES`)."""
+    bw = profile.memory_bandwidth
+    _, fd, fu = bandwidth_fractions(profile)
+    up = down = 0.0
+    if logits_bytes < 4:
+        up = logits * (logits_bytes + 4) / (bw * fu)
+        down = logits * (logits_bytes + 4) / (bw * fd)
+    return (up + logits * SOFTMAX_PASS_BYTES / bw,
+            logits * (SOFTMAX_PASS_BYTES + NLL_GRAD_FILL_BYTES) / bw + down)
+
+
+@dataclass(frozen=True, slots=True)
+class KernelsTime:
+    """A block's forward and backward seconds per kind of kernel (device time; launches not applied)."""
+
+    gemm: tuple[float, float] = (0.0, 0.0)
+    """GEMMs meeting :data:`GEMM_ALIGNMENT_BYTES`."""
+    gemm_misaligned: tuple[float, float] = (0.0, 0.0)
+    attention: tuple[float, float] = (0.0, 0.0)
+    memory: tuple[float, float] = (0.0, 0.0)
+    """Element-wise and normalisation kernels."""
+    casts: tuple[float, float] = (0.0, 0.0)
+    """Autocast's casts."""
+
+    @property
+    def forward(self) -> float:
+        return sum(x[0] for x in (self.gemm, self.gemm_misaligned, self.attention, self.memory, self.casts))
+
+    @property
+    def backward(self) -> float:
+        return sum(x[1] for x in (self.gemm, self.gemm_misaligned, self.attention, self.memory, self.casts))
+
+
+def kernels_time(kernels: Any, *, device: DeviceType, precision: Precision | str = Precision.BF16,
+                 batch_ratio: float = 1.0, tp: int = 1, byte_scale: float = 1.0,
+                 profile: ComputeProfile | None = None, autocast: bool = False) -> KernelsTime:
+    """Device seconds of one block by kind of kernel (see :func:`estimate_kernels_time`)."""
+    prof = profile or resolve_compute_profile(device)
+    acc = {"gemm": [0.0, 0.0], "gemm_misaligned": [0.0, 0.0], "attention": [0.0, 0.0], "memory": [0.0, 0.0],
+           "casts": [0.0, 0.0]}
     for g in kernels.gemms:
         m, k, n, batch = g.m, g.k, g.n, g.batch
         if batch > 1:
@@ -234,17 +373,59 @@ def estimate_kernels_time(kernels: Any, *, device: DeviceType, precision: Precis
             batch = batch / tp
         f, b = gemm_train_time(m, k, n, device=device, profile=prof, precision=precision, batch=batch,
                                grad_input=g.grad_input, grad_weight=g.grad_weight)
-        fwd, bwd = fwd + f, bwd + b
+        kind = acc["gemm"] if Precision(precision) is Precision.FP32 or gemm_aligned(k, n, precision) \
+            else acc["gemm_misaligned"]
+        kind[0] += f
+        kind[1] += b
     for a in kernels.attention:
         f, b = attention_train_time(a.batch_heads * batch_ratio / tp, a.q_len, a.kv_len, a.head_dim, a.v_dim,
                                     a.causal, device=device, profile=prof, precision=precision,
                                     needs_grad=a.needs_grad)
-        fwd, bwd = fwd + f, bwd + b
-    mem = memory_bound_time(kernels.memory_bytes * batch_ratio * byte_scale / tp, prof)
-    fwd += mem
-    bwd += MEMORY_BOUND_BACKWARD_RATIO * mem
+        acc["attention"][0] += f
+        acc["attention"][1] += b
+    amp = getattr(kernels, "amp", None)
+    if autocast and amp is not None:
+        bw = prof.memory_bandwidth
+        _, fd, fu = bandwidth_fractions(prof)
+        down, up = bw * fd, bw * fu
+        cast = 4 + precision_bytes(precision)  # bytes per element of one cast (read fp32, write 16-bit)
+        acc["memory"] = [memory_bound_time(amp.amp_fwd * batch_ratio / tp, prof),
+                         memory_bound_time(amp.amp_bwd * batch_ratio / tp, prof)]
+        acc["casts"] = [cast * (amp.cast_param / down + (amp.cast_act * batch_ratio / down
+                                                          + amp.upcast_act * batch_ratio / up) / tp),
+                        cast * (amp.cast_param_grad / up + (amp.cast_act_grad * batch_ratio / up
+                                                             + (amp.upcast_act + amp.mixed_grad_casts)
+                                                             * batch_ratio / down) / tp)]
+    else:
+        fwd_bytes = kernels.memory_bytes * batch_ratio * byte_scale / tp
+        bwd_bytes = (MEMORY_BOUND_BACKWARD_RATIO * kernels.memory_bytes if kernels.memory_bytes_bwd is None
+                     else kernels.memory_bytes_bwd) * batch_ratio * byte_scale / tp
+        acc["memory"] = [memory_bound_time(fwd_bytes, prof), memory_bound_time(bwd_bytes, prof)]
+    return KernelsTime(**{k: (v[0], v[1]) for k, v in acc.items()})
+
+
+def estimate_kernels_time(kernels: Any, *, device: DeviceType, precision: Precision | str = Precision.BF16,
+                          batch_ratio: float = 1.0, tp: int = 1, byte_scale: float = 1.0,
+                          profile: ComputeProfile | None = None, autocast: bool = False) -> tuple[float, float]:
+    """``(forward, backward)`` seconds of one block from its :class:`~whalepy.ir.profile.BlockKernels`.
+
+    ``batch_ratio`` scales the recorded batch (micro-batch / profiled batch); ``tp > 1`` divides the
+    sharded GEMM dimension, the attention heads and the memory-bound bytes by ``tp`` (the block runs
+    tensor-parallel); ``byte_scale`` converts memory-bound bytes from the profiled dtype to the
+    training precision. ``autocast``: the block runs under ``torch.autocast`` over fp32 parameters (the
+    runtime's DDP and single-device paths in 16-bit): memory-bound bytes in the dtypes autocast gives
+    each tensor, plus its casts (``whalepy.passes.autocast``). Each phase takes ``max(device time,
+    launches * launch_overhead_s)``.
+    """
+    prof = profile or resolve_compute_profile(device)
+    t = kernels_time(kernels, device=device, precision=precision, batch_ratio=batch_ratio, tp=tp,
+                     byte_scale=byte_scale, profile=prof, autocast=autocast)
+    amp = getattr(kernels, "amp", None)
+    extra_f = amp.cast_launches_fwd if autocast and amp is not None else 0
+    extra_b = amp.cast_launches_bwd if autocast and amp is not None else 0
     bwd_launch = prof.launch_overhead_s if prof.launch_backward_overhead_s is None else prof.launch_backward_overhead_s
-    return (max(fwd, kernels.ops_fwd * prof.launch_overhead_s), max(bwd, kernels.ops_bwd * bwd_launch))
+    return (max(t.forward, (kernels.ops_fwd + extra_f) * prof.launch_overhead_s),
+            max(t.backward, (kernels.ops_bwd + extra_b) * bwd_launch))
 
 
 # -- fitting ----------------------------------------------------------------------------------------------

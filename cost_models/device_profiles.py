@@ -98,6 +98,11 @@ class ComputeProfile:
     """The same per backward kernel (autograd engine + launch); None: ``launch_overhead_s``."""
     fit_rms_log_error: float | None = None
     """RMS of ``log(predicted / measured)`` over the GEMM rows the fit used."""
+    bandwidth_measured: bool = False
+    """``memory_bandwidth`` is a measured streaming kernel (``whalepy calibrate``'s 1 GiB ``add``), not
+    the datasheet times :data:`MEMORY_BANDWIDTH_EFFICIENCY` (which already stands for framework
+    element-wise kernels): the compute model then applies the measured fractions eager kernels reach
+    of it (:data:`~whalepy.cost_models.compute.ELEMENTWISE_BANDWIDTH_FRACTION`)."""
     extra: tuple[tuple[str, float], ...] = ()
     """Other measured rates (optimizer steps, host link, disk, collectives): name -> value."""
     measured: Any = dataclasses.field(default=None, compare=False, hash=False)
@@ -166,7 +171,7 @@ def profile_from_dict(data: dict[str, Any], *, source: str, device: DeviceType |
         attention_efficiency=float(fit["attention_efficiency"]),
         launch_overhead_s=float(fit["launch_overhead_s"]), fit_rms_log_error=fit.get("rms_log_error"),
         launch_backward_overhead_s=fit.get("launch_backward_overhead_s"),
-        extra=extra)
+        bandwidth_measured=bool(data.get("measurements", {}).get("memory")), extra=extra)
 
 
 @functools.lru_cache(maxsize=None)

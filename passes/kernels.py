@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from whalepy.passes.autocast import memory_bound
 from whalepy.passes.shapes import VIEW_OPS, op_name, requires_grad
 from whalepy.ir.plan import TPStyle
 from whalepy.ir.profile import AttentionShape, BlockKernels, GemmShape
@@ -80,9 +81,31 @@ def _attention(node: fx.Node) -> AttentionShape | None:
     # aten variants (_scaled_dot_product_flash_attention[_for_cpu]) take (q, k, v, dropout_p, is_causal)
     pos = 5 if target.startswith("scaled_dot_product_attention") or "attn_mask" in node.kwargs else 4
     causal = node.kwargs.get("is_causal", node.args[pos] if len(node.args) > pos else False)
+    mask = node.kwargs.get("attn_mask", node.args[3] if pos == 5 and len(node.args) > 3 else None)
+    if not causal and sq[-2] == sk[-2] and isinstance(mask, fx.Node) and _positional(mask):
+        # a mask built from positions alone (HF's causal mask without padding): transformers passes
+        # ``is_causal=True`` and no mask to SDPA when the mask is purely causal (``sdpa_mask``'s
+        # ``allow_is_causal_skip``), and a sliding window skips at least as many tiles
+        causal = True
     return AttentionShape(batch_heads=int(math.prod(sq[:-2])), q_len=sq[-2], kv_len=sk[-2], head_dim=sq[-1],
                           v_dim=sv[-1], causal=bool(causal),
                           needs_grad=requires_grad(q) or requires_grad(k) or requires_grad(v))
+
+
+def _positional(mask: fx.Node) -> bool:
+    """Whether ``mask`` depends on no data input of the model (only on shapes, positions, constants)."""
+    seen, todo = set(), [mask]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder" and "whalepy.param" not in n.meta and "whalepy.buffer" not in n.meta:
+            v = n.meta.get("val")
+            if isinstance(v, torch.Tensor):
+                return False
+        todo.extend(n.all_input_nodes)
+    return True
 
 
 def _grad_inputs(node: fx.Node) -> int:
@@ -98,7 +121,6 @@ def block_kernels(gm: fx.GraphModule, num_blocks: int, rules: Sequence[Sequence[
     styles = [{r.module: r.style for r in rs} for rs in rules]
     gemms: list[list[GemmShape]] = [[] for _ in range(num_blocks)]
     attn: list[list[AttentionShape]] = [[] for _ in range(num_blocks)]
-    mem = [0.0] * num_blocks
     fwd_ops = [0] * num_blocks
     bwd_ops = [0] * num_blocks
     for node in gm.graph.nodes:
@@ -122,8 +144,9 @@ def block_kernels(gm: fx.GraphModule, num_blocks: int, rules: Sequence[Sequence[
                 bwd_ops[b] += _grad_inputs(node)
                 continue
         if traffic > 0:
-            mem[b] += traffic
             fwd_ops[b] += 1
             bwd_ops[b] += _grad_inputs(node)
-    return [BlockKernels(gemms=tuple(g), attention=tuple(a), memory_bytes=float(m), ops_fwd=f, ops_bwd=bw)
-            for g, a, m, f, bw in zip(gemms, attn, mem, fwd_ops, bwd_ops)]
+    mb = memory_bound(gm, num_blocks, lambda n: op_name(n) not in _GEMM_OPS and op_name(n) != "sdpa")
+    return [BlockKernels(gemms=tuple(g), attention=tuple(a), memory_bytes=m.fwd, memory_bytes_bwd=m.bwd, amp=m,
+                         ops_fwd=f, ops_bwd=bw)
+            for g, a, m, f, bw in zip(gemms, attn, mb, fwd_ops, bwd_ops)]

@@ -102,6 +102,12 @@ class BlockKernels:
     ops_bwd: int = 0
     """Kernel launches of the backward: one per input of a forward node that needs a gradient (an
     estimate; see ``whalepy.passes.kernels``)."""
+    memory_bytes_bwd: float | None = None
+    """Bytes of the backward's memory-bound kernels (``whalepy.passes.autocast``); None:
+    :data:`~whalepy.cost_models.compute.MEMORY_BOUND_BACKWARD_RATIO` times the forward's."""
+    amp: Any = None
+    """The same under ``torch.autocast`` over fp32 parameters, and autocast's casts: a
+    :class:`whalepy.passes.autocast.MemoryBound` (None: not recorded; the 16-bit figures are used)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -13,7 +13,7 @@ from whalepy.cost_models.memory import inflight_microbatches
 from whalepy.cost_models.offload import host_capacity_per_gpu, nvme_capacity_per_gpu
 from whalepy.ir.plan import ZeroStage
 from whalepy.planner._coeffs import CellCoeffs
-from whalepy.planner._cost_context import LOSS_LOGPROB_BYTES, CostContext, _pair_link
+from whalepy.planner._cost_context import LOSS_BACKWARD_FP32_TENSORS, LOSS_LOGPROB_BYTES, CostContext, _pair_link
 from whalepy.planner._offload_costs import (
     activation_offload_coefficients,
     checkpoint_offload_coefficients,
@@ -59,18 +59,20 @@ def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: i
                                      virtual_stages=v)
     mkey = memo and (memo[1], g.index, share, tp_group)
     if memo is not None and mkey in memo[0]:
-        opt_beta, opt_overlap, fetch_beta, seg_exposed, edge, seg_tail, tail_edge, autocast_bytes = memo[0][mkey]
+        (opt_beta, opt_overlap, fetch_beta, seg_exposed, edge, seg_tail, tail_edge, autocast_bytes,
+         seg_autocast) = memo[0][mkey]
     else:
-        opt_beta, opt_overlap, fetch_beta, seg_exposed, edge, seg_tail, tail_edge, autocast_bytes = \
-            _cell_options(ctx, cand, segments, g, allowed, dp_comm, tile_extra, seg_fwd, seg_bwd, seg_input)
+        (opt_beta, opt_overlap, fetch_beta, seg_exposed, edge, seg_tail, tail_edge, autocast_bytes,
+         seg_autocast) = _cell_options(ctx, cand, segments, g, allowed, dp_comm, tile_extra, seg_fwd, seg_bwd,
+                                       seg_input, mb)
         if memo is not None:
             memo[0][mkey] = (opt_beta, opt_overlap, fetch_beta, seg_exposed, edge, seg_tail, tail_edge,
-                             autocast_bytes)
+                             autocast_bytes, seg_autocast)
     loss_bytes = 0.0
     if s == S - 1 and ctx.profile.blocks:
         out = ctx.profile.blocks[-1].output_bytes * ratio
         elem = torch.finfo(getattr(torch, ctx.profile.dtype)).bits // 8
-        loss_bytes = out * ctx.byte_scale + out / elem * LOSS_LOGPROB_BYTES
+        loss_bytes = out * ctx.byte_scale + LOSS_BACKWARD_FP32_TENSORS * out / elem * LOSS_LOGPROB_BYTES
     cpu_cap = host_capacity_per_gpu(g.cpu_memory_bytes, g.gpus_per_node)
     nvme_cap = nvme_capacity_per_gpu(g.nvme_capacity_bytes, g.gpus_per_node)
     hkey = ("host copies", g.index, tuple(seg_saved), tuple(seg_input), inflight, v)
@@ -86,20 +88,24 @@ def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: i
                       chunk_p2p=chunk_p2p, inflight=inflight, opt_beta=opt_beta, opt_overlap=opt_overlap,
                       fetch_beta=fetch_beta,
                       seg_exposed=seg_exposed, edge=edge, seg_tail=seg_tail, tail_edge=tail_edge,
-                      autocast_bytes=autocast_bytes, loss_bytes=loss_bytes, seg_offload=seg_offload,
+                      autocast_bytes=autocast_bytes, seg_autocast=seg_autocast, loss_bytes=loss_bytes,
+                      seg_offload=seg_offload,
                       seg_host=seg_host, seg_ckoff=seg_ckoff, seg_ckhost=seg_ckhost)
 
 
 def _cell_options(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], g: GroupView,  # type: ignore[no-untyped-def]
-                  allowed: tuple[StateOption, ...], dp_comm: DPComm, tile_extra, seg_fwd, seg_bwd, seg_input):
+                  allowed: tuple[StateOption, ...], dp_comm: DPComm, tile_extra, seg_fwd, seg_bwd, seg_input,
+                  micro_batch: float):
     """A cell's per-option coefficients: optimizer step, fetches, exposed data-parallel communication per
-    block and at the edges, autocast's copies."""
+    block and at the edges, autocast's copies, and autocast's extra compute per block (charged with
+    ``seg_exposed``, so every consumer of the coefficients sees it; ``seg_autocast`` keeps it apart
+    for the plan's breakdown)."""
     t, d, S = cand.tp, cand.dp, cand.num_stages
     key = ("offload", g.index, d, t, S, allowed)
     if key not in ctx._cache:  # the same for every cell of this group and degrees, across candidates
         ctx._cache[key] = offload_coefficients(ctx, cand, g, allowed)
     opt_beta, opt_overlap, fetch_beta = ctx._cache[key]  # type: ignore[misc]
-    seg_exposed, edge, seg_tail, tail_edge, autocast_bytes = {}, {}, {}, {}, {}
+    seg_exposed, edge, seg_tail, tail_edge, autocast_bytes, seg_autocast = {}, {}, {}, {}, {}, {}
     pipelined = S > 1
     for o in allowed:
         kind, z3 = lowering_kind(o, cand), o.zero is ZeroStage.PARAMETERS
@@ -110,6 +116,12 @@ def _cell_options(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ..
             seg_exposed[o] = [x + e for x, e in zip(seg_exposed[o], tile_extra[o])]
         seg_tail[o] = [r[1] for r in rows]
         edge[o], tail_edge[o] = dp_edges(kind, z3, pipelined, dp_comm, o.reduce_each) if rows else (0.0, 0.0)
-        autocast_bytes[o] = (sum(seg.length * x for seg, x in zip(segments, seg_input))
-                             if uses_autocast(kind, ctx.precision) else 0.0)
-    return opt_beta, opt_overlap, fetch_beta, seg_exposed, edge, seg_tail, tail_edge, autocast_bytes
+        autocast_bytes[o] = (sum(seg.length * ctx.autocast_saved_extra(seg.block.index, micro_batch)
+                                 for seg in segments) if uses_autocast(kind, ctx.precision) else 0.0)
+        if uses_autocast(kind, ctx.precision):  # autocast's fp32 tensors and casts, per block (compute)
+            extra = [ctx.autocast_extra(seg.block.index, g.device.name, t, micro_batch) for seg in segments]
+            seg_exposed[o] = [x + e for x, e in zip(seg_exposed[o], extra)]
+            seg_autocast[o] = extra
+        else:
+            seg_autocast[o] = [0.0] * len(segments)
+    return opt_beta, opt_overlap, fetch_beta, seg_exposed, edge, seg_tail, tail_edge, autocast_bytes, seg_autocast

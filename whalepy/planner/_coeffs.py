@@ -68,6 +68,9 @@ class CellCoeffs:
     """Per option: activation bytes autocast keeps beyond the 16-bit ones, the fp32 residual input of
     every block (``2 sbh`` per GPT block, measured; see ``AUTOCAST_WEIGHT_COPY_BYTES``). Autocast
     applies only without pipelining, so the stage holds every block and this is a constant."""
+    seg_autocast: dict[StateOption, list[float]] | None = None
+    """Per option, per block: the part of ``seg_exposed`` that is autocast's compute (fp32 tensors and
+    casts, ``CostContext.autocast_extra``), not communication: reported as compute."""
     seg_offload: list[float] | None = None
     """Per block: exposed seconds per micro-batch of keeping its saved activations in host memory
     (:func:`~whalepy.cost_models.offload.estimate_activation_offload_time`); None where the group has

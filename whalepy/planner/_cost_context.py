@@ -13,7 +13,8 @@ import torch
 
 from whalepy.ir.rules import tp_splits
 from whalepy.cost_models.communication import Collective, CommGroup, Link, estimate_collective_time
-from whalepy.cost_models.compute import estimate_block_time, estimate_kernels_time, precision_bytes
+from whalepy.cost_models.compute import estimate_block_time, estimate_kernels_time, loss_time, precision_bytes
+from whalepy.cost_models.device_profiles import resolve_compute_profile
 from whalepy.ir.plan import TPStyle
 from whalepy.planner.runtime_costs import DPComm, build_dp_block_comm
 from whalepy.planner.space import GroupView, Hardware, Segment
@@ -42,7 +43,14 @@ fraction applies Korthikanti's split to it."""
 LOSS_LOGPROB_BYTES = 4
 """Bytes per output element cross-entropy keeps for backward: its log-softmax, in fp32 (autocast runs
 ``cross_entropy`` / ``log_softmax`` in fp32). The profile captures the model, not the user's loss, so
-the last stage is charged its output plus this."""
+the last stage is charged its output plus ``LOSS_BACKWARD_FP32_TENSORS`` of these."""
+
+LOSS_BACKWARD_FP32_TENSORS = 3
+"""fp32 tensors of the logits' size alive at once in the loss's backward, the step's activation peak
+(every block's activations are still held): the saved log-probabilities, the zero-filled gradient
+``nll_loss_backward`` scatters into, and the input gradient ``log_softmax_backward_data`` writes
+(PyTorch's ``aten/src/ATen/native/LossNLL.cpp``, ``SoftMax.cpp``); the model's own 16-bit (or fp32)
+output is held too."""
 
 
 def has_sequence_rules(profile: ModelProfile) -> bool:
@@ -76,6 +84,7 @@ class CostContext:
         # keeps activations, communicated tensors and weight reads in the training precision.
         self.byte_scale = precision_bytes(precision) / (torch.finfo(getattr(torch, profile.dtype)).bits // 8)
         self.block_time = functools.lru_cache(maxsize=None)(self._block_time)
+        self.autocast_extra = functools.lru_cache(maxsize=None)(self._autocast_extra)
         self.collective = functools.lru_cache(maxsize=None)(self._collective)
         # per-segment costs repeat across the stages and candidates of a run: computed once each, keyed
         # by the segments' identity (hashing them would hash every block profile); _kept keeps them alive
@@ -146,8 +155,10 @@ class CostContext:
         device = next(g.device for g in self.hw.groups if g.device.name == device_name)
         ratio = micro_batch / self.profile.batch_size
         if b.kernels is not None:
-            return estimate_kernels_time(b.kernels, device=device, precision=self.precision, batch_ratio=ratio,
-                                         tp=div, byte_scale=self.byte_scale)
+            fwd, bwd = estimate_kernels_time(b.kernels, device=device, precision=self.precision, batch_ratio=ratio,
+                                             tp=div, byte_scale=self.byte_scale)
+            lf, lb = self.loss_time(block_index, device_name, micro_batch)
+            return fwd + lf, bwd + lb
         act_bytes = max(0.0, b.bytes_moved - b.param_bytes) * ratio
         t = estimate_block_time(forward_flops=b.fwd_flops * ratio / div,
                                 forward_bytes=(b.param_bytes + act_bytes) * self.byte_scale / div, device=device,
@@ -199,6 +210,42 @@ class CostContext:
         """Forward + backward seconds of one sample through the whole model on one device."""
         return sum(sum(self.block_time(i, device.device.name, 1, 1.0)) for i in range(len(self.profile.blocks)))
 
+    def loss_time(self, block_index: int, device_name: str, micro_batch: float) -> tuple[float, float]:
+        """The loss's forward and backward seconds, charged to the last block (cross-entropy over its
+        output, :func:`~whalepy.cost_models.compute.loss_time`, as ``LOSS_LOGPROB_BYTES`` assumes)."""
+        if block_index != len(self.profile.blocks) - 1:
+            return 0.0, 0.0
+        b = self.profile.blocks[block_index]
+        device = next(g.device for g in self.hw.groups if g.device.name == device_name)
+        elem = torch.finfo(getattr(torch, self.profile.dtype)).bits // 8
+        logits = b.output_bytes / elem * micro_batch / self.profile.batch_size
+        return loss_time(logits, logits_bytes=precision_bytes(self.precision), profile=resolve_compute_profile(device))
+
+    def _autocast_extra(self, block_index: int, device_name: str, tp: int, micro_batch: float) -> float:
+        """Seconds one block's forward + backward takes beyond :meth:`block_time` when it runs under
+        ``torch.autocast`` over fp32 parameters (fp32 tensors where autocast keeps them, its casts), for
+        the options the runtime lowers that way (``_runtime_costs.uses_autocast``); 0 in fp32."""
+        b = self.profile.blocks[block_index]
+        if self.precision == "fp32" or b.kernels is None or b.kernels.amp is None:
+            return 0.0
+        div = tp if tp_splits(b, tp) else 1
+        if self.measured_block_time(block_index, device_name, div, micro_batch) is not None:
+            return 0.0  # a measured time already holds what the runtime ran, autocast's casts included
+        device = next(g.device for g in self.hw.groups if g.device.name == device_name)
+        kw = dict(device=device, precision=self.precision, batch_ratio=micro_batch / self.profile.batch_size,
+                  tp=div, byte_scale=self.byte_scale)
+        plain = sum(estimate_kernels_time(b.kernels, **kw))  # type: ignore[arg-type]
+        return max(0.0, sum(estimate_kernels_time(b.kernels, autocast=True, **kw)) - plain)  # type: ignore[arg-type]
+
+    def autocast_saved_extra(self, block_index: int, micro_batch: float) -> float:
+        """Bytes one block keeps for backward under autocast beyond its 16-bit figure (fp32 tensors where
+        autocast keeps them, a cast copy per 16-bit op of an fp32 input; ``whalepy.passes.autocast``);
+        its 16-bit input (the fp32 residual's extra half) where the block has no such record."""
+        b = self.profile.blocks[block_index]
+        ratio = micro_batch / self.profile.batch_size
+        if b.kernels is None or b.kernels.amp is None:
+            return b.input_bytes * ratio * self.byte_scale
+        return max(0.0, b.kernels.amp.amp_saved - b.activation_bytes * self.byte_scale) * ratio
 
 def _measured_by_device(profile: ModelProfile, hw: Hardware) -> dict:  # type: ignore[type-arg]
     """Per device type of the cluster, the measured costs: the profile's own (``measure=True``, for the

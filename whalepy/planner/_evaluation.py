@@ -273,6 +273,8 @@ def evaluate_stage(sc: StageCoeffs, chunk_counts: Sequence[Sequence[int]], chunk
                    + off_s)
         comm = sum(n * x for n, x in zip(counts, c.seg_comm))
         exposed = sum(n * e for o, ns in parts for n, e in zip(ns, c.seg_exposed[o])) + v * c.edge[option]
+        amp_s = (sum(n * e for o, ns in parts for n, e in zip(ns, c.seg_autocast[o]))
+                 if c.seg_autocast is not None else 0.0)
         fetch = per_param(c.fetch_beta)
         backward = sum(n * x for n, x in zip(counts, c.seg_bwd))  # the last micro-batch's, hides ZeRO-Offload
         time_s = max(compute + exposed, fetch) + c.p2p
@@ -296,7 +298,8 @@ def evaluate_stage(sc: StageCoeffs, chunk_counts: Sequence[Sequence[int]], chunk
         sync_s = (sum(n * x for o, ns in parts for n, x in zip(ns, c.seg_tail[o])) + c.tail_edge[option]
                   + post)
         cells.append(CellEval(
-            cell=c, compute_s=compute - comm - off_s, comm_s=comm + c.p2p, dp_exposed_s=exposed, fetch_s=fetch,
+            cell=c, compute_s=compute - comm - off_s + amp_s, comm_s=comm + c.p2p, dp_exposed_s=exposed - amp_s,
+            fetch_s=fetch,
             time_s=time_s, chunk_time_s=chunk_time, exposed_sync_s=sync_s if dp > 1 else 0.0,
             opt_s=per_param(c.opt_beta) + max(0.0, per_param(c.opt_overlap) - backward),
             memory_bytes=max(states - freed + act, states) + buffers,

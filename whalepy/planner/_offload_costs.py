@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from whalepy.ir.rules import LoweringKind, host_steps_after_backward
-from whalepy.cost_models.compute import estimate_compute_time, precision_bytes
+from whalepy.cost_models.compute import adamw_step_time, precision_bytes
 from whalepy.cost_models.memory import MASTER_GRAD_BYTES, MASTER_PARAM_BYTES
 from whalepy.cost_models.offload import (
     OffloadRates,
@@ -28,13 +28,11 @@ from whalepy.planner.space import Candidate, GroupView, StateOption
 if TYPE_CHECKING:
     from whalepy.planner.costing import CellEval, CostContext, StageEval
 
-ADAM_FLOPS_PER_PARAM = 12.0
-"""Element-wise operations of one mixed-precision Adam update per parameter (moments, bias
-correction, square root, division, weight update)."""
-
-ADAM_BYTES_PER_PARAM = 28.0
-"""Device-memory traffic of one Adam update per parameter: read fp32 master, momentum and variance
-(12) and the 16-bit gradient (2); write the three fp32 tensors (12) and the 16-bit parameter (2)."""
+DEVICE_OPTIMIZER_IMPLEMENTATION = "foreach"
+"""The AdamW implementation a stage's device optimizer runs: the runtime builds the user's optimizer as
+given (``ParallelModel``; only host-resident parameters get the fused CPU kernel, ``fused_variant``),
+and torch's ``AdamW`` defaults to ``foreach`` on CUDA tensors (``torch/optim/optimizer.py``,
+``_default_to_fused_or_foreach``: fused is never the default)."""
 
 
 def group_rates(g: GroupView) -> OffloadRates:
@@ -51,8 +49,9 @@ def offload_coefficients(ctx: CostContext, cand: Candidate, g: GroupView, allowe
     n = 1e9
     gpu_step = ctx.optimizer_s_per_param(g.device.name)  # measured on this device type, if it was
     if gpu_step is None:
-        gpu_step = estimate_compute_time(flops=ADAM_FLOPS_PER_PARAM * n, bytes_moved=ADAM_BYTES_PER_PARAM * n,
-                                         device=g.device, precision="fp32") / n
+        # the device step of the implementation the runtime builds: the user's optimizer as given, which for
+        # torch.optim.AdamW on CUDA is its default `foreach` implementation (the profile's measured rate)
+        gpu_step = adamw_step_time(n, g.device, implementation=DEVICE_OPTIMIZER_IMPLEMENTATION) / n
     rates = None
     if any(o.param_tier is not Tier.GPU or o.optimizer_tier is not Tier.GPU for o in allowed):
         rates = group_rates(g)

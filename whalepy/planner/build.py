@@ -9,6 +9,7 @@ import math
 from whalepy.errors import InfeasibleError
 from whalepy.cost_models.compute import peak_flops
 from whalepy.cost_models.device_profiles import compute_profile_notes
+from whalepy.planner._shape_advice import shape_notes
 from whalepy.cost_models.devices import GIB
 from whalepy.ir.plan import (
     Alternative,
@@ -162,7 +163,9 @@ def build_plan(ev: Evaluation, *, ctx: CostContext, global_batch: int, result: S
                 num_microbatches=M, schedule=cand.schedule, virtual_stages=cand.virtual_stages,
                 batch_shares=cand.batch_shares, stages=tuple(stages), tensor_parallel=tuple(dict.fromkeys(rules)),
                 cost=cost, solver=report, alternatives=alternatives,
-                notes=tuple(notes) + compute_profile_notes(g.device for g in hw.groups),
+                notes=tuple(notes) + compute_profile_notes(g.device for g in hw.groups)
+                + tuple(shape_notes(ctx, tp=cand.tp, micro_batch=global_batch / (cand.dp * M), microbatches=M,
+                                    step_s=step)),
                 precision=Precision(ctx.precision))
 
 

@@ -31,8 +31,8 @@ after TP:
   the last backward) plus the last block's, plus ZeroRedundancyOptimizer's parameter all-gather after
   the step. The ``tp`` DP groups of a stage share each node's NIC, so their inter-node bandwidth is
   divided by ``tp``;
-- ``opt``: the optimizer step on the GPU (roofline of :data:`~whalepy.planner._offload_costs.ADAM_FLOPS_PER_PARAM` /
-  :data:`~whalepy.planner._offload_costs.ADAM_BYTES_PER_PARAM`), or off it as :mod:`whalepy.cost_models.offload` prices each mode:
+- ``opt``: the optimizer step on the GPU (:func:`~whalepy.cost_models.compute.adamw_step_time` of the
+  implementation the runtime builds, ``foreach``: the profile's measured rate), or off it as :mod:`whalepy.cost_models.offload` prices each mode:
   ZeRO-Offload (parameters on the GPU, optimizer on the host) streams gradients down and steps on the
   CPU beside the last micro-batch's backward, exposed only past it (under fp16 or clipping the CPU
   step comes after the backward, exposed in full), then copies parameters back;
