@@ -151,15 +151,15 @@ def _dropout_noop(node: fx.Node) -> bool:
     return not train or p == 0
 
 
-def _grad_users(node: fx.Node) -> int:
-    """Ops that consume ``node`` (through views) and need its gradient."""
-    k = 0
+def _grad_users(node: fx.Node) -> list[fx.Node]:
+    """Ops that consume ``node`` (through views) and need its gradient, in graph order."""
+    out: list[fx.Node] = []
     for u in node.users:
         if op_name(u) in VIEW_OPS:
-            k += _grad_users(u)
+            out += _grad_users(u)
         elif requires_grad(u):
-            k += 1
-    return k
+            out.append(u)
+    return out
 
 
 def memory_bound(gm: fx.GraphModule, num_blocks: int, is_memory_node) -> list[MemoryBound]:  # type: ignore[no-untyped-def]
@@ -242,11 +242,18 @@ def memory_bound(gm: fx.GraphModule, num_blocks: int, is_memory_node) -> list[Me
             if isinstance(bias, fx.Node) and requires_grad(bias):
                 m.bwd += float(nbytes(node.meta.get("val")))
                 m.amp_bwd += float(numel(node.meta.get("val")) * LOW_BYTES)
-        # gradient accumulation over several users
-        k = _grad_users(node)
-        if k > 1 and name not in VIEW_OPS:
-            m.bwd += 3.0 * (k - 1) * nbytes(node.meta.get("val"))
-            m.amp_bwd += 3.0 * (k - 1) * _bytes(node, low, True)
+        # gradient accumulation over several users: each user past the first adds its gradient in its
+        # own backward, so each is charged to its own block (a layer's output is accumulated in the next
+        # layer's backward; T5's position bias in every layer that reads it): every layer of a run is
+        # then charged alike, whatever block precedes or follows it
+        users = _grad_users(node)
+        if len(users) > 1 and name not in VIEW_OPS:
+            one, one_amp = 3.0 * nbytes(node.meta.get("val")), 3.0 * _bytes(node, low, True)
+            for u in users[1:]:
+                ub = u.meta.get("whalepy.block")
+                acc = out[ub] if isinstance(ub, int) and 0 <= ub < num_blocks else m
+                acc.bwd += one
+                acc.amp_bwd += one_amp
     return out
 
 

@@ -193,7 +193,7 @@ class _Propagation:
             for user in node.users:
                 if user.op == "output" or user.meta.get("whalepy.block", self.block) != self.block:
                     if not self._logits(gid, node, dim):
-                        self.groups.spoil([gid], f"sharded {node} leaves the block")
+                        self.groups.spoil([gid], f"a sharded {op_name(node)} output leaves the block")
 
     def _logits(self, gid: int, node: fx.Node, dim: int) -> bool:
         grp = self.groups.get(gid)
@@ -236,7 +236,7 @@ class _Propagation:
         self.reason = None
         result = handler(node, ins) if handler is not None else None
         if result is None:
-            self.groups.spoil(gids, self.reason or f"{name} at {node}")
+            self.groups.spoil(gids, self.reason or f"{name} does not keep the sharding")
             return
         dim, extra = result
         root = self.groups.union(gids)
@@ -253,7 +253,7 @@ class _Propagation:
         others = [a for a in node.all_input_nodes if a is not x and a in self.state]
         if others:
             self.groups.spoil([self.state[a][1] for a in others] + ([st[1]] if st else []),
-                              f"sharded weight at {node}")
+                              f"sharded weight in {op_name(node)}")
             return
         out = val(node)
         if st is None:
@@ -269,7 +269,7 @@ class _Propagation:
         elif st[0] < cdim and out.ndim == val(x).ndim:
             self.state[node] = st  # linear over an unsharded dim (per-head projection)
         else:
-            self.groups.spoil([st[1]], f"{node} sharded on a row dim")
+            self.groups.spoil([st[1]], f"{op_name(node)} sharded on a row dim")
 
     # -- shape ops ----------------------------------------------------------------------------
 
@@ -308,7 +308,7 @@ class _Propagation:
         src, dim, _ = ins[0]
         at = norm_dim(arg(node, 1, "dim", 0), val(src).ndim)
         if at == dim and val(node).shape[dim] != val(src).shape[dim]:
-            self.reason = (f"fused layout unsupported: {node} takes a part of the sharded features "
+            self.reason = (f"fused layout unsupported: {op_name(node)} takes a part of the sharded features "
                            f"({val(node).shape[dim]} of {val(src).shape[dim]}) by slicing")
             return None
         return dim, None
@@ -329,7 +329,7 @@ class _Propagation:
             sizes = [int(v.shape[dim]) for v in val(node)]
             source = self._fused_source(src, dim)
             if source is None:
-                self.reason = f"fused layout unsupported: {node} splits features that no single linear layer produced"
+                self.reason = f"fused layout unsupported: {op_name(node)} splits features that no single linear layer produced"
                 return None
             if len(set(sizes)) != 1:
                 self.reason = (f"fused layout unsupported: {as_linear(source)[3]}'s output is split into unequal pieces "
