@@ -38,7 +38,8 @@ from typing import Any
 
 from whalepy.errors import WhalepyError
 
-__all__ = ["MANIFEST", "KILL_POINTS", "last_complete", "resolve", "save_committed", "verify"]
+__all__ = ["MANIFEST", "KILL_POINTS", "begin_commit", "finish_commit", "last_complete", "resolve", "save_committed",
+           "verify"]
 
 MANIFEST = "whalepy-checkpoint.json"
 VERSION = 1
