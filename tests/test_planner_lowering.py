@@ -107,8 +107,8 @@ def _cluster(per_node: int, nodes: int) -> whalepy.ClusterSpec:
 MIXED_MEMORY_GB = 0.0004
 """400 kB per simulated device: the test GPT's states (30k parameters, 16 bytes each, halved by ZeRO-2
 over two ranks) with its activations fit only if some blocks keep their optimizer states in files (the
-all-device plan needs 457 kB since the memory model counts saved tensors op by op: 500 kB, the value
-before, now fits it whole)."""
+all-device plan needs 457 kB under the memory model as it is now; 500 kB, the value before the H200
+work's activation accounting, fits it whole)."""
 
 
 def _nvme_cluster(memory_gb: float) -> whalepy.ClusterSpec:
