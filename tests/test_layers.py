@@ -43,9 +43,6 @@ ALLOWED_UP = {
 """(importer, imported) pairs allowed to point up a layer. Only shrinks."""
 
 ALLOWED_CYCLES = [
-    # cluster.py holds NodeGroup and ClusterSpec; the schema reads dicts into NodeGroups and ClusterSpec
-    # calls it: cut when cluster.py splits into nodes and spec (architecture.md 4.4)
-    ["whalepy.hardware.cluster", "whalepy.hardware.schema"],
     # _cells / _offload_costs import back through costing's re-exports (architecture.md 4.4 (f))
     ["whalepy.planner._cells", "whalepy.planner._offload_costs", "whalepy.planner.costing"],
 ]
