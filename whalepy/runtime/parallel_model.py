@@ -443,6 +443,7 @@ class ParallelModel:
     def _check_batch(self, inputs: tuple) -> None:
         """Inputs a pipeline can run (the shapes it was built for) and the model can take (as many as the
         example inputs, with as many dims, its positions and its token ids)."""
+        shapes = self._batch.example_shapes
         if len(inputs) != self._batch.num_inputs:
             raise ArgumentError(f"train_step: got {len(inputs)} model inputs, the example inputs had "
                                 f"{self._batch.num_inputs}; pass the inputs as a tuple like example_inputs and the "
@@ -452,10 +453,10 @@ class ParallelModel:
                 continue
             if x.device.type == "meta":
                 raise ArgumentError(f"train_step: inputs[{i}] is on the meta device (no data); pass real tensors")
-            if i < len(self._batch.example_shapes) and x.dim() != len(self._batch.example_shapes[i]) + 1:
+            if i < len(shapes) and x.dim() != len(shapes[i]) + 1:
                 raise ArgumentError(
                     f"train_step: inputs[{i}] has shape {tuple(x.shape)}, {x.dim()} dims where the example input had "
-                    f"{len(self._batch.example_shapes[i]) + 1} (batch, {', '.join(map(str, self._batch.example_shapes[i]))}); "
+                    f"{len(shapes[i]) + 1} (batch, {', '.join(map(str, shapes[i]))}); "
                     "pass batches shaped like the example inputs")
             if i == 0:
                 check_token_ids(x, self._batch.vocab, "train_step", "inputs[0]")
@@ -465,11 +466,11 @@ class ParallelModel:
                 raise ArgumentError(
                     f"train_step: inputs[{i}] has {x.shape[1]} tokens per sample but the model has "
                     f"{self._batch.max_positions[0]} positions ({self._batch.max_positions[1]}); shorten the sequences")
-            if self.schedule is not None and i < len(self._batch.example_shapes) \
-                    and tuple(x.shape[1:]) != self._batch.example_shapes[i]:
+            if self.schedule is not None and i < len(shapes) \
+                    and tuple(x.shape[1:]) != shapes[i]:
                 raise ArgumentError(
                     f"train_step: inputs[{i}] has per-sample shape {tuple(x.shape[1:])}, the pipeline was built "
-                    f"for {self._batch.example_shapes[i]} (the example inputs); pass batches of that shape, or "
+                    f"for {shapes[i]} (the example inputs); pass batches of that shape, or "
                     "parallelize with example inputs of this one")
 
     def _clip_grads(self, max_norm: float) -> torch.Tensor:
