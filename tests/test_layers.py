@@ -4,7 +4,7 @@ Every module under ``whalepy/``, ``passes/`` and ``cost_models/`` is parsed with
 it (module level, inside a function, under ``TYPE_CHECKING``, or ``importlib.import_module("...")`` with
 a literal name) is mapped to the layer of the module it names. An import may point down or sideways,
 never up, unless it is on ``ALLOWED_UP``; the modules of one layer form no cycle; and no module outside
-the package root imports an underscored module from another folder.
+the package root imports an underscored module, or an underscored name of a module, from another folder.
 """
 
 from __future__ import annotations
@@ -42,13 +42,7 @@ ALLOWED_UP = {
 }
 """(importer, imported) pairs allowed to point up a layer. Only shrinks."""
 
-ALLOWED_CYCLES = [
-    # cluster.py holds NodeGroup and ClusterSpec; the schema reads dicts into NodeGroups and ClusterSpec
-    # calls it: cut when cluster.py splits into nodes and spec (architecture.md 4.4)
-    ["whalepy.hardware.cluster", "whalepy.hardware.schema"],
-    # _cells / _offload_costs import back through costing's re-exports (architecture.md 4.4 (f))
-    ["whalepy.planner._cells", "whalepy.planner._offload_costs", "whalepy.planner.costing"],
-]
+ALLOWED_CYCLES: list[list[str]] = []
 """Sorted module lists allowed to import one another in a circle. Only shrinks."""
 
 
@@ -171,6 +165,23 @@ def private_crossings(graph: nx.DiGraph, modules: dict[str, pathlib.Path]) -> li
     return sorted(out)
 
 
+def private_names(modules: dict[str, pathlib.Path], sources: dict[str, str] | None = None) -> list[str]:
+    """Underscored names (``from whalepy.ir.plan_text import _t``) that a module outside the package root
+    imports from a module of another folder outside the root: such a name is shared, so public."""
+    out = []
+    for name, path in modules.items():
+        if folder(name, modules) == "whalepy":
+            continue
+        for imported in imported_names(name, path, (sources or {}).get(name)):
+            target = resolve(imported, modules)
+            if target is None or target == imported or folder(target, modules) in ("whalepy", folder(name, modules)):
+                continue
+            attr = imported[len(target) + 1:].split(".")[0]
+            if attr.startswith("_") and not attr.startswith("__"):
+                out.append(f"{name} imports {attr} from {target}")
+    return sorted(out)
+
+
 @pytest.fixture(scope="module")
 def graph() -> nx.DiGraph:
     return import_graph(module_files())
@@ -193,6 +204,10 @@ def test_no_private_module_crosses_a_folder(graph):
     assert private_crossings(graph, module_files()) == []
 
 
+def test_no_private_name_crosses_a_folder():
+    assert private_names(module_files()) == []
+
+
 def test_the_test_catches_an_upward_import_in_a_function():
     modules = module_files()
     low = next(m for m in modules if layer(m) == 0 and not _is_package(modules[m]))
@@ -210,6 +225,8 @@ def test_the_test_catches_a_cycle_and_a_private_crossing():
     graph = import_graph(modules, sources=texts)
     assert any(a in c and b in c for c in cycles_within_layers(graph))
     assert f"{b} imports whalepy.runtime._swap" in private_crossings(graph, modules)
+    texts[b] += "from whalepy.ir.plan import _to_jsonable\n"
+    assert f"{b} imports _to_jsonable from whalepy.ir.plan" in private_names(modules, sources=texts)
 
 
 def test_the_package_root_stays_small():

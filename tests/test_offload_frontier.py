@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import validate_offload as vo  # noqa: E402
 
 from whalepy.ir.rules import state_option_error  # noqa: E402
-from whalepy.ir.plan_text import _t  # noqa: E402
+from whalepy.ir.plan_text import format_seconds as _t  # noqa: E402
 
 
 KNOWN_GAPS: dict[str, str] = {}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from whalepy.ir.plan_text import _rate, compress_names, compress_ranks
+from whalepy.ir.plan_text import format_rate, compress_names, compress_ranks
 from whalepy.planner import plan_from_profile
 from whalepy.planner.synthetic import transformer_profile
 
@@ -23,7 +23,7 @@ def test_summary_shows_stages_and_totals() -> None:
     assert text == p.summary()
     assert re.search(r"h\.\d+-\d+", text), text
     assert "A100-80GB x" in text
-    assert f"{_rate(p.cost.samples_per_s)} samples/s" in text, text
+    assert f"{format_rate(p.cost.samples_per_s)} samples/s" in text, text
     assert "tokens/s" in text and "TFLOP/s per GPU" in text and "MFU" in text
     assert "MIP gap" in text and "solve time" in text
     assert "GiB" in text

@@ -1,2 +1,3 @@
-"""The hardware: the cluster spec (``ClusterSpec``, node groups, links; ``cluster.py``) and its dict / YAML
-schema (``schema.py``). Imports the data model and the cost models."""
+"""The hardware: node groups and links (``nodes.py``), their dict / YAML schema (``schema.py``) and the
+cluster spec built from them (``ClusterSpec``, rank placement; ``cluster.py``). Imports the data model and
+the cost models."""

@@ -1,7 +1,8 @@
 """The dict / YAML / JSON schema of a cluster spec (documented in docs/cluster_spec.md).
 
 Kept apart from whalepy/hardware/cluster.py so the dataclasses read on their own; ClusterSpec.from_dict and
-to_dict call into here.
+to_dict call into here. It reads dicts into node groups (whalepy/hardware/nodes.py) and never imports
+ClusterSpec: from_dict passes its class in.
 """
 
 from __future__ import annotations
@@ -9,12 +10,11 @@ from __future__ import annotations
 import difflib
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from whalepy.errors import ClusterSpecError
-from whalepy.hardware.cluster import (
+from whalepy.hardware.nodes import (
     PCIE_LATENCY_S,
-    ClusterSpec,
     NodeGroup,
     NvmeSpec,
     _grid_bandwidth,
@@ -22,6 +22,9 @@ from whalepy.hardware.cluster import (
     _require,
 )
 from whalepy.cost_models.devices import CATALOG, DeviceType
+
+if TYPE_CHECKING:  # the class is passed in: ClusterSpec.from_dict calls _from_dict(cls, data)
+    from whalepy.hardware.cluster import ClusterSpec
 
 # ---- the dict / YAML schema (docs/cluster_spec.md) -------------------------------------------------
 

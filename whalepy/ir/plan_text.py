@@ -55,7 +55,7 @@ def compress_ranks(ranks: list[int] | tuple[int, ...]) -> str:
     return ",".join(parts)
 
 
-def _t(x: float) -> str:
+def format_seconds(x: float) -> str:
     if math.isinf(x):
         return "inf"
     if x >= 1:
@@ -65,7 +65,7 @@ def _t(x: float) -> str:
     return f"{x * 1e6:.3g} us"
 
 
-def _rate(x: float) -> str:
+def format_rate(x: float) -> str:
     for unit, scale in (("M", 1e6), ("k", 1e3)):
         if x >= scale:
             return f"{x / scale:.3g}{unit}"
@@ -102,8 +102,8 @@ def format_plan(plan: Plan) -> str:
         k = s.cost
         mem = (f"{k.memory_bytes / GIB:.1f} / {k.capacity_bytes / GIB:.1f} GiB" if k.capacity_bytes else "-")
         rows.append((str(s.index), compress_names(s.block_names), dev, str(s.tp_degree), str(s.dp_degree),
-                     stage_lowering(plan, s), f"{ck}/{len(s.blocks)}", " ".join(tiers) or "-", _t(k.compute_s),
-                     _t(k.comm_s), _t(k.bubble_s), mem))
+                     stage_lowering(plan, s), f"{ck}/{len(s.blocks)}", " ".join(tiers) or "-",
+                     format_seconds(k.compute_s), format_seconds(k.comm_s), format_seconds(k.bubble_s), mem))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines += ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
     lines.append("  (compute and comm per micro-batch; bubble per step)")
@@ -112,15 +112,15 @@ def format_plan(plan: Plan) -> str:
 
         lines.append(f"  ({LOWERED_NOTE})")
     lines += _memory_lines(plan)
-    tok = f", {_rate(c.tokens_per_s)} tokens/s" if c.tokens_per_s else ""
-    lines.append(f"  step time {_t(c.step_time_s)}: {_rate(c.samples_per_s)} samples/s{tok}, "
+    tok = f", {format_rate(c.tokens_per_s)} tokens/s" if c.tokens_per_s else ""
+    lines.append(f"  step time {format_seconds(c.step_time_s)}: {format_rate(c.samples_per_s)} samples/s{tok}, "
                  f"{c.model_tflops_per_gpu:.1f} TFLOP/s per GPU, MFU {100 * c.mfu:.1f}%")
     if len(types) > 1:
         for name, busy in c.busy_by_device_type:
             blocks = [b for st in plan.stages if name in st.device_types for b in st.block_names]
             idle = max(0.0, c.step_time_s - busy)
             lines.append(f"  {name}: {_samples_by_stage(plan, name)}, blocks {compress_names(blocks)}, "
-                         f"busy {_t(busy)}, idle {_t(idle)} per step")
+                         f"busy {format_seconds(busy)}, idle {format_seconds(idle)} per step")
     sv = plan.solver
     gap = "n/a" if math.isnan(sv.mip_gap) else f"{100 * sv.mip_gap:.2g}%"
     lines.append(f"  solver {sv.solver} ({sv.status}), {sv.num_candidates} candidates, solve time "
@@ -187,20 +187,20 @@ def _memory_lines(plan: Plan) -> list[str]:
                    f"buffers {k.buffer_bytes / GIB:.2f}; reserve {k.reserve_bytes / GIB:.2f}{host}")
         off = ""
         if any(b.param_tier.value != "gpu" or b.optimizer_tier.value != "gpu" for b in s.blocks):
-            off = f"; offload (tiers {block_tiers(s)}) exposed {_t(k.offload_s)} per step"
-        out.append(f"  stage {s.index} exposed comm: TP {_t(k.tp_comm_s)}, p2p {_t(k.p2p_s)}, DP {_t(k.dp_comm_s)} "
-                   f"per micro-batch; gradient sync {_t(k.grad_sync_s)} per step{off}")
+            off = f"; offload (tiers {block_tiers(s)}) exposed {format_seconds(k.offload_s)} per step"
+        out.append(f"  stage {s.index} exposed comm: TP {format_seconds(k.tp_comm_s)}, "
+                   f"p2p {format_seconds(k.p2p_s)}, DP {format_seconds(k.dp_comm_s)} per micro-batch; gradient sync {format_seconds(k.grad_sync_s)} per step{off}")
     return out
 
 
 def format_explanation(plan: Plan) -> str:
     lines = [f"Chosen: pp={plan.pp_degree} dp={plan.dp_degree} tp={'/'.join(map(str, sorted(set(plan.tp_degrees))))} "
-             f"M={plan.num_microbatches} {plan.schedule.value}: {_t(plan.cost.step_time_s)} per step"]
+             f"M={plan.num_microbatches} {plan.schedule.value}: {format_seconds(plan.cost.step_time_s)} per step"]
     if not plan.alternatives:
         lines.append("  no alternatives recorded")
     for a in plan.alternatives:
         if math.isinf(a.step_time_s):  # never costed: pruned by its bound, or not allowed
             lines.append(f"  {a.description}: {a.reason}")
         else:
-            lines.append(f"  {a.description}: {_t(a.step_time_s)} -- {a.reason}")
+            lines.append(f"  {a.description}: {format_seconds(a.step_time_s)} -- {a.reason}")
     return "\n".join(lines)

@@ -15,9 +15,10 @@ from whalepy.ir.rules import tp_splits
 from whalepy.cost_models.communication import Collective, CommGroup, Link, estimate_collective_time
 from whalepy.cost_models.compute import estimate_block_time, estimate_kernels_time, loss_time, precision_bytes
 from whalepy.cost_models.device_profiles import resolve_compute_profile
+from whalepy.cost_models.memory import ModelStateBytes, estimate_model_state_bytes
 from whalepy.ir.plan import TPStyle
 from whalepy.planner.runtime_costs import DPComm, build_dp_block_comm
-from whalepy.planner.space import GroupView, Hardware, Segment
+from whalepy.planner.space import Candidate, GroupView, Hardware, Segment, StateOption
 from whalepy.ir.profile import BlockKind, BlockProfile, ModelProfile
 
 
@@ -264,3 +265,17 @@ def _measured_by_device(profile: ModelProfile, hw: Hardware) -> dict:  # type: i
         if m is not None:
             out[name] = m
     return out
+
+
+def stage_model_states(ctx: CostContext, cand: Candidate, option: StateOption, num_params: float, *,
+                       working_param_bytes: float = 0.0, largest_block_params: float = 0.0,
+                       prefetch_depth: int = 1, num_blocks: int | None = None) -> ModelStateBytes:
+    """Model-state bytes per device of a stage of ``cand`` with ``num_params`` local parameters under
+    ``option``, as the runtime lowers it (:func:`estimate_model_state_bytes`; the last three size the
+    disk tier's staging buffers; an option beside offloaded blocks is lowered as they are)."""
+    return estimate_model_state_bytes(
+        num_params=num_params, zero_stage=option.zero, dp_degree=cand.dp, tp_degree=cand.tp,
+        pp_degree=cand.num_stages, precision=ctx.precision, param_tier=option.param_tier,
+        optimizer_tier=option.optimizer_tier, working_param_bytes=working_param_bytes,
+        largest_block_params=largest_block_params, prefetch_depth=prefetch_depth, num_blocks=num_blocks,
+        stage_offloads=option.beside_offload)

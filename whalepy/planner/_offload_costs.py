@@ -1,6 +1,6 @@
 """The offload side of a candidate's coefficients and of its plan: what each state option's optimizer
 step and parameter fetches cost per local parameter (priced by :mod:`whalepy.cost_models.offload`,
-bytes from :func:`~whalepy.planner.costing.stage_model_states`), and the prefetch depth a stage with
+bytes from :func:`~whalepy.planner._cost_context.stage_model_states`), and the prefetch depth a stage with
 parameters off the device is given."""
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from whalepy.cost_models.offload import (
     zero_offload_step,
 )
 from whalepy.ir.plan import Tier, ZeroStage
+from whalepy.planner._cost_context import stage_model_states, tp_splits
 from whalepy.planner.runtime_costs import lowering_kind
 from whalepy.planner.space import Candidate, GroupView, StateOption
 
@@ -86,8 +87,6 @@ def offload_coefficients(ctx: CostContext, cand: Candidate, g: GroupView, allowe
 
 
 def _states(ctx: CostContext, cand: Candidate, o: StateOption):  # type: ignore[no-untyped-def]
-    from whalepy.planner.costing import stage_model_states
-
     return stage_model_states(ctx, cand, o, 1.0)
 
 
@@ -98,8 +97,6 @@ def stage_prefetch(ctx: CostContext, cand: Candidate, st: StageEval, cell: CellE
     of each pass included): :func:`~whalepy.cost_models.offload.choose_prefetch_depth` over the stage's
     blocks (``(1, 0.0)`` for parameters on the device). ``option``: the option of ``blocks`` when the
     stage mixes several (default ``st.option``)."""
-    from whalepy.planner.costing import tp_splits
-
     o = option or st.option  # of a mix: one part's option, with its blocks
     if o.param_tier is Tier.GPU or not blocks:
         return 1, 0.0

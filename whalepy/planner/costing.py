@@ -113,6 +113,7 @@ from whalepy.planner._cost_context import (  # noqa: F401
     CostContext,
     _shared_nic,
     has_sequence_rules,
+    stage_model_states,
     tp_activation_fraction,
     tp_splits,
 )
@@ -296,20 +297,6 @@ def _build_node_shares(hw: Hardware, ranks) -> tuple[NodeShare, ...]:  # type: i
                           nvme_capacity=None if nvme is None else nvme * g.gpus_per_node)
         out[share] = None
     return tuple(out)
-
-
-def stage_model_states(ctx: CostContext, cand: Candidate, option: StateOption, num_params: float, *,
-                       working_param_bytes: float = 0.0, largest_block_params: float = 0.0,
-                       prefetch_depth: int = 1, num_blocks: int | None = None) -> ModelStateBytes:
-    """Model-state bytes per device of a stage of ``cand`` with ``num_params`` local parameters under
-    ``option``, as the runtime lowers it (:func:`estimate_model_state_bytes`; the last three size the
-    disk tier's staging buffers; an option beside offloaded blocks is lowered as they are)."""
-    return estimate_model_state_bytes(
-        num_params=num_params, zero_stage=option.zero, dp_degree=cand.dp, tp_degree=cand.tp,
-        pp_degree=cand.num_stages, precision=ctx.precision, param_tier=option.param_tier,
-        optimizer_tier=option.optimizer_tier, working_param_bytes=working_param_bytes,
-        largest_block_params=largest_block_params, prefetch_depth=prefetch_depth, num_blocks=num_blocks,
-        stage_offloads=option.beside_offload)
 
 
 def stage_held_bytes(ctx: CostContext, cand: Candidate, zero: ZeroStage,

@@ -1,4 +1,4 @@
-"""Helpers of :mod:`whalepy.runtime.parallel_model` (split from it; it imports them back): the loss
+"""Helpers of :mod:`whalepy.runtime.parallel_model` and :mod:`whalepy.runtime.lower`: the loss
 check, the data-parallel sync context of a micro-batch, batch and tensor utilities, block-to-module
 resolution, and the plan checks made before anything is built."""
 

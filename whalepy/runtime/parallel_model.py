@@ -1,19 +1,8 @@
 """``parallelize``: lower a :class:`~whalepy.Plan` onto this rank and train it.
 
-Lowering order for this rank (see docs/runtime.md):
-
-1. launch checks (world size, model fingerprint, device type of this rank);
-2. meshes from the plan's rank grid (``mesh.build_meshes``);
-3. pipeline split into this rank's stage module(s), original module paths kept (``pipeline.py``);
-4. tensor parallelism from the plan's TP rules (``tensor_parallel.apply_tensor_parallel``);
-5. memory-centric tiling of the blocks with ``tiles > 1`` (``tiling.py``), then activation
-   checkpointing (its input kept on the device, or in host memory), or activation offload to host
-   memory, of the blocks the plan marks (``_activations.py``);
-6. DDP / ZeRO / FSDP2 over the ``dp`` axis, per block then root (``data_parallel``); a model built on
-   the meta device has gone through 3-6 without memory and only now gets this rank's shards,
-   initialised or loaded (``materialize``);
-7. the optimizer from the user's factory over this rank's (now sharded) parameters;
-8. the pipeline schedule over the stage modules.
+``parallelize`` checks its arguments and the launch, plans (or takes a plan), and hands the model to
+:func:`whalepy.runtime.lower.lower`, whose steps build this rank's part of the plan (docs/runtime.md,
+docs/architecture.md); :class:`ParallelModel` receives the result and trains, evaluates, saves and loads.
 
 Loss semantics: ``loss_fn(outputs, targets)`` returns the mean loss of the samples it is given.
 Replica ``r`` runs ``batch_shares[r]`` samples; its loss is scaled by ``b_r * dp / B`` before
@@ -27,7 +16,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,17 +25,32 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from whalepy.ir.rules import (LoweringKind, check_pipeline, choose_lowering_kind, host_steps_after_backward,
-                              steps_on_host)
 from whalepy.errors import ArgumentError, LaunchError, PlanError, WhalepyError
-from whalepy.log import info_once, is_rank0, warn_once
-from whalepy.runtime.pseudo_record import PseudoBuild, record_pseudo
-from whalepy.frontend.checks import check_token_ids, max_positions, token_vocab
-from whalepy.ir.plan import Plan, Tier, TPStyle
+from whalepy.frontend.checks import check_token_ids
+from whalepy.ir.plan import Plan, Tier
+from whalepy.runtime._amp import AmpContext
+from whalepy.runtime._joint_step import JointStep, host_grad_params
+from whalepy.runtime._pm_helpers import (  # noqa: F401 - _checked_loss: tests import it from here
+    LossFn,
+    _as_tuple,
+    _check_device,
+    _check_plan_cluster,
+    _checked_loss,
+    _full,
+    _Null,
+    _profile_or_none,
+    _sync_context,
+)
+from whalepy.runtime._pm_setup import (
+    _check_arguments,
+    _check_lowering_options,
+    _check_training_options,
+    _init_process_group,
+    _plan_once,
+)
+from whalepy.runtime._report import StepReporter
+from whalepy.runtime._train_state import check_loader, job_state, job_template, restore_job_state
 from whalepy.runtime.checkpointing import (
-    apply_activation_checkpointing,
-    apply_activation_offload,
-    apply_checkpoint_offload,
     gather_full_state_dict,
     get_train_state,
     load_train_state,
@@ -54,68 +58,23 @@ from whalepy.runtime.checkpointing import (
     save_train_state,
     set_train_state,
 )
-from whalepy.runtime.data_parallel import (
-    apply_data_parallel,
-    build_optimizer,
-    cast_sharded_params,
-    check_root_tiers,
-    compute_dtype,
-    offloads_any_block,
-    wrap_ddp,
-)
-from whalepy.runtime.materialize import (
-    InitFn,
-    MaterializeStats,
-    checkpoint_kind,
-    has_meta_tensors,
-    materialize_modules,
-    snapshot,
-)
-from whalepy.runtime.mesh import RankMeshes, build_meshes, check_world
-from whalepy.runtime._amp import AmpContext
-from whalepy.runtime.model_config import saved_config
-from whalepy.runtime._report import StepReporter, plan_log_lines
-from whalepy.runtime._train_state import check_loader, job_state, job_template, restore_job_state
 from whalepy.runtime.data import ShardedBatchSampler, dataset_length, local_share, take_local
-from whalepy.runtime.metrics import check_job_options
-from whalepy.runtime._joint_step import JointStep, host_grad_params
-from whalepy.runtime.held import offloaded_params
-from whalepy.runtime.host_optimizer import HostOptimizer, fused_variant
-from whalepy.runtime.nvme import NvmeTier, build_nvme_tier
+from whalepy.runtime.host_optimizer import HostOptimizer
 from whalepy.runtime.launch_errors import install_error_hook
-from whalepy.runtime.tensor_parallel import apply_tensor_parallel
-from whalepy.runtime.tiling import check_tiles, plan_tiling, tile_model
-from whalepy.runtime._pm_setup import (
-    _check_arguments,
-    _check_lowering_options,
-    _check_training_options,
-    _explain_fsdp_view_warning,
-    _init_process_group,
-    _plan_once,
-)
-from whalepy.runtime._pm_helpers import (  # noqa: F401 - _checked_loss: tests import it from here
-    LossFn,
-    _checked_loss,
-    _check_reduce_every_microbatch,
-    _Null,
-    _sync_context,
-    _full,
-    _as_tuple,
-    _resize_batch,
-    _broadcast_weights,
-    _profile_or_none,
-    _pipeline_chunks,
-    _resolve_block_modules,
-    _check_device,
-    _check_plan_cluster,
-)
+from whalepy.runtime.lower import lower, share_scale
+from whalepy.runtime.materialize import InitFn, MaterializeStats, checkpoint_kind, has_meta_tensors
+from whalepy.runtime.mesh import check_world
+from whalepy.runtime.metrics import check_job_options
+from whalepy.runtime.model_config import saved_config
+from whalepy.runtime.nvme import NvmeTier
+from whalepy.runtime.parts import LowerContext, Lowered, OptimizerFactory, SchedulerFactory, Tied
+from whalepy.runtime.pseudo_record import PseudoBuild
+from whalepy.runtime.tied import sync_tied_grads
+from whalepy.runtime.tiling import check_tiles
 
 __all__ = ["ParallelModel", "UnlaunchedModel", "is_distributed_launch", "parallelize"]
 
 log = logging.getLogger("whalepy.runtime")
-
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
-SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
 _hint_printed = False
 
@@ -281,13 +240,13 @@ def parallelize(
     if plan.costs_stale and rank == 0:
         log.warning("whalepy: the plan was edited after its costs were computed; its predicted figures are "
                     "stale (re-run `whalepy plan` or `whalepy estimate` to update them)")
-    return ParallelModel(model, plan, cluster_spec=cluster_spec, example_inputs=inputs,
-                         loss_fn=loss_fn, optimizer_factory=optimizer, profile=profile,
-                         device_type=device_type, loss_parallel=loss_parallel,
-                         sync_initial_weights=sync_initial_weights, nvme_dir=nvme_dir,
-                         init_fn=init_fn, seed=seed, checkpoint=checkpoint,
-                         max_grad_norm=max_grad_norm, log_every=log_every, nvme_keep=nvme_keep,
-                         lr_scheduler=lr_scheduler, total_steps=total_steps, metrics=metrics)
+    ctx = LowerContext(device_type=device_type, cluster_spec=cluster_spec, example_inputs=inputs,
+                       loss_fn=_checked_loss(loss_fn), optimizer_factory=optimizer, profile=profile,
+                       loss_parallel=loss_parallel, sync_initial_weights=sync_initial_weights, nvme_dir=nvme_dir,
+                       nvme_keep=nvme_keep, init_fn=init_fn, seed=seed, checkpoint=checkpoint,
+                       max_grad_norm=max_grad_norm, log_every=log_every, lr_scheduler=lr_scheduler,
+                       total_steps=total_steps, metrics=metrics)
+    return ParallelModel(lower(model, plan, ctx), plan, ctx)
 
 
 @dataclass
@@ -317,205 +276,44 @@ class ParallelModel:
     replica's share (:attr:`local_share`, :meth:`batch_sampler`; docs/training.md).
     """
 
-    def __init__(self, model: nn.Module, plan: Plan, *, cluster_spec: Any, example_inputs: tuple,
-                 loss_fn: LossFn, optimizer_factory: OptimizerFactory, profile: Any,
-                 device_type: str, loss_parallel: bool, sync_initial_weights: bool,
-                 nvme_dir: str | os.PathLike[str] | None = None, init_fn: InitFn | None = None,
-                 seed: int = 0, checkpoint: str | os.PathLike[str] | None = None,
-                 max_grad_norm: float | None = None, log_every: int | None = None,
-                 nvme_keep: bool = False, lr_scheduler: SchedulerFactory | None = None,
-                 total_steps: int | None = None, metrics: Sequence[Any] = ()) -> None:
-        check_pipeline(plan.schedule, num_stages=plan.pp_degree, virtual_stages=plan.virtual_stages,
-                       num_microbatches=plan.num_microbatches,
-                       sequence_parallel=any(r.style is TPStyle.SEQUENCE for r in plan.tensor_parallel),
-                       where="the plan cannot be lowered (whalepy.plan never makes such a plan: re-plan)")
-        _check_reduce_every_microbatch(plan)
-        block_modules = _resolve_block_modules(model, plan, profile)
-        if plan.pp_degree == 1:  # blocks of different tiers sharing a weight: refused before any work
-            check_root_tiers(model, [(b, [model.get_submodule(p) for p in block_modules[b.name]])
-                                     for b in plan.stages[0].blocks])
-        tiling = plan_tiling(model, plan, block_modules)  # block -> {module: tiles}; checked here
+    def __init__(self, lowered: Lowered, plan: Plan, ctx: LowerContext) -> None:
+        """Take over what :func:`~whalepy.runtime.lower.lower` built for this rank (it builds nothing)."""
+        m = self.meshes = lowered.meshes
         self.plan = plan
-        self.loss_fn = _checked_loss(loss_fn)
-        self._example_shapes = [tuple(x.shape[1:]) for x in example_inputs if isinstance(x, torch.Tensor)]
-        self._num_inputs = len(example_inputs)
-        self._max_positions = max_positions(model)
-        first = example_inputs[0] if example_inputs else None  # token ids (integers) in, token ids checked
-        self._vocab = (token_vocab(model) if isinstance(first, torch.Tensor) and not first.is_floating_point()
-                       else None)  # before lowering shards the embedding
-        self.loss_parallel = loss_parallel
-        self.max_grad_norm = max_grad_norm
+        self.loss_fn = ctx.loss_fn
+        self.loss_parallel = ctx.loss_parallel
+        self.max_grad_norm = ctx.max_grad_norm
         self.last_grad_norm: float | None = None
-        if is_rank0():
-            for line in plan_log_lines(plan):
-                log.info("%s", line)
-        # a pseudo model (layers tied by whalepy.pseudo_to_real): what whalepy.delink builds the real
-        # model from (a meta copy made before lowering changes ``model``)
-        self.pseudo: PseudoBuild | None = record_pseudo(
-            model, cluster_spec=cluster_spec, example_inputs=example_inputs,
-            optimizer_factory=optimizer_factory, nvme_dir=nvme_dir)
-        self.meshes: RankMeshes = build_meshes(plan, device_type)
-        m = self.meshes
-        device = m.device
-        # a meta-device model is lowered as it is and materialised shard by shard afterwards
-        skeleton = snapshot(model) if has_meta_tensors(model) else None
-        self._hf_config = getattr(model, "config", None), type(model)  # what save() writes as config.json
-        if skeleton is None:
-            model.to(device)
-            if sync_initial_weights:
-                _broadcast_weights(model)
-        stage = m.stage
-        self.block_modules = block_modules  # block name -> module paths (whalepy.trace_memory)
+        self._batch = lowered.batch  # what train_step checks a batch against
+        self.pseudo: PseudoBuild | None = lowered.pseudo  # what whalepy.delink builds the real model from
+        self._hf_config = lowered.config  # what save() writes as config.json
+        self.block_modules = lowered.blocks.modules  # block name -> module paths (whalepy.trace_memory)
         start = sum(plan.batch_shares[: m.replica])
         self._slice = slice(start, start + plan.batch_shares[m.replica])
-        dp, tp, pp = plan.dp_degree, stage.tp_degree, plan.pp_degree
-        self.loss_scale = plan.batch_shares[m.replica] * dp / plan.global_batch
-        offload = offloads_any_block(stage.blocks)
-        self.dp_kind = choose_lowering_kind(stage.zero_stage, dp, tp=tp, pp=pp, offload=offload)
-        if self.dp_kind == LoweringKind.FSDP and stage.zero_stage < 2 and dp > 1:
-            # shards more than planned (less memory, the same gradient traffic): said, not silent; once
-            # per job (rank 0), not once per stage or per call
-            why = "tensor parallelism" if tp > 1 else "pipeline stages" if pp > 1 else "host offload"
-            warn_once(f"fsdp-lowering-{why}",
-                      "whalepy: ZeRO-0/1 stages lowered to FSDP2 (reshard_after_forward=False): DDP does not "
-                      "compose with %s (same numerics; states sharded over the replicas)", why, log=log)
-        if self.dp_kind == LoweringKind.FSDP and tp > 1:
-            _explain_fsdp_view_warning()
-
-        v = plan.virtual_stages
-        self.num_stages = pp * v  # pipeline stages; physical stage s holds s, s + pp, ...
-        self._tied: list[tuple[list[nn.Parameter], dist.ProcessGroup | None]] = []
-        tied_names: list[tuple[list[tuple[int, str]], dist.ProcessGroup | None]] = []
-        if pp > 1:
-            from whalepy.runtime.pipeline import retarget_device, split_stages, tied_parameters
-
-            chunks = _pipeline_chunks(plan)  # BlockPlans of each pipeline stage, in model order
-            stage_blocks = [[mod for b in c for mod in block_modules[b.name]] for c in chunks]
-            mb = plan.batch_shares[m.replica] // plan.num_microbatches
-            self._example_mb = tuple(_resize_batch(x, mb) for x in example_inputs)
-            # a meta model is traced with meta inputs, so every device the glue records (HF's
-            # arange(..., device=inputs_embeds.device)) is meta and is retargeted to this rank's
-            trace_mb = self._example_mb if skeleton is None else tuple(
-                x.to("meta") if isinstance(x, torch.Tensor) else x for x in self._example_mb)
-            all_stages = split_stages(model, trace_mb, {}, stage_blocks)
-            self.stage_indices = [stage.index + j * pp for j in range(v)]
-            local = [all_stages[g] for g in self.stage_indices]
-            for stage_module in local:
-                # before TP / FSDP2: recompiling a GraphModule whose class FSDP2 has subclassed
-                # recurses without end in torch.fx's call wrapper
-                retarget_device(stage_module, device)
-            local_chunks = [chunks[g] for g in self.stage_indices]
-            tied_names = self._tied_groups(tied_parameters(all_stages), dp_kind=self.dp_kind, tp=tp)
-        else:
-            self.stage_indices = [0]
-            local = [model]
-            local_chunks = [list(stage.blocks)]
-
-        self._modules: list[nn.Module] = []
-        self.checkpoint_host_bytes: dict[nn.Module, int] = {}
-        """Per module of a block with ``checkpoint_offload``: host bytes its last forward kept."""
-        nvme_blocks: list[tuple[Any, nn.Module, list[nn.Module]]] = []
-        host_blocks: list[tuple[Any, list[nn.Module]]] = []
-        defer_ddp = skeleton is not None and self.dp_kind in (LoweringKind.DDP, LoweringKind.ZERO1)
-        for mod, chunk in zip(local, local_chunks):
-            tile_model(mod, {p: t for b in chunk for p, t in tiling.get(b.name, {}).items()})
-            blocks = [(b, [mod.get_submodule(p) for p in block_modules[b.name]]) for b in chunk]
-            if tp > 1:
-                apply_tensor_parallel(mod, plan.tensor_parallel, m.tp_mesh, loss_parallel=loss_parallel)
-            ckpt = [x for b, mods in blocks if b.checkpoint and not b.checkpoint_offload for x in mods]
-            if ckpt:
-                apply_activation_checkpointing(ckpt)
-            ckpt_host = [x for b, mods in blocks if b.checkpoint_offload for x in mods]
-            if ckpt_host:
-                apply_checkpoint_offload(ckpt_host, device, record=self.checkpoint_host_bytes)
-            offloaded = [x for b, mods in blocks if b.activation_offload for x in mods]
-            if offloaded:
-                apply_activation_offload(offloaded, device)
-            self._modules.append(apply_data_parallel(mod, blocks, m.dp_mesh,
-                                                     kind=LoweringKind.NONE if defer_ddp else self.dp_kind,
-                                                     zero=stage.zero_stage, device_type=device_type,
-                                                     precision=plan.precision))
-            nvme_blocks += [(b, self._modules[-1], mods) for b, mods in blocks
-                            if Tier.NVME in (b.optimizer_tier, b.param_tier)]
-            host_blocks += [(b, mods) for b, mods in blocks if steps_on_host(b.param_tier, b.optimizer_tier)]
-        self.init_stats: MaterializeStats | None = None
-        if skeleton is not None:
-            self.init_stats = materialize_modules(self._modules, skeleton, device, seed=seed,
-                                                  init_fn=init_fn, checkpoint=checkpoint)
-        if defer_ddp:  # DDP reads its parameters when built: wrapped once they hold values
-            wrapped = {id(mod): wrap_ddp(mod, m.dp_mesh) for mod in self._modules}
-            self._modules = [wrapped[id(mod)] for mod in self._modules]
-            nvme_blocks = [(b, wrapped[id(root)], mods) for b, root, mods in nvme_blocks]
+        self.loss_scale = share_scale(plan, m)
+        self.dp_kind = lowered.kind
+        self.num_stages = plan.pp_degree * plan.virtual_stages  # physical stage s holds s, s + pp, ...
+        self.stage_indices = [part.index for part in lowered.parts]
+        self._modules: list[nn.Module] = [part.module for part in lowered.parts]
+        self._tied: list[Tied] = lowered.tied
         # names of each tied parameter across stages (checkpoints carry its state under all of them)
-        self._tied_aliases = [[n for _, n in holders] for holders, _ in tied_names]
-        self._tied_aliases_holders = [holders for holders, _ in tied_names]
-        # tied parameters by name, after TP / FSDP2 replaced them with DTensors
-        for holders, group in tied_names:
-            found = {id(p): p for i, g in enumerate(self.stage_indices) for k, name in holders if k == g
-                     for p in [self._modules[i].get_parameter(name)]}
-            self._tied.append((list(found.values()), group))
-        # ZeRO-Offload blocks: their optimizer steps on the host during backward (after materialising,
-        # so the hooks sit on the final shards); parameters tied across pipeline stages stay with the
-        # device optimizer, their gradients are summed over the stages only after the backward
-        self.host_optimizer: HostOptimizer | None = None
-        after_backward = host_steps_after_backward(plan.precision, max_grad_norm is not None)
-        if host_blocks:
-            tied = {id(p) for ps, _ in self._tied for p in ps}
-            low = compute_dtype(plan.precision)
-            modules = self._modules
-            self.host_optimizer = HostOptimizer(
-                optimizer_factory, [(b.name, [p for mod in mods for p in mod.parameters() if id(p) not in tied])
-                                    for b, mods in host_blocks], device,
-                cast=(lambda ps: cast_sharded_params(modules, ps, low)) if low is not None else None,
-                step_in_backward=not after_backward)
-            info_once("zero-offload",
-                      "whalepy: the optimizer of %d blocks steps on the host %s (ZeRO-Offload)",
-                      len(self.host_optimizer.blocks),
-                      "after backward (fp16 loss scaling / gradient clipping)" if after_backward else "during backward",
-                      log=log)
-        # read after the host optimizer, which under bf16 replaces its parameters on the modules by cast ones
-        on_host = {id(p) for p in self.host_optimizer.params} if self.host_optimizer is not None else set()
-        params = list({id(p): p for mod in self._modules for p in mod.parameters() if id(p) not in on_host}.values())
-        self.optimizer = (build_optimizer(optimizer_factory, params, kind=self.dp_kind, dp_mesh=m.dp_mesh)
-                          if params or self.host_optimizer is None else None)
-        if self.optimizer is not None and offloaded_params(self._modules):
-            # FSDP2 keeps these shards in host memory and the optimizer steps them there: its fused CPU
-            # kernel, as the host optimizer does (cost_models/offload.py prices both at its rate)
-            self.optimizer = fused_variant(self.optimizer)
-        # the disk tier (after TP / FSDP2 and materialisation, so its files hold this rank's shards)
-        self.nvme: NvmeTier | None = None
-        if nvme_blocks:
-            self.nvme = build_nvme_tier(self.optimizer, nvme_blocks, rank=m.rank, nvme_dir=nvme_dir,
-                                        keep=nvme_keep, pin=device_type == "cuda",
-                                        planned_file_bytes=stage.cost.nvme_state_bytes)
-            log.info("whalepy: %d blocks keep parameters and / or optimizer states in files under %s",
-                     len(nvme_blocks), self.nvme.directory)
-        self.amp = AmpContext(plan.precision, device)
-        # fp16, or ZeRO-Offload stepping after backward anywhere in the plan: every rank steps its
-        # optimizers as one, with gradients on the same devices for the scaler (see _joint_step.py)
-        self._joint: JointStep | None = None
-        if self.amp.scaler is not None or (after_backward and any(
-                steps_on_host(b.param_tier, b.optimizer_tier) for st in plan.stages for b in st.blocks)):
-            self._joint = JointStep(self.optimizer, self.host_optimizer, device)
-        self.schedule = None
-        if pp > 1:
-            from whalepy.runtime.pipeline import build_pipeline_schedule, microbatch_mean_loss
-
-            schedule = plan.schedule
-            self.schedule = build_pipeline_schedule(
-                self._modules, self.stage_indices, num_stages=self.num_stages,
-                schedule=schedule.value, num_microbatches=plan.num_microbatches,
-                loss_fn=self.amp.scaled_loss(microbatch_mean_loss(self.loss_fn, plan.num_microbatches,
-                                                                  scale=self.loss_scale)),
-                group=m.pp_group, device=device, example_microbatch=self._example_mb,
-                compute_dtype=self.amp.dtype)
+        self._tied_aliases = [[n for _, n in t.holders] for t in lowered.tied]
+        self.checkpoint_host_bytes: dict[nn.Module, int] = lowered.checkpoint_host_bytes
+        """Per module of a block with ``checkpoint_offload``: host bytes its last forward kept."""
+        self.init_stats: MaterializeStats | None = lowered.stats
+        self.optimizer: torch.optim.Optimizer | None = lowered.optim.optimizer
+        self.host_optimizer: HostOptimizer | None = lowered.optim.host
+        self.nvme: NvmeTier | None = lowered.optim.nvme
+        self.amp: AmpContext = lowered.optim.amp
+        self._joint: JointStep | None = lowered.optim.joint
+        self.schedule = lowered.schedule
         # contributions to the reported loss: one rank per replica (last stage, TP index 0)
-        self._reports_loss = stage.index == pp - 1 and m.tp_index == 0
-        self.reporter = StepReporter(plan, device, log_every, sinks=metrics, total_steps=total_steps)
+        self._reports_loss = m.stage.index == plan.pp_degree - 1 and m.tp_index == 0
+        self.reporter = StepReporter(plan, m.device, ctx.log_every, sinks=ctx.metrics, total_steps=ctx.total_steps)
         self.step = 0
         """Optimizer steps taken (restored by :meth:`load`)."""
         opts = [self.optimizer] + (self.host_optimizer.optimizers if self.host_optimizer is not None else [])
-        self.lr_schedulers: list[Any] = [lr_scheduler(o) for o in opts if o is not None] if lr_scheduler else []
+        self.lr_schedulers: list[Any] = [ctx.lr_scheduler(o) for o in opts if o is not None] if ctx.lr_scheduler else []
         self.local_share = local_share(plan, m.replica, self.stage_indices, self.num_stages)
         """What this rank reads of each global batch (:class:`~whalepy.runtime.data.LocalShare`)."""
         self._pending_save: Any = None
@@ -532,7 +330,7 @@ class ParallelModel:
     def tied_parameters(self) -> list[list[nn.Parameter]]:
         """This rank's copies of parameters tied across pipeline stages (their gradients are summed
         over the pipeline ranks holding a copy before each optimizer step)."""
-        return [params for params, _ in self._tied]
+        return [t.params for t in self._tied]
 
     @property
     def device(self) -> torch.device:
@@ -645,33 +443,34 @@ class ParallelModel:
     def _check_batch(self, inputs: tuple) -> None:
         """Inputs a pipeline can run (the shapes it was built for) and the model can take (as many as the
         example inputs, with as many dims, its positions and its token ids)."""
-        if len(inputs) != self._num_inputs:
+        shapes = self._batch.example_shapes
+        if len(inputs) != self._batch.num_inputs:
             raise ArgumentError(f"train_step: got {len(inputs)} model inputs, the example inputs had "
-                                f"{self._num_inputs}; pass the inputs as a tuple like example_inputs and the "
+                                f"{self._batch.num_inputs}; pass the inputs as a tuple like example_inputs and the "
                                 "targets separately: train_step(inputs, targets)")
         for i, x in enumerate(inputs):
             if not isinstance(x, torch.Tensor):
                 continue
             if x.device.type == "meta":
                 raise ArgumentError(f"train_step: inputs[{i}] is on the meta device (no data); pass real tensors")
-            if i < len(self._example_shapes) and x.dim() != len(self._example_shapes[i]) + 1:
+            if i < len(shapes) and x.dim() != len(shapes[i]) + 1:
                 raise ArgumentError(
                     f"train_step: inputs[{i}] has shape {tuple(x.shape)}, {x.dim()} dims where the example input had "
-                    f"{len(self._example_shapes[i]) + 1} (batch, {', '.join(map(str, self._example_shapes[i]))}); "
+                    f"{len(shapes[i]) + 1} (batch, {', '.join(map(str, shapes[i]))}); "
                     "pass batches shaped like the example inputs")
             if i == 0:
-                check_token_ids(x, self._vocab, "train_step", "inputs[0]")
+                check_token_ids(x, self._batch.vocab, "train_step", "inputs[0]")
             if x.dim() < 2:
                 continue
-            if self._max_positions and not x.is_floating_point() and x.shape[1] > self._max_positions[0]:
+            if self._batch.max_positions and not x.is_floating_point() and x.shape[1] > self._batch.max_positions[0]:
                 raise ArgumentError(
                     f"train_step: inputs[{i}] has {x.shape[1]} tokens per sample but the model has "
-                    f"{self._max_positions[0]} positions ({self._max_positions[1]}); shorten the sequences")
-            if self.schedule is not None and i < len(self._example_shapes) \
-                    and tuple(x.shape[1:]) != self._example_shapes[i]:
+                    f"{self._batch.max_positions[0]} positions ({self._batch.max_positions[1]}); shorten the sequences")
+            if self.schedule is not None and i < len(shapes) \
+                    and tuple(x.shape[1:]) != shapes[i]:
                 raise ArgumentError(
                     f"train_step: inputs[{i}] has per-sample shape {tuple(x.shape[1:])}, the pipeline was built "
-                    f"for {self._example_shapes[i]} (the example inputs); pass batches of that shape, or "
+                    f"for {shapes[i]} (the example inputs); pass batches of that shape, or "
                     "parallelize with example inputs of this one")
 
     def _clip_grads(self, max_norm: float) -> torch.Tensor:
@@ -679,8 +478,7 @@ class ParallelModel:
 
         params: list[Any] = [p for mod in self._modules for p in mod.parameters()]
         params += host_grad_params(self.host_optimizer)
-        tied = [(copies, max(len({k % self.plan.pp_degree for k, _ in holders}), 1))
-                for (copies, _), holders in zip(self._tied, self._tied_aliases_holders)]
+        tied = [(t.params, max(len({k % self.plan.pp_degree for k, _ in t.holders}), 1)) for t in self._tied]
         return clip_grad_norm(params, max_norm, device=self.device,
                               pp_group=self.meshes.pp_group if self.plan.pp_degree > 1 else None, tied=tied)
 
@@ -786,67 +584,6 @@ class ParallelModel:
             self.nvme.close()
             self.nvme = None
 
-    # -- tied parameters -----------------------------------------------------------------------
-
-    def _tied_groups(self, tied: list[list[tuple[int, str]]], *, dp_kind: str, tp: int
-                     ) -> list[tuple[list[tuple[int, str]], dist.ProcessGroup | None]]:
-        """For each parameter shared by several pipeline stages (tied weights), the process group of
-        the pipeline ranks holding a copy, for this rank's ``(dp, tp)`` coordinate (Megatron-LM's
-        embedding group). Groups are created on every rank in the same order (``dist.new_group`` is
-        collective); entries this rank holds no copy of are dropped."""
-        plan, pp = self.plan, self.plan.pp_degree
-        me = self.meshes
-        out = []
-        for holders in tied:
-            physical = sorted({k % pp for k, _ in holders})
-            names = [n for _, n in holders]
-            if len(physical) == 1 and len(holders) > 1 and (tp > 1 or dp_kind != LoweringKind.NONE):
-                raise WhalepyError(
-                    f"tied parameter {names[0]!r} (also {names[1:]}) sits in {len(holders)} virtual "
-                    f"stages {[k for k, _ in holders]} of the same rank; with tensor or data "
-                    "parallelism each would be sharded separately and the tie lost. Put the blocks "
-                    "that share it in one virtual stage, or untie the weights")
-            group = None
-            if len(physical) > 1:
-                for d in range(plan.dp_degree):
-                    for t in range(plan.stages[0].tp_degree):
-                        ranks = sorted(plan.stages[s].ranks[d][t] for s in physical)
-                        g = dist.new_group(ranks)
-                        if me.replica == d and me.tp_index == t and me.rank in ranks:
-                            group = g
-            if any(k in self.stage_indices for k, _ in holders):
-                out.append((holders, group))
-        return out
-
-    def _sync_tied_grads(self) -> None:
-        """Sum the gradient of each tied parameter over the pipeline ranks holding a copy, so every
-        copy takes the same optimizer step (the copies are sharded alike by TP / FSDP2, so the local
-        shards line up)."""
-        from torch.distributed.tensor import DTensor
-
-        with torch.no_grad():
-            for params, group in self._tied:
-                if group is None and len(params) < 2:
-                    continue
-                grads = []
-                for p in params:
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                    if isinstance(p.grad, DTensor) and isinstance(p, DTensor) and p.grad.placements != p.placements:
-                        # a vocab-parallel embedding's gradient comes back whole (Replicate) where the
-                        # column-parallel head's copy is sharded: bring it to the parameter's layout
-                        p.grad = p.grad.redistribute(p.device_mesh, p.placements)
-                    grads.append(p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad)
-                # copies in several virtual stages of this rank (interleaved schedules) are summed here
-                # first, so every rank of the group makes one all-reduce per tied parameter
-                total = grads[0].to(self.device, copy=True)
-                for g in grads[1:]:
-                    total += g.to(self.device)
-                if group is not None:  # on the host tier NCCL has no CPU tensors: reduced on the device
-                    dist.all_reduce(total, group=group)
-                for g in grads:
-                    g.copy_(total)
-
     # -- steps ---------------------------------------------------------------------------------
 
     def _loss_context(self) -> Any:
@@ -882,7 +619,7 @@ class ParallelModel:
         with self.amp.autocast():
             total = run_pipeline_step(self.schedule, first, last, inputs, targets, train=train)
         if train:
-            self._sync_tied_grads()
+            sync_tied_grads(self._tied, self.device)
         if total is None:
             return torch.zeros((), device=self.device)
         return total / (self.loss_scale * loss_scale)  # the schedule's losses carry the share scale

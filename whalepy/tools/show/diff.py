@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from whalepy.ir.plan_text import _rate, compress_names
+from whalepy.ir.plan_text import format_rate, compress_names
 from whalepy.tools.show.svg import fmt_bytes, fmt_time, stage_devices
 
 if TYPE_CHECKING:
@@ -110,7 +110,7 @@ def _effect(a: Plan, b: Plan) -> list[str]:
     out = ["predicted effect:",
            f"  step time {fmt_time(ca.step_time_s)} -> {fmt_time(cb.step_time_s)}"
            f"{_pct(ca.step_time_s, cb.step_time_s)}",
-           f"  throughput {_rate(ca.samples_per_s)} -> {_rate(cb.samples_per_s)} samples/s"
+           f"  throughput {format_rate(ca.samples_per_s)} -> {format_rate(cb.samples_per_s)} samples/s"
            f"{_pct(ca.samples_per_s, cb.samples_per_s)}",
            f"  MFU {100 * ca.mfu:.1f}% -> {100 * cb.mfu:.1f}%"]
 

@@ -8,7 +8,7 @@ import math
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from whalepy.ir.plan_text import _rate, block_tiers, compress_names, compress_ranks
+from whalepy.ir.plan_text import format_rate, block_tiers, compress_names, compress_ranks
 from whalepy.tools.show.panels import (
     alternatives_table,
     batch_shares_bar,
@@ -81,9 +81,9 @@ document.documentElement.setAttribute('data-rendered',ops>0?'yes':'no timeline')
 def _cards(plan: Plan) -> str:
     c = plan.cost
     tps = "/".join(map(str, sorted(set(plan.tp_degrees))))
-    items = [(fmt_time(c.step_time_s), "step time"), (_rate(c.samples_per_s), "samples/s")]
+    items = [(fmt_time(c.step_time_s), "step time"), (format_rate(c.samples_per_s), "samples/s")]
     if c.tokens_per_s:
-        items.append((_rate(c.tokens_per_s), "tokens/s"))
+        items.append((format_rate(c.tokens_per_s), "tokens/s"))
     items += [(f"{100 * c.mfu:.1f}%", "MFU"), (f"{c.model_tflops_per_gpu:.0f}", "TFLOP/s per GPU"),
               (f"{plan.pp_degree} x {plan.dp_degree} x {tps}", "pp x dp x tp"),
               (plan.schedule.value + (f" v={plan.virtual_stages}" if plan.virtual_stages > 1 else ""), "schedule"),

@@ -7,7 +7,7 @@ from collections import Counter
 from html import escape
 from typing import TYPE_CHECKING
 
-from whalepy.ir.plan_text import _t as fmt_time  # noqa: F401  (one time format for text and pictures)
+from whalepy.ir.plan_text import format_seconds as fmt_time  # noqa: F401  (one time format for text and pictures)
 
 if TYPE_CHECKING:
     from whalepy.ir.plan import StagePlan
