@@ -82,6 +82,8 @@ from whalepy.runtime._joint_step import JointStep, host_grad_params
 from whalepy.runtime.held import offloaded_params
 from whalepy.runtime.host_optimizer import HostOptimizer, fused_variant
 from whalepy.runtime.nvme import NvmeTier, build_nvme_tier
+from whalepy.runtime.optimizer_impl import optimizer_factory_for
+from whalepy.runtime.compile_blocks import CompileStats, compile_blocks
 from whalepy.runtime.launch_errors import install_error_hook
 from whalepy.runtime.tensor_parallel import apply_tensor_parallel
 from whalepy.runtime.tiling import check_tiles, plan_tiling, tile_model
@@ -412,6 +414,8 @@ class ParallelModel:
             local_chunks = [list(stage.blocks)]
 
         self._modules: list[nn.Module] = []
+        self.compile_stats: CompileStats | None = None
+        """Compiled blocks on this rank (``plan.compile``): modules, fallbacks, first-call seconds."""
         self.checkpoint_host_bytes: dict[nn.Module, int] = {}
         """Per module of a block with ``checkpoint_offload``: host bytes its last forward kept."""
         nvme_blocks: list[tuple[Any, nn.Module, list[nn.Module]]] = []
@@ -431,6 +435,8 @@ class ParallelModel:
             offloaded = [x for b, mods in blocks if b.activation_offload for x in mods]
             if offloaded:
                 apply_activation_offload(offloaded, device)
+            if plan.compile:  # each block's modules compiled, inside FSDP2 / DDP (compile_blocks.py)
+                self.compile_stats = compile_blocks(blocks, stats=self.compile_stats)
             self._modules.append(apply_data_parallel(mod, blocks, m.dp_mesh,
                                                      kind=LoweringKind.NONE if defer_ddp else self.dp_kind,
                                                      zero=stage.zero_stage, device_type=device_type,
@@ -476,7 +482,8 @@ class ParallelModel:
         # read after the host optimizer, which under bf16 replaces its parameters on the modules by cast ones
         on_host = {id(p) for p in self.host_optimizer.params} if self.host_optimizer is not None else set()
         params = list({id(p): p for mod in self._modules for p in mod.parameters() if id(p) not in on_host}.values())
-        self.optimizer = (build_optimizer(optimizer_factory, params, kind=self.dp_kind, dp_mesh=m.dp_mesh)
+        self.optimizer = (build_optimizer(optimizer_factory_for(optimizer_factory, plan.optimizer_impl), params,
+                                          kind=self.dp_kind, dp_mesh=m.dp_mesh)  # fused or as given: optimizer_impl.py
                           if params or self.host_optimizer is None else None)
         if self.optimizer is not None and offloaded_params(self._modules):
             # FSDP2 keeps these shards in host memory and the optimizer steps them there: its fused CPU
