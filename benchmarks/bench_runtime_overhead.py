@@ -11,6 +11,14 @@ fp32 and bf16) live in the same processes and their steps alternate, so machine 
 the report is the median step time of each and the ratios (goal <= 1.03).
 
     python benchmarks/bench_runtime_overhead.py [--steps 30] [--layers 4] [--hidden 256]
+
+``--compile``: instead, whalepy's fp32 step on the same plan eager and with compiled blocks
+(``compile=True``: each block's modules under ``torch.compile``, inductor's C++ backend on CPU), the
+two models in the same processes from the same weights on the same batches, steps alternating; it
+reports the medians and their ratio, each compiled model's first step (the compile) apart, the blocks
+that fell back to eager, and the largest loss difference between the two runs.
+
+    python benchmarks/bench_runtime_overhead.py --compile [--steps 20]
 """
 
 from __future__ import annotations
@@ -74,6 +82,8 @@ def worker(rank, world, store, args, results):
     replica = mesh["dp"].get_local_rank()
     share = args.batch // 2
     steps = {}
+    if args.compile:
+        return compile_worker(rank, args, cfg, example, prof, rules, results)
     for precision, low in (("fp32", None), ("bf16", torch.bfloat16)):
         plan = make_plan([b.name for b in prof.blocks], dp=2, tp=2, global_batch=args.batch,
                          tensor_parallel=rules, precision=precision, model_fingerprint=prof.fingerprint)
@@ -119,6 +129,59 @@ def worker(rank, world, store, args, results):
     dist.destroy_process_group()
 
 
+def compile_worker(rank, args, cfg, example, prof, rules, results):
+    """``--compile``: whalepy eager and compiled on the same plan, alternating steps (module docstring)."""
+    import torch.distributed as dist
+
+    from whalepy.models import GPT
+    from whalepy.runtime import make_plan, parallelize
+
+    models = {}
+    for name, compiled in (("eager", False), ("compiled", True)):
+        plan = make_plan([b.name for b in prof.blocks], dp=2, tp=2, global_batch=args.batch, tensor_parallel=rules,
+                         model_fingerprint=prof.fingerprint, compile=compiled)
+        torch.manual_seed(0)
+        models[name] = parallelize(GPT(cfg), None, example_inputs=example, loss_fn=loss_fn,
+                                   optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), global_batch=args.batch,
+                                   plan=plan, profile=prof)
+    g = torch.Generator().manual_seed(1)
+    times = {name: [] for name in models}
+    first = {}
+    losses = {name: [] for name in models}
+    for step in range(args.warmup + args.steps):
+        x = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g)
+        y = torch.roll(x, -1, dims=1)
+        order = list(models.items())
+        if step % 2:
+            order.reverse()
+        for name, pm in order:
+            dist.barrier()
+            t = time.perf_counter()
+            losses[name].append(pm.train_step(x, y).item())
+            dt = time.perf_counter() - t
+            if step == 0:
+                first[name] = dt
+            if step >= args.warmup:
+                times[name].append(dt)
+    stats = models["compiled"].compile_stats
+    if rank == 0:
+        results.put({"times": times, "first": first, "fell_back": stats.fell_back, "modules": stats.modules,
+                     "loss_diff": max(abs(a - b) for a, b in zip(losses["eager"], losses["compiled"]))})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def print_compile(args, out):
+    e, c = (statistics.median(out["times"][n]) for n in ("eager", "compiled"))
+    print(f"DP x TP 2 x 2, 4 gloo processes, GPT {args.layers} layers hidden {args.hidden} seq {args.seq} "
+          f"batch {args.batch}, fp32, {args.steps} interleaved steps each after {args.warmup} warm-up (medians); "
+          f"torch {torch.__version__}, inductor CPU backend")
+    print(f"  eager {e * 1e3:.2f} ms, compiled {c * 1e3:.2f} ms, ratio compiled / eager {c / e:.3f}")
+    print(f"  first step (compiling): compiled {out['first']['compiled']:.1f} s, eager {out['first']['eager']:.2f} s")
+    print(f"  compiled modules {out['modules']}, fell back to eager: {out['fell_back'] or 'none'}")
+    print(f"  largest loss difference eager vs compiled over {args.warmup + args.steps} steps: {out['loss_diff']:.2e}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=30)
@@ -127,6 +190,7 @@ def main():
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--compile", action="store_true", help="eager vs compiled blocks (module docstring)")
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -135,9 +199,11 @@ def main():
                  for r in range(4)]
         for p in procs:
             p.start()
-        times = results.get(timeout=600)
+        times = results.get(timeout=3600)
         for p in procs:
             p.join()
+    if args.compile:
+        return print_compile(args, times)
     print(f"DP x TP 2 x 2, 4 gloo processes, GPT {args.layers} layers hidden {args.hidden} seq {args.seq} "
           f"batch {args.batch}, {args.steps} interleaved steps each (medians)")
     print(f"  {'precision':<10}{'whalepy ms':>12}{'hand ms':>12}{'ratio':>8}")

@@ -19,7 +19,7 @@ import random
 
 from whalepy.cost_models.memory import estimate_device_bytes_for_usable
 from whalepy.ir.plan import Schedule
-from whalepy.planner import make_options
+from whalepy.planner import make_options, resolve_optimizer_impl
 from whalepy.planner.costing import (
     CostContext,
     build_coefficients,
@@ -131,7 +131,8 @@ def brute_force(profile, cluster_spec, global_batch: int, **options) -> float:  
     """The fastest feasible step time over the whole space (``inf`` if nothing fits)."""
     opts = make_options(options)
     ctx = CostContext(profile, Hardware(cluster_spec), precision=opts.precision,
-                      sequence_parallel=opts.sequence_parallel)
+                      sequence_parallel=opts.sequence_parallel,  # the optimizer the planner charges
+                      optimizer_impl=resolve_optimizer_impl(cluster_spec, opts.optimizer_impl))
     cands, opts = outer_candidates(ctx, global_batch, **options)
     segments = build_segments(profile)
     state = build_state_options(opts.zero_stages, opts.allow_offload, opts.precision)

@@ -58,7 +58,7 @@ def test_offload_fields_round_trip_and_version_2_loads(plan: Plan) -> None:
 
     from whalepy.ir.plan import BlockPlan, PLAN_VERSION
 
-    assert PLAN_VERSION == 5
+    assert PLAN_VERSION == 6
     s0 = plan.stages[0]
     blocks = list(s0.blocks)
     blocks[0] = dataclasses.replace(blocks[0], checkpoint=False, activation_offload=True, prefetch_depth=2)

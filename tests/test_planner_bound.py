@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from whalepy.hardware.cluster import resolve_precision
 from whalepy.errors import InfeasibleError
-from whalepy.planner import make_options, plan_from_profile
+from whalepy.planner import make_options, plan_from_profile, resolve_optimizer_impl
 from whalepy.planner._bound import Choices
 from whalepy.planner.costing import CostContext, build_coefficients, lower_bound
 from whalepy.planner.ilp import MIP_REL_GAP, solve_candidate
@@ -95,7 +95,8 @@ def _check_bounds(inst: Instance) -> tuple[int, int]:
     checked and how many of them the memory part lifted."""
     opts = make_options(inst.options)
     ctx = CostContext(inst.profile, Hardware(inst.cluster), precision=opts.precision,
-                      sequence_parallel=opts.sequence_parallel)
+                      sequence_parallel=opts.sequence_parallel,  # the optimizer the planner charges
+                      optimizer_impl=resolve_optimizer_impl(inst.cluster, opts.optimizer_impl))
     cands, _ = outer_candidates(ctx, inst.global_batch, **inst.options)
     segments = build_segments(inst.profile)
     options = build_state_options(opts.zero_stages, opts.allow_offload, opts.precision)

@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from whalepy.errors import PlanError
-from whalepy.ir.types import Precision, Schedule, Tier, TPStyle, ZeroStage
+from whalepy.ir.types import OptimizerImpl, Precision, Schedule, Tier, TPStyle, ZeroStage
 
-PLAN_VERSION = 5
-"""Version 5 added :attr:`BlockPlan.checkpoint_offload`; version 4 :attr:`BlockPlan.tiles` and :attr:`StagePlan.reduce_every_microbatch`; version 3 :attr:`BlockPlan.activation_offload` and
+PLAN_VERSION = 6
+"""Version 6 added :attr:`Plan.optimizer_impl` and :attr:`Plan.compile`; version 5 :attr:`BlockPlan.checkpoint_offload`; version 4 :attr:`BlockPlan.tiles` and :attr:`StagePlan.reduce_every_microbatch`; version 3 :attr:`BlockPlan.activation_offload` and
 :attr:`BlockPlan.prefetch_depth`; version 2 :attr:`Plan.precision`. Older plans still load (see
 :meth:`Plan.from_dict`)."""
 
@@ -309,6 +309,14 @@ class Plan:
     gradient reduction and optimizer states; fp16 with dynamic loss scaling) or ``fp32``. The planner
     sets it from the cluster (``whalepy.hardware.cluster.resolve_precision``); a hand-made plan trains in
     fp32 unless it says otherwise."""
+    optimizer_impl: OptimizerImpl = OptimizerImpl.AS_GIVEN
+    """The optimizer implementation the runtime steps the device parameters with, and the cost model charged:
+    ``fused`` (torch's fused kernel of the user's optimizer class where it has one for the device and
+    dtype; the planner's choice by default) or ``as_given`` (the factory's optimizer exactly; what a
+    hand-made plan and every plan before version 6 lowered)."""
+    compile: bool = False
+    """Each block's modules run under ``torch.compile`` (regional compilation; ``runtime/compile_blocks.py``).
+    The planner turns it on where the devices and torch support it (CUDA), off on CPU unless asked."""
     costs_for: str = ""
     """:meth:`decision_hash` of the decisions the predicted costs (``cost``, stage costs, alternatives) were
     computed for; set on construction. A plan file edited by hand keeps the old hash, so
@@ -318,6 +326,9 @@ class Plan:
     def __post_init__(self) -> None:
         object.__setattr__(self, "schedule", Schedule(self.schedule))
         object.__setattr__(self, "precision", Precision(self.precision))
+        object.__setattr__(self, "optimizer_impl", OptimizerImpl(self.optimizer_impl))
+        if not isinstance(self.compile, bool):
+            raise PlanError(f"plan field compile must be true or false, got {self.compile!r}")
         self._validate()
         if not self.costs_for:
             object.__setattr__(self, "costs_for", self.decision_hash())
@@ -328,6 +339,9 @@ class Plan:
         import hashlib
 
         data = {k: v for k, v in _to_jsonable(self).items() if k not in _NOT_DECISIONS}
+        for k, before in _ADDED_IN_6.items():  # a plan file older than them keeps its hash
+            if data.get(k) == before:
+                del data[k]
         for st in data["stages"]:
             st.pop("cost", None)
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
@@ -471,10 +485,10 @@ class Plan:
             # as fp32 so that it keeps training, and resuming its checkpoints, exactly as it did.
             data = {**data, "version": 2, "precision": Precision.FP32.value}
             version = 2
-        if version in (2, 3, 4):
+        if version in (2, 3, 4, 5):
             # version 2 had no activation_offload / prefetch_depth, version 3 no tiles or
-            # reduce_every_microbatch, version 4 no checkpoint_offload: their defaults
-            # (absent fields take them) are what those runtimes did
+            # reduce_every_microbatch, version 4 no checkpoint_offload, version 5 no optimizer_impl or
+            # compile: their defaults (absent fields take them) are what those runtimes did
             data = {**data, "version": PLAN_VERSION}
             version = PLAN_VERSION
         if version != PLAN_VERSION:
@@ -574,6 +588,10 @@ class Plan:
 
 _NOT_DECISIONS = frozenset({"model_name", "cost", "solver", "alternatives", "notes", "costs_for", "version"})
 """Plan fields that describe or predict rather than decide (left out of :meth:`Plan.decision_hash`)."""
+
+_ADDED_IN_6 = {"optimizer_impl": OptimizerImpl.AS_GIVEN.value, "compile": False}
+"""Decisions version 6 added, with the value every older plan lowered: left out of the hash at that value,
+so an older plan file's ``costs_for`` still matches it."""
 
 
 def _to_jsonable(obj: Any) -> Any:

@@ -26,6 +26,19 @@ class Precision(str, enum.Enum):
         return enum_member(cls, value, "precision")  # type: ignore[return-value]
 
 
+class OptimizerImpl(str, enum.Enum):
+    """Which implementation of the user's optimizer algorithm the runtime steps the device parameters
+    with: torch's single-kernel ``fused=True`` variant of the same class and hyper-parameters where torch
+    has one for the device and dtype, or the optimizer exactly as the user's factory built it."""
+
+    FUSED = "fused"
+    AS_GIVEN = "as_given"
+
+    @classmethod
+    def _missing_(cls, value: object) -> OptimizerImpl:
+        return enum_member(cls, value, "optimizer implementation")  # type: ignore[return-value]
+
+
 class Schedule(str, enum.Enum):
     """Pipeline schedule; values match the names used in ``torch.distributed.pipelining``."""
 

@@ -111,6 +111,16 @@ class PlannerOptions:
     sizes and TP degrees the search considers, saved activations); the planner then prefers these
     measurements for device types of the cluster equal to the local one. :func:`plan` only (a model
     is needed to run)."""
+    optimizer_impl: str = "auto"
+    """The optimizer implementation the runtime lowers and the cost model charges (``Plan.optimizer_impl``):
+    ``"fused"`` (torch's fused kernel of the user's optimizer class, same hyper-parameters and states,
+    where it has one for the device and dtype), ``"as_given"`` (the factory's optimizer exactly) or
+    ``"auto"`` (default): ``fused`` where torch has fused optimizer kernels for every device type of the
+    cluster (CUDA and CPU in torch 2.4 and later), else ``as_given``."""
+    compile: bool | str = "auto"
+    """Compile each block with ``torch.compile`` (regional compilation; ``Plan.compile``): True, False or
+    ``"auto"`` (default): on where every group runs on CUDA GPUs and torch supports ``torch.compile`` on
+    this Python, off on CPU (compiling a block takes seconds to minutes there, for a small gain)."""
     notes: tuple[str, ...] = field(default=())
     """Lines copied into ``plan.notes`` (used by callers that adjust options, e.g. a solver fallback)."""
 
@@ -146,6 +156,11 @@ class PlannerOptions:
             if name not in ("bf16", "fp16", "fp32"):
                 raise PlanError(f"precision={self.precision!r}: use bf16, fp16 or fp32")
             object.__setattr__(self, "precision", name)
+        if self.optimizer_impl not in ("auto", "fused", "as_given"):
+            raise PlanError(f"optimizer_impl={self.optimizer_impl!r}: use 'auto', 'fused' or 'as_given'")
+        if self.compile not in (True, False, "auto") or isinstance(self.compile, int) and not isinstance(
+                self.compile, bool):
+            raise PlanError(f"compile={self.compile!r}: use True, False or 'auto'")
         if self.top_k < 0:
             raise PlanError(f"top_k must be >= 0, got {self.top_k}; give the alternatives to keep, e.g. top_k=5")
         if not self.virtual_stages or any(v < 1 for v in self.virtual_stages):
@@ -298,10 +313,20 @@ def _measured(model: Any, example_inputs: Any, prof: ModelProfile, cluster: Clus
     tps = tuple(1 << k for k in range(max_tp.bit_length()) if (1 << k) <= max_tp)
     measured = measure_costs(model, example_inputs, prof, precision=opts.precision or "fp32",
                              micro_batches=micro_batch_sizes(global_batch),
-                             tp_degrees=tps)
+                             tp_degrees=tps, optimizer=_measured_optimizer(opts.optimizer_impl))
     progress(f"measured {len(measured.times)} distinct blocks on {measured.device_name} in "
              f"{time.perf_counter() - t0:.2f} s")
     return replace(apply_measured_activations(prof, measured, opts.precision or "fp32"), measured=measured)
+
+
+def _measured_optimizer(impl: str) -> Callable[[list], Any] | None:
+    """The optimizer measured planning times: the implementation the plan lowers (``fused`` AdamW), or
+    None for ``measure_costs``'s default (``AdamW`` as torch builds it)."""
+    if impl != "fused":
+        return None
+    import torch
+
+    return lambda params: torch.optim.AdamW(params, fused=True)
 
 
 def _host_notes(opts: PlannerOptions, cluster: ClusterSpec) -> list[str]:
@@ -324,7 +349,31 @@ def _with_precision(opts: PlannerOptions, cluster: ClusterSpec) -> PlannerOption
     from whalepy.hardware.cluster import resolve_precision
 
     precision = resolve_precision((g.device for g in cluster.groups), opts.precision)
-    return replace(opts, precision=precision.value)
+    return replace(opts, precision=precision.value, optimizer_impl=resolve_optimizer_impl(cluster, opts.optimizer_impl),
+                   compile=resolve_compile(cluster, opts.compile))
+
+
+def _device_types(cluster: ClusterSpec) -> set[str]:
+    """The torch device types the cluster's ranks run on (``runtime.mesh.resolve_device_type``'s rule)."""
+    return {"cpu" if g.runs_on_cpu else "cuda" for g in cluster.groups}
+
+
+def resolve_optimizer_impl(cluster: ClusterSpec, choice: str) -> str:
+    """``"auto"`` resolved for ``cluster`` (:attr:`PlannerOptions.optimizer_impl`)."""
+    if choice != "auto":
+        return choice
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    return "fused" if _device_types(cluster) <= set(_get_fused_kernels_supported_devices()) else "as_given"
+
+
+def resolve_compile(cluster: ClusterSpec, choice: bool | str) -> bool:
+    """``"auto"`` resolved for ``cluster`` (:attr:`PlannerOptions.compile`)."""
+    if choice != "auto":
+        return bool(choice)
+    import torch._dynamo
+
+    return _device_types(cluster) == {"cuda"} and torch._dynamo.is_dynamo_supported()
 
 
 def _fields() -> list[str]:
@@ -407,7 +456,7 @@ def homogeneous_baseline(profile: ModelProfile, cluster: ClusterSpec, *, global_
     assert ev is not None
     cand = ev.coeffs.candidate
     ctx = CostContext(profile, hw, precision=opts.precision, sequence_parallel=opts.sequence_parallel,
-                      clip_gradients=opts.clip_gradients)
+                      clip_gradients=opts.clip_gradients, optimizer_impl=opts.optimizer_impl, compile=opts.compile)
     S = cand.num_stages
     ckpts = [list(ev.stages[j % S].chunk_checkpoints[j // S]) for j in range(cand.num_virtual)]
     offs = [list(ev.stages[j % S].chunk_offloads[j // S]) for j in range(cand.num_virtual)]

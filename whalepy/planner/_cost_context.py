@@ -17,6 +17,7 @@ from whalepy.cost_models.compute import estimate_block_time, estimate_kernels_ti
 from whalepy.cost_models.device_profiles import resolve_compute_profile
 from whalepy.cost_models.memory import ModelStateBytes, estimate_model_state_bytes
 from whalepy.ir.plan import TPStyle
+from whalepy.ir.types import OptimizerImpl
 from whalepy.planner.runtime_costs import DPComm, build_dp_block_comm
 from whalepy.planner.space import Candidate, GroupView, Hardware, Segment, StateOption
 from whalepy.ir.profile import BlockKind, BlockProfile, ModelProfile
@@ -72,12 +73,19 @@ class CostContext:
     """Caches block-level costs shared across candidates of one planning run."""
 
     def __init__(self, profile: ModelProfile, hw: Hardware, *, precision: str = "bf16",
-                 sequence_parallel: bool | None = None, clip_gradients: bool = False) -> None:
+                 sequence_parallel: bool | None = None, clip_gradients: bool = False,
+                 optimizer_impl: OptimizerImpl | str = OptimizerImpl.AS_GIVEN, compile: bool = False) -> None:
         self.profile = profile
         self.hw = hw
         self.precision = precision
         self.clip_gradients = clip_gradients
         """The run clips gradients (``PlannerOptions.clip_gradients``): ZeRO-Offload steps after backward."""
+        self.optimizer_impl = OptimizerImpl(optimizer_impl)
+        """The optimizer implementation the runtime lowers (``Plan.optimizer_impl``), charged by
+        ``_offload_costs.device_optimizer_implementation``."""
+        self.compile = compile
+        """The blocks run compiled (``Plan.compile``): recorded in the plan; the block times stay the
+        eager model's (no compiled-kernel rate is measured or derived yet: docs/runtime.md)."""
         # Sequence parallelism is on when the profile carries SEQUENCE rules (the runtime lowers them).
         self.sequence_parallel = (has_sequence_rules(profile) if sequence_parallel is None
                                   else sequence_parallel)

@@ -22,6 +22,7 @@ from whalepy.cost_models.offload import (
     zero_offload_step,
 )
 from whalepy.ir.plan import Tier, ZeroStage
+from whalepy.ir.types import OptimizerImpl
 from whalepy.planner._cost_context import stage_model_states, tp_splits
 from whalepy.planner.runtime_costs import lowering_kind
 from whalepy.planner.space import Candidate, GroupView, StateOption
@@ -29,11 +30,12 @@ from whalepy.planner.space import Candidate, GroupView, StateOption
 if TYPE_CHECKING:
     from whalepy.planner.costing import CellEval, CostContext, StageEval
 
-DEVICE_OPTIMIZER_IMPLEMENTATION = "foreach"
-"""The AdamW implementation a stage's device optimizer runs: the runtime builds the user's optimizer as
-given (``ParallelModel``; only host-resident parameters get the fused CPU kernel, ``fused_variant``),
-and torch's ``AdamW`` defaults to ``foreach`` on CUDA tensors (``torch/optim/optimizer.py``,
-``_default_to_fused_or_foreach``: fused is never the default)."""
+def device_optimizer_implementation(impl: OptimizerImpl) -> str:
+    """The AdamW implementation a stage's device optimizer runs under the plan's ``optimizer_impl``
+    (:mod:`whalepy.runtime.optimizer_impl`): ``fused`` as planned; ``as_given`` the user's optimizer as
+    built, which for ``torch.optim.AdamW`` on CUDA is its ``foreach`` implementation (torch never picks
+    ``fused`` by itself: ``torch/optim/optimizer.py``, ``_default_to_fused_or_foreach``)."""
+    return "fused" if impl is OptimizerImpl.FUSED else "foreach"
 
 
 def group_rates(g: GroupView) -> OffloadRates:
@@ -50,9 +52,8 @@ def offload_coefficients(ctx: CostContext, cand: Candidate, g: GroupView, allowe
     n = 1e9
     gpu_step = ctx.optimizer_s_per_param(g.device.name)  # measured on this device type, if it was
     if gpu_step is None:
-        # the device step of the implementation the runtime builds: the user's optimizer as given, which for
-        # torch.optim.AdamW on CUDA is its default `foreach` implementation (the profile's measured rate)
-        gpu_step = adamw_step_time(n, g.device, implementation=DEVICE_OPTIMIZER_IMPLEMENTATION) / n
+        # the device step of the implementation the runtime builds (the profile's measured rate)
+        gpu_step = adamw_step_time(n, g.device, implementation=device_optimizer_implementation(ctx.optimizer_impl)) / n
     rates = None
     if any(o.param_tier is not Tier.GPU or o.optimizer_tier is not Tier.GPU for o in allowed):
         rates = group_rates(g)

@@ -166,7 +166,7 @@ def build_plan(ev: Evaluation, *, ctx: CostContext, global_batch: int, result: S
                 notes=tuple(notes) + compute_profile_notes(g.device for g in hw.groups)
                 + tuple(shape_notes(ctx, tp=cand.tp, micro_batch=global_batch / (cand.dp * M), microbatches=M,
                                     step_s=step)),
-                precision=Precision(ctx.precision))
+                precision=Precision(ctx.precision), optimizer_impl=ctx.optimizer_impl, compile=ctx.compile)
 
 
 def _chunk_phase_times(worst, st) -> dict[str, tuple[float, ...]]:  # type: ignore[no-untyped-def]

@@ -215,9 +215,10 @@ class Estimate:
 
 
 def estimate(model: Any, cluster: ClusterSpec, config: ParallelConfig | dict[str, Any], *,
-             example_inputs: Any, global_batch: int, precision: str | None = None) -> Estimate:
-    """Predicted step time and memory of ``config``; ``precision`` None resolves from the cluster as
-    the planner does (``PlannerOptions.precision``)."""
+             example_inputs: Any, global_batch: int, precision: str | None = None,
+             optimizer_impl: str = "auto", compile: bool | str = "auto") -> Estimate:
+    """Predicted step time and memory of ``config``; ``precision``, ``optimizer_impl`` and ``compile``
+    resolve from the cluster as the planner resolves them (``PlannerOptions``)."""
     from whalepy.frontend.checks import as_cluster, check_example_inputs, check_model
     from whalepy.frontend.profile import profile
 
@@ -226,7 +227,7 @@ def estimate(model: Any, cluster: ClusterSpec, config: ParallelConfig | dict[str
     check_config_on_cluster(_coerce(config), cluster, global_batch, precision)  # before the capture
     check_example_inputs(model, example_inputs, "whalepy.estimate()")
     return estimate_from_profile(profile(model, example_inputs), cluster, config, global_batch=global_batch,
-                                 precision=precision)
+                                 precision=precision, optimizer_impl=optimizer_impl, compile=compile)
 
 
 def check_config_on_cluster(cfg: ParallelConfig, cluster: ClusterSpec, global_batch: Any, precision: str | None
@@ -318,7 +319,9 @@ def _balanced_sizes(times: list[float], parts: int) -> list[int]:
 
 
 def estimate_from_profile(profile: ModelProfile, cluster: ClusterSpec, config: ParallelConfig | dict[str, Any], *,
-                          global_batch: int, precision: str | None = None) -> Estimate:
+                          global_batch: int, precision: str | None = None, optimizer_impl: str = "auto",
+                          compile: bool | str = "auto") -> Estimate:
+    from whalepy.planner import make_options, resolve_compile, resolve_optimizer_impl
     from whalepy.planner.runtime_costs import check_device_reserve
     from whalepy.planner.build import build_plan
     from whalepy.planner.costing import CostContext, build_coefficients, evaluate, has_sequence_rules
@@ -372,7 +375,9 @@ def estimate_from_profile(profile: ModelProfile, cluster: ClusterSpec, config: P
                                                optimizer_tier=option.optimizer_tier)
         if reason is not None:
             raise PlanError(f"ParallelConfig: {reason}")
-    ctx = CostContext(profile, hw, precision=precision)
+    make_options({"optimizer_impl": optimizer_impl, "compile": compile})  # checked as planner options
+    ctx = CostContext(profile, hw, precision=precision, optimizer_impl=resolve_optimizer_impl(cluster, optimizer_impl),
+                      compile=resolve_compile(cluster, compile))
     cc = build_coefficients(ctx, cand, build_segments(profile), (option,))
     for sc in cc.stages:
         if option not in sc.options:

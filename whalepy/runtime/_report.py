@@ -11,6 +11,8 @@
   on a GPU, the allocator's peak is read; the ratios to the plan's predictions are logged once on rank
   0, with a warning when the step time is more than :data:`OFF_PLAN_TOLERANCE` off.
   :meth:`~whalepy.ParallelModel.measured_profile` returns what was seen (:class:`ObservedStep`).
+- compiled blocks (``plan.compile``): the first step compiles them; its time is logged once on rank 0,
+  apart, and the reported step times start after it (:attr:`StepReporter.first_step_s`).
 
 Measured MFU is the plan's: the same model FLOPs and peak (``plan.cost.mfu`` at the predicted step
 time), so ``MFU = plan MFU x predicted step time / measured step time``. Peak memory is the largest
@@ -165,6 +167,8 @@ class StepReporter:
         self.observed: ObservedStep | None = None
         self._check_start: float | None = None
         self._progress: Any = None
+        self.first_step_s: float | None = None
+        """Wall seconds of the first step when the plan compiles its blocks (compile included)."""
         want = progress if progress is not None else sys.stderr.isatty()
         if log_every is not None and want and is_rank0():
             self._progress = _rich_progress()
@@ -196,6 +200,8 @@ class StepReporter:
         self.steps += 1
         self._window_steps += 1
         self.skipped_steps += bool(extra.get("skipped"))
+        if self.steps == 1 and self.plan.compile:
+            self._first_step_apart()
         if self.steps == PLAN_CHECK_WARMUP + PLAN_CHECK_STEPS and self._check_start is not None:
             self._check_plan()
         if self._progress is not None:
@@ -227,6 +233,17 @@ class StepReporter:
             for sink in self.sinks:
                 sink.write(self.last)
         self._last_end = time.perf_counter()
+
+    def _first_step_apart(self) -> None:
+        """The first step of a plan with compiled blocks compiles them: logged apart, and left out of
+        the step times reported (unless it is itself a report step, ``log_every=1``)."""
+        _synchronize(self.device)
+        now = time.perf_counter()
+        self.first_step_s = now - (self._window_start or now)
+        info_once("compile-first-step", "whalepy: first step %.2f s, compiling the blocks (torch.compile); "
+                  "the step times reported leave it out", self.first_step_s)
+        if not (self.log_every is not None and self.steps % self.log_every == 0):
+            self._window_start, self._window_steps, self._data_wait = now, 0, 0.0
 
     def _record(self, rec: dict[str, float], extra: dict[str, Any], data_wait_s: float) -> dict[str, Any]:
         """The full record of a report (every field of :data:`whalepy.runtime.metrics.FIELDS`); ``rec``

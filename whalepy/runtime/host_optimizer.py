@@ -167,6 +167,9 @@ def fused_variant(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
             fused = type(opt)(groups)
         except (RuntimeError, ValueError, TypeError):
             return opt  # this class or these hyper-parameters have no fused kernel on these devices
+        # the user's hyper-parameters for groups added later and for ZeroRedundancyOptimizer, which
+        # rebuilds the class from them (data_parallel.build_optimizer)
+        fused.defaults = {**opt.defaults, "fused": True, "foreach": None}
         # what the user's factory chose, for checkpoints (a plan stepping on the device loads them)
         fused.whalepy_user_flags = [{k: g[k] for k in KERNEL_FLAGS if k in g}  # type: ignore[attr-defined]
                                     for g in opt.param_groups]

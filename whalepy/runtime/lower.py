@@ -39,6 +39,7 @@ from whalepy.runtime.checkpointing import (
     apply_activation_offload,
     apply_checkpoint_offload,
 )
+from whalepy.runtime.compile_blocks import CompileStats, compile_blocks
 from whalepy.runtime.data_parallel import apply_data_parallel, check_root_tiers, offloads_any_block, wrap_ddp
 from whalepy.runtime.materialize import MaterializeStats, Skeleton, has_meta_tensors, materialize_modules, snapshot
 from whalepy.runtime.mesh import RankMeshes, build_meshes
@@ -74,15 +75,16 @@ def lower(model: nn.Module, plan: Plan, ctx: LowerContext) -> Lowered:
     kind = choose_dp_kind(plan, meshes)
     parts, ties = split_pipeline(model, plan, meshes, kind, blocks, on_meta=skeleton is not None, ctx=ctx)
     record: dict[nn.Module, int] = {}  # checkpoint_offload's host bytes, written by every part's hooks
-    parts = [parallelize_part(p, plan, meshes, kind, blocks, ctx, on_meta=skeleton is not None, record=record)
-             for p in parts]
+    compiled = CompileStats()  # plan.compile: what compile_blocks did on this rank
+    parts = [parallelize_part(p, plan, meshes, kind, blocks, ctx, on_meta=skeleton is not None, record=record,
+                              compiled=compiled) for p in parts]
     parts, stats = materialize_parts(parts, skeleton, meshes, kind, ctx)
     tied = tie_across_stages(parts, ties)
     optim = build_optimizers(parts, plan, meshes, kind, tied, ctx)
     schedule = build_schedule(parts, plan, meshes, optim.amp, ctx)
     return Lowered(meshes=meshes, kind=kind, parts=parts, tied=tied, optim=optim, schedule=schedule,
                    stats=stats, blocks=blocks, batch=batch, pseudo=pseudo,
-                   config=config, checkpoint_host_bytes=record)
+                   config=config, checkpoint_host_bytes=record, compiled=compiled if plan.compile else None)
 
 
 def check_lowerable(model: nn.Module, plan: Plan, ctx: LowerContext) -> Blocks:
@@ -183,14 +185,18 @@ def split_pipeline(model: nn.Module, plan: Plan, meshes: RankMeshes, kind: Lower
 
 
 def parallelize_part(part: StagePart, plan: Plan, meshes: RankMeshes, kind: LoweringKind, blocks: Blocks,
-                     ctx: LowerContext, *, on_meta: bool, record: dict[nn.Module, int]) -> StagePart:
+                     ctx: LowerContext, *, on_meta: bool, record: dict[nn.Module, int],
+                     compiled: CompileStats | None = None) -> StagePart:
     """Needs: one stage part, not yet parallelised. Gives: the part tiled, tensor parallel, with its
-    activation policy and data parallel; the same for every stage (torchtitan's ``parallelize_fn``).
-    A meta-device model's DDP is deferred to :func:`materialize_parts` (DDP reads its parameters)."""
+    activation policy, its blocks compiled (``plan.compile``; ``compiled`` gets the stats) and data
+    parallel; the same for every stage (torchtitan's ``parallelize_fn``). A meta-device model's DDP is
+    deferred to :func:`materialize_parts` (DDP reads its parameters)."""
     part = apply_tiling(part, blocks)
     if meshes.stage.tp_degree > 1:
         apply_tensor_parallel(part.module, plan.tensor_parallel, meshes.tp_mesh, loss_parallel=ctx.loss_parallel)
     apply_activation_policy(part, meshes.device, record)
+    if plan.compile:  # each block's modules compiled, inside FSDP2 / DDP (compile_blocks.py)
+        compile_blocks(part.blocks, stats=compiled)
     defer = on_meta and kind in (LoweringKind.DDP, LoweringKind.ZERO1)
     root = apply_data_parallel(part.module, part.blocks, meshes.dp_mesh, kind=LoweringKind.NONE if defer else kind,
                                zero=meshes.stage.zero_stage, device_type=ctx.device_type, precision=plan.precision)

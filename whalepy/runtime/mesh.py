@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from whalepy.errors import LaunchError, PlanError
 from whalepy.ir.plan import BlockPlan, Plan, Precision, Schedule, StagePlan, Tier, TPRule, ZeroStage
+from whalepy.ir.types import OptimizerImpl
 
 __all__ = ["RankMeshes", "build_meshes", "make_plan", "resolve_device_type"]
 
@@ -129,6 +130,8 @@ def make_plan(
     model_fingerprint: str = "unchecked",
     precision: Precision | str = Precision.FP32,
     reduce_every_microbatch: bool = False,
+    optimizer_impl: str = "as_given",
+    compile: bool = False,
 ) -> Plan:
     """A valid :class:`Plan` for a fixed layout, without the planner (tests, benchmarks, users who
     know what they want). Ranks are laid out ``pp``-major, then ``dp``, then ``tp`` (TP innermost, as
@@ -142,7 +145,9 @@ def make_plan(
     ``chunk_sizes[s][j]`` gives the blocks of chunk ``j`` of physical stage ``s`` (pipeline stage
     ``s + j * pp``); each physical stage holds its ``v`` chunks (``StagePlan.chunk_sizes``).
     ``precision`` is what the runtime trains in (fp32 unless given); ``reduce_every_microbatch`` sets
-    :attr:`StagePlan.reduce_every_microbatch` on every stage.
+    :attr:`StagePlan.reduce_every_microbatch` on every stage. ``optimizer_impl`` and ``compile`` are
+    :attr:`Plan.optimizer_impl` and :attr:`Plan.compile` (the optimizer as given, eager blocks, unless
+    given).
 
     ``param_tier`` / ``optimizer_tier`` are every block's memory tiers; ``tiers`` overrides them per
     block (granular offloading, as M6-10T's): ``{block name: (param_tier, optimizer_tier)}``, e.g.
@@ -225,6 +230,8 @@ def make_plan(
         batch_shares=shares,
         stages=tuple(stages), tensor_parallel=tuple(tensor_parallel) if tp > 1 else (),
         precision=Precision(precision),
+        optimizer_impl=OptimizerImpl(optimizer_impl),
+        compile=compile,
     )
 
 

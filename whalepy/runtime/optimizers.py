@@ -14,6 +14,7 @@ from torch import nn
 from whalepy.ir.plan import Plan, Tier
 from whalepy.ir.rules import LoweringKind, host_steps_after_backward, steps_on_host
 from whalepy.log import info_once
+from whalepy.runtime.optimizer_impl import optimizer_factory_for
 from whalepy.runtime._amp import AmpContext
 from whalepy.runtime._joint_step import JointStep
 from whalepy.runtime.data_parallel import build_optimizer, cast_sharded_params, compute_dtype
@@ -64,7 +65,8 @@ def build_optimizers(parts: Sequence[StagePart], plan: Plan, meshes: RankMeshes,
     # read after the host optimizer, which under bf16 replaces its parameters on the modules by cast ones
     on_host = {id(p) for p in host.params} if host is not None else set()
     params = list({id(p): p for mod in modules for p in mod.parameters() if id(p) not in on_host}.values())
-    optimizer = (build_optimizer(ctx.optimizer_factory, params, kind=kind, dp_mesh=meshes.dp_mesh)
+    optimizer = (build_optimizer(optimizer_factory_for(ctx.optimizer_factory, plan.optimizer_impl), params,
+                                 kind=kind, dp_mesh=meshes.dp_mesh)  # fused or as given: optimizer_impl.py
                  if params or host is None else None)
     if optimizer is not None and offloaded_params(modules):
         # FSDP2 keeps these shards in host memory and the optimizer steps them there: its fused CPU

@@ -288,6 +288,7 @@ class ParallelModel:
         self.pseudo: PseudoBuild | None = lowered.pseudo  # what whalepy.delink builds the real model from
         self._hf_config = lowered.config  # what save() writes as config.json
         self.block_modules = lowered.blocks.modules  # block name -> module paths (whalepy.trace_memory)
+        self.compile_stats = lowered.compiled  # plan.compile: modules, fallbacks, first-call seconds
         start = sum(plan.batch_shares[: m.replica])
         self._slice = slice(start, start + plan.batch_shares[m.replica])
         self.loss_scale = share_scale(plan, m)

@@ -139,3 +139,6 @@ class Lowered:
     """The model's HF ``config`` (or None) and class: what ``save`` writes as ``config.json``."""
     checkpoint_host_bytes: dict[nn.Module, int]
     """Per module of a block with ``checkpoint_offload``: host bytes its last forward kept."""
+    compiled: Any = None
+    """What :func:`~whalepy.runtime.compile_blocks.compile_blocks` did on this rank
+    (:class:`~whalepy.runtime.compile_blocks.CompileStats`), None when the plan does not compile."""
