@@ -135,6 +135,9 @@ class StageCost:
     """FSDP2 working set and gradient buffers, autocast weight copies."""
     reserve_bytes: int = 0
     """Device memory kept back: CUDA context, NCCL buffers, allocator fragmentation."""
+    margin_bytes: int = 0
+    """Device memory left unplanned (``PlannerOptions.memory_margin``): device memory = ``capacity_bytes``
+    + ``reserve_bytes`` + ``margin_bytes``."""
     cpu_bytes: int = 0
     """Host memory per GPU of offloaded states and activations."""
     nvme_bytes: int = 0

@@ -172,6 +172,14 @@ def _samples_by_stage(plan: Plan, device_type: str) -> str:
     return "; ".join(parts)
 
 
+def _margin(k) -> str:  # type: ignore[no-untyped-def]
+    """``, margin 4.00 (5% of 80 GiB)``: the memory left unplanned (``PlannerOptions.memory_margin``)."""
+    if not k.margin_bytes:
+        return ""
+    device = k.capacity_bytes + k.reserve_bytes + k.margin_bytes
+    return f", margin {k.margin_bytes / GIB:.2f} ({100 * k.margin_bytes / device:.0f}% of {device / GIB:.0f} GiB)"
+
+
 def _memory_lines(plan: Plan) -> list[str]:
     """Per stage: memory by kind on the tightest device, and exposed communication by kind."""
     out = []
@@ -184,7 +192,7 @@ def _memory_lines(plan: Plan) -> list[str]:
             f"; NVMe {k.nvme_bytes / GIB:.2f}" if k.nvme_bytes else "")
         out.append(f"  stage {s.index} memory GiB: params {k.params_bytes / GIB:.2f}, grads {k.grads_bytes / GIB:.2f}, "
                    f"optimizer {k.optimizer_bytes / GIB:.2f}, activations {k.activation_bytes / GIB:.2f}, "
-                   f"buffers {k.buffer_bytes / GIB:.2f}; reserve {k.reserve_bytes / GIB:.2f}{host}")
+                   f"buffers {k.buffer_bytes / GIB:.2f}; reserve {k.reserve_bytes / GIB:.2f}{_margin(k)}{host}")
         off = ""
         if any(b.param_tier.value != "gpu" or b.optimizer_tier.value != "gpu" for b in s.blocks):
             off = f"; offload (tiers {block_tiers(s)}) exposed {_t(k.offload_s)} per step"

@@ -84,6 +84,8 @@ class CellCoeffs:
     the group has no host memory given."""
     seg_ckhost: list[float] | None = None
     """Per block: host bytes per rank of its checkpointed input over the micro-batches in flight."""
+    margin: float = 0.0
+    """Device bytes left unplanned (``PlannerOptions.memory_margin``), already taken from ``capacity``."""
 
 
 @dataclass(slots=True)

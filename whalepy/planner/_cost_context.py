@@ -16,7 +16,7 @@ from whalepy.cost_models.communication import Collective, CommGroup, Link, estim
 from whalepy.cost_models.compute import estimate_block_time, estimate_kernels_time, loss_time, precision_bytes
 from whalepy.cost_models.device_profiles import resolve_compute_profile
 from whalepy.ir.plan import TPStyle
-from whalepy.planner.runtime_costs import DPComm, build_dp_block_comm
+from whalepy.planner.runtime_costs import DPComm, MemoryMargin, build_dp_block_comm
 from whalepy.planner.space import GroupView, Hardware, Segment
 from whalepy.ir.profile import BlockKind, BlockProfile, ModelProfile
 
@@ -71,10 +71,13 @@ class CostContext:
     """Caches block-level costs shared across candidates of one planning run."""
 
     def __init__(self, profile: ModelProfile, hw: Hardware, *, precision: str = "bf16",
-                 sequence_parallel: bool | None = None, clip_gradients: bool = False) -> None:
+                 sequence_parallel: bool | None = None, clip_gradients: bool = False,
+                 memory_margin: MemoryMargin | None = None) -> None:
         self.profile = profile
         self.hw = hw
         self.precision = precision
+        self.memory_margin = memory_margin
+        """Device memory left unplanned (``PlannerOptions.memory_margin``; None: none)."""
         self.clip_gradients = clip_gradients
         """The run clips gradients (``PlannerOptions.clip_gradients``): ZeRO-Offload steps after backward."""
         # Sequence parallelism is on when the profile carries SEQUENCE rules (the runtime lowers them).

@@ -189,7 +189,7 @@ def _stage_options(ctx: CostContext, cand: Candidate, segments: tuple[Segment, .
     allowed = tiled_options(
         allowed, stage_blocks, tp=t,
         working_bytes=lambda p: estimate_fsdp_working_bytes(block_params=p, zero3=True, compute_bytes=low),
-        capacity_bytes=min(usable_device_bytes(hw.groups[g], cand) for g in groups_here))
+        capacity_bytes=min(usable_device_bytes(hw.groups[g], cand, ctx.memory_margin) for g in groups_here))
     allowed = reduce_each_options(allowed, cand)
     if mixing:
         allowed += beside_offload_options(allowed, cand)
