@@ -131,7 +131,7 @@ def brute_force(profile, cluster_spec, global_batch: int, **options) -> float:  
     """The fastest feasible step time over the whole space (``inf`` if nothing fits)."""
     opts = make_options(options)
     ctx = CostContext(profile, Hardware(cluster_spec), precision=opts.precision,
-                      sequence_parallel=opts.sequence_parallel)
+                      sequence_parallel=opts.sequence_parallel, memory_margin=opts.memory_margin)
     cands, opts = outer_candidates(ctx, global_batch, **options)
     segments = build_segments(profile)
     state = build_state_options(opts.zero_stages, opts.allow_offload, opts.precision)

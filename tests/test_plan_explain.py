@@ -27,7 +27,7 @@ def _check_plan(inst, plan) -> set[str]:  # type: ignore[no-untyped-def]
     """Check every alternative's reason against the truth; return the kinds of reason seen."""
     opts = make_options(inst.options)
     ctx = CostContext(inst.profile, Hardware(inst.cluster), precision=opts.precision,
-                      sequence_parallel=opts.sequence_parallel)
+                      sequence_parallel=opts.sequence_parallel, memory_margin=opts.memory_margin)
     cands, _ = outer_candidates(ctx, inst.global_batch, **inst.options)
     by_desc = {c.describe(ctx.hw.groups): c for c in cands}
     segments, options = build_segments(inst.profile), build_state_options(opts.zero_stages, opts.allow_offload)
