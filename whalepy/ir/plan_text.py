@@ -201,7 +201,7 @@ MEMORY_ITEMS = (
 def _activation_items(k) -> str:  # type: ignore[no-untyped-def]
     parts = ([f"{k.inflight_microbatches} micro-batch{'es' if k.inflight_microbatches > 1 else ''} in flight"]
              if k.inflight_microbatches and k.activation_bytes else [])
-    parts += [f"loss {k.loss_bytes / GIB:.2f}"] if k.loss_bytes else []
+    parts += [f"loss {k.loss_bytes / GIB:.2f}"] if k.loss_bytes >= 0.005 * GIB else []
     return f" ({'; '.join(parts)})" if parts else ""
 
 
