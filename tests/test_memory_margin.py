@@ -10,7 +10,7 @@ import pytest
 
 from whalepy.errors import InfeasibleError, PlanError
 from whalepy.planner import PlannerOptions, plan_from_profile
-from whalepy.planner._margin import DEFAULT_MEMORY_MARGIN, MemoryMargin, parse_memory_margin
+from whalepy.planner.margin import DEFAULT_MEMORY_MARGIN, MemoryMargin, parse_memory_margin
 from whalepy.planner.estimate import ParallelConfig, estimate_from_profile
 from whalepy.planner.synthetic import transformer_profile
 

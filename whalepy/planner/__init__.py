@@ -19,7 +19,7 @@ from typing import Any
 from whalepy.errors import PlanError
 from whalepy.hardware.cluster import ClusterSpec
 from whalepy.ir.plan import Plan, Schedule
-from whalepy.planner._margin import DEFAULT_MEMORY_MARGIN, MemoryMargin, parse_memory_margin
+from whalepy.planner.margin import DEFAULT_MEMORY_MARGIN, MemoryMargin, parse_memory_margin
 from whalepy.planner.runtime_costs import check_device_reserve
 from whalepy.planner.build import build_alternatives, build_plan, raise_infeasible
 from whalepy.planner.ilp import ILP_NODE_LIMIT

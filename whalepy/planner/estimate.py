@@ -15,7 +15,7 @@ from whalepy.errors import PlanError
 from whalepy.hardware.cluster import ClusterSpec
 from whalepy.ir.plan import Plan, Schedule, Tier, ZeroStage
 from whalepy.ir.profile import ModelProfile
-from whalepy.planner._margin import DEFAULT_MEMORY_MARGIN, parse_memory_margin
+from whalepy.planner.margin import DEFAULT_MEMORY_MARGIN, parse_memory_margin
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -21,7 +21,7 @@ from whalepy.cost_models.memory import (
 )
 from whalepy.ir.rules import LoweringKind, choose_lowering_kind, offloads_to_host
 from whalepy.errors import InfeasibleError
-from whalepy.planner._margin import MemoryMargin
+from whalepy.planner.margin import MemoryMargin
 from whalepy.planner.space import Candidate, GroupView, Segment, StateOption
 
 CollectiveFn = Callable[[Collective, float, CommGroup], float]

@@ -159,7 +159,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 def _margin_value(text: str | None):  # type: ignore[no-untyped-def]
     """``--memory-margin`` as a MemoryMargin (None when not given); a bad one fails here, before the capture."""
-    from whalepy.planner._margin import parse_memory_margin
+    from whalepy.planner.margin import parse_memory_margin
 
     if text is None:
         return None
