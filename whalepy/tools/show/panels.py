@@ -132,7 +132,7 @@ def grouped_grid(plan: Plan) -> str:
                     out.append(rect(x, cy, cw, ch - (0.5 if tp > 1 else 0), fill, cls="wp-device",
                                     extra=(f'data-rank="{r}" data-stage="{st.index}" data-replica="{d}" '
                                            f'data-tp="{t}" data-device-type="{esc(dev)}"')))
-                out.append(rect(x, y, cw, 2.5, tc, stroke="#555", extra='stroke-width="0.4" pointer-events="none"'))
+                out.append(rect(x, y, cw, min(2.5, ch / 4), tc, stroke="#555", extra='stroke-width="0.4" pointer-events="none"'))
                 if (d - row0) % step == 0 and d != row0:
                     out.append(text(x, y + tp * ch + 11, f"d{d}", size=10, fill="#444"))
             y += tp * ch + 16
