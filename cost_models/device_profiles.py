@@ -9,10 +9,11 @@ published measurements, each figure with its source. :func:`resolve_compute_prof
    separated), then in ``~/.cache/whalepy/device_profiles`` (where ``whalepy calibrate`` writes);
 2. the profile shipped with whalepy;
 3. otherwise the **datasheet transfer rule** (:func:`datasheet_profile`): the GEMM model's fitted
-   fractions of peak (``gemm_efficiency``, ``gemm_k_overhead``) and the host-side launch cost are taken
-   from the reference profile (:data:`REFERENCE_DEVICE`, measured), applied to this device's datasheet
-   peak, bandwidth and SM count; attention and memory-bound rates are the cited constants below; a
-   CPU device (``vendor: cpu``) takes :data:`CPU_OP_DISPATCH_S` as its launch cost.
+   fractions of peak (``gemm_efficiency``, ``gemm_k_overhead``) are taken from the reference profile
+   (:data:`REFERENCE_DEVICE`, measured), applied to this device's datasheet peak, bandwidth and SM
+   count; attention and memory-bound rates are the cited constants below; the host-side launch cost
+   per kernel is :data:`EAGER_LAUNCH_S` / :data:`EAGER_LAUNCH_BACKWARD_S` (measured in a training step)
+   on a GPU and :data:`CPU_OP_DISPATCH_S` on a CPU device (``vendor: cpu``).
 
 ``ComputeProfile.source`` says which it was; the plan's notes repeat it.
 """
@@ -54,6 +55,18 @@ middle of that range (the top is forward at long sequences, the bottom backward)
 ATTENTION_EFFICIENCY_HOPPER = 0.35
 """The same on Hopper (H100/H200): Shah et al., "FlashAttention-3" (2024) state that FlashAttention-2
 reaches only about 35% of the H100's peak, because it uses none of Hopper's asynchronous features."""
+
+EAGER_LAUNCH_S = 1.0252e-05
+"""Host time per kernel of eager PyTorch inside a training step on a CUDA GPU (dispatch and
+``cudaLaunchKernel``, the host's side of the queue): the forward's host time over its kernel count in
+whalepy's own step trace on one H200 (../shared/calibration/h200-2026-11-26/, the H200 profile's
+``launch_overhead_s``; 16-core host, torch 2.11). It is a property of the host and PyTorch, not of the
+GPU, so it transfers to GPUs without a profile. The isolated-GEMM floor of a microbenchmark (43.6 us on
+the H200, 50.2 us on the H100: ``gemm_floor_s``) times one synchronised call and is not a launch cost:
+charged per kernel, it made small blocks several times too slow."""
+
+EAGER_LAUNCH_BACKWARD_S = 1.7748e-05
+"""The same per backward kernel (the autograd engine's work added), from the same trace."""
 
 CPU_OP_DISPATCH_S = 2.5e-6
 """Host time of one eager PyTorch op on CPU tensors (no launch, no queue), for CPU devices without a
@@ -194,8 +207,8 @@ def datasheet_profile(device: DeviceType) -> ComputeProfile:
         gemm_efficiency=ref.gemm_efficiency, gemm_k_overhead=ref.gemm_k_overhead, gemm_tile=ref.gemm_tile,
         num_sms=NUM_SMS.get(device.name), memory_bandwidth=device.memory_bandwidth * MEMORY_BANDWIDTH_EFFICIENCY,
         attention_efficiency=attention,
-        launch_overhead_s=CPU_OP_DISPATCH_S if device.vendor == "cpu" else ref.launch_overhead_s,
-        launch_backward_overhead_s=None if device.vendor == "cpu" else ref.launch_backward_overhead_s)
+        launch_overhead_s=CPU_OP_DISPATCH_S if device.vendor == "cpu" else EAGER_LAUNCH_S,
+        launch_backward_overhead_s=None if device.vendor == "cpu" else EAGER_LAUNCH_BACKWARD_S)
 
 
 def resolve_compute_profile(device: DeviceType) -> ComputeProfile:

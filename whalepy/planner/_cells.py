@@ -59,15 +59,15 @@ def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: i
                                      virtual_stages=v)
     mkey = memo and (memo[1], g.index, share, tp_group)
     if memo is not None and mkey in memo[0]:
-        (opt_beta, opt_overlap, fetch_beta, seg_exposed, edge, seg_tail, tail_edge, autocast_bytes,
+        (opt_beta, opt_overlap, fetch_beta, seg_exposed, edge, seg_tail, tail_edge, seg_amp_saved,
          seg_autocast) = memo[0][mkey]
     else:
-        (opt_beta, opt_overlap, fetch_beta, seg_exposed, edge, seg_tail, tail_edge, autocast_bytes,
+        (opt_beta, opt_overlap, fetch_beta, seg_exposed, edge, seg_tail, tail_edge, seg_amp_saved,
          seg_autocast) = _cell_options(ctx, cand, segments, g, allowed, dp_comm, tile_extra, seg_fwd, seg_bwd,
                                        seg_input, mb)
         if memo is not None:
             memo[0][mkey] = (opt_beta, opt_overlap, fetch_beta, seg_exposed, edge, seg_tail, tail_edge,
-                             autocast_bytes, seg_autocast)
+                             seg_amp_saved, seg_autocast)
     loss_bytes = 0.0
     if s == S - 1 and ctx.profile.blocks:
         out = ctx.profile.blocks[-1].output_bytes * ratio
@@ -89,7 +89,7 @@ def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: i
                       chunk_p2p=chunk_p2p, inflight=inflight, opt_beta=opt_beta, opt_overlap=opt_overlap,
                       fetch_beta=fetch_beta,
                       seg_exposed=seg_exposed, edge=edge, seg_tail=seg_tail, tail_edge=tail_edge,
-                      autocast_bytes=autocast_bytes, seg_autocast=seg_autocast, loss_bytes=loss_bytes,
+                      seg_amp_saved=seg_amp_saved, seg_autocast=seg_autocast, loss_bytes=loss_bytes,
                       seg_offload=seg_offload,
                       seg_host=seg_host, seg_ckoff=seg_ckoff, seg_ckhost=seg_ckhost)
 
@@ -106,7 +106,7 @@ def _cell_options(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ..
     if key not in ctx._cache:  # the same for every cell of this group and degrees, across candidates
         ctx._cache[key] = offload_coefficients(ctx, cand, g, allowed)
     opt_beta, opt_overlap, fetch_beta = ctx._cache[key]  # type: ignore[misc]
-    seg_exposed, edge, seg_tail, tail_edge, autocast_bytes, seg_autocast = {}, {}, {}, {}, {}, {}
+    seg_exposed, edge, seg_tail, tail_edge, seg_amp_saved, seg_autocast = {}, {}, {}, {}, {}, {}
     pipelined = S > 1
     for o in allowed:
         kind, z3 = lowering_kind(o, cand), o.zero is ZeroStage.PARAMETERS
@@ -117,12 +117,14 @@ def _cell_options(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ..
             seg_exposed[o] = [x + e for x, e in zip(seg_exposed[o], tile_extra[o])]
         seg_tail[o] = [r[1] for r in rows]
         edge[o], tail_edge[o] = dp_edges(kind, z3, pipelined, dp_comm, o.reduce_each) if rows else (0.0, 0.0)
-        autocast_bytes[o] = (sum(seg.length * ctx.autocast_saved_extra(seg.block.index, micro_batch)
-                                 for seg in segments) if uses_autocast(kind, ctx.precision) else 0.0)
+        # what autocast keeps beside each block's 16-bit figure, per block: kept like the block's own
+        # saved tensors (not while it is checkpointed or offloaded), counted on the stage's own blocks
+        seg_amp_saved[o] = ([ctx.autocast_saved_extra(seg.block.index, micro_batch) for seg in segments]
+                            if uses_autocast(kind, ctx.precision) else [0.0] * len(segments))
         if uses_autocast(kind, ctx.precision):  # autocast's fp32 tensors and casts, per block (compute)
             extra = [ctx.autocast_extra(seg.block.index, g.device.name, t, micro_batch) for seg in segments]
             seg_exposed[o] = [x + e for x, e in zip(seg_exposed[o], extra)]
             seg_autocast[o] = extra
         else:
             seg_autocast[o] = [0.0] * len(segments)
-    return opt_beta, opt_overlap, fetch_beta, seg_exposed, edge, seg_tail, tail_edge, autocast_bytes, seg_autocast
+    return opt_beta, opt_overlap, fetch_beta, seg_exposed, edge, seg_tail, tail_edge, seg_amp_saved, seg_autocast

@@ -64,10 +64,12 @@ class CellCoeffs:
     loss_bytes: float
     """Last stage only: the model's output (logits) and the loss's fp32 log-probabilities, alive from
     the end of the forward into the loss's backward (:data:`LOSS_LOGPROB_BYTES`)."""
-    autocast_bytes: dict[StateOption, float]
-    """Per option: activation bytes autocast keeps beyond the 16-bit ones, the fp32 residual input of
-    every block (``2 sbh`` per GPT block, measured; see ``AUTOCAST_WEIGHT_COPY_BYTES``). Autocast
-    applies only without pipelining, so the stage holds every block and this is a constant."""
+    seg_amp_saved: dict[StateOption, list[float]]
+    """Per option and segment: bytes one block keeps for backward under autocast beyond its 16-bit
+    figure (:meth:`CostContext.autocast_saved_extra`: fp32 tensors autocast keeps, cast copies), zero
+    where the option's runtime does not use autocast. Kept like the block's own saved tensors: per
+    micro-batch in flight, not while the block is checkpointed or its activations are offloaded, and
+    once more for the block being recomputed."""
     seg_autocast: dict[StateOption, list[float]] | None = None
     """Per option, per block: the part of ``seg_exposed`` that is autocast's compute (fp32 tensors and
     casts, ``CostContext.autocast_extra``), not communication: reported as compute."""

@@ -281,8 +281,9 @@ def evaluate_stage(sc: StageCoeffs, chunk_counts: Sequence[Sequence[int]], chunk
         time_s = max(compute + exposed, fetch) + c.p2p
         # an offloaded block keeps nothing on the device between its forward and its backward, nor does a
         # checkpointed one whose input is in host memory
+        saved = [a + e for a, e in zip(c.seg_saved, c.seg_amp_saved[option])]  # with autocast's extras
         kept = [sum(n * a + k * (i - a) - o * a - w * i
-                    for n, k, o, w, a, i in zip(cn, ck, co, cw, c.seg_saved, c.seg_input))
+                    for n, k, o, w, a, i in zip(cn, ck, co, cw, saved, c.seg_input))
                 for cn, ck, co, cw in zip(chunk_counts, chunk_ckpts, chunk_offs, chunk_ckoffs)]
         if v == 1:
             chunk_time = time_s
@@ -291,8 +292,8 @@ def evaluate_stage(sc: StageCoeffs, chunk_counts: Sequence[Sequence[int]], chunk
                              for cn, ck, co, cw, p in zip(chunk_counts, chunk_ckpts, chunk_offs, chunk_ckoffs,
                                                           c.chunk_p2p))
         # recomputed or fetched back in backward, one block at a time
-        peak = max((a for k, o, a in zip(ckpts, offs, c.seg_saved) if k + o > 0), default=0.0)
-        act = c.inflight * max(kept) + peak + c.autocast_bytes[option] + c.loss_bytes
+        peak = max((a for k, o, a in zip(ckpts, offs, saved) if k + o > 0), default=0.0)
+        act = c.inflight * max(kept) + peak + c.loss_bytes
         # the peak: end of forward (activations, gradients not yet created if freed) or end of backward
         at_act = states - freed + buffers + act >= states + buffers
         grads_held = sg if (not freed or not at_act) else 0.0

@@ -8,7 +8,7 @@ from __future__ import annotations
 from whalepy.cost_models.devices import GIB
 from whalepy.planner._coeffs import CandidateCoeffs, stage_host_activation, stage_host_checkpoint
 from whalepy.planner._ilp_vars import _BILLION, _acc, _add, _once, _stage_ckpt, _var, _Vars
-from whalepy.planner._solvers import LE, _Model
+from whalepy.planner._solvers import LE, _Model, _Var
 
 
 def _host_copy_terms(d: dict, cell, v: _Vars, j: int, g: int) -> None:  # type: ignore[no-untyped-def, type-arg]
@@ -133,11 +133,44 @@ def add_memory_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
         for ci, cell in enumerate(sc.cells):
             k_in = cell.inflight / GIB
             ckpt_any = [g for g in range(G) if cell.seg_saved[g] > 0]
+            # autocast's extras per block (the same for every option that trains under autocast), and
+            # the families that do: their z is 1 when the stage's blocks use autocast
+            amp = [max(cell.seg_amp_saved[o][g] for o in sc.options) for g in range(G)]
+            amp_fam = {z: 1.0 for z, f in v.fam[s] if any(cell.seg_amp_saved[f[0]])} if any(amp) else {}
             P = _var(prob, f"P_{s}_{ci}", lowBound=0) if ckpt_any else None
             if P is not None:
                 for g in ckpt_any:
-                    _add(prob, {P: -1.0, v.h[s][g]: cell.seg_saved[g] / GIB}, 0.0, LE,
+                    # P >= h (saved + amp) - amp (1 - autocast): a block recomputed under autocast
+                    # holds its extras too
+                    d = {P: -1.0, v.h[s][g]: (cell.seg_saved[g] + amp[g]) / GIB}
+                    if amp[g] and amp_fam:
+                        for z in amp_fam:
+                            d[z] = d.get(z, 0.0) + amp[g] / GIB
+                    _add(prob, d, -amp[g] / GIB if amp[g] and amp_fam else 0.0, LE,
                          f"memory_recompute_{s}_{ci}_{g}")
+
+            def kept_amp(j: int) -> _Var | None:
+                """``A >= k_in sum_g amp_g (blocks - checkpointed - offloaded) - M (1 - autocast)``,
+                ``A >= 0``: autocast's extras of the blocks that keep their activations, zero for a
+                family without autocast (big M: every block of the segments kept)."""
+                if not amp_fam:
+                    return None
+                A = _var(prob, f"Aamp_{s}_{ci}_{j}", lowBound=0)
+                big = k_in * sum(a * seg.length for a, seg in zip(amp, cc.segments))
+                d: dict = {A: -1.0}
+                const = -big
+                for g in range(G):
+                    if not amp[g]:
+                        continue
+                    const += _acc(d, v.nj[j][g], k_in * amp[g])
+                    d[v.c[j][g]] = d.get(v.c[j][g], 0.0) - k_in * amp[g]
+                    x = v.o[j].get(g)
+                    if x is not None:
+                        d[x] = d.get(x, 0.0) - k_in * amp[g]
+                for z in amp_fam:
+                    d[z] = d.get(z, 0.0) + big
+                _add(prob, d, const, LE, f"memory_autocast_{s}_{ci}_{j}")
+                return A
 
             def kept(j: int) -> tuple[dict, float]:  # type: ignore[type-arg]
                 d: dict = {}
@@ -153,12 +186,13 @@ def add_memory_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
                     x = v.w[j].get(g) if v.w else None
                     if x is not None:  # nor does a checkpointed one whose input is in host memory
                         d[x] = -k_in * cell.seg_input[g]
+                A = kept_amp(j)
+                if A is not None:
+                    d[A] = 1.0
                 return d, const
 
             d = dict(states)
             loss = cell.loss_bytes / GIB
-            for x, a in _once(v, s, cell.autocast_bytes, 1.0 / GIB).items():
-                d[x] = d.get(x, 0.0) + a
             if P is not None:
                 d[P] = 1.0
             if V == 1:

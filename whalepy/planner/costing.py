@@ -238,7 +238,7 @@ def _families(options, cand, sync, working, freed, cells) -> tuple[tuple[StateOp
     for o in options:
         kind = lowering_kind(o, cand)
         key = (kind, o.zero, o.reduce_each, o.tiles, sync[o], working[o], freed[o],
-               tuple((c.edge[o], c.tail_edge[o], c.autocast_bytes[o]) for c in cells))
+               tuple((c.edge[o], c.tail_edge[o], tuple(c.seg_amp_saved[o])) for c in cells))
         groups.setdefault(key, []).append(o)
     out = []
     for (kind, *_), members in groups.items():
@@ -333,7 +333,7 @@ def _undominated(options, sync, mem, cpu, nvme, working, buffers, cells, host_fi
     def vec(o):  # type: ignore[no-untyped-def]
         v = [mem[o] + buffers[o], working[o], cpu[o], nvme[o], host_fixed[o], *sync[o]]
         for c in cells:
-            v += [c.opt_beta[o], c.fetch_beta[o], c.edge[o], c.tail_edge[o], c.autocast_bytes[o],
+            v += [c.opt_beta[o], c.fetch_beta[o], c.edge[o], c.tail_edge[o], *c.seg_amp_saved[o],
                   *c.seg_exposed[o], *c.seg_tail[o]]
         return v
 
