@@ -132,7 +132,8 @@ def brute_force(profile, cluster_spec, global_batch: int, **options) -> float:  
     opts = make_options(options)
     ctx = CostContext(profile, Hardware(cluster_spec), precision=opts.precision,
                       sequence_parallel=opts.sequence_parallel,  # the optimizer the planner charges
-                      optimizer_impl=resolve_optimizer_impl(cluster_spec, opts.optimizer_impl))
+                      optimizer_impl=resolve_optimizer_impl(cluster_spec, opts.optimizer_impl),
+                      memory_margin=opts.memory_margin)
     cands, opts = outer_candidates(ctx, global_batch, **options)
     segments = build_segments(profile)
     state = build_state_options(opts.zero_stages, opts.allow_offload, opts.precision)

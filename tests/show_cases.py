@@ -31,6 +31,16 @@ def interleaved() -> Plan:
 
 
 @functools.lru_cache(maxsize=None)
+def at_scale() -> Plan:
+    """1,024 A100s (examples/clusters/a100_128x8.yaml): pp 8 x dp 16 x tp 8, interleaved 1F1B with 2
+    chunks per rank and 128 micro-batches: the picture at scale (issue 27)."""
+    cfg = ParallelConfig(dp=16, tp=8, pp=8, num_microbatches=128, schedule="interleaved_1f1b", virtual_stages=2,
+                         zero_stage=1)
+    return estimate_from_profile(gpt_profile("gpt3-1.3b"), ClusterSpec.load(CLUSTERS / "a100_128x8.yaml"), cfg,
+                                 global_batch=2048).plan
+
+
+@functools.lru_cache(maxsize=None)
 def mixed() -> Plan:
     """The planner's own choice for GPT-2 on 8 V100s + 8 T4s (examples/clusters/mixed_v100_t4.yaml)."""
     return plan_from_profile(gpt_profile("gpt2"), ClusterSpec.load(CLUSTERS / "mixed_v100_t4.yaml"), global_batch=64,

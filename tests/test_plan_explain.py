@@ -27,7 +27,7 @@ def _check_plan(inst, plan) -> set[str]:  # type: ignore[no-untyped-def]
     """Check every alternative's reason against the truth; return the kinds of reason seen."""
     opts = make_options(inst.options)
     ctx = CostContext(inst.profile, Hardware(inst.cluster), precision=opts.precision,
-                      sequence_parallel=opts.sequence_parallel)
+                      sequence_parallel=opts.sequence_parallel, memory_margin=opts.memory_margin)
     cands, _ = outer_candidates(ctx, inst.global_batch, **inst.options)
     by_desc = {c.describe(ctx.hw.groups): c for c in cands}
     segments, options = build_segments(inst.profile), build_state_options(opts.zero_stages, opts.allow_offload)
@@ -65,6 +65,18 @@ def test_reasons_are_true_on_random_instances(monkeypatch) -> None:  # type: ign
     real = build._resolve
     monkeypatch.setattr(build, "_resolve", lambda result, cand: resolved.append(
         (r := real(result, cand)).status) or r)
+    real_why, whys = build.why_lost, []
+
+    def why(ev, best, hw):  # type: ignore[no-untyped-def]
+        # the figures "why it lost" quotes are parts of the step that add up to it, in both plans
+        for e in (ev, best):
+            assert math.isclose(sum(build.step_parts(e).values()), e.step_time_s, rel_tol=1e-9), e
+            assert min(build.step_parts(e).values()) >= -1e-12
+        whys.append(text := real_why(ev, best, hw))
+        assert text.startswith(f"{build._ms(ev.step_time_s)} vs {build._ms(best.step_time_s)} per step"), text
+        return text
+
+    monkeypatch.setattr(build, "why_lost", why)
     seen: set[str] = set()
     for seed in SEEDS:
         inst = random_instance(random.Random(seed))
@@ -74,6 +86,7 @@ def test_reasons_are_true_on_random_instances(monkeypatch) -> None:  # type: ign
             continue
         seen |= _check_plan(inst, plan)
     assert {"slower", "does not fit", "pruned"} <= seen, seen
+    assert whys
     # some cut-off candidates were in fact slower and some did not fit at all: the cutoff status alone
     # could not tell these apart
     assert {"optimal", "infeasible"} <= set(resolved), resolved

@@ -96,7 +96,8 @@ def _check_bounds(inst: Instance) -> tuple[int, int]:
     opts = make_options(inst.options)
     ctx = CostContext(inst.profile, Hardware(inst.cluster), precision=opts.precision,
                       sequence_parallel=opts.sequence_parallel,  # the optimizer the planner charges
-                      optimizer_impl=resolve_optimizer_impl(inst.cluster, opts.optimizer_impl))
+                      optimizer_impl=resolve_optimizer_impl(inst.cluster, opts.optimizer_impl),
+                      memory_margin=opts.memory_margin)
     cands, _ = outer_candidates(ctx, inst.global_batch, **inst.options)
     segments = build_segments(inst.profile)
     options = build_state_options(opts.zero_stages, opts.allow_offload, opts.precision)
@@ -207,7 +208,7 @@ def test_a_first_look_stopped_without_a_plan_is_not_a_refutation(monkeypatch) ->
 
     inst = random_instance(random.Random(0))
     opts = make_options(inst.options)
-    ctx = CostContext(inst.profile, Hardware(inst.cluster), precision=opts.precision)
+    ctx = CostContext(inst.profile, Hardware(inst.cluster), precision=opts.precision, memory_margin=opts.memory_margin)
     cand = outer_candidates(ctx, inst.global_batch, **inst.options)[0][0]
     cc = build_coefficients(ctx, cand, build_segments(inst.profile),
                             build_state_options(opts.zero_stages, opts.allow_offload, opts.precision))

@@ -44,7 +44,7 @@ def test_every_enumerated_candidate_lowers(seed: int) -> None:
     inst = random_instance(random.Random(1000 + seed), max_layers=6)
     opts = make_options(inst.options)
     ctx = CostContext(inst.profile, Hardware(inst.cluster), precision=opts.precision,
-                      sequence_parallel=opts.sequence_parallel)
+                      sequence_parallel=opts.sequence_parallel, memory_margin=opts.memory_margin)
     cands, _ = outer_candidates(ctx, inst.global_batch, **inst.options)
     for c in cands:
         check_pipeline(c.schedule, num_stages=c.num_stages, virtual_stages=c.virtual_stages,

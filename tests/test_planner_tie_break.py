@@ -70,7 +70,7 @@ def test_tie_break_keeps_the_step_time_and_makes_the_stages_fastest() -> None:
         options = {**inst.options, "allow_offload": True}
         opts = make_options(options)
         ctx = CostContext(inst.profile, Hardware(inst.cluster), precision=opts.precision,
-                          sequence_parallel=opts.sequence_parallel)
+                          sequence_parallel=opts.sequence_parallel, memory_margin=opts.memory_margin)
         cands, opts = outer_candidates(ctx, inst.global_batch, **options)
         cons = read_annotations(inst.profile, ctx.hw)
         segments = build_segments(inst.profile)

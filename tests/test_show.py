@@ -225,3 +225,68 @@ def test_chunk_times_add_up_to_the_stage_busy_time(make) -> None:  # type: ignor
         assert all(f > 0 and b > f for f, b in zip(c.chunk_forward_s, c.chunk_backward_s))
         busy = sum(c.chunk_forward_s) + sum(c.chunk_backward_s)
         assert busy == pytest.approx(c.compute_s + c.comm_s - c.p2p_s + c.dp_comm_s, rel=1e-9)
+
+
+def test_palettes_are_disjoint() -> None:
+    """A colour means one thing on the page: stages, GPU types, forward, backward, the timeline's other
+    kinds and the memory parts share none (issue 27: stage colours were forward / backward colours)."""
+    from whalepy.tools.show.svg import PALETTES
+
+    seen: dict[str, str] = {}
+    for name, palette in PALETTES.items():
+        for c in palette:
+            assert seen.setdefault(c.lower(), name) == name, (c, seen[c.lower()], name)
+
+
+def test_long_schedule_is_compressed_around_its_steady_state() -> None:
+    """128 micro-batches of 1F1B on 4 stages: too dense for the page's width, so the steady state is cut
+    out; the warm-up (the first rank's forwards before its first backward) and cool-down stay, every
+    compute op is drawn or counted in the gap exactly once per rank, and the whole schedule is offered
+    wide enough to read."""
+    from whalepy.ir.plan import Schedule
+    from whalepy.tools.show.page import plan_html
+    from whalepy.tools.show.schedule import OpKind, simulate
+    from whalepy.tools.show.timeline import PLOT_W, READABLE_OP_PX, full_width, steady_cut, timeline_svg
+
+    from show_cases import uniform_plan
+
+    plan = uniform_plan(stages=4, microbatches=128, schedule=Schedule.ONE_F_ONE_B)
+    tl = simulate(plan)
+    cut = steady_cut(plan, tl)
+    assert cut is not None and 0.25 * tl.makespan_s <= cut.end_s - cut.start_s < tl.makespan_s
+    first = [o for o in tl.of_rank(0) if o.kind in (OpKind.FORWARD, OpKind.BACKWARD)]
+    assert all(o.end_s <= cut.start_s for o in first[:4])  # rank 0's warm-up: 4 forwards
+    assert all(o.start_s >= cut.end_s for o in first[-4:])  # and its cool-down: 4 backwards
+    svg = timeline_svg(plan, tl, compress=True)
+    for r in range(4):
+        ops = [o for o in tl.of_rank(r) if o.kind in (OpKind.FORWARD, OpKind.BACKWARD)]
+        hidden = sum(1 for o in ops if o.start_s >= cut.start_s and o.end_s <= cut.end_s)
+        assert f'class="wp-cut" data-rank="{r}" data-hidden="{hidden}"' in svg
+        drawn = {(o.kind, o.microbatch) for o in ops if not (o.start_s >= cut.start_s and o.end_s <= cut.end_s)}
+        assert 0 < len(drawn) and len(drawn) + hidden == 2 * 128
+    wide = full_width(plan, tl)
+    assert wide > PLOT_W and min(o.end_s - o.start_s for o in tl.ops if o.kind is OpKind.FORWARD) * wide / \
+        tl.makespan_s >= READABLE_OP_PX
+    page = plan_html(plan)
+    assert page.count('class="wp-op"') == sum(1 for o in tl.ops) and "wp-whole" in page
+    short = uniform_plan(stages=4, microbatches=8, schedule=Schedule.ONE_F_ONE_B)
+    assert steady_cut(short, simulate(short)) is None  # 8 micro-batches read whole
+
+
+def test_a_thousand_gpus_are_grouped_by_stage() -> None:
+    """Above 128 ranks the devices are drawn per stage, one column per replica, labelled: every rank
+    once, in its stage's group, its replica and shard on the cell (for the hover text)."""
+    import re
+
+    from show_cases import at_scale
+    from whalepy.tools.show.panels import devices_grid
+
+    plan = at_scale()
+    svg = devices_grid(plan)
+    assert "wp-grouped" in svg and svg.count('class="wp-stage-group"') == plan.pp_degree
+    cells = re.findall(r'class="wp-device" [^>]*data-rank="(\d+)" data-stage="(\d+)" data-replica="(\d+)" '
+                       r'data-tp="(\d+)"', svg)
+    assert sorted(int(c[0]) for c in cells) == list(range(1024))
+    for r, s, d, t in cells:
+        assert plan.stages[int(s)].ranks[int(d)][int(t)] == int(r)
+    assert all(f"stage {st.index} · " in svg for st in plan.stages)

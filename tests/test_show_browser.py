@@ -1,7 +1,9 @@
 """`whalepy show --html` in a real browser: headless Chromium loads the page of a homogeneous 3-D plan,
-an interleaved plan and a mixed-cluster plan, screenshots it and dumps the DOM after its scripts ran.
-The page records script errors in ``data-errors`` on ``<html>``; Chromium's console log on stderr is
-scanned as well. Drawn elements are counted in the dumped DOM against the plan.
+a 1,024-GPU interleaved plan with 128 micro-batches and a mixed-cluster plan, screenshots it and dumps
+the DOM after its scripts ran. The page records script errors in ``data-errors`` on ``<html>``;
+Chromium's console log on stderr is scanned as well. Drawn elements are counted in the dumped DOM
+against the plan. Legibility is measured by the browser: the page writes every visible SVG label's
+rendered font size and the overlaps between their boxes into ``data-legibility``.
 
 Skipped only where Chromium is absent and CI is not set; .ci/run installs Debian's chromium package,
 and under CI=true a missing browser fails."""
@@ -20,11 +22,14 @@ from pathlib import Path
 
 import pytest
 
-from show_cases import homogeneous_3d, interleaved, mixed
+from show_cases import at_scale, homogeneous_3d, mixed
 from whalepy.tools.cli import main
 from whalepy.ir.plan import Plan
 
 WINDOW = (1220, 1800)
+MIN_LABEL_PX = 8.5
+"""The smallest rendered label allowed (pixels): the pictures' smallest labels are 9 units, drawn at
+the page's scale (an SVG 1,140 units wide in a 1,220-pixel window: 0.97 to 1)."""
 
 
 def _chromium() -> str:
@@ -90,13 +95,34 @@ def _check_dom(plan: Plan, dom: _Elements) -> None:
     shares = dom.having("wp-share")
     assert [int(s["data-share"]) for s in shares] == list(plan.batch_shares)
     assert len(dom.having("wp-type")) == len(set(plan.rank_device_types))
+    legible = json.loads(root["data-legibility"])
+    assert legible["texts"] > 20 and legible["min_px"] >= MIN_LABEL_PX, legible
+    assert legible["overlaps"] == 0, legible
+
+
+def _check_compressed(plan: Plan, dom: _Elements) -> bool:
+    """A schedule too dense to read is drawn with its steady state cut out: on every rank the ops drawn
+    (``wp-cop``, some in two pieces) and those the gap stands for are each forward and backward once."""
+    cut = [a for _, a in dom.elements if "wp-compressed" in a.get("class", "").split()]
+    if not cut:
+        assert not dom.having("wp-cop") and not dom.having("wp-cut")
+        return False
+    assert len(cut) == 1 and float(cut[0]["data-cut-end"]) > float(cut[0]["data-cut-start"])
+    S, M, v = plan.pp_degree, plan.num_microbatches, plan.virtual_stages
+    for r in range(S):
+        drawn = {(o["data-kind"], o["data-stage"], o["data-mb"]) for o in dom.having("wp-cop", data_rank=str(r))
+                 if o["data-kind"] in ("forward", "backward")}
+        (gap,) = dom.having("wp-cut", data_rank=str(r))
+        assert 0 < len(drawn) and len(drawn) + int(gap["data-hidden"]) == 2 * v * M, r
+    return True
 
 
 def test_pages_render_in_chromium(tmp_path: Path) -> None:
     exe = _chromium()
-    plans = {"3d": homogeneous_3d(), "interleaved": interleaved(), "mixed": mixed()}
+    plans = {"3d": homogeneous_3d(), "scale": at_scale(), "mixed": mixed()}
     assert all(d > 1 for d in (plans["3d"].pp_degree, plans["3d"].dp_degree, plans["3d"].stages[0].tp_degree))
-    assert plans["interleaved"].virtual_stages > 1
+    assert plans["scale"].virtual_stages > 1 and plans["scale"].num_microbatches == 128
+    assert plans["scale"].world_size == 1024
     assert len(set(plans["mixed"].rank_device_types)) > 1
     runs = {}
     for name, plan in plans.items():
@@ -116,6 +142,8 @@ def test_pages_render_in_chromium(tmp_path: Path) -> None:
         dom = _Elements()
         dom.feed(out)
         _check_dom(plans[name], dom)
+        # the 128 micro-batches are compressed; the others are drawn whole
+        assert _check_compressed(plans[name], dom) == (name == "scale"), name
         _png_is_drawn(tmp_path / f"{name}.png")
 
 

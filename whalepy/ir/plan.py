@@ -132,9 +132,33 @@ class StageCost:
     optimizer_bytes: int = 0
     activation_bytes: int = 0
     buffer_bytes: int = 0
-    """FSDP2 working set and gradient buffers, autocast weight copies."""
+    """FSDP2 working set and gradient buffers, autocast weight copies: the next four items' sum (plans
+    written before they existed have them 0)."""
+    working_set_bytes: int = 0
+    """Of the buffers, FSDP2's working set: the running block's unsharded gradient before its
+    reduce-scatter and, under ZeRO-3, the running block's gathered 16-bit parameters and the next
+    block's, gathered ahead (``estimate_fsdp_working_bytes``, the largest block)."""
+    gathered_params_bytes: int = 0
+    """Of the buffers, FSDP2 below ZeRO-3: the stage's parameters kept gathered in the compute dtype
+    from forward to backward (``reshard_after_forward=False``), 2 bytes per local parameter in bf16."""
+    grad_accum_bytes: int = 0
+    """Of the buffers, FSDP2 with several micro-batches: unsharded fp32 gradients accumulated until the
+    last micro-batch reduces them (4 bytes per local parameter less the sharded gradients' bytes)."""
+    autocast_copy_bytes: int = 0
+    """Of the buffers, autocast's 16-bit copies of the fp32 weights, saved for backward (2 bytes per
+    local parameter) on the DDP / single-device path."""
+    inflight_microbatches: int = 0
+    """Micro-batches whose saved activations the stage holds at once (1F1B on stage ``s`` of ``S``:
+    ``S - s``; interleaving counts chunks); the activations item is this many times one micro-batch's
+    saved tensors, plus one recomputed block and ``loss_bytes``."""
+    loss_bytes: int = 0
+    """Of the activations, last stage only: the logits and the loss's fp32 log-probabilities alive from
+    the end of the forward into the loss's backward."""
     reserve_bytes: int = 0
     """Device memory kept back: CUDA context, NCCL buffers, allocator fragmentation."""
+    margin_bytes: int = 0
+    """Device memory left unplanned (``PlannerOptions.memory_margin``): device memory = ``capacity_bytes``
+    + ``reserve_bytes`` + ``margin_bytes``."""
     cpu_bytes: int = 0
     """Host memory per GPU of offloaded states and activations."""
     nvme_bytes: int = 0

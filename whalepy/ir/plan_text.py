@@ -172,6 +172,54 @@ def _samples_by_stage(plan: Plan, device_type: str) -> str:
     return "; ".join(parts)
 
 
+MEMORY_ITEMS = (
+    ("params", "the stage's parameters each device holds at the peak: its shard (ZeRO-3) or all of them, "
+               "in the training precision and, where kept, their fp32 master copy's share"),
+    ("grads", "gradients held at the peak: none with one micro-batch and no pipeline (they appear as "
+              "backward frees activations), else the fp32 / 16-bit gradients (sharded under ZeRO-2/3)"),
+    ("optimizer", "Adam's fp32 master weights, momentum and variance (12 bytes per parameter), divided "
+                  "by the data-parallel degree under ZeRO-1/2/3; 0 where they live on the host"),
+    ("activations", "tensors saved for backward by the micro-batches in flight (1F1B holds S - s on "
+                    "stage s), plus one recomputed block, autocast's fp32 copies of block inputs, and on "
+                    "the last stage the logits and the loss's fp32 log-probabilities (loss)"),
+    ("buffers", "what the data-parallel wrapper and autocast hold beside the states: FSDP2's working "
+                "set (an unsharded block gradient before its reduce-scatter; under ZeRO-3 also the running "
+                "block's gathered parameters and the next one's, prefetched), "
+                "FSDP2's gathered 16-bit parameters below ZeRO-3, unsharded fp32 gradients accumulated "
+                "over micro-batches, autocast's 16-bit weight copies"),
+    ("reserve", "device memory the allocator cannot use: the CUDA context (0.5 GiB), 128 MiB of NCCL "
+                "buffers per parallel axis, and 5% of the allocated peak for fragmentation"),
+    ("margin", "device memory left unplanned for the memory model's own error (memory_margin, default 5% "
+               "of the device)"),
+    ("host", "host memory per GPU: offloaded parameters, gradients, optimizer states and activations"),
+    ("NVMe", "optimizer states (and parameters) in files per GPU (ZeRO-Infinity)"),
+)
+"""Each memory item of the plan's text and page: what it holds and how it is counted (docs/cost_model.md,
+"The plan's memory items", has the formulas)."""
+
+
+def _activation_items(k) -> str:  # type: ignore[no-untyped-def]
+    parts = ([f"{k.inflight_microbatches} micro-batch{'es' if k.inflight_microbatches > 1 else ''} in flight"]
+             if k.inflight_microbatches and k.activation_bytes else [])
+    parts += [f"loss {k.loss_bytes / GIB:.2f}"] if k.loss_bytes >= 0.005 * GIB else []
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
+def _buffer_items(k) -> str:  # type: ignore[no-untyped-def]
+    items = [("FSDP2 working set", k.working_set_bytes), ("gathered params", k.gathered_params_bytes),
+             ("fp32 grad accumulation", k.grad_accum_bytes), ("autocast weight copies", k.autocast_copy_bytes)]
+    shown = [f"{name} {b / GIB:.2f}" for name, b in items if b]
+    return f" ({', '.join(shown)})" if shown else ""
+
+
+def _margin(k) -> str:  # type: ignore[no-untyped-def]
+    """``, margin 4.00 (5% of 80 GiB)``: the memory left unplanned (``PlannerOptions.memory_margin``)."""
+    if not k.margin_bytes:
+        return ""
+    device = k.capacity_bytes + k.reserve_bytes + k.margin_bytes
+    return f", margin {k.margin_bytes / GIB:.2f} ({100 * k.margin_bytes / device:.0f}% of {device / GIB:.0f} GiB)"
+
+
 def _memory_lines(plan: Plan) -> list[str]:
     """Per stage: memory by kind on the tightest device, and exposed communication by kind."""
     out = []
@@ -183,8 +231,9 @@ def _memory_lines(plan: Plan) -> list[str]:
         host = (f"; host {k.cpu_bytes / GIB:.2f}" if k.cpu_bytes else "") + (
             f"; NVMe {k.nvme_bytes / GIB:.2f}" if k.nvme_bytes else "")
         out.append(f"  stage {s.index} memory GiB: params {k.params_bytes / GIB:.2f}, grads {k.grads_bytes / GIB:.2f}, "
-                   f"optimizer {k.optimizer_bytes / GIB:.2f}, activations {k.activation_bytes / GIB:.2f}, "
-                   f"buffers {k.buffer_bytes / GIB:.2f}; reserve {k.reserve_bytes / GIB:.2f}{host}")
+                   f"optimizer {k.optimizer_bytes / GIB:.2f}, activations {k.activation_bytes / GIB:.2f}"
+                   f"{_activation_items(k)}, buffers {k.buffer_bytes / GIB:.2f}{_buffer_items(k)}; "
+                   f"reserve {k.reserve_bytes / GIB:.2f}{_margin(k)}{host}")
         off = ""
         if any(b.param_tier.value != "gpu" or b.optimizer_tier.value != "gpu" for b in s.blocks):
             off = f"; offload (tiers {block_tiers(s)}) exposed {format_seconds(k.offload_s)} per step"
@@ -203,4 +252,6 @@ def format_explanation(plan: Plan) -> str:
             lines.append(f"  {a.description}: {a.reason}")
         else:
             lines.append(f"  {a.description}: {format_seconds(a.step_time_s)} -- {a.reason}")
+    lines.append("Memory items (per device, the tightest replica of each stage):")
+    lines += [f"  {name}: {what}" for name, what in MEMORY_ITEMS]
     return "\n".join(lines)

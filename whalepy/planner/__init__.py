@@ -19,6 +19,7 @@ from typing import Any
 from whalepy.errors import PlanError
 from whalepy.hardware.cluster import ClusterSpec
 from whalepy.ir.plan import Plan, Schedule
+from whalepy.planner.margin import DEFAULT_MEMORY_MARGIN, MemoryMargin, parse_memory_margin
 from whalepy.planner.runtime_costs import check_device_reserve
 from whalepy.planner.build import build_alternatives, build_plan, raise_infeasible
 from whalepy.planner.ilp import ILP_NODE_LIMIT
@@ -121,6 +122,12 @@ class PlannerOptions:
     """Compile each block with ``torch.compile`` (regional compilation; ``Plan.compile``): True, False or
     ``"auto"`` (default): on where every group runs on CUDA GPUs and torch supports ``torch.compile`` on
     this Python, off on CPU (compiling a block takes seconds to minutes there, for a small gain)."""
+    memory_margin: float | str | MemoryMargin = DEFAULT_MEMORY_MARGIN
+    """Device memory left unplanned on every device, beside what the cost model already reserves (CUDA
+    context, NCCL buffers, allocator fragmentation): room for the memory model's own error. A fraction
+    of each device's memory (``0.05``, the default, argued in docs/cost_model.md "Margin"), a percentage
+    (``"5%"``) or GiB per device (``"4GiB"``); ``0`` plans to the usable limit. Every feasibility check
+    of the search uses it; the plan shows it per stage (``StageCost.margin_bytes``)."""
     notes: tuple[str, ...] = field(default=())
     """Lines copied into ``plan.notes`` (used by callers that adjust options, e.g. a solver fallback)."""
 
@@ -148,6 +155,7 @@ class PlannerOptions:
             raise PlanError(f"zero_stages={self.zero_stages!r}: give a non-empty subset of 0, 1, 2, 3, e.g. "
                             "zero_stages=(0, 1, 2, 3)")
         object.__setattr__(self, "zero_stages", tuple(int(z) for z in zs))
+        object.__setattr__(self, "memory_margin", parse_memory_margin(self.memory_margin))
         if self.max_tp is not None and (self.max_tp < 1 or self.max_tp & (self.max_tp - 1)):
             raise PlanError(f"max_tp={self.max_tp!r} must be a power of two >= 1, e.g. max_tp=8, or None for "
                             "the GPUs per node")
@@ -456,7 +464,8 @@ def homogeneous_baseline(profile: ModelProfile, cluster: ClusterSpec, *, global_
     assert ev is not None
     cand = ev.coeffs.candidate
     ctx = CostContext(profile, hw, precision=opts.precision, sequence_parallel=opts.sequence_parallel,
-                      clip_gradients=opts.clip_gradients, optimizer_impl=opts.optimizer_impl, compile=opts.compile)
+                      clip_gradients=opts.clip_gradients, optimizer_impl=opts.optimizer_impl, compile=opts.compile,
+                      memory_margin=opts.memory_margin)
     S = cand.num_stages
     ckpts = [list(ev.stages[j % S].chunk_checkpoints[j // S]) for j in range(cand.num_virtual)]
     offs = [list(ev.stages[j % S].chunk_offloads[j // S]) for j in range(cand.num_virtual)]

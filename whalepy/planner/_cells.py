@@ -82,7 +82,8 @@ def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: i
             checkpoint_offload_coefficients(g, inputs=seg_input, inflight=inflight, virtual_stages=v))
     (seg_offload, seg_host), (seg_ckoff, seg_ckhost) = ctx._cache[hkey]  # type: ignore[misc]
     return CellCoeffs(group=g, share=share, micro_batch=mb, replicas=reps,
-                      capacity=usable_device_bytes(g, cand), cpu_capacity=cpu_cap,
+                      capacity=usable_device_bytes(g, cand, ctx.memory_margin), cpu_capacity=cpu_cap,
+                      margin=ctx.memory_margin.bytes_for(g.device.memory_bytes) if ctx.memory_margin else 0.0,
                       nvme_capacity=nvme_cap, seg_time=seg_time, seg_recompute=seg_re, seg_fwd=seg_fwd,
                       seg_bwd=seg_bwd, seg_comm=seg_comm, seg_saved=seg_saved, seg_input=seg_input, p2p=p2p,
                       chunk_p2p=chunk_p2p, inflight=inflight, opt_beta=opt_beta, opt_overlap=opt_overlap,

@@ -86,6 +86,8 @@ class CellCoeffs:
     the group has no host memory given."""
     seg_ckhost: list[float] | None = None
     """Per block: host bytes per rank of its checkpointed input over the micro-batches in flight."""
+    margin: float = 0.0
+    """Device bytes left unplanned (``PlannerOptions.memory_margin``), already taken from ``capacity``."""
 
 
 @dataclass(slots=True)
@@ -114,6 +116,10 @@ class StageCoeffs:
     """Per option, GPU bytes per local parameter of buffers beside the model states (FSDP2's unsharded
     gradient accumulation across micro-batches)."""
     dp_ranks: tuple[int, ...]
+    buffer_split: dict[StateOption, tuple[float, float, float]] = field(default_factory=dict)
+    """Per option, ``buffer_beta`` by what holds it, bytes per local parameter: FSDP2's parameters kept
+    gathered below ZeRO-3, unsharded fp32 gradients accumulated over micro-batches, autocast's 16-bit
+    weight copies (the plan's :class:`~whalepy.ir.plan.StageCost` buffer items)."""
     host_fixed: dict[StateOption, float] = field(default_factory=dict)
     """Per option, host bytes per rank it holds whatever its parameter count: the disk tier's staging
     buffers (:func:`~whalepy.ir.rules.staging_slots` at prefetch depth 1, each the file-homed

@@ -18,7 +18,7 @@ from whalepy.cost_models.device_profiles import resolve_compute_profile
 from whalepy.cost_models.memory import ModelStateBytes, estimate_model_state_bytes
 from whalepy.ir.plan import TPStyle
 from whalepy.ir.types import OptimizerImpl
-from whalepy.planner.runtime_costs import DPComm, build_dp_block_comm
+from whalepy.planner.runtime_costs import DPComm, MemoryMargin, build_dp_block_comm
 from whalepy.planner.space import Candidate, GroupView, Hardware, Segment, StateOption
 from whalepy.ir.profile import BlockKind, BlockProfile, ModelProfile
 
@@ -74,10 +74,13 @@ class CostContext:
 
     def __init__(self, profile: ModelProfile, hw: Hardware, *, precision: str = "bf16",
                  sequence_parallel: bool | None = None, clip_gradients: bool = False,
-                 optimizer_impl: OptimizerImpl | str = OptimizerImpl.AS_GIVEN, compile: bool = False) -> None:
+                 optimizer_impl: OptimizerImpl | str = OptimizerImpl.AS_GIVEN, compile: bool = False,
+                 memory_margin: MemoryMargin | None = None) -> None:
         self.profile = profile
         self.hw = hw
         self.precision = precision
+        self.memory_margin = memory_margin
+        """Device memory left unplanned (``PlannerOptions.memory_margin``; None: none)."""
         self.clip_gradients = clip_gradients
         """The run clips gradients (``PlannerOptions.clip_gradients``): ZeRO-Offload steps after backward."""
         self.optimizer_impl = OptimizerImpl(optimizer_impl)

@@ -74,7 +74,7 @@ class CellEval:
     def reserve_bytes(self) -> float:
         """Device memory the planner keeps back from the allocator: CUDA context, NCCL buffers and
         the allocator's fragmentation allowance (:func:`whalepy.planner.runtime_costs.usable_device_bytes`)."""
-        return self.cell.group.device.memory_bytes - self.cell.capacity
+        return self.cell.group.device.memory_bytes - self.cell.capacity - self.cell.margin
 
     @property
     def fits(self) -> bool:
@@ -87,6 +87,7 @@ def memory_breakdown(c: CellEval) -> dict[str, int]:
     return dict(params_bytes=int(c.params_bytes), grads_bytes=int(c.grads_bytes),
                 optimizer_bytes=int(c.optimizer_bytes), activation_bytes=int(c.activation_bytes),
                 buffer_bytes=int(c.buffer_bytes), reserve_bytes=int(c.reserve_bytes),
+                margin_bytes=int(c.cell.margin),
                 cpu_bytes=int(c.cpu_bytes), nvme_bytes=int(c.nvme_bytes))
 
 

@@ -146,6 +146,7 @@ def build_plan(ev: Evaluation, *, ctx: CostContext, global_batch: int, result: S
                            **memory_breakdown(tight), tp_comm_s=worst.tp_s, p2p_s=worst.p2p_s,
                            dp_comm_s=worst.dp_exposed_s,
                            **_held_state_bytes(ctx, cand, st, option_of, depths),
+                           **_buffer_items(cc.stages[s], st, tight),
                            **_chunk_phase_times(worst, st))))
     rank_types = tuple(d.device.name for d in hw.cluster.rank_devices())
     samples = global_batch / step
@@ -201,6 +202,19 @@ def block_options(st, positions: list[int], seg_of: list[int]) -> dict[int, Stat
     return out
 
 
+def _buffer_items(sc, st, tight) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    """StageCost's items inside ``buffer_bytes`` and ``activation_bytes`` (the tightest cell): the
+    :attr:`~whalepy.planner.costing.StageCoeffs.buffer_split` parts over the stage's local parameters,
+    FSDP2's working set, the micro-batches in flight and the loss's bytes."""
+    pls = [(o, sum(n * p for n, p in zip(ns, sc.seg_params))) for o, ns in st.parts]
+    gathered, accum, autocast = (sum(sc.buffer_split[o][i] * x for o, x in pls) if sc.buffer_split else 0.0
+                                 for i in range(3))
+    at_act = tight.activation_bytes > 0
+    return {"working_set_bytes": round(sc.working_bytes[st.option]), "gathered_params_bytes": round(gathered),
+            "grad_accum_bytes": round(accum), "autocast_copy_bytes": round(autocast),
+            "inflight_microbatches": tight.cell.inflight, "loss_bytes": round(tight.cell.loss_bytes) if at_act else 0}
+
+
 def _held_state_bytes(ctx: CostContext, cand: Candidate, st, option_of: dict[int, StateOption],  # type: ignore[no-untyped-def]
                       depths: dict[StateOption, int]) -> dict[str, int]:
     """StageCost's model-state fields: what a device of the stage holds between uses, by place, for its
@@ -222,23 +236,46 @@ def _bubble_share(ev: Evaluation) -> float:
     return ev.bubble_s / ev.step_time_s
 
 
+def step_parts(ev: Evaluation) -> dict[str, float]:
+    """``ev``'s step time as a sum, seconds per step: ``t T`` of the slowest cell split into its compute,
+    TP collectives, exposed data-parallel gathers, pipeline sends and the host copies / parameter
+    fetches not hidden, then the bubble ``tc Tc`` and ``x X`` (gradient sync and optimizer step of the
+    stage with the longest tail). The parts add up to ``ev.step_time_s``: :func:`step_time`'s form."""
+    form = ev.coeffs.candidate.step_form
+    cell = max((c for st in ev.stages for c in st.cells), key=lambda c: c.time_s)
+    tail = max((c for st in ev.stages for c in st.cells), key=lambda c: c.tail_s)
+    listed = cell.compute_s + cell.tp_s + cell.dp_exposed_s + cell.p2p_s
+    t = form.t
+    return {"compute": t * cell.compute_s, "TP all-reduce": t * cell.tp_s, "exposed DP gathers": t * cell.dp_exposed_s,
+            "pipeline sends": t * cell.p2p_s, "offload copies": t * max(0.0, cell.time_s - listed),
+            "bubble": form.tc * ev.Tc, "gradient sync": form.x * tail.exposed_sync_s,
+            "optimizer step": form.x * (ev.X - tail.exposed_sync_s)}
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.3g} ms" if abs(s) < 1 else f"{s:.3g} s"
+
+
 def why_lost(ev: Evaluation, best: Evaluation, hw) -> str:  # type: ignore[no-untyped-def]
-    """The biggest difference between a losing evaluation and the best one."""
-    parts = {
-        "pipeline bubble": (_bubble_share(ev) * ev.step_time_s, _bubble_share(best) * best.step_time_s),
-        "compute per step": (ev.coeffs.candidate.num_microbatches * max(max(c.compute_s for c in st.cells) for st in ev.stages),
-                             best.coeffs.candidate.num_microbatches * max(max(c.compute_s for c in st.cells) for st in best.stages)),
-        "communication per step": (ev.coeffs.candidate.num_microbatches * max(max(c.comm_s for c in st.cells) for st in ev.stages),
-                                   best.coeffs.candidate.num_microbatches * max(max(c.comm_s for c in st.cells) for st in best.stages)),
-        "gradient sync + optimizer": (ev.X, best.X),
-    }
-    name, (a, b) = max(parts.items(), key=lambda kv: kv[1][0] - kv[1][1])
-    if name == "pipeline bubble":
-        return f"bubble {100 * _bubble_share(ev):.0f}% vs {100 * _bubble_share(best):.0f}%"
-    if any(o.param_tier is not Tier.GPU or o.optimizer_tier is not Tier.GPU for st in ev.stages for o, _ in st.parts) \
-            and name == "gradient sync + optimizer":
-        return f"offloaded optimizer step {a:.3g} s vs {b:.3g} s"
-    return f"{name} {a:.3g} s vs {b:.3g} s"
+    """The figures that make a losing evaluation slower than the best one: both step times, then the
+    parts of the step (:func:`step_parts`) that grew, largest first, until they account for the
+    difference, and the largest part that shrank (what the loser gains back)."""
+    del hw
+    a, b = step_parts(ev), step_parts(best)
+    diff = {k: a[k] - b[k] for k in a}
+    total = ev.step_time_s - best.step_time_s
+    grew = sorted((k for k in diff if diff[k] > 1e-12), key=lambda k: -diff[k])
+    shown, covered = [], 0.0
+    for k in grew:
+        if len(shown) == 3 or (shown and covered >= total):
+            break
+        shown.append(k)
+        covered += diff[k]
+    words = [f"{k} {_ms(a[k])} vs {_ms(b[k])} (+{_ms(diff[k])})" for k in shown]
+    shrank = min(diff, key=lambda k: diff[k])
+    if diff[shrank] < -1e-12:
+        words.append(f"less {shrank} ({_ms(a[shrank])} vs {_ms(b[shrank])}, -{_ms(-diff[shrank])})")
+    return f"{_ms(ev.step_time_s)} vs {_ms(best.step_time_s)} per step, +{_ms(total)}: " + ", ".join(words)
 
 
 ALTERNATIVE_RESOLVE_NODES = 200

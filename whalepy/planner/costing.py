@@ -145,7 +145,7 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
             per_options[skey] = _stage_options(ctx, cand, segments, options, groups_here, dp_group, seg_params,
                                                mixing)
         allowed, sync, mem_beta, cpu_beta, nvme_beta, working, buffer_beta, split, freed, host_fixed, tile_extra, \
-            dp_comm = per_options[skey]
+            dp_comm, buffer_split = per_options[skey]
         # cells: replicas of this stage with the same group and share cost the same
         keyed: dict[tuple[int, int], list[int]] = {}
         for r in range(d):
@@ -167,7 +167,7 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
         stages.append(StageCoeffs(index=s, cells=cells, seg_params=seg_params, options=allowed, sync=sync,
                                   mem_beta=mem_beta, cpu_beta=cpu_beta, nvme_beta=nvme_beta,
                                   working_bytes=working, state_split=split, grads_freed=freed,
-                                  buffer_beta=buffer_beta, host_fixed=host_fixed,
+                                  buffer_beta=buffer_beta, buffer_split=buffer_split, host_fixed=host_fixed,
                                   dp_ranks=dp_ranks, families=families,
                                   tied_segments=tuple(g for g, seg in enumerate(segments) if seg.block.shares_params)))
     return CandidateCoeffs(candidate=cand, segments=segments, stages=stages, ranks=ranks,
@@ -184,13 +184,14 @@ def _stage_options(ctx: CostContext, cand: Candidate, segments: tuple[Segment, .
     hw, t = ctx.hw, cand.tp
     allowed = tuple(o for o in options if all(_tier_ok(hw.groups[g], o) for g in groups_here))
     sync, mem_beta, cpu_beta, nvme_beta, working, buffer_beta, split, freed = {}, {}, {}, {}, {}, {}, {}, {}
+    buffer_split: dict[StateOption, tuple[float, float, float]] = {}
     host_fixed: dict[StateOption, float] = {}
     low = precision_bytes(ctx.precision)
     stage_blocks = [seg.block for seg in segments]
     allowed = tiled_options(
         allowed, stage_blocks, tp=t,
         working_bytes=lambda p: estimate_fsdp_working_bytes(block_params=p, zero3=True, compute_bytes=low),
-        capacity_bytes=min(usable_device_bytes(hw.groups[g], cand) for g in groups_here))
+        capacity_bytes=min(usable_device_bytes(hw.groups[g], cand, ctx.memory_margin) for g in groups_here))
     allowed = reduce_each_options(allowed, cand)
     if mixing:
         allowed += beside_offload_options(allowed, cand)
@@ -222,9 +223,10 @@ def _stage_options(ctx: CostContext, cand: Candidate, segments: tuple[Segment, .
         autocast = AUTOCAST_WEIGHT_COPY_BYTES if uses_autocast(kind, ctx.precision) else 0.0
         # DDP's gradient buckets are views of the gradients (gradient_as_bucket_view=True): no copy
         buffer_beta[o] = gathered + max(0.0, accumulate) + autocast
+        buffer_split[o] = (gathered, max(0.0, accumulate), autocast)
     dp_comm = ctx.dp_block_comm(segments, tuple(seg_params), dp_group)
     return (allowed, sync, mem_beta, cpu_beta, nvme_beta, working, buffer_beta, split, freed, host_fixed,
-            tile_extra, dp_comm)
+            tile_extra, dp_comm, buffer_split)
 
 
 def _families(options, cand, sync, working, freed, cells) -> tuple[tuple[StateOption, ...], ...]:  # type: ignore[no-untyped-def]

@@ -15,6 +15,7 @@ from whalepy.errors import PlanError
 from whalepy.hardware.cluster import ClusterSpec
 from whalepy.ir.plan import Plan, Schedule, Tier, ZeroStage
 from whalepy.ir.profile import ModelProfile
+from whalepy.planner.margin import DEFAULT_MEMORY_MARGIN, parse_memory_margin
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,6 +132,8 @@ class MemoryBreakdown:
     16-bit weight copies."""
     reserve: float
     """Kept back from the allocator: CUDA context, NCCL buffers, fragmentation."""
+    margin: float
+    """Left unplanned (``memory_margin``)."""
     cpu: float
     """Host memory per GPU (offloaded states)."""
     nvme: float
@@ -146,7 +149,7 @@ class MemoryBreakdown:
                                                                          if self.nvme else "")
         return (f"params {self.params / g:.2f} + grads {self.grads / g:.2f} + optimizer {self.optimizer / g:.2f}"
                 f" + activations {self.activations / g:.2f} + buffers {self.buffers / g:.2f} GiB"
-                f" (+ reserve {self.reserve / g:.2f} GiB){host}")
+                f" (+ reserve {self.reserve / g:.2f}, margin {self.margin / g:.2f} GiB){host}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -216,18 +219,22 @@ class Estimate:
 
 def estimate(model: Any, cluster: ClusterSpec, config: ParallelConfig | dict[str, Any], *,
              example_inputs: Any, global_batch: int, precision: str | None = None,
-             optimizer_impl: str = "auto", compile: bool | str = "auto") -> Estimate:
+             optimizer_impl: str = "auto", compile: bool | str = "auto",
+             memory_margin: Any = DEFAULT_MEMORY_MARGIN) -> Estimate:
     """Predicted step time and memory of ``config``; ``precision``, ``optimizer_impl`` and ``compile``
-    resolve from the cluster as the planner resolves them (``PlannerOptions``)."""
+    resolve from the cluster as the planner resolves them (``PlannerOptions``); ``memory_margin`` as
+    ``PlannerOptions.memory_margin`` (device memory left unplanned: the configuration fits only below it)."""
     from whalepy.frontend.checks import as_cluster, check_example_inputs, check_model
     from whalepy.frontend.profile import profile
 
     check_model(model, "whalepy.estimate()")
     cluster = as_cluster(cluster, "whalepy.estimate()")
     check_config_on_cluster(_coerce(config), cluster, global_batch, precision)  # before the capture
+    memory_margin = parse_memory_margin(memory_margin)
     check_example_inputs(model, example_inputs, "whalepy.estimate()")
     return estimate_from_profile(profile(model, example_inputs), cluster, config, global_batch=global_batch,
-                                 precision=precision, optimizer_impl=optimizer_impl, compile=compile)
+                                 precision=precision, optimizer_impl=optimizer_impl, compile=compile,
+                                 memory_margin=memory_margin)
 
 
 def check_config_on_cluster(cfg: ParallelConfig, cluster: ClusterSpec, global_batch: Any, precision: str | None
@@ -320,7 +327,7 @@ def _balanced_sizes(times: list[float], parts: int) -> list[int]:
 
 def estimate_from_profile(profile: ModelProfile, cluster: ClusterSpec, config: ParallelConfig | dict[str, Any], *,
                           global_batch: int, precision: str | None = None, optimizer_impl: str = "auto",
-                          compile: bool | str = "auto") -> Estimate:
+                          compile: bool | str = "auto", memory_margin: Any = DEFAULT_MEMORY_MARGIN) -> Estimate:
     from whalepy.planner import make_options, resolve_compile, resolve_optimizer_impl
     from whalepy.planner.runtime_costs import check_device_reserve
     from whalepy.planner.build import build_plan
@@ -334,6 +341,7 @@ def estimate_from_profile(profile: ModelProfile, cluster: ClusterSpec, config: P
 
     cluster = as_cluster(cluster, "whalepy.estimate()")
     cfg = _coerce(config)
+    margin = parse_memory_margin(memory_margin)
     precision, option, shares = check_config_on_cluster(cfg, cluster, global_batch, precision)
     tier = option.optimizer_tier
     sp = sequence_parallel_error(sequence_parallel=has_sequence_rules(profile) and cfg.tp > 1, num_stages=cfg.pp)
@@ -377,7 +385,7 @@ def estimate_from_profile(profile: ModelProfile, cluster: ClusterSpec, config: P
             raise PlanError(f"ParallelConfig: {reason}")
     make_options({"optimizer_impl": optimizer_impl, "compile": compile})  # checked as planner options
     ctx = CostContext(profile, hw, precision=precision, optimizer_impl=resolve_optimizer_impl(cluster, optimizer_impl),
-                      compile=resolve_compile(cluster, compile))
+                      compile=resolve_compile(cluster, compile), memory_margin=margin)
     cc = build_coefficients(ctx, cand, build_segments(profile), (option,))
     for sc in cc.stages:
         if option not in sc.options:
@@ -454,7 +462,7 @@ def _stage_estimate(st: Any) -> StageEstimate:
     slow = max(st.cells, key=lambda c: c.time_s)
     mem = MemoryBreakdown(params=tight.params_bytes, grads=tight.grads_bytes, optimizer=tight.optimizer_bytes,
                           activations=tight.activation_bytes, buffers=tight.buffer_bytes,
-                          reserve=tight.reserve_bytes, cpu=tight.cpu_bytes, nvme=tight.nvme_bytes)
+                          reserve=tight.reserve_bytes, margin=tight.cell.margin, cpu=tight.cpu_bytes, nvme=tight.nvme_bytes)
     comm = CommBreakdown(tp_s=slow.tp_s, p2p_s=slow.p2p_s, dp_s=slow.dp_exposed_s, sync_s=slow.exposed_sync_s)
     return StageEstimate(index=st.index, blocks=sum(st.counts), time_per_microbatch_s=st.time_s,
                          memory_bytes=max(c.memory_bytes for c in st.cells),

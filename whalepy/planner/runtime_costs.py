@@ -21,6 +21,7 @@ from whalepy.cost_models.memory import (
 )
 from whalepy.ir.rules import LoweringKind, choose_lowering_kind, offloads_to_host
 from whalepy.errors import InfeasibleError
+from whalepy.planner.margin import MemoryMargin
 from whalepy.planner.space import Candidate, GroupView, Segment, StateOption
 
 CollectiveFn = Callable[[Collective, float, CommGroup], float]
@@ -35,15 +36,16 @@ def affine_fit(fn) -> tuple[float, float]:  # type: ignore[no-untyped-def]
     return max(0.0, f1 - beta * _FIT_N1), beta
 
 
-def usable_device_bytes(g: GroupView, cand: Candidate) -> float:
+def usable_device_bytes(g: GroupView, cand: Candidate, margin: MemoryMargin | None = None) -> float:
     """Peak allocated bytes one device of ``g`` may reach in ``cand``: its memory less the CUDA context
     and one NCCL communicator per parallel axis in use, less the allocator's fragmentation
-    (:func:`~whalepy.cost_models.memory.estimate_usable_device_bytes`). CPU devices (gloo) have no
-    CUDA context or NCCL buffers."""
+    (:func:`~whalepy.cost_models.memory.estimate_usable_device_bytes`), less the ``margin`` the user
+    leaves unplanned. CPU devices (gloo) have no CUDA context or NCCL buffers."""
+    left = margin.bytes_for(g.device.memory_bytes) if margin is not None else 0.0
     if g.device.vendor == "cpu":
-        return g.device.memory_bytes / (1 + ALLOCATOR_FRAGMENTATION)
+        return max(0.0, g.device.memory_bytes / (1 + ALLOCATOR_FRAGMENTATION) - left)
     comms = sum(1 for degree in (cand.dp, cand.tp, cand.num_stages) if degree > 1)
-    return estimate_usable_device_bytes(memory_bytes=g.device.memory_bytes, num_communicators=comms)
+    return max(0.0, estimate_usable_device_bytes(memory_bytes=g.device.memory_bytes, num_communicators=comms) - left)
 
 
 def check_device_reserve(groups: tuple[GroupView, ...], world_size: int) -> None:

@@ -466,7 +466,8 @@ def run_search(profile: ModelProfile, hw: Hardware, G: int, opts, *,  # type: ig
         solver, solver_notes = choose_solver(solver)
         notes += solver_notes
     ctx = CostContext(profile, hw, precision=opts.precision, sequence_parallel=opts.sequence_parallel,
-                      clip_gradients=opts.clip_gradients, optimizer_impl=opts.optimizer_impl, compile=opts.compile)
+                      clip_gradients=opts.clip_gradients, optimizer_impl=opts.optimizer_impl, compile=opts.compile,
+                      memory_margin=opts.memory_margin)
     cons = read_annotations(profile, hw)
     segments = build_segments(profile)
     options = build_state_options(opts.zero_stages, opts.allow_offload, opts.precision, opts.clip_gradients)

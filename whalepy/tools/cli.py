@@ -56,6 +56,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     progress = _err if not args.quiet else (lambda _m: None)
     cluster = _cluster(args.cluster)
+    margin = _margin_value(args.memory_margin)  # before the capture
     prof = _profile(args, progress)
     opts: dict[str, Any] = dict(solver=args.solver, time_limit_s=args.time_limit, progress=progress,
                                 precision=args.precision)
@@ -77,6 +78,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         opts["mixed_tiers"] = False
     if args.max_tp:
         opts["max_tp"] = args.max_tp
+    if margin is not None:
+        opts["memory_margin"] = margin
     if args.baseline:
         opts["homogeneous_baseline"] = True
     plan = plan_from_profile(prof, cluster, global_batch=args.global_batch, **opts)
@@ -143,13 +146,28 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
     progress = _err if not args.quiet else (lambda _m: None)
     cluster = _cluster(args.cluster)
+    margin = _margin_value(args.memory_margin)  # before the capture
     prof = _profile(args, progress)
     cfg = ParallelConfig(dp=args.dp, tp=args.tp, pp=args.pp, num_microbatches=args.microbatches,
                          schedule=args.schedule, zero_stage=args.zero, checkpoint=args.checkpoint,
                          offload=args.offload)
-    est = estimate_from_profile(prof, cluster, cfg, global_batch=args.global_batch, precision=args.precision)
+    est = estimate_from_profile(prof, cluster, cfg, global_batch=args.global_batch, precision=args.precision,
+                                **({} if margin is None else {"memory_margin": margin}))
     print(est)
     return 0 if est.feasible else 1
+
+
+def _margin_value(text: str | None):  # type: ignore[no-untyped-def]
+    """``--memory-margin`` as a MemoryMargin (None when not given); a bad one fails here, before the capture."""
+    from whalepy.planner.margin import parse_memory_margin
+
+    if text is None:
+        return None
+    try:
+        value: Any = float(text)
+    except ValueError:
+        value = text
+    return parse_memory_margin(value, "--memory-margin")
 
 
 def cmd_study_zero(args: argparse.Namespace) -> int:
@@ -221,6 +239,7 @@ def _add_plan(sub: Any) -> None:
     sp.add_argument("--one-tier-per-stage", action="store_true",
                     help="give all blocks of a stage one (param, optimizer) tier pair (mixed_tiers=False)")
     sp.add_argument("--max-tp", type=int, help="largest tensor-parallel degree to consider")
+    _margin_arg(sp)
     sp.add_argument("--baseline", action="store_true", help="homogeneous-slowest baseline instead")
     sp.add_argument("--explain", action="store_true", help="also list the alternatives and why they lost")
     sp.set_defaults(func=cmd_plan)
@@ -259,7 +278,14 @@ def _add_estimate(sub: Any) -> None:
     sp.add_argument("--checkpoint", action="store_true", help="activation checkpointing of every block")
     sp.add_argument("--offload", choices=("cpu", "nvme"), help="cpu: parameters, gradients and optimizer "
                     "states on the host (FSDP2 CPUOffloadPolicy); nvme: optimizer states in files")
+    _margin_arg(sp)
     sp.set_defaults(func=cmd_estimate)
+
+
+def _margin_arg(sp: Any) -> None:
+    sp.add_argument("--memory-margin", default=None, metavar="M",
+                    help="device memory left unplanned beside the reserve: a fraction (0.05, the default), a "
+                    "percentage (5%%) or GiB per device (4GiB); 0 plans to the usable limit (memory_margin)")
 
 
 def _add_study(sub: Any) -> None:

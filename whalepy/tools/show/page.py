@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from whalepy.ir.plan_text import format_rate, block_tiers, compress_names, compress_ranks
 from whalepy.tools.show.panels import (
+    GROUPED_ABOVE,
     alternatives_table,
     batch_shares_bar,
     devices_grid,
@@ -18,7 +19,7 @@ from whalepy.tools.show.panels import (
 )
 from whalepy.tools.show.schedule import simulate
 from whalepy.tools.show.svg import STAGE_COLOURS, colour, esc, fmt_time, stage_devices
-from whalepy.tools.show.timeline import timeline_caption, timeline_svg
+from whalepy.tools.show.timeline import full_width, steady_cut, timeline_caption, timeline_svg
 
 if TYPE_CHECKING:
     from whalepy.ir.plan import Plan
@@ -77,6 +78,26 @@ var ops=document.querySelectorAll('svg.wp-timeline .wp-op').length;
 document.documentElement.setAttribute('data-rendered',ops>0?'yes':'no timeline');})();
 """
 
+LEGIBILITY_JS = """
+(function(){var out={texts:0,min_px:null,smallest:null,overlaps:0,pairs:[]};
+document.querySelectorAll('svg').forEach(function(svg){
+ var vb=svg.viewBox&&svg.viewBox.baseVal,box=svg.getBoundingClientRect();
+ var k=vb&&vb.width?box.width/vb.width:1,boxes=[];
+ svg.querySelectorAll('text').forEach(function(t){var b=t.getBoundingClientRect();
+  if(b.width<=0||b.height<=0||!t.textContent.trim())return;
+  var px=parseFloat(getComputedStyle(t).fontSize)*k;out.texts++;
+  if(out.min_px===null||px<out.min_px){out.min_px=px;out.smallest=t.textContent;}
+  boxes.push({l:b.left,r:b.right,t:b.top,b:b.bottom,s:t.textContent});});
+ boxes.sort(function(a,b){return a.l-b.l;});
+ for(var i=0;i<boxes.length;i++)for(var j=i+1;j<boxes.length&&boxes[j].l<boxes[i].r;j++){
+  var a=boxes[i],c=boxes[j],w=Math.min(a.r,c.r)-c.l,h=Math.min(a.b,c.b)-Math.max(a.t,c.t);
+  if(w>1&&h>1){out.overlaps++;if(out.pairs.length<5)out.pairs.push([a.s,c.s]);}}});
+document.documentElement.setAttribute('data-legibility',JSON.stringify(out));})();
+"""
+"""Measures, once the page is laid out, every visible SVG label: its rendered font size in pixels and
+whether its box overlaps another label's, into ``data-legibility`` on ``<html>`` (what
+tests/test_show_browser.py reads)."""
+
 
 def _cards(plan: Plan) -> str:
     c = plan.cost
@@ -118,9 +139,26 @@ def _stages_table(plan: Plan) -> str:
     return "\n".join(out)
 
 
+def _devices_heading(plan: Plan) -> str:
+    if plan.world_size > GROUPED_ABOVE:
+        return ("Devices by stage: one cell per GPU (fill: stage, top bar: GPU type), one column per "
+                "data-parallel replica (d = replica); hover a cell for its rank")
+    return ("Devices: colour by stage, top bar by GPU type, number = global rank (d = data-parallel replica, "
+            "t = tensor-parallel shard)")
+
+
+def _whole_schedule(plan: Plan, tl) -> str:  # type: ignore[no-untyped-def]
+    """The whole schedule of a compressed timeline, every micro-batch to scale, in a box that scrolls
+    sideways (closed until asked for)."""
+    return ('<details class="wp-whole"><summary>The whole schedule: every micro-batch, to scale (scrolls '
+            'sideways)</summary><div style="overflow-x:auto">'
+            + timeline_svg(plan, tl, plot_w=full_width(plan, tl)) + "</div></details>")
+
+
 def plan_html(plan: Plan) -> str:
     """The whole page as a string."""
     tl = simulate(plan)
+    cut = steady_cut(plan, tl)
     types = Counter(plan.rank_device_types)
     title = f"{plan.model_name} on {plan.world_size} devices"
     sv = plan.solver
@@ -132,13 +170,13 @@ def plan_html(plan: Plan) -> str:
     notes_html = ("<ul class='notes'>" + "".join(f"<li>{esc(n)}</li>" for n in notes) + "</ul>") if notes else ""
     body = [
         f"<h1>whalepy plan: {esc(title)}</h1>", f'<div class="sub">{esc(sub)}</div>', _cards(plan),
-        '<section id="devices"><h2>Devices: colour by stage, top bar by GPU type, number = global rank '
-        '(d = data-parallel replica, t = tensor-parallel shard)</h2>' + devices_grid(plan) + "</section>",
+        '<section id="devices"><h2>' + esc(_devices_heading(plan)) + '</h2>' + devices_grid(plan) + "</section>",
         '<section id="stages"><h2>Stages</h2>' + _stages_table(plan) + "</section>",
         '<section id="memory"><h2>Memory per device against capacity (the tightest replica of each stage)</h2>'
         + memory_bars(plan) + "</section>",
-        '<section id="timeline"><h2>Pipeline schedule</h2>' + timeline_svg(plan, tl)
-        + f'<div class="caption">{esc(timeline_caption(plan, tl))}</div></section>',
+        '<section id="timeline"><h2>Pipeline schedule</h2>' + timeline_svg(plan, tl, compress=True)
+        + f'<div class="caption">{esc(timeline_caption(plan, tl, cut))}</div>' + (_whole_schedule(plan, tl) if cut else "")
+        + "</section>",
         '<section id="types"><h2>GPU types: batch shares, busy and idle time per step</h2>' + types_table(plan)
         + '<div class="caption">Global batch across the data-parallel replicas (colour: GPU type in stage 0)</div>'
         + batch_shares_bar(plan) + "</section>",
@@ -150,4 +188,4 @@ def plan_html(plan: Plan) -> str:
             f"<title>whalepy plan: {esc(title)}</title><style>{CSS}</style><script>{ERRORS_JS}</script></head>"
             f'<body><main data-world-size="{plan.world_size}" data-stages="{plan.pp_degree}" '
             f'data-microbatches="{plan.num_microbatches}" data-virtual-stages="{plan.virtual_stages}">'
-            + "\n".join(body) + f'</main><div id="wp-tip"></div><script>{TOOLTIP_JS}</script></body></html>\n')
+            + "\n".join(body) + f'</main><div id="wp-tip"></div><script>{TOOLTIP_JS}{LEGIBILITY_JS}</script></body></html>\n')

@@ -37,9 +37,17 @@ def type_index(plan: Plan) -> dict[str, int]:
 
 # -- devices ---------------------------------------------------------------------------------------
 
+GROUPED_ABOVE = 128
+"""Worlds above this many ranks are drawn grouped by stage (:func:`grouped_grid`): one cell per rank no
+longer has room for its label."""
+
+
 def devices_grid(plan: Plan) -> str:
-    """Every rank as a cell: fill by stage, top bar and label colour by GPU type."""
+    """Every rank as a cell: fill by stage, top bar and label colour by GPU type; above
+    :data:`GROUPED_ABOVE` ranks, grouped by stage (:func:`grouped_grid`)."""
     n = plan.world_size
+    if n > GROUPED_ABOVE:
+        return grouped_grid(plan)
     cols = min(n, 16 if n <= 128 else 32 if n <= 512 else 64 if n <= 2048 else 128)
     gap = 4 if cols <= 32 else 2 if cols <= 64 else 1
     cell = min(60.0, (WIDTH - 20) / cols - gap)
@@ -63,13 +71,14 @@ def devices_grid(plan: Plan) -> str:
         if cell >= 6:
             out.append(rect(x + 1, y + 1, cell - 2, bar, tc, stroke="#555", extra='stroke-width="0.5"'))
         if cell >= 44:
-            out.append(text(x + cell / 2, y + bar - 2, dev[:10], size=8, anchor="middle", fill=ink(tc),
-                            extra='pointer-events="none"'))
+            out.append(text(x + cell / 2, y + bar - 2, dev, size=9, anchor="middle", fill=ink(tc),
+                            extra='pointer-events="none"', width=cell - 2))
         if cell >= 22:
             out.append(text(x + cell / 2, y + (cell + bar) / 2 + 4, r, size=12 if cell >= 30 else 9, anchor="middle",
-                            fill="#fff", weight="bold", extra='pointer-events="none"'))
+                            fill=ink(colour(STAGE_COLOURS, s)), weight="bold", extra='pointer-events="none"'))
         if cell >= 44:
-            out.append(text(x + cell / 2, y + cell - 5, f"d{d} t{t}", size=9, anchor="middle", fill="#fff",
+            out.append(text(x + cell / 2, y + cell - 5, f"d{d} t{t}", size=9, anchor="middle",
+                            fill=ink(colour(STAGE_COLOURS, s)),
                             extra='pointer-events="none"'))
     y = rows * (cell + gap) + 8
     x = 10.0
@@ -78,6 +87,64 @@ def devices_grid(plan: Plan) -> str:
     for name, i in types.items():
         x, y = _legend_item(out, x, y, colour(TYPE_COLOURS, i), f"{name} ({plan.rank_device_types.count(name)})")
     head = svg_open(WIDTH, y + 20, cls="wp-devices", extra=f'data-devices="{n}" data-stages="{plan.pp_degree}"')
+    return "\n".join([head, *out, "</svg>"])
+
+
+GROUP_LABEL_W = 44
+MIN_CELL = 7.0
+LABEL_SPACING = 44.0
+
+
+def grouped_grid(plan: Plan) -> str:
+    """A large world, one panel per pipeline stage: a headline (stage, GPU types, ranks, dp x tp), then
+    one column per data-parallel replica holding its tensor-parallel shards top to bottom (a TP group
+    stays in one node), replicas wrapping onto more rows, every few replicas labelled. Each cell is a
+    rank (fill: stage; top bar: GPU type) whose rank, replica and shard show on hover."""
+    types = type_index(plan)
+    avail = WIDTH - 20 - GROUP_LABEL_W
+    out: list[str] = []
+    y = 0.0
+    for st in plan.stages:
+        dp, tp = len(st.ranks), st.tp_degree
+        gap = 2.0 if tp > 1 else 1.0
+        per_row = max(1, min(dp, int(avail // (MIN_CELL + gap))))
+        cw = min(22.0, avail / per_row - gap)
+        ch = min(cw, max(MIN_CELL, 64.0 / tp))
+        step = next(k for k in (1, 2, 4, 5, 8, 10, 16, 20, 32, 50, 64, 100, 128, 256, 512, 1024)
+                    if k * (cw + gap) >= LABEL_SPACING or k >= dp)
+        fill = colour(STAGE_COLOURS, st.index)
+        out.append(rect(10, y + 3, 12, 12, fill, stroke="#777", extra='rx="2" stroke-width="0.5"'))
+        out.append(text(28, y + 13, f"stage {st.index} · {stage_devices(st)} · ranks {compress_ranks(st.all_ranks)} · "
+                                    f"dp {dp} x tp {tp}" + (" (column: one replica, its TP shards top to bottom)"
+                                                            if tp > 1 else ""),
+                        size=12, weight="bold", width=WIDTH - 40))
+        y += 22
+        out.append(f'<g class="wp-stage-group" data-stage="{st.index}" data-replicas="{dp}" data-tp="{tp}">')
+        for row0 in range(0, dp, per_row):
+            out.append(text(10 + GROUP_LABEL_W - 6, y + min(tp * ch, 24) / 2 + 4, f"d{row0}", size=10,
+                            anchor="end", fill="#444"))
+            for d in range(row0, min(dp, row0 + per_row)):
+                x = 10 + GROUP_LABEL_W + (d - row0) * (cw + gap)
+                dev = st.device_types[d]
+                tc = colour(TYPE_COLOURS, types[dev])
+                for t, r in enumerate(st.ranks[d]):
+                    cy = y + t * ch
+                    out.append(rect(x, cy, cw, ch - (0.5 if tp > 1 else 0), fill, cls="wp-device",
+                                    extra=(f'data-rank="{r}" data-stage="{st.index}" data-replica="{d}" '
+                                           f'data-tp="{t}" data-device-type="{esc(dev)}"')))
+                out.append(rect(x, y, cw, min(2.5, ch / 4), tc, stroke="#555", extra='stroke-width="0.4" pointer-events="none"'))
+                if (d - row0) % step == 0 and d != row0:
+                    out.append(text(x, y + tp * ch + 11, f"d{d}", size=10, fill="#444"))
+            y += tp * ch + 16
+        out.append("</g>")
+        y += 8
+    x = 10.0
+    for st in plan.stages:
+        x, y = _legend_item(out, x, y, colour(STAGE_COLOURS, st.index), f"stage {st.index}")
+    for name, i in types.items():
+        x, y = _legend_item(out, x, y, colour(TYPE_COLOURS, i), f"{name} ({plan.rank_device_types.count(name)})")
+    head = svg_open(WIDTH, y + 20, cls="wp-devices wp-grouped",
+                    extra=f'data-devices="{plan.world_size}" data-stages="{plan.pp_degree}"')
     return "\n".join([head, *out, "</svg>"])
 
 
@@ -110,13 +177,13 @@ def _tier_contents(st: StagePlan, tier: str) -> str:
 def memory_bars(plan: Plan) -> str:
     """Per stage (its tightest device): GPU memory by kind against usable capacity, then host and disk."""
     label_w, bar_w, row_h = 230, 640, 24
-    full = max(max(s.cost.capacity_bytes + s.cost.reserve_bytes, s.cost.memory_bytes) for s in plan.stages) or 1
+    full = max(max(s.cost.capacity_bytes + s.cost.margin_bytes + s.cost.reserve_bytes, s.cost.memory_bytes)
+               for s in plan.stages) or 1
     host = max(max(s.cost.host_state_bytes, s.cost.cpu_bytes) for s in plan.stages)
     disk = max(max(s.cost.nvme_state_bytes, s.cost.nvme_bytes) for s in plan.stages)
     tiers = [("gpu", full)] + ([("host", host)] if host else []) + ([("disk", disk)] if disk else [])
     per_stage = len(tiers) * (row_h + 4) + 12
-    h = len(plan.stages) * per_stage + 30
-    out = [svg_open(WIDTH, h, cls="wp-memory", extra=f'data-stages="{plan.pp_degree}"')]
+    out = [""]  # the <svg> head, once its height is known
     scale = bar_w / full
     for i, st in enumerate(plan.stages):
         c = st.cost
@@ -135,7 +202,11 @@ def memory_bars(plan: Plan) -> str:
                 out.append(f'<g class="wp-mem" data-stage="{st.index}" data-tier="gpu" data-used="{c.memory_bytes}" '
                            f'data-capacity="{c.capacity_bytes}">')
                 cap_x = label_w + c.capacity_bytes * scale
-                out.append(rect(cap_x, y, c.reserve_bytes * scale, row_h, MEMORY_COLOURS["reserve"],
+                out.append(rect(cap_x, y, c.margin_bytes * scale, row_h, MEMORY_COLOURS["margin"], stroke="#999",
+                                cls="wp-mem-part", extra=f'data-part="margin" data-bytes="{c.margin_bytes}" '
+                                                         'data-name="margin: left unplanned (memory_margin)"'))
+                out.append(rect(cap_x + c.margin_bytes * scale, y, c.reserve_bytes * scale, row_h,
+                                MEMORY_COLOURS["reserve"],
                                 cls="wp-mem-part", extra=f'data-part="reserve" data-bytes="{c.reserve_bytes}" '
                                                          'data-name="reserved: CUDA context, NCCL, fragmentation"'))
                 for key, field, name in MEMORY_PARTS:
@@ -155,18 +226,26 @@ def memory_bars(plan: Plan) -> str:
             else:
                 used = (max(c.host_state_bytes, c.cpu_bytes) if tier == "host"
                         else max(c.nvme_state_bytes, c.nvme_bytes))
-                fill = "#9c755f" if tier == "host" else "#7f7f7f"
-                out.append(rect(x, y + 4, bar_w, row_h - 8, "#f4f4f4"))
+                fill = "#8c6d31" if tier == "host" else "#636363"
+                out.append(f'<line x1="{x}" y1="{y + 2}" x2="{x}" y2="{y + row_h - 2}" stroke="#222"/>')
                 out.append(rect(x, y + 4, used / top * bar_w, row_h - 8, fill, cls="wp-mem-part",
-                                extra=f'data-stage="{st.index}" data-tier="{tier}" data-bytes="{used}"'))
+                                extra=f'data-stage="{st.index}" data-tier="{tier}" data-bytes="{used}" '
+                                      f'data-scale="{top}"'))
                 what = _tier_contents(st, "cpu" if tier == "host" else "nvme")
                 out.append(text(label_w + bar_w + 10, y + 16, f"{fmt_bytes(used)} per GPU: {what}", size=11))
     y = len(plan.stages) * per_stage + 8
     x = 10.0
     for key, _, name in MEMORY_PARTS:
         x, y = _legend_item(out, x, y, MEMORY_COLOURS[key], name)
+    x, y = _legend_item(out, x, y, MEMORY_COLOURS["margin"], "margin (left unplanned)")
     x, y = _legend_item(out, x, y, MEMORY_COLOURS["reserve"], "reserved (CUDA context, NCCL, fragmentation)")
     out.append(text(x, y + 10, "| usable capacity", size=11, weight="bold"))
+    others = [f"{tier}: {fmt_bytes(top)}" for tier, top in tiers[1:]]
+    if others:  # each tier's bars share one scale: the full width is the largest stage's bytes there
+        out.append(text(10, y + 28, "One scale per tier. GPU: full width = device memory; full width of "
+                        + ", ".join(others) + " (the largest stage there).", size=11, fill="#444"))
+        y += 18
+    out[0] = svg_open(WIDTH, y + 22, cls="wp-memory", extra=f'data-stages="{plan.pp_degree}"')
     out.append("</svg>")
     return "\n".join(out)
 

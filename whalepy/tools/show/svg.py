@@ -12,9 +12,11 @@ from whalepy.ir.plan_text import format_seconds as fmt_time  # noqa: F401  (one 
 if TYPE_CHECKING:
     from whalepy.ir.plan import StagePlan
 
-STAGE_COLOURS = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7",
-                 "#9c755f", "#bab0ac")
-"""Tableau 10: distinguishable, also in grey-scale print, for stages."""
+STAGE_COLOURS = ("#66c2a5", "#e78ac3", "#a6d854", "#ffd92f", "#e5c494", "#1b9e77", "#e7298a", "#66a61e",
+                 "#a6761d", "#c2a5cf")
+"""Stages (ColorBrewer Set2 and Dark2 without their blues, oranges and greys, which the timeline uses
+for forward, backward and sends): a stage never reads as a kind of work. Every palette here is disjoint
+from the others (tests/test_show.py)."""
 
 TYPE_COLOURS = ("#1a1a1a", "#ffffff", "#8c8c8c", "#0b5345", "#f5b7b1", "#154360")
 """GPU types (the bar on top of each device, swatches): black, white, grey, ... so that they never
@@ -29,10 +31,15 @@ def ink(fill: str) -> str:
 
 FORWARD_SHADES = ("#4e79a7", "#8cb3d9", "#2b4a6e", "#b8d3ee")
 BACKWARD_SHADES = ("#f28e2b", "#ffbe7d", "#b3600f", "#ffd9b0")
-KIND_COLOURS = {"send": "#7f7f7f", "grad_sync": "#b07aa1", "offload": "#9c755f", "bubble": "#e9e9e9"}
+KIND_COLOURS = {"send": "#969696", "grad_sync": "#3f007d", "offload": "#525252", "bubble": "#e9e9e9"}
 
-MEMORY_COLOURS = {"params": "#4e79a7", "grads": "#59a14f", "optimizer": "#edc948", "activations": "#e15759",
-                  "buffers": "#76b7b2", "reserve": "#c9c9c9"}
+MEMORY_COLOURS = {"params": "#253494", "grads": "#41ab5d", "optimizer": "#fec44f", "activations": "#ef3b2c",
+                  "buffers": "#41b6c4", "margin": "#f7f7f7", "reserve": "#bdbdbd"}
+
+PALETTES = {"stages": STAGE_COLOURS, "gpu types": TYPE_COLOURS, "forward": FORWARD_SHADES,
+            "backward": BACKWARD_SHADES, "timeline kinds": tuple(KIND_COLOURS.values()),
+            "memory": tuple(MEMORY_COLOURS.values())}
+"""Every palette of the page by what it colours; no colour is in two of them."""
 
 
 def esc(x: object) -> str:
