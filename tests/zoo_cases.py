@@ -201,7 +201,12 @@ def layout_plan(layout: str, prof: Any) -> Any:
     from whalepy.runtime import make_plan
 
     if layout == "planner":
-        return plan_from_profile(prof, ClusterSpec.load(CPU4), global_batch=GLOBAL_BATCH, precision="fp32")
+        # solved on rank 0 and sent to the others, as parallelize(plan=None) does (CI time: four ranks
+        # solving the same ILP on two cores cost four solves)
+        from whalepy.runtime._pm_setup import _plan_once
+
+        return _plan_once(lambda: plan_from_profile(prof, ClusterSpec.load(CPU4), global_batch=GLOBAL_BATCH,
+                                                    precision="fp32"))
     if layout.startswith("interleaved-zero"):  # not in LAYOUTS (CI time): PP 2 x DP 2, 2 chunks per rank
         return make_plan([b.name for b in prof.blocks], model_fingerprint=prof.fingerprint, dp=2, pp=2,
                          zero_stage=int(layout[-1]), global_batch=GLOBAL_BATCH, num_microbatches=4,
@@ -304,6 +309,16 @@ def _shared_profile(arch: str, data: list) -> Any:
     return box[0]
 
 
+def _shared_reference(arch: str, data: list) -> tuple:
+    """The single-process reference, trained on rank 0 only and sent to the others (CI time: four ranks
+    training the same reference on two cores cost four; every rank compares with the same values)."""
+    import torch.distributed as dist
+
+    box: list[Any] = [reference(arch, data) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def _trace_each_split_once() -> None:
     """CI time: ``split_stages`` traces the whole model (``torch.export``) for every pipeline case, the
     costliest step of one (2.5 of 4 s for Llama under TP 2 x PP 2, every rank). The trace depends on the
@@ -348,7 +363,7 @@ def run_matrix(archs: tuple[str, ...] = ARCHS, layouts: tuple[str, ...] = LAYOUT
             results += [{"arch": arch, "layout": lay, "refused": f"{type(e).__name__}: {e}",
                          "any_rank_failed": True} for lay in lays]
             continue
-        ref = reference(arch, data)
+        ref = _shared_reference(arch, data)
         first = len(results)
         for layout in lays:
             results.append(run_case(arch, layout, prof, data, ref))
