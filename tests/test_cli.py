@@ -97,3 +97,23 @@ def test_run_subcommand_is_registered_when_launch_exists() -> None:
 
     parser = build_parser()
     assert "run" in parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+
+
+def test_optimizer_impl_and_compile_flags_reach_the_plan(cluster_file, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """``--optimizer-impl`` / ``--compile`` set the plan's choices (``auto`` on this GPU cluster: fused and
+    compiled), and the plan's text and the estimate say them on one line."""
+    from whalepy.ir.plan import Plan
+
+    out = tmp_path / "plan.json"
+    common = ["synthetic:llama3-8b", "--cluster", cluster_file, "--global-batch", "16", "-q"]
+    assert main(["plan", *common, "--optimizer-impl", "as_given", "--compile", "off", "--out", str(out)]) == 0
+    plan = Plan.load(str(out))
+    assert (plan.optimizer_impl.value, plan.compile) == ("as_given", False)
+    assert "optimizer: as given (the factory's optimizer exactly); compiled blocks: no" in capsys.readouterr().out
+    assert main(["estimate", *common, "--dp", "8", "--tp", "8", "--microbatches", "2", "--zero", "1",
+                 "--checkpoint"]) == 0
+    assert "optimizer: fused (torch's fused kernel of the user's optimizer class); compiled blocks: yes" in \
+        capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(["estimate", *common, "--dp", "8", "--compile", "maybe"])
+    assert e.value.code == 2 and "--compile" in capsys.readouterr().err

@@ -75,3 +75,64 @@ def test_h200_shape_advice_for_a_misaligned_vocabulary() -> None:
     gain_ms = float(notes[0].split("save ")[1].split(" ms")[0])
     assert gain_ms == pytest.approx(1e3 * (est[50257].step_time_s - est[50304].step_time_s), rel=0.02)
     assert not [n for n in est[50304].plan.notes if n.startswith("shape:")]
+
+
+
+def _gemm_ms(prof, batch: int, change: tuple[int, int] | None = None, tokens: bool = False) -> float:  # type: ignore[no-untyped-def]
+    """The blocks' weight-GEMM time per step on the H200 (``kernels_time``: the planner's block-time model),
+    with ``change = (old, new)`` applied to the weights' dimensions (``tokens``: to their ``m``) first."""
+    import dataclasses
+
+    from whalepy.cost_models.compute import kernels_time
+    from whalepy.cost_models.device_profiles import resolve_compute_profile
+
+    def edit(g):  # type: ignore[no-untyped-def]
+        if change is None or g.batch > 1:
+            return g
+        if tokens:
+            return dataclasses.replace(g, m=change[1] if g.m == change[0] else g.m)
+        return dataclasses.replace(g, **{d: change[1] for d in "kn" if getattr(g, d) == change[0]})
+
+    p = resolve_compute_profile(h200_check.H200)
+    total = 0.0
+    for b in prof.blocks:
+        if b.kernels is None:
+            continue
+        k = dataclasses.replace(b.kernels, gemms=tuple(edit(g) for g in b.kernels.gemms if g.batch <= 1),
+                                attention=(), memory_bytes=0.0, memory_bytes_bwd=0.0, ops_fwd=0, ops_bwd=0, amp=None)
+        t = kernels_time(k, device=h200_check.H200, precision="bf16", batch_ratio=batch / prof.batch_size,
+                         byte_scale=0.5, profile=p)
+        total += sum(t.gemm) + sum(t.gemm_misaligned)
+    return 1e3 * total
+
+
+@pytest.mark.parametrize("what", ["hidden", "tokens"])
+def test_h200_shape_advice_for_a_misaligned_hidden_size_or_token_count(what: str) -> None:
+    """A hidden size of 1028 (not a multiple of 8) and a sequence of 1021 tokens (4 x 1021 per micro-batch)
+    are each advised on, with the gain the GEMM model predicts for the weight GEMMs with the size the note
+    proposes; the aligned model gets no advice."""
+    import torch
+
+    from whalepy.frontend.profile import profile
+    from whalepy.models import GPT, GPTConfig
+    from whalepy.planner.estimate import estimate_from_profile
+
+    def prof(hidden: int, seq: int):  # type: ignore[no-untyped-def]
+        with torch.device("meta"):
+            model = GPT(GPTConfig(vocab_size=50304, block_size=1024, num_layers=2, num_heads=4, hidden_size=hidden))
+        return profile(model, (torch.zeros(1, seq, dtype=torch.long, device="meta"),))
+
+    bad, good = ((1028, 1024), (1088, 1024)) if what == "hidden" else ((1024, 1021), (1024, 1022))
+    profs = {s: prof(*s) for s in (bad, good)}
+    est = {s: estimate_from_profile(p, h200_check.cluster(), dict(dp=1), global_batch=4, precision="bf16")
+           for s, p in profs.items()}
+    notes = [n for n in est[bad].plan.notes if n.startswith("shape:")]
+    label = "the hidden size, 1028," if what == "hidden" else \
+        "the tokens per micro-batch (micro-batch x sequence), 4084,"
+    note = next((n for n in notes if n.startswith(f"shape: {label}")), None)
+    assert note is not None and ("making it 1088" if what == "hidden" else "of 4088 tokens") in note, notes
+    gain_ms = float(note.split("save ")[1].split(" ms")[0])
+    change = (1028, 1088) if what == "hidden" else (1021, 1022)
+    predicted = _gemm_ms(profs[bad], 4) - _gemm_ms(profs[bad], 4, change, tokens=what == "tokens")
+    assert gain_ms == pytest.approx(predicted, rel=0.02) and gain_ms > 0.01 * 1e3 * est[bad].step_time_s
+    assert not [n for n in est[good].plan.notes if n.startswith("shape:")], est[good].plan.notes

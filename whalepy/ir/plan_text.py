@@ -87,6 +87,7 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"  batch: {shares[0]} samples per replica, micro-batch {shares[0] // plan.num_microbatches}")
     else:
         lines.append("  batch shares per replica: " + ", ".join(map(str, plan.batch_shares)))
+    lines.append("  " + step_choices(plan))
     rows = [("stage", "blocks", "devices", "tp", "dp", "dp wrapper", "ckpt", "offload", "compute", "comm",
              "bubble", "memory / usable")]
     for s in plan.stages:
@@ -128,6 +129,13 @@ def format_plan(plan: Plan) -> str:
     for n in plan.notes:
         lines.append(f"  note: {n}")
     return "\n".join(lines)
+
+
+def step_choices(plan: Plan) -> str:
+    """The optimizer implementation and compiled blocks the plan lowers, on one line."""
+    impl = "fused (torch's fused kernel of the user's optimizer class)" if plan.optimizer_impl.value == "fused" \
+        else "as given (the factory's optimizer exactly)"
+    return f"optimizer: {impl}; compiled blocks: {'yes' if plan.compile else 'no'}"
 
 
 def stage_lowering(plan: Plan, stage) -> str:  # type: ignore[no-untyped-def]

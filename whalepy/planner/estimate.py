@@ -14,6 +14,7 @@ from whalepy.ir.rules import check_pipeline, sequence_parallel_error, tiling_err
 from whalepy.errors import PlanError
 from whalepy.hardware.cluster import ClusterSpec
 from whalepy.ir.plan import Plan, Schedule, Tier, ZeroStage
+from whalepy.ir.plan_text import step_choices
 from whalepy.ir.profile import ModelProfile
 from whalepy.planner.margin import DEFAULT_MEMORY_MARGIN, parse_memory_margin
 
@@ -207,7 +208,8 @@ class Estimate:
                 f"ZeRO-{self.config.zero_stage}: step {self.step_time_s:.4g} s "
                 f"(compute {self.compute_s:.3g} s, comm {self.comm_s:.3g} s, bubble {self.bubble_s:.3g} s, "
                 f"sync+optimizer {self.tail_s:.3g} s), {self.samples_per_s:.4g} samples/s")
-        lines = [head, "  " + ("fits" if self.feasible else "DOES NOT FIT: " + self.reason)]
+        lines = [head, "  " + ("fits" if self.feasible else "DOES NOT FIT: " + self.reason),
+                 "  " + step_choices(self.plan)]
         for s in self.stages:
             lines.append(f"  stage {s.index}: {s.blocks} blocks on {s.device_type}, "
                          f"{s.time_per_microbatch_s * 1e3:.3g} ms per micro-batch, memory "

@@ -82,6 +82,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         opts["memory_margin"] = margin
     if args.baseline:
         opts["homogeneous_baseline"] = True
+    opts.update(_impl_options(args))
     plan = plan_from_profile(prof, cluster, global_batch=args.global_batch, **opts)
     print(plan)
     if args.explain:
@@ -152,7 +153,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
                          schedule=args.schedule, zero_stage=args.zero, checkpoint=args.checkpoint,
                          offload=args.offload)
     est = estimate_from_profile(prof, cluster, cfg, global_batch=args.global_batch, precision=args.precision,
-                                **({} if margin is None else {"memory_margin": margin}))
+                                **({} if margin is None else {"memory_margin": margin}), **_impl_options(args))
     print(est)
     return 0 if est.feasible else 1
 
@@ -214,6 +215,25 @@ def _model_args(sp: argparse.ArgumentParser) -> None:
                          "V100/T4-class GPUs, fp32 on CPU device types)")
 
 
+_COMPILE = {"auto": "auto", "on": True, "off": False}
+"""``--compile``'s words and the ``PlannerOptions.compile`` values they give."""
+
+
+def _impl_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``--optimizer-impl`` and ``--compile`` as ``PlannerOptions`` fields."""
+    return dict(optimizer_impl=args.optimizer_impl, compile=_COMPILE[args.compile])
+
+
+def _impl_args(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--optimizer-impl", choices=("auto", "fused", "as_given"), default="auto",
+                    help="optimizer the runtime lowers and the cost model charges: fused (torch's fused kernel of "
+                         "the same algorithm), as_given (the factory's exactly), auto (default: fused where torch "
+                         "has fused kernels for every device type of the cluster)")
+    sp.add_argument("--compile", choices=tuple(_COMPILE), default="auto",
+                    help="compile each block with torch.compile: on, off, auto (default: on where every group "
+                         "runs on CUDA GPUs, off on CPU)")
+
+
 def _add_plan(sub: Any) -> None:
     sp = sub.add_parser("plan", help=COMMANDS["plan"].help)
     _model_args(sp)
@@ -242,6 +262,7 @@ def _add_plan(sub: Any) -> None:
     _margin_arg(sp)
     sp.add_argument("--baseline", action="store_true", help="homogeneous-slowest baseline instead")
     sp.add_argument("--explain", action="store_true", help="also list the alternatives and why they lost")
+    _impl_args(sp)
     sp.set_defaults(func=cmd_plan)
 
 
@@ -279,6 +300,7 @@ def _add_estimate(sub: Any) -> None:
     sp.add_argument("--offload", choices=("cpu", "nvme"), help="cpu: parameters, gradients and optimizer "
                     "states on the host (FSDP2 CPUOffloadPolicy); nvme: optimizer states in files")
     _margin_arg(sp)
+    _impl_args(sp)
     sp.set_defaults(func=cmd_estimate)
 
 
