@@ -498,6 +498,7 @@ def run_search(profile: ModelProfile, hw: Hardware, G: int, opts, *,  # type: ig
     # limit, so the optimum found is the same (a different tie is possible).
     deferred: list[tuple[float, int, Candidate]] = []
     first_look: dict[int, ILPResult] = {}
+    first_cc: dict[int, CandidateCoeffs] = {}
     def incumbent() -> float:
         return best[0] if best is not None else math.inf
 
@@ -519,13 +520,15 @@ def run_search(profile: ModelProfile, hw: Hardware, G: int, opts, *,  # type: ig
                 rejections.append(Rejection(cand, f"time limit: the search's {opts.time_limit_s:g} s ran out "
                                             "before it was solved", lb, kind=RejectionKind.TIME_LIMIT))
                 continue
-            cc = build_coefficients(ctx, cand, segments, options, mixed_tiers=opts.mixed_tiers)
-            if pass_no == 1 and best is not None and best[2] is not first_look.get(idx):
-                # set aside by its first look: before the full ILP, does the bound with whole blocks and
-                # state options (a small MIP, step 7 of lower_bound) reach the ILP's own cutoff? Where it
-                # does, the ILP could only say the same ("no better than the incumbent"), at more work
+            cc = first_cc.pop(idx, None) or build_coefficients(ctx, cand, segments, options,
+                                                               mixed_tiers=opts.mixed_tiers)
+            if best is not None and (pass_no == 0 or best[2] is not first_look.get(idx)):
+                # before its ILP (and, set aside by its first look, before the full one): does the bound
+                # with whole blocks and state options (a small MIP, step 7 of lower_bound) reach the ILP's
+                # own cutoff? Where it does, the ILP could only say the same ("no better than the
+                # incumbent"), at more work. ``lb`` already holds the memory part (step 6, _by_bound)
                 cut = best[0] * (1 - MIP_REL_GAP)
-                lb = max(lb, lower_bound(cc, whole_blocks=True, cutoff=cut, choices=choices))
+                lb = max(lb, lower_bound(cc, memory=False, whole_blocks=True, cutoff=cut, choices=choices))
                 proven[idx] = max(proven[idx], lb)
                 if lb >= cut:
                     rejections.append(Rejection(cand, f"pruned: its lower bound (whole blocks, state options) is "
@@ -551,6 +554,7 @@ def run_search(profile: ModelProfile, hw: Hardware, G: int, opts, *,  # type: ig
                 if pass_no == 0 and res.stopped_by is not None:
                     deferred.append((lb, idx, cand))
                     first_look[idx] = res
+                    first_cc[idx] = cc  # its coefficients, for the second pass
                 else:
                     if best is not None and best[2] is first_look.get(idx) and res.evaluation is None:
                         # its own first-look plan is still the incumbent: nothing of it beats that plan
