@@ -274,9 +274,12 @@ def reduce_each_options(options: tuple[StateOption, ...], cand: Candidate) -> tu
 
 
 def _node_shares(hw: Hardware, ranks) -> tuple[NodeShare, ...]:  # type: ignore[no-untyped-def]
-    if ranks not in hw.node_shares:
-        hw.node_shares[ranks] = _build_node_shares(hw, ranks)
-    return hw.node_shares[ranks]
+    # keyed by the layout's identity (build_layout returns one object per shape): hashing a layout of
+    # thousands of ranks per candidate cost more than the shares themselves
+    hit = hw.node_shares.get(id(ranks))
+    if hit is None or hit[0] is not ranks:
+        hit = hw.node_shares[id(ranks)] = (ranks, _build_node_shares(hw, ranks))
+    return hit[1]
 
 
 def _build_node_shares(hw: Hardware, ranks) -> tuple[NodeShare, ...]:  # type: ignore[no-untyped-def]

@@ -177,7 +177,11 @@ class Hardware:
         self.world_size = cluster.world_size
         self._comm = functools.lru_cache(maxsize=65536)(self._comm_uncached)
         self.node_shares: dict = {}  # type: ignore[type-arg]
-        """Per rank layout, how its nodes' ranks split over the stages (``costing._node_shares``)."""
+        """Per rank layout (by ``id``, with the layout kept alive beside it), how its nodes' ranks split
+        over the stages (``costing._node_shares``)."""
+        self.layouts: dict = {}  # type: ignore[type-arg]
+        """:func:`build_layout`'s layouts, by ``(stages, replicas, TP, cell groups)``: candidates that
+        differ only in micro-batches or schedule share one layout (built, and hashed, once)."""
 
     def _comm_uncached(self, ranks: tuple[int, ...]) -> CommGroup:
         return self.cluster.comm_group(list(ranks))
@@ -281,7 +285,16 @@ class Candidate:
 
 def build_layout(cand: Candidate, hw: Hardware) -> tuple[tuple[tuple[int, ...], ...], ...]:
     """``ranks[stage][replica][tp]``: Megatron order, TP innermost on consecutive local ranks of one
-    node, then DP, then PP; each ``(stage, replica)`` cell takes the next ``tp`` ranks of its group."""
+    node, then DP, then PP; each ``(stage, replica)`` cell takes the next ``tp`` ranks of its group.
+    Cached on ``hw`` (:attr:`Hardware.layouts`): the same object for every candidate of that shape."""
+    key = (cand.num_stages, cand.dp, cand.tp, cand.cell_groups)
+    cached = hw.layouts.get(key)
+    if cached is None:
+        cached = hw.layouts[key] = _layout(cand, hw)
+    return cached
+
+
+def _layout(cand: Candidate, hw: Hardware) -> tuple[tuple[tuple[int, ...], ...], ...]:
     pools = {g.index: list(g.ranks) for g in hw.groups}
     cursor = {g.index: 0 for g in hw.groups}
     out = []
