@@ -185,7 +185,7 @@ def test_planner_resolves_auto_and_charges_the_implementation_it_plans() -> None
     # the same layout; the fused step (28 bytes a parameter, or the measured rate) is cheaper than foreach (80)
     assert auto.cost.step_time_s < given.cost.step_time_s
     cpu = plan_from_profile(gpt_profile("gpt2"), ClusterSpec.local(1, device_type="CPU"), **{**kw, "global_batch": 1})
-    assert cpu.optimizer_impl is OptimizerImpl.FUSED and cpu.compile is False  # CPU: fused kernels, eager
+    assert cpu.optimizer_impl is OptimizerImpl.AS_GIVEN and cpu.compile is False  # CPU: the user's optimizer, eager
     with pytest.raises(PlanError, match="use 'auto', 'fused' or 'as_given'"):
         plan_from_profile(prof, a100(1, per_node=1), optimizer_impl="foreach", **kw)
     with pytest.raises(PlanError, match="use True, False or 'auto'"):

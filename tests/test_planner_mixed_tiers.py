@@ -33,8 +33,11 @@ def _cluster(cpu_gb: float = HOST_GIB):  # type: ignore[no-untyped-def]
 
 
 def _plan(**kw):  # type: ignore[no-untyped-def]
+    # the sizes above were derived with the device step at foreach's rate (the user's AdamW as given);
+    # with the fused step's lower rate the optimum keeps every layer on the device and offloads only the
+    # embedding and head, which is not the mix this test looks at
     return plan_from_profile(PROF, _cluster(), global_batch=4, max_microbatches=2, schedules=("1f1b",),
-                             memory_margin=0, **kw)
+                             memory_margin=0, optimizer_impl="as_given", **kw)
 
 
 def _pairs(stage) -> list[tuple[Tier, Tier]]:  # type: ignore[no-untyped-def]
@@ -62,7 +65,7 @@ def test_a_mix_fits_where_no_single_tier_does_and_is_the_exhaustive_optimum() ->
     from whalepy.planner import homogeneous_baseline
 
     base = homogeneous_baseline(PROF, _cluster(), global_batch=4, max_microbatches=2, schedules=("1f1b",),
-                                memory_margin=0)
+                                memory_margin=0, optimizer_impl="as_given")
     assert base.cost.step_time_s == pytest.approx(p.cost.step_time_s, rel=1e-9)
     assert _pairs(base.stages[0]) == pairs
 

@@ -116,8 +116,9 @@ class PlannerOptions:
     """The optimizer implementation the runtime lowers and the cost model charges (``Plan.optimizer_impl``):
     ``"fused"`` (torch's fused kernel of the user's optimizer class, same hyper-parameters and states,
     where it has one for the device and dtype), ``"as_given"`` (the factory's optimizer exactly) or
-    ``"auto"`` (default): ``fused`` where torch has fused optimizer kernels for every device type of the
-    cluster (CUDA and CPU in torch 2.4 and later), else ``as_given``."""
+    ``"auto"`` (default): ``fused`` where every group of the cluster runs on CUDA GPUs, else ``as_given``
+    (the runtime still keeps the factory's optimizer where the fused step cannot take the parameters:
+    DTensor shards mixed with plain tensors, or DTensor shards under a class other than Adam / AdamW)."""
     compile: bool | str = "auto"
     """Compile each block with ``torch.compile`` (regional compilation; ``Plan.compile``): True, False or
     ``"auto"`` (default): on where every group runs on CUDA GPUs and torch supports ``torch.compile`` on
@@ -370,9 +371,10 @@ def resolve_optimizer_impl(cluster: ClusterSpec, choice: str) -> str:
     """``"auto"`` resolved for ``cluster`` (:attr:`PlannerOptions.optimizer_impl`)."""
     if choice != "auto":
         return choice
-    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-
-    return "fused" if _device_types(cluster) <= set(_get_fused_kernels_supported_devices()) else "as_given"
+    # CUDA only: the issue's scope and where the fused kernel pays (one pass over the states instead of
+    # foreach's several); on CPU ranks the user's implementation runs (the fused CPU kernel is still used
+    # for states the plan offloads to the host, as before)
+    return "fused" if _device_types(cluster) == {"cuda"} else "as_given"
 
 
 def resolve_compile(cluster: ClusterSpec, choice: bool | str) -> bool:

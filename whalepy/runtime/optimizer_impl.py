@@ -64,6 +64,9 @@ def fused_supported(opt: torch.optim.Optimizer) -> str | None:
     if devices is None:
         return f"torch has no fused {type(opt).__name__}"
     ok = devices()
+    from torch.distributed.tensor import DTensor
+
+    kinds = set()
     for g in opt.param_groups:
         if g.get("differentiable"):
             return "differentiable=True has no fused kernel"
@@ -72,6 +75,15 @@ def fused_supported(opt: torch.optim.Optimizer) -> str | None:
                 return f"no fused {type(opt).__name__} kernel on {p.device.type}"
             if not torch.is_floating_point(p):
                 return f"fused kernels need floating-point parameters, got {p.dtype}"
+            kinds.add(isinstance(p, DTensor))
+    # DTensor runs a fused step only over a list of DTensors, and has sharding rules for the fused Adam
+    # and AdamW kernels only (torch.distributed.tensor's pointwise ops): a mix of sharded and plain
+    # parameters (a block left whole beside FSDP2 / TP ones), or DTensor parameters under another class,
+    # steps as the factory built it
+    if kinds == {True, False}:
+        return "its parameters mix DTensor shards and plain tensors, which one fused step cannot take"
+    if True in kinds and not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+        return f"DTensor has no sharding rule for the fused {type(opt).__name__} kernel"
     return None
 
 

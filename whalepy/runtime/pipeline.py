@@ -101,7 +101,7 @@ def build_pipeline_schedule(
     )
 
     schedule = Schedule(schedule)
-    _check_layout(stage_modules, stage_indices, num_stages, schedule, group)
+    owner = _check_layout(stage_modules, stage_indices, num_stages, schedule, group)
     _check_microbatch(stage_modules, stage_indices, example_microbatch, num_microbatches)
     for module, index in zip(stage_modules, stage_indices):
         if hasattr(module, "whalepy_device"):
@@ -116,6 +116,8 @@ def build_pipeline_schedule(
         _stage_class(PipelineStage)(module, index, num_stages, device, group=group)
         for module, index in zip(stage_modules, stage_indices)
     ]
+    for st in stages:  # which group rank holds each stage (the plan's order, not the group's rank order)
+        st.stage_index_to_group_rank = dict(owner)
     if schedule is Schedule.INTERLEAVED_1F1B:
         cls, target = ScheduleInterleaved1F1B, stages
     else:
@@ -199,7 +201,8 @@ def _check_layout(
     num_stages: int,
     schedule: Schedule,
     group: dist.ProcessGroup | None,
-) -> None:
+) -> dict[int, int]:
+    """Checks the stages this rank holds against the others'; gives ``stage index -> group rank``."""
     if len(stage_modules) != len(stage_indices) or not stage_modules:
         raise LaunchError(
             f"{len(stage_modules)} stage modules for stage indices {list(stage_indices)}; give one "
@@ -214,12 +217,24 @@ def _check_layout(
             f"schedule {schedule.value} runs one stage per rank, but {num_stages} stages are spread over "
             f"{size} ranks; use {Schedule.INTERLEAVED_1F1B.value} for several stages per rank"
         )
-    expected = [rank + j * size for j in range(per_rank)]
-    if list(stage_indices) != expected:
-        raise LaunchError(
-            f"pipeline rank {rank} of {size} must hold stages {expected} (round-robin), got "
-            f"{list(stage_indices)}"
-        )
+    # a plan may put stage 0 on higher global ranks than stage 1 (a mixed cluster's slower GPUs first),
+    # and a process group numbers its ranks in global-rank order: gather which group rank holds which
+    # stages and tell the stages (PipelineStage.stage_index_to_group_rank); one stage per rank, or for
+    # the interleaved schedule (whose per-rank program torch derives from the group rank) round-robin
+    held: list[Any] = [None] * size
+    dist.all_gather_object(held, list(stage_indices), group=group)
+    owner = {g: r for r, mine in enumerate(held) for g in mine}
+    if sorted(owner) != list(range(num_stages)) or sum(len(m) for m in held) != num_stages:
+        raise LaunchError(f"pipeline ranks hold stages {held}: every one of the {num_stages} stages must be "
+                          "held by exactly one rank of the pipeline group (re-plan)")
+    if schedule is Schedule.INTERLEAVED_1F1B:
+        expected = [rank + j * size for j in range(per_rank)]
+        if list(stage_indices) != expected:
+            raise LaunchError(
+                f"pipeline rank {rank} of {size} must hold stages {expected} (round-robin), got "
+                f"{list(stage_indices)}"
+            )
+    return owner
 
 
 def _check_microbatch(
