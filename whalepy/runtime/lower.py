@@ -19,6 +19,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from whalepy.frontend.checks import max_positions, token_vocab
@@ -248,8 +249,11 @@ def build_schedule(parts: Sequence[StagePart], plan: Plan, meshes: RankMeshes, a
     from whalepy.runtime.pipeline import build_pipeline_schedule, microbatch_mean_loss
 
     loss = microbatch_mean_loss(ctx.loss_fn, plan.num_microbatches, scale=share_scale(plan, meshes))
+    pp = plan.pp_degree  # which rank of the pipeline group holds each (virtual) stage, from the plan alone
+    owner = {g: dist.get_group_rank(meshes.pp_group, plan.stages[g % pp].ranks[meshes.replica][meshes.tp_index])
+             for g in range(pp * plan.virtual_stages)}
     return build_pipeline_schedule(
         [p.module for p in parts], [p.index for p in parts], num_stages=plan.pp_degree * plan.virtual_stages,
         schedule=plan.schedule.value, num_microbatches=plan.num_microbatches, loss_fn=amp.scaled_loss(loss),
         group=meshes.pp_group, device=meshes.device, example_microbatch=example_microbatch(
-            plan, meshes, ctx.example_inputs), compute_dtype=amp.dtype)
+            plan, meshes, ctx.example_inputs), compute_dtype=amp.dtype, stage_owner=owner)

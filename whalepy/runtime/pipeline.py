@@ -77,8 +77,10 @@ def build_pipeline_schedule(
     device: torch.device,
     example_microbatch: tuple,
     compute_dtype: torch.dtype | None = None,
+    stage_owner: dict[int, int] | None = None,
 ) -> Any:
     """Wrap this rank's stage modules in ``PipelineStage`` and build the planned schedule.
+    ``stage_owner``: the group rank holding each stage (the plan's layout); None: gathered from the group.
 
     ``stage_indices[i]`` is the global index of ``stage_modules[i]``. Stages are laid out round-robin:
     with ``P`` ranks in ``group``, group rank ``r`` holds stages ``r, r + P, r + 2P, ...`` (one stage
@@ -101,7 +103,7 @@ def build_pipeline_schedule(
     )
 
     schedule = Schedule(schedule)
-    owner = _check_layout(stage_modules, stage_indices, num_stages, schedule, group)
+    owner = _check_layout(stage_modules, stage_indices, num_stages, schedule, group, stage_owner)
     _check_microbatch(stage_modules, stage_indices, example_microbatch, num_microbatches)
     for module, index in zip(stage_modules, stage_indices):
         if hasattr(module, "whalepy_device"):
@@ -201,8 +203,10 @@ def _check_layout(
     num_stages: int,
     schedule: Schedule,
     group: dist.ProcessGroup | None,
+    stage_owner: dict[int, int] | None = None,
 ) -> dict[int, int]:
-    """Checks the stages this rank holds against the others'; gives ``stage index -> group rank``."""
+    """Checks the stages this rank holds against the others' (``stage_owner``, the plan's
+    ``stage index -> group rank``; None: gathered from the group); gives that map."""
     if len(stage_modules) != len(stage_indices) or not stage_modules:
         raise LaunchError(
             f"{len(stage_modules)} stage modules for stage indices {list(stage_indices)}; give one "
@@ -221,9 +225,16 @@ def _check_layout(
     # and a process group numbers its ranks in global-rank order: gather which group rank holds which
     # stages and tell the stages (PipelineStage.stage_index_to_group_rank); one stage per rank, or for
     # the interleaved schedule (whose per-rank program torch derives from the group rank) round-robin
-    held: list[Any] = [None] * size
-    dist.all_gather_object(held, list(stage_indices), group=group)
-    owner = {g: r for r, mine in enumerate(held) for g in mine}
+    if stage_owner is not None:
+        owner = dict(stage_owner)
+        held: list[Any] = [[g for g in sorted(owner) if owner[g] == r] for r in range(size)]
+        if sorted(stage_indices) != held[rank]:
+            raise LaunchError(f"pipeline rank {rank} of {size} must hold stages {held[rank]} (the plan's "
+                              f"layout), got {list(stage_indices)}")
+    else:
+        held = [None] * size
+        dist.all_gather_object(held, list(stage_indices), group=group)
+        owner = {g: r for r, mine in enumerate(held) for g in mine}
     if sorted(owner) != list(range(num_stages)) or sum(len(m) for m in held) != num_stages:
         raise LaunchError(f"pipeline ranks hold stages {held}: every one of the {num_stages} stages must be "
                           "held by exactly one rank of the pipeline group (re-plan)")
