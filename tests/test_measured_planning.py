@@ -136,3 +136,37 @@ def test_imported_layer_table_drives_a_plan(measured, tmp_path, monkeypatch):
         src.write_text(json.dumps(bad))
         import_layer_table(src, measured)
     forget_resolved_profiles()
+
+
+def test_blocks_are_measured_as_the_runtime_lowers_them(measured, tmp_path, monkeypatch):
+    """measure=True also lowers the model with the runtime's own wrappers on a fake process group (FSDP2
+    keeping parameters gathered, FSDP2 resharding, DTensor TP 2) and times each block and its optimizer
+    step there; the planner adds exactly the wrapper's measured host work to the layouts that use it."""
+    import dataclasses
+
+    from whalepy.planner.estimate import ParallelConfig, estimate_from_profile
+
+    monkeypatch.setenv("WHALEPY_DEVICE_PROFILES", str(tmp_path))
+    m = measured.measured
+    sigs = {block_signature(measured, b) for b in measured.blocks}
+    for sig in sigs:
+        for wrapper in ("fsdp", "fsdp_reshard"):
+            for mb in (1.0, 2.0, 4.0):
+                f, b = m.wrapped[sig][("fp32", wrapper, mb)]
+                assert f > 0 and b > 0
+        assert m.wrapped_updates[sig]["fsdp/2"] > 0
+    assert any("tp/2" in m.wrapped_updates[s] for s in sigs)
+    cluster = ClusterSpec.local(2)
+    bare = dataclasses.replace(measured, measured=dataclasses.replace(m, wrapped={}, wrapped_updates={}))
+    ctx = CostContext(measured, Hardware(cluster), precision="fp32")
+    for zero, wrapper in ((3, "fsdp_reshard"), (2, "fsdp")):
+        cfg = ParallelConfig(dp=2, zero_stage=zero)
+        with_host = estimate_from_profile(measured, cluster, cfg, global_batch=4).step_time_s
+        without = estimate_from_profile(bare, cluster, cfg, global_batch=4).step_time_s
+        extra = sum(ctx.wrapper_overhead(b.index, "CPU", wrapper, 2.0)
+                    + ctx.update_overhead(b.index, "CPU", fsdp=True, tp=1) for b in measured.blocks)
+        assert extra > 0 and with_host - without == pytest.approx(extra, rel=1e-6)
+    # DDP (ZeRO-0) is not FSDP2: nothing is added
+    ddp = ParallelConfig(dp=2)
+    assert (estimate_from_profile(measured, cluster, ddp, global_batch=4).step_time_s
+            == estimate_from_profile(bare, cluster, ddp, global_batch=4).step_time_s)

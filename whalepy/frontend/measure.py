@@ -277,12 +277,15 @@ def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device
                   precision: str = "fp32", micro_batches: Iterable[int] | None = None,
                   tp_degrees: Iterable[int] = (1,), repeats: int = 3, loss_fn: Callable | None = None,
                   optimizer: Callable[[list], torch.optim.Optimizer] | None = None,
-                  device_type: str | None = None) -> MeasuredCosts:
+                  device_type: str | None = None, lowered: bool = True) -> MeasuredCosts:
     """Time ``model``'s distinct blocks on ``device`` (module docstring) and return the table.
 
     ``micro_batches``: sizes to time (default the example inputs' batch); ``tp_degrees``: TP degrees
     to time with sharded shapes (those no block divides by are skipped); ``device_type``: the catalog
-    type the times are filed under (default the local device's)."""
+    type the times are filed under (default the local device's). ``lowered``: also time the blocks as
+    the runtime lowers them, under FSDP2 and DTensor tensor parallelism on a fake process group
+    (``whalepy.runtime.measure_lowered``; the TP times then are those, and the wrappers' host work is
+    recorded apart); not possible inside a ``torch.distributed`` job, which is said in the log."""
     from whalepy.frontend.trace import trace_memory
 
     dev = parse_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -360,11 +363,79 @@ def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device
                         if name in trace.activation_bytes:
                             acts.setdefault(sigs[i], {})[precision] = trace.activation_bytes[name] / mbs[-1]
             del work
+        wrapped, wrapped_updates = {}, {}
+        if lowered:
+            wrapped, wrapped_updates = _measure_as_lowered(
+                model, example_inputs, profile, blocks, sigs, times, dev=dev, precision=precision, mbs=mbs,
+                tp_degrees=tp_degrees, repeats=repeats, loss_fn=loss_fn, optimizer=optimizer, autocast=autocast,
+                sync=sync)
     return MeasuredCosts(device_type=device_type or row.name, device_name=reported,
                          threads=torch.get_num_threads() if dev.type == "cpu" else None,
                          source=f"whalepy measure on {reported}, torch {torch.__version__}",
                          optimizer=_optimizer_name(optimizer), times=times, updates=updates,
-                         activation_bytes=acts, names=names)
+                         activation_bytes=acts, names=names, wrapped=wrapped, wrapped_updates=wrapped_updates)
+
+
+def _measure_as_lowered(model: nn.Module, example_inputs: Any, profile: Any, blocks: dict[int, tuple[str, ...]],
+                        sigs: dict[int, str], times: dict, *, dev: torch.device, precision: str, mbs: list[int],
+                        tp_degrees: Iterable[int], repeats: int, loss_fn: Callable, optimizer: Callable,
+                        autocast: Any, sync: Callable[[], None]) -> tuple[dict, dict]:
+    """The blocks as the runtime lowers them (``whalepy.runtime.measure_lowered``): FSDP2 wrappers'
+    times and DTensor optimizer steps recorded apart, TP times replacing the sharded-shape ones."""
+    import logging
+
+    import torch.distributed as dist
+
+    from whalepy.ir.extensions import lowered_measure
+
+    fn = lowered_measure()
+    if fn is None or isinstance(example_inputs, dict):
+        return {}, {}
+    if dist.is_initialized():
+        logging.getLogger("whalepy.measure").info(
+            "whalepy measure: inside a torch.distributed job the blocks are not timed as lowered (FSDP2 and "
+            "DTensor need a fake process group of their own); measure before init_process_group, or in a "
+            "separate process, to include the wrappers' host work")
+        return {}, {}
+    def time_step(root: nn.Module, mb: int, by_index: dict[int, tuple[str, ...]], loss: Callable,
+                  ctx: Any) -> dict[tuple[int, str], float]:
+        inputs = _resize(example_inputs, mb, dev)
+        last = max(by_index)
+        clock = _BlockClock(root, by_index, sync)
+        try:
+            _warm_up(root, inputs, clock, loss, ctx, last)
+            return _median_times([_one_step(root, inputs, clock, loss, ctx, last) for _ in range(repeats)])
+        finally:
+            clock.remove()
+
+    def time_opt(params: list, opt: Callable) -> float:
+        return _time_optimizer(params, opt, sync, repeats)
+
+    from whalepy.ir.rules import tp_splits
+
+    names = {profile.blocks[i].name: paths for i, paths in sorted(blocks.items())}
+    sig_of = {profile.blocks[i].name: sigs[i] for i in blocks}
+    rules = [r for i in sorted(blocks) for r in profile.blocks[i].tp_rules]
+    work = _materialized(model, dev)  # the caller holds the model truncated
+    got = fn(work, _resize(example_inputs, mbs[-1], dev), names, device=dev, precision=precision,
+             micro_batches=mbs, tp_rules=rules, tp_degrees=tp_degrees, repeats=repeats, loss_fn=loss_fn,
+             optimizer=optimizer, time_step=time_step, time_optimizer=time_opt)
+    if not got:
+        return {}, {}
+    wrapped: dict[str, dict] = {}
+    for (wrapper, mb), row in got["wrapped"].items():
+        for name, t in row.items():
+            wrapped.setdefault(sig_of[name], {})[(precision, wrapper, float(mb))] = t
+    by_name = {b.name: b for b in profile.blocks}
+    for (tp, mb), row in got["tp"].items():
+        for name, t in row.items():
+            if tp_splits(by_name[name], tp):
+                times.setdefault(sig_of[name], {})[(precision, tp, float(mb))] = t
+    ups: dict[str, dict] = {}
+    for key, row in got["updates"].items():
+        for name, t in row.items():
+            ups.setdefault(sig_of[name], {})[key] = t
+    return wrapped, ups
 
 
 def _optimizer_name(optimizer: Callable) -> str:

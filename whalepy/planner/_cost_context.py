@@ -186,6 +186,28 @@ class CostContext:
             return None
         return m.block_time(self.signatures[block_index], self.precision, tp, micro_batch)
 
+    def wrapper_overhead(self, block_index: int, device_name: str, wrapper: str, micro_batch: float) -> float:
+        """Seconds per micro-batch (forward plus backward) the runtime's data-parallel ``wrapper``
+        (``"fsdp"`` / ``"fsdp_reshard"``) adds to the block on ``device_name`` as measured on a fake
+        process group (``MeasuredCosts.wrapper_overhead``); 0 where not measured (the model has no
+        term for the wrapper's host work)."""
+        m = self.measured.get(device_name)
+        got = m.wrapper_overhead(self.signatures[block_index], self.precision, wrapper, micro_batch) if m else None
+        return sum(got) if got else 0.0
+
+    def update_overhead(self, block_index: int, device_name: str, *, fsdp: bool, tp: int) -> float:
+        """Seconds per step the optimizer spends on the block's parameters as DTensor shards beyond the
+        plain step's share (FSDP2 shards and / or tensor-parallel shards of degree ``tp``), as measured
+        (``MeasuredCosts.update_overhead``; the larger where both apply); 0 where not measured."""
+        m = self.measured.get(device_name)
+        if m is None:
+            return 0.0
+        sig = self.signatures[block_index]
+        keys = [k for k in m.wrapped_updates.get(sig, {}) if (fsdp and k.startswith("fsdp/"))]
+        if tp > 1 and tp_splits(self.profile.blocks[block_index], tp):
+            keys.append(f"tp/{tp}")
+        return max((m.update_overhead(sig, k) or 0.0 for k in keys), default=0.0)
+
     def block_cost_source(self, block_index: int, device_name: str, tp: int) -> str:
         """``"measured"`` or ``"modelled"``: where :meth:`block_time` takes this block's time from."""
         div = tp if tp_splits(self.profile.blocks[block_index], tp) else 1
