@@ -84,17 +84,37 @@ def _fit(rows):
     return intercept / 2, 1 / max(slope, 1e-15)
 
 
-def measure_link(sizes=(1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22), repeats=9, burst_gemms=6):
-    """Gloo all-reduce between the 2 ranks, fitted to the ring model, measured two ways:
+def _fit_in_step(ar, ag):
+    """Least squares of the cost model's own formula for two ranks (``communication.estimate_collective_time``
+    with a per-call cost ``L``): all-reduce of ``n`` bytes ``L + 2a + n/B``, all-gather of ``n`` output
+    bytes ``L + a + n/(2B)``; ``(L, a, B)`` with ``L, a >= 0`` (a negative one is dropped and the rest refit)."""
+    rows = [(1.0, 2.0, n, t) for n, t in ar] + [(1.0, 1.0, n / 2, t) for n, t in ag]
 
-    - idle: the collective alone, both ranks waiting for it (a barrier before each);
-    - in a step, as the runtime issues it: each rank first computes (``burst_gemms`` 256x256 GEMMs, about
-      the work of one small block) and then issues the collective; the collective's cost is the time of
-      the pair minus the compute alone, medians of ``repeats`` back-to-back pairs. On CPU ranks that share
-      the cores, gloo's threads wake after the compute and the ranks arrive apart, which the idle figure
-      does not see. A third figure issues the collective asynchronously before the compute and waits
-      after it (FSDP2's prefetch): its excess over the compute alone is what overlap hides (none on CPU,
-      ``cost_models.communication.CPU_OVERLAP_LOSS``).
+    def solve(cols):
+        x = torch.tensor([[r[c] for c in cols] for r in rows], dtype=torch.float64)
+        y = torch.tensor([r[3] for r in rows], dtype=torch.float64).unsqueeze(1)
+        return torch.linalg.lstsq(x, y).solution.squeeze(1).tolist()
+
+    for cols in ((0, 1, 2), (0, 2), (1, 2)):
+        sol = dict(zip(cols, solve(cols)))
+        if all(v >= 0 for v in sol.values()) and sol.get(2, 0) > 0:
+            return sol.get(0, 0.0), sol.get(1, 0.0), 1 / sol[2]
+    return 0.0, 0.0, 1e9
+
+
+def measure_link(sizes=(1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22), repeats=9, burst_gemms=6):
+    """Gloo collectives between the 2 ranks, measured two ways:
+
+    - idle: an all-reduce alone, both ranks waiting for it (a barrier before each), fitted to the ring model;
+    - in a step, as the runtime issues them: each rank first computes (``burst_gemms`` 256x256 GEMMs, about
+      the work of one small block) and then issues the collective; its cost is the time of the pair minus
+      the compute alone (medians of 3 runs of ``repeats`` back-to-back pairs), for an all-reduce and an
+      all-gather of each size. On CPU ranks that share the cores, gloo's threads wake after the compute
+      and the ranks arrive apart: each call costs about the same whatever its kind and size, which the
+      idle figure does not see, so the fit has a per-call cost ``L`` besides the per-step latency ``a``
+      and the bandwidth ``B`` (:func:`_fit_in_step`). A third figure issues the all-reduce asynchronously
+      before the compute and waits after it (FSDP2's prefetch): its excess over the compute alone is
+      what overlap hides (none on CPU, ``cost_models.communication.CPU_OVERLAP_LOSS``).
 
     The in-step fit is the link given to the cluster spec: the planner charges what the step sees."""
     import torch.distributed as dist
@@ -114,9 +134,14 @@ def measure_link(sizes=(1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22), repeats=9,
             fn()
         return (time.perf_counter() - t0) / repeats
 
-    idle, in_step, overlapped = [], [], []
+    def in_step(fn):
+        comp = statistics.median(per_iter(burst) for _ in range(3))
+        return max(statistics.median(per_iter(lambda: (burst(), fn())) for _ in range(3)) - comp, 1e-6), comp
+
+    idle, ar, ag, overlapped = [], [], [], []
     for n in sizes:
         t = torch.ones(n // 4)
+        half = torch.ones(n // 8)
         dist.all_reduce(t)
         ts = []
         for _ in range(repeats):
@@ -125,8 +150,8 @@ def measure_link(sizes=(1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22), repeats=9,
             dist.all_reduce(t)
             ts.append(time.perf_counter() - t0)
         idle.append((n, statistics.median(ts)))
-        comp = statistics.median(per_iter(burst) for _ in range(3))
-        both = statistics.median(per_iter(lambda: (burst(), dist.all_reduce(t))) for _ in range(3))
+        s_ar, comp = in_step(lambda: dist.all_reduce(t))
+        s_ag, _ = in_step(lambda: dist.all_gather_into_tensor(t, half))
 
         def async_pair():
             w = dist.all_reduce(t, async_op=True)
@@ -134,12 +159,14 @@ def measure_link(sizes=(1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22), repeats=9,
             w.wait()
 
         asy = statistics.median(per_iter(async_pair) for _ in range(3))
-        in_step.append((n, max(both - comp, 1e-6)))
+        ar.append((n, s_ar))
+        ag.append((n, s_ag))
         overlapped.append((n, max(asy - comp, 0.0)))
-    lat, bw = _fit(in_step)
+    call, lat, bw = _fit_in_step(ar, ag)
     idle_lat, idle_bw = _fit(idle)
-    return {"latency_s": lat, "bandwidth": bw, "idle_latency_s": idle_lat, "idle_bandwidth": idle_bw,
-            "rows": [(n, i, s, o) for (n, i), (_, s), (_, o) in zip(idle, in_step, overlapped)]}
+    return {"latency_s": lat, "bandwidth": bw, "call_latency_s": call, "idle_latency_s": idle_lat,
+            "idle_bandwidth": idle_bw,
+            "rows": [(n, i, s, g, o) for (n, i), (_, s), (_, g), (_, o) in zip(idle, ar, ag, overlapped)]}
 
 
 def cluster_for(link):
@@ -147,7 +174,8 @@ def cluster_for(link):
 
     return ClusterSpec.from_dict({"groups": [{"name": "cpu", "gpu": "CPU", "gpus_per_node": 2, "nodes": 1, "cpu_memory_gb": 8,
                                               "intra_node": {"bandwidth_gbs": link["bandwidth"] / 1e9,
-                                                             "latency_us": link["latency_s"] * 1e6}}]})
+                                                             "latency_us": link["latency_s"] * 1e6,
+                                                             "call_latency_us": link.get("call_latency_s", 0.0) * 1e6}}]})
 
 
 def measure(name):
@@ -161,7 +189,7 @@ def measure(name):
     try:
         model, x, _ = build(name)
         t0 = time.perf_counter()
-        prof = whalepy.profile(model, (x,), measure=True, micro_batches=(1, 2, 4, 8), tp_degrees=(1, 2))
+        prof = whalepy.profile(model, (x,), measure=True, micro_batches=(1, 2, 4, 8), tp_degrees=(1, 2), repeats=5)
         took = time.perf_counter() - t0
         import dataclasses
 
@@ -289,10 +317,13 @@ def main() -> None:
     print(f"load (1/5/15 min) before {' '.join(load_before)}, after {' '.join(load_after)}; "
           f"{os.cpu_count()} cores; torch {torch.__version__}; wall {time.perf_counter() - t0:.0f} s")
     print(f"gloo all-reduce fit, idle: latency {link['idle_latency_s'] * 1e6:.1f} us per step, bandwidth "
-          f"{link['idle_bandwidth'] / 1e9:.2f} GB/s; in a step (given to the cluster spec): latency "
-          f"{link['latency_s'] * 1e6:.1f} us per step, bandwidth {link['bandwidth'] / 1e9:.2f} GB/s")
-    print("all-reduce ms by size (idle / after compute / issued before compute, beyond the compute):",
-          "; ".join(f"{n >> 10} KiB {1e3 * i:.2f} / {1e3 * s:.2f} / {1e3 * o:.2f}" for n, i, s, o in link["rows"]))
+          f"{link['idle_bandwidth'] / 1e9:.2f} GB/s; in a step (given to the cluster spec): per call "
+          f"{link['call_latency_s'] * 1e6:.1f} us, latency {link['latency_s'] * 1e6:.1f} us per step, bandwidth "
+          f"{link['bandwidth'] / 1e9:.2f} GB/s")
+    print("ms by size (all-reduce idle / all-reduce after compute / all-gather after compute / all-reduce issued "
+          "before compute, beyond the compute):",
+          "; ".join(f"{n >> 10} KiB {1e3 * i:.2f} / {1e3 * s:.2f} / {1e3 * g:.2f} / {1e3 * o:.2f}"
+                    for n, i, s, g, o in link["rows"]))
     print("\n| model | layout | predicted ms | measured ms | error | predicted MiB | measured MiB | error |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:

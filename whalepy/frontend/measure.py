@@ -299,6 +299,8 @@ def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device
     mbs = sorted({int(m) for m in (micro_batches or [_batch_of(example_inputs)])})
     if not mbs or mbs[0] < 1:
         raise ArgumentError(f"measure: micro_batches={micro_batches!r}: give positive sizes, e.g. (1, 2, 4)")
+    if not isinstance(lowered, bool):
+        raise ArgumentError(f"measure: lowered={lowered!r:.60}: give True or False")
     if not isinstance(repeats, int) or repeats < 1:
         raise ArgumentError(f"measure: repeats={repeats!r}: give a positive integer, e.g. 3")
     loss_fn = loss_fn or default_loss
