@@ -170,3 +170,29 @@ def test_blocks_are_measured_as_the_runtime_lowers_them(measured, tmp_path, monk
     ddp = ParallelConfig(dp=2)
     assert (estimate_from_profile(measured, cluster, ddp, global_batch=4).step_time_s
             == estimate_from_profile(bare, cluster, ddp, global_batch=4).step_time_s)
+
+
+def test_compiled_blocks_are_measured_when_the_plan_compiles(monkeypatch, tmp_path):
+    """measure(compile=True) times the blocks compiled as the runtime compiles them (Plan.compile:
+    runtime.compile_blocks, here with the aot_eager backend: inductor's C++ build is minutes on CI), and a
+    plan that compiles is costed from those times; an eager plan keeps the eager ones."""
+    from whalepy.runtime import compile_blocks
+
+    monkeypatch.setattr(compile_blocks, "BACKEND", "aot_eager")
+    monkeypatch.setenv("WHALEPY_DEVICE_PROFILES", str(tmp_path))
+    model, x, _ = build(2)
+    prof = whalepy.profile(model, (x,), measure=True, micro_batches=(2,), tp_degrees=(1,), repeats=1, compile=True)
+    m = prof.measured
+    sigs = {block_signature(prof, b) for b in prof.blocks}
+    assert set(m.compiled) == sigs and all(m.compiled[s][("fp32", 1, 2.0)][0] > 0 for s in sigs)
+    assert all(("fp32", "fsdp_reshard/compiled", 2.0) in m.wrapped[s] for s in sigs)
+    cluster = ClusterSpec.local(1)
+    eager = CostContext(prof, Hardware(cluster), precision="fp32")
+    compiled = CostContext(prof, Hardware(cluster), precision="fp32", compile=True)
+    for b in prof.blocks:
+        sig = block_signature(prof, b)
+        assert compiled.block_time(b.index, "CPU", 1, 2.0) == m.compiled[sig][("fp32", 1, 2.0)]
+        assert eager.block_time(b.index, "CPU", 1, 2.0) == m.times[sig][("fp32", 1, 2.0)]
+    assert MeasuredCosts.from_dict(json.loads(json.dumps(m.to_dict()))) == m
+    with pytest.raises(WhalepyError, match="compile"):
+        whalepy.profile(model, (x,), measure=True, compile=True, lowered=False)

@@ -277,7 +277,7 @@ def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device
                   precision: str = "fp32", micro_batches: Iterable[int] | None = None,
                   tp_degrees: Iterable[int] = (1,), repeats: int = 3, loss_fn: Callable | None = None,
                   optimizer: Callable[[list], torch.optim.Optimizer] | None = None,
-                  device_type: str | None = None, lowered: bool = True) -> MeasuredCosts:
+                  device_type: str | None = None, lowered: bool = True, compile: bool = False) -> MeasuredCosts:
     """Time ``model``'s distinct blocks on ``device`` (module docstring) and return the table.
 
     ``micro_batches``: sizes to time (default the example inputs' batch); ``tp_degrees``: TP degrees
@@ -285,7 +285,10 @@ def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device
     type the times are filed under (default the local device's). ``lowered``: also time the blocks as
     the runtime lowers them, under FSDP2 and DTensor tensor parallelism on a fake process group
     (``whalepy.runtime.measure_lowered``; the TP times then are those, and the wrappers' host work is
-    recorded apart); not possible inside a ``torch.distributed`` job, which is said in the log."""
+    recorded apart); not possible inside a ``torch.distributed`` job, which is said in the log.
+    ``compile``: the lowered timings run with the blocks compiled as the runtime compiles them
+    (``Plan.compile``), filed as :attr:`MeasuredCosts.compiled` and ``"<wrapper>/compiled"`` (the plain,
+    eager times are measured as well)."""
     from whalepy.frontend.trace import trace_memory
 
     dev = parse_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -301,6 +304,9 @@ def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device
         raise ArgumentError(f"measure: micro_batches={micro_batches!r}: give positive sizes, e.g. (1, 2, 4)")
     if not isinstance(lowered, bool):
         raise ArgumentError(f"measure: lowered={lowered!r:.60}: give True or False")
+    if not isinstance(compile, bool) or (compile and not lowered):
+        raise ArgumentError(f"measure: compile={compile!r:.60}: give True or False (compiled blocks are timed as "
+                            "lowered: lowered=True)")
     if not isinstance(repeats, int) or repeats < 1:
         raise ArgumentError(f"measure: repeats={repeats!r}: give a positive integer, e.g. 3")
     loss_fn = loss_fn or default_loss
@@ -365,25 +371,27 @@ def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device
                         if name in trace.activation_bytes:
                             acts.setdefault(sigs[i], {})[precision] = trace.activation_bytes[name] / mbs[-1]
             del work
-        wrapped, wrapped_updates = {}, {}
+        wrapped, wrapped_updates, compiled = {}, {}, {}
         if lowered:
-            wrapped, wrapped_updates = _measure_as_lowered(
+            wrapped, wrapped_updates, compiled = _measure_as_lowered(
                 model, example_inputs, profile, blocks, sigs, times, dev=dev, precision=precision, mbs=mbs,
                 tp_degrees=tp_degrees, repeats=repeats, loss_fn=loss_fn, optimizer=optimizer, autocast=autocast,
-                sync=sync)
+                sync=sync, compile=compile)
     return MeasuredCosts(device_type=device_type or row.name, device_name=reported,
                          threads=torch.get_num_threads() if dev.type == "cpu" else None,
                          source=f"whalepy measure on {reported}, torch {torch.__version__}",
                          optimizer=_optimizer_name(optimizer), times=times, updates=updates,
-                         activation_bytes=acts, names=names, wrapped=wrapped, wrapped_updates=wrapped_updates)
+                         activation_bytes=acts, names=names, wrapped=wrapped, wrapped_updates=wrapped_updates,
+                         compiled=compiled)
 
 
 def _measure_as_lowered(model: nn.Module, example_inputs: Any, profile: Any, blocks: dict[int, tuple[str, ...]],
                         sigs: dict[int, str], times: dict, *, dev: torch.device, precision: str, mbs: list[int],
                         tp_degrees: Iterable[int], repeats: int, loss_fn: Callable, optimizer: Callable,
-                        autocast: Any, sync: Callable[[], None]) -> tuple[dict, dict]:
+                        autocast: Any, sync: Callable[[], None], compile: bool = False) -> tuple[dict, dict, dict]:
     """The blocks as the runtime lowers them (``whalepy.runtime.measure_lowered``): FSDP2 wrappers'
-    times and DTensor optimizer steps recorded apart, TP times replacing the sharded-shape ones."""
+    times and DTensor optimizer steps recorded apart, TP times replacing the sharded-shape ones (with
+    ``compile``: the compiled blocks' times in a table of their own, the third returned)."""
     import logging
 
     import torch.distributed as dist
@@ -392,13 +400,13 @@ def _measure_as_lowered(model: nn.Module, example_inputs: Any, profile: Any, blo
 
     fn = lowered_measure()
     if fn is None or isinstance(example_inputs, dict):
-        return {}, {}
+        return {}, {}, {}
     if dist.is_initialized():
         logging.getLogger("whalepy.measure").info(
             "whalepy measure: inside a torch.distributed job the blocks are not timed as lowered (FSDP2 and "
             "DTensor need a fake process group of their own); measure before init_process_group, or in a "
             "separate process, to include the wrappers' host work")
-        return {}, {}
+        return {}, {}, {}
     def time_step(root: nn.Module, mb: int, by_index: dict[int, tuple[str, ...]], loss: Callable,
                   ctx: Any) -> dict[tuple[int, str], float]:
         inputs = _resize(example_inputs, mb, dev)
@@ -421,23 +429,28 @@ def _measure_as_lowered(model: nn.Module, example_inputs: Any, profile: Any, blo
     work = _materialized(model, dev)  # the caller holds the model truncated
     got = fn(work, _resize(example_inputs, mbs[-1], dev), names, device=dev, precision=precision,
              micro_batches=mbs, tp_rules=rules, tp_degrees=tp_degrees, repeats=repeats, loss_fn=loss_fn,
-             optimizer=optimizer, time_step=time_step, time_optimizer=time_opt)
+             optimizer=optimizer, time_step=time_step, time_optimizer=time_opt, compile=compile)
     if not got:
-        return {}, {}
+        return {}, {}, {}
     wrapped: dict[str, dict] = {}
     for (wrapper, mb), row in got["wrapped"].items():
         for name, t in row.items():
-            wrapped.setdefault(sig_of[name], {})[(precision, wrapper, float(mb))] = t
+            wrapped.setdefault(sig_of[name], {})[(precision, f"{wrapper}/compiled" if compile else wrapper,
+                                                  float(mb))] = t
     by_name = {b.name: b for b in profile.blocks}
+    compiled: dict[str, dict] = {}
     for (tp, mb), row in got["tp"].items():
         for name, t in row.items():
             if tp_splits(by_name[name], tp):
-                times.setdefault(sig_of[name], {})[(precision, tp, float(mb))] = t
+                (compiled if compile else times).setdefault(sig_of[name], {})[(precision, tp, float(mb))] = t
+    for mb, row in got["plain"].items():
+        for name, t in row.items():
+            compiled.setdefault(sig_of[name], {})[(precision, 1, float(mb))] = t
     ups: dict[str, dict] = {}
     for key, row in got["updates"].items():
         for name, t in row.items():
             ups.setdefault(sig_of[name], {})[key] = t
-    return wrapped, ups
+    return wrapped, ups, compiled
 
 
 def _optimizer_name(optimizer: Callable) -> str:

@@ -78,17 +78,24 @@ class MeasuredCosts:
     lowers it under a data-parallel wrapper (``"fsdp"``: FSDP2 keeping parameters gathered between
     forward and backward, ZeRO-1/2; ``"fsdp_reshard"``: FSDP2 resharding after forward, ZeRO-3), timed
     on a fake process group (collectives return at once): compute plus the wrapper's own host work."""
+    compiled: dict[str, dict[tuple[str, int, float], tuple[float, float]]] = field(default_factory=dict)
+    """``sig -> (precision, tp, micro_batch) -> (forward_s, backward_s)`` with the block's modules compiled
+    as the runtime compiles them (``Plan.compile``: regional ``torch.compile``), lowered on a fake process
+    group like :attr:`wrapped`; the wrappers' compiled rows are in :attr:`wrapped` under
+    ``"<wrapper>/compiled"``."""
     wrapped_updates: dict[str, dict[str, float]] = field(default_factory=dict)
     """``sig -> "fsdp/D" or "tp/D" -> seconds``: the optimizer step over the block's parameters as the
     runtime holds them (DTensor shards of degree ``D``), same fake process group."""
 
-    def wrapper_overhead(self, sig: str, precision: str, wrapper: str, micro_batch: float) -> tuple[float, float] | None:
+    def wrapper_overhead(self, sig: str, precision: str, wrapper: str, micro_batch: float, *, compiled: bool = False
+                         ) -> tuple[float, float] | None:
         """Forward and backward seconds the wrapper adds to the block at ``micro_batch`` (the wrapped
-        time less the plain time measured beside it, interpolated as :meth:`block_time`); None if not
-        measured."""
+        time less the plain time measured beside it, interpolated as :meth:`block_time`; ``compiled``: both
+        with the blocks compiled); None if not measured."""
+        name = f"{wrapper}/compiled" if compiled else wrapper
         got = _interpolate(sorted((mb, t) for (p, w, mb), t in self.wrapped.get(sig, {}).items()
-                                  if p == precision and w == wrapper), micro_batch)
-        base = self.block_time(sig, precision, 1, micro_batch)
+                                  if p == precision and w == name), micro_batch)
+        base = self.block_time(sig, precision, 1, micro_batch, compiled=compiled)
         if got is None or base is None:
             return None
         return max(got[0] - base[0], 0.0), max(got[1] - base[1], 0.0)
@@ -102,10 +109,12 @@ class MeasuredCosts:
             return None
         return max(t - self.updates[sig] / int(key.rpartition("/")[2]), 0.0)
 
-    def block_time(self, sig: str, precision: str, tp: int, micro_batch: float) -> tuple[float, float] | None:
+    def block_time(self, sig: str, precision: str, tp: int, micro_batch: float, *, compiled: bool = False
+                   ) -> tuple[float, float] | None:
         """Forward and backward seconds at ``micro_batch``: piecewise linear between the measured sizes,
-        linear through the two nearest beyond them (proportional with one size); None if not measured."""
-        entries = self.times.get(sig, {})
+        linear through the two nearest beyond them (proportional with one size); None if not measured.
+        ``compiled``: the compiled blocks' times (:attr:`compiled`), None where those were not measured."""
+        entries = (self.compiled if compiled else self.times).get(sig, {})
         if not any(p == precision for p, _, _ in entries):
             precision = ANY_PRECISION  # an imported table that does not say its precision
         return _interpolate(sorted((mb, t) for (p, d, mb), t in entries.items() if p == precision and d == tp),
@@ -136,13 +145,17 @@ class MeasuredCosts:
         wrapped = {s: dict(v) for s, v in self.wrapped.items()}
         for s, v in other.wrapped.items():
             wrapped.setdefault(s, {}).update(v)
+        compiled = {s: dict(v) for s, v in self.compiled.items()}
+        for s, v in other.compiled.items():
+            compiled.setdefault(s, {}).update(v)
         wups = {s: dict(v) for s, v in self.wrapped_updates.items()}
         for s, v in other.wrapped_updates.items():
             wups.setdefault(s, {}).update(v)
         return replace(self, device_name=other.device_name or self.device_name, threads=other.threads,
                        source=other.source or self.source, optimizer=other.optimizer or self.optimizer,
                        times=times, updates={**self.updates, **other.updates}, activation_bytes=acts,
-                       names={**self.names, **other.names}, wrapped=wrapped, wrapped_updates=wups)
+                       names={**self.names, **other.names}, wrapped=wrapped, wrapped_updates=wups,
+                       compiled=compiled)
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": MEASURED_FORMAT, "device_type": self.device_type, "device_name": self.device_name,
@@ -154,9 +167,12 @@ class MeasuredCosts:
                                "wrapped": [{"precision": p, "wrapper": w, "micro_batch": mb, "forward_s": f,
                                             "backward_s": b}
                                            for (p, w, mb), (f, b) in sorted(self.wrapped.get(s, {}).items())],
-                               "wrapped_update_s": dict(sorted(self.wrapped_updates.get(s, {}).items()))}
+                               "wrapped_update_s": dict(sorted(self.wrapped_updates.get(s, {}).items())),
+                               "compiled": [{"precision": p, "tp": d, "micro_batch": mb, "forward_s": f,
+                                             "backward_s": b}
+                                            for (p, d, mb), (f, b) in sorted(self.compiled.get(s, {}).items())]}
                            for s in sorted(set(self.times) | set(self.updates) | set(self.activation_bytes)
-                                           | set(self.wrapped) | set(self.wrapped_updates))}}
+                                           | set(self.wrapped) | set(self.wrapped_updates) | set(self.compiled))}}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], *, where: str = "measured costs") -> MeasuredCosts:
@@ -164,8 +180,11 @@ class MeasuredCosts:
             raise WhalepyError(f"{where}: measured-costs format {d.get('format')!r} is not supported (this whalepy "
                                f"reads format {MEASURED_FORMAT}); measure again with whalepy calibrate --model")
         try:
-            times, updates, acts, names, wrapped, wups = {}, {}, {}, {}, {}, {}
+            times, updates, acts, names, wrapped, wups, compiled = {}, {}, {}, {}, {}, {}, {}
             for sig, e in d.get("blocks", {}).items():
+                if e.get("compiled"):
+                    compiled[sig] = {(r["precision"], int(r["tp"]), float(r["micro_batch"])):
+                                     (float(r["forward_s"]), float(r["backward_s"])) for r in e["compiled"]}
                 if e.get("wrapped"):
                     wrapped[sig] = {(r["precision"], str(r["wrapper"]), float(r["micro_batch"])):
                                     (float(r["forward_s"]), float(r["backward_s"])) for r in e["wrapped"]}
@@ -179,7 +198,8 @@ class MeasuredCosts:
                 names[sig] = e.get("name", "")
             return cls(device_type=d["device_type"], device_name=d.get("device_name", ""), threads=d.get("threads"),
                        source=d.get("source", ""), optimizer=d.get("optimizer", ""), times=times, updates=updates,
-                       activation_bytes=acts, names=names, wrapped=wrapped, wrapped_updates=wups)
+                       activation_bytes=acts, names=names, wrapped=wrapped, wrapped_updates=wups,
+                       compiled=compiled)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise WhalepyError(f"{where}: not a whalepy measured-costs table ({type(e).__name__}: {e}); measure "
                                "again with whalepy calibrate --model") from None

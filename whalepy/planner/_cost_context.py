@@ -87,8 +87,9 @@ class CostContext:
         """The optimizer implementation the runtime lowers (``Plan.optimizer_impl``), charged by
         ``_offload_costs.device_optimizer_implementation``."""
         self.compile = compile
-        """The blocks run compiled (``Plan.compile``): recorded in the plan; the block times stay the
-        eager model's (no compiled-kernel rate is measured or derived yet: docs/runtime.md)."""
+        """The blocks run compiled (``Plan.compile``): measured block times are the compiled ones where
+        ``measure(compile=True)`` timed them (``MeasuredCosts.compiled``); modelled times stay the eager
+        model's (no compiled-kernel rate is derived: docs/runtime.md)."""
         # Sequence parallelism is on when the profile carries SEQUENCE rules (the runtime lowers them).
         self.sequence_parallel = (has_sequence_rules(profile) if sequence_parallel is None
                                   else sequence_parallel)
@@ -184,7 +185,12 @@ class CostContext:
         m = self.measured.get(device_name)
         if m is None:
             return None
-        return m.block_time(self.signatures[block_index], self.precision, tp, micro_batch)
+        sig = self.signatures[block_index]
+        if self.compile:  # the compiled blocks' own times where they were measured (Plan.compile)
+            got = m.block_time(sig, self.precision, tp, micro_batch, compiled=True)
+            if got is not None:
+                return got
+        return m.block_time(sig, self.precision, tp, micro_batch)
 
     def wrapper_overhead(self, block_index: int, device_name: str, wrapper: str, micro_batch: float) -> float:
         """Seconds per micro-batch (forward plus backward) the runtime's data-parallel ``wrapper``
@@ -192,7 +198,12 @@ class CostContext:
         process group (``MeasuredCosts.wrapper_overhead``); 0 where not measured (the model has no
         term for the wrapper's host work)."""
         m = self.measured.get(device_name)
-        got = m.wrapper_overhead(self.signatures[block_index], self.precision, wrapper, micro_batch) if m else None
+        if m is None:
+            return 0.0
+        sig = self.signatures[block_index]
+        got = m.wrapper_overhead(sig, self.precision, wrapper, micro_batch, compiled=True) if self.compile else None
+        if got is None:
+            got = m.wrapper_overhead(sig, self.precision, wrapper, micro_batch)
         return sum(got) if got else 0.0
 
     def update_overhead(self, block_index: int, device_name: str, *, fsdp: bool, tp: int) -> float:

@@ -77,15 +77,19 @@ def measure_lowered(model: nn.Module, example_inputs: tuple, blocks: dict[str, t
                     tp_degrees: Iterable[int], repeats: int, loss_fn: Callable,
                     optimizer: Callable[[list], torch.optim.Optimizer],
                     time_step: Callable[..., dict[tuple[int, str], float]],
-                    time_optimizer: Callable[..., float]) -> dict[str, Any] | None:
+                    time_optimizer: Callable[..., float], compile: bool = False) -> dict[str, Any] | None:
     """Time ``model`` (already truncated, on ``device``) lowered under each wrapper (module docstring).
 
     ``blocks``: block name -> module paths in ``model``; ``time_step(module, inputs, blocks_by_index,
     loss_fn, autocast)`` returns the median per-(block index, phase) seconds of ``repeats`` steps after
     warm-up (the plain measurement's own routine); ``time_optimizer(params, optimizer)`` a step's seconds.
 
+    ``compile``: lower with ``Plan.compile`` (each block's modules compiled as the runtime compiles them,
+    ``runtime.compile_blocks``), and also time the plain (one-rank) lowering, which then is the compiled
+    blocks' own time (``"plain"``).
+
     Returns ``{"wrapped": {(wrapper, mb): {name: (f, b)}}, "tp": {(tp, mb): {name: (f, b)}},
-    "updates": {key: {name: s}}}`` or None inside a distributed job."""
+    "updates": {key: {name: s}}, "plain": {mb: {name: (f, b)}}}`` or None inside a distributed job."""
     import torch.distributed as dist
 
     from whalepy.runtime.mesh import make_plan
@@ -98,9 +102,10 @@ def measure_lowered(model: nn.Module, example_inputs: tuple, blocks: dict[str, t
     index = {n: i for i, n in enumerate(names)}
     rules = list(tp_rules)
     mbs = sorted({int(m) for m in micro_batches})
-    configs = [("fsdp", FSDP_DEGREE, 1, 2), ("fsdp_reshard", FSDP_DEGREE, 1, 3)]
+    configs = [("plain", 1, 1, 0)] if compile else []
+    configs += [("fsdp", FSDP_DEGREE, 1, 2), ("fsdp_reshard", FSDP_DEGREE, 1, 3)]
     configs += [("tp", t, t, 0) for t in sorted({int(t) for t in tp_degrees}) if t > 1 and rules]
-    out: dict[str, Any] = {"wrapped": {}, "tp": {}, "updates": {}}
+    out: dict[str, Any] = {"wrapped": {}, "tp": {}, "updates": {}, "plain": {}}
     from whalepy.frontend.profile import profile as capture
     from whalepy.hardware.cluster import ClusterSpec
 
@@ -118,7 +123,7 @@ def measure_lowered(model: nn.Module, example_inputs: tuple, blocks: dict[str, t
                 work = copy.deepcopy(model)
                 plan = make_plan(names, dp=world // tp, tp=tp, global_batch=mbs[-1] * (world // tp),
                                  zero_stage=zero, tensor_parallel=rules if tp > 1 else (), precision=precision,
-                                 device_type=cluster.groups[0].device.name)
+                                 device_type=cluster.groups[0].device.name, compile=compile)
                 pm = whalepy.parallelize(work, cluster, plan=plan, example_inputs=example_inputs, profile=prof,
                                          loss_fn=lambda y, t: y.float().mean(), optimizer=optimizer,
                                          global_batch=plan.global_batch)
@@ -133,12 +138,14 @@ def measure_lowered(model: nn.Module, example_inputs: tuple, blocks: dict[str, t
                 for mb in mbs:
                     med = time_step(root, mb, by_index, loss_fn, autocast)
                     row = {n: (med.get((index[n], "f"), 0.0), med.get((index[n], "b"), 0.0)) for n in names}
-                    if label == "tp":
+                    if label == "plain":
+                        out["plain"][mb] = row
+                    elif label == "tp":
                         out["tp"][(tp, mb)] = row
                     else:
                         out["wrapped"][(label, mb)] = row
                 key = f"tp/{tp}" if label == "tp" else f"fsdp/{world}"
-                if key not in out["updates"]:
+                if label != "plain" and key not in out["updates"]:
                     named = dict(root.named_modules())
                     ups = {}
                     for n in names:
