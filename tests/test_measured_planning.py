@@ -156,6 +156,12 @@ def test_blocks_are_measured_as_the_runtime_lowers_them(measured, tmp_path, monk
                 assert f > 0 and b > 0
         assert m.wrapped_updates[sig]["fsdp/2"] > 0
     assert any("tp/2" in m.wrapped_updates[s] for s in sigs)
+    # the TP collectives each block issues, counted: a layer all-reduces once after attention and once
+    # after the MLP in forward, and once per input in backward (q/k/v share one; runtime/tensor_parallel.py)
+    layer = next(b for b in measured.blocks if b.kind.value == "layer")
+    counted = m.tp_collectives[block_signature(measured, layer)][2]
+    assert counted["f"]["all_reduce"][0] == 2 and counted["b"]["all_reduce"][0] == 2, counted
+    assert counted["f"]["all_reduce"][1] == counted["b"]["all_reduce"][1] > 0
     cluster = ClusterSpec.local(2)
     bare = dataclasses.replace(measured, measured=dataclasses.replace(m, wrapped={}, wrapped_updates={}))
     ctx = CostContext(measured, Hardware(cluster), precision="fp32")

@@ -145,10 +145,16 @@ class CostContext:
         for seg in segments:
             b = seg.block
             fwd, bwd = self.block_time(b.index, device_name, tp, micro_batch)
-            ar = 0.0
-            if tp_group is not None and tp_splits(b, tp) and b.tp_comm_bytes:
-                ar = self.collective(Collective.ALL_REDUCE, b.tp_comm_bytes * ratio * self.byte_scale, tp_group)
-            rows.append((fwd + bwd + 2 * ar, fwd + ar, fwd, bwd + ar, 2 * ar,
+            ar_f = ar_b = 0.0
+            if tp_group is not None and tp_splits(b, tp):
+                counted = self.measured_tp_collectives(b.index, device_name, tp)
+                if counted is not None:  # the calls the runtime issues, counted when measured as lowered
+                    ar_f, ar_b = (self._counted_collectives(counted.get(ph, {}), micro_batch, tp_group)
+                                  for ph in ("f", "b"))
+                elif b.tp_comm_bytes:
+                    ar_f = ar_b = self.collective(Collective.ALL_REDUCE, b.tp_comm_bytes * ratio * self.byte_scale,
+                                                  tp_group)
+            rows.append((fwd + bwd + ar_f + ar_b, fwd + ar_f, fwd, bwd + ar_b, ar_f + ar_b,
                          b.activation_bytes * ratio * self.byte_scale
                          * tp_activation_fraction(b, tp, self.sequence_parallel),
                          b.input_bytes * ratio * self.byte_scale))
@@ -191,6 +197,26 @@ class CostContext:
             if got is not None:
                 return got
         return m.block_time(sig, self.precision, tp, micro_batch)
+
+    def measured_tp_collectives(self, block_index: int, device_name: str, tp: int
+                                ) -> dict[str, dict[str, tuple[float, float]]] | None:
+        """``phase -> kind -> (calls, bytes per sample)`` of the block's TP collectives at degree ``tp`` as
+        counted when it was measured as lowered (``MeasuredCosts.tp_collectives``), or None."""
+        m = self.measured.get(device_name)
+        if m is None:
+            return None
+        return m.tp_collectives.get(self.signatures[block_index], {}).get(tp)
+
+    def _counted_collectives(self, kinds: dict[str, tuple[float, float]], micro_batch: float,
+                             group: CommGroup) -> float:
+        """Seconds of ``calls`` collectives per kind, each carrying an equal share of the counted bytes
+        (measured in the plan's precision) at ``micro_batch`` samples."""
+        total = 0.0
+        for kind, (calls, per_sample) in kinds.items():
+            if calls > 0:
+                n = int(round(calls))
+                total += n * self.collective(Collective(kind), per_sample * micro_batch / n, group)
+        return total
 
     def wrapper_overhead(self, block_index: int, device_name: str, wrapper: str, micro_batch: float) -> float:
         """Seconds per micro-batch (forward plus backward) the runtime's data-parallel ``wrapper``

@@ -56,6 +56,80 @@ def _fake_world(world: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+_FUNCTIONAL = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
+               "reduce_scatter_tensor": "reduce_scatter"}
+"""``_c10d_functional`` operators (DTensor's redistributions issue these) -> the cost model's collective."""
+
+
+class _BlockCollectives:
+    """Counts the collectives one step issues, per (block, phase, kind): the calls and the payload bytes
+    in the cost model's convention (all-reduce the tensor, all-gather the gathered output,
+    reduce-scatter the whole input). The current block is the last whose forward or backward pre-hook
+    fired."""
+
+    def __init__(self, root: nn.Module, by_index: dict[int, tuple[str, ...]], names: list[str]) -> None:
+        self.current: tuple[str, str] | None = None
+        self.rows: dict[tuple[str, str, str], list[float]] = {}
+        self.handles = []
+        named = dict(root.named_modules())
+        for i, paths in by_index.items():
+            for path in paths:
+                mod = named.get(path)
+                if mod is None:
+                    continue
+                self.handles.append(mod.register_forward_pre_hook(lambda m, a, n=names[i]: self._at(n, "f")))
+                self.handles.append(mod.register_full_backward_pre_hook(lambda m, g, n=names[i]: self._at(n, "b")))
+
+    def _at(self, name: str, phase: str) -> None:
+        self.current = (name, phase)
+
+    def mode(self) -> Any:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        owner = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+                ns, _, op = str(func.name()).partition("::")
+                kind = _FUNCTIONAL.get(op.split(".")[0]) if ns == "_c10d_functional" else None
+                if kind is not None and owner.current is not None and args and isinstance(args[0], torch.Tensor):
+                    nbytes = args[0].numel() * args[0].element_size()
+                    if kind == "all_gather":
+                        nbytes *= int(args[1])  # group size: the gathered output
+                    row = owner.rows.setdefault((*owner.current, kind), [0.0, 0.0])
+                    row[0] += 1
+                    row[1] += nbytes
+                return func(*args, **(kwargs or {}))
+
+        return _Mode()
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _count_collectives(root: nn.Module, inputs: tuple, by_index: dict[int, tuple[str, ...]], names: list[str],
+                       loss_fn: Callable, autocast: Callable, samples: int) -> dict[str, dict[str, dict[str, tuple[float, float]]]]:
+    """``name -> phase -> kind -> (calls, bytes per sample)`` of one forward and backward of ``root``."""
+    import warnings
+
+    counter = _BlockCollectives(root, by_index, names)
+    try:
+        with warnings.catch_warnings(), counter.mode():
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            with autocast():
+                loss = loss_fn(root(*inputs), inputs)
+            loss.backward()
+    finally:
+        counter.remove()
+    for p in root.parameters():
+        p.grad = None
+    out: dict[str, dict[str, dict[str, tuple[float, float]]]] = {}
+    for (name, phase, kind), (calls, nbytes) in counter.rows.items():
+        out.setdefault(name, {}).setdefault(phase, {})[kind] = (calls, nbytes / samples)
+    return out
+
+
 def _quiet() -> contextlib.AbstractContextManager:
     """The lowering's own log lines (plan summary, optimizer line) are not the user's job: silenced."""
     logger = logging.getLogger("whalepy")
@@ -89,7 +163,8 @@ def measure_lowered(model: nn.Module, example_inputs: tuple, blocks: dict[str, t
     blocks' own time (``"plain"``).
 
     Returns ``{"wrapped": {(wrapper, mb): {name: (f, b)}}, "tp": {(tp, mb): {name: (f, b)}},
-    "updates": {key: {name: s}}, "plain": {mb: {name: (f, b)}}}`` or None inside a distributed job."""
+    "updates": {key: {name: s}}, "plain": {mb: {name: (f, b)}}, "tp_collectives": {tp: {name: {phase:
+    {kind: (calls, bytes per sample)}}}}}`` or None inside a distributed job."""
     import torch.distributed as dist
 
     from whalepy.runtime.mesh import make_plan
@@ -105,7 +180,7 @@ def measure_lowered(model: nn.Module, example_inputs: tuple, blocks: dict[str, t
     configs = [("plain", 1, 1, 0)] if compile else []
     configs += [("fsdp", FSDP_DEGREE, 1, 2), ("fsdp_reshard", FSDP_DEGREE, 1, 3)]
     configs += [("tp", t, t, 0) for t in sorted({int(t) for t in tp_degrees}) if t > 1 and rules]
-    out: dict[str, Any] = {"wrapped": {}, "tp": {}, "updates": {}, "plain": {}}
+    out: dict[str, Any] = {"wrapped": {}, "tp": {}, "updates": {}, "plain": {}, "tp_collectives": {}}
     from whalepy.frontend.profile import profile as capture
     from whalepy.hardware.cluster import ClusterSpec
 
@@ -144,6 +219,10 @@ def measure_lowered(model: nn.Module, example_inputs: tuple, blocks: dict[str, t
                         out["tp"][(tp, mb)] = row
                     else:
                         out["wrapped"][(label, mb)] = row
+                if label == "tp" and not compile:  # the collectives each block issues at this degree
+                    out["tp_collectives"][tp] = _count_collectives(
+                        root, tuple(example_inputs), by_index, names, loss_fn, autocast,
+                        int(example_inputs[0].shape[0]))
                 key = f"tp/{tp}" if label == "tp" else f"fsdp/{world}"
                 if label != "plain" and key not in out["updates"]:
                     named = dict(root.named_modules())
