@@ -44,7 +44,7 @@ from torch import nn
 from whalepy.errors import ArgumentError, WhalepyError
 from whalepy.ir.measured import MeasuredCosts, block_signature
 
-__all__ = ["apply_measured_activations", "measure_costs", "micro_batch_sizes"]
+__all__ = ["BlockClock", "apply_measured_activations", "measure_costs", "micro_batch_sizes"]
 
 
 # ---------------------------------------------------------------------------------------------- inputs
@@ -161,7 +161,7 @@ def localize_tp(model: nn.Module, rules: Iterable[Any], tp: int) -> None:
 # ------------------------------------------------------------------------------------------- timing
 
 
-class _BlockClock:
+class BlockClock:
     """Module hooks that cut one forward + backward into per-block intervals (module docstring)."""
 
     def __init__(self, model: nn.Module, blocks: dict[int, tuple[str, ...]], sync: Callable[[], None]) -> None:
@@ -196,7 +196,7 @@ class _BlockClock:
             h.remove()
 
 
-def _one_step(model: nn.Module, inputs: Any, clock: _BlockClock, loss_fn: Callable, autocast: Any,
+def _one_step(model: nn.Module, inputs: Any, clock: BlockClock, loss_fn: Callable, autocast: Any,
               last: int) -> dict[tuple[int, str], float]:
     import warnings
 
@@ -225,7 +225,7 @@ one before."""
 WARMUP_SETTLED = 0.1
 
 
-def _warm_up(model: nn.Module, inputs: Any, clock: _BlockClock, loss_fn: Callable, autocast: Any, last: int) -> None:
+def _warm_up(model: nn.Module, inputs: Any, clock: BlockClock, loss_fn: Callable, autocast: Any, last: int) -> None:
     prev = None
     for i in range(WARMUP_STEPS[1]):
         t = sum(_one_step(model, inputs, clock, loss_fn, autocast, last).values())
@@ -334,7 +334,7 @@ def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device
             if tp > 1:
                 localize_tp(work, [r for b in ruled for r in b.tp_rules], tp)
             work.train()
-            clock = _BlockClock(work, blocks, sync)
+            clock = BlockClock(work, blocks, sync)
             try:
                 for mb in mbs:
                     inputs = _resize(example_inputs, mb, dev)
@@ -412,7 +412,7 @@ def _measure_as_lowered(model: nn.Module, example_inputs: Any, profile: Any, blo
                   ctx: Any) -> dict[tuple[int, str], float]:
         inputs = _resize(example_inputs, mb, dev)
         last = max(by_index)
-        clock = _BlockClock(root, by_index, sync)
+        clock = BlockClock(root, by_index, sync)
         try:
             _warm_up(root, inputs, clock, loss, ctx, last)
             return _median_times([_one_step(root, inputs, clock, loss, ctx, last) for _ in range(repeats)])

@@ -64,24 +64,15 @@ _FUNCTIONAL = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather
 class _BlockCollectives:
     """Counts the collectives one step issues, per (block, phase, kind): the calls and the payload bytes
     in the cost model's convention (all-reduce the tensor, all-gather the gathered output,
-    reduce-scatter the whole input). The current block is the last whose forward or backward pre-hook
-    fired."""
+    reduce-scatter the whole input). The current block and phase are the measurement's own block clock's
+    last mark (``frontend.measure.BlockClock``: the last forward or backward pre-hook that fired)."""
 
     def __init__(self, root: nn.Module, by_index: dict[int, tuple[str, ...]], names: list[str]) -> None:
-        self.current: tuple[str, str] | None = None
-        self.rows: dict[tuple[str, str, str], list[float]] = {}
-        self.handles = []
-        named = dict(root.named_modules())
-        for i, paths in by_index.items():
-            for path in paths:
-                mod = named.get(path)
-                if mod is None:
-                    continue
-                self.handles.append(mod.register_forward_pre_hook(lambda m, a, n=names[i]: self._at(n, "f")))
-                self.handles.append(mod.register_full_backward_pre_hook(lambda m, g, n=names[i]: self._at(n, "b")))
+        from whalepy.frontend.measure import BlockClock
 
-    def _at(self, name: str, phase: str) -> None:
-        self.current = (name, phase)
+        self.names = names
+        self.clock = BlockClock(root, by_index, lambda: None)
+        self.rows: dict[tuple[str, str, str], list[float]] = {}
 
     def mode(self) -> Any:
         from torch.utils._python_dispatch import TorchDispatchMode
@@ -92,11 +83,13 @@ class _BlockCollectives:
             def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
                 ns, _, op = str(func.name()).partition("::")
                 kind = _FUNCTIONAL.get(op.split(".")[0]) if ns == "_c10d_functional" else None
-                if kind is not None and owner.current is not None and args and isinstance(args[0], torch.Tensor):
+                events = owner.clock.events
+                if kind is not None and events and events[-1][1] is not None and args \
+                        and isinstance(args[0], torch.Tensor):
                     nbytes = args[0].numel() * args[0].element_size()
                     if kind == "all_gather":
                         nbytes *= int(args[1])  # group size: the gathered output
-                    row = owner.rows.setdefault((*owner.current, kind), [0.0, 0.0])
+                    row = owner.rows.setdefault((owner.names[events[-1][1]], events[-1][2], kind), [0.0, 0.0])
                     row[0] += 1
                     row[1] += nbytes
                 return func(*args, **(kwargs or {}))
@@ -104,8 +97,7 @@ class _BlockCollectives:
         return _Mode()
 
     def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
+        self.clock.remove()
 
 
 def _count_collectives(root: nn.Module, inputs: tuple, by_index: dict[int, tuple[str, ...]], names: list[str],
