@@ -12,7 +12,7 @@ from whalepy.cost_models.communication import estimate_p2p_time, overlap_loss
 from whalepy.cost_models.memory import inflight_microbatches
 from whalepy.cost_models.offload import host_capacity_per_gpu, nvme_capacity_per_gpu
 from whalepy.ir.plan import ZeroStage
-from whalepy.ir.rules import LoweringKind
+from whalepy.ir.rules import LoweringKind, offloads_to_host
 from whalepy.planner._coeffs import CellCoeffs
 from whalepy.planner._cost_context import LOSS_BACKWARD_FP32_TENSORS, LOSS_LOGPROB_BYTES, CostContext, _pair_link
 from whalepy.planner._offload_costs import (
@@ -124,7 +124,8 @@ def _cell_options(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ..
                 wrapper = "fsdp_reshard" if z3 else "fsdp"
                 seg_exposed[o] = [x + ctx.wrapper_overhead(seg.block.index, g.device.name, wrapper, micro_batch)
                                   for x, seg in zip(seg_exposed[o], segments)]
-            if fsdp or t > 1:
+            # the device optimizer steps DTensor shards (a host-resident step is whalepy's fused CPU kernel)
+            if (fsdp or t > 1) and not offloads_to_host(o.param_tier, o.optimizer_tier):
                 seg_tail[o] = [x + ctx.update_overhead(seg.block.index, g.device.name, fsdp=fsdp, tp=t)
                                for x, seg in zip(seg_tail[o], segments)]
         edge[o], tail_edge[o] = dp_edges(kind, z3, pipelined, dp_comm, o.reduce_each) if rows else (0.0, 0.0)
