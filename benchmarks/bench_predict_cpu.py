@@ -102,13 +102,13 @@ def _fit_in_step(ar, ag):
     return 0.0, 0.0, 1e9
 
 
-def measure_link(sizes=(1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22), repeats=9, burst_gemms=6):
+def measure_link(sizes=(1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22), repeats=15, burst_gemms=6, runs=5):
     """Gloo collectives between the 2 ranks, measured two ways:
 
     - idle: an all-reduce alone, both ranks waiting for it (a barrier before each), fitted to the ring model;
     - in a step, as the runtime issues them: each rank first computes (``burst_gemms`` 256x256 GEMMs, about
       the work of one small block) and then issues the collective; its cost is the time of the pair minus
-      the compute alone (medians of 3 runs of ``repeats`` back-to-back pairs), for an all-reduce and an
+      the compute alone (medians of ``runs`` runs of ``repeats`` back-to-back pairs), for an all-reduce and an
       all-gather of each size. On CPU ranks that share the cores, gloo's threads wake after the compute
       and the ranks arrive apart: each call costs about the same whatever its kind and size, which the
       idle figure does not see, so the fit has a per-call cost ``L`` besides the per-step latency ``a``
@@ -135,8 +135,8 @@ def measure_link(sizes=(1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22), repeats=9,
         return (time.perf_counter() - t0) / repeats
 
     def in_step(fn):
-        comp = statistics.median(per_iter(burst) for _ in range(3))
-        return max(statistics.median(per_iter(lambda: (burst(), fn())) for _ in range(3)) - comp, 1e-6), comp
+        comp = statistics.median(per_iter(burst) for _ in range(runs))
+        return max(statistics.median(per_iter(lambda: (burst(), fn())) for _ in range(runs)) - comp, 1e-6), comp
 
     idle, ar, ag, overlapped = [], [], [], []
     for n in sizes:
@@ -158,7 +158,7 @@ def measure_link(sizes=(1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22), repeats=9,
             burst()
             w.wait()
 
-        asy = statistics.median(per_iter(async_pair) for _ in range(3))
+        asy = statistics.median(per_iter(async_pair) for _ in range(runs))
         ar.append((n, s_ar))
         ag.append((n, s_ag))
         overlapped.append((n, max(asy - comp, 0.0)))
@@ -178,7 +178,7 @@ def cluster_for(link):
                                                              "call_latency_us": link.get("call_latency_s", 0.0) * 1e6}}]})
 
 
-def measure(name):
+def measure(name, repeats=5):
     """Measured planning of ``name`` in this (non-distributed) process, one intra-op thread as a rank has:
     the blocks plain and as the runtime lowers them (FSDP2 and DTensor on a fake process group, which
     needs a process outside the gloo job)."""
@@ -189,7 +189,7 @@ def measure(name):
     try:
         model, x, _ = build(name)
         t0 = time.perf_counter()
-        prof = whalepy.profile(model, (x,), measure=True, micro_batches=(1, 2, 4, 8), tp_degrees=(1, 2), repeats=5)
+        prof = whalepy.profile(model, (x,), measure=True, micro_batches=(1, 2, 4, 8), tp_degrees=(1, 2), repeats=repeats)
         took = time.perf_counter() - t0
         import dataclasses
 
@@ -302,18 +302,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--repeats", type=int, default=5, help="timed steps per measured block shape (median)")
     args = ap.parse_args()
     names = args.models.split(",")
     with open("/proc/loadavg") as f:
         load_before = f.read().split()[:3]
     t0 = time.perf_counter()
-    profiles = {name: measure(name) for name in names}
+    profiles = {name: measure(name, args.repeats) for name in names}
     out = run_distributed(worker, 2, names, profiles, args.steps, args.warmup, timeout=3000)[0]
     with open("/proc/loadavg") as f:
         load_after = f.read().split()[:3]
     link, rows = out["link"], out["rows"]
     print(f"command: python benchmarks/bench_predict_cpu.py --steps {args.steps} --warmup {args.warmup} "
-          f"--models {args.models}")
+          f"--models {args.models} --repeats {args.repeats}")
     print(f"load (1/5/15 min) before {' '.join(load_before)}, after {' '.join(load_after)}; "
           f"{os.cpu_count()} cores; torch {torch.__version__}; wall {time.perf_counter() - t0:.0f} s")
     print(f"gloo all-reduce fit, idle: latency {link['idle_latency_s'] * 1e6:.1f} us per step, bandwidth "
