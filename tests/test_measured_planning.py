@@ -162,6 +162,11 @@ def test_blocks_are_measured_as_the_runtime_lowers_them(measured, tmp_path, monk
     counted = m.tp_collectives[block_signature(measured, layer)][2]
     assert counted["f"]["all_reduce"][0] == 2 and counted["b"]["all_reduce"][0] == 2, counted
     assert counted["f"]["all_reduce"][1] == counted["b"]["all_reduce"][1] > 0
+    # FSDP2's units per block, counted: the embedding block is two (token and position tables), each
+    # gathering in a call of its own, which the data-parallel cost charges
+    embed = measured.blocks[0]
+    assert m.fsdp_units[block_signature(measured, embed)] == 2 and m.fsdp_units[block_signature(measured, layer)] == 1
+    assert CostContext(measured, Hardware(ClusterSpec.local(2)), precision="fp32").fsdp_units(embed.index) == 2
     cluster = ClusterSpec.local(2)
     bare = dataclasses.replace(measured, measured=dataclasses.replace(m, wrapped={}, wrapped_updates={}))
     ctx = CostContext(measured, Hardware(cluster), precision="fp32")

@@ -371,9 +371,9 @@ def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device
                         if name in trace.activation_bytes:
                             acts.setdefault(sigs[i], {})[precision] = trace.activation_bytes[name] / mbs[-1]
             del work
-        wrapped, wrapped_updates, compiled, tp_colls = {}, {}, {}, {}
+        wrapped, wrapped_updates, compiled, tp_colls, units = {}, {}, {}, {}, {}
         if lowered:
-            wrapped, wrapped_updates, compiled, tp_colls = _measure_as_lowered(
+            wrapped, wrapped_updates, compiled, tp_colls, units = _measure_as_lowered(
                 model, example_inputs, profile, blocks, sigs, times, dev=dev, precision=precision, mbs=mbs,
                 tp_degrees=tp_degrees, repeats=repeats, loss_fn=loss_fn, optimizer=optimizer, autocast=autocast,
                 sync=sync, compile=compile)
@@ -382,17 +382,17 @@ def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device
                          source=f"whalepy measure on {reported}, torch {torch.__version__}",
                          optimizer=_optimizer_name(optimizer), times=times, updates=updates,
                          activation_bytes=acts, names=names, wrapped=wrapped, wrapped_updates=wrapped_updates,
-                         compiled=compiled, tp_collectives=tp_colls)
+                         compiled=compiled, tp_collectives=tp_colls, fsdp_units=units)
 
 
 def _measure_as_lowered(model: nn.Module, example_inputs: Any, profile: Any, blocks: dict[int, tuple[str, ...]],
                         sigs: dict[int, str], times: dict, *, dev: torch.device, precision: str, mbs: list[int],
                         tp_degrees: Iterable[int], repeats: int, loss_fn: Callable, optimizer: Callable,
-                        autocast: Any, sync: Callable[[], None], compile: bool = False) -> tuple[dict, dict, dict, dict]:
+                        autocast: Any, sync: Callable[[], None], compile: bool = False) -> tuple[dict, dict, dict, dict, dict]:
     """The blocks as the runtime lowers them (``whalepy.runtime.measure_lowered``): FSDP2 wrappers'
     times and DTensor optimizer steps recorded apart, TP times replacing the sharded-shape ones (with
     ``compile``: the compiled blocks' times in a table of their own, the third returned) and the TP
-    collectives each block issues (the fourth)."""
+    collectives each block issues (the fourth) and its FSDP2 units (the fifth)."""
     import logging
 
     import torch.distributed as dist
@@ -401,13 +401,13 @@ def _measure_as_lowered(model: nn.Module, example_inputs: Any, profile: Any, blo
 
     fn = lowered_measure()
     if fn is None or isinstance(example_inputs, dict):
-        return {}, {}, {}, {}
+        return {}, {}, {}, {}, {}
     if dist.is_initialized():
         logging.getLogger("whalepy.measure").info(
             "whalepy measure: inside a torch.distributed job the blocks are not timed as lowered (FSDP2 and "
             "DTensor need a fake process group of their own); measure before init_process_group, or in a "
             "separate process, to include the wrappers' host work")
-        return {}, {}, {}, {}
+        return {}, {}, {}, {}, {}
     def time_step(root: nn.Module, mb: int, by_index: dict[int, tuple[str, ...]], loss: Callable,
                   ctx: Any) -> dict[tuple[int, str], float]:
         inputs = _resize(example_inputs, mb, dev)
@@ -432,7 +432,7 @@ def _measure_as_lowered(model: nn.Module, example_inputs: Any, profile: Any, blo
              micro_batches=mbs, tp_rules=rules, tp_degrees=tp_degrees, repeats=repeats, loss_fn=loss_fn,
              optimizer=optimizer, time_step=time_step, time_optimizer=time_opt, compile=compile)
     if not got:
-        return {}, {}, {}, {}
+        return {}, {}, {}, {}, {}
     wrapped: dict[str, dict] = {}
     for (wrapper, mb), row in got["wrapped"].items():
         for name, t in row.items():
@@ -456,7 +456,8 @@ def _measure_as_lowered(model: nn.Module, example_inputs: Any, profile: Any, blo
         for name, phases in per_block.items():
             if name in sig_of and tp_splits(by_name[name], tp):
                 tpc.setdefault(sig_of[name], {})[int(tp)] = phases
-    return wrapped, ups, compiled, tpc
+    units = {sig_of[n]: u for n, u in got.get("fsdp_units", {}).items() if n in sig_of and u > 0}
+    return wrapped, ups, compiled, tpc, units
 
 
 def _optimizer_name(optimizer: Callable) -> str:
