@@ -207,3 +207,13 @@ def test_compiled_blocks_are_measured_when_the_plan_compiles(monkeypatch, tmp_pa
     assert MeasuredCosts.from_dict(json.loads(json.dumps(m.to_dict()))) == m
     with pytest.raises(WhalepyError, match="compile"):
         whalepy.profile(model, (x,), measure=True, compile=True, lowered=False)
+
+
+def test_inside_a_distributed_job_the_lowered_timing_runs_in_another_process():
+    """A rank of a torch.distributed job (bench_gpu_step.py, parallelize(measure=True) under torchrun)
+    cannot make the fake process group the lowered timing needs; it runs in a fresh process instead and
+    records the same tables."""
+    from measured_cases import measure_in_a_job
+
+    (wrapped, units, updates), = run_distributed(measure_in_a_job, 1, timeout=240)
+    assert wrapped == 3 and units == 4 and updates == 3  # embed (2 units), a layer, the head
