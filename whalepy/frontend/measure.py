@@ -493,6 +493,8 @@ def _lowered_in_subprocess(work: nn.Module, inputs: tuple, job: dict) -> dict | 
     import sys
     import tempfile
 
+    from whalepy.files import atomic_path
+
     log = logging.getLogger("whalepy.measure")
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
@@ -500,7 +502,8 @@ def _lowered_in_subprocess(work: nn.Module, inputs: tuple, job: dict) -> dict | 
     with tempfile.TemporaryDirectory(prefix="whalepy-measure-") as tmp:
         src, dst = os.path.join(tmp, "job.pt"), os.path.join(tmp, "out.pt")
         try:
-            torch.save({"model": work.cpu(), "inputs": inputs, "job": job}, src)
+            with atomic_path(src, what="measurement job") as tmp_src:
+                torch.save({"model": work.cpu(), "inputs": inputs, "job": job}, tmp_src)
         except Exception as e:  # noqa: BLE001 - a lambda or a local class does not pickle
             log.warning("whalepy measure: the blocks are not timed as lowered (inside a torch.distributed job "
                         "they are timed in another process, and the model or its loss / optimizer does not "
@@ -518,9 +521,13 @@ def _lowered_in_subprocess(work: nn.Module, inputs: tuple, job: dict) -> dict | 
 
 def _child_main(src: str, dst: str) -> None:
     """``python -m whalepy.frontend.measure IN OUT``: :func:`_run_lowered` of a saved job."""
+    from whalepy.files import atomic_path
+
     spec = torch.load(src, weights_only=False)
     job = spec["job"]
-    torch.save(_run_lowered(spec["model"].to(torch.device(job["device"])), spec["inputs"], **job), dst)
+    got = _run_lowered(spec["model"].to(torch.device(job["device"])), spec["inputs"], **job)
+    with atomic_path(dst, inputs=(src,), what="measurement result") as tmp:
+        torch.save(got, tmp)
 
 
 def _optimizer_name(optimizer: Callable) -> str:
