@@ -173,6 +173,25 @@ def test_files_are_removed_at_interpreter_exit_unless_kept(tmp_path):
     assert (kept / "manifest.json").exists() and len(list(kept.glob("*.bin"))) == 2 * 2 * 2
 
 
+def test_files_are_removed_when_a_whalepy_error_ends_the_launch(tmp_path):
+    """Under a launch an uncaught whalepy error ends the process with ``os._exit`` (launch_errors.py),
+    which skips atexit handlers: the disk tier's directory must go all the same; a kept one stays."""
+    import subprocess
+    import sys
+
+    removed, kept = tmp_path / "removed", tmp_path / "kept"
+    code = ("import whalepy\n"
+            "from pathlib import Path\n"
+            "from whalepy.runtime.nvme import prepare_nvme_dir\n"
+            f"prepare_nvme_dir(Path({str(removed)!r}))\n"
+            f"prepare_nvme_dir(Path({str(kept)!r}), keep=True)\n"
+            "raise whalepy.ArgumentError('a bad batch')\n")
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1 and "whalepy: error (rank 0): a bad batch" in out.stderr, out.stderr
+    assert not removed.exists() and kept.is_dir()
+
+
 def test_a_full_disk_is_a_clear_error_before_training(tmp_path, monkeypatch):
     """The tier checks before it creates or writes anything: here a budget of 1 MiB on the file system
     (``WHALEPY_NVME_BUDGET_BYTES``) for the peak (two generations, while a step writes) of the first

@@ -14,15 +14,14 @@ generation is removed (:func:`remove_files`), so between steps the disk holds on
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 from whalepy.errors import WhalepyError
 from whalepy.runtime.disk_space import disk_full_error, is_disk_full
+from whalepy.runtime.launch_errors import remove_at_exit
 
 __all__ = ["MANIFEST", "TMP_SUFFIX", "atomic_write", "prepare_dir", "read_manifest",
            "remove_files", "remove_temporaries", "write_manifest"]
@@ -110,5 +109,5 @@ def prepare_dir(path: Path, *, user_dir: str | os.PathLike[str] | None = None, k
             "blocks with an 'nvme' tier are kept in files there. Pass parallelize(..., nvme_dir=...) a "
             "writable directory on the node's NVMe drive") from None
     if not keep:
-        atexit.register(shutil.rmtree, path, ignore_errors=True)
+        remove_at_exit(path)  # at exit, also when a whalepy error ends the launch with os._exit
     return path
