@@ -277,4 +277,6 @@ def test_a_disk_filled_during_a_step_is_a_clear_error_and_the_files_go(tmp_path,
         for b, block in enumerate(manifest["blocks"]):
             for name in block["items"]:
                 assert (tier.directory / f"b{b:04d}.{name}.g{block['parity']}.bin").exists()
+    with pytest.raises(DiskSpaceError, match="stopped when its file system was full"):
+        step()  # training on after the error: said so, not the I/O thread's "cannot schedule" RuntimeError
     tier.close()  # nothing left to finish

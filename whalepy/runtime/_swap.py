@@ -30,7 +30,9 @@ tests exercise this path.
 
 :meth:`SwapEngine.commit` queues the manifest after a step's writes (one thread: in order), so the
 manifest always names a complete generation, and after the manifest the removal of the generation it
-supersedes: one generation at rest, two only while a step writes. The pool holds ``prefetch_depth + 2`` slots (the block in
+supersedes: one generation at rest, two only while a step writes. A write that finds the file system
+full (:class:`~whalepy.errors.DiskSpaceError`) stops what was queued after it (no manifest names an
+incomplete generation) and, when the main thread meets it, :meth:`SwapEngine.abort` removes the files. The pool holds ``prefetch_depth + 2`` slots (the block in
 use, ``prefetch_depth`` ahead, one being written back), each the size of the largest block's items:
 that is the staging memory :func:`whalepy.cost_models.memory.estimate_model_state_bytes` charges.
 """
@@ -270,7 +272,7 @@ class SwapEngine:
 
     def prefetch(self, index: int, kinds: Iterable[str] = ("param",), protect: set[int] = frozenset()) -> None:
         """Start reading the block's ``kinds`` items into a staging slot (no-op when they are there)."""
-        block = self.blocks[index]
+        block = self._live_block(index)
         self._settle_block(block, wait=False)
         items = [it for it in self._items(block, kinds) if it.name not in block.loaded]
         if not items:
@@ -433,6 +435,7 @@ class SwapEngine:
 
     def drain(self) -> None:
         """Wait for every queued read, write, manifest and removal (the I/O thread runs them in order)."""
+        self._live_block(None)
         self._result(self._io.submit(lambda: None))
         self._check_commits(wait=True)
 
@@ -440,6 +443,8 @@ class SwapEngine:
         """Queue a write, manifest or removal on the I/O thread; once one of them has failed, the ones
         queued after it fail with the same error without running: a manifest never names a generation
         whose files were not all written."""
+        self._live_block(None)
+
         def run() -> Any:
             if self._write_error is not None:
                 raise self._write_error
@@ -449,6 +454,14 @@ class SwapEngine:
                 self._write_error = e
                 raise
         return self._io.submit(run)
+
+    def _live_block(self, index: int | None) -> Any:
+        """Block ``index`` (None: nothing), or a :class:`DiskSpaceError` once the tier was aborted."""
+        if self.aborted:
+            raise DiskSpaceError(f"the disk tier under {os.fspath(self.directory)!r} stopped when its file system "
+                                 "was full (the error before this one); its files are gone, so training cannot go "
+                                 "on: free space there and start again")
+        return None if index is None else self.blocks[index]
 
     def _result(self, future: Future) -> Any:
         """``future.result()``; a full file system (:class:`DiskSpaceError`, raised by the write in the I/O
@@ -472,6 +485,9 @@ class SwapEngine:
             return
         self.aborted = True
         self._io.shutdown(wait=True, cancel_futures=True)
+        self._commits.clear()  # what was pending failed with this error, or never ran: said once
+        for b in self.blocks:
+            b.reading = b.writing = None
         if self.keep:
             remove_temporaries(self.directory)
         else:
