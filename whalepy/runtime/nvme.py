@@ -417,10 +417,10 @@ def build_nvme_tier(optimizer: torch.optim.Optimizer, blocks: Sequence[tuple[Any
         grads += MASTER_GRAD_BYTES * sum(fp.sharded_size.numel() for fp in fsdp_params)
         layout.append((bp, params, fsdp_params, units))
     peak = disk_tier_file_bytes(need, grads).peak
-    check_disk_tier_space(nvme_dir, max(peak, planned_file_bytes), rank=rank)
     reason = stage_tiers_error(bp for bp, _, _ in blocks)
     if reason is not None:  # a Plan refuses it when made; blocks handed over directly are checked here
         raise WhalepyError(reason)
+    check_disk_tier_space(nvme_dir, max(peak, planned_file_bytes), rank=rank)
     directory = prepare_nvme_dir(default_nvme_dir(nvme_dir, rank, stable=keep), user_dir=nvme_dir, keep=keep)
     depth = next((bp.prefetch_depth for bp, _, fps, _ in layout if fps), 1)
     tier = NvmeTier(optimizer, directory, prefetch_depth=depth, pin=pin, keep=keep)
