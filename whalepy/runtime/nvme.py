@@ -35,7 +35,9 @@ recorded in the manifest. Files are written atomically under the other generatio
 manifest as commit point; once the manifest is durable the superseded generation is removed, so the
 disk holds one generation between steps and two only while a step writes (docs/runtime.md, "Disk
 tier"; the peak: :func:`whalepy.ir.rules.disk_tier_file_bytes`). The directory is removed at exit
-unless ``keep``.
+unless ``keep``. Before anything is written, the peak files of every rank on the file system are
+summed against its free space (:mod:`whalepy.runtime.disk_space`); a disk found full later is a
+:class:`~whalepy.errors.DiskSpaceError`, and the files go with it (:meth:`SwapEngine.abort`).
 """
 
 from __future__ import annotations
