@@ -35,18 +35,31 @@ def reference_losses(steps: int) -> list[float]:
     return out
 
 
-def run_plan(plan, steps: int) -> list[float]:
+def _train(plan, steps: int):
     import whalepy
 
     model, x, y = build()
     pm = whalepy.parallelize(model, None, plan=plan, example_inputs=(x,), loss_fn=loss_fn,
                              optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), global_batch=4)
-    losses = [float(pm.train_step((x,), y)) for _ in range(steps)]
-    seen = pm.measured_profile()
-    return losses, None if seen is None else (seen.steps, seen.step_s, seen.predicted_step_s, seen.peak_bytes)
+    losses, early = [], None
+    for i in range(steps):
+        losses.append(float(pm.train_step((x,), y)))
+        if i == 4:
+            early = pm.measured_profile()  # None: the sampled step (the 6th) has not run
+    prof = pm.measured_profile()
+    assert isinstance(prof, whalepy.ModelProfile) and prof.measured is not None
+    assert [b.name for b in prof.blocks] == [b.name for b in pm.reporter.timer.profile.blocks]
+    return losses, early, prof.measured, pm.observed
+
+
+def run_plans(plans, steps: int):
+    """``steps`` steps of each plan in turn, in the same processes; per plan what the closed loop gives:
+    the losses, ``measured_profile()`` after step 5 and its measured costs at the end, ``pm.observed``."""
+    return [_train(plan, steps) for plan in plans]
 
 
 def cli_model():
     """For ``whalepy calibrate --model measured_cases:cli_model``: ``(model, example_inputs)``."""
     model, x, _ = build()
     return model, (x,)
+
