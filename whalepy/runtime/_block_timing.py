@@ -105,7 +105,7 @@ def _tensors(x: Any) -> list[torch.Tensor]:
     """The tensors needing a gradient in a module's inputs or outputs (tuples, lists, dicts, HF outputs)."""
     if isinstance(x, torch.Tensor):
         return [x] if x.requires_grad else []
-    if isinstance(x, dict) or hasattr(x, "values") and not isinstance(x, nn.Module):
+    if isinstance(x, dict) or (hasattr(x, "values") and not isinstance(x, nn.Module)):
         try:
             x = list(x.values())
         except TypeError:
@@ -246,7 +246,10 @@ class BlockTimer:
         m = self.plan.num_microbatches
         params = 0
         if self.optimizer is not None:
-            params = sum(_local_numel(p) for g in self.optimizer.param_groups for p in g["params"])
+            # the parameters it steps: ZeroRedundancyOptimizer's inner optimizer holds this rank's share
+            inner = getattr(self.optimizer, "optim", None)
+            stepped = inner if isinstance(inner, torch.optim.Optimizer) else self.optimizer
+            params = sum(_local_numel(p) for g in stepped.param_groups for p in g["params"])
         rank = dist.get_rank() if dist.is_initialized() else 0
         self.events = []
         return {"rank": rank, "stage": self.stage, "device_type": self.plan.rank_device_types[rank],
