@@ -99,7 +99,7 @@ def test_planner_uses_measured_times_and_says_so(measured, runs, tmp_path, monke
     # the run of that plan on 2 gloo processes trains as one process does, and after its warm-up
     # steps the plan check (closed loop) times steps 3-5 against the plan
     ref = reference_losses(STEPS)
-    for (losses, early, costs, seen), _ in runs["ranks"]:
+    for (losses, early, costs, seen, _), _ in runs["ranks"]:
         assert losses == pytest.approx(ref, rel=1e-4, abs=1e-5)
         assert seen.steps == 3 and seen.step_s > 0 and seen.predicted_step_s == plan.cost.step_time_s
         assert seen.peak_bytes is None
@@ -108,8 +108,8 @@ def test_planner_uses_measured_times_and_says_so(measured, runs, tmp_path, monke
         whole = {block_signature(measured, measured.block(n)) for st in plan.stages for n in st.block_names
                  if not tp_splits(measured.block(n), st.tp_degree)}
         assert set(costs.times) == whole and all(k[1] == 1 for t in costs.times.values() for k in t)
-    (_, _, _, seen0), _ = runs["ranks"][0]
-    (_, _, _, seen1), _ = runs["ranks"][1]
+    (_, _, _, seen0, _), _ = runs["ranks"][0]
+    (_, _, _, seen1, _), _ = runs["ranks"][1]
     assert seen0.step_s == seen1.step_s  # the slowest rank's time, on every rank
 
 
@@ -194,10 +194,14 @@ def test_closed_loop_replans_from_what_a_run_measured(runs, tmp_path, monkeypatc
     cluster = ClusterSpec.local(2)
     got = [r[1] for r in runs["ranks"]]
     ref = reference_losses(STEPS)
-    for losses, early, _, _ in got:
+    for losses, early, _, _, _ in got:
         assert losses == pytest.approx(ref, rel=1e-4, abs=1e-5)  # the hooks change no numerics
         assert early is None  # not before the sampled step
-    (_, _, m, observed), (_, _, m1, _) = got
+    (_, _, m, observed, logged), (_, _, m1, _, logged1) = got
+    # rank 0 says once that the plan is off (if it is), pointing at measured_profile(), and reports the
+    # sampled step once; rank 1 says nothing
+    assert len(logged[0]) == (abs(observed.step_ratio - 1) > 0.15) and len(logged[1]) == 1
+    assert logged1 == ([], [])
     assert m == m1  # gathered: every rank holds both stages' blocks
     timing = observed.timing
     names = [b.name for b in prof.blocks]
@@ -228,4 +232,8 @@ def test_closed_loop_replans_from_what_a_run_measured(runs, tmp_path, monkeypatc
     assert any(n.startswith("stage 0 costs:") and "measured for" in n for n in replanned.notes)
     path = write_measured(m, tmp_path / "CPU.json")
     assert load_profile_file(path).measured == m
+    for kw, needle in (({"profile": None}, "needs example_inputs"), ({"profile": m}, "takes a whalepy.ModelProfile"),
+                       ({"profile": measured, "measure": True}, "drop measure=True")):
+        with pytest.raises(WhalepyError, match=needle):
+            whalepy.plan(build()[0], cluster, global_batch=4, **kw)
     forget_resolved_profiles()

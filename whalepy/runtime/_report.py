@@ -26,6 +26,7 @@ plan's per-device estimate and the prediction is not shown next to it).
 
 from __future__ import annotations
 
+import itertools
 import os
 import resource
 import sys
@@ -57,6 +58,9 @@ PLAN_CHECK_STEPS = 3
 OFF_PLAN_TOLERANCE = 0.15
 """Relative step-time difference from the plan above which the plan check warns (issue 21: a plan that
 runs more than 15% off its prediction says so, once)."""
+
+_SERIAL = itertools.count()
+"""Numbers the reporters of a process: the keys of their once-only lines (an ``id`` may be reused)."""
 
 SAMPLED_STEP = PLAN_CHECK_WARMUP + PLAN_CHECK_STEPS + 1
 """The step timed per block (after the plan check, so that the hooks' cost stays out of its times)."""
@@ -180,6 +184,7 @@ class StepReporter:
         self.first_step_s: float | None = None
         """Wall seconds of the first step when the plan compiles its blocks (compile included)."""
         self.timer = timer
+        self._serial = next(_SERIAL)
         self.timing: StepTiming | None = None
         """What the sampled step measured (also in :attr:`observed`)."""
         want = progress if progress is not None else sys.stderr.isatty()
@@ -301,11 +306,11 @@ class StepReporter:
         line = (f"whalepy: plan check over steps {PLAN_CHECK_WARMUP + 1}-{self.steps}: {_secs(o.step_s)}/step vs "
                 f"plan {_secs(o.predicted_step_s)} ({o.step_ratio:.2f}x){mem}")
         if abs(o.step_ratio - 1) > OFF_PLAN_TOLERANCE:
-            warn_once(f"plan-check-{id(self)}", "%s: more than %d%% off the prediction; re-plan from what this run "
+            warn_once(f"plan-check-{self._serial}", "%s: more than %d%% off the prediction; re-plan from what this run "
                       "measures: after step %d, whalepy.plan(model, cluster, profile=pm.measured_profile(), "
                       "global_batch=...)", line, int(100 * OFF_PLAN_TOLERANCE), SAMPLED_STEP)
         else:
-            info_once(f"plan-check-{id(self)}", "%s", line)
+            info_once(f"plan-check-{self._serial}", "%s", line)
 
     def _sampled_step(self) -> None:
         """Step :data:`SAMPLED_STEP`'s per-block times, every rank's (a collective: every rank calls it)."""
@@ -314,7 +319,7 @@ class StepReporter:
         self.timing = timing
         if self.observed is not None:
             self.observed = replace(self.observed, timing=timing)
-        info_once(f"sampled-step-{id(self)}", "%s", "\n".join(_timing_lines(timing)))
+        info_once(f"sampled-step-{self._serial}", "%s", "\n".join(_timing_lines(timing)))
 
     def format(self, rec: dict[str, float]) -> str:
         c = self.plan.cost
