@@ -5,21 +5,23 @@ hooks on the planner's blocks of this rank; they are removed at its end, and the
 numerics do not change. Each hook stamps the time (CUDA events on a GPU, read once at the end of the
 step; ``time.perf_counter`` on the CPU) and the step is cut into intervals between consecutive stamps:
 
-- forward: from a block module's forward pre-hook to its forward hook (the glue between a block's
-  modules and the waits before a module, such as an FSDP2 all-gather or a pipeline receive, are
-  outside). The loss is the last block's (``CheckedLoss.observer``), as in measured planning.
-- backward: from the gradient of a block's output (a tensor hook on each module output) to the
-  gradient of the block's input (a tensor hook on its first module's inputs) or, where no input needs
-  a gradient (the embedding), to the gradients of all its parameters (``register_multi_grad_hook``).
+- forward: from a block module's forward pre-hook to its first forward hook (the glue between a
+  block's modules and the waits before a module, such as an FSDP2 all-gather or a pipeline receive,
+  are outside). The loss is the last block's (``CheckedLoss.observer``), as in measured planning.
+- backward: per module of the block, from the gradient of its output (a pre-hook on the autograd
+  node that made it, which runs after the output's tensor hooks, FSDP2's gathering one among them) to
+  the gradient of its input (a tensor hook: before FSDP2's post-backward reduce-scatter, which wrapped
+  that input) or of the preceding module's output (a tensor hook registered before FSDP2's); where no input
+  needs a gradient (the embedding), to the gradients of the block's parameters
+  (``register_multi_grad_hook``). The last block's starts with the loss's backward.
 - recomputation (a checkpointed block): a module's forward while autograd runs a backward; its
   forward hook resumes the block's backward.
 - the optimizer step of the device optimizer (``register_step_pre_hook`` / ``post_hook``).
 
 Per block the sums are divided by the micro-batches this rank runs: times per micro-batch, per this
-rank's TP shard. A block's backward includes what runs inside it: the TP all-reduces of a
-tensor-parallel block and, under FSDP2, the reduce-scatter issued at its end and the gather of the
-block before it, where they are not hidden. The records of every rank are gathered
-(``all_gather_object``) into :class:`StepTiming`: per block (the mean over the ranks and the
+rank's TP shard. A block's backward includes what runs inside its modules, the TP all-reduces of a
+tensor-parallel block among it; FSDP2's gathers and reduce-scatters stay outside. The records of
+every rank are gathered (``all_gather_object``) into :class:`StepTiming`: per block (the mean over the ranks and the
 identical blocks that ran it), per stage (compute, optimizer, and the rest of the step: exposed
 communication, bubble and host work, which cannot be told apart from inside the step), and the
 measured costs (:class:`~whalepy.ir.measured.MeasuredCosts`) that ``pm.measured_profile()`` merges
@@ -159,9 +161,9 @@ class BlockTimer:
             return
         self.events.append((self._now(), block, phase))
 
-    def close(self, block: int, phase: str) -> None:
-        """End ``(block, phase)`` if it is the open interval (another block's may have begun already)."""
-        if self.events and self.events[-1][1] == block and self.events[-1][2] == phase:
+    def close_backward(self) -> None:
+        """End the open backward interval, a block's or the loss's, if one is open."""
+        if self.events and self.events[-1][2] in ("b", "l"):
             self.events.append((self._now(), None, ""))
 
     # -- hooks -----------------------------------------------------------------------------------
@@ -172,7 +174,8 @@ class BlockTimer:
         for idx, _, mods in self.blocks:
             for j, mod in enumerate(mods):
                 self.handles.append(mod.register_forward_pre_hook(self._pre_hook(idx, first=j == 0), with_kwargs=True))
-                self.handles.append(mod.register_forward_hook(self._post_hook(idx)))
+                # the first forward hook: before FSDP2's, which hooks the outputs for its pre-backward gather
+                self.handles.append(mod.register_forward_hook(self._post_hook(idx), prepend=True))
         if self.optimizer is not None:
             self.handles.append(self.optimizer.register_step_pre_hook(lambda *_: self.mark(_OPTIMIZER, "o")))
             self.handles.append(self.optimizer.register_step_post_hook(lambda *_: self.mark(None, "")))
@@ -185,12 +188,12 @@ class BlockTimer:
                 self.mark(idx, "r")
                 return
             self.mark(idx, "f")
-            if not first:
-                return
+            # the gradient of a module's input ends its backward (before FSDP2's post-backward, which
+            # wrapped these inputs: its reduce-scatter stays outside)
             inputs = _tensors(args) + _tensors(kwargs)
             for t in inputs:
-                self.handles.append(t.register_hook(lambda g: self.close(idx, "b")))
-            if inputs:
+                self.handles.append(t.register_hook(lambda g: self.close_backward()))
+            if inputs or not first:
                 return
             # no input gradient ends this block's backward (the embedding): its parameters' gradients do
             # (the parameters in use now: FSDP2's unsharded ones; removed at finish)
@@ -198,7 +201,7 @@ class BlockTimer:
             if params:
                 from torch.autograd.graph import register_multi_grad_hook
 
-                self.handles.append(register_multi_grad_hook(params, lambda _g: self.close(idx, "b")))
+                self.handles.append(register_multi_grad_hook(params, lambda _g: self.close_backward()))
         return hook
 
     def _post_hook(self, idx: int) -> Callable[..., None]:
@@ -208,7 +211,13 @@ class BlockTimer:
                 return
             self.mark(None, "")
             for t in _tensors(out):
-                self.handles.append(t.register_hook(lambda g: self.mark(idx, "b")))
+                # the gradient of an output ends what ran after this module (a tensor hook, before
+                # FSDP2's gathering one) and starts this module's backward (a pre-hook on the node
+                # that made it: those run after all tensor hooks, so the gather stays outside)
+                self.handles.append(t.register_hook(lambda g: self.close_backward()))
+                start = (lambda g: self.mark(idx, "b"))
+                node = t.grad_fn
+                self.handles.append(node.register_prehook(start) if node is not None else t.register_hook(start))
         return hook
 
     def _modules_of(self, idx: int) -> list[nn.Module]:
@@ -224,7 +233,7 @@ class BlockTimer:
         self.mark(None, "")
         if isinstance(loss, torch.Tensor) and loss.requires_grad:
             idx = self.loss_block
-            self.handles.append(loss.register_hook(lambda g: self.mark(idx, "b")))
+            self.handles.append(loss.register_hook(lambda g: self.mark(idx, "l")))  # the loss's backward
 
     # -- the record ------------------------------------------------------------------------------
 
@@ -243,6 +252,10 @@ class BlockTimer:
             if b is not None:
                 sums[(b, p)] = sums.get((b, p), 0.0) + self._seconds(t0, t1)
         step_s = self._seconds(self.events[0][0], self.events[-1][0])
+
+        def t(block: int, phase: str) -> float:
+            return sums.get((block, phase), 0.0)
+
         m = self.plan.num_microbatches
         params = 0
         if self.optimizer is not None:
@@ -258,8 +271,8 @@ class BlockTimer:
                 "optimizer_s": sums.get((_OPTIMIZER, "o")) if self.optimizer is not None else None,
                 "optimizer_params": params,
                 "optimizer": _optimizer_name(self.optimizer),
-                "blocks": {name: (sums.get((i, "f"), 0.0) / m, sums.get((i, "b"), 0.0) / m,
-                                  sums.get((i, "r"), 0.0) / m) for i, name, _ in self.blocks}}
+                "blocks": {name: (t(i, "f") / m, (t(i, "b") + t(i, "l")) / m, t(i, "r") / m)
+                           for i, name, _ in self.blocks}}
 
 
 def _optimizer_name(opt: torch.optim.Optimizer | None) -> str:
