@@ -48,7 +48,8 @@ from whalepy.runtime._pm_setup import (
     _init_process_group,
     _plan_once,
 )
-from whalepy.runtime._report import StepReporter
+from whalepy.runtime._block_timing import build_block_timer, merge_measured
+from whalepy.runtime._report import ObservedStep, StepReporter
 from whalepy.runtime._train_state import check_loader, job_state, job_template, restore_job_state
 from whalepy.runtime.checkpointing import (
     gather_full_state_dict,
@@ -312,7 +313,9 @@ class ParallelModel:
         self.schedule = lowered.schedule
         # contributions to the reported loss: one rank per replica (last stage, TP index 0)
         self._reports_loss = m.stage.index == plan.pp_degree - 1 and m.tp_index == 0
-        self.reporter = StepReporter(plan, m.device, ctx.log_every, sinks=ctx.metrics, total_steps=ctx.total_steps)
+        self.reporter = StepReporter(plan, m.device, ctx.log_every, sinks=ctx.metrics, total_steps=ctx.total_steps,
+                                     timer=build_block_timer(lowered, plan, ctx))
+        self._profile = ctx.profile  # what measured_profile() merges this run's block times into
         self.step = 0
         """Optimizer steps taken (restored by :meth:`load`)."""
         opts = [self.optimizer] + (self.host_optimizer.optimizers if self.host_optimizer is not None else [])
@@ -574,8 +577,24 @@ class ParallelModel:
             self.step = self.reporter.steps = step
 
     def measured_profile(self) -> Any:
-        """What the plan check saw (:class:`whalepy.runtime._report.ObservedStep`: mean step time of
-        steps 3-5 and the allocator's peak, next to the plan's predictions), or None before step 5."""
+        """The model profile the run was lowered with (a copy), with the block times and optimizer rate
+        this run measured on its sampled step merged in as measured costs
+        (:class:`~whalepy.ir.measured.MeasuredCosts`, for rank 0's device type; complete on every rank):
+        ``whalepy.plan(model, cluster, profile=pm.measured_profile(), global_batch=...)`` re-plans from
+        them. None before that step (:data:`~whalepy.runtime._report.SAMPLED_STEP`, the 6th) has run."""
+        timing = self.reporter.timing
+        if timing is None:
+            return None
+        if timing.measured is None or self._profile is None:
+            raise WhalepyError("measured_profile(): this run has no model profile to key its block times by (the "
+                               "plan's fingerprint is 'unchecked'); pass profile=whalepy.profile(model, "
+                               "example_inputs) to whalepy.parallelize")
+        return merge_measured(self._profile, timing.measured)
+
+    @property
+    def observed(self) -> ObservedStep | None:
+        """What the plan check measured against the plan's predictions (steps 3-5), with the sampled
+        step's per-block and per-stage times (``timing``) once it has run; None before step 5."""
         return self.reporter.observed
 
     def close(self) -> None:
