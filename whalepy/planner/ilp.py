@@ -97,6 +97,7 @@ from whalepy.planner._ilp_layout import (
     add_annotation_constraints,
     add_checkpoint_constraints,
     add_checkpoint_offload_constraints,
+    add_chunk_symmetry_constraints,
     add_option_block_variables,
     add_partition_constraints,
     add_state_option_constraints,
@@ -140,6 +141,7 @@ def _build(cc: CandidateCoeffs, *, allowed_stages: dict[int, tuple[int, int]], a
     prob.objective = cc.candidate.step_form.terms(v.T, v.T if v.Tc is None else v.Tc, v.X)
     add_partition_constraints(prob, cc, v)
     add_annotation_constraints(prob, cc, v, allowed_stages)
+    add_chunk_symmetry_constraints(prob, cc, v, allowed_stages)
     add_checkpoint_constraints(prob, cc, v, allow_checkpointing)
     add_activation_offload_constraints(prob, cc, v, allow_activation_offload)
     add_checkpoint_offload_constraints(prob, cc, v, allow_checkpoint_offload and allow_checkpointing)
