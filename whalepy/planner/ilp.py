@@ -50,6 +50,9 @@ the variables by :func:`~whalepy.planner._ilp_vars.build_variables`)
     ``B_1 >= 1``, ``B_{j+1} >= B_j + 1``, ``B_{J-1} <= N - 1`` (contiguous, non-empty stages);
     annotations (``add_annotation_constraints``): a block at position ``i`` with ``stage(k)`` or a
     ``cluster`` pin allowing stages ``lo..hi``: ``B_lo <= i < B_{hi+1}``;
+    chunk symmetry (``add_chunk_symmetry_constraints``, interleaved, no pins): chunks ``k`` and ``k + 1``
+    of a stage whose sends cost the same, with every virtual stage between them inside one repeated
+    segment, are interchangeable, so ``E[j+1][g] - E[j][g] >= E[j+S+1][g] - E[j+S][g]`` (``j = s + k S``);
     checkpointing (``add_checkpoint_constraints``): ``c[j][g] <= E[j+1][g] - E[j][g]``,
     ``L_g h[s][g] >= sum_k c[s+kS][g]``;
     state options (``add_state_option_constraints``): ``sum_o y = 1``, ``Q <= P_max y``,
@@ -73,6 +76,9 @@ the variables by :func:`~whalepy.planner._ilp_vars.build_variables`)
     checkpoint offload (``add_checkpoint_offload_constraints``): ``w[j][g] <= c[j][g]`` checkpointed
     blocks keep their input in host memory: ``- inflight * input_g w`` in ``kept``, their copies in the
     time rows, ``inflight * input_g`` per rank in the node's host memory.
+
+With an incumbent, :func:`solve_candidate` adds its cutoff as a row, ``objective <= cutoff`` (besides
+HiGHS's objective bound), for presolve and propagation.
 
 Memory is written in GiB and parameters in billions to keep the coefficients well scaled.
 """
