@@ -196,3 +196,35 @@ def add_option_block_variables(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> N
                 d: dict = {v.Nb[j][o][g]: 1.0 for o in sc.options}
                 const = _acc(d, v.nj[j][g], -1.0)
                 _add(prob, d, const, EQ, f"option_blocks_sum_{j}_{g}")
+
+
+def add_chunk_symmetry_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars,
+                                   allowed_stages: dict[int, tuple[int, int]]) -> None:
+    """Symmetry breaking across the chunks of one stage (interleaved 1F1B): chunks ``k`` and ``k + 1``
+    of stage ``s`` (virtual stages ``j = s + k S`` and ``j + S``) are interchangeable when every virtual
+    stage from ``j`` to ``j + S`` can only hold blocks of one repeated segment (virtual stage ``i`` holds
+    positions within ``[i, N - J + i]``: each is non-empty) and the chunks' sends cost the same on every
+    cell. Then exchanging the two chunks' blocks, checkpoints, host copies and per-option blocks moves
+    only the boundaries between them, keeps every other virtual stage's blocks, and leaves every row of
+    the ILP satisfied with the same objective (the stage's rows sum over its chunks; the chunk rows,
+    ``A >= inflight kept_k`` and ``Tc >= chunk_k``, are the same for both but for ``chunk_p2p[k]``).
+    So some optimum has the chunks' blocks of that segment non-increasing, ``E[j+1] - E[j] >=
+    E[j+S+1] - E[j+S]``: imposing it removes the mirrored copies of every solution from the
+    branch-and-bound tree, not the optimum. Not with annotation pins (they tie blocks to positions)."""
+    cand = cc.candidate
+    S, V, J, N = cand.num_stages, cand.virtual_stages, cand.num_virtual, cc.num_blocks
+    if V < 2 or allowed_stages:
+        return
+    for s, sc in enumerate(cc.stages):
+        for k in range(V - 1):
+            j = s + k * S
+            if any(c.chunk_p2p[k] != c.chunk_p2p[k + 1] for c in sc.cells):
+                continue
+            lo, hi = j, N - J + j + S  # positions virtual stages j..j+S may hold
+            g = next((g for g, seg in enumerate(cc.segments)
+                      if seg.start <= lo and hi < seg.start + seg.length), None)
+            if g is None:
+                continue
+            d: dict = {}
+            const = _acc(d, v.nj[j][g], 1.0) + _acc(d, v.nj[j + S][g], -1.0)
+            _add(prob, d, const, GE, f"chunk_symmetry_{s}_{k}")
