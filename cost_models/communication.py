@@ -334,6 +334,22 @@ SMs, 0.12 to 0.24, besides memory bandwidth; 0.15 is the low end of that range. 
 should replace it with a measured slowdown."""
 
 
+CPU_OVERLAP_LOSS = 1.0
+"""The same share for CPU ranks (gloo): none of a collective hides behind compute. MEASURED, with its
+reason: a gloo collective makes progress on threads of the rank's own process, on the same cores the
+rank computes on, so where ranks fill the cores (torchrun's default: one intra-op thread per rank, a
+rank per core) the collective and the compute take turns. ``benchmarks/bench_predict_cpu.py`` measures
+it on each run (two ranks, 2 cores, 2026-11-27: 6 GEMMs of 2.0 ms then a 256 KiB all-gather 3.9-4.3 ms
+per iteration serially, 4.9 ms with the all-gather issued asynchronously before the GEMMs): overlap
+gains nothing, so the exposed time is the collective's whole time."""
+
+
+def overlap_loss(device: object) -> float:
+    """:data:`OVERLAP_COMPUTE_LOSS` for an accelerator, :data:`CPU_OVERLAP_LOSS` for a CPU device type
+    (``vendor == "cpu"``)."""
+    return CPU_OVERLAP_LOSS if getattr(device, "vendor", None) == "cpu" else OVERLAP_COMPUTE_LOSS
+
+
 def estimate_overlapped_time(compute_s: float, comm_s: float, *, loss: float = OVERLAP_COMPUTE_LOSS) -> float:
     """Seconds of ``compute_s`` of compute run beside ``comm_s`` of communication that starts with it.
 
@@ -342,7 +358,7 @@ def estimate_overlapped_time(compute_s: float, comm_s: float, *, loss: float = O
     the collective is the critical path: ``max(compute + loss * comm, comm)``. The exposed part is this
     minus ``compute_s``.
     """
-    if compute_s < 0 or comm_s < 0 or not 0 <= loss < 1:
+    if compute_s < 0 or comm_s < 0 or not 0 <= loss <= 1:
         raise ValueError(f"compute_s ({compute_s}) and comm_s ({comm_s}) must be >= 0 and loss ({loss}) "
-                         "in [0, 1)")
+                         "in [0, 1]")
     return max(compute_s + loss * comm_s, comm_s)

@@ -322,3 +322,27 @@ def test_missing_spec_file_is_a_cluster_spec_error(tmp_path):
         ClusterSpec.from_yaml(tmp_path / "nope.yaml")
     with pytest.raises(ClusterSpecError, match=r"cannot read cluster spec .*nope\.json"):
         ClusterSpec.load(tmp_path / "nope.json")
+
+
+def test_a_measured_call_latency_is_charged_once_per_collective():
+    """``intra_node: {call_latency_us: L}`` round-trips through the spec and is added once to each
+    collective that moves data (not to send/recv), as NCCL's baseLat is on GPUs."""
+    from whalepy.cost_models.communication import Collective, estimate_collective_time
+
+    def spec(**link):
+        return ClusterSpec.from_dict({"groups": [{"name": "cpu", "gpu": "CPU", "gpus_per_node": 2,
+                                                  "intra_node": {"bandwidth_gbs": 1.5, "latency_us": 300, **link}}]})
+
+    measured, plain = spec(call_latency_us=2000), spec()
+    assert ClusterSpec.from_dict(measured.to_dict()) == measured
+    assert measured.to_dict()["groups"][0]["intra_node"]["call_latency_us"] == 2000
+    assert "call_latency_us" not in plain.to_dict()["groups"][0]["intra_node"]
+    g, g0 = measured.comm_group([0, 1]), plain.comm_group([0, 1])
+    assert g.launch_latency == pytest.approx(2e-3) and g0.launch_latency == 0.0
+    for kind in (Collective.ALL_REDUCE, Collective.ALL_GATHER, Collective.REDUCE_SCATTER):
+        assert estimate_collective_time(kind, 1 << 20, g) - estimate_collective_time(kind, 1 << 20, g0) \
+            == pytest.approx(2e-3)
+    assert estimate_collective_time(Collective.SEND_RECV, 1 << 20, g) == estimate_collective_time(
+        Collective.SEND_RECV, 1 << 20, g0)
+    with pytest.raises(ClusterSpecError, match="call_latency"):
+        spec(call_latency_us=-1)

@@ -136,3 +136,69 @@ def test_imported_layer_table_drives_a_plan(measured, tmp_path, monkeypatch):
         src.write_text(json.dumps(bad))
         import_layer_table(src, measured)
     forget_resolved_profiles()
+
+
+def test_blocks_are_measured_as_the_runtime_lowers_them(measured, tmp_path, monkeypatch):
+    """measure=True also lowers the model with the runtime's own wrappers on a fake process group (FSDP2
+    keeping parameters gathered, FSDP2 resharding, DTensor TP 2) and times each block and its optimizer
+    step there; the planner adds exactly the wrapper's measured host work to the layouts that use it."""
+    import dataclasses
+
+    from whalepy.planner.estimate import ParallelConfig, estimate_from_profile
+
+    monkeypatch.setenv("WHALEPY_DEVICE_PROFILES", str(tmp_path))
+    m = measured.measured
+    sigs = {block_signature(measured, b) for b in measured.blocks}
+    for sig in sigs:
+        for wrapper in ("fsdp", "fsdp_reshard"):
+            for mb in (1.0, 2.0, 4.0):
+                f, b = m.wrapped[sig][("fp32", wrapper, mb)]
+                assert f > 0 and b > 0
+        assert m.wrapped_updates[sig]["fsdp/2"] > 0
+    assert any("tp/2" in m.wrapped_updates[s] for s in sigs)
+    # the TP collectives each block issues, counted: a layer all-reduces once after attention and once
+    # after the MLP in forward, and once per input in backward (q/k/v share one; runtime/tensor_parallel.py)
+    layer = next(b for b in measured.blocks if b.kind.value == "layer")
+    counted = m.tp_collectives[block_signature(measured, layer)][2]
+    assert counted["f"]["all_reduce"][0] == 2 and counted["b"]["all_reduce"][0] == 2, counted
+    assert counted["f"]["all_reduce"][1] == counted["b"]["all_reduce"][1] > 0
+    cluster = ClusterSpec.local(2)
+    bare = dataclasses.replace(measured, measured=dataclasses.replace(m, wrapped={}, wrapped_updates={}))
+    ctx = CostContext(measured, Hardware(cluster), precision="fp32")
+    for zero, wrapper in ((3, "fsdp_reshard"), (2, "fsdp")):
+        cfg = ParallelConfig(dp=2, zero_stage=zero)
+        with_host = estimate_from_profile(measured, cluster, cfg, global_batch=4).step_time_s
+        without = estimate_from_profile(bare, cluster, cfg, global_batch=4).step_time_s
+        extra = sum(ctx.wrapper_overhead(b.index, "CPU", wrapper, 2.0)
+                    + ctx.update_overhead(b.index, "CPU", fsdp=True, tp=1) for b in measured.blocks)
+        assert extra > 0 and with_host - without == pytest.approx(extra, rel=1e-6)
+    # DDP (ZeRO-0) is not FSDP2: nothing is added
+    ddp = ParallelConfig(dp=2)
+    assert (estimate_from_profile(measured, cluster, ddp, global_batch=4).step_time_s
+            == estimate_from_profile(bare, cluster, ddp, global_batch=4).step_time_s)
+
+
+def test_compiled_blocks_are_measured_when_the_plan_compiles(monkeypatch, tmp_path):
+    """measure(compile=True) times the blocks compiled as the runtime compiles them (Plan.compile:
+    runtime.compile_blocks, here with the aot_eager backend: inductor's C++ build is minutes on CI), and a
+    plan that compiles is costed from those times; an eager plan keeps the eager ones."""
+    from whalepy.runtime import compile_blocks
+
+    monkeypatch.setattr(compile_blocks, "BACKEND", "aot_eager")
+    monkeypatch.setenv("WHALEPY_DEVICE_PROFILES", str(tmp_path))
+    model, x, _ = build(2)
+    prof = whalepy.profile(model, (x,), measure=True, micro_batches=(2,), tp_degrees=(1,), repeats=1, compile=True)
+    m = prof.measured
+    sigs = {block_signature(prof, b) for b in prof.blocks}
+    assert set(m.compiled) == sigs and all(m.compiled[s][("fp32", 1, 2.0)][0] > 0 for s in sigs)
+    assert all(("fp32", "fsdp_reshard/compiled", 2.0) in m.wrapped[s] for s in sigs)
+    cluster = ClusterSpec.local(1)
+    eager = CostContext(prof, Hardware(cluster), precision="fp32")
+    compiled = CostContext(prof, Hardware(cluster), precision="fp32", compile=True)
+    for b in prof.blocks:
+        sig = block_signature(prof, b)
+        assert compiled.block_time(b.index, "CPU", 1, 2.0) == m.compiled[sig][("fp32", 1, 2.0)]
+        assert eager.block_time(b.index, "CPU", 1, 2.0) == m.times[sig][("fp32", 1, 2.0)]
+    assert MeasuredCosts.from_dict(json.loads(json.dumps(m.to_dict()))) == m
+    with pytest.raises(WhalepyError, match="compile"):
+        whalepy.profile(model, (x,), measure=True, compile=True, lowered=False)

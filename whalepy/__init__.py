@@ -23,6 +23,11 @@ from whalepy.errors import (
 
 __version__ = "0.1.0"
 
+from whalepy.ir.extensions import register_lowered_measure as _register_lowered_measure  # noqa: E402
+
+# measured planning also times blocks as the runtime lowers them (whalepy/runtime/measure_lowered.py)
+_register_lowered_measure(lambda: importlib.import_module("whalepy.runtime.measure_lowered").measure_lowered)
+
 if "RANK" in _os.environ and "WORLD_SIZE" in _os.environ:
     # under torchrun / whalepy run: a whalepy error anywhere in the script is one line, printed once
     from whalepy.runtime.launch_errors import install_error_hook as _install_error_hook

@@ -44,7 +44,7 @@ from torch import nn
 from whalepy.errors import ArgumentError, WhalepyError
 from whalepy.ir.measured import MeasuredCosts, block_signature
 
-__all__ = ["apply_measured_activations", "measure_costs", "micro_batch_sizes"]
+__all__ = ["BlockClock", "apply_measured_activations", "measure_costs", "micro_batch_sizes"]
 
 
 # ---------------------------------------------------------------------------------------------- inputs
@@ -161,7 +161,7 @@ def localize_tp(model: nn.Module, rules: Iterable[Any], tp: int) -> None:
 # ------------------------------------------------------------------------------------------- timing
 
 
-class _BlockClock:
+class BlockClock:
     """Module hooks that cut one forward + backward into per-block intervals (module docstring)."""
 
     def __init__(self, model: nn.Module, blocks: dict[int, tuple[str, ...]], sync: Callable[[], None]) -> None:
@@ -196,7 +196,7 @@ class _BlockClock:
             h.remove()
 
 
-def _one_step(model: nn.Module, inputs: Any, clock: _BlockClock, loss_fn: Callable, autocast: Any,
+def _one_step(model: nn.Module, inputs: Any, clock: BlockClock, loss_fn: Callable, autocast: Any,
               last: int) -> dict[tuple[int, str], float]:
     import warnings
 
@@ -225,7 +225,7 @@ one before."""
 WARMUP_SETTLED = 0.1
 
 
-def _warm_up(model: nn.Module, inputs: Any, clock: _BlockClock, loss_fn: Callable, autocast: Any, last: int) -> None:
+def _warm_up(model: nn.Module, inputs: Any, clock: BlockClock, loss_fn: Callable, autocast: Any, last: int) -> None:
     prev = None
     for i in range(WARMUP_STEPS[1]):
         t = sum(_one_step(model, inputs, clock, loss_fn, autocast, last).values())
@@ -277,12 +277,18 @@ def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device
                   precision: str = "fp32", micro_batches: Iterable[int] | None = None,
                   tp_degrees: Iterable[int] = (1,), repeats: int = 3, loss_fn: Callable | None = None,
                   optimizer: Callable[[list], torch.optim.Optimizer] | None = None,
-                  device_type: str | None = None) -> MeasuredCosts:
+                  device_type: str | None = None, lowered: bool = True, compile: bool = False) -> MeasuredCosts:
     """Time ``model``'s distinct blocks on ``device`` (module docstring) and return the table.
 
     ``micro_batches``: sizes to time (default the example inputs' batch); ``tp_degrees``: TP degrees
     to time with sharded shapes (those no block divides by are skipped); ``device_type``: the catalog
-    type the times are filed under (default the local device's)."""
+    type the times are filed under (default the local device's). ``lowered``: also time the blocks as
+    the runtime lowers them, under FSDP2 and DTensor tensor parallelism on a fake process group
+    (``whalepy.runtime.measure_lowered``; the TP times then are those, and the wrappers' host work is
+    recorded apart); not possible inside a ``torch.distributed`` job, which is said in the log.
+    ``compile``: the lowered timings run with the blocks compiled as the runtime compiles them
+    (``Plan.compile``), filed as :attr:`MeasuredCosts.compiled` and ``"<wrapper>/compiled"`` (the plain,
+    eager times are measured as well)."""
     from whalepy.frontend.trace import trace_memory
 
     dev = parse_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -296,6 +302,11 @@ def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device
     mbs = sorted({int(m) for m in (micro_batches or [_batch_of(example_inputs)])})
     if not mbs or mbs[0] < 1:
         raise ArgumentError(f"measure: micro_batches={micro_batches!r}: give positive sizes, e.g. (1, 2, 4)")
+    if not isinstance(lowered, bool):
+        raise ArgumentError(f"measure: lowered={lowered!r:.60}: give True or False")
+    if not isinstance(compile, bool) or (compile and not lowered):
+        raise ArgumentError(f"measure: compile={compile!r:.60}: give True or False (compiled blocks are timed as "
+                            "lowered: lowered=True)")
     if not isinstance(repeats, int) or repeats < 1:
         raise ArgumentError(f"measure: repeats={repeats!r}: give a positive integer, e.g. 3")
     loss_fn = loss_fn or default_loss
@@ -323,7 +334,7 @@ def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device
             if tp > 1:
                 localize_tp(work, [r for b in ruled for r in b.tp_rules], tp)
             work.train()
-            clock = _BlockClock(work, blocks, sync)
+            clock = BlockClock(work, blocks, sync)
             try:
                 for mb in mbs:
                     inputs = _resize(example_inputs, mb, dev)
@@ -360,11 +371,92 @@ def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device
                         if name in trace.activation_bytes:
                             acts.setdefault(sigs[i], {})[precision] = trace.activation_bytes[name] / mbs[-1]
             del work
+        wrapped, wrapped_updates, compiled, tp_colls = {}, {}, {}, {}
+        if lowered:
+            wrapped, wrapped_updates, compiled, tp_colls = _measure_as_lowered(
+                model, example_inputs, profile, blocks, sigs, times, dev=dev, precision=precision, mbs=mbs,
+                tp_degrees=tp_degrees, repeats=repeats, loss_fn=loss_fn, optimizer=optimizer, autocast=autocast,
+                sync=sync, compile=compile)
     return MeasuredCosts(device_type=device_type or row.name, device_name=reported,
                          threads=torch.get_num_threads() if dev.type == "cpu" else None,
                          source=f"whalepy measure on {reported}, torch {torch.__version__}",
                          optimizer=_optimizer_name(optimizer), times=times, updates=updates,
-                         activation_bytes=acts, names=names)
+                         activation_bytes=acts, names=names, wrapped=wrapped, wrapped_updates=wrapped_updates,
+                         compiled=compiled, tp_collectives=tp_colls)
+
+
+def _measure_as_lowered(model: nn.Module, example_inputs: Any, profile: Any, blocks: dict[int, tuple[str, ...]],
+                        sigs: dict[int, str], times: dict, *, dev: torch.device, precision: str, mbs: list[int],
+                        tp_degrees: Iterable[int], repeats: int, loss_fn: Callable, optimizer: Callable,
+                        autocast: Any, sync: Callable[[], None], compile: bool = False) -> tuple[dict, dict, dict, dict]:
+    """The blocks as the runtime lowers them (``whalepy.runtime.measure_lowered``): FSDP2 wrappers'
+    times and DTensor optimizer steps recorded apart, TP times replacing the sharded-shape ones (with
+    ``compile``: the compiled blocks' times in a table of their own, the third returned) and the TP
+    collectives each block issues (the fourth)."""
+    import logging
+
+    import torch.distributed as dist
+
+    from whalepy.ir.extensions import lowered_measure
+
+    fn = lowered_measure()
+    if fn is None or isinstance(example_inputs, dict):
+        return {}, {}, {}, {}
+    if dist.is_initialized():
+        logging.getLogger("whalepy.measure").info(
+            "whalepy measure: inside a torch.distributed job the blocks are not timed as lowered (FSDP2 and "
+            "DTensor need a fake process group of their own); measure before init_process_group, or in a "
+            "separate process, to include the wrappers' host work")
+        return {}, {}, {}, {}
+    def time_step(root: nn.Module, mb: int, by_index: dict[int, tuple[str, ...]], loss: Callable,
+                  ctx: Any) -> dict[tuple[int, str], float]:
+        inputs = _resize(example_inputs, mb, dev)
+        last = max(by_index)
+        clock = BlockClock(root, by_index, sync)
+        try:
+            _warm_up(root, inputs, clock, loss, ctx, last)
+            return _median_times([_one_step(root, inputs, clock, loss, ctx, last) for _ in range(repeats)])
+        finally:
+            clock.remove()
+
+    def time_opt(params: list, opt: Callable) -> float:
+        return _time_optimizer(params, opt, sync, repeats)
+
+    from whalepy.ir.rules import tp_splits
+
+    names = {profile.blocks[i].name: paths for i, paths in sorted(blocks.items())}
+    sig_of = {profile.blocks[i].name: sigs[i] for i in blocks}
+    rules = [r for i in sorted(blocks) for r in profile.blocks[i].tp_rules]
+    work = _materialized(model, dev)  # the caller holds the model truncated
+    got = fn(work, _resize(example_inputs, mbs[-1], dev), names, device=dev, precision=precision,
+             micro_batches=mbs, tp_rules=rules, tp_degrees=tp_degrees, repeats=repeats, loss_fn=loss_fn,
+             optimizer=optimizer, time_step=time_step, time_optimizer=time_opt, compile=compile)
+    if not got:
+        return {}, {}, {}, {}
+    wrapped: dict[str, dict] = {}
+    for (wrapper, mb), row in got["wrapped"].items():
+        for name, t in row.items():
+            wrapped.setdefault(sig_of[name], {})[(precision, f"{wrapper}/compiled" if compile else wrapper,
+                                                  float(mb))] = t
+    by_name = {b.name: b for b in profile.blocks}
+    compiled: dict[str, dict] = {}
+    for (tp, mb), row in got["tp"].items():
+        for name, t in row.items():
+            if tp_splits(by_name[name], tp):
+                (compiled if compile else times).setdefault(sig_of[name], {})[(precision, tp, float(mb))] = t
+    for mb, row in got["plain"].items():
+        for name, t in row.items():
+            compiled.setdefault(sig_of[name], {})[(precision, 1, float(mb))] = t
+    ups: dict[str, dict] = {}
+    for key, row in got["updates"].items():
+        for name, t in row.items():
+            ups.setdefault(sig_of[name], {})[key] = t
+    tpc: dict[str, dict] = {}
+    for tp, per_block in got.get("tp_collectives", {}).items():
+        for name, phases in per_block.items():
+            if name in sig_of and tp_splits(by_name[name], tp):
+                tpc.setdefault(sig_of[name], {})[int(tp)] = phases
+    return wrapped, ups, compiled, tpc
 
 
 def _optimizer_name(optimizer: Callable) -> str:

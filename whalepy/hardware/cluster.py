@@ -330,8 +330,11 @@ class ClusterSpec:
             bandwidth = min(bandwidth, self.inter_group_bandwidth)
         if len(groups) > 1 and self.inter_group_latency is not None:
             latency = max(latency, self.inter_group_latency)
-        # NCCL's fixed per-call cost; CPU groups (gloo) carry theirs in the nominal SHM latency
-        launch = 0.0 if all(g.device.vendor == "cpu" for g in groups) else NCCL_LAUNCH_LATENCY_S
+        # a measured per-call cost where the spec gives one; else NCCL's fixed per-call cost, and CPU
+        # groups (gloo) carry theirs in the nominal SHM latency
+        given = [g.call_latency for g in groups if g.call_latency is not None]
+        launch = max(given) if given else (0.0 if all(g.device.vendor == "cpu" for g in groups)
+                                           else NCCL_LAUNCH_LATENCY_S)
         return CommGroup(ranks_per_node=max(per_node.values()), num_nodes=len(per_node), intra=intra,
                          inter=Link(bandwidth=bandwidth, latency=latency, efficiency=efficiency),
                          launch_latency=launch)

@@ -182,6 +182,10 @@ class NodeGroup:
     simulated: bool = False
     """Ranks run on CPU (gloo) but take the role of ``device``: costs and memory limits are that
     GPU's. For testing plans for GPU clusters on a laptop or CI."""
+    call_latency: float | None = None
+    """Fixed cost of one collective call besides its per-step latency, seconds, as measured (a spec's
+    ``intra_node: {call_latency_us: ...}``); ``None``: NCCL's ``baseLat`` on GPUs, nothing on CPU ranks
+    (``ClusterSpec.comm_group``)."""
 
     def __post_init__(self) -> None:
         where = f"group {self.name!r}: "
@@ -204,6 +208,8 @@ class NodeGroup:
             value = getattr(self, field)
             _require(isinstance(value, (int, float)) and value >= 0,
                      f"{where}{field} must be >= 0 seconds, got {value!r}")
+        _require(self.call_latency is None or isinstance(self.call_latency, (int, float)) and self.call_latency >= 0,
+                 f"{where}call_latency must be >= 0 seconds, got {self.call_latency!r}")
         _require(self.cpu_memory_bytes is None or _is_positive(self.cpu_memory_bytes),
                  f"{where}cpu_memory_bytes must be positive, got {self.cpu_memory_bytes!r}; "
                  "give cpu_memory_gb or leave it out")
@@ -231,7 +237,8 @@ class NodeGroup:
               intra_latency: float | None = None, network_bandwidth: float | None = None,
               network_latency: float | None = None, cpu_memory_bytes: int | None = None,
               nvme: NvmeSpec | None = None, simulated: bool = False,
-              custom_devices: Mapping[str, DeviceType] | None = None) -> NodeGroup:
+              custom_devices: Mapping[str, DeviceType] | None = None,
+              call_latency: float | None = None) -> NodeGroup:
         """A group with the GPU name resolved and the link's bandwidth/latency filled from its kind.
 
         An explicit ``intra_bandwidth`` / ``intra_latency`` overrides the kind's numbers. A one-GPU
@@ -259,7 +266,7 @@ class NodeGroup:
                    network_bandwidth=network_bandwidth,
                    network_latency=(DEFAULT_NETWORK_LATENCY_S if network_latency is None
                                     else network_latency),
-                   cpu_memory_bytes=cpu_memory_bytes, nvme=nvme, simulated=simulated)
+                   cpu_memory_bytes=cpu_memory_bytes, nvme=nvme, simulated=simulated, call_latency=call_latency)
 
     @property
     def num_devices(self) -> int:

@@ -32,7 +32,7 @@ _TOP_KEYS = ("network", "devices", "groups", "rank_map")
 _GROUP_KEYS = ("name", "gpu", "gpus_per_node", "nodes", "intra_node", "cpu_memory_gb", "nvme", "network",
                "simulated")
 _NETWORK_KEYS = ("bandwidth_gbps", "latency_us")
-_LINK_KEYS = ("kind", "bandwidth_gbs", "latency_us")
+_LINK_KEYS = ("kind", "bandwidth_gbs", "latency_us", "call_latency_us")
 _NVME_KEYS = ("capacity_tb", "read_gbs", "write_gbs")
 _DEVICE_KEYS = ("peak_tflops_16", "peak_tflops_32", "memory_gb", "memory_bandwidth_gbs", "host_link_gbs",
                 "vendor", "source")
@@ -159,12 +159,13 @@ def _group_from_dict(index: int, raw: object, custom: Mapping[str, DeviceType],
     name = g.get("name", gpu)
     where = f"group {name!r}"
     _require("gpus_per_node" in g, f"{where}: missing 'gpus_per_node'; add gpus_per_node: <count>")
-    kind, intra_bw, intra_lat = g.get("intra_node"), None, None
+    kind, intra_bw, intra_lat, call_lat = g.get("intra_node"), None, None, None
     if isinstance(kind, Mapping):
         link = _mapping(kind, _LINK_KEYS, f"{where} intra_node")
         kind = link.get("kind")
         intra_bw = _num(link, "bandwidth_gbs", f"{where} intra_node", 1e9)
         intra_lat = _num(link, "latency_us", f"{where} intra_node", _US, zero_ok=True)
+        call_lat = _num(link, "call_latency_us", f"{where} intra_node", _US, zero_ok=True)
         _require(kind is not None or intra_bw is not None,
                  f"{where}: intra_node has neither a kind nor bandwidth_gbs; add bandwidth_gbs: <GB/s per "
                  "GPU per direction> or a kind such as nvlink3 or pcie4")
@@ -187,7 +188,7 @@ def _group_from_dict(index: int, raw: object, custom: Mapping[str, DeviceType],
         name=name, gpu=gpu, gpus_per_node=g["gpus_per_node"], num_nodes=g.get("nodes", 1),
         intra_link=kind, intra_bandwidth=intra_bw, intra_latency=intra_lat, network_bandwidth=net_bw,
         network_latency=net_lat, cpu_memory_bytes=_num(g, "cpu_memory_gb", where, 2**30), nvme=nvme,
-        simulated=g.get("simulated", False), custom_devices=custom)
+        simulated=g.get("simulated", False), custom_devices=custom, call_latency=call_lat)
 
 
 def _group_to_dict(g: NodeGroup) -> dict[str, Any]:
@@ -195,11 +196,14 @@ def _group_to_dict(g: NodeGroup) -> dict[str, Any]:
                            "nodes": g.num_nodes}
     explicit = {"bandwidth_gbs": _emit_bw(g.intra_bandwidth, 1e9),
                 "latency_us": _emit_lat(g.intra_latency)}
+    if g.call_latency is not None:
+        explicit["call_latency_us"] = _emit_lat(g.call_latency)
     if g.intra_link is not None:
         bw, lat = g.intra_link.resolve(g.device)
-        same = (_grid_bandwidth(bw), _grid_latency(lat)) == (g.intra_bandwidth, g.intra_latency)
+        same = (_grid_bandwidth(bw), _grid_latency(lat)) == (g.intra_bandwidth, g.intra_latency) \
+            and g.call_latency is None
         out["intra_node"] = g.intra_link.value if same else {"kind": g.intra_link.value, **explicit}
-    elif not (g.gpus_per_node == 1 and (g.intra_bandwidth, g.intra_latency) == (
+    elif g.call_latency is not None or not (g.gpus_per_node == 1 and (g.intra_bandwidth, g.intra_latency) == (
             _grid_bandwidth(g.device.host_link_bandwidth), _grid_latency(PCIE_LATENCY_S))):
         out["intra_node"] = explicit
     if g.cpu_memory_bytes is not None:

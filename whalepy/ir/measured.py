@@ -35,6 +35,22 @@ def block_signature(profile: Any, block: Any) -> str:
     return hashlib.sha1(json.dumps(key).encode()).hexdigest()[:16]
 
 
+def _interpolate(rows: list[tuple[float, tuple[float, float]]], micro_batch: float) -> tuple[float, float] | None:
+    """``(forward, backward)`` at ``micro_batch`` from ``(micro_batch, times)`` rows sorted by size:
+    piecewise linear between them, linear through the two nearest beyond them, proportional with one."""
+    if not rows:
+        return None
+    if len(rows) == 1:
+        mb, (f, b) = rows[0]
+        return f * micro_batch / mb, b * micro_batch / mb
+    i = 1
+    while i < len(rows) - 1 and rows[i][0] < micro_batch:
+        i += 1
+    (m0, t0), (m1, t1) = rows[i - 1], rows[i]
+    w = (micro_batch - m0) / (m1 - m0)
+    return max(t0[0] + w * (t1[0] - t0[0]), 0.0), max(t0[1] + w * (t1[1] - t0[1]), 0.0)
+
+
 @dataclass(frozen=True, kw_only=True)
 class MeasuredCosts:
     """Per device type, measured costs of distinct blocks (keyed by :func:`block_signature`).
@@ -57,25 +73,56 @@ class MeasuredCosts:
     """``sig -> precision -> bytes per sample``."""
     names: dict[str, str] = field(default_factory=dict)
     """``sig -> a block name`` it was measured on (for people reading the file)."""
+    wrapped: dict[str, dict[tuple[str, str, float], tuple[float, float]]] = field(default_factory=dict)
+    """``sig -> (precision, wrapper, micro_batch) -> (forward_s, backward_s)``: the block as the runtime
+    lowers it under a data-parallel wrapper (``"fsdp"``: FSDP2 keeping parameters gathered between
+    forward and backward, ZeRO-1/2; ``"fsdp_reshard"``: FSDP2 resharding after forward, ZeRO-3), timed
+    on a fake process group (collectives return at once): compute plus the wrapper's own host work."""
+    compiled: dict[str, dict[tuple[str, int, float], tuple[float, float]]] = field(default_factory=dict)
+    """``sig -> (precision, tp, micro_batch) -> (forward_s, backward_s)`` with the block's modules compiled
+    as the runtime compiles them (``Plan.compile``: regional ``torch.compile``), lowered on a fake process
+    group like :attr:`wrapped`; the wrappers' compiled rows are in :attr:`wrapped` under
+    ``"<wrapper>/compiled"``."""
+    tp_collectives: dict[str, dict[int, dict[str, dict[str, tuple[float, float]]]]] = field(default_factory=dict)
+    """``sig -> tp -> phase ("f" / "b") -> kind -> (calls, bytes per sample)``: the collectives the block
+    issues under tensor parallelism as the runtime lowers it (DTensor's redistributions), counted on the
+    fake process group; the planner charges these calls instead of one modelled all-reduce per phase."""
+    wrapped_updates: dict[str, dict[str, float]] = field(default_factory=dict)
+    """``sig -> "fsdp/D" or "tp/D" -> seconds``: the optimizer step over the block's parameters as the
+    runtime holds them (DTensor shards of degree ``D``), same fake process group."""
 
-    def block_time(self, sig: str, precision: str, tp: int, micro_batch: float) -> tuple[float, float] | None:
+    def wrapper_overhead(self, sig: str, precision: str, wrapper: str, micro_batch: float, *, compiled: bool = False
+                         ) -> tuple[float, float] | None:
+        """Forward and backward seconds the wrapper adds to the block at ``micro_batch`` (the wrapped
+        time less the plain time measured beside it, interpolated as :meth:`block_time`; ``compiled``: both
+        with the blocks compiled); None if not measured."""
+        name = f"{wrapper}/compiled" if compiled else wrapper
+        got = _interpolate(sorted((mb, t) for (p, w, mb), t in self.wrapped.get(sig, {}).items()
+                                  if p == precision and w == name), micro_batch)
+        base = self.block_time(sig, precision, 1, micro_batch, compiled=compiled)
+        if got is None or base is None:
+            return None
+        return max(got[0] - base[0], 0.0), max(got[1] - base[1], 0.0)
+
+    def update_overhead(self, sig: str, key: str) -> float | None:
+        """Seconds the optimizer step of the block's parameters takes beyond the plain step's share
+        (``updates[sig] / D``) when they are DTensor shards of degree ``D`` (``key`` ``"fsdp/D"`` or
+        ``"tp/D"``); None if not measured."""
+        t = self.wrapped_updates.get(sig, {}).get(key)
+        if t is None or sig not in self.updates:
+            return None
+        return max(t - self.updates[sig] / int(key.rpartition("/")[2]), 0.0)
+
+    def block_time(self, sig: str, precision: str, tp: int, micro_batch: float, *, compiled: bool = False
+                   ) -> tuple[float, float] | None:
         """Forward and backward seconds at ``micro_batch``: piecewise linear between the measured sizes,
-        linear through the two nearest beyond them (proportional with one size); None if not measured."""
-        entries = self.times.get(sig, {})
+        linear through the two nearest beyond them (proportional with one size); None if not measured.
+        ``compiled``: the compiled blocks' times (:attr:`compiled`), None where those were not measured."""
+        entries = (self.compiled if compiled else self.times).get(sig, {})
         if not any(p == precision for p, _, _ in entries):
             precision = ANY_PRECISION  # an imported table that does not say its precision
-        rows = sorted((mb, t) for (p, d, mb), t in entries.items() if p == precision and d == tp)
-        if not rows:
-            return None
-        if len(rows) == 1:
-            mb, (f, b) = rows[0]
-            return f * micro_batch / mb, b * micro_batch / mb
-        i = 1
-        while i < len(rows) - 1 and rows[i][0] < micro_batch:
-            i += 1
-        (m0, t0), (m1, t1) = rows[i - 1], rows[i]
-        w = (micro_batch - m0) / (m1 - m0)
-        return tuple(max(a + w * (c - a), 0.0) for a, c in zip(t0, t1))  # type: ignore[return-value]
+        return _interpolate(sorted((mb, t) for (p, d, mb), t in entries.items() if p == precision and d == tp),
+                            micro_batch)
 
     def optimizer_s_per_param(self, blocks: Iterable[tuple[str, int]]) -> float | None:
         """Seconds per parameter of the optimizer step over ``(sig, num_params)`` blocks, from their
@@ -99,10 +146,23 @@ class MeasuredCosts:
         acts = {s: dict(v) for s, v in self.activation_bytes.items()}
         for s, v in other.activation_bytes.items():
             acts.setdefault(s, {}).update(v)
+        wrapped = {s: dict(v) for s, v in self.wrapped.items()}
+        for s, v in other.wrapped.items():
+            wrapped.setdefault(s, {}).update(v)
+        compiled = {s: dict(v) for s, v in self.compiled.items()}
+        for s, v in other.compiled.items():
+            compiled.setdefault(s, {}).update(v)
+        tpc = {s: dict(v) for s, v in self.tp_collectives.items()}
+        for s, v in other.tp_collectives.items():
+            tpc.setdefault(s, {}).update(v)
+        wups = {s: dict(v) for s, v in self.wrapped_updates.items()}
+        for s, v in other.wrapped_updates.items():
+            wups.setdefault(s, {}).update(v)
         return replace(self, device_name=other.device_name or self.device_name, threads=other.threads,
                        source=other.source or self.source, optimizer=other.optimizer or self.optimizer,
                        times=times, updates={**self.updates, **other.updates}, activation_bytes=acts,
-                       names={**self.names, **other.names})
+                       names={**self.names, **other.names}, wrapped=wrapped, wrapped_updates=wups,
+                       compiled=compiled, tp_collectives=tpc)
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": MEASURED_FORMAT, "device_type": self.device_type, "device_name": self.device_name,
@@ -110,8 +170,20 @@ class MeasuredCosts:
                 "blocks": {s: {"name": self.names.get(s, ""), "update_s": self.updates.get(s),
                                "activation_bytes_per_sample": self.activation_bytes.get(s, {}),
                                "times": [{"precision": p, "tp": d, "micro_batch": mb, "forward_s": f, "backward_s": b}
-                                         for (p, d, mb), (f, b) in sorted(self.times.get(s, {}).items())]}
-                           for s in sorted(set(self.times) | set(self.updates) | set(self.activation_bytes))}}
+                                         for (p, d, mb), (f, b) in sorted(self.times.get(s, {}).items())],
+                               "wrapped": [{"precision": p, "wrapper": w, "micro_batch": mb, "forward_s": f,
+                                            "backward_s": b}
+                                           for (p, w, mb), (f, b) in sorted(self.wrapped.get(s, {}).items())],
+                               "wrapped_update_s": dict(sorted(self.wrapped_updates.get(s, {}).items())),
+                               "compiled": [{"precision": p, "tp": d, "micro_batch": mb, "forward_s": f,
+                                             "backward_s": b}
+                                            for (p, d, mb), (f, b) in sorted(self.compiled.get(s, {}).items())],
+                               "tp_collectives": {str(tp): {ph: {k: list(v) for k, v in sorted(kinds.items())}
+                                                            for ph, kinds in sorted(phases.items())}
+                                                  for tp, phases in sorted(self.tp_collectives.get(s, {}).items())}}
+                           for s in sorted(set(self.times) | set(self.updates) | set(self.activation_bytes)
+                                           | set(self.wrapped) | set(self.wrapped_updates) | set(self.compiled)
+                                           | set(self.tp_collectives))}}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], *, where: str = "measured costs") -> MeasuredCosts:
@@ -119,8 +191,20 @@ class MeasuredCosts:
             raise WhalepyError(f"{where}: measured-costs format {d.get('format')!r} is not supported (this whalepy "
                                f"reads format {MEASURED_FORMAT}); measure again with whalepy calibrate --model")
         try:
-            times, updates, acts, names = {}, {}, {}, {}
+            times, updates, acts, names, wrapped, wups, compiled, tpc = {}, {}, {}, {}, {}, {}, {}, {}
             for sig, e in d.get("blocks", {}).items():
+                if e.get("tp_collectives"):
+                    tpc[sig] = {int(tp): {ph: {k: (float(v[0]), float(v[1])) for k, v in kinds.items()}
+                                          for ph, kinds in phases.items()}
+                                for tp, phases in e["tp_collectives"].items()}
+                if e.get("compiled"):
+                    compiled[sig] = {(r["precision"], int(r["tp"]), float(r["micro_batch"])):
+                                     (float(r["forward_s"]), float(r["backward_s"])) for r in e["compiled"]}
+                if e.get("wrapped"):
+                    wrapped[sig] = {(r["precision"], str(r["wrapper"]), float(r["micro_batch"])):
+                                    (float(r["forward_s"]), float(r["backward_s"])) for r in e["wrapped"]}
+                if e.get("wrapped_update_s"):
+                    wups[sig] = {str(k): float(v) for k, v in e["wrapped_update_s"].items()}
                 times[sig] = {(r["precision"], int(r["tp"]), float(r["micro_batch"])):
                               (float(r["forward_s"]), float(r["backward_s"])) for r in e.get("times", [])}
                 if e.get("update_s") is not None:
@@ -129,7 +213,8 @@ class MeasuredCosts:
                 names[sig] = e.get("name", "")
             return cls(device_type=d["device_type"], device_name=d.get("device_name", ""), threads=d.get("threads"),
                        source=d.get("source", ""), optimizer=d.get("optimizer", ""), times=times, updates=updates,
-                       activation_bytes=acts, names=names)
+                       activation_bytes=acts, names=names, wrapped=wrapped, wrapped_updates=wups,
+                       compiled=compiled, tp_collectives=tpc)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise WhalepyError(f"{where}: not a whalepy measured-costs table ({type(e).__name__}: {e}); measure "
                                "again with whalepy calibrate --model") from None

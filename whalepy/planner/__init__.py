@@ -322,7 +322,8 @@ def _measured(model: Any, example_inputs: Any, prof: ModelProfile, cluster: Clus
     tps = tuple(1 << k for k in range(max_tp.bit_length()) if (1 << k) <= max_tp)
     measured = measure_costs(model, example_inputs, prof, precision=opts.precision or "fp32",
                              micro_batches=micro_batch_sizes(global_batch),
-                             tp_degrees=tps, optimizer=_measured_optimizer(opts.optimizer_impl))
+                             tp_degrees=tps, optimizer=_measured_optimizer(opts.optimizer_impl),
+                             compile=bool(opts.compile))
     progress(f"measured {len(measured.times)} distinct blocks on {measured.device_name} in "
              f"{time.perf_counter() - t0:.2f} s")
     return replace(apply_measured_activations(prof, measured, opts.precision or "fp32"), measured=measured)

@@ -165,7 +165,7 @@ def _state_terms(prob: _Model, cc: CandidateCoeffs, s: int, c: CellCoeffs, n: li
     them (the peak is then at least the states less the gradients, plus activations)."""
     sc = cc.stages[s]
     G, opts = len(cc.segments), sc.options
-    dp, v = cc.candidate.dp, cc.candidate.virtual_stages
+    v = cc.candidate.virtual_stages
     q = {o: prob.var(f"Q_{s}_{i}", 0.0, None, "Continuous") for i, o in enumerate(opts)}
     prob.rows.append(({**{x: 1.0 for x in q.values()}, **{n[g]: -sc.seg_params[g] / BILLION for g in range(G)}},
                       0.0, EQ, f"params_{s}"))
@@ -177,12 +177,13 @@ def _state_terms(prob: _Model, cc: CandidateCoeffs, s: int, c: CellCoeffs, n: li
     exposed = ({n[g]: min(c.seg_exposed[o][g] for o in opts) for g in range(G)}, v * min(c.edge[o] for o in opts))
     tail: dict[_Var, float] = {q[o]: c.opt_beta[o] * BILLION for o in opts}
     tail_const = 0.0
-    if dp > 1:  # exposed synchronisation: the last backward's reductions and the post-step all-gather
-        for o in opts:
-            tail[q[o]] += sc.sync[o][1] * BILLION
-        for g in range(G):
-            tail[n[g]] = min(c.seg_tail[o][g] for o in opts)
-        tail_const = min(c.tail_edge[o] for o in opts)
+    # exposed synchronisation: the last backward's reductions and the post-step all-gather (all 0 without
+    # replicas), and the measured DTensor optimizer overhead (tensor parallelism alone too)
+    for o in opts:
+        tail[q[o]] += sc.sync[o][1] * BILLION
+    for g in range(G):
+        tail[n[g]] = min(c.seg_tail[o][g] for o in opts)
+    tail_const = min(c.tail_edge[o] for o in opts)
     return (device, host, const), fetch, exposed, (tail, tail_const)
 
 

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from whalepy.cost_models.communication import estimate_p2p_time
+from whalepy.cost_models.communication import estimate_p2p_time, overlap_loss
 from whalepy.cost_models.memory import inflight_microbatches
 from whalepy.cost_models.offload import host_capacity_per_gpu, nvme_capacity_per_gpu
 from whalepy.ir.plan import ZeroStage
+from whalepy.ir.rules import LoweringKind, offloads_to_host
 from whalepy.planner._coeffs import CellCoeffs
 from whalepy.planner._cost_context import LOSS_BACKWARD_FP32_TENSORS, LOSS_LOGPROB_BYTES, CostContext, _pair_link
 from whalepy.planner._offload_costs import (
@@ -101,14 +102,25 @@ def _cell_options(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ..
     opt_beta, opt_overlap, fetch_beta = ctx._cache[key]  # type: ignore[misc]
     seg_exposed, edge, seg_tail, tail_edge, seg_amp_saved, seg_autocast = {}, {}, {}, {}, {}, {}
     pipelined = S > 1
+    loss = overlap_loss(g.device)
     for o in allowed:
         kind, z3 = lowering_kind(o, cand), o.zero is ZeroStage.PARAMETERS
-        rows = [exposed_dp(kind, z3, pipelined, f, b, dp_comm, i, o.reduce_each)
+        rows = [exposed_dp(kind, z3, pipelined, f, b, dp_comm, i, o.reduce_each, loss)
                 for i, (f, b) in enumerate(zip(seg_fwd, seg_bwd))]
         seg_exposed[o] = [r[0] for r in rows]
         if tile_extra and o in tile_extra:  # memory-centric tiling's extra collectives (exposed)
             seg_exposed[o] = [x + e for x, e in zip(seg_exposed[o], tile_extra[o])]
         seg_tail[o] = [r[1] for r in rows]
+        if ctx.measured:  # the wrapper's measured host work (FSDP2 hooks and copies, DTensor optimizer steps)
+            fsdp = kind == LoweringKind.FSDP
+            if fsdp:
+                wrapper = "fsdp_reshard" if z3 else "fsdp"
+                seg_exposed[o] = [x + ctx.wrapper_overhead(seg.block.index, g.device.name, wrapper, micro_batch)
+                                  for x, seg in zip(seg_exposed[o], segments)]
+            # the device optimizer steps DTensor shards (a host-resident step is whalepy's fused CPU kernel)
+            if (fsdp or t > 1) and not offloads_to_host(o.param_tier, o.optimizer_tier):
+                seg_tail[o] = [x + ctx.update_overhead(seg.block.index, g.device.name, fsdp=fsdp, tp=t)
+                               for x, seg in zip(seg_tail[o], segments)]
         edge[o], tail_edge[o] = dp_edges(kind, z3, pipelined, dp_comm, o.reduce_each) if rows else (0.0, 0.0)
         # what autocast keeps beside each block's 16-bit figure, per block: kept like the block's own
         # saved tensors (not while it is checkpointed or offloaded), counted on the stage's own blocks

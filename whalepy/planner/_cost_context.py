@@ -87,8 +87,9 @@ class CostContext:
         """The optimizer implementation the runtime lowers (``Plan.optimizer_impl``), charged by
         ``_offload_costs.device_optimizer_implementation``."""
         self.compile = compile
-        """The blocks run compiled (``Plan.compile``): recorded in the plan; the block times stay the
-        eager model's (no compiled-kernel rate is measured or derived yet: docs/runtime.md)."""
+        """The blocks run compiled (``Plan.compile``): measured block times are the compiled ones where
+        ``measure(compile=True)`` timed them (``MeasuredCosts.compiled``); modelled times stay the eager
+        model's (no compiled-kernel rate is derived: docs/runtime.md)."""
         # Sequence parallelism is on when the profile carries SEQUENCE rules (the runtime lowers them).
         self.sequence_parallel = (has_sequence_rules(profile) if sequence_parallel is None
                                   else sequence_parallel)
@@ -145,16 +146,22 @@ class CostContext:
         for seg in segments:
             b = seg.block
             fwd, bwd = self.block_time(b.index, device_name, tp, micro_batch)
-            ar = ar_b = 0.0  # forward and backward TP collectives (runtime_costs.tp_step_payload_bytes)
+            ar_f = ar_b = 0.0  # forward and backward TP collectives (runtime_costs.tp_step_payload_bytes)
             if tp_group is not None and tp_splits(b, tp):
+                counted = self.measured_tp_collectives(b.index, device_name, tp)
                 scale = ratio * self.byte_scale
-                if b.tp_comm_bytes:
-                    ar = self.collective(Collective.ALL_REDUCE, b.tp_comm_bytes * scale, tp_group)
-                if b.tp_gather_bytes:
-                    ar += self.collective(Collective.ALL_GATHER, b.tp_gather_bytes * scale, tp_group)
-                if tp_backward_bytes(b):
-                    ar_b = self.collective(Collective.ALL_REDUCE, tp_backward_bytes(b) * scale, tp_group)
-            rows.append((fwd + bwd + ar + ar_b, fwd + ar, fwd, bwd + ar_b, ar + ar_b,
+                if counted is not None:  # the calls the runtime issues, counted when measured as lowered
+                    ar_f, ar_b = (self._counted_collectives(counted.get(ph, {}), micro_batch, tp_group)
+                                  for ph in ("f", "b"))
+                else:  # the pattern pass's bytes: row-parallel outputs and a head's logits forward,
+                    # column-parallel input gradients backward
+                    if b.tp_comm_bytes:
+                        ar_f = self.collective(Collective.ALL_REDUCE, b.tp_comm_bytes * scale, tp_group)
+                    if b.tp_gather_bytes:
+                        ar_f += self.collective(Collective.ALL_GATHER, b.tp_gather_bytes * scale, tp_group)
+                    if tp_backward_bytes(b):
+                        ar_b = self.collective(Collective.ALL_REDUCE, tp_backward_bytes(b) * scale, tp_group)
+            rows.append((fwd + bwd + ar_f + ar_b, fwd + ar_f, fwd, bwd + ar_b, ar_f + ar_b,
                          b.activation_bytes * ratio * self.byte_scale
                          * tp_activation_fraction(b, tp, self.sequence_parallel),
                          b.input_bytes * ratio * self.byte_scale))
@@ -191,7 +198,59 @@ class CostContext:
         m = self.measured.get(device_name)
         if m is None:
             return None
-        return m.block_time(self.signatures[block_index], self.precision, tp, micro_batch)
+        sig = self.signatures[block_index]
+        if self.compile:  # the compiled blocks' own times where they were measured (Plan.compile)
+            got = m.block_time(sig, self.precision, tp, micro_batch, compiled=True)
+            if got is not None:
+                return got
+        return m.block_time(sig, self.precision, tp, micro_batch)
+
+    def measured_tp_collectives(self, block_index: int, device_name: str, tp: int
+                                ) -> dict[str, dict[str, tuple[float, float]]] | None:
+        """``phase -> kind -> (calls, bytes per sample)`` of the block's TP collectives at degree ``tp`` as
+        counted when it was measured as lowered (``MeasuredCosts.tp_collectives``), or None."""
+        m = self.measured.get(device_name)
+        if m is None:
+            return None
+        return m.tp_collectives.get(self.signatures[block_index], {}).get(tp)
+
+    def _counted_collectives(self, kinds: dict[str, tuple[float, float]], micro_batch: float,
+                             group: CommGroup) -> float:
+        """Seconds of ``calls`` collectives per kind, each carrying an equal share of the counted bytes
+        (measured in the plan's precision) at ``micro_batch`` samples."""
+        total = 0.0
+        for kind, (calls, per_sample) in kinds.items():
+            if calls > 0:
+                n = int(round(calls))
+                total += n * self.collective(Collective(kind), per_sample * micro_batch / n, group)
+        return total
+
+    def wrapper_overhead(self, block_index: int, device_name: str, wrapper: str, micro_batch: float) -> float:
+        """Seconds per micro-batch (forward plus backward) the runtime's data-parallel ``wrapper``
+        (``"fsdp"`` / ``"fsdp_reshard"``) adds to the block on ``device_name`` as measured on a fake
+        process group (``MeasuredCosts.wrapper_overhead``); 0 where not measured (the model has no
+        term for the wrapper's host work)."""
+        m = self.measured.get(device_name)
+        if m is None:
+            return 0.0
+        sig = self.signatures[block_index]
+        got = m.wrapper_overhead(sig, self.precision, wrapper, micro_batch, compiled=True) if self.compile else None
+        if got is None:
+            got = m.wrapper_overhead(sig, self.precision, wrapper, micro_batch)
+        return sum(got) if got else 0.0
+
+    def update_overhead(self, block_index: int, device_name: str, *, fsdp: bool, tp: int) -> float:
+        """Seconds per step the optimizer spends on the block's parameters as DTensor shards beyond the
+        plain step's share (FSDP2 shards and / or tensor-parallel shards of degree ``tp``), as measured
+        (``MeasuredCosts.update_overhead``; the larger where both apply); 0 where not measured."""
+        m = self.measured.get(device_name)
+        if m is None:
+            return 0.0
+        sig = self.signatures[block_index]
+        keys = [k for k in m.wrapped_updates.get(sig, {}) if (fsdp and k.startswith("fsdp/"))]
+        if tp > 1 and tp_splits(self.profile.blocks[block_index], tp):
+            keys.append(f"tp/{tp}")
+        return max((m.update_overhead(sig, k) or 0.0 for k in keys), default=0.0)
 
     def block_cost_source(self, block_index: int, device_name: str, tp: int) -> str:
         """``"measured"`` or ``"modelled"``: where :meth:`block_time` takes this block's time from."""

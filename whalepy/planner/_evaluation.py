@@ -297,12 +297,14 @@ def evaluate_stage(sc: StageCoeffs, chunk_counts: Sequence[Sequence[int]], chunk
         # the peak: end of forward (activations, gradients not yet created if freed) or end of backward
         at_act = states - freed + buffers + act >= states + buffers
         grads_held = sg if (not freed or not at_act) else 0.0
+        # per-step work after the last backward: the data-parallel reductions (none without replicas: their
+        # group is None and every such term 0) and the measured DTensor optimizer overhead (TP alone too)
         sync_s = (sum(n * x for o, ns in parts for n, x in zip(ns, c.seg_tail[o])) + c.tail_edge[option]
                   + post)
         cells.append(CellEval(
             cell=c, compute_s=compute - comm - off_s + amp_s, comm_s=comm + c.p2p, dp_exposed_s=exposed - amp_s,
             fetch_s=fetch,
-            time_s=time_s, chunk_time_s=chunk_time, exposed_sync_s=sync_s if dp > 1 else 0.0,
+            time_s=time_s, chunk_time_s=chunk_time, exposed_sync_s=sync_s,
             opt_s=per_param(c.opt_beta) + max(0.0, per_param(c.opt_overlap) - backward),
             memory_bytes=max(states - freed + act, states) + buffers,
             states_bytes=states, params_bytes=sp, grads_bytes=grads_held, optimizer_bytes=so,

@@ -99,11 +99,10 @@ def add_tail_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
                     d[x] = d.get(x, 0.0) + a
             d[xv] = -1.0
             _add(prob, d, 0.0, LE, f"tail_opt_{s}_{ci}")
-            dd = None
-            if dp > 1:
-                dd = _option_terms(d, v, s, sc, [s + k * S for k in range(V)], cell.seg_tail, cell.tail_edge)
-                if dd is not None:
-                    _add(prob, dd, 0.0, LE, f"tail_sync_{s}_{ci}")
+            # the per-step tail: reductions (all 0 without replicas) and measured DTensor optimizer overhead
+            dd = _option_terms(d, v, s, sc, [s + k * S for k in range(V)], cell.seg_tail, cell.tail_edge)
+            if dd is not None:
+                _add(prob, dd, 0.0, LE, f"tail_sync_{s}_{ci}")
             lap = {v.Q[s][o]: cell.opt_overlap[o] * _BILLION for o in sc.options if cell.opt_overlap[o]}
             if lap:
                 # ZeRO-Offload: the gradient copies and CPU step beside the last backward are exposed

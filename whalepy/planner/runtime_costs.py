@@ -11,7 +11,7 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from whalepy.cost_models.communication import Collective, CommGroup, estimate_overlapped_time
+from whalepy.cost_models.communication import OVERLAP_COMPUTE_LOSS, Collective, CommGroup, estimate_overlapped_time
 from whalepy.cost_models.compute import precision_bytes
 from whalepy.cost_models.memory import (
     ALLOCATOR_FRAGMENTATION,
@@ -300,7 +300,7 @@ def post_step_affine(collective: CollectiveFn, kind: str, group: CommGroup | Non
 
 
 def exposed_dp(kind: str, zero3: bool, pipelined: bool, fwd: float, bwd: float, dp: DPComm, g: int,
-               reduce_each: bool = False) -> tuple[float, float]:
+               reduce_each: bool = False, loss: float = OVERLAP_COMPUTE_LOSS) -> tuple[float, float]:
     """``(exposed per micro-batch, exposed per step)`` seconds of the data-parallel collectives of one
     block of segment ``g`` (forward ``fwd`` and backward ``bwd`` seconds per micro-batch), as the
     runtime runs them; each overlapped by :func:`estimate_overlapped_time` (the compute they run
@@ -317,8 +317,14 @@ def exposed_dp(kind: str, zero3: bool, pipelined: bool, fwd: float, bwd: float, 
       reduce-scatters run after the last backward (``PipelineStage``'s ``REDUCE_GRAD`` action), exposed;
     - DDP (with or without ZeroRedundancyOptimizer): the gradient's all-reduce, bucketed (about one
       block per 25 MiB bucket), beside the next block's backward in the last micro-batch (``no_sync``
-      before)."""
-    ov = estimate_overlapped_time
+      before).
+
+    ``loss`` is the device's share of compute lost beside a collective (``overlap_loss``: 1 on CPU ranks,
+    where nothing hides)."""
+
+    def ov(compute: float, comm: float) -> float:
+        return estimate_overlapped_time(compute, comm, loss=loss)
+
     ag, rs = dp.all_gather[g], dp.reduce_scatter[g]
     if kind == LoweringKind.FSDP and not pipelined:
         xb = ag if zero3 else 0.0

@@ -269,5 +269,8 @@ def build_optimizer(
     cls = type(opt)
     accepted = inspect.signature(cls.__init__).parameters
     defaults = {k: v for k, v in opt.defaults.items() if k in accepted and k != "params"}
+    # parameters packed into one bucket per rank and device: after the step each rank broadcasts its
+    # partition as one message (world size broadcasts), not one per parameter (one per tensor: about a
+    # hundred collectives for a small GPT, each paying the link's latency; docs/runtime.md)
     return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=dp_mesh.get_group(),
-                                   **defaults)
+                                   parameters_as_bucket_view=True, **defaults)

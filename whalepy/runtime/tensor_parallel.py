@@ -159,8 +159,51 @@ def apply_tensor_parallel(
         for rule in rules:
             if rule.copy_output and rule.module in styles:
                 present[rule.module].register_forward_hook(_copy_output)
+        if not sequence_parallel:
+            _share_replicated_inputs(module, present, styles, tp_mesh)
     _retie(module, tied)
     return done
+
+
+def _share_replicated_inputs(module: nn.Module, present: dict[str, nn.Module], styles: dict[str, ParallelStyle],
+                             tp_mesh: DeviceMesh) -> None:
+    """One gradient all-reduce for column-parallel siblings that read the same tensor.
+
+    ``ColwiseParallel`` turns its input into a ``Replicate`` DTensor (``DTensor.from_local``); in backward
+    that conversion all-reduces the input's gradient, the partial sums ``W_r^T dy_r`` of the rank's shard.
+    Attention with separate ``q_proj`` / ``k_proj`` / ``v_proj`` (HF Llama, whalepy's GPT) thus all-reduces
+    the same input's gradient three times, where Megatron-LM sums the three locally and all-reduces once
+    (Shoeybi et al. 2019, the ``f`` operator before the attention). Here a forward pre-hook on each such
+    sibling (run before DTensor's own) makes the DTensor once per tensor per call of their parent and hands
+    the same one to every sibling that reads that tensor: their partial gradients add up in the DTensor,
+    and its one conversion all-reduces them once. The parent's own code never sees a DTensor; siblings
+    reading different tensors (cross-attention's ``k`` / ``v`` from the encoder) convert their own, as
+    before. Numerics: the same sum in another order."""
+    groups: dict[str, list[str]] = {}
+    for name, style in styles.items():
+        if type(style) is ColwiseParallel:
+            groups.setdefault(_parent(name), []).append(name)
+    for parent_name, names in groups.items():
+        if len(names) < 2:
+            continue
+        parent = present.get(parent_name, module)
+        shared: dict[int, tuple[torch.Tensor, DTensor]] = {}
+        parent.register_forward_pre_hook(lambda m, a, c=shared: c.clear())
+        parent.register_forward_hook(lambda m, a, o, c=shared: c.clear())
+        for name in names:
+            present[name].register_forward_pre_hook(
+                lambda m, args, c=shared: _shared_replicate(args, c, tp_mesh), prepend=True)
+
+
+def _shared_replicate(args: tuple, cache: dict[int, tuple[torch.Tensor, DTensor]], mesh: DeviceMesh) -> tuple | None:
+    x = args[0] if args else None
+    if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
+        return None
+    hit = cache.get(id(x))
+    if hit is None or hit[0] is not x:
+        hit = (x, DTensor.from_local(x, mesh, [Replicate()], run_check=False))
+        cache[id(x)] = hit
+    return (hit[1], *args[1:])
 
 
 def _copy_output(module: nn.Module, args: Any, output: Any) -> Any:
