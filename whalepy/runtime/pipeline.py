@@ -172,9 +172,14 @@ def _static_io(module: nn.Module, index: int, num_stages: int, compute_dtype: to
     between stages in ``compute_dtype``: with every stage's shapes given, torch's schedule skips its
     first-step metadata exchange (objects sent between neighbours), so a step runs where no objects
     travel (``whalepy check``'s fake process group) and the cluster's first step sends no metadata.
-    A module split otherwise (no ``whalepy_io``): shapes inferred by torch on the first step."""
+    A module split otherwise (no ``whalepy_io``), or a torch without that static mode (2.11): shapes
+    inferred by torch on the first step."""
+    from torch.distributed.pipelining import PipelineStage
+
     io = getattr(module, "whalepy_io", None)
-    if io is None:
+    if io is None or not hasattr(PipelineStage, "_warmup_forward_vote"):
+        # torch before its static metadata mode (2.11 validates given outputs against the real ones,
+        # whose dtype mixed precision may change on the last stage): shapes inferred on the first step
         return {}
     inputs, outputs = io
 
