@@ -144,9 +144,9 @@ class BlockProfile:
     """Bytes all-reduced per forward when the block runs tensor-parallel (outputs of rowwise modules and
     vocab-parallel embeddings)."""
     tp_comm_backward_bytes: int | None = None
-    """Bytes all-reduced per backward when the block runs tensor-parallel: the input gradient of every
-    column-parallel module (separate q, k and v projections: three); None where not recorded
-    (synthetic profiles: the forward's bytes are charged again)."""
+    """Bytes all-reduced per backward when the block runs tensor-parallel: the input gradients of the
+    column-parallel modules, once per input sibling linears share (separate q, k and v projections:
+    one); None where not recorded (synthetic profiles: the forward's bytes are charged again)."""
     tp_gather_bytes: int = 0
     """Bytes all-gathered per forward when the block runs tensor-parallel: the output of a
     column-parallel module no row-parallel one reads (an LM head's logits)."""

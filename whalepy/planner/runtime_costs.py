@@ -218,10 +218,10 @@ def tp_step_payload_bytes(blocks, *, tp: int, micro_batch: float, profile_batch:
 
     - forward, an all-reduce of every ROWWISE module's and VOCAB embedding's output
       (``BlockProfile.tp_comm_bytes``);
-    - backward, an all-reduce of the input gradient of every COLWISE module (its input is replicated
-      over the group, so each rank holds a partial sum): one per module, of its input's size
-      (:func:`tp_backward_bytes`). Separate q, k and v projections thus cost three all-reduces where
-      Megatron's fused ``f`` costs one;
+    - backward, an all-reduce of the input gradient of the COLWISE modules (their input is replicated
+      over the group, so each rank holds a partial sum): one per input that sibling linears share
+      (separate q, k and v projections: one, as Megatron's ``f``), one per fused or Conv1D projection
+      (:func:`tp_backward_bytes`);
     - a COLWISE module that ends a sharded region (an LM head: no ROWWISE module reads it) gathers its
       output forward (``tp_gather_bytes``, the logits), unless ``loss_parallel``.
 
