@@ -113,8 +113,9 @@ def measure_link(sizes=(1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22), repeats=15
       and the ranks arrive apart: each call costs about the same whatever its kind and size, which the
       idle figure does not see, so the fit has a per-call cost ``L`` besides the per-step latency ``a``
       and the bandwidth ``B`` (:func:`_fit_in_step`). A third figure issues the all-reduce asynchronously
-      before the compute and waits after it (FSDP2's prefetch): its excess over the compute alone is
-      what overlap hides (none on CPU, ``cost_models.communication.CPU_OVERLAP_LOSS``).
+      before the compute and waits after it (FSDP2's prefetch, DDP's buckets): its excess over the compute
+      alone is what overlap hides (none on CPU, ``cost_models.communication.CPU_OVERLAP_LOSS``), and it
+      joins the all-reduce rows of the fit, as a step issues most of its collectives that way.
 
     The in-step fit is the link given to the cluster spec: the planner charges what the step sees."""
     import torch.distributed as dist
@@ -162,7 +163,9 @@ def measure_link(sizes=(1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22), repeats=15
         ar.append((n, s_ar))
         ag.append((n, s_ag))
         overlapped.append((n, max(asy - comp, 0.0)))
-    call, lat, bw = _fit_in_step(ar, ag)
+    # the fit takes the all-reduces both ways a step issues them: synchronously after compute (tensor
+    # parallelism) and asynchronously before compute, waited after it (FSDP2's prefetch, DDP's buckets)
+    call, lat, bw = _fit_in_step(ar + overlapped, ag)
     idle_lat, idle_bw = _fit(idle)
     return {"latency_s": lat, "bandwidth": bw, "call_latency_s": call, "idle_latency_s": idle_lat,
             "idle_bandwidth": idle_bw,

@@ -50,3 +50,13 @@ def cli_model():
     """For ``whalepy calibrate --model measured_cases:cli_model``: ``(model, example_inputs)``."""
     model, x, _ = build()
     return model, (x,)
+
+
+def measure_in_a_job() -> tuple[int, int, int]:
+    """Inside a torch.distributed job (one gloo rank): measure=True times the blocks as lowered in
+    another process; what it recorded (wrapped rows, FSDP2 unit counts, measured updates)."""
+    import whalepy
+
+    model, x, _ = build(2)
+    m = whalepy.profile(model, (x,), measure=True, micro_batches=(2,), tp_degrees=(1,), repeats=1).measured
+    return len(m.wrapped), sum(m.fsdp_units.values()), len(m.wrapped_updates)

@@ -162,6 +162,11 @@ def test_blocks_are_measured_as_the_runtime_lowers_them(measured, tmp_path, monk
     counted = m.tp_collectives[block_signature(measured, layer)][2]
     assert counted["f"]["all_reduce"][0] == 2 and counted["b"]["all_reduce"][0] == 2, counted
     assert counted["f"]["all_reduce"][1] == counted["b"]["all_reduce"][1] > 0
+    # FSDP2's units per block, counted: the embedding block is two (token and position tables), each
+    # gathering in a call of its own, which the data-parallel cost charges
+    embed = measured.blocks[0]
+    assert m.fsdp_units[block_signature(measured, embed)] == 2 and m.fsdp_units[block_signature(measured, layer)] == 1
+    assert CostContext(measured, Hardware(ClusterSpec.local(2)), precision="fp32").fsdp_units(embed.index) == 2
     cluster = ClusterSpec.local(2)
     bare = dataclasses.replace(measured, measured=dataclasses.replace(m, wrapped={}, wrapped_updates={}))
     ctx = CostContext(measured, Hardware(cluster), precision="fp32")
@@ -202,3 +207,13 @@ def test_compiled_blocks_are_measured_when_the_plan_compiles(monkeypatch, tmp_pa
     assert MeasuredCosts.from_dict(json.loads(json.dumps(m.to_dict()))) == m
     with pytest.raises(WhalepyError, match="compile"):
         whalepy.profile(model, (x,), measure=True, compile=True, lowered=False)
+
+
+def test_inside_a_distributed_job_the_lowered_timing_runs_in_another_process():
+    """A rank of a torch.distributed job (bench_gpu_step.py, parallelize(measure=True) under torchrun)
+    cannot make the fake process group the lowered timing needs; it runs in a fresh process instead and
+    records the same tables."""
+    from measured_cases import measure_in_a_job
+
+    (wrapped, units, updates), = run_distributed(measure_in_a_job, 1, timeout=240)
+    assert wrapped == 3 and units == 4 and updates == 3  # embed (2 units), a layer, the head

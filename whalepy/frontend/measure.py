@@ -310,7 +310,7 @@ def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device
     if not isinstance(repeats, int) or repeats < 1:
         raise ArgumentError(f"measure: repeats={repeats!r}: give a positive integer, e.g. 3")
     loss_fn = loss_fn or default_loss
-    optimizer = optimizer or (lambda ps: torch.optim.AdamW(ps))
+    optimizer = optimizer or _default_optimizer
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     autocast = (lambda: torch.autocast(dev.type, dtype=low)) if low is not None else contextlib.nullcontext
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
@@ -371,9 +371,9 @@ def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device
                         if name in trace.activation_bytes:
                             acts.setdefault(sigs[i], {})[precision] = trace.activation_bytes[name] / mbs[-1]
             del work
-        wrapped, wrapped_updates, compiled, tp_colls = {}, {}, {}, {}
+        wrapped, wrapped_updates, compiled, tp_colls, units = {}, {}, {}, {}, {}
         if lowered:
-            wrapped, wrapped_updates, compiled, tp_colls = _measure_as_lowered(
+            wrapped, wrapped_updates, compiled, tp_colls, units = _measure_as_lowered(
                 model, example_inputs, profile, blocks, sigs, times, dev=dev, precision=precision, mbs=mbs,
                 tp_degrees=tp_degrees, repeats=repeats, loss_fn=loss_fn, optimizer=optimizer, autocast=autocast,
                 sync=sync, compile=compile)
@@ -382,57 +382,40 @@ def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device
                          source=f"whalepy measure on {reported}, torch {torch.__version__}",
                          optimizer=_optimizer_name(optimizer), times=times, updates=updates,
                          activation_bytes=acts, names=names, wrapped=wrapped, wrapped_updates=wrapped_updates,
-                         compiled=compiled, tp_collectives=tp_colls)
+                         compiled=compiled, tp_collectives=tp_colls, fsdp_units=units)
 
 
 def _measure_as_lowered(model: nn.Module, example_inputs: Any, profile: Any, blocks: dict[int, tuple[str, ...]],
                         sigs: dict[int, str], times: dict, *, dev: torch.device, precision: str, mbs: list[int],
                         tp_degrees: Iterable[int], repeats: int, loss_fn: Callable, optimizer: Callable,
-                        autocast: Any, sync: Callable[[], None], compile: bool = False) -> tuple[dict, dict, dict, dict]:
+                        autocast: Any, sync: Callable[[], None], compile: bool = False) -> tuple[dict, dict, dict, dict, dict]:
     """The blocks as the runtime lowers them (``whalepy.runtime.measure_lowered``): FSDP2 wrappers'
     times and DTensor optimizer steps recorded apart, TP times replacing the sharded-shape ones (with
     ``compile``: the compiled blocks' times in a table of their own, the third returned) and the TP
-    collectives each block issues (the fourth)."""
-    import logging
-
+    collectives each block issues (the fourth) and its FSDP2 units (the fifth). Inside a
+    ``torch.distributed`` job this runs in another process (:func:`_lowered_in_subprocess`)."""
     import torch.distributed as dist
 
     from whalepy.ir.extensions import lowered_measure
 
     fn = lowered_measure()
     if fn is None or isinstance(example_inputs, dict):
-        return {}, {}, {}, {}
-    if dist.is_initialized():
-        logging.getLogger("whalepy.measure").info(
-            "whalepy measure: inside a torch.distributed job the blocks are not timed as lowered (FSDP2 and "
-            "DTensor need a fake process group of their own); measure before init_process_group, or in a "
-            "separate process, to include the wrappers' host work")
-        return {}, {}, {}, {}
-    def time_step(root: nn.Module, mb: int, by_index: dict[int, tuple[str, ...]], loss: Callable,
-                  ctx: Any) -> dict[tuple[int, str], float]:
-        inputs = _resize(example_inputs, mb, dev)
-        last = max(by_index)
-        clock = BlockClock(root, by_index, sync)
-        try:
-            _warm_up(root, inputs, clock, loss, ctx, last)
-            return _median_times([_one_step(root, inputs, clock, loss, ctx, last) for _ in range(repeats)])
-        finally:
-            clock.remove()
-
-    def time_opt(params: list, opt: Callable) -> float:
-        return _time_optimizer(params, opt, sync, repeats)
-
+        return {}, {}, {}, {}, {}
     from whalepy.ir.rules import tp_splits
 
     names = {profile.blocks[i].name: paths for i, paths in sorted(blocks.items())}
     sig_of = {profile.blocks[i].name: sigs[i] for i in blocks}
     rules = [r for i in sorted(blocks) for r in profile.blocks[i].tp_rules]
     work = _materialized(model, dev)  # the caller holds the model truncated
-    got = fn(work, _resize(example_inputs, mbs[-1], dev), names, device=dev, precision=precision,
-             micro_batches=mbs, tp_rules=rules, tp_degrees=tp_degrees, repeats=repeats, loss_fn=loss_fn,
-             optimizer=optimizer, time_step=time_step, time_optimizer=time_opt, compile=compile)
+    job = dict(names=names, rules=rules, device=str(dev), precision=precision, mbs=list(mbs),
+               tp_degrees=[int(t) for t in tp_degrees], repeats=repeats, loss_fn=loss_fn, optimizer=optimizer,
+               compile=compile)
+    if dist.is_initialized():  # FSDP2 and DTensor need a fake process group of their own: another process
+        got = _lowered_in_subprocess(work, _resize(example_inputs, mbs[-1], torch.device("cpu")), job)
+    else:
+        got = _run_lowered(work, _resize(example_inputs, mbs[-1], dev), **job)
     if not got:
-        return {}, {}, {}, {}
+        return {}, {}, {}, {}, {}
     wrapped: dict[str, dict] = {}
     for (wrapper, mb), row in got["wrapped"].items():
         for name, t in row.items():
@@ -456,7 +439,95 @@ def _measure_as_lowered(model: nn.Module, example_inputs: Any, profile: Any, blo
         for name, phases in per_block.items():
             if name in sig_of and tp_splits(by_name[name], tp):
                 tpc.setdefault(sig_of[name], {})[int(tp)] = phases
-    return wrapped, ups, compiled, tpc
+    units = {sig_of[n]: u for n, u in got.get("fsdp_units", {}).items() if n in sig_of and u > 0}
+    return wrapped, ups, compiled, tpc, units
+
+
+def _run_lowered(work: nn.Module, inputs: tuple, *, names: dict[str, tuple[str, ...]], rules: list, device: str,
+                 precision: str, mbs: list[int], tp_degrees: list[int], repeats: int, loss_fn: Callable | None,
+                 optimizer: Callable | None, compile: bool) -> dict | None:
+    """``whalepy.runtime.measure_lowered`` on ``work`` (the truncated model on ``device``) with this module's
+    block timing: warm-up until a step settles, then the median of ``repeats`` steps."""
+    from whalepy.ir.extensions import lowered_measure
+
+    fn = lowered_measure()
+    if fn is None:
+        return None
+    dev = torch.device(device)
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    loss_fn = loss_fn or default_loss
+    optimizer = optimizer or _default_optimizer
+
+    def time_step(root: nn.Module, mb: int, by_index: dict[int, tuple[str, ...]], loss: Callable,
+                  ctx: Any) -> dict[tuple[int, str], float]:
+        x = _resize(inputs, mb, dev)
+        last = max(by_index)
+        clock = BlockClock(root, by_index, sync)
+        try:
+            _warm_up(root, x, clock, loss, ctx, last)
+            return _median_times([_one_step(root, x, clock, loss, ctx, last) for _ in range(repeats)])
+        finally:
+            clock.remove()
+
+    def time_opt(params: list, opt: Callable) -> float:
+        return _time_optimizer(params, opt, sync, repeats)
+
+    return fn(work, _resize(inputs, mbs[-1], dev), names, device=dev, precision=precision, micro_batches=mbs,
+              tp_rules=rules, tp_degrees=tp_degrees, repeats=repeats, loss_fn=loss_fn, optimizer=optimizer,
+              time_step=time_step, time_optimizer=time_opt, compile=compile)
+
+
+def _default_optimizer(params: list) -> torch.optim.Optimizer:
+    """The optimizer measured when none is given: ``AdamW`` as torch builds it."""
+    return torch.optim.AdamW(params)
+
+
+def _lowered_in_subprocess(work: nn.Module, inputs: tuple, job: dict) -> dict | None:
+    """:func:`_run_lowered` in a fresh Python process (``python -m whalepy.frontend.measure IN OUT``):
+    inside a ``torch.distributed`` job this process's default group is the job's, and FSDP2 and DTensor
+    need a fake one of their own. The model and the job travel by ``torch.save`` (the model's classes must
+    be importable there: a class defined in the launching script is not); what cannot travel or fails
+    there is said in the log and the wrappers are modelled."""
+    import logging
+    import subprocess
+    import sys
+    import tempfile
+
+    from whalepy.files import atomic_path
+
+    log = logging.getLogger("whalepy.measure")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                        "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
+    with tempfile.TemporaryDirectory(prefix="whalepy-measure-") as tmp:
+        src, dst = os.path.join(tmp, "job.pt"), os.path.join(tmp, "out.pt")
+        try:
+            with atomic_path(src, what="measurement job") as tmp_src:
+                torch.save({"model": work.cpu(), "inputs": inputs, "job": job}, tmp_src)
+        except Exception as e:  # noqa: BLE001 - a lambda or a local class does not pickle
+            log.warning("whalepy measure: the blocks are not timed as lowered (inside a torch.distributed job "
+                        "they are timed in another process, and the model or its loss / optimizer does not "
+                        "pickle: %s); the wrappers' host work is modelled", str(e).splitlines()[0][:200])
+            return None
+        done = subprocess.run([sys.executable, "-m", "whalepy.frontend.measure", src, dst], env=env,
+                              capture_output=True, text=True)
+        if done.returncode != 0 or not os.path.exists(dst):
+            tail = (done.stderr or "").strip().splitlines()[-1:] or ["no output"]
+            log.warning("whalepy measure: timing the blocks as lowered in another process failed (%s); the "
+                        "wrappers' host work is modelled", tail[0][:300])
+            return None
+        return torch.load(dst, weights_only=False)
+
+
+def _child_main(src: str, dst: str) -> None:
+    """``python -m whalepy.frontend.measure IN OUT``: :func:`_run_lowered` of a saved job."""
+    from whalepy.files import atomic_path
+
+    spec = torch.load(src, weights_only=False)
+    job = spec["job"]
+    got = _run_lowered(spec["model"].to(torch.device(job["device"])), spec["inputs"], **job)
+    with atomic_path(dst, inputs=(src,), what="measurement result") as tmp:
+        torch.save(got, tmp)
 
 
 def _optimizer_name(optimizer: Callable) -> str:
@@ -517,3 +588,9 @@ def parse_device(device: Any) -> torch.device:
         raise ArgumentError(f"calibrate(device={device!r}): CUDA is not available on this machine; use "
                             "device='cpu' or run on a GPU machine")
     return dev
+
+
+if __name__ == "__main__":
+    import sys
+
+    _child_main(sys.argv[1], sys.argv[2])

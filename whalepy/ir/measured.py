@@ -87,6 +87,10 @@ class MeasuredCosts:
     """``sig -> tp -> phase ("f" / "b") -> kind -> (calls, bytes per sample)``: the collectives the block
     issues under tensor parallelism as the runtime lowers it (DTensor's redistributions), counted on the
     fake process group; the planner charges these calls instead of one modelled all-reduce per phase."""
+    fsdp_units: dict[str, int] = field(default_factory=dict)
+    """``sig -> FSDP2 units``: the all-gathers the block's forward issues under FSDP2 (one per
+    ``fully_shard`` unit: HF's embedding block is two, token and position tables), counted on the fake
+    process group; the planner charges that many calls."""
     wrapped_updates: dict[str, dict[str, float]] = field(default_factory=dict)
     """``sig -> "fsdp/D" or "tp/D" -> seconds``: the optimizer step over the block's parameters as the
     runtime holds them (DTensor shards of degree ``D``), same fake process group."""
@@ -152,6 +156,7 @@ class MeasuredCosts:
         compiled = {s: dict(v) for s, v in self.compiled.items()}
         for s, v in other.compiled.items():
             compiled.setdefault(s, {}).update(v)
+        units = {**self.fsdp_units, **other.fsdp_units}
         tpc = {s: dict(v) for s, v in self.tp_collectives.items()}
         for s, v in other.tp_collectives.items():
             tpc.setdefault(s, {}).update(v)
@@ -162,7 +167,7 @@ class MeasuredCosts:
                        source=other.source or self.source, optimizer=other.optimizer or self.optimizer,
                        times=times, updates={**self.updates, **other.updates}, activation_bytes=acts,
                        names={**self.names, **other.names}, wrapped=wrapped, wrapped_updates=wups,
-                       compiled=compiled, tp_collectives=tpc)
+                       compiled=compiled, tp_collectives=tpc, fsdp_units=units)
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": MEASURED_FORMAT, "device_type": self.device_type, "device_name": self.device_name,
@@ -178,12 +183,13 @@ class MeasuredCosts:
                                "compiled": [{"precision": p, "tp": d, "micro_batch": mb, "forward_s": f,
                                              "backward_s": b}
                                             for (p, d, mb), (f, b) in sorted(self.compiled.get(s, {}).items())],
+                               "fsdp_units": self.fsdp_units.get(s),
                                "tp_collectives": {str(tp): {ph: {k: list(v) for k, v in sorted(kinds.items())}
                                                             for ph, kinds in sorted(phases.items())}
                                                   for tp, phases in sorted(self.tp_collectives.get(s, {}).items())}}
                            for s in sorted(set(self.times) | set(self.updates) | set(self.activation_bytes)
                                            | set(self.wrapped) | set(self.wrapped_updates) | set(self.compiled)
-                                           | set(self.tp_collectives))}}
+                                           | set(self.tp_collectives) | set(self.fsdp_units))}}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], *, where: str = "measured costs") -> MeasuredCosts:
@@ -191,8 +197,10 @@ class MeasuredCosts:
             raise WhalepyError(f"{where}: measured-costs format {d.get('format')!r} is not supported (this whalepy "
                                f"reads format {MEASURED_FORMAT}); measure again with whalepy calibrate --model")
         try:
-            times, updates, acts, names, wrapped, wups, compiled, tpc = {}, {}, {}, {}, {}, {}, {}, {}
+            times, updates, acts, names, wrapped, wups, compiled, tpc, units = {}, {}, {}, {}, {}, {}, {}, {}, {}
             for sig, e in d.get("blocks", {}).items():
+                if e.get("fsdp_units") is not None:
+                    units[sig] = int(e["fsdp_units"])
                 if e.get("tp_collectives"):
                     tpc[sig] = {int(tp): {ph: {k: (float(v[0]), float(v[1])) for k, v in kinds.items()}
                                           for ph, kinds in phases.items()}
@@ -214,7 +222,7 @@ class MeasuredCosts:
             return cls(device_type=d["device_type"], device_name=d.get("device_name", ""), threads=d.get("threads"),
                        source=d.get("source", ""), optimizer=d.get("optimizer", ""), times=times, updates=updates,
                        activation_bytes=acts, names=names, wrapped=wrapped, wrapped_updates=wups,
-                       compiled=compiled, tp_collectives=tpc)
+                       compiled=compiled, tp_collectives=tpc, fsdp_units=units)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise WhalepyError(f"{where}: not a whalepy measured-costs table ({type(e).__name__}: {e}); measure "
                                "again with whalepy calibrate --model") from None

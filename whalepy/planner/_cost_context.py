@@ -125,8 +125,21 @@ class CostContext:
     def dp_block_comm(self, segments: tuple[Segment, ...], seg_params: tuple[float, ...],
                       group: CommGroup | None) -> DPComm:
         """:func:`build_dp_block_comm` of a stage's data-parallel group (cached)."""
+        units = tuple(self.fsdp_units(seg.block.index) for seg in segments)
         return self._cached("dp", segments, (seg_params, group), lambda: build_dp_block_comm(
-            self.collective, segments, list(seg_params), group, self.precision))
+            self.collective, segments, list(seg_params), group, self.precision,
+            units if any(u != 1 for u in units) else None))
+
+    def fsdp_units(self, block_index: int) -> int:
+        """FSDP2 units the runtime lowers the block as, counted by measured planning on any device type
+        (the lowering does not depend on it), else 1."""
+        if not self.measured:
+            return 1
+        sig = self.signatures[block_index]
+        for m in self.measured.values():
+            if sig in m.fsdp_units:
+                return max(int(m.fsdp_units[sig]), 1)
+        return 1
 
     def segment_costs(self, segments: tuple[Segment, ...], device_name: str, tp: int, micro_batch: float,
                       tp_group: CommGroup | None) -> tuple[tuple[float, ...], ...]:

@@ -275,15 +275,21 @@ class DPComm:
 
 
 def build_dp_block_comm(collective: CollectiveFn, segments: tuple[Segment, ...], seg_params: list[float],
-                        group: CommGroup | None, precision: str) -> DPComm:
+                        group: CommGroup | None, precision: str, units: tuple[int, ...] | None = None) -> DPComm:
+    """``units[g]``: the FSDP2 units (``fully_shard`` calls) a block of segment ``g`` is lowered as, each
+    gathering and reducing its own share of the block's parameters in a call of its own (counted by
+    measured planning, ``MeasuredCosts.fsdp_units``; 1 where not counted)."""
     rep = max(range(len(segments)), key=lambda g: segments[g].length) if segments else 0
     if group is None:
         zeros = tuple(0.0 for _ in seg_params)
         return DPComm(zeros, zeros, zeros, rep)
+    calls = units or tuple(1 for _ in seg_params)
 
     def times(kind: Collective) -> tuple[float, ...]:
         per = dp_payload_bytes_per_param(kind, precision)
-        return tuple(collective(kind, per * p, group) for p in seg_params)
+        if kind is Collective.ALL_REDUCE:  # DDP's buckets, not FSDP2's units
+            return tuple(collective(kind, per * p, group) for p in seg_params)
+        return tuple(k * collective(kind, per * p / k, group) for p, k in zip(seg_params, calls))
 
     return DPComm(times(Collective.ALL_GATHER), times(Collective.REDUCE_SCATTER), times(Collective.ALL_REDUCE), rep)
 

@@ -60,6 +60,11 @@ _FUNCTIONAL = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather
                "reduce_scatter_tensor": "reduce_scatter"}
 """``_c10d_functional`` operators (DTensor's redistributions issue these) -> the cost model's collective."""
 
+_C10D = {"_allgather_base_": ("all_gather", 0), "allgather_into_tensor_coalesced_": ("all_gather", 0),
+         "_reduce_scatter_base_": ("reduce_scatter", 1), "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1)}
+"""``c10d`` operators FSDP2 issues -> (the cost model's collective, the argument holding its payload: the
+gathered output, the whole input to reduce-scatter)."""
+
 
 class _BlockCollectives:
     """Counts the collectives one step issues, per (block, phase, kind): the calls and the payload bytes
@@ -82,13 +87,19 @@ class _BlockCollectives:
         class _Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
                 ns, _, op = str(func.name()).partition("::")
-                kind = _FUNCTIONAL.get(op.split(".")[0]) if ns == "_c10d_functional" else None
-                events = owner.clock.events
-                if kind is not None and events and events[-1][1] is not None and args \
-                        and isinstance(args[0], torch.Tensor):
-                    nbytes = args[0].numel() * args[0].element_size()
+                op = op.split(".")[0]
+                kind, nbytes = None, 0
+                if ns == "_c10d_functional" and op in _FUNCTIONAL and args and isinstance(args[0], torch.Tensor):
+                    kind, nbytes = _FUNCTIONAL[op], args[0].numel() * args[0].element_size()
                     if kind == "all_gather":
                         nbytes *= int(args[1])  # group size: the gathered output
+                elif ns == "c10d" and op in _C10D:
+                    kind, arg = _C10D[op]
+                    x = args[arg] if len(args) > arg else None
+                    xs = x if isinstance(x, (list, tuple)) else [x]
+                    nbytes = sum(t.numel() * t.element_size() for t in xs if isinstance(t, torch.Tensor))
+                events = owner.clock.events
+                if kind is not None and events and events[-1][1] is not None:
                     row = owner.rows.setdefault((owner.names[events[-1][1]], events[-1][2], kind), [0.0, 0.0])
                     row[0] += 1
                     row[1] += nbytes
@@ -172,7 +183,8 @@ def measure_lowered(model: nn.Module, example_inputs: tuple, blocks: dict[str, t
     configs = [("plain", 1, 1, 0)] if compile else []
     configs += [("fsdp", FSDP_DEGREE, 1, 2), ("fsdp_reshard", FSDP_DEGREE, 1, 3)]
     configs += [("tp", t, t, 0) for t in sorted({int(t) for t in tp_degrees}) if t > 1 and rules]
-    out: dict[str, Any] = {"wrapped": {}, "tp": {}, "updates": {}, "plain": {}, "tp_collectives": {}}
+    out: dict[str, Any] = {"wrapped": {}, "tp": {}, "updates": {}, "plain": {}, "tp_collectives": {},
+                           "fsdp_units": {}}
     from whalepy.frontend.profile import profile as capture
     from whalepy.hardware.cluster import ClusterSpec
 
@@ -211,6 +223,10 @@ def measure_lowered(model: nn.Module, example_inputs: tuple, blocks: dict[str, t
                         out["tp"][(tp, mb)] = row
                     else:
                         out["wrapped"][(label, mb)] = row
+                if label == "fsdp_reshard" and not compile:  # FSDP2's units per block: its forward gathers
+                    counted = _count_collectives(root, tuple(example_inputs), by_index, names, loss_fn, autocast,
+                                                 int(example_inputs[0].shape[0]))
+                    out["fsdp_units"] = {n: int(c.get("f", {}).get("all_gather", (0, 0))[0]) for n, c in counted.items()}
                 if label == "tp" and not compile:  # the collectives each block issues at this degree
                     out["tp_collectives"][tp] = _count_collectives(
                         root, tuple(example_inputs), by_index, names, loss_fn, autocast,

@@ -27,7 +27,7 @@ from torch import nn
 
 from whalepy.errors import ArgumentError, LaunchError, PlanError, WhalepyError
 from whalepy.frontend.checks import check_token_ids
-from whalepy.ir.plan import Plan, Tier
+from whalepy.ir.plan import Plan
 from whalepy.runtime._amp import AmpContext
 from whalepy.runtime._joint_step import JointStep, host_grad_params
 from whalepy.runtime._pm_helpers import (  # noqa: F401 - _checked_loss: tests import it from here
@@ -59,6 +59,7 @@ from whalepy.runtime.checkpointing import (
     set_train_state,
 )
 from whalepy.runtime.data import ShardedBatchSampler, dataset_length, local_share, take_local
+from whalepy.runtime.disk_space import check_plan_disk_space, stage_has_disk_tier
 from whalepy.runtime.host_optimizer import HostOptimizer
 from whalepy.runtime.launch_errors import install_error_hook
 from whalepy.runtime.lower import lower, share_scale
@@ -223,8 +224,9 @@ def parallelize(
     _check_plan_cluster(plan, cluster_spec)
     check_tiles(plan)  # memory-centric tiling only where it is lowered, before profiling
     mine = next(st for st in plan.stages if rank in st.all_ranks)  # the disk tier's space, before any lowering
-    if any(Tier.NVME in (b.param_tier, b.optimizer_tier) for b in mine.blocks):
-        check_nvme_dir(nvme_dir, nvme_keep, on_node=True, needed_bytes=mine.cost.nvme_state_bytes)
+    if stage_has_disk_tier(mine):
+        check_nvme_dir(nvme_dir, nvme_keep, on_node=True)
+    check_plan_disk_space(plan, rank, nvme_dir)  # collective: the files of every rank on a file system, summed
     _check_device(plan, cluster_spec, rank)
     if plan.model_fingerprint != "unchecked":
         profile = profile if profile is not None else _profile_or_none(model, example_inputs, plan)
