@@ -130,9 +130,11 @@ def build_profile(
             fwd_flops=fig["fwd"], bwd_flops=fig["bwd"], bytes_moved=fig["bytes"],
             activation_bytes=int(fig["saved"]), input_bytes=int(fig["in"]),
             output_bytes=int(fig["out"]), tp_rules=tp.rules, tp_whole=tp.whole, tp_comm_bytes=int(tp.comm_bytes),
+            tp_comm_backward_bytes=int(tp.backward_comm_bytes), tp_gather_bytes=int(tp.gather_bytes),
             tp_degrees=degrees, annotations=merged, kernels=fig["kernels"],
             linear_params=lin_sum, largest_linear_params=lin_max, num_linears=lin_n,
             linear_rows=rows, shares_params=shares_params(model, spec.modules, named),
+            shared_param_numel=shared_param_numel(model, spec.modules),
         ))
     unique = list(model.parameters())
     batch, seq = _batch_and_seq(gm)
@@ -164,6 +166,16 @@ def shares_params(model: torch.nn.Module, modules: tuple[str, ...],
         if any(i in inside for n, i in named if not n.startswith(prefix)):
             return True
     return False
+
+
+def shared_param_numel(model: torch.nn.Module, modules: tuple[str, ...]) -> int:
+    """Elements of the parameters a module of ``modules`` shares with a module outside them (each
+    parameter once): :attr:`~whalepy.ir.profile.BlockProfile.shared_param_numel`."""
+    named = list(model.named_parameters(remove_duplicate=False))
+    prefixes = tuple(p + "." if p else "" for p in modules)
+    inside = {id(p): p for n, p in named if n.startswith(prefixes)}
+    outside = {id(p) for n, p in named if not n.startswith(prefixes)}
+    return sum(p.numel() for i, p in inside.items() if i in outside)
 
 
 @dataclass(slots=True)

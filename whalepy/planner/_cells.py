@@ -20,7 +20,7 @@ from whalepy.planner._offload_costs import (
     checkpoint_offload_coefficients,
     offload_coefficients,
 )
-from whalepy.planner.runtime_costs import DPComm, dp_edges, exposed_dp, lowering_kind, usable_device_bytes, uses_autocast
+from whalepy.planner.runtime_costs import DPComm, chunk_neighbours, dp_edges, exposed_dp, lowering_kind, usable_device_bytes, uses_autocast
 from whalepy.planner.space import Candidate, GroupView, Segment, StateOption
 
 
@@ -42,16 +42,9 @@ def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: i
     # point-to-point sends of this physical stage's chunks
     chunk_p2p = []
     nbytes = ctx.boundary_bytes * ratio
-    J = S * v
-    for k in range(v):
-        j = s + k * S
+    for neighbours in chunk_neighbours(s, S, v):
         p2p = 0.0
-        for nj in ((j + 1) if j < J - 1 else None, (j - 1) if j > 0 else None):
-            if nj is None:
-                continue
-            ns = nj % S
-            if ns == s:
-                continue
+        for ns in neighbours:
             link = _pair_link(hw.comm((ranks[s][rep][0], ranks[ns][rep][0])))
             p2p += estimate_p2p_time(nbytes, link)
         chunk_p2p.append(p2p)

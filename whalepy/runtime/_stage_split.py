@@ -39,7 +39,7 @@ from torch.export.graph_signature import (
 from whalepy.errors import CaptureError
 from whalepy.models.hf_compat import export_compat
 
-__all__ = ["retarget_device", "split_stages", "tied_parameters"]
+__all__ = ["TensorSpec", "retarget_device", "split_stages", "stage_io", "tied_parameters"]
 
 _BLOCK = "whalepy.block"
 _CONST_PREFIX = "_whalepy_constants"
@@ -73,7 +73,62 @@ def split_stages(
         stage.whalepy_stage_index = k
         stage.whalepy_blocks = stage_blocks[k]
         stage.whalepy_input_shapes = shapes  # the shapes the graph is specialised to
+    for stage, io in zip(stages, stage_io(stages)):
+        stage.whalepy_io = io  # what it receives and sends per micro-batch (build_pipeline_schedule)
     return stages
+
+
+TensorSpec = tuple[tuple[int, ...], torch.dtype, bool]
+"""``(shape, dtype, requires_grad)`` of a tensor a stage receives or sends."""
+
+
+def stage_io(stages: Sequence[fx.GraphModule]) -> list[tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]]:
+    """Per stage, ``(inputs, outputs)``: the tensors it takes and returns for the micro-batch it was
+    traced with, each with whether it requires a gradient in training. Shapes and dtypes are the traced
+    values'; ``requires_grad`` follows the data flow from stage 0 on (a value requires a gradient when a
+    parameter that does, or an input that does, reaches it through differentiable ops and it is
+    floating point; rotary tables computed from buffers do not), as the stage's forward will make it.
+    Stage ``k``'s outputs are stage ``k + 1``'s inputs, in order."""
+    out: list[tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]] = []
+    received: list[bool] | None = None
+    for stage in stages:
+        needs: dict[fx.Node, bool] = {}
+        placeholders = [n for n in stage.graph.nodes if n.op == "placeholder"]
+        for i, n in enumerate(placeholders):
+            needs[n] = bool(received[i]) if received is not None and i < len(received) else False
+        for n in stage.graph.nodes:
+            if n.op in ("placeholder", "output"):
+                continue
+            val = n.meta.get("val")
+            floating = isinstance(val, torch.Tensor) and val.is_floating_point() or isinstance(val, (tuple, list))
+            if n.op == "get_attr":
+                attr = _resolve(stage, str(n.target))
+                needs[n] = isinstance(attr, torch.Tensor) and attr.requires_grad
+            elif n.op == "call_function" and n.target is torch.ops.aten.detach.default:
+                needs[n] = False
+            else:
+                from_params = n.op == "call_module" and any(
+                    p.requires_grad for p in stage.get_submodule(str(n.target)).parameters())
+                needs[n] = floating and (from_params or any(needs.get(x, False) for x in n.all_input_nodes))
+        result = next(n for n in stage.graph.nodes if n.op == "output").args[0]
+        leaves = [x for x in pytree.tree_leaves(result) if isinstance(x, fx.Node)]
+
+        def spec(n: fx.Node) -> TensorSpec:
+            val = n.meta["val"]
+            return tuple(val.shape), val.dtype, bool(needs.get(n, False)) and val.is_floating_point()
+
+        ins = tuple(spec(n) for n in placeholders)
+        outs = tuple(spec(n) for n in leaves if isinstance(n.meta.get("val"), torch.Tensor))
+        received = [s[2] for s in outs]
+        out.append((ins, outs))
+    return out
+
+
+def _resolve(root: nn.Module, target: str) -> Any:
+    obj: Any = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 def retarget_device(stage: fx.GraphModule, device: torch.device | str) -> None:

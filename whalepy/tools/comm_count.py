@@ -3,7 +3,10 @@
 Every collective of a ``torch.distributed`` process group, whoever issues it (FSDP2's all-gathers and
 reduce-scatters, DDP's C++ reducer, ``ZeroRedundancyOptimizer``'s broadcasts, functional collectives),
 reaches the ProcessGroup through a ``c10d`` operator of the dispatcher (``c10d::allreduce_``,
-``c10d::_allgather_base_``, ...). :class:`CollectiveCounter` is a ``TorchDispatchMode`` that sees those
+``c10d::_allgather_base_``, ...), or, for functional collectives (DTensor's redistributions under
+tensor parallelism), through a ``_c10d_functional`` operator (``all_reduce``,
+``all_gather_into_tensor``, ...; on a fake process group or under a ``FakeTensorMode`` these never
+reach a ProcessGroup). :class:`CollectiveCounter` is a ``TorchDispatchMode`` that sees both kinds of
 operators and adds up their payload in the size convention of
 :mod:`whalepy.cost_models.communication`: all-reduce and broadcast the tensor, all-gather the gathered
 output, reduce-scatter the whole input, all-to-all one rank's send buffer, send / recv the message.
@@ -54,6 +57,24 @@ _C10D: dict[str, tuple[Collective, int]] = {
 }
 _NO_PAYLOAD = {"barrier", "monitored_barrier_"}
 
+# functional collectives (``torch.distributed._functional_collectives``: what DTensor's redistributions
+# issue) -> (collective, index of the input, index of the group size for an all-gather's output or None)
+_FUNCTIONAL: dict[str, tuple[Collective, int, int | None]] = {
+    "all_reduce": (Collective.ALL_REDUCE, 0, None),
+    "all_reduce_": (Collective.ALL_REDUCE, 0, None),
+    "all_reduce_coalesced": (Collective.ALL_REDUCE, 0, None),
+    "all_reduce_coalesced_": (Collective.ALL_REDUCE, 0, None),
+    "all_gather_into_tensor": (Collective.ALL_GATHER, 0, 1),
+    "all_gather_into_tensor_out": (Collective.ALL_GATHER, 0, 1),
+    "all_gather_into_tensor_coalesced": (Collective.ALL_GATHER, 0, 1),
+    "reduce_scatter_tensor": (Collective.REDUCE_SCATTER, 0, None),
+    "reduce_scatter_tensor_coalesced": (Collective.REDUCE_SCATTER, 0, None),
+    "all_to_all_single": (Collective.ALL_TO_ALL, 0, None),
+    "broadcast": (Collective.BROADCAST, 0, None),
+    "broadcast_": (Collective.BROADCAST, 0, None),
+}
+_FUNCTIONAL_NO_PAYLOAD = {"wait_tensor"}
+
 
 class CollectiveCounter(TorchDispatchMode):
     """``with CollectiveCounter() as c: ...`` then ``c.bytes[Collective.ALL_GATHER]`` and ``c.calls``.
@@ -79,4 +100,12 @@ class CollectiveCounter(TorchDispatchMode):
                 self.calls[kind] += 1
             elif name not in _NO_PAYLOAD:
                 raise NotImplementedError(f"CollectiveCounter does not know the c10d operator {name!r}")
+        elif func.namespace == "_c10d_functional":
+            name = func._opname
+            if name in _FUNCTIONAL:
+                kind, index, size = _FUNCTIONAL[name]
+                self.bytes[kind] += _nbytes(args[index]) * (int(args[size]) if size is not None else 1)
+                self.calls[kind] += 1
+            elif name not in _FUNCTIONAL_NO_PAYLOAD:
+                raise NotImplementedError(f"CollectiveCounter does not know the functional collective {name!r}")
         return func(*args, **(kwargs or {}))
