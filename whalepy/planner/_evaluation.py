@@ -18,13 +18,14 @@ from whalepy.planner._coeffs import (
     node_fits,
     stage_host_activation,
     stage_host_checkpoint,
+    tied_copy_params,
 )
 from whalepy.planner.space import MAX_OPTIONS_PER_STAGE, StateMix, StateOption
 
 if TYPE_CHECKING:
     from whalepy.planner._bound import Choices
 
-__all__ = ["CellEval", "Evaluation", "StageEval", "checkpoint_offload_s", "chunk_busy_s", "chunk_counts_from_sizes", "counts_from_boundaries", "evaluate", "evaluate_stage", "lower_bound", "memory_breakdown", "offload_s", "split_stage_checkpoints", "step_time"]
+__all__ = ["part_params", "CellEval", "Evaluation", "StageEval", "checkpoint_offload_s", "chunk_busy_s", "chunk_counts_from_sizes", "counts_from_boundaries", "evaluate", "evaluate_stage", "lower_bound", "memory_breakdown", "offload_s", "split_stage_checkpoints", "step_time"]
 
 
 @dataclass(slots=True)
@@ -215,6 +216,18 @@ def _check_mix(sc: StageCoeffs, mix: StateMix, counts: Sequence[int], v: int) ->
         raise ValueError(f"stage {sc.index}: the mix's blocks {[list(n) for _, n in mix]} do not split {list(counts)}")
 
 
+def part_params(sc: StageCoeffs, parts: StateMix, counts: Sequence[int]) -> list[tuple[StateOption, float]]:
+    """Local parameters per device of each part ``(option, blocks per segment)`` of a stage with
+    ``counts`` blocks per segment: its blocks', and the copies of tied weights the stage holds
+    (:attr:`StageCoeffs.tied_copies`) in the part whose blocks hold them."""
+    pls = [[o, sum(n * p for n, p in zip(ns, sc.seg_params))] for o, ns in parts]
+    for c in sc.tied_copies:
+        if tied_copy_params((c,), counts):
+            part = next(x for x, (_, ns) in zip(pls, parts) if any(ns[h] for h in c.holders))
+            part[1] += c.local_params
+    return [(o, x) for o, x in pls]
+
+
 def evaluate_stage(sc: StageCoeffs, chunk_counts: Sequence[Sequence[int]], chunk_ckpts: Sequence[Sequence[int]],
                    option: StateOption | StateMix, *, dp: int,
                    chunk_offs: Sequence[Sequence[int]] | None = None,
@@ -255,7 +268,7 @@ def evaluate_stage(sc: StageCoeffs, chunk_counts: Sequence[Sequence[int]], chunk
                          f"the checkpointed ones {list(map(list, chunk_ckpts))}")
     ckoffs = [sum(row[g] for row in chunk_ckoffs) for g in range(G)]
     host_act += sum(w * x for w, x in zip(ckoffs, stage_host_checkpoint(sc))) if any(ckoffs) else 0.0
-    pls = [(o, sum(n * p for n, p in zip(ns, sc.seg_params))) for o, ns in parts]  # local parameters per part
+    pls = part_params(sc, parts, counts)
     pl = sum(x for _, x in pls)
     alpha, beta = sc.sync[option]
     post = alpha + beta * pl if dp > 1 and pl > 0 else 0.0
