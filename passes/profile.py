@@ -118,7 +118,10 @@ def build_profile(
     users = parameter_users(model)
     named = [(n, id(p)) for n, p in model.named_parameters(remove_duplicate=False)]
     sharded = _tp_sharded(model, [r for b in raw for r in b.tp.rules])
-    owner = {i: b.spec.name for b in raw for i in b.owned}
+    owner: dict[int, str] = {}
+    for b in raw:
+        for i in b.owned:
+            owner.setdefault(i, b.spec.name)
     first = {id(p): (n, p.numel()) for n, p in model.named_parameters()}
     sizes = {i: k for i, (_, k) in first.items()}
     for b in raw:

@@ -144,6 +144,10 @@ class StageCoeffs:
     """Copies of tied weights a stage holds when it runs a block that holds one but not the block the
     profile counts it in (HF GPT-2's LM head on another pipeline stage than the embedding): empty
     without pipeline stages."""
+    tied_sync: tuple[tuple[dict[StateOption, float], ...], ...] = ()
+    """Per cell, per tied copy (:attr:`tied_copies`), per option: seconds per step of the all-reduce of
+    the copy's gradient over the pipeline ranks holding it (``whalepy.runtime.tied.sync_tied_grads``,
+    before the optimizer step), charged to the stage holding the copy."""
     tied_segments: tuple[int, ...] = ()
     """Segments whose blocks share parameters (:attr:`~whalepy.ir.profile.BlockProfile.shares_params`):
     in a mix, all of the stage's such blocks take one option (FSDP2 keeps tied weights in one unit)."""

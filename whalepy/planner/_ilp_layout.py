@@ -112,6 +112,7 @@ def add_checkpoint_offload_constraints(prob: _Model, cc: CandidateCoeffs, v: _Va
 
 
 def add_state_option_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
+    v.tied = [[] for _ in cc.stages]
     for s, sc in enumerate(cc.stages):
         if sc.families:
             _add_mixed_options(prob, cc, v, s)
@@ -126,8 +127,14 @@ def add_state_option_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) ->
         const = 0.0
         for g in range(len(cc.segments)):
             const += _acc(d, v.n[s][g], -sc.seg_params[g] / _BILLION)
-        for x, c in copies:
+        for k, (x, c) in enumerate(copies):
             d[x] = -c.local_params / _BILLION
+            # held with option o: t >= u + y_o - 1 (continuous, pushed down by the costs it carries)
+            per = {}
+            for i, o in enumerate(sc.options):
+                t = per[o] = _var(prob, f"tied_copy_on_{s}_{k}_{i}", lowBound=0)
+                _add(prob, {t: 1.0, x: -1.0, v.y[s][o]: -1.0}, 1.0, GE, f"tied_copy_on_{s}_{k}_{i}")
+            v.tied[s].append(per)
         _add(prob, d, const, EQ, f"option_params_sum_{s}")
 
 
@@ -170,6 +177,7 @@ def _add_mixed_options(prob: _Model, cc: CandidateCoeffs, v: _Vars, s: int) -> N
                 d = {v.y[s][p]: -1.0 for p in f if not p.beside_offload}
                 _add(prob, {**d, v.y[s][o]: 1.0}, 0.0, LE, f"beside_offload_{s}_{sc.options.index(o)}")
     nb: dict[StateOption, dict[int, _Var]] = {}
+    v.tied[s] = [{} for _ in copies]
     for i, o in enumerate(sc.options):
         nb[o] = {}
         for g, seg in enumerate(cc.segments):
@@ -180,7 +188,7 @@ def _add_mixed_options(prob: _Model, cc: CandidateCoeffs, v: _Vars, s: int) -> N
         for k, (u, c) in enumerate(copies):
             # the copy is in this option's parameters when the stage holds it and the option a holder:
             # w >= u + Nb[o][h] / L_h - 1, binary (the holders take one option, tied_segments)
-            w = _var(prob, f"tied_copy_{s}_{i}_{k}", cat="Binary")
+            w = v.tied[s][k][o] = _var(prob, f"tied_copy_{s}_{i}_{k}", cat="Binary")
             for h in c.holders:
                 L = float(cc.segments[h].length)
                 _add(prob, {w: L, u: -L, nb[o][h]: -1.0}, L, GE, f"tied_copy_option_{s}_{i}_{k}_{h}")

@@ -375,7 +375,9 @@ def _one_step(pm: Any, plan: Any, inputs: Sequence[Any], profile: Any) -> tuple[
     stage = pm.meshes.stage
     if stage.tp_degree > 1:
         return got, None
-    params = sum(b.num_params for b in (profile.blocks if profile is not None else ())
+    from whalepy.ir.rules import tp_local_params
+
+    params = sum(tp_local_params(b, stage.tp_degree) for b in (profile.blocks if profile is not None else ())
                  if b.name in stage.block_names)
     if not params:
         return got, None
