@@ -150,17 +150,18 @@ def _grads(pm: Any) -> dict[str, int]:
 def predicted(case: Case, stage: Any) -> dict[str, float] | None:
     """The memory model's bytes for a rank of plan stage ``stage``, block by block with each block's
     tiers (:func:`estimate_stage_model_state_bytes`; one tier pair: :func:`estimate_model_state_bytes`),
-    the disk tier's prefetch depth being that of its file-homed parameter blocks (one per stage)
-    (None under TP: the local share of each parameter is the planner's business, not this test's)."""
+    the disk tier's prefetch depth being that of its file-homed parameter blocks (one per stage); under
+    TP each block's parameters per TP rank (:func:`~whalepy.ir.rules.tp_local_params`: the split ones
+    divided by the degree, norms, position embeddings and row-parallel biases whole)."""
     from whalepy.cost_models.memory import estimate_stage_model_state_bytes
+    from whalepy.ir.rules import tp_local_params
 
-    if case.tp > 1:
-        return None
     prof = case_profile(case.kind, case.num_layers)
     depth = max((b.prefetch_depth for b in stage.blocks if b.param_tier.value == "nvme"), default=1)
     est = estimate_stage_model_state_bytes(
-        blocks=[(prof.block(b.name).num_params, b.param_tier, b.optimizer_tier) for b in stage.blocks],
-        zero_stage=case.zero, dp_degree=case.dp, pp_degree=case.pp, precision="fp32", prefetch_depth=depth)
+        blocks=[(tp_local_params(prof.block(b.name), case.tp), b.param_tier, b.optimizer_tier) for b in stage.blocks],
+        zero_stage=case.zero, dp_degree=case.dp, tp_degree=case.tp, pp_degree=case.pp, precision="fp32",
+        prefetch_depth=depth)
     return {"device": est.resident, "host": est.cpu, "files": est.nvme, "files_between": est.nvme_between_steps}
 
 

@@ -194,12 +194,6 @@ def pipeline_step_payload_bytes(message_bytes: float, *, stage: int, num_stages:
     return {Collective.SEND_RECV: 2.0 * num_microbatches * links * message_bytes}
 
 
-def tp_local_params(block, tp: int) -> float:  # type: ignore[no-untyped-def]
-    """Parameters one rank of a TP group of ``tp`` holds of ``block``, as the planner counts them
-    (``costing``: a block that splits holds ``1 / tp`` of every parameter; one that does not, all)."""
-    return block.num_params / (tp if tp_splits(block, tp) else 1)
-
-
 def tp_backward_bytes(block) -> float:  # type: ignore[no-untyped-def]
     """Bytes a tensor-parallel block all-reduces in its backward (``tp_comm_backward_bytes``, the
     column-parallel modules' input gradients); profiles that do not record it (synthetic models) are

@@ -453,13 +453,12 @@ def predicted_collectives(plan: Any, profile: Any, stage: int, replica: int, dp_
         dp_step_payload_bytes,
         pipeline_step_payload_bytes,
         tied_step_payload_bytes,
-        tp_local_params,
         tp_step_payload_bytes,
     )
     import torch
 
     from whalepy.cost_models.compute import precision_bytes
-    from whalepy.ir.rules import LoweringKind
+    from whalepy.ir.rules import LoweringKind, tied_copy_local_params, tp_local_params
 
     st = plan.stages[stage]
     names = set(st.block_names)
@@ -479,6 +478,11 @@ def predicted_collectives(plan: Any, profile: Any, stage: int, replica: int, dp_
         return None
     add(tp_part)
     params = sum(tp_local_params(b, tp) for b in blocks)
+    # a tied weight's copy a block of this stage holds without its owner (GPT-2's head holds wte): FSDP2
+    # gathers and reduces it with the stage's own parameters (the memory model charges it the same way)
+    held = {c.parameter: tied_copy_local_params(c, b, tp) for b in blocks for c in getattr(b, "tied_copies", ())
+            if c.owner not in names}
+    params += sum(held.values())
     if plan.dp_degree > 1 and params:
         add(dp_step_payload_bytes(dp_kind, zero3=st.zero_stage == 3, num_params=params, num_microbatches=M,
                                   precision=precision, pipelined=plan.pp_degree > 1))
