@@ -312,7 +312,7 @@ def test_closed_loop_replans_from_what_a_run_measured(runs, tmp_path, monkeypatc
     assert any(n.startswith("stage 0 costs:") and "measured for" in n for n in replanned.notes)
     path = write_measured(m, tmp_path / "CPU.json")
     assert load_profile_file(path).measured == m
-    for kw, needle in (({"profile": None}, "needs example_inputs"), ({"profile": m}, "takes a whalepy.ModelProfile"),
+    for kw, needle in (({"profile": None}, "example_inputs is None"), ({"profile": m}, "takes a whalepy.ModelProfile"),
                        ({"profile": measured, "measure": True}, "drop measure=True")):
         with pytest.raises(WhalepyError, match=needle):
             whalepy.plan(build()[0], cluster, global_batch=4, **kw)

@@ -262,8 +262,9 @@ def plan(model: Any, cluster: ClusterSpec, *, example_inputs: Any = None, global
                                 "nothing is measured; drop measure=True, or drop profile= to measure the model")
         return plan_from_profile(profile, cluster, global_batch=global_batch, **options)
     if example_inputs is None:
-        raise ArgumentError("whalepy.plan() needs example_inputs=(...) to capture the model (or profile=, a "
-                            "profile made already)")
+        raise ArgumentError("whalepy.plan(): example_inputs is None; pass the model's inputs for one sample to "
+                            "capture it, e.g. example_inputs=(torch.zeros(1, 1024, dtype=torch.long),), or "
+                            "profile= (a profile made already: whalepy.profile or pm.measured_profile())")
     check_model(model, "whalepy.plan()")
     cluster = as_cluster(cluster, "whalepy.plan()")
     _check_global_batch(global_batch)
