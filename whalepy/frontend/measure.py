@@ -375,8 +375,7 @@ def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device
         if lowered:
             wrapped, wrapped_updates, compiled, tp_colls, units = _measure_as_lowered(
                 model, example_inputs, profile, blocks, sigs, times, dev=dev, precision=precision, mbs=mbs,
-                tp_degrees=tp_degrees, repeats=repeats, loss_fn=loss_fn, optimizer=optimizer, autocast=autocast,
-                sync=sync, compile=compile)
+                tp_degrees=tp_degrees, repeats=repeats, loss_fn=loss_fn, optimizer=optimizer, compile=compile)
     return MeasuredCosts(device_type=device_type or row.name, device_name=reported,
                          threads=torch.get_num_threads() if dev.type == "cpu" else None,
                          source=f"whalepy measure on {reported}, torch {torch.__version__}",
@@ -388,7 +387,7 @@ def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device
 def _measure_as_lowered(model: nn.Module, example_inputs: Any, profile: Any, blocks: dict[int, tuple[str, ...]],
                         sigs: dict[int, str], times: dict, *, dev: torch.device, precision: str, mbs: list[int],
                         tp_degrees: Iterable[int], repeats: int, loss_fn: Callable, optimizer: Callable,
-                        autocast: Any, sync: Callable[[], None], compile: bool = False) -> tuple[dict, dict, dict, dict, dict]:
+                        compile: bool = False) -> tuple[dict, dict, dict, dict, dict]:
     """The blocks as the runtime lowers them (``whalepy.runtime.measure_lowered``): FSDP2 wrappers'
     times and DTensor optimizer steps recorded apart, TP times replacing the sharded-shape ones (with
     ``compile``: the compiled blocks' times in a table of their own, the third returned) and the TP

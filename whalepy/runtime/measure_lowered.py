@@ -35,7 +35,7 @@ from torch import nn
 
 log = logging.getLogger("whalepy.measure")
 
-__all__ = ["FSDP_DEGREE", "measure_lowered"]
+__all__ = ["FSDP_DEGREE", "fake_world", "measure_lowered"]
 
 FSDP_DEGREE = 2
 """Data-parallel degree the FSDP2 wrappers are measured at. The host work FSDP2 adds per block (hooks,
@@ -45,11 +45,13 @@ step less the plain step's share at this degree (``MeasuredCosts.update_overhead
 
 
 @contextlib.contextmanager
-def _fake_world(world: int) -> Iterator[None]:
+def fake_world(world: int, rank: int = 0) -> Iterator[None]:
+    """This process as ``rank`` of a ``world``-rank job on PyTorch's fake process group (every group and
+    mesh made as on the cluster, no collective moves data), the default group while inside."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         yield
     finally:
@@ -198,7 +200,7 @@ def measure_lowered(model: nn.Module, example_inputs: tuple, blocks: dict[str, t
         cluster = ClusterSpec.from_dict({"groups": [{"name": "measure", "gpu": "CPU" if device.type == "cpu" else "H100-SXM",
                                                      "gpus_per_node": world, "nodes": 1, "intra_node": "shm"}]})
         try:
-            with _fake_world(world), _quiet():
+            with fake_world(world), _quiet():
                 work = copy.deepcopy(model)
                 plan = make_plan(names, dp=world // tp, tp=tp, global_batch=mbs[-1] * (world // tp),
                                  zero_stage=zero, tensor_parallel=rules if tp > 1 else (), precision=precision,
