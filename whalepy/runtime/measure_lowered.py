@@ -193,12 +193,15 @@ def measure_lowered(model: nn.Module, example_inputs: tuple, blocks: dict[str, t
     prof = capture(model, example_inputs)  # the truncated model's own blocks, which the plan names
     names = [b.name for b in prof.blocks if b.name in blocks]
     if len(names) != len(blocks):
-        log.info("whalepy measure: the truncated model's blocks differ from the profile's; not timed as lowered")
+        log.warning("whalepy measure: the truncated model's blocks differ from the profile's; not timed as lowered")
         return None
 
+    from whalepy.frontend.measure import local_device_type
+
+    gpu = local_device_type(device)[0].name  # this GPU's catalog type: the runtime checks the plan's type against it
     for label, world, tp, zero in configs:
-        cluster = ClusterSpec.from_dict({"groups": [{"name": "measure", "gpu": "CPU" if device.type == "cpu" else "H100-SXM",
-                                                     "gpus_per_node": world, "nodes": 1, "intra_node": "shm"}]})
+        cluster = ClusterSpec.from_dict({"groups": [{"name": "measure", "gpu": gpu, "gpus_per_node": world,
+                                                     "nodes": 1, "intra_node": "shm"}]})
         try:
             with fake_world(world), _quiet():
                 work = copy.deepcopy(model)
@@ -217,6 +220,8 @@ def measure_lowered(model: nn.Module, example_inputs: tuple, blocks: dict[str, t
                         yield
 
                 for mb in mbs:
+                    if compile:  # each size compiled on its own, static, as the runtime's one size is: after a
+                        torch._dynamo.reset()  # second size dynamo would go dynamic (other kernels, no mm padding)
                     med = time_step(root, mb, by_index, loss_fn, autocast)
                     row = {n: (med.get((index[n], "f"), 0.0), med.get((index[n], "b"), 0.0)) for n in names}
                     if label == "plain":
