@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import socket
 import statistics
@@ -103,15 +104,35 @@ def run_whalepy(name: str, args: argparse.Namespace, cluster: Any, meter: Meter)
 
     model, vocab, seq = build(name, args.smoke)
     data = batches(vocab, seq, args.batch, args.warmup + args.steps)
+    prof = None
+    if args.measure and args.dump:  # what plan(measure=True) measures, kept: the tables and the plan go to --dump
+        import functools
+
+        from whalepy.frontend.measure import micro_batch_sizes
+        from whalepy.planner import resolve_compile
+
+        prof = whalepy.profile(model, (data[0][0][:1],), measure=True, micro_batches=micro_batch_sizes(args.batch),
+                               tp_degrees=(1,), precision="bf16" if torch.cuda.is_available() else "fp32",
+                               optimizer=functools.partial(torch.optim.AdamW, fused=torch.cuda.is_available() or None),
+                               compile=resolve_compile(cluster, "auto"))
+        os.makedirs(args.dump, exist_ok=True)
+        with open(os.path.join(args.dump, f"{name}_measured.json"), "w") as f:
+            json.dump(prof.measured.to_dict(), f, indent=1)
     pm = whalepy.parallelize(model, cluster, example_inputs=(data[0][0][:1],), loss_fn=loss_fn,
                              optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4), global_batch=args.batch,
-                             time_limit_s=args.plan_time_limit, measure=args.measure)
+                             time_limit_s=args.plan_time_limit, measure=args.measure and prof is None,
+                             **({"profile": prof} if prof is not None else {}))
+    if args.dump:
+        pm.plan.save(os.path.join(args.dump, f"{name}_plan.json"))
     del model
     times, peaks = [], []
     for i, (x, y) in enumerate(data):
         if i == args.warmup:
             meter.reset()
         dt = meter.time(pm.train_step, x, y)
+        if i == 0 and dist.get_rank() == 0:
+            print(f"{name}: whalepy first step {dt:.1f} s (compile={pm.plan.compile}, "
+                  f"optimizer {pm.plan.optimizer_impl.value})", flush=True)
         if i >= args.warmup:
             times.append(dt)
             peaks.append(meter.peak())
@@ -120,9 +141,21 @@ def run_whalepy(name: str, args: argparse.Namespace, cluster: Any, meter: Meter)
     return times, peaks, plan
 
 
-def run_plain(name: str, args: argparse.Namespace, plan: Any, device: torch.device, meter: Meter) -> tuple[list, list]:
+def layers_of(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The transformer layers of either model (what torchtitan compiles one by one)."""
+    return model.model.layers if hasattr(model, "model") else model.transformer.h  # type: ignore[return-value]
+
+
+def run_plain(name: str, args: argparse.Namespace, plan: Any, device: torch.device, meter: Meter,
+              tuned: bool = False) -> tuple[list, list, float]:
+    """The hand-written loop; ``tuned``: each transformer layer ``torch.compile``d (regional
+    compilation) and torch's fused AdamW, as a user who tunes the loop by hand sets it up (torchtitan's
+    defaults). Returns step times, peaks and the first (compiling) step's time."""
     model, vocab, seq = build(name, args.smoke)
     model.to(device)
+    if tuned:
+        for layer in layers_of(model):
+            layer.compile()
     world, rank = dist.get_world_size(), dist.get_rank()
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -130,7 +163,7 @@ def run_plain(name: str, args: argparse.Namespace, plan: Any, device: torch.devi
         model = DDP(model, gradient_as_bucket_view=True)
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plan.precision.value)
     scaler = torch.amp.GradScaler(device.type) if low is torch.float16 else None
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True if tuned and device.type == "cuda" else None)
     share = args.batch // world
     data = batches(vocab, seq, args.batch, args.warmup + args.steps)
 
@@ -147,15 +180,17 @@ def run_plain(name: str, args: argparse.Namespace, plan: Any, device: torch.devi
             opt.step()
         opt.zero_grad(set_to_none=True)
 
-    times, peaks = [], []
+    times, peaks, first = [], [], float("nan")
     for i, (x, y) in enumerate(data):
         if i == args.warmup:
             meter.reset()
         dt = meter.time(step, x, y)
+        if i == 0:
+            first = dt
         if i >= args.warmup:
             times.append(dt)
             peaks.append(meter.peak())
-    return times, peaks
+    return times, peaks, first
 
 
 def _free() -> None:
@@ -168,7 +203,8 @@ def _fmt_gib(x: float) -> str:
     return "-" if x != x else f"{x / GIB:.2f}"  # nan: no CUDA
 
 
-def report(name: str, plan: Any, rank: int, w: tuple[list, list], p: tuple[list, list]) -> None:
+def report(name: str, plan: Any, rank: int, w: tuple[list, list], p: tuple[list, list],
+           t: tuple[list, list, float] | None = None) -> None:
     stage = plan.stage_of_rank(rank)[0]
     pred_t, pred_m = plan.cost.step_time_s, stage.cost.memory_bytes
     print(f"{name}: plan pp={plan.pp_degree} dp={plan.dp_degree} tp={stage.tp_degree} ZeRO-{int(stage.zero_stage)} "
@@ -184,6 +220,10 @@ def report(name: str, plan: Any, rank: int, w: tuple[list, list], p: tuple[list,
     print(f"  median {wt * 1e3:.1f} ms (whalepy) vs {pt * 1e3:.1f} ms (plain): ratio {wt / pt:.3f}; "
           f"predicted/measured time {pred_t / wt:.3f}; peak {_fmt_gib(wm)} vs {_fmt_gib(pm)} GiB, "
           f"predicted/measured memory {pred_m / wm if wm == wm else float('nan'):.3f}", flush=True)
+    if t is not None:
+        tt, tm = statistics.median(t[0]), max(t[1])
+        print(f"  tuned hand loop (compiled layers, fused AdamW): median {tt * 1e3:.1f} ms, peak {_fmt_gib(tm)} GiB, "
+              f"first step {t[2]:.1f} s; whalepy/tuned {wt / tt:.3f}, plain/tuned {pt / tt:.3f}", flush=True)
 
 
 def _single_process_env() -> None:
@@ -207,6 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny models on the CPU, 2 steps (CI)")
     ap.add_argument("--measure", action="store_true",
                     help="plan with measure=True: the blocks timed on this device first (docs/profiling.md)")
+    ap.add_argument("--tuned", action="store_true",
+                    help="a third column: the hand loop with compiled layers and fused AdamW (torchtitan's setup)")
+    ap.add_argument("--only-whalepy", action="store_true", help="skip the plain (and tuned) loops")
+    ap.add_argument("--dump", default=None, help="with --measure: write the measured tables and the plan here")
     args = ap.parse_args(argv)
     if args.smoke:
         args.steps, args.warmup = min(args.steps, 2), min(args.warmup, 1)
@@ -236,10 +280,17 @@ def main(argv: list[str] | None = None) -> int:
     for name in (("gpt", "llama") if args.model == "both" else (args.model,)):
         w_times, w_peaks, plan = run_whalepy(name, args, cluster, meter)
         _free()
-        p_times, p_peaks = run_plain(name, args, plan, device, meter)
-        _free()
+        if args.only_whalepy:
+            p_times, p_peaks = w_times, w_peaks
+        else:
+            p_times, p_peaks, _ = run_plain(name, args, plan, device, meter)
+            _free()
+        tuned = None
+        if args.tuned and not args.only_whalepy:
+            tuned = run_plain(name, args, plan, device, meter, tuned=True)
+            _free()
         if rank == 0:
-            report(name, plan, rank, (w_times, w_peaks), (p_times, p_peaks))
+            report(name, plan, rank, (w_times, w_peaks), (p_times, p_peaks), tuned)
     dist.destroy_process_group()
     return 0
 

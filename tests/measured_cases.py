@@ -80,7 +80,9 @@ def measure_in_a_job() -> tuple[int, int, int]:
     import whalepy
 
     model, x, _ = build(2)
-    m = whalepy.profile(model, (x,), measure=True, micro_batches=(2,), tp_degrees=(1,), repeats=1).measured
+    # the optimizer as users pass it, a lambda: it cannot pickle, so it travels as its class and settings
+    m = whalepy.profile(model, (x,), measure=True, micro_batches=(2,), tp_degrees=(1,), repeats=1,
+                        optimizer=lambda ps: torch.optim.AdamW(ps, lr=0.5, weight_decay=0.25)).measured
     return len(m.wrapped), sum(m.fsdp_units.values()), len(m.wrapped_updates)
 
 

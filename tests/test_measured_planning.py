@@ -112,6 +112,24 @@ def test_planner_uses_measured_times_and_says_so(measured, runs, tmp_path, monke
     assert seen0.step_s == seen1.step_s  # the slowest rank's time, on every rank
 
 
+def test_parallelize_plans_from_the_measured_profile_it_is_given(measured, tmp_path, monkeypatch):
+    """parallelize(profile=<a measured profile>) plans from that profile (as plan_from_profile does), not
+    from a fresh capture that would drop its measured tables (it did: on an H200 the measured profile
+    was ignored and an analytic plan chosen)."""
+    monkeypatch.setenv("WHALEPY_DEVICE_PROFILES", str(tmp_path))
+    model, x, _ = build()
+    cluster = ClusterSpec.local(2)
+    want = plan_from_profile(measured, cluster, global_batch=4, time_limit_s=20)
+    got = whalepy.parallelize(model, cluster, example_inputs=(x,), loss_fn=lambda o, t: o.mean(),
+                              optimizer=lambda ps: torch.optim.AdamW(ps), global_batch=4, profile=measured,
+                              time_limit_s=20).plan
+    assert got.cost.step_time_s == want.cost.step_time_s
+    assert any("measured for" in n for n in got.notes)
+    fresh = whalepy.parallelize(model, cluster, example_inputs=(x,), loss_fn=lambda o, t: o.mean(),
+                                optimizer=lambda ps: torch.optim.AdamW(ps), global_batch=4, time_limit_s=20).plan
+    assert not any("measured for" in n for n in fresh.notes)
+
+
 def test_measured_costs_round_trip_through_a_device_profile(measured, tmp_path, monkeypatch):
     m = measured.measured
     assert MeasuredCosts.from_dict(json.loads(json.dumps(m.to_dict()))) == m
@@ -317,3 +335,19 @@ def test_closed_loop_replans_from_what_a_run_measured(runs, tmp_path, monkeypatc
         with pytest.raises(WhalepyError, match=needle):
             whalepy.plan(build()[0], cluster, global_batch=4, **kw)
     forget_resolved_profiles()
+
+
+def test_an_optimizer_factory_that_does_not_pickle_travels_as_its_class_and_settings():
+    """The lowered timing in another process gets the optimizer the user's factory builds, also when the
+    factory is a lambda (which pickle refuses): the same class with the same hyper-parameters."""
+    import pickle
+
+    from whalepy.frontend.measure import portable_optimizer
+
+    factory = lambda ps: torch.optim.AdamW(ps, lr=0.5, betas=(0.8, 0.9), weight_decay=0.25)  # noqa: E731
+    again = pickle.loads(pickle.dumps(portable_optimizer(factory)))
+    p = [torch.nn.Parameter(torch.zeros(3))]
+    a, b = factory(p), again(p)
+    assert type(a) is type(b) and a.defaults == b.defaults
+    sgd = torch.optim.SGD  # a factory that pickles is sent as it is
+    assert portable_optimizer(sgd) is sgd and portable_optimizer(None) is None

@@ -375,8 +375,7 @@ def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device
         if lowered:
             wrapped, wrapped_updates, compiled, tp_colls, units = _measure_as_lowered(
                 model, example_inputs, profile, blocks, sigs, times, dev=dev, precision=precision, mbs=mbs,
-                tp_degrees=tp_degrees, repeats=repeats, loss_fn=loss_fn, optimizer=optimizer, autocast=autocast,
-                sync=sync, compile=compile)
+                tp_degrees=tp_degrees, repeats=repeats, loss_fn=loss_fn, optimizer=optimizer, compile=compile)
     return MeasuredCosts(device_type=device_type or row.name, device_name=reported,
                          threads=torch.get_num_threads() if dev.type == "cpu" else None,
                          source=f"whalepy measure on {reported}, torch {torch.__version__}",
@@ -388,7 +387,7 @@ def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device
 def _measure_as_lowered(model: nn.Module, example_inputs: Any, profile: Any, blocks: dict[int, tuple[str, ...]],
                         sigs: dict[int, str], times: dict, *, dev: torch.device, precision: str, mbs: list[int],
                         tp_degrees: Iterable[int], repeats: int, loss_fn: Callable, optimizer: Callable,
-                        autocast: Any, sync: Callable[[], None], compile: bool = False) -> tuple[dict, dict, dict, dict, dict]:
+                        compile: bool = False) -> tuple[dict, dict, dict, dict, dict]:
     """The blocks as the runtime lowers them (``whalepy.runtime.measure_lowered``): FSDP2 wrappers'
     times and DTensor optimizer steps recorded apart, TP times replacing the sharded-shape ones (with
     ``compile``: the compiled blocks' times in a table of their own, the third returned) and the TP
@@ -499,6 +498,7 @@ def _lowered_in_subprocess(work: nn.Module, inputs: tuple, job: dict) -> dict | 
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                         "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
+    job = dict(job, optimizer=portable_optimizer(job["optimizer"]))
     with tempfile.TemporaryDirectory(prefix="whalepy-measure-") as tmp:
         src, dst = os.path.join(tmp, "job.pt"), os.path.join(tmp, "out.pt")
         try:
@@ -511,6 +511,9 @@ def _lowered_in_subprocess(work: nn.Module, inputs: tuple, job: dict) -> dict | 
             return None
         done = subprocess.run([sys.executable, "-m", "whalepy.frontend.measure", src, dst], env=env,
                               capture_output=True, text=True)
+        for line in (done.stderr or "").splitlines():  # what the lowered timing said there (a wrapper that
+            if line.startswith("whalepy measure:"):      # could not be measured) is said here too
+                log.warning("%s", line)
         if done.returncode != 0 or not os.path.exists(dst):
             tail = (done.stderr or "").strip().splitlines()[-1:] or ["no output"]
             log.warning("whalepy measure: timing the blocks as lowered in another process failed (%s); the "
@@ -519,10 +522,41 @@ def _lowered_in_subprocess(work: nn.Module, inputs: tuple, job: dict) -> dict | 
         return torch.load(dst, weights_only=False)
 
 
+def portable_optimizer(factory: Callable | None) -> Callable | None:
+    """``factory`` if it pickles, else one that does and builds the same optimizer: its class and the
+    hyper-parameters it was built with (``defaults``, those its constructor takes). A factory written as
+    a lambda or a local function (the usual way to pass one) cannot travel to another process as is."""
+    import functools
+    import inspect
+    import pickle
+
+    if factory is None:
+        return None
+    try:
+        pickle.dumps(factory)
+        return factory
+    except Exception:  # noqa: BLE001 - a lambda or a local function: rebuilt below
+        pass
+    probe = factory([nn.Parameter(torch.zeros(1))])
+    cls = type(probe)
+    try:
+        takes = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        takes = {}
+    kwargs = {k: v for k, v in probe.defaults.items() if k in takes}
+    return functools.partial(cls, **kwargs)
+
+
 def _child_main(src: str, dst: str) -> None:
     """``python -m whalepy.frontend.measure IN OUT``: :func:`_run_lowered` of a saved job."""
     from whalepy.files import atomic_path
 
+    import logging
+
+    handler = logging.StreamHandler()  # the parent relays these lines (its log, not this process's, is seen)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    handler.setLevel(logging.WARNING)
+    logging.getLogger("whalepy.measure").addHandler(handler)
     spec = torch.load(src, weights_only=False)
     job = spec["job"]
     got = _run_lowered(spec["model"].to(torch.device(job["device"])), spec["inputs"], **job)

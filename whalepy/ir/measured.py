@@ -35,6 +35,14 @@ def block_signature(profile: Any, block: Any) -> str:
     return hashlib.sha1(json.dumps(key).encode()).hexdigest()[:16]
 
 
+def _merge_nested(a: dict, b: dict) -> dict:
+    """``{sig: {key: value}}`` tables ``a`` and ``b`` merged per signature, ``b`` winning on a key."""
+    out = {s: dict(v) for s, v in a.items()}
+    for s, v in b.items():
+        out.setdefault(s, {}).update(v)
+    return out
+
+
 def _interpolate(rows: list[tuple[float, tuple[float, float]]], micro_batch: float) -> tuple[float, float] | None:
     """``(forward, backward)`` at ``micro_batch`` from ``(micro_batch, times)`` rows sorted by size:
     piecewise linear between them, linear through the two nearest beyond them, proportional with one."""
@@ -144,25 +152,10 @@ class MeasuredCosts:
         """``self`` with ``other``'s entries added (``other`` wins where both measured)."""
         if other.device_type != self.device_type:
             raise WhalepyError(f"cannot merge measurements of {other.device_type} into {self.device_type}")
-        times = {s: dict(v) for s, v in self.times.items()}
-        for s, v in other.times.items():
-            times.setdefault(s, {}).update(v)
-        acts = {s: dict(v) for s, v in self.activation_bytes.items()}
-        for s, v in other.activation_bytes.items():
-            acts.setdefault(s, {}).update(v)
-        wrapped = {s: dict(v) for s, v in self.wrapped.items()}
-        for s, v in other.wrapped.items():
-            wrapped.setdefault(s, {}).update(v)
-        compiled = {s: dict(v) for s, v in self.compiled.items()}
-        for s, v in other.compiled.items():
-            compiled.setdefault(s, {}).update(v)
+        times, acts, wrapped, compiled, tpc, wups = (
+            _merge_nested(getattr(self, f), getattr(other, f))
+            for f in ("times", "activation_bytes", "wrapped", "compiled", "tp_collectives", "wrapped_updates"))
         units = {**self.fsdp_units, **other.fsdp_units}
-        tpc = {s: dict(v) for s, v in self.tp_collectives.items()}
-        for s, v in other.tp_collectives.items():
-            tpc.setdefault(s, {}).update(v)
-        wups = {s: dict(v) for s, v in self.wrapped_updates.items()}
-        for s, v in other.wrapped_updates.items():
-            wups.setdefault(s, {}).update(v)
         return replace(self, device_name=other.device_name or self.device_name, threads=other.threads,
                        source=other.source or self.source, optimizer=other.optimizer or self.optimizer,
                        times=times, updates={**self.updates, **other.updates}, activation_bytes=acts,

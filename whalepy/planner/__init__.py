@@ -350,9 +350,11 @@ def _measured_optimizer(impl: str) -> Callable[[list], Any] | None:
     None for ``measure_costs``'s default (``AdamW`` as torch builds it)."""
     if impl != "fused":
         return None
+    import functools
+
     import torch
 
-    return lambda params: torch.optim.AdamW(params, fused=True)
+    return functools.partial(torch.optim.AdamW, fused=True)  # a partial pickles (measurement in a subprocess)
 
 
 def _host_notes(opts: PlannerOptions, cluster: ClusterSpec) -> list[str]:

@@ -37,7 +37,7 @@ from whalepy.runtime.collective_ops import collective_payload
 
 log = logging.getLogger("whalepy.measure")
 
-__all__ = ["FSDP_DEGREE", "measure_lowered"]
+__all__ = ["FSDP_DEGREE", "fake_world", "measure_lowered"]
 
 FSDP_DEGREE = 2
 """Data-parallel degree the FSDP2 wrappers are measured at. The host work FSDP2 adds per block (hooks,
@@ -47,11 +47,13 @@ step less the plain step's share at this degree (``MeasuredCosts.update_overhead
 
 
 @contextlib.contextmanager
-def _fake_world(world: int) -> Iterator[None]:
+def fake_world(world: int, rank: int = 0) -> Iterator[None]:
+    """This process as ``rank`` of a ``world``-rank job on PyTorch's fake process group (every group and
+    mesh made as on the cluster, no collective moves data), the default group while inside."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         yield
     finally:
@@ -173,14 +175,17 @@ def measure_lowered(model: nn.Module, example_inputs: tuple, blocks: dict[str, t
     prof = capture(model, example_inputs)  # the truncated model's own blocks, which the plan names
     names = [b.name for b in prof.blocks if b.name in blocks]
     if len(names) != len(blocks):
-        log.info("whalepy measure: the truncated model's blocks differ from the profile's; not timed as lowered")
+        log.warning("whalepy measure: the truncated model's blocks differ from the profile's; not timed as lowered")
         return None
 
+    from whalepy.frontend.measure import local_device_type
+
+    gpu = local_device_type(device)[0].name  # this GPU's catalog type: the runtime checks the plan's type against it
     for label, world, tp, zero in configs:
-        cluster = ClusterSpec.from_dict({"groups": [{"name": "measure", "gpu": "CPU" if device.type == "cpu" else "H100-SXM",
-                                                     "gpus_per_node": world, "nodes": 1, "intra_node": "shm"}]})
+        cluster = ClusterSpec.from_dict({"groups": [{"name": "measure", "gpu": gpu, "gpus_per_node": world,
+                                                     "nodes": 1, "intra_node": "shm"}]})
         try:
-            with _fake_world(world), _quiet():
+            with fake_world(world), _quiet():
                 work = copy.deepcopy(model)
                 plan = make_plan(names, dp=world // tp, tp=tp, global_batch=mbs[-1] * (world // tp),
                                  zero_stage=zero, tensor_parallel=rules if tp > 1 else (), precision=precision,
@@ -197,6 +202,8 @@ def measure_lowered(model: nn.Module, example_inputs: tuple, blocks: dict[str, t
                         yield
 
                 for mb in mbs:
+                    if compile:  # each size compiled on its own, static, as the runtime's one size is: after a
+                        torch._dynamo.reset()  # second size dynamo would go dynamic (other kernels, no mm padding)
                     med = time_step(root, mb, by_index, loss_fn, autocast)
                     row = {n: (med.get((index[n], "f"), 0.0), med.get((index[n], "b"), 0.0)) for n in names}
                     if label == "plain":

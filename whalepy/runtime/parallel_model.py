@@ -124,8 +124,9 @@ def parallelize(
 
     ``optimizer`` is a factory ``params -> Optimizer`` (parameters are replaced by shards, so the
     optimizer must be built afterwards). ``profile`` is the model's :class:`~whalepy.ModelProfile`
-    when the caller already has it (block -> module mapping and fingerprint check); otherwise it is
-    computed when needed. ``loss_parallel=True`` keeps an LM head's logits vocab-sharded and runs
+    when the caller already has it (block -> module mapping and fingerprint check; without ``plan``, the
+    plan is made from it, its measured tables included, as :func:`whalepy.plan_from_profile` does);
+    otherwise it is computed when needed. ``loss_parallel=True`` keeps an LM head's logits vocab-sharded and runs
     ``loss_fn`` under ``torch.distributed.tensor.parallel.loss_parallel`` (``loss_fn`` must then be a
     cross-entropy over DTensor logits). ``sync_initial_weights`` broadcasts rank 0's weights first, so
     ranks need not seed identically. ``nvme_dir`` is where blocks with an ``nvme`` tier keep their
@@ -197,6 +198,13 @@ def parallelize(
             options.setdefault("clip_gradients", True)
 
         def solve() -> Plan:
+            if profile is not None and (getattr(profile, "measured", None) is not None or not options.get("measure")):
+                # the caller's profile (measured with profile(..., measure=True), or captured once) is what
+                # the plan is made from, as whalepy.plan_from_profile would: it is not captured again
+                from whalepy.planner import plan_from_profile
+
+                return plan_from_profile(profile, cluster_spec, global_batch=global_batch,
+                                         **{k: v for k, v in options.items() if k != "measure"})
             return make_plan_(model, cluster_spec, example_inputs=example_inputs, global_batch=global_batch,
                               **options)
 

@@ -282,16 +282,16 @@ def roles(layouts: Sequence[RankLayout]) -> dict[tuple[int, str, int], list[int]
 @contextlib.contextmanager
 def _fake_world(rank: int, world: int) -> Iterator[None]:
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from whalepy.runtime.measure_lowered import fake_world
 
     if dist.is_initialized():
         raise WhalepyError("whalepy check lowers ranks on its own fake process group; run it outside a "
                            "torch.distributed job")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        yield
+        with fake_world(world, rank):
+            yield
     finally:
-        dist.destroy_process_group()
         _forget_meshes()
 
 
