@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 import whalepy
 from whalepy.errors import WhalepyError

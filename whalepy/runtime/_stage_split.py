@@ -73,8 +73,9 @@ def split_stages(
         stage.whalepy_stage_index = k
         stage.whalepy_blocks = stage_blocks[k]
         stage.whalepy_input_shapes = shapes  # the shapes the graph is specialised to
-    for stage, io in zip(stages, stage_io(stages)):
-        stage.whalepy_io = io  # what it receives and sends per micro-batch (build_pipeline_schedule)
+    ios = stage_io(stages)
+    for k, stage in enumerate(stages):
+        stage.whalepy_io = None if ios is None else ios[k]  # what it receives and sends per micro-batch
     return stages
 
 
@@ -82,53 +83,56 @@ TensorSpec = tuple[tuple[int, ...], torch.dtype, bool]
 """``(shape, dtype, requires_grad)`` of a tensor a stage receives or sends."""
 
 
-def stage_io(stages: Sequence[fx.GraphModule]) -> list[tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]]:
+def stage_io(stages: Sequence[fx.GraphModule]) -> list[tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]] | None:
     """Per stage, ``(inputs, outputs)``: the tensors it takes and returns for the micro-batch it was
-    traced with, each with whether it requires a gradient in training. Shapes and dtypes are the traced
-    values'; ``requires_grad`` follows the data flow from stage 0 on (a value requires a gradient when a
-    parameter that does, or an input that does, reaches it through differentiable ops and it is
-    floating point; rotary tables computed from buffers do not), as the stage's forward will make it.
-    Stage ``k``'s outputs are stage ``k + 1``'s inputs, in order."""
-    out: list[tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]] = []
-    received: list[bool] | None = None
-    for stage in stages:
-        needs: dict[fx.Node, bool] = {}
-        placeholders = [n for n in stage.graph.nodes if n.op == "placeholder"]
-        for i, n in enumerate(placeholders):
-            needs[n] = bool(received[i]) if received is not None and i < len(received) else False
-        for n in stage.graph.nodes:
-            if n.op in ("placeholder", "output"):
-                continue
-            val = n.meta.get("val")
-            floating = isinstance(val, torch.Tensor) and val.is_floating_point() or isinstance(val, (tuple, list))
-            if n.op == "get_attr":
-                attr = _resolve(stage, str(n.target))
-                needs[n] = isinstance(attr, torch.Tensor) and attr.requires_grad
-            elif n.op == "call_function" and n.target is torch.ops.aten.detach.default:
-                needs[n] = False
-            else:
-                from_params = n.op == "call_module" and any(
-                    p.requires_grad for p in stage.get_submodule(str(n.target)).parameters())
-                needs[n] = floating and (from_params or any(needs.get(x, False) for x in n.all_input_nodes))
-        result = next(n for n in stage.graph.nodes if n.op == "output").args[0]
-        leaves = [x for x in pytree.tree_leaves(result) if isinstance(x, fx.Node)]
+    traced with, each with whether it requires a gradient in training; None where that cannot be
+    worked out (the stages then have their shapes inferred by torch on the first step).
 
-        def spec(n: fx.Node) -> TensorSpec:
-            val = n.meta["val"]
-            return tuple(val.shape), val.dtype, bool(needs.get(n, False)) and val.is_floating_point()
+    The stages are run one after the other on fake tensors (``FakeTensorMode``: shapes and dtypes,
+    no data, no state of the model touched): stage ``k + 1`` gets stage ``k``'s outputs, those that
+    require a gradient requiring one, and autograd itself says which outputs require a gradient (a
+    hidden state does; a rotary table computed from buffers does not). A data-flow guess over the graph
+    got this wrong where a block's output has no recorded value (Falcon's first stage: its hidden state
+    was said to need no gradient, and the backward stopped). Stage ``k``'s outputs are stage ``k + 1``'s
+    inputs, in order."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.func import functional_call
 
-        ins = tuple(spec(n) for n in placeholders)
-        outs = tuple(spec(n) for n in leaves if isinstance(n.meta.get("val"), torch.Tensor))
-        received = [s[2] for s in outs]
-        out.append((ins, outs))
-    return out
+    import logging
 
-
-def _resolve(root: nn.Module, target: str) -> Any:
-    obj: Any = root
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
+    quiet = logging.getLogger("torch._subclasses.fake_tensor")  # it logs an op without a fake kernel as an
+    level = quiet.level                                          # error; here that only means: fall back
+    quiet.setLevel(logging.CRITICAL)
+    try:
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        out: list[tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]] = []
+        received: list[bool] | None = None
+        with mode, torch.enable_grad():
+            for stage in stages:
+                state = {k: mode.from_tensor(v) for k, v in
+                         [*stage.named_parameters(remove_duplicate=False), *stage.named_buffers(remove_duplicate=False)]}
+                placeholders = [n for n in stage.graph.nodes if n.op == "placeholder"]
+                args, ins = [], []
+                for i, n in enumerate(placeholders):
+                    val = n.meta["val"]
+                    grad = bool(received[i]) if received is not None and i < len(received) else False
+                    grad = grad and val.is_floating_point()
+                    t = torch.empty(tuple(val.shape), dtype=val.dtype, device=val.device)
+                    args.append(t.requires_grad_(True) if grad else t)
+                    ins.append((tuple(val.shape), val.dtype, grad))
+                result = functional_call(stage, state, tuple(args))
+                leaves = [x for x in pytree.tree_leaves(result) if isinstance(x, torch.Tensor)]
+                outs = tuple((tuple(x.shape), x.dtype, bool(x.requires_grad) and x.is_floating_point())
+                             for x in leaves)
+                received = [o[2] for o in outs]
+                out.append((tuple(ins), outs))
+        return out
+    except Exception as e:  # noqa: BLE001 - torch infers the shapes on the first step instead
+        logging.getLogger("whalepy.runtime").debug("stage shapes left to torch's inference: %s: %s",
+                                                   type(e).__name__, e)
+        return None
+    finally:
+        quiet.setLevel(level)
 
 
 def retarget_device(stage: fx.GraphModule, device: torch.device | str) -> None:
