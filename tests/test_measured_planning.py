@@ -225,6 +225,14 @@ def test_compiled_blocks_are_measured_when_the_plan_compiles(monkeypatch, tmp_pa
     assert MeasuredCosts.from_dict(json.loads(json.dumps(m.to_dict()))) == m
     with pytest.raises(WhalepyError, match="compile"):
         whalepy.profile(model, (x,), measure=True, compile=True, lowered=False)
+    # a compiling plan whose compiled blocks were not timed (the lowered timing failed) says so
+    import dataclasses
+
+    timed = plan_from_profile(prof, cluster, global_batch=2, compile=True, time_limit_s=20)
+    assert not any("compiled blocks timed for" in n for n in timed.notes)
+    eager_only = dataclasses.replace(prof, measured=dataclasses.replace(m, compiled={}))
+    untimed = plan_from_profile(eager_only, cluster, global_batch=2, compile=True, time_limit_s=20)
+    assert any(f"compiled blocks timed for 0 of {len(prof.blocks)}" in n for n in untimed.notes), untimed.notes
 
 
 def test_inside_a_distributed_job_the_lowered_timing_runs_in_another_process():
