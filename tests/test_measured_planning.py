@@ -233,6 +233,15 @@ def test_compiled_blocks_are_measured_when_the_plan_compiles(monkeypatch, tmp_pa
     eager_only = dataclasses.replace(prof, measured=dataclasses.replace(m, compiled={}))
     untimed = plan_from_profile(eager_only, cluster, global_batch=2, compile=True, time_limit_s=20)
     assert any(f"compiled blocks timed for 0 of {len(prof.blocks)}" in n for n in untimed.notes), untimed.notes
+    # where the lowered timing cannot run, the compiled blocks are timed in this process instead
+    from whalepy.frontend import measure as measure_mod
+
+    monkeypatch.setattr(measure_mod, "_measure_as_lowered", lambda *a, **k: ({}, {}, {}, {}, {}))
+    alone = whalepy.profile(model, (x,), measure=True, micro_batches=(1, 2), tp_degrees=(1,), repeats=1,
+                            compile=True).measured
+    assert set(alone.compiled) == sigs and not alone.wrapped
+    assert all(set(alone.compiled[s]) == {("fp32", 1, 1.0), ("fp32", 1, 2.0)} for s in sigs)
+    assert all(f > 0 and b > 0 for s in sigs for f, b in alone.compiled[s].values())
 
 
 def test_inside_a_distributed_job_the_lowered_timing_runs_in_another_process():
