@@ -266,6 +266,23 @@ def test_compiled_blocks_are_measured_when_the_plan_compiles(monkeypatch, tmp_pa
     assert MeasuredCosts.from_dict(json.loads(json.dumps(m.to_dict()))) == m
     with pytest.raises(WhalepyError, match="compile"):
         whalepy.profile(model, (x,), measure=True, compile=True, lowered=False)
+    # a compiling plan whose compiled blocks were not timed (the lowered timing failed) says so
+    import dataclasses
+
+    timed = plan_from_profile(prof, cluster, global_batch=2, compile=True, time_limit_s=20)
+    assert not any("compiled blocks timed for" in n for n in timed.notes)
+    eager_only = dataclasses.replace(prof, measured=dataclasses.replace(m, compiled={}))
+    untimed = plan_from_profile(eager_only, cluster, global_batch=2, compile=True, time_limit_s=20)
+    assert any(f"compiled blocks timed for 0 of {len(prof.blocks)}" in n for n in untimed.notes), untimed.notes
+    # where the lowered timing cannot run, the compiled blocks are timed in this process instead
+    from whalepy.frontend import measure as measure_mod
+
+    monkeypatch.setattr(measure_mod, "_measure_as_lowered", lambda *a, **k: ({}, {}, {}, {}, {}))
+    alone = whalepy.profile(model, (x,), measure=True, micro_batches=(1, 2), tp_degrees=(1,), repeats=1,
+                            compile=True).measured
+    assert set(alone.compiled) == sigs and not alone.wrapped
+    assert all(set(alone.compiled[s]) == {("fp32", 1, 1.0), ("fp32", 1, 2.0)} for s in sigs)
+    assert all(f > 0 and b > 0 for s in sigs for f, b in alone.compiled[s].values())
 
 
 def test_inside_a_distributed_job_the_lowered_timing_runs_in_another_process():

@@ -376,12 +376,59 @@ def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device
             wrapped, wrapped_updates, compiled, tp_colls, units = _measure_as_lowered(
                 model, example_inputs, profile, blocks, sigs, times, dev=dev, precision=precision, mbs=mbs,
                 tp_degrees=tp_degrees, repeats=repeats, loss_fn=loss_fn, optimizer=optimizer, compile=compile)
+        if compile and not any(k[1] == 1 for rows in compiled.values() for k in rows):
+            # the lowered timing could not run (said in the log): the compiled blocks timed here, whole
+            compiled = {**compiled, **_compiled_in_process(model, example_inputs, profile, blocks, sigs, dev=dev,
+                                                           precision=precision, mbs=mbs, repeats=repeats,
+                                                           loss_fn=loss_fn, autocast=autocast, sync=sync)}
     return MeasuredCosts(device_type=device_type or row.name, device_name=reported,
                          threads=torch.get_num_threads() if dev.type == "cpu" else None,
                          source=f"whalepy measure on {reported}, torch {torch.__version__}",
                          optimizer=_optimizer_name(optimizer), times=times, updates=updates,
                          activation_bytes=acts, names=names, wrapped=wrapped, wrapped_updates=wrapped_updates,
                          compiled=compiled, tp_collectives=tp_colls, fsdp_units=units)
+
+
+def _compiled_in_process(model: nn.Module, example_inputs: Any, profile: Any, blocks: dict[int, tuple[str, ...]],
+                         sigs: dict[int, str], *, dev: torch.device, precision: str, mbs: list[int], repeats: int,
+                         loss_fn: Callable, autocast: Any, sync: Callable[[], None]) -> dict:
+    """``sig -> (precision, 1, micro_batch) -> (forward_s, backward_s)`` of the blocks compiled as the
+    runtime compiles them (``runtime.compile_blocks``), timed in this process without the runtime's
+    wrappers: what stands in when the lowered timing could not run. Each micro-batch size is compiled on
+    its own (static shapes, as the runtime's one size is). Empty if the compiler fails here."""
+    import logging
+
+    import torch._dynamo
+
+    from whalepy.runtime.compile_blocks import compile_blocks
+
+    out: dict[str, dict] = {}
+    last = profile.blocks[-1].index
+    work = _materialized(model, dev)
+    work.train()
+    named = dict(work.named_modules())
+    stats = compile_blocks([(profile.blocks[i].name, [named[p] for p in paths if p in named])
+                            for i, paths in sorted(blocks.items())])
+    clock = BlockClock(work, blocks, sync)
+    try:
+        for mb in mbs:
+            torch._dynamo.reset()
+            inputs = _resize(example_inputs, mb, dev)
+            _warm_up(work, inputs, clock, loss_fn, autocast, last)
+            med = _median_times([_one_step(work, inputs, clock, loss_fn, autocast, last) for _ in range(repeats)])
+            for i in blocks:
+                out.setdefault(sigs[i], {})[(precision, 1, float(mb))] = (med.get((i, "f"), 0.0), med.get((i, "b"), 0.0))
+    except Exception as e:  # noqa: BLE001 - then the eager times stand in (the planner says so)
+        logging.getLogger("whalepy.measure").warning("whalepy measure: the compiled blocks could not be timed "
+                                                     "(%s: %s)", type(e).__name__, str(e).splitlines()[0][:200])
+        return {}
+    finally:
+        clock.remove()
+    if stats.fell_back:
+        logging.getLogger("whalepy.measure").warning("whalepy measure: %d block(s) ran eagerly when timed compiled "
+                                                     "(torch.compile failed: the runtime falls back the same way)",
+                                                     len(stats.fell_back))
+    return out
 
 
 def _measure_as_lowered(model: nn.Module, example_inputs: Any, profile: Any, blocks: dict[int, tuple[str, ...]],

@@ -342,6 +342,12 @@ def _measured(model: Any, example_inputs: Any, prof: ModelProfile, cluster: Clus
                              compile=bool(opts.compile))
     progress(f"measured {len(measured.times)} distinct blocks on {measured.device_name} in "
              f"{time.perf_counter() - t0:.2f} s")
+    if opts.compile and measured.times and not measured.compiled:
+        import logging
+
+        logging.getLogger("whalepy.measure").warning(
+            "whalepy measure: the plan compiles its blocks but the compiled blocks could not be timed (the log "
+            "above says why); their eager times stand in, so the compiled step will run faster than predicted")
     return replace(apply_measured_activations(prof, measured, opts.precision or "fp32"), measured=measured)
 
 

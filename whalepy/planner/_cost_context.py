@@ -270,6 +270,15 @@ class CostContext:
         div = tp if tp_splits(self.profile.blocks[block_index], tp) else 1
         return "measured" if self.measured_block_time(block_index, device_name, div, 1.0) is not None else "modelled"
 
+    def compiled_time_measured(self, block_index: int, device_name: str, tp: int) -> bool:
+        """Whether the block's compiled forward / backward was measured (``MeasuredCosts.compiled``) at
+        the degree it runs at."""
+        m = self.measured.get(device_name)
+        if m is None:
+            return False
+        div = tp if tp_splits(self.profile.blocks[block_index], tp) else 1
+        return m.block_time(self.signatures[block_index], self.precision, div, 1.0, compiled=True) is not None
+
     def optimizer_s_per_param(self, device_name: str) -> float | None:
         """Measured optimizer-step seconds per parameter on ``device_name`` over this model's blocks (the
         implementation measured, :attr:`MeasuredCosts.optimizer`), or None: the model charges it."""
@@ -293,6 +302,11 @@ class CostContext:
                 opt = "measured" if self.optimizer_s_per_param(dev) is not None else "modelled"
                 parts.append(f"on {dev}: block forward/backward/recompute measured for {k} of {len(blocks)} blocks"
                              f"{'' if k == len(blocks) else ' (the rest modelled)'}, optimizer step {opt}")
+                if self.compile and k:  # the plan compiles: were the compiled blocks themselves timed?
+                    c = sum(self.compiled_time_measured(i, dev, st.tp_degree) for i in blocks)
+                    if c < k:
+                        parts[-1] += (f"; compiled blocks timed for {c} of {k}, the rest from their eager times "
+                                      "(the compiled step runs faster than that part of the prediction)")
             lines.append(f"stage {st.index} costs: {'; '.join(parts)}; communication (alpha-beta over the cluster "
                          "spec's links), pipeline bubble and model-state memory modelled")
         return lines
