@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from whalepy.errors import ArgumentError, WhalepyError
+from whalepy.frontend.measure_checks import checked_loss
 from whalepy.ir.measured import MeasuredCosts, block_signature
 
 __all__ = ["BlockClock", "apply_measured_activations", "measure_costs", "micro_batch_sizes"]
@@ -205,7 +206,7 @@ def _one_step(model: nn.Module, inputs: Any, clock: BlockClock, loss_fn: Callabl
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
         with autocast():
             out = _call(model, inputs)
-            loss = loss_fn(out, inputs)  # charged to the last block's forward
+            loss = checked_loss(loss_fn, out, inputs)  # charged to the last block's forward
         clock.mark(None, "f")
         del out
         clock.mark(last, "b")  # the loss's backward: the last block's
@@ -289,26 +290,15 @@ def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device
     ``compile``: the lowered timings run with the blocks compiled as the runtime compiles them
     (``Plan.compile``), filed as :attr:`MeasuredCosts.compiled` and ``"<wrapper>/compiled"`` (the plain,
     eager times are measured as well)."""
+    from whalepy.frontend.measure_checks import check_measurable_model, check_measure_options
     from whalepy.frontend.trace import trace_memory
 
-    dev = parse_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = check_measure_options(device=device, precision=precision, micro_batches=micro_batches,
+                                tp_degrees=tp_degrees, repeats=repeats, loss_fn=loss_fn, optimizer=optimizer,
+                                lowered=lowered, compile=compile, device_type=device_type)
+    check_measurable_model(model)
     row, reported = local_device_type(dev)
-    if any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()]):
-        raise ArgumentError("measure=True runs the model's blocks: build it with weights (not on the meta "
-                            "device), or measure a smaller model with the same layer shapes (blocks are "
-                            "matched by structure) and plan the large one from that profile")
-    if precision not in ("fp32", "bf16", "fp16"):
-        raise ArgumentError(f"measure: precision={precision!r}: use fp32, bf16 or fp16")
     mbs = sorted({int(m) for m in (micro_batches or [_batch_of(example_inputs)])})
-    if not mbs or mbs[0] < 1:
-        raise ArgumentError(f"measure: micro_batches={micro_batches!r}: give positive sizes, e.g. (1, 2, 4)")
-    if not isinstance(lowered, bool):
-        raise ArgumentError(f"measure: lowered={lowered!r:.60}: give True or False")
-    if not isinstance(compile, bool) or (compile and not lowered):
-        raise ArgumentError(f"measure: compile={compile!r:.60}: give True or False (compiled blocks are timed as "
-                            "lowered: lowered=True)")
-    if not isinstance(repeats, int) or repeats < 1:
-        raise ArgumentError(f"measure: repeats={repeats!r}: give a positive integer, e.g. 3")
     loss_fn = loss_fn or default_loss
     optimizer = optimizer or _default_optimizer
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
@@ -329,6 +319,11 @@ def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device
 
             ruled = [b for b in profile.blocks if b.index in blocks and tp_splits(b, tp)]
             if tp > 1 and not ruled:
+                import logging
+
+                logging.getLogger("whalepy.measure").warning(
+                    "whalepy measure: tp_degrees holds %d, but no block's tensor-parallel layers divide by it "
+                    "(heads, features); it is not timed", tp)
                 continue
             work = _materialized(model, dev)
             if tp > 1:
@@ -665,6 +660,9 @@ def parse_device(device: Any) -> torch.device:
     except (RuntimeError, TypeError):
         raise ArgumentError(f"calibrate(device={device!r}): not a torch device; use 'cuda', 'cuda:1' or "
                             "'cpu'") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ArgumentError(f"calibrate(device={device!r}): measurements run on a CUDA GPU or the CPU; use "
+                            "'cuda', 'cuda:1' or 'cpu'")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ArgumentError(f"calibrate(device={device!r}): CUDA is not available on this machine; use "
                             "device='cpu' or run on a GPU machine")

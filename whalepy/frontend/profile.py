@@ -46,6 +46,11 @@ def profile(model: Any, example_inputs: Any, *, measure: bool = False, **kwargs:
         raise ArgumentError(f"whalepy.profile(): {', '.join(mopts)} only apply with measure=True")
     _check_profile_options(kwargs)
     check_example_inputs(model, example_inputs, "whalepy.profile()")
+    if measure:  # before the capture: a bad option or a meta-device model fails in a moment
+        from whalepy.frontend.measure_checks import check_measurable_model, check_measure_options
+
+        check_measure_options(**mopts)
+        check_measurable_model(model, "whalepy.profile(measure=True)")
     try:
         prof = build_profile(model, example_inputs, **kwargs)
     except CaptureError:

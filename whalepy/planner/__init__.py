@@ -273,6 +273,10 @@ def plan(model: Any, cluster: ClusterSpec, *, example_inputs: Any = None, global
     from whalepy.planner.search import check_annotation_degrees
 
     check_annotation_degrees(model, cluster.world_size)
+    if opts.measure:  # before the capture: a model on the meta device cannot be timed
+        from whalepy.frontend.measure_checks import check_measurable_model
+
+        check_measurable_model(model, "whalepy.plan(measure=True)")
     progress = _progress_fn(opts.progress)
     progress("capturing the model")
     from whalepy.frontend.profile import profile as build
