@@ -237,6 +237,19 @@ def _single_process_env() -> None:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
+def _bad_flag(args: argparse.Namespace) -> str | None:
+    """What is wrong with the flags (None: nothing): counts below their least, a file where --dump's directory
+    goes (found only after the run otherwise)."""
+    for flag, value, least in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0), ("--batch", args.batch, 1)):
+        if value < least:
+            return f"{flag} {value}: give {least} or more"
+    if not args.plan_time_limit > 0:
+        return f"--plan-time-limit {args.plan_time_limit}: give the planner's budget in seconds, e.g. 60"
+    if args.dump is not None and os.path.isfile(args.dump):
+        return f"--dump {args.dump} is a file; give a directory (created if missing)"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=("gpt", "llama", "both"), default="both")
@@ -252,6 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only-whalepy", action="store_true", help="skip the plain (and tuned) loops")
     ap.add_argument("--dump", default=None, help="with --measure: write the measured tables and the plan here")
     args = ap.parse_args(argv)
+    bad = _bad_flag(args)
+    if bad:  # before the CUDA check and any work: one line, as argparse's own refusals exit
+        print(f"bench_gpu_step.py: {bad}", file=sys.stderr)
+        return 2
     if args.smoke:
         args.steps, args.warmup = min(args.steps, 2), min(args.warmup, 1)
     elif not torch.cuda.is_available():

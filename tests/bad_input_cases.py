@@ -112,3 +112,18 @@ def no_capture(monkeypatch):  # type: ignore[no-untyped-def]
 
     # the module that defines profile() (whalepy.profile, the attribute, is the function itself)
     monkeypatch.setattr(importlib.import_module("whalepy.frontend.profile"), "profile", capture)
+
+
+def three_layer_model_and_inputs() -> tuple[Any, tuple]:
+    """Another model than ``tiny()`` (a third layer): ``bad_input_cases:three_layer_model_and_inputs``."""
+    from whalepy.models import GPT, GPTConfig
+
+    return GPT(GPTConfig(vocab_size=32, block_size=16, num_layers=3, num_heads=2, hidden_size=16)), (TOKENS,)
+
+
+def builder_that_raises() -> Any:
+    raise RuntimeError("weights file not found")
+
+
+def builder_of_three() -> Any:
+    return tiny(), (TOKENS,), 3

@@ -97,6 +97,10 @@ def prepare_dir(path: Path, *, user_dir: str | os.PathLike[str] | None = None, k
     """Create ``path`` and check that files can be written there; :class:`WhalepyError` naming the
     directory otherwise. Unless ``keep``, registers its removal at interpreter exit."""
     shown = os.fspath(user_dir) if user_dir is not None else os.fspath(path)
+    taken = next((p for p in (path, *path.parents) if p.exists()), None)
+    if taken is not None and not taken.is_dir():  # mkdir's "File exists" would read as a permission fault
+        raise WhalepyError(f"nvme_dir {shown!r}: {os.fspath(taken)!r} is a file, not a directory; the disk tier "
+                           "keeps its files in a directory there: remove the file or pass another nvme_dir")
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / ".whalepy-probe"

@@ -18,7 +18,6 @@ table does not say its precision: its times are used for whichever precision a p
 
 from __future__ import annotations
 
-import importlib
 import json
 from pathlib import Path
 from typing import Any
@@ -41,14 +40,9 @@ def load_model_fn(spec: str) -> tuple[Any, Any]:
 
     if os.getcwd() not in sys.path:  # as `python -m` does: modules of the working directory load
         sys.path.insert(0, os.getcwd())
-    try:
-        built = getattr(importlib.import_module(mod), fn)()
-    except (ImportError, AttributeError) as e:
-        raise ArgumentError(f"--model {spec!r}: cannot load it ({e}); the module must be importable") from None
-    if not (isinstance(built, tuple) and len(built) == 2):
-        raise ArgumentError(f"--model {spec!r}: {fn}() must return (model, example_inputs), got "
-                            f"{type(built).__name__}")
-    return built
+    from whalepy.tools.model_arg import call_model_fn
+
+    return call_model_fn(spec, error=ArgumentError, flag=f"--model {spec!r}: ")
 
 
 def write_measured(measured: MeasuredCosts, path: Path) -> Path:

@@ -20,27 +20,44 @@ def load_model(spec: str, *, batch: int, seq_len: int | None) -> tuple[Any, Any]
         except ValueError as e:
             raise WhalepyError(str(e)) from None
     if ":" in spec:
-        mod_name, fn_name = spec.split(":", 1)
-        try:
-            fn = getattr(importlib.import_module(mod_name), fn_name)
-        except (ImportError, AttributeError) as e:
-            raise WhalepyError(f"cannot load {spec!r}: {e}; give package.module:function") from None
-        if not callable(fn):
-            raise WhalepyError(f"{spec} is a {type(fn).__name__}, not a function; give package.module:function "
-                               "returning (model, example_inputs)")
-        try:
-            import inspect
-
-            inspect.signature(fn).bind()
-        except TypeError:
-            raise WhalepyError(f"{spec} needs arguments; give a function callable with none that returns "
-                               "(model, example_inputs) (wrap yours: def build(): return my_fn(...))") from None
-        except ValueError:
-            pass  # no signature to inspect: let the call decide
-        out = fn()
-        if not (isinstance(out, tuple) and len(out) == 2):
-            raise WhalepyError(f"{spec} must return (model, example_inputs), got {type(out).__name__}")
-        return out
+        return call_model_fn(spec)
     from whalepy.models.zoo import build
 
     return build(spec, batch=batch, seq_len=seq_len)
+
+
+def call_model_fn(spec: str, *, error: type[WhalepyError] = WhalepyError, flag: str = "") -> tuple[Any, Any]:
+    """``package.module:function`` called with no arguments; it must return ``(model, example_inputs)``.
+    Each way this fails (not importable, not a function, needs arguments, raises, returns something else)
+    is one ``error`` line, prefixed by ``flag`` (e.g. ``"--model 'x:y': "``)."""
+    import inspect
+
+    mod_name, _, fn_name = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(mod_name), fn_name)
+    except (ImportError, AttributeError) as e:
+        raise error(f"{flag}cannot load {spec!r}: {e}; give package.module:function (the module must be "
+                    "importable)") from None
+    if not callable(fn):
+        raise error(f"{flag}{spec} is a {type(fn).__name__}, not a function; give package.module:function "
+                    "returning (model, example_inputs)")
+    try:
+        inspect.signature(fn).bind()
+    except TypeError:
+        raise error(f"{flag}{spec} needs arguments; give a function callable with none that returns "
+                    "(model, example_inputs) (wrap yours: def build(): return my_fn(...))") from None
+    except ValueError:
+        pass  # no signature to inspect: let the call decide
+    try:
+        out = fn()
+    except WhalepyError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's builder: its failure said in one line
+        lines = str(e).strip().splitlines()
+        raise error(f"{flag}{spec}() raised {type(e).__name__}" + (f": {lines[0][:200]}" if lines else "")
+                    + "; fix the function (it is called with no arguments and returns (model, example_inputs))"
+                    ) from None
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise error(f"{flag}{spec} must return (model, example_inputs), got {type(out).__name__}"
+                    + (f" of {len(out)}" if isinstance(out, tuple) else ""))
+    return out

@@ -594,21 +594,24 @@ def _cmd_check(args: Any) -> int:
 
     import torch
 
+    from whalepy.errors import PlanError
     from whalepy.frontend.profile import profile
     from whalepy.hardware.cluster import ClusterSpec
+    from whalepy.ir.plan import Plan
+    from whalepy.runtime._pm_helpers import _check_plan_cluster
     from whalepy.tools.model_arg import load_model
 
     try:
         data = json.loads(Path(args.plan).read_text())
     except (OSError, ValueError) as e:
         raise WhalepyError(f"cannot read the plan {args.plan}: {e}") from None
-    if args.ranks in ("roles", "all"):
-        ranks: str | list[int] = args.ranks
-    else:
-        try:
-            ranks = [int(r) for r in args.ranks.split(",") if r.strip()]
-        except ValueError:
-            raise WhalepyError(f"--ranks {args.ranks!r}: give 'roles', 'all' or ranks such as 0,517,1023") from None
+    try:  # the plan's own checks (fields, version, enums) before anything is built
+        plan = Plan.from_dict(data)
+    except PlanError as e:
+        raise PlanError(f"the plan {args.plan}: {e}") from None
+    ranks = _parse_ranks(args.ranks, plan.world_size)
+    cluster = simulated(ClusterSpec.load(args.cluster))
+    _check_plan_cluster(plan, cluster)  # another cluster's plan: one line here, not a mismatch per rank
 
     def build() -> tuple[Any, tuple]:
         with torch.device("meta"):
@@ -617,7 +620,11 @@ def _cmd_check(args: Any) -> int:
 
     model, inputs = build()
     prof = profile(model, inputs, model_name=None if ":" in args.model else args.model.strip().lower())
-    cluster = simulated(ClusterSpec.load(args.cluster))
+    if plan.model_fingerprint != "unchecked":  # another model's plan: said as such, not as a missing block
+        try:
+            plan.check_model(prof.fingerprint)
+        except PlanError as e:
+            raise PlanError(f"--model {args.model}: {e}") from None
     reports = check_ranks(data, build, ranks=ranks, profile=prof, cluster=cluster,
                           progress=lambda m: print(f"[whalepy] {m}", file=sys.stderr, flush=True))
     for rep in reports:
@@ -626,3 +633,20 @@ def _cmd_check(args: Any) -> int:
     print(f"{len(reports) - len(bad)} of {len(reports)} lowered ranks match the plan"
           + (f"; mismatches on ranks {[r.layout.rank for r in bad]}" if bad else ""))
     return 1 if bad else 0
+
+
+def _parse_ranks(text: str, world: int) -> str | list[int]:
+    """``--ranks``: ``roles``, ``all`` or comma-separated ranks of the plan's world."""
+    if text in ("roles", "all"):
+        return text
+    fix = f"give 'roles', 'all' or ranks of the plan's world 0..{world - 1}, such as 0,{world - 1}"
+    try:
+        ranks = [int(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        raise RankCheckError(f"--ranks {text!r}: {fix}") from None
+    if not ranks:
+        raise RankCheckError(f"--ranks {text!r} names no rank; {fix}")
+    out = [r for r in ranks if not 0 <= r < world]
+    if out:
+        raise RankCheckError(f"--ranks {text!r}: rank {out[0]} is not in the plan's world of {world} ranks; {fix}")
+    return ranks
