@@ -8,16 +8,14 @@ processes."""
 from __future__ import annotations
 
 import importlib.util
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
 import whalepy
-from whalepy import ArgumentError, PlanError, WhalepyError
+from whalepy import ArgumentError, WhalepyError
 from whalepy.tools.cli import main
-from whalepy.tools.rank_check import RankCheckError
 
 from bad_input_cases import CPU4, ROOT, TOKENS, assert_clear, cluster4, edited_plan_json, tiny, write
 
@@ -118,6 +116,12 @@ def test_parallelize_refuses_the_profile_of_another_model(monkeypatch) -> None:
                      "pass whalepy.profile(model, example_inputs) of this model")
 
 
+def test_a_tp_degree_no_block_divides_is_said(caplog) -> None:
+    prof = _measure(tp_degrees=(1, 3))()
+    assert prof.measured is not None and all(k[1] == 1 for rows in prof.measured.times.values() for k in rows)
+    assert "tp_degrees holds 3, but no block's tensor-parallel layers divide by it" in caplog.text
+
+
 MODEL = "bad_input_cases:tiny_model_and_inputs"
 
 
@@ -141,6 +145,33 @@ CALIBRATE = [
     ("returns a model", "bad_input_cases:not_a_pair", ("must return (model, example_inputs), got GPT",)),
     ("returns three", "bad_input_cases:builder_of_three", ("got tuple of 3",)),
 ]
+
+
+CALIBRATE_FLAGS = [
+    ("--out under a file", ["--model", MODEL, "--out", "FILE/cpu.json"], ("calibrate --out", "cannot create the "
+                                                                           "directory", "(File exists)")),
+    ("--device-type without --import", ["--device-type", "A=B", "--quick"], ("--device-type applies with --import",)),
+    ("--table-model without --import", ["--model", MODEL, "--table-model", "gpt"], ("--table-model applies with",)),
+    ("--precision without --model", ["--precision", "bf16", "--quick"], ("--precision applies with --model",)),
+    ("--micro-batches 0", ["--model", MODEL, "--micro-batches", "0", "--out", "DIR"], ("--micro-batches '0'",
+                                                                                    "positive integers")),
+    ("--precision bf32", ["--model", MODEL, "--precision", "bf32", "--out", "DIR"], ("precision='bf32'",
+                                                                                  "fp32, bf16 or fp16")),
+]
+
+
+@pytest.mark.parametrize("argv, needles", [c[1:] for c in CALIBRATE_FLAGS], ids=[c[0] for c in CALIBRATE_FLAGS])
+def test_calibrate_flag_mistakes(capsys, tmp_path, monkeypatch, argv, needles) -> None:
+    import whalepy.tools.measured_files as measured_files
+
+    monkeypatch.setattr(measured_files, "write_measured", lambda *a, **k: pytest.fail("wrote a profile"))
+    afile = write(tmp_path, "afile", "x")
+    argv = [a.replace("FILE", afile).replace("DIR", str(tmp_path / "profiles")) for a in argv]
+    assert main(["calibrate", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("[whalepy] error: "), err
+    for needle in needles:
+        assert needle in err[0], err[0]
 
 
 @pytest.mark.parametrize("spec, needles", [c[1:] for c in CALIBRATE], ids=[c[0] for c in CALIBRATE])

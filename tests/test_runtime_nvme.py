@@ -117,7 +117,7 @@ def test_unwritable_nvme_dir_is_a_clear_error(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     bad = blocker / "nvme"
-    with pytest.raises(WhalepyError, match=r"nvme_dir .*a-file/nvme.* is not writable"):
+    with pytest.raises(WhalepyError, match=r"nvme_dir .*a-file/nvme'.*a-file' is a file, not a directory"):
         prepare_nvme_dir(bad / "whalepy-nvme-1-rank0", user_dir=bad)
 
 

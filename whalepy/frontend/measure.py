@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from whalepy.errors import ArgumentError, WhalepyError
+from whalepy.errors import WhalepyError
 from whalepy.frontend.measure_checks import checked_loss
 from whalepy.ir.measured import MeasuredCosts, block_signature
 
@@ -651,22 +651,6 @@ def local_device_type(device: torch.device) -> tuple[Any, str]:
                                "cluster spec first, then calibrate")
         return row, name
     return CATALOG["CPU"], f"CPU ({os.cpu_count()} threads)"
-
-
-def parse_device(device: Any) -> torch.device:
-    """``device`` as a torch device this machine has; ArgumentError otherwise."""
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ArgumentError(f"calibrate(device={device!r}): not a torch device; use 'cuda', 'cuda:1' or "
-                            "'cpu'") from None
-    if dev.type not in ("cpu", "cuda"):
-        raise ArgumentError(f"calibrate(device={device!r}): measurements run on a CUDA GPU or the CPU; use "
-                            "'cuda', 'cuda:1' or 'cpu'")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ArgumentError(f"calibrate(device={device!r}): CUDA is not available on this machine; use "
-                            "device='cpu' or run on a GPU machine")
-    return dev
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from torch import nn
 
 from whalepy.errors import ArgumentError, WhalepyError
 
-__all__ = ["check_measurable_model", "check_measure_options", "checked_loss"]
+__all__ = ["check_measurable_model", "check_measure_options", "checked_loss", "parse_device"]
 
 
 def _first_line(e: BaseException) -> str:
@@ -51,8 +51,6 @@ def check_measure_options(*, device: Any = None, precision: Any = "fp32", micro_
     """Every option of :func:`whalepy.frontend.measure.measure_costs` by type and value; returns the device
     the blocks will run on. The optimizer factory is called once on a one-element parameter (cheap) so
     that a factory that fails, or builds no optimizer, is refused before the model is captured."""
-    from whalepy.frontend.measure import parse_device
-
     dev = parse_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if precision not in ("fp32", "bf16", "fp16"):
         raise ArgumentError(f"measure: precision={precision!r:.60}: use fp32, bf16 or fp16")
@@ -117,3 +115,19 @@ def checked_loss(loss_fn: Callable[[Any, Any], Any], out: Any, inputs: Any) -> t
         raise ArgumentError("measure: loss_fn returned a tensor that needs no gradient (it is not computed from "
                             f"the model's output); {fix}")
     return loss
+
+
+def parse_device(device: Any) -> torch.device:
+    """``device`` as a torch device this machine has; ArgumentError otherwise."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ArgumentError(f"calibrate(device={device!r}): not a torch device; use 'cuda', 'cuda:1' or "
+                            "'cpu'") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ArgumentError(f"calibrate(device={device!r}): measurements run on a CUDA GPU or the CPU; use "
+                            "'cuda', 'cuda:1' or 'cpu'")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ArgumentError(f"calibrate(device={device!r}): CUDA is not available on this machine; use "
+                            "device='cpu' or run on a GPU machine")
+    return dev

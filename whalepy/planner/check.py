@@ -24,7 +24,7 @@ from whalepy.errors import ArgumentError, PlanError
 from whalepy.ir.types import TPStyle
 from whalepy.ir.plan import Plan
 
-__all__ = ["check_against", "check_plan", "check_costs", "default_example_inputs"]
+__all__ = ["check_against", "check_plan", "check_plan_cluster", "check_costs", "default_example_inputs"]
 
 _REPLAN = "re-plan with whalepy.plan() / `whalepy plan`, or undo the edit"
 
@@ -198,3 +198,18 @@ def _check_annotations(plan: Plan, profile: Any) -> None:
             raise PlanError(f"the plan does not honour the model's stage() scopes: stage scope {k} is split "
                             f"over pipeline stages {sorted(ks)} or shares one with another scope; {_REPLAN}")
         seen |= ks
+
+
+def check_plan_cluster(plan: Plan, cluster_spec: Any) -> None:
+    """A given plan was made for this cluster spec: as many ranks, each of the device type the plan put
+    there (checked with or without a launch, before anything is lowered; ``parallelize`` and ``whalepy check``)."""
+    if cluster_spec is None or not hasattr(cluster_spec, "rank_devices"):
+        return
+    spec_types = tuple(d.device.name for d in cluster_spec.rank_devices())
+    if len(spec_types) != plan.world_size:
+        raise PlanError(f"the plan is for {plan.world_size} devices but the cluster spec has {len(spec_types)}; "
+                        "pass the cluster spec the plan was made for, or re-plan for this one")
+    bad = next((r for r, (a, b) in enumerate(zip(spec_types, plan.rank_device_types)) if a != b), None)
+    if bad is not None:
+        raise PlanError(f"the plan puts a {plan.rank_device_types[bad]} on rank {bad}, the cluster spec has a "
+                        f"{spec_types[bad]} there: the plan was made for another cluster; re-plan for this one")

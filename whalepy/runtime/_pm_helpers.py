@@ -173,21 +173,6 @@ def _resolve_block_modules(model: nn.Module, plan: Plan, profile: Any) -> dict[s
     return out
 
 
-def _check_plan_cluster(plan: Plan, cluster_spec: Any) -> None:
-    """A given plan was made for this cluster spec: as many ranks, each of the device type the plan put
-    there (checked with or without a launch, before anything is lowered)."""
-    if cluster_spec is None or not hasattr(cluster_spec, "rank_devices"):
-        return
-    spec_types = tuple(d.device.name for d in cluster_spec.rank_devices())
-    if len(spec_types) != plan.world_size:
-        raise PlanError(f"the plan is for {plan.world_size} devices but the cluster spec has {len(spec_types)}; "
-                        "pass the cluster spec the plan was made for, or re-plan for this one")
-    bad = next((r for r, (a, b) in enumerate(zip(spec_types, plan.rank_device_types)) if a != b), None)
-    if bad is not None:
-        raise PlanError(f"the plan puts a {plan.rank_device_types[bad]} on rank {bad}, the cluster spec has a "
-                        f"{spec_types[bad]} there: the plan was made for another cluster; re-plan for this one")
-
-
 def _check_device(plan: Plan, cluster_spec: Any, rank: int) -> None:
     planned = plan.rank_device_types[rank]  # the spec's type of this rank: _check_plan_cluster, earlier
     simulated = False

@@ -28,13 +28,13 @@ from torch import nn
 from whalepy.errors import ArgumentError, LaunchError, PlanError, WhalepyError
 from whalepy.frontend.checks import check_token_ids
 from whalepy.ir.plan import Plan
+from whalepy.planner.check import check_plan_cluster as _check_plan_cluster
 from whalepy.runtime._amp import AmpContext
 from whalepy.runtime._joint_step import JointStep, host_grad_params
 from whalepy.runtime._pm_helpers import (  # noqa: F401 - _checked_loss: tests import it from here
     LossFn,
     _as_tuple,
     _check_device,
-    _check_plan_cluster,
     _checked_loss,
     _full,
     _Null,

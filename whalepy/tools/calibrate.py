@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from whalepy.tools import calibrate_bench as bench
-from whalepy.frontend.measure import local_device_type as _device_type, parse_device as _parse_device
+from whalepy.frontend.measure import local_device_type as _device_type
+from whalepy.frontend.measure_checks import parse_device as _parse_device
 from whalepy.errors import ArgumentError, WhalepyError
 from whalepy.files import check_output, write_file
 from whalepy.cost_models.compute import attention_flops, fit_gemm, peak_flops
@@ -222,6 +223,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     def say(m: str) -> None:
         print(f"[whalepy] {m}", file=sys.stderr, flush=True)
 
+    for flag, given in (("--table-model", args.table_model), ("--device-type", args.device_type)):
+        if given and not args.import_file:
+            raise ArgumentError(f"{flag} applies with --import FILE (a per-layer table) only; add --import, or drop {flag}")
+    if args.precision is not None and not args.model:
+        raise ArgumentError("--precision applies with --model MODULE:FN only (the blocks measured); add --model, or "
+                            "drop --precision")
     if args.import_file or args.model:
         return _cmd_measured(args, say)
     if args.from_microbench:
@@ -262,6 +269,13 @@ def _cmd_measured(args: argparse.Namespace, say: Any) -> int:
     if args.model is None:
         raise ArgumentError("--import needs --model MODULE:FN: the model the table was measured on, whose blocks "
                             "its layers are bound to")
+    if args.import_file:  # --out checked before the work: the table's device types are known only then
+        if args.out is not None:
+            _writable_out(_out_path(args.out, "device"), inputs=(args.import_file,))
+    else:
+        dev = _parse_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        micro_batches, tp_degrees = _ints(args.micro_batches, "--micro-batches"), _ints(args.tp_degrees, "--tp-degrees")
+        out = _writable_out(_out_path(args.out, _device_type(dev)[0].name))
     model, inputs = load_model_fn(args.model)
     if args.import_file:
         names = {}
@@ -276,12 +290,11 @@ def _cmd_measured(args: argparse.Namespace, say: Any) -> int:
             say(f"imported {len(m.times)} distinct blocks of {m.device_name} as {m.device_type}: {path}")
             print(path)
         return 0
-    dev = _parse_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     precision = args.precision or ("bf16" if dev.type == "cuda" else "fp32")
-    prof = profile(model, inputs, measure=True, device=dev, precision=precision,
-                   micro_batches=_ints(args.micro_batches, "--micro-batches"), tp_degrees=_ints(args.tp_degrees, "--tp-degrees"))
+    prof = profile(model, inputs, measure=True, device=dev, precision=precision, micro_batches=micro_batches,
+                   tp_degrees=tp_degrees)
     m = prof.measured
-    path = write_measured(m, _out_path(args.out, m.device_type))
+    path = write_measured(m, out)
     say(f"measured {len(m.times)} distinct blocks of {type(model).__name__} on {m.device_name}: {path}")
     print(path)
     return 0

@@ -598,7 +598,7 @@ def _cmd_check(args: Any) -> int:
     from whalepy.frontend.profile import profile
     from whalepy.hardware.cluster import ClusterSpec
     from whalepy.ir.plan import Plan
-    from whalepy.runtime._pm_helpers import _check_plan_cluster
+    from whalepy.planner.check import check_plan_cluster
     from whalepy.tools.model_arg import load_model
 
     try:
@@ -611,7 +611,7 @@ def _cmd_check(args: Any) -> int:
         raise PlanError(f"the plan {args.plan}: {e}") from None
     ranks = _parse_ranks(args.ranks, plan.world_size)
     cluster = simulated(ClusterSpec.load(args.cluster))
-    _check_plan_cluster(plan, cluster)  # another cluster's plan: one line here, not a mismatch per rank
+    check_plan_cluster(plan, cluster)  # another cluster's plan: one line here, not a mismatch per rank
 
     def build() -> tuple[Any, tuple]:
         with torch.device("meta"):
