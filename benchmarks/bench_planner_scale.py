@@ -4,6 +4,7 @@ and what the search proved.
 
     python benchmarks/bench_planner_scale.py                 # every case, median of 3
     python benchmarks/bench_planner_scale.py --case 175b-1024 --reps 1 --profile   # cProfile of one case
+    python benchmarks/bench_planner_scale.py --reps 1 --work     # and HiGHS's work (iterations, nodes)
 
 CPU time (``time.process_time``), not wall time: the machines these run on are shared, and the search is
 limited by work, not by the clock, so its CPU time does not depend on the load. Results go into
@@ -70,6 +71,37 @@ def cluster_of(spec: dict):  # type: ignore[no-untyped-def]
     return ClusterSpec.from_dict(spec)
 
 
+WORK: dict[str, int] = {}
+"""With ``--work``: HiGHS runs, simplex iterations and branch-and-bound nodes of the last repetition, the
+search's work in units that do not depend on the machine's load (HiGHS runs deterministically)."""
+
+
+def count_work() -> None:
+    """Wrap the solver call of the ILPs and of the bound (planner/_solvers.py) to add up its work."""
+    import whalepy.planner._bound as bound
+    import whalepy.planner._solvers as solvers
+    import whalepy.planner.ilp as ilp
+
+    made = []
+    new_highs = solvers._highs
+
+    def highs():  # type: ignore[no-untyped-def]
+        h = new_highs()
+        made.append(h)
+        return h
+
+    solvers._highs = highs
+    for mod, tag in ((ilp, "ilp"), (bound, "bound")):
+        def counted(*args, _solve=mod._solve_highs, _tag=tag, **kwargs):  # type: ignore[no-untyped-def]
+            out = _solve(*args, **kwargs)
+            info = made[-1].getInfo()
+            for k, x in (("runs", 1), ("iterations", info.simplex_iteration_count),
+                         ("nodes", max(0, info.mip_node_count))):
+                WORK[f"{_tag} {k}"] = WORK.get(f"{_tag} {k}", 0) + x
+            return out
+        mod._solve_highs = counted
+
+
 def run_case(key: str, reps: int) -> dict:
     from whalepy.planner import plan_from_profile
 
@@ -78,6 +110,7 @@ def run_case(key: str, reps: int) -> dict:
     cluster = cluster_of(spec)
     cpu, wall, plan = [], [], None
     for _ in range(reps):
+        WORK.clear()
         c0, w0 = time.process_time(), time.perf_counter()
         plan = plan_from_profile(prof, cluster, global_batch=gb)
         cpu.append(time.process_time() - c0)
@@ -86,7 +119,7 @@ def run_case(key: str, reps: int) -> dict:
     s = plan.solver
     return {"case": label, "cpu_s": statistics.median(cpu), "wall_s": statistics.median(wall),
             "step_s": plan.cost.step_time_s, "candidates": s.num_candidates, "status": s.status,
-            "gap": s.mip_gap,
+            "gap": s.mip_gap, "work": dict(WORK),
             "plan": (f"pp{plan.pp_degree} tp{max(plan.tp_degrees)} dp{plan.dp_degree} M{plan.num_microbatches} "
                      f"{plan.schedule.value}{' v' + str(plan.virtual_stages) if plan.virtual_stages > 1 else ''} "
                      f"zero{max(st.zero_stage for st in plan.stages)}")}
@@ -97,7 +130,11 @@ def main() -> int:
     ap.add_argument("--case", action="append", choices=sorted(CASES), help="only these cases (repeatable)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="cProfile the search of each case, top 25 by cumtime")
+    ap.add_argument("--work", action="store_true", help="also the HiGHS work: runs, simplex iterations and "
+                    "branch-and-bound nodes of the ILPs and of the bound (the same on any machine load)")
     args = ap.parse_args()
+    if args.work:
+        count_work()
     keys = args.case or list(CASES)
     with open("/proc/loadavg") as f:
         print(f"load average at start: {f.read().strip()}", file=sys.stderr)
@@ -119,7 +156,8 @@ def main() -> int:
             r = run_case(key, args.reps)
         gap = f" gap {100 * r['gap']:.2g}%" if r["gap"] else ""
         print(f"| {r['case']} | {r['cpu_s']:.2f} | {r['wall_s']:.2f} | {r['plan']} | {r['step_s']:.4g} | "
-              f"{r['candidates']} | {r['status']}{gap} |", flush=True)
+              f"{r['candidates']} | {r['status']}{gap} |"
+              + (" " + ", ".join(f"{k} {x}" for k, x in r["work"].items()) + " |" if args.work else ""), flush=True)
     with open("/proc/loadavg") as f:
         print(f"load average at end: {f.read().strip()}", file=sys.stderr)
     return 0

@@ -111,9 +111,26 @@ def host_capacity_per_gpu(cpu_memory_bytes: float | None, gpus_per_node: int) ->
     return cpu_memory_bytes * USABLE_HOST_MEMORY_FRACTION / gpus_per_node
 
 
+DISK_RESERVE_FRACTION = 0.01
+"""NAMED CONSTANT (not measured): share of the disk tier's drive kept free beside the peak of its files,
+for what else writes there during the run (logs, checkpoints or data caches on the same drive, the
+tier's manifest and directory probes, file-system metadata and each file's rounding to whole blocks).
+The planner plans a node's ranks within its NVMe less this share; the runtime checks the files of the
+ranks sharing a file system against its free space less this share of its size
+(:func:`disk_reserve_bytes`)."""
+
+
+def disk_reserve_bytes(total_bytes: float) -> float:
+    """Bytes of a file system (or drive) of ``total_bytes`` the disk tier leaves free:
+    :data:`DISK_RESERVE_FRACTION` of it."""
+    return total_bytes * DISK_RESERVE_FRACTION
+
+
 def nvme_capacity_per_gpu(nvme_bytes: float | None, gpus_per_node: int) -> float | None:
-    """NVMe bytes for one GPU's files: the node's drives shared by its GPUs."""
-    return None if nvme_bytes is None else nvme_bytes / gpus_per_node
+    """NVMe bytes for one GPU's files: the node's drives less their reserve (:func:`disk_reserve_bytes`),
+    shared by its GPUs. The planner's constraint is the node's (the sum over its ranks, whichever stages
+    they run: ``planner.costing.NodeShare``), as the runtime's check is the file system's."""
+    return None if nvme_bytes is None else (nvme_bytes - disk_reserve_bytes(nvme_bytes)) / gpus_per_node
 
 
 # -- the optimizer step off the device -------------------------------------------------------------

@@ -41,7 +41,8 @@ from whalepy.passes.shapes import mark_requires_grad, nbytes
 from whalepy.passes.tp_patterns import BlockTP, check_split_degrees, find_tp_patterns
 from whalepy.passes.truncate import TruncatedRun, graph_signature, plan_truncation, rename, truncated
 from whalepy.ir.plan import TPRule, TPStyle
-from whalepy.ir.profile import BlockAnnotations, BlockKind, BlockProfile, ModelProfile
+from whalepy.ir.profile import BlockAnnotations, BlockKind, BlockProfile, ModelProfile, TiedCopy
+from whalepy.ir.rules import is_conv1d, tp_shards_parameter
 
 
 def analysis_passes(
@@ -116,6 +117,13 @@ def build_profile(
     # capture quadratically with the depth: 2-3 s each at 96 layers, docs/benchmarks.md)
     users = parameter_users(model)
     named = [(n, id(p)) for n, p in model.named_parameters(remove_duplicate=False)]
+    sharded = _tp_sharded(model, [r for b in raw for r in b.tp.rules])
+    owner: dict[int, str] = {}
+    for b in raw:
+        for i in b.owned:
+            owner.setdefault(i, b.spec.name)
+    first = {id(p): (n, p.numel()) for n, p in model.named_parameters()}
+    sizes = {i: k for i, (_, k) in first.items()}
     for b in raw:
         spec, tp, fig = b.spec, b.tp, b.fig
         merged = merge_block_annotations(
@@ -130,9 +138,13 @@ def build_profile(
             fwd_flops=fig["fwd"], bwd_flops=fig["bwd"], bytes_moved=fig["bytes"],
             activation_bytes=int(fig["saved"]), input_bytes=int(fig["in"]),
             output_bytes=int(fig["out"]), tp_rules=tp.rules, tp_whole=tp.whole, tp_comm_bytes=int(tp.comm_bytes),
+            tp_comm_backward_bytes=int(tp.backward_comm_bytes), tp_gather_bytes=int(tp.gather_bytes),
+            tp_whole_params=sum(sizes[i] for i in b.owned if i not in sharded),
+            tied_copies=_tied_copies(model, spec, owner, sharded, first),
             tp_degrees=degrees, annotations=merged, kernels=fig["kernels"],
             linear_params=lin_sum, largest_linear_params=lin_max, num_linears=lin_n,
             linear_rows=rows, shares_params=shares_params(model, spec.modules, named),
+            shared_param_numel=shared_param_numel(model, spec.modules),
         ))
     unique = list(model.parameters())
     batch, seq = _batch_and_seq(gm)
@@ -166,6 +178,16 @@ def shares_params(model: torch.nn.Module, modules: tuple[str, ...],
     return False
 
 
+def shared_param_numel(model: torch.nn.Module, modules: tuple[str, ...]) -> int:
+    """Elements of the parameters a module of ``modules`` shares with a module outside them (each
+    parameter once): :attr:`~whalepy.ir.profile.BlockProfile.shared_param_numel`."""
+    named = list(model.named_parameters(remove_duplicate=False))
+    prefixes = tuple(p + "." if p else "" for p in modules)
+    inside = {id(p): p for n, p in named if n.startswith(prefixes)}
+    outside = {id(p) for n, p in named if not n.startswith(prefixes)}
+    return sum(p.numel() for i, p in inside.items() if i in outside)
+
+
 @dataclass(slots=True)
 class _Raw:
     """A block's figures before annotations are merged."""
@@ -175,6 +197,8 @@ class _Raw:
     fig: dict[str, Any]
     num_params: int
     param_bytes: int
+    owned: frozenset[int] = frozenset()
+    """``id`` of each parameter counted in this block."""
 
 
 class _Fallback(Exception):
@@ -188,7 +212,7 @@ def _raw_blocks(gm: fx.GraphModule, model: torch.nn.Module) -> list[_Raw]:
     for fig, kernels in zip(sums, block_kernels(gm, len(specs), [t.rules for t in tps]), strict=True):
         fig["kernels"] = kernels
     params = _attribute_params(gm, model, specs)
-    return [_Raw(s, t, f, c, b) for s, t, f, (c, b) in zip(specs, tps, sums, params, strict=True)]
+    return [_Raw(s, t, f, c, b, o) for s, t, f, (c, b, o) in zip(specs, tps, sums, params, strict=True)]
 
 
 def _truncated_raw(
@@ -225,7 +249,7 @@ def _truncated_raw(
         for m in run.members[run.keep:]:
             counted = _own_params(model.get_submodule(m))
             assert counted == own, f"{m} has other parameters than {run.template}"
-            extra.append(_copy(template, run.template, m))
+            extra.append(_copy(template, run.template, m, model))
         copies[by_name[run.template]] = extra
     out: list[_Raw] = []
     remap: dict[int, int] = {}
@@ -276,6 +300,37 @@ def _sequence_parallel_region(raw: list[_Raw]) -> None:
                                         *entry.tp.rules))
 
 
+def _tp_sharded(model: torch.nn.Module, rules: list[TPRule]) -> set[int]:
+    """``id`` of every parameter a tensor-parallel rule shards (:func:`tp_shards_parameter`, as the
+    runtime applies the rules); a parameter tied to a sharded one is sharded with it (the runtime
+    re-ties the copies, ``tensor_parallel._retie``)."""
+    modules = dict(model.named_modules())
+    out: set[int] = set()
+    for r in rules:
+        m = modules.get(r.module)
+        if m is None:
+            continue
+        for field, p in m.named_parameters(recurse=False):
+            if tp_shards_parameter(r.style, field, parts=r.parts, conv1d=is_conv1d(m)):
+                out.add(id(p))
+    return out
+
+
+def _tied_copies(model: torch.nn.Module, spec: BlockSpec, owner: dict[int, str], sharded: set[int],
+                 first: dict[int, tuple[str, int]]) -> tuple[TiedCopy, ...]:
+    """The parameters of ``spec``'s modules that another block counts (:attr:`BlockProfile.tied_copies`);
+    ``first``: each parameter's first name and size."""
+    out: dict[int, TiedCopy] = {}
+    for path in spec.modules:
+        m = model.get_submodule(path) if path else model
+        for p in m.parameters():
+            o = owner.get(id(p))
+            if o is not None and o != spec.name and id(p) not in out:
+                out[id(p)] = TiedCopy(owner=o, parameter=first[id(p)][0], num_params=first[id(p)][1],
+                                      tp_split=id(p) in sharded)
+    return tuple(out.values())
+
+
 def _own_params(module: torch.nn.Module) -> tuple[int, int]:
     ps = list(module.parameters())
     return sum(p.numel() for p in ps), sum(p.numel() * p.element_size() for p in ps)
@@ -296,12 +351,12 @@ def _figures(b: _Raw, member: str) -> tuple:
             b.spec.repeat_group, _rename_tp(b.tp, member, "<L>"))
 
 
-def _copy(template: _Raw, old: str, new: str) -> _Raw:
+def _copy(template: _Raw, old: str, new: str, model: torch.nn.Module) -> _Raw:
     fig = dict(template.fig)
     fig["paths"] = {rename(p, old, new): None for p in template.fig["paths"]}
     spec = replace(template.spec, name=new, modules=(new,))
     return _Raw(spec, _rename_tp(template.tp, old, new), fig, template.num_params,
-                template.param_bytes)
+                template.param_bytes, frozenset(id(p) for p in model.get_submodule(new).parameters()))
 
 
 def _float_dtype_name(params: list[torch.nn.Parameter]) -> str:
@@ -353,8 +408,9 @@ def _block_sums(gm: fx.GraphModule, n: int) -> list[dict[str, Any]]:
 
 def _attribute_params(
     gm: fx.GraphModule, model: torch.nn.Module, specs: list[BlockSpec]
-) -> list[tuple[int, int]]:
-    """``(num_params, param_bytes)`` per block, each parameter in exactly one block (module doc)."""
+) -> list[tuple[int, int, frozenset[int]]]:
+    """``(num_params, param_bytes, ids of its parameters)`` per block, each parameter in exactly one
+    block (module doc)."""
     first_use: dict[str, int] = {}
     for node in gm.graph.nodes:
         fqn = node.meta.get("whalepy.param")
@@ -369,6 +425,7 @@ def _attribute_params(
         aliases.setdefault(id(p), []).append(name)
     owners = {m: s.index for s in specs for m in s.modules}
     out = [[0, 0] for _ in specs]
+    owned: list[set[int]] = [set() for _ in specs]
     for p in model.parameters():
         names = aliases[id(p)]
         used = [first_use[f] for f in names if f in first_use]
@@ -379,7 +436,8 @@ def _attribute_params(
                      len(specs) - 1)
         out[b][0] += p.numel()
         out[b][1] += p.numel() * p.element_size()
-    return [(c, by) for c, by in out]
+        owned[b].add(id(p))
+    return [(c, by, frozenset(o)) for (c, by), o in zip(out, owned)]
 
 
 def _use_block(node: fx.Node) -> int | None:

@@ -90,6 +90,13 @@ class BlockTP:
 
     rules: tuple[TPRule, ...] = ()
     comm_bytes: int = 0
+    backward_comm_bytes: int = 0
+    """Bytes all-reduced per backward: the input gradient of the COLWISE modules (its input is
+    replicated over the TP group): once per input that plain ``nn.Linear`` siblings share (q, k and v
+    read one), once per call of a fused or Conv1D projection."""
+    gather_bytes: int = 0
+    """Bytes all-gathered per forward: the output of every COLWISE module no ROWWISE module reads (an
+    LM head's logits, gathered to every rank)."""
     dims: tuple[tuple[str, str, int], ...] = ()
     """Sharded dims as ``(module path, what, size)``: every TP degree must divide each size."""
     degrees: tuple[int, ...] = TP_DEGREES
@@ -519,7 +526,8 @@ def _summarise(prop: _Propagation, nodes: list[fx.Node], vocab: set[int]) -> Blo
     fused: dict[str, int] = {}
     paired: set[str] = set()
     dims: list[tuple[str, str, int]] = []
-    comm = 0
+    comm = backward = gather = 0
+    shared: set[tuple[str, fx.Node]] = set()  # (parent module, input) of plain column-parallel linears
     seen: set[int] = set()
     for gid in range(len(prop.groups.parent)):
         root = prop.groups.find(gid)
@@ -531,6 +539,18 @@ def _summarise(prop: _Propagation, nodes: list[fx.Node], vocab: set[int]) -> Blo
             continue
         for node in grp.sources:
             styles.setdefault(as_linear(node)[3], TPStyle.COLWISE)
+            x, module = as_linear(node)[0], as_linear(node)[3]
+            # the runtime converts an input several plain column-parallel siblings read once, so its
+            # gradient is all-reduced once (tensor_parallel._share_replicated_inputs); a fused or
+            # Conv1D projection (sharded by hand) all-reduces its own
+            key = (module.rpartition(".")[0], x) if op_name(node) == "linear" and grp.parts.get(node, 1) == 1 \
+                else None
+            if key is None or key not in shared:
+                backward += nbytes(val(x))
+            if key is not None:
+                shared.add(key)
+            if not grp.sinks:
+                gather += nbytes(val(node))
             if grp.parts.get(node, 1) > 1:
                 fused[as_linear(node)[3]] = grp.parts[node]
             if grp.sinks:
@@ -559,7 +579,8 @@ def _summarise(prop: _Propagation, nodes: list[fx.Node], vocab: set[int]) -> Blo
     dims = list(dict.fromkeys(dims))
     rules = tuple(TPRule(module=m, style=s, parts=fused.get(m, 1),
                          feeds_rowwise=s is TPStyle.COLWISE and m in paired) for m, s in styles.items())
-    return BlockTP(rules=rules, comm_bytes=comm, dims=tuple(dims), degrees=_degrees(dims))
+    return BlockTP(rules=rules, comm_bytes=comm, backward_comm_bytes=backward, gather_bytes=gather,
+                   dims=tuple(dims), degrees=_degrees(dims))
 
 
 _VIEW_OPS = frozenset({"view", "_unsafe_view", "reshape", "transpose", "permute", "alias", "slice", "select",

@@ -26,6 +26,7 @@ follows FSDP2's own record of what it offloaded, as in ``whalepy.runtime.held.he
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -149,17 +150,18 @@ def _grads(pm: Any) -> dict[str, int]:
 def predicted(case: Case, stage: Any) -> dict[str, float] | None:
     """The memory model's bytes for a rank of plan stage ``stage``, block by block with each block's
     tiers (:func:`estimate_stage_model_state_bytes`; one tier pair: :func:`estimate_model_state_bytes`),
-    the disk tier's prefetch depth being that of its file-homed parameter blocks (one per stage)
-    (None under TP: the local share of each parameter is the planner's business, not this test's)."""
+    the disk tier's prefetch depth being that of its file-homed parameter blocks (one per stage); under
+    TP each block's parameters per TP rank (:func:`~whalepy.ir.rules.tp_local_params`: the split ones
+    divided by the degree, norms, position embeddings and row-parallel biases whole)."""
     from whalepy.cost_models.memory import estimate_stage_model_state_bytes
+    from whalepy.ir.rules import tp_local_params
 
-    if case.tp > 1:
-        return None
     prof = case_profile(case.kind, case.num_layers)
     depth = max((b.prefetch_depth for b in stage.blocks if b.param_tier.value == "nvme"), default=1)
     est = estimate_stage_model_state_bytes(
-        blocks=[(prof.block(b.name).num_params, b.param_tier, b.optimizer_tier) for b in stage.blocks],
-        zero_stage=case.zero, dp_degree=case.dp, pp_degree=case.pp, precision="fp32", prefetch_depth=depth)
+        blocks=[(tp_local_params(prof.block(b.name), case.tp), b.param_tier, b.optimizer_tier) for b in stage.blocks],
+        zero_stage=case.zero, dp_degree=case.dp, tp_degree=case.tp, pp_degree=case.pp, precision="fp32",
+        prefetch_depth=depth)
     return {"device": est.resident, "host": est.cpu, "files": est.nvme, "files_between": est.nvme_between_steps}
 
 
@@ -280,9 +282,39 @@ def restart_case(case: Case, root: str, split: int = 2) -> dict[str, Any]:
             "param_err": max((params[k] - ref_params[k]).abs().max().item() for k in params)}
 
 
+def disk_full_case(case: Case, root: str) -> dict[str, Any]:
+    """Per rank: every rank's disk tier, alone, fits the budget its file system is given
+    (``WHALEPY_NVME_BUDGET_BYTES``: 1.5 times one rank's files at their peak, as the memory model
+    predicts them); the ranks' files together do not. ``parallelize`` must refuse on every rank, before
+    a file is written (the plan carries no costs, so it is the disk tier's own check at lowering, with
+    the bytes it would write), and leave nothing under ``nvme_dir``."""
+    from whalepy.errors import DiskSpaceError
+    from whalepy.runtime import parallelize
+    from whalepy.runtime.disk_space import BUDGET_ENV
+
+    data = batches(case.global_batch, case.steps)
+    plan = make_case_plan(case)
+    one_rank = predicted(case, plan.stages[0])["files"]
+    nvme_dir = os.path.join(root, "disk-full")
+    os.environ[BUDGET_ENV] = str(int(1.5 * one_rank))
+    error = None
+    try:
+        parallelize(build_model(case.kind, case.num_layers), None, example_inputs=(data[0][0][:2],),
+                    loss_fn=lm_loss, optimizer=adamw, global_batch=case.global_batch, plan=plan,
+                    profile=case_profile(case.kind, case.num_layers), nvme_dir=nvme_dir)
+    except DiskSpaceError as e:
+        error = str(e)
+    finally:
+        del os.environ[BUDGET_ENV]
+    left = sorted(str(p) for p in Path(nvme_dir).rglob("*")) if os.path.exists(nvme_dir) else []
+    return {"name": "disk full", "error": error, "one_rank": one_rank, "left": left}
+
+
 def infinity_cases(cases: list[Any], root: str) -> list[dict[str, Any]]:
-    """Each item: a :class:`Case` (:func:`infinity_case`) or ``("restart", case)`` (:func:`restart_case`)."""
+    """Each item: a :class:`Case` (:func:`infinity_case`), ``("restart", case)`` (:func:`restart_case`) or
+    ``("disk full", case)`` (:func:`disk_full_case`)."""
     import warnings
 
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
-    return [restart_case(c[1], root) if isinstance(c, tuple) else infinity_case(c, root) for c in cases]
+    special = {"restart": restart_case, "disk full": disk_full_case}
+    return [special[c[0]](c[1], root) if isinstance(c, tuple) else infinity_case(c, root) for c in cases]

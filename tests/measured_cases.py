@@ -35,15 +35,37 @@ def reference_losses(steps: int) -> list[float]:
     return out
 
 
-def run_plan(plan, steps: int) -> list[float]:
+def _train(plan, steps: int):
+    import logging
+
     import whalepy
 
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("whalepy").addHandler(handler)
     model, x, y = build()
     pm = whalepy.parallelize(model, None, plan=plan, example_inputs=(x,), loss_fn=loss_fn,
                              optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), global_batch=4)
-    losses = [float(pm.train_step((x,), y)) for _ in range(steps)]
-    seen = pm.measured_profile()
-    return losses, None if seen is None else (seen.steps, seen.step_s, seen.predicted_step_s, seen.peak_bytes)
+    losses, early = [], None
+    for i in range(steps):
+        losses.append(float(pm.train_step((x,), y)))
+        if i == 4:
+            early = pm.measured_profile()  # None: the sampled step (the 6th) has not run
+    prof = pm.measured_profile()
+    assert isinstance(prof, whalepy.ModelProfile) and prof.measured is not None
+    assert [b.name for b in prof.blocks] == [b.name for b in pm.reporter.timer.profile.blocks]
+    logging.getLogger("whalepy").removeHandler(handler)
+    logged = ([n for n in lines if "more than 15% off" in n and "profile=pm.measured_profile()" in n],
+              [n for n in lines if "timed per block" in n])
+    return losses, early, prof.measured, pm.observed, logged
+
+
+def run_plans(plans, steps: int):
+    """``steps`` steps of each plan in turn, in the same processes; per plan what the closed loop gives:
+    the losses, ``measured_profile()`` after step 5 and its measured costs at the end, ``pm.observed``,
+    and what it logged: the off-plan warnings and the per-stage report."""
+    return [_train(plan, steps) for plan in plans]
 
 
 def cli_model():
@@ -62,3 +84,5 @@ def measure_in_a_job() -> tuple[int, int, int]:
     m = whalepy.profile(model, (x,), measure=True, micro_batches=(2,), tp_degrees=(1,), repeats=1,
                         optimizer=lambda ps: torch.optim.AdamW(ps, lr=0.5, weight_decay=0.25)).measured
     return len(m.wrapped), sum(m.fsdp_units.values()), len(m.wrapped_updates)
+
+

@@ -20,10 +20,18 @@ VOCAB = 64
 PAD = 30
 
 
-def gpt_model(num_layers: int = 2) -> GPT:
+ODD_VOCAB = 63
+"""A vocabulary no TP degree above 1 divides: the embedding and head run whole on every TP rank."""
+
+
+def gpt_model(num_layers: int = 2, *, vocab: int = VOCAB, tied: bool = False) -> GPT:
     torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, num_layers=num_layers, num_heads=4,
-                         hidden_size=32))
+    return GPT(GPTConfig(vocab_size=vocab, block_size=SEQ, num_layers=num_layers, num_heads=4,
+                         hidden_size=32, tie_embeddings=tied))
+
+
+def vocab_of(kind: str) -> int:
+    return ODD_VOCAB if kind == "gpt_odd" else VOCAB
 
 
 def hf_gpt2_model(num_layers: int = 2, tied: bool = False) -> torch.nn.Module:
@@ -76,12 +84,12 @@ def lm_loss(logits: Any, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def batches(global_batch: int, steps: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches(global_batch: int, steps: int, seed: int = 1, vocab: int = VOCAB) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(steps):
-        x = torch.randint(0, VOCAB, (global_batch, SEQ), generator=g)
-        y = torch.randint(0, VOCAB, (global_batch, SEQ), generator=g)
+        x = torch.randint(0, vocab, (global_batch, SEQ), generator=g)
+        y = torch.randint(0, vocab, (global_batch, SEQ), generator=g)
         out.append((x, y))
     return out
 
@@ -91,10 +99,15 @@ def adamw(params):
 
 
 def build_model(kind: str, num_layers: int = 2) -> torch.nn.Module:
-    """``kind``: "gpt" (whalepy.models), "gpt_pad" (it with a ``padding_idx``), "hf" (HF GPT-2, untied),
+    """``kind``: "gpt" (whalepy.models), "gpt_tied" (it with a tied embedding and head), "gpt_odd" (it
+    with a vocabulary of :data:`ODD_VOCAB`), "gpt_pad" (it with a ``padding_idx``), "hf" (HF GPT-2, untied),
     "hf_tied" (HF GPT-2 with its default tie_word_embeddings=True), "llama" (HF Llama, GQA)."""
     if kind == "gpt":
         return gpt_model(num_layers)
+    if kind == "gpt_tied":  # embedding and head one weight
+        return gpt_model(num_layers, tied=True)
+    if kind == "gpt_odd":  # a vocabulary TP does not divide: embedding and head run whole
+        return gpt_model(num_layers, vocab=ODD_VOCAB)
     if kind == "gpt_pad":  # the GPT with a padding token: its row gets no gradient
         model = gpt_model(num_layers)
         model.transformer.wte.padding_idx = PAD
@@ -155,9 +168,13 @@ def make_case_plan(case: Case):
     from whalepy.runtime import make_plan
 
     # the real front-end path: profile blocks and FX-pattern TP rules -> plan -> DTensor
+    from whalepy.ir.rules import tp_splits
+
     prof = case_profile(case.kind, case.num_layers)
     blocks = [b.name for b in prof.blocks]
-    rules = profile_tp_rules(prof)
+    # the planner's rule: blocks whose shapes do not divide by the TP degree run whole, without rules
+    rules = tuple(r for b in prof.blocks if tp_splits(b, case.tp) for r in b.tp_rules) if case.tp > 1 \
+        else profile_tp_rules(prof)
     return make_plan(blocks, model_fingerprint=prof.fingerprint, dp=case.dp, tp=case.tp, pp=case.pp, global_batch=case.global_batch,
                      zero_stage=case.zero, checkpoint=case.checkpoint, batch_shares=case.shares,
                      num_microbatches=case.microbatches, schedule=case.schedule,
@@ -168,7 +185,7 @@ def run_case(case: Case) -> dict[str, Any]:
     """Per rank: train reference and parallel model; return loss/param differences."""
     from whalepy.runtime import parallelize
 
-    data = batches(case.global_batch, case.steps)
+    data = batches(case.global_batch, case.steps, vocab=vocab_of(case.kind))
     ref_losses, ref_params = reference_run(case.kind, data, case.num_layers)
     model = build_model(case.kind, case.num_layers)
     plan = make_case_plan(case)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import whalepy
-from whalepy import ArgumentError, ClusterSpecError, PlanError, WhalepyError
+from whalepy import ArgumentError, ClusterSpecError, DiskSpaceError, PlanError, WhalepyError
 from whalepy.tools.cli import main
 from whalepy.hardware.cluster import ClusterSpec, NodeGroup
 from whalepy.ir.plan import BlockPlan, StageCost, Tier
@@ -255,22 +255,24 @@ def _disk_plan(nvme_bytes: int = 0):  # type: ignore[no-untyped-def]
 
 
 def test_nvme_dir_refused_before_lowering(one_rank_launch) -> None:  # noqa: F811
-    """Inside a launch: a file, or a drive without the plan's disk bytes, is refused before the model is
-    lowered; nothing is created in the directory (the disk tier would create it)."""
+    """Inside a launch: a file, or a drive without room for the plan's disk bytes (the files of every
+    rank on its file system, summed: here the one rank), is refused before the model is lowered; nothing
+    is created in the directory (the disk tier would create it)."""
     tmp = Path(one_rank_launch)
     one = ClusterSpec.local(1)
     afile = write(tmp, "afile", "x")
-    for nvme_dir, plan, needles in [
-        (afile, _disk_plan(), (repr(afile), "is a file, not a directory", "pass a directory")),
-        (str(Path(afile) / "sub"), _disk_plan(), ("is a file, not a directory",)),
-        (str(tmp / "nvme"), _disk_plan(10**18), ("GiB free but the plan puts", "931322574.62 GiB",
-                                                  "larger drive as nvme_dir")),
+    for nvme_dir, plan, exc, needles in [
+        (afile, _disk_plan(), ArgumentError, (repr(afile), "is a file, not a directory", "pass a directory")),
+        (str(Path(afile) / "sub"), _disk_plan(), ArgumentError, ("is a file, not a directory",)),
+        (str(tmp / "nvme"), _disk_plan(10**18), DiskSpaceError,
+         (repr(str(tmp / "nvme")), "files of rank 0 (one file system) need 909494.70 TiB at their peak", "GiB free",
+          "less a reserve of", "a directory on a drive with more room")),
     ]:
         model = tiny()
         before = {n: p.clone() for n, p in model.state_dict().items()}
         assert_clear(lambda: whalepy.parallelize(model, one, example_inputs=(TOKENS,), loss_fn=_loss,
                                                  optimizer=_sgd, global_batch=4, plan=plan, nvme_dir=nvme_dir),
-                     ArgumentError, *needles)
+                     exc, *needles)
         assert not (tmp / "nvme").exists()
         assert all(type(p) is torch.nn.Parameter for p in model.parameters())  # not wrapped by FSDP2 / DDP
         assert all(torch.equal(before[n], p) for n, p in model.state_dict().items())

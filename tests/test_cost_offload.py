@@ -202,3 +202,21 @@ def test_host_memory_is_the_nodes() -> None:
     assert node_fits(cc, [0.0, 24.0], [0.0, 0.0])  # 96 of 100, though 24 > 100 / 8 per GPU
     assert not node_fits(cc, [2.0, 24.0], [0.0, 0.0])  # 8 + 96 > 100
     assert not node_fits(cc, [0.0, 0.0], [0.0, 1.0])  # no NVMe on the node
+
+
+def test_nvme_is_the_nodes_drive_less_the_reserve() -> None:
+    """``capacity_tb`` is the node's drive, shared by its GPUs: the planner's node capacity is it less the
+    reserve the runtime keeps free on the file system (the same :func:`disk_reserve_bytes`), and the
+    node's ranks' peak files are summed against it, whichever stages they run."""
+    from types import SimpleNamespace
+
+    from whalepy.cost_models.offload import DISK_RESERVE_FRACTION, disk_reserve_bytes, nvme_capacity_per_gpu
+    from whalepy.planner.costing import NodeShare, node_fits
+
+    drive = 1e12
+    node_cap = nvme_capacity_per_gpu(drive, 8) * 8  # what costing's NodeShare gets for the node
+    assert node_cap == pytest.approx(drive - disk_reserve_bytes(drive)) == pytest.approx(drive * (1 - DISK_RESERVE_FRACTION))
+    cc = SimpleNamespace(nodes=(NodeShare(ranks_per_stage=(2, 6), cpu_capacity=None, nvme_capacity=node_cap),))
+    assert node_fits(cc, [0.0, 0.0], [node_cap / 2 * 0.99, 0.0])  # two ranks of stage 0 fill it
+    assert not node_fits(cc, [0.0, 0.0], [drive / 2, 0.0])  # the whole drive leaves no reserve
+    assert not node_fits(cc, [0.0, 0.0], [node_cap / 8, node_cap / 8 * 1.01])  # 8 ranks, summed

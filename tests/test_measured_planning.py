@@ -12,6 +12,7 @@ import torch
 import whalepy
 from whalepy.errors import WhalepyError
 from whalepy.ir.measured import MeasuredCosts, block_signature
+from whalepy.ir.rules import tp_splits
 from whalepy.tools.measured_files import import_layer_table, write_measured
 from whalepy import ClusterSpec
 from whalepy.planner import plan_from_profile
@@ -19,13 +20,47 @@ from whalepy.planner.costing import CostContext
 from whalepy.planner.space import Hardware
 
 from dist_harness import run_distributed
-from measured_cases import build, reference_losses, run_plan
+from measured_cases import build, reference_losses, run_plans
 
 
 @pytest.fixture(scope="module")
 def measured():
     model, x, _ = build()
     return whalepy.profile(model, (x,), measure=True, micro_batches=(1, 2, 4), tp_degrees=(1, 2), repeats=1)
+
+
+STEPS = 7
+"""Steps each run trains: the plan check times steps 3-5, the closed loop times step 6 per block."""
+
+
+@pytest.fixture(scope="module")
+def runs(measured, tmp_path_factory):
+    """Two plans trained on 2 gloo processes, one after the other in the same processes: the plan made
+    from the measured profile (``plan_from_profile``, modelled nothing on the CPU) and a 2-stage
+    pipeline estimated from a plain (modelled) profile, with what each run measured."""
+    import os
+
+    from whalepy.cost_models.device_profiles import forget_resolved_profiles
+    from whalepy.planner.estimate import ParallelConfig, estimate_from_profile
+
+    old = os.environ.get("WHALEPY_DEVICE_PROFILES")
+    os.environ["WHALEPY_DEVICE_PROFILES"] = str(tmp_path_factory.mktemp("profiles"))  # no stray CPU profile
+    forget_resolved_profiles()
+    try:
+        cluster = ClusterSpec.local(2)
+        measured_plan = plan_from_profile(measured, cluster, global_batch=4, time_limit_s=20)
+        plain = whalepy.profile(build()[0], (build()[1],))
+        cfg = ParallelConfig(dp=1, pp=2, num_microbatches=2)
+        before = estimate_from_profile(plain, cluster, cfg, global_batch=4)
+        got = run_distributed(run_plans, 2, [measured_plan, before.plan], STEPS, timeout=300)
+        yield {"measured_plan": measured_plan, "plain": plain, "cfg": cfg, "before": before,
+               "ranks": got}
+    finally:
+        if old is None:
+            os.environ.pop("WHALEPY_DEVICE_PROFILES", None)
+        else:
+            os.environ["WHALEPY_DEVICE_PROFILES"] = old
+        forget_resolved_profiles()
 
 
 def test_identical_blocks_share_one_measurement(measured):
@@ -45,7 +80,7 @@ def test_identical_blocks_share_one_measurement(measured):
     assert measured.blocks[1].activation_bytes == round(per * measured.batch_size)
 
 
-def test_planner_uses_measured_times_and_says_so(measured, tmp_path, monkeypatch):
+def test_planner_uses_measured_times_and_says_so(measured, runs, tmp_path, monkeypatch):
     monkeypatch.setenv("WHALEPY_DEVICE_PROFILES", str(tmp_path))  # no stray calibrated CPU profile
     cluster = ClusterSpec.local(2)
     ctx = CostContext(measured, Hardware(cluster), precision="fp32")
@@ -56,20 +91,26 @@ def test_planner_uses_measured_times_and_says_so(measured, tmp_path, monkeypatch
         # between measured sizes: linear
         lo, hi = m.times[sig][("fp32", 1, 2.0)], m.times[sig][("fp32", 1, 4.0)]
         assert ctx.block_time(b.index, "CPU", 1, 3.0) == pytest.approx(tuple((a + c) / 2 for a, c in zip(lo, hi)))
-    plan = plan_from_profile(measured, cluster, global_batch=4, time_limit_s=20)
+    plan = runs["measured_plan"]
     notes = [n for n in plan.notes if n.startswith("stage ")]
     assert len(notes) == len(plan.stages)
     assert all(f"measured for {len(s.blocks)} of {len(s.blocks)} blocks" in n and "optimizer step measured" in n
                for s, n in zip(plan.stages, notes))
     # the run of that plan on 2 gloo processes trains as one process does, and after its warm-up
     # steps the plan check (closed loop) times steps 3-5 against the plan
-    got = run_distributed(run_plan, plan.world_size, plan, 5, timeout=240)
-    ref = reference_losses(5)
-    for losses, seen in got:
+    ref = reference_losses(STEPS)
+    for (losses, early, costs, seen, _), _ in runs["ranks"]:
         assert losses == pytest.approx(ref, rel=1e-4, abs=1e-5)
-        steps, step_s, predicted, peak = seen
-        assert steps == 3 and step_s > 0 and predicted == plan.cost.step_time_s and peak is None
-    assert got[0][1][1] == got[1][1][1]  # the slowest rank's time, on every rank
+        assert seen.steps == 3 and seen.step_s > 0 and seen.predicted_step_s == plan.cost.step_time_s
+        assert seen.peak_bytes is None
+        # step 6, timed per block: blocks that TP splits are left out of the measured costs (their
+        # times hold the TP all-reduces, which the planner adds itself)
+        whole = {block_signature(measured, measured.block(n)) for st in plan.stages for n in st.block_names
+                 if not tp_splits(measured.block(n), st.tp_degree)}
+        assert set(costs.times) == whole and all(k[1] == 1 for t in costs.times.values() for k in t)
+    (_, _, _, seen0, _), _ = runs["ranks"][0]
+    (_, _, _, seen1, _), _ = runs["ranks"][1]
+    assert seen0.step_s == seen1.step_s  # the slowest rank's time, on every rank
 
 
 def test_parallelize_plans_from_the_measured_profile_it_is_given(measured, tmp_path, monkeypatch):
@@ -252,6 +293,66 @@ def test_inside_a_distributed_job_the_lowered_timing_runs_in_another_process():
 
     (wrapped, units, updates), = run_distributed(measure_in_a_job, 1, timeout=240)
     assert wrapped == 3 and units == 4 and updates == 3  # embed (2 units), a layer, the head
+
+
+def test_closed_loop_replans_from_what_a_run_measured(runs, tmp_path, monkeypatch):
+    """A 2-stage pipeline's run times every block on its 6th step; measured_profile() holds them all
+    (both stages', on every rank), the estimate of the same layout from it charges exactly those times
+    and predicts that step better than the modelled plan did; plan(profile=...) re-plans from it, and
+    the measured costs round-trip through a device-profile file."""
+    from whalepy.cost_models.device_profiles import forget_resolved_profiles, load_profile_file
+    from whalepy.planner.estimate import estimate_from_profile
+    from whalepy.runtime._block_timing import merge_measured
+
+    monkeypatch.setenv("WHALEPY_DEVICE_PROFILES", str(tmp_path))  # the CPU's modelled costs, no stray file
+    forget_resolved_profiles()
+    prof, cfg, before = runs["plain"], runs["cfg"], runs["before"]
+    cluster = ClusterSpec.local(2)
+    got = [r[1] for r in runs["ranks"]]
+    ref = reference_losses(STEPS)
+    for losses, early, _, _, _ in got:
+        assert losses == pytest.approx(ref, rel=1e-4, abs=1e-5)  # the hooks change no numerics
+        assert early is None  # not before the sampled step
+    (_, _, m, observed, logged), (_, _, m1, _, logged1) = got
+    # rank 0 says once that the plan is off (if it is), pointing at measured_profile(), and reports the
+    # sampled step once; rank 1 says nothing
+    assert len(logged[0]) == (abs(observed.step_ratio - 1) > 0.15) and len(logged[1]) == 1
+    assert logged1 == ([], [])
+    assert m == m1  # gathered: every rank holds both stages' blocks
+    timing = observed.timing
+    names = [b.name for b in prof.blocks]
+    assert [b.name for b in timing.blocks] == names
+    assert {b.stage for b in timing.blocks} == {0, 1} and len(timing.stages) == 2
+    sigs = [block_signature(prof, b) for b in prof.blocks]
+    assert set(m.times) == set(sigs) and m.device_type == "CPU"
+    key = ("fp32", 1, 2.0)  # fp32, TP 1, 2 samples per micro-batch
+    for b, t in zip(prof.blocks, timing.blocks):
+        f, bwd = m.times[block_signature(prof, b)][key]
+        same = [u for u, s in zip(timing.blocks, sigs) if s == block_signature(prof, b)]
+        assert f == pytest.approx(sum(u.forward_s for u in same) / len(same)) and f > 0 and bwd > 0
+    for s in timing.stages:
+        assert s.step_s >= s.compute_s > 0 and s.optimizer_s > 0
+    measured = merge_measured(prof, m)
+    # the same layout estimated from the measured profile charges exactly the recorded block times
+    after = estimate_from_profile(measured, cluster, cfg, global_batch=4)
+    ctx = CostContext(measured, Hardware(cluster), precision="fp32")
+    for st in after.plan.stages:
+        idx = [names.index(n) for n in st.block_names]
+        assert all(ctx.block_time(i, "CPU", 1, 2.0) == m.times[sigs[i]][key] for i in idx)
+        assert st.cost.compute_s == pytest.approx(sum(sum(m.times[sigs[i]][key]) for i in idx), rel=1e-9)
+    assert any("measured for" in n for n in after.plan.notes)
+    # ... and predicts the step it timed better than the modelled plan did
+    step = timing.step_s
+    assert abs(after.step_time_s - step) < abs(before.step_time_s - step), (before.step_time_s, after.step_time_s, step)
+    replanned = whalepy.plan(build()[0], cluster, profile=measured, global_batch=4, time_limit_s=20)
+    assert any(n.startswith("stage 0 costs:") and "measured for" in n for n in replanned.notes)
+    path = write_measured(m, tmp_path / "CPU.json")
+    assert load_profile_file(path).measured == m
+    for kw, needle in (({"profile": None}, "example_inputs is None"), ({"profile": m}, "takes a whalepy.ModelProfile"),
+                       ({"profile": measured, "measure": True}, "drop measure=True")):
+        with pytest.raises(WhalepyError, match=needle):
+            whalepy.plan(build()[0], cluster, global_batch=4, **kw)
+    forget_resolved_profiles()
 
 
 def test_an_optimizer_factory_that_does_not_pickle_travels_as_its_class_and_settings():

@@ -262,3 +262,33 @@ def test_retarget_device_moves_the_glue_factories(kind):
         assert "device(type='cpu')" not in s.code
     out = run_chain(stages, ids.to("meta"))
     assert out.device.type == "meta" and out.shape == (2, SEQ, VOCAB)
+
+
+def test_stage_io_says_which_tensors_between_stages_need_a_gradient():
+    """The shapes and gradient flags each stage receives and sends (given to torch's PipelineStage, so
+    no metadata travels on the first step) come from running the stages on fake tensors: Falcon's first
+    stage sends two rotary tables made from buffers (no gradient) and the hidden state (gradient). A
+    data-flow guess over the graph once marked that hidden state as needing none, and the pipeline's
+    backward stopped at the stage boundary (the zoo matrix's falcon pp2 x dp2 case hung)."""
+    pytest.importorskip("transformers")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import whalepy
+    from zoo_cases import VOCAB, build
+
+    model = build("falcon")
+    x = torch.randint(0, VOCAB, (2, 8))
+    prof = whalepy.profile(model, (x,))
+    mods = [b.modules for b in prof.blocks]
+    half = len(mods) // 2
+    stages = split_stages(model, (x,), {}, [[p for m in mods[:half] for p in m], [p for m in mods[half:] for p in m]])
+    (ins0, outs0), (ins1, outs1) = stages[0].whalepy_io, stages[1].whalepy_io
+    assert ins0 == (((2, 8), torch.int64, False),)
+    assert [o[2] for o in outs0] == [False, False, True] and outs0[-1][0] == (2, 8, 32)
+    assert ins1 == outs0 and outs1[0][2]
+    # and what the stages compute agrees: run them for real, the sent hidden state requires a gradient
+    sent = stages[0](x)
+    assert [t.requires_grad for t in sent] == [o[2] for o in outs0]
+    assert [tuple(t.shape) for t in sent] == [o[0] for o in outs0]

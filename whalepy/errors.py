@@ -45,6 +45,12 @@ class ArgumentError(WhalepyError, TypeError, ValueError):
     scalar). A ``TypeError`` and a ``ValueError`` too, so code catching either keeps working."""
 
 
+class DiskSpaceError(WhalepyError, OSError):
+    """The file system of the disk tier (``nvme_dir``) cannot hold its files: refused before training
+    (the bytes of every rank writing there, summed, against its free space less a reserve), or found
+    full during a step (``ENOSPC``). An ``OSError`` too, so code catching a full disk keeps working."""
+
+
 def enum_member(cls: type[enum.Enum], value: object, what: str, hint: str = "") -> enum.Enum:
     """``_missing_`` of whalepy's string enums (tiers, schedules, precisions): ``value`` written in
     another case or with spaces is that member; anything else is a :class:`PlanError` naming the value,

@@ -196,13 +196,12 @@ def check_scalar_loss(loss: Any) -> None:
         raise ArgumentError(f"loss_fn returned a {loss.dtype} tensor; a loss to differentiate is floating point")
 
 
-def check_nvme_dir(nvme_dir: Any, keep: Any, *, on_node: bool, needed_bytes: float = 0.0,
-                   where: str = "whalepy.parallelize()") -> None:
+def check_nvme_dir(nvme_dir: Any, keep: Any, *, on_node: bool, where: str = "whalepy.parallelize()") -> None:
     """``parallelize(nvme_dir=..., nvme_keep=...)``: the types always; ``on_node`` (inside a launch, where
-    the files will be written) also that the directory is one, or can be created, is writable and has
-    ``needed_bytes`` free (the plan's disk-tier bytes of this rank). Touches nothing on disk: the disk
-    tier creates and probes the directory itself when it is built (docs/runtime.md, "Disk tier")."""
-    import shutil
+    the files will be written) also that the directory is one, or can be created, and is writable (its
+    free space, summed over the ranks writing there: :mod:`whalepy.runtime.disk_space`). Touches nothing
+    on disk: the disk tier creates and probes the directory itself when it is built (docs/runtime.md,
+    "Disk tier")."""
     import tempfile
     from pathlib import Path
 
@@ -225,8 +224,3 @@ def check_nvme_dir(nvme_dir: Any, keep: Any, *, on_node: bool, needed_bytes: flo
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ArgumentError(f"{where}: {shown} is not writable ({os.fspath(existing)!r} does not let this user "
                             "create files); pass a writable directory on the node's NVMe drive")
-    free = shutil.disk_usage(existing).free
-    if needed_bytes > free:
-        raise ArgumentError(f"{where}: {shown} has {free / 2**30:.2f} GiB free but the plan puts "
-                            f"{needed_bytes / 2**30:.2f} GiB of this rank's model states there; free space or pass "
-                            "a larger drive as nvme_dir")

@@ -210,7 +210,8 @@ class MeasuredCosts:
                               (float(r["forward_s"]), float(r["backward_s"])) for r in e.get("times", [])}
                 if e.get("update_s") is not None:
                     updates[sig] = float(e["update_s"])
-                acts[sig] = {p: float(v) for p, v in e.get("activation_bytes_per_sample", {}).items()}
+                if e.get("activation_bytes_per_sample"):  # a run's times come without: none, not {} (round trip)
+                    acts[sig] = {p: float(v) for p, v in e["activation_bytes_per_sample"].items()}
                 names[sig] = e.get("name", "")
             return cls(device_type=d["device_type"], device_name=d.get("device_name", ""), threads=d.get("threads"),
                        source=d.get("source", ""), optimizer=d.get("optimizer", ""), times=times, updates=updates,

@@ -111,6 +111,20 @@ class BlockKernels:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class TiedCopy:
+    """A parameter a block holds that the profile counts in another block (its owner)."""
+
+    owner: str
+    """Name of the block whose ``num_params`` count the parameter."""
+    parameter: str
+    """The parameter's name in the model (its first name, as ``named_parameters`` gives it)."""
+    num_params: int
+    tp_split: bool = False
+    """Tensor parallelism shards the copy (a rule of the holding block names its module with a style
+    that shards it, :func:`whalepy.ir.rules.tp_shards_parameter`)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class BlockProfile:
     """Cost-relevant figures of one partitioning unit, at the profile's batch size."""
 
@@ -140,9 +154,26 @@ class BlockProfile:
     tp_whole: tuple[tuple[str, str], ...] = ()
     """``(module path, why)``: the block's modules with parameters that tensor parallelism leaves whole
     on every rank (no pattern, fused layout unsupported, ...); see :meth:`ModelProfile.tp_report`."""
+    tp_whole_params: int = 0
+    """Of :attr:`num_params`, the parameters that stay whole on every rank when the block runs
+    tensor-parallel (:func:`whalepy.ir.rules.tp_shards_parameter`: norms, ``replicate`` rules, the
+    biases of row-parallel linears and of fused projections, position embeddings, modules without a
+    rule); the rest are split by the TP degree (:func:`whalepy.ir.rules.tp_local_params`). 0 (profiles
+    made before this field): all of them split."""
+    tied_copies: tuple[TiedCopy, ...] = ()
+    """Parameters the block's modules hold that the profile counts in another block (a tied weight:
+    HF GPT-2's ``lm_head`` holds ``wte.weight``, counted in the embedding's block). A pipeline stage
+    holding this block but not that one keeps a copy of each (``whalepy.runtime.tied``)."""
     tp_comm_bytes: int = 0
-    """Bytes all-reduced per forward when the block runs tensor-parallel (outputs of rowwise modules);
-    backward moves the same amount again."""
+    """Bytes all-reduced per forward when the block runs tensor-parallel (outputs of rowwise modules and
+    vocab-parallel embeddings)."""
+    tp_comm_backward_bytes: int | None = None
+    """Bytes all-reduced per backward when the block runs tensor-parallel: the input gradients of the
+    column-parallel modules, once per input sibling linears share (separate q, k and v projections:
+    one); None where not recorded (synthetic profiles: the forward's bytes are charged again)."""
+    tp_gather_bytes: int = 0
+    """Bytes all-gathered per forward when the block runs tensor-parallel: the output of a
+    column-parallel module no row-parallel one reads (an LM head's logits)."""
     tp_degrees: tuple[int, ...] = (1,)
     """TP degrees every sharded dimension of the block (heads, features, vocab) divides by."""
     linear_params: int = 0
@@ -160,6 +191,9 @@ class BlockProfile:
     """Per tileable module, ``(rows, parameters per row)``: a linear's output features and input
     features (+1 for a bias), an embedding's vocabulary and width; a tile of ``t`` has ``ceil(rows / t)``
     rows at most (:func:`whalepy.ir.tiling.largest_tile_params`); empty: unknown."""
+    shared_param_numel: int = 0
+    """Elements of the parameters :attr:`shares_params` counts (each once): a tied weight's size, whose
+    gradient the pipeline stages holding copies of it sum every step."""
     shares_params: bool = False
     """A module of the block shares a parameter with a module outside it (a tied weight, e.g. GPT-2's
     ``lm_head.weight`` is ``wte.weight``; ``whalepy.pseudo_to_real``'s tied layers). FSDP2 keeps such a

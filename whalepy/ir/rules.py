@@ -22,7 +22,10 @@ Pipeline shape:
 - :func:`check_pipeline`: all three, raising :class:`~whalepy.PlanError`.
 
 Tensor parallelism: :func:`tp_splits`: whether a block is split across a TP group of a given degree or
-runs whole on every rank of it (the planner's costs, the plan it writes and the plan check all ask it).
+runs whole on every rank of it (the planner's costs, the plan it writes and the plan check all ask it);
+:func:`tp_shards_parameter`: which parameters of a ruled module the runtime shards (the rest stay whole
+on every TP rank); :func:`tp_local_params`: a block's parameters per TP rank, what the memory model and
+the data-parallel traffic charge.
 
 Memory-centric tiling: :func:`tiling_error` (``BlockPlan.tiles``). Gradient reduction every
 micro-batch: :func:`reduce_every_microbatch_error` (``StagePlan.reduce_every_microbatch``).
@@ -44,7 +47,10 @@ __all__ = [
     "FILE_GENERATIONS",
     "reduce_every_microbatch_error",
     "tiling_error",
+    "tp_local_params",
+    "tp_shards_parameter",
     "tp_splits",
+    "tied_copy_local_params",
     "LoweringKind",
     "check_pipeline",
     "check_state_option",
@@ -420,3 +426,37 @@ def tp_splits(block: Any, tp: int) -> bool:
     rule for, and the plan check accepts."""
     return (tp > 1 and any(r.style is not TPStyle.REPLICATE for r in block.tp_rules)
             and tp in block.tp_degrees)
+
+
+def tp_shards_parameter(style: TPStyle, field: str, *, parts: int = 1, conv1d: bool = False) -> bool:
+    """Whether the runtime (``whalepy.runtime.tensor_parallel``) shards the parameter ``field``
+    (``"weight"``, ``"bias"``) of a module ruled ``style`` across the TP group; otherwise it stays whole
+    on every TP rank. ``parts``: the rule's fused pieces; ``conv1d``: the module is HF ``Conv1D``.
+
+    COLWISE shards weight and bias (``ColwiseParallel``: both ``Shard(0)``); a fused one (``parts > 1``)
+    keeps its bias whole, and its weight too on an ``nn.Linear`` (each rank slices its pieces of the
+    whole weight: ``_StridedShard`` does not compose with FSDP2), not on a ``Conv1D`` (strided shard).
+    ROWWISE shards the weight and keeps the bias whole (added after the all-reduce); VOCAB shards the
+    embedding table; SEQUENCE and REPLICATE keep everything whole (norms run replicated)."""
+    if style is TPStyle.COLWISE:
+        return parts == 1 or (conv1d and field == "weight")
+    if style in (TPStyle.ROWWISE, TPStyle.VOCAB):
+        return field == "weight"
+    return False
+
+
+def tp_local_params(block: Any, tp: int) -> float:
+    """Parameters of ``block`` (a :class:`~whalepy.BlockProfile`) held per rank of a TP group of ``tp``:
+    the split ones divided by ``tp``, plus those TP leaves whole (``block.tp_whole_params``); all of
+    them where the block runs whole (:func:`tp_splits`). Every split dimension divides by ``tp``
+    (``block.tp_degrees``), so this is exact."""
+    if not tp_splits(block, tp):
+        return float(block.num_params)
+    whole = getattr(block, "tp_whole_params", 0)
+    return (block.num_params - whole) / tp + whole
+
+
+def tied_copy_local_params(copy: Any, holder: Any, tp: int) -> float:
+    """Elements per TP rank of a :class:`~whalepy.ir.profile.TiedCopy` that block ``holder`` keeps:
+    split by ``tp`` where the holder runs tensor-parallel and its rule shards the copy."""
+    return copy.num_params / tp if copy.tp_split and tp_splits(holder, tp) else float(copy.num_params)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from whalepy.errors import PlanError
+from whalepy.errors import ArgumentError, PlanError
 from whalepy.hardware.cluster import ClusterSpec
 from whalepy.ir.plan import Plan, Schedule
 from whalepy.planner.margin import DEFAULT_MEMORY_MARGIN, MemoryMargin, parse_memory_margin
@@ -243,12 +243,28 @@ def _check_sequence_parallel(profile: ModelProfile, opts: PlannerOptions) -> Non
                         "plan with sequence_parallel=True, or profile without it")
 
 
-def plan(model: Any, cluster: ClusterSpec, *, example_inputs: Any, global_batch: int, **options: Any) -> Plan:
+def plan(model: Any, cluster: ClusterSpec, *, example_inputs: Any = None, global_batch: int,
+         profile: ModelProfile | None = None, **options: Any) -> Plan:
     """The fastest predicted plan for training ``model`` on ``cluster`` with ``global_batch`` samples per
-    step. ``options`` are the fields of :class:`PlannerOptions`. Raises
-    :class:`~whalepy.InfeasibleError` when nothing fits, saying what runs short and what to relax."""
+    step. ``options`` are the fields of :class:`PlannerOptions`. ``profile``: the model's profile made
+    already, e.g. ``pm.measured_profile()`` of a run (the closed loop: its measured block times replace
+    the model's for its device type); the model is then not captured again and ``example_inputs`` is
+    not needed. Raises :class:`~whalepy.InfeasibleError` when nothing fits, saying what runs short and
+    what to relax."""
     from whalepy.frontend.checks import as_cluster, check_example_inputs, check_model
 
+    if profile is not None:
+        if not isinstance(profile, ModelProfile):
+            raise ArgumentError(f"whalepy.plan(profile=...) takes a whalepy.ModelProfile, got {type(profile).__name__} "
+                                "(pm.measured_profile() is None until the run's 6th step)")
+        if options.get("measure"):
+            raise ArgumentError("whalepy.plan(profile=..., measure=True): the profile is not captured again, so "
+                                "nothing is measured; drop measure=True, or drop profile= to measure the model")
+        return plan_from_profile(profile, cluster, global_batch=global_batch, **options)
+    if example_inputs is None:
+        raise ArgumentError("whalepy.plan(): example_inputs is None; pass the model's inputs for one sample to "
+                            "capture it, e.g. example_inputs=(torch.zeros(1, 1024, dtype=torch.long),), or "
+                            "profile= (a profile made already: whalepy.profile or pm.measured_profile())")
     check_model(model, "whalepy.plan()")
     cluster = as_cluster(cluster, "whalepy.plan()")
     _check_global_batch(global_batch)

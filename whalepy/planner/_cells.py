@@ -20,7 +20,7 @@ from whalepy.planner._offload_costs import (
     checkpoint_offload_coefficients,
     offload_coefficients,
 )
-from whalepy.planner.runtime_costs import DPComm, dp_edges, exposed_dp, lowering_kind, usable_device_bytes, uses_autocast
+from whalepy.planner.runtime_costs import DPComm, chunk_neighbours, dp_edges, exposed_dp, lowering_kind, usable_device_bytes, uses_autocast
 from whalepy.planner.space import Candidate, GroupView, Segment, StateOption
 
 
@@ -42,16 +42,9 @@ def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: i
     # point-to-point sends of this physical stage's chunks
     chunk_p2p = []
     nbytes = ctx.boundary_bytes * ratio
-    J = S * v
-    for k in range(v):
-        j = s + k * S
+    for neighbours in chunk_neighbours(s, S, v):
         p2p = 0.0
-        for nj in ((j + 1) if j < J - 1 else None, (j - 1) if j > 0 else None):
-            if nj is None:
-                continue
-            ns = nj % S
-            if ns == s:
-                continue
+        for ns in neighbours:
             link = _pair_link(hw.comm((ranks[s][rep][0], ranks[ns][rep][0])))
             p2p += estimate_p2p_time(nbytes, link)
         chunk_p2p.append(p2p)
@@ -74,8 +67,15 @@ def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: i
         out = ctx.profile.blocks[-1].output_bytes * ratio
         elem = torch.finfo(getattr(torch, ctx.profile.dtype)).bits // 8
         loss_bytes = out * ctx.byte_scale + LOSS_BACKWARD_FP32_TENSORS * out / elem * LOSS_LOGPROB_BYTES
-    cpu_cap = host_capacity_per_gpu(g.cpu_memory_bytes, g.gpus_per_node)
-    nvme_cap = nvme_capacity_per_gpu(g.nvme_capacity_bytes, g.gpus_per_node)
+    # the group's capacities depend only on which parallel axes are in use: the same for every cell of
+    # the group in every candidate with them (computed once; 55k calls on Llama-70B on four GPU types)
+    ckey = ("capacities", g.index, t > 1, d > 1, S > 1)
+    if ckey not in ctx._cache:
+        ctx._cache[ckey] = (usable_device_bytes(g, cand, ctx.memory_margin),
+                            ctx.memory_margin.bytes_for(g.device.memory_bytes) if ctx.memory_margin else 0.0,
+                            host_capacity_per_gpu(g.cpu_memory_bytes, g.gpus_per_node),
+                            nvme_capacity_per_gpu(g.nvme_capacity_bytes, g.gpus_per_node))
+    capacity, margin, cpu_cap, nvme_cap = ctx._cache[ckey]  # type: ignore[misc]
     hkey = ("host copies", g.index, tuple(seg_saved), tuple(seg_input), inflight, v)
     if hkey not in ctx._cache:  # the same for every stage and candidate with these bytes in flight
         ctx._cache[hkey] = (
@@ -83,8 +83,7 @@ def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: i
             checkpoint_offload_coefficients(g, inputs=seg_input, inflight=inflight, virtual_stages=v))
     (seg_offload, seg_host), (seg_ckoff, seg_ckhost) = ctx._cache[hkey]  # type: ignore[misc]
     return CellCoeffs(group=g, share=share, micro_batch=mb, replicas=reps,
-                      capacity=usable_device_bytes(g, cand, ctx.memory_margin), cpu_capacity=cpu_cap,
-                      margin=ctx.memory_margin.bytes_for(g.device.memory_bytes) if ctx.memory_margin else 0.0,
+                      capacity=capacity, cpu_capacity=cpu_cap, margin=margin,
                       nvme_capacity=nvme_cap, seg_time=seg_time, seg_recompute=seg_re, seg_fwd=seg_fwd,
                       seg_bwd=seg_bwd, seg_comm=seg_comm, seg_saved=seg_saved, seg_input=seg_input, p2p=p2p,
                       chunk_p2p=chunk_p2p, inflight=inflight, opt_beta=opt_beta, opt_overlap=opt_overlap,

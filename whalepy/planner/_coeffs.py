@@ -90,6 +90,22 @@ class CellCoeffs:
     """Device bytes left unplanned (``PlannerOptions.memory_margin``), already taken from ``capacity``."""
 
 
+@dataclass(frozen=True, slots=True)
+class TiedCopyCoeff:
+    """One tied parameter for the stage coefficients: a stage holding a block of ``holders`` (segments)
+    and no block of ``owner`` (the segment of the block the profile counts it in, one block long)
+    keeps a copy of ``local_params`` parameters per device (after TP)."""
+
+    owner: int
+    holders: tuple[int, ...]
+    local_params: float
+
+
+def tied_copy_params(copies: Sequence[TiedCopyCoeff], counts: Sequence[int]) -> float:
+    """Local parameters of the tied copies a stage with ``counts`` blocks per segment holds."""
+    return sum(c.local_params for c in copies if not counts[c.owner] and any(counts[h] for h in c.holders))
+
+
 @dataclass(slots=True)
 class StageCoeffs:
     index: int
@@ -124,6 +140,14 @@ class StageCoeffs:
     """Per option, host bytes per rank it holds whatever its parameter count: the disk tier's staging
     buffers (:func:`~whalepy.ir.rules.staging_slots` at prefetch depth 1, each the file-homed
     bytes of the model's largest local block); 0 without NVMe."""
+    tied_copies: tuple[TiedCopyCoeff, ...] = ()
+    """Copies of tied weights a stage holds when it runs a block that holds one but not the block the
+    profile counts it in (HF GPT-2's LM head on another pipeline stage than the embedding): empty
+    without pipeline stages."""
+    tied_sync: tuple[tuple[dict[StateOption, float], ...], ...] = ()
+    """Per cell, per tied copy (:attr:`tied_copies`), per option: seconds per step of the all-reduce of
+    the copy's gradient over the pipeline ranks holding it (``whalepy.runtime.tied.sync_tied_grads``,
+    before the optimizer step), charged to the stage holding the copy."""
     tied_segments: tuple[int, ...] = ()
     """Segments whose blocks share parameters (:attr:`~whalepy.ir.profile.BlockProfile.shares_params`):
     in a mix, all of the stage's such blocks take one option (FSDP2 keeps tied weights in one unit)."""

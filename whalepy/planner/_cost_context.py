@@ -18,7 +18,7 @@ from whalepy.cost_models.device_profiles import resolve_compute_profile
 from whalepy.cost_models.memory import ModelStateBytes, estimate_model_state_bytes
 from whalepy.ir.plan import TPStyle
 from whalepy.ir.types import OptimizerImpl
-from whalepy.planner.runtime_costs import DPComm, MemoryMargin, build_dp_block_comm
+from whalepy.planner.runtime_costs import DPComm, MemoryMargin, boundary_bytes, build_dp_block_comm, tp_backward_bytes
 from whalepy.planner.space import Candidate, GroupView, Hardware, Segment, StateOption
 from whalepy.ir.profile import BlockKind, BlockProfile, ModelProfile
 
@@ -103,8 +103,7 @@ class CostContext:
         # by the segments' identity (hashing them would hash every block profile); _kept keeps them alive
         self._kept: dict[int, tuple[Segment, ...]] = {}
         self._cache: dict[tuple, object] = {}  # type: ignore[type-arg]
-        nonfinal = [b.output_bytes for b in profile.blocks[:-1]] or [0]
-        self.boundary_bytes = float(max(nonfinal)) * self.byte_scale
+        self.boundary_bytes = boundary_bytes([b.output_bytes for b in profile.blocks], profile.dtype, precision)
         self.measured = _measured_by_device(profile, hw)
         """Device type -> the measured block costs the planner prefers (``whalepy.ir.measured``)."""
         self.signatures: tuple[str, ...] = ()
@@ -152,21 +151,29 @@ class CostContext:
                        tp_group: CommGroup | None) -> tuple[tuple[float, ...], ...]:
         """Per segment, one block's ``(time, recompute, forward, backward, TP communication, saved
         bytes, input bytes)`` for one micro-batch on one device of a TP group (``tp_group``: its ranks'
-        communicator, None without TP): forward and backward each run the block's TP all-reduce."""
+        communicator, None without TP): the forward runs the block's TP all-reduce (and an LM head's
+        all-gather), the backward its own all-reduce (``tp_backward_bytes``: the column-parallel
+        modules' input gradients)."""
         ratio = micro_batch / self.profile.batch_size
         rows = []
         for seg in segments:
             b = seg.block
             fwd, bwd = self.block_time(b.index, device_name, tp, micro_batch)
-            ar_f = ar_b = 0.0
+            ar_f = ar_b = 0.0  # forward and backward TP collectives (runtime_costs.tp_step_payload_bytes)
             if tp_group is not None and tp_splits(b, tp):
                 counted = self.measured_tp_collectives(b.index, device_name, tp)
+                scale = ratio * self.byte_scale
                 if counted is not None:  # the calls the runtime issues, counted when measured as lowered
                     ar_f, ar_b = (self._counted_collectives(counted.get(ph, {}), micro_batch, tp_group)
                                   for ph in ("f", "b"))
-                elif b.tp_comm_bytes:
-                    ar_f = ar_b = self.collective(Collective.ALL_REDUCE, b.tp_comm_bytes * ratio * self.byte_scale,
-                                                  tp_group)
+                else:  # the pattern pass's bytes: row-parallel outputs and a head's logits forward,
+                    # column-parallel input gradients backward
+                    if b.tp_comm_bytes:
+                        ar_f = self.collective(Collective.ALL_REDUCE, b.tp_comm_bytes * scale, tp_group)
+                    if b.tp_gather_bytes:
+                        ar_f += self.collective(Collective.ALL_GATHER, b.tp_gather_bytes * scale, tp_group)
+                    if tp_backward_bytes(b):
+                        ar_b = self.collective(Collective.ALL_REDUCE, tp_backward_bytes(b) * scale, tp_group)
             rows.append((fwd + bwd + ar_f + ar_b, fwd + ar_f, fwd, bwd + ar_b, ar_f + ar_b,
                          b.activation_bytes * ratio * self.byte_scale
                          * tp_activation_fraction(b, tp, self.sequence_parallel),

@@ -18,13 +18,14 @@ from whalepy.planner._coeffs import (
     node_fits,
     stage_host_activation,
     stage_host_checkpoint,
+    tied_copy_params,
 )
 from whalepy.planner.space import MAX_OPTIONS_PER_STAGE, StateMix, StateOption
 
 if TYPE_CHECKING:
     from whalepy.planner._bound import Choices
 
-__all__ = ["CellEval", "Evaluation", "StageEval", "checkpoint_offload_s", "chunk_busy_s", "chunk_counts_from_sizes", "counts_from_boundaries", "evaluate", "evaluate_stage", "lower_bound", "memory_breakdown", "offload_s", "split_stage_checkpoints", "step_time"]
+__all__ = ["held_copies", "part_params", "CellEval", "Evaluation", "StageEval", "checkpoint_offload_s", "chunk_busy_s", "chunk_counts_from_sizes", "counts_from_boundaries", "evaluate", "evaluate_stage", "lower_bound", "memory_breakdown", "offload_s", "split_stage_checkpoints", "step_time"]
 
 
 @dataclass(slots=True)
@@ -215,6 +216,22 @@ def _check_mix(sc: StageCoeffs, mix: StateMix, counts: Sequence[int], v: int) ->
         raise ValueError(f"stage {sc.index}: the mix's blocks {[list(n) for _, n in mix]} do not split {list(counts)}")
 
 
+def part_params(sc: StageCoeffs, parts: StateMix, counts: Sequence[int]) -> list[tuple[StateOption, float]]:
+    """Local parameters per device of each part ``(option, blocks per segment)`` of a stage with
+    ``counts`` blocks per segment: its blocks', and the copies of tied weights the stage holds
+    (:attr:`StageCoeffs.tied_copies`) in the part whose blocks hold them."""
+    pls = {o: sum(n * p for n, p in zip(ns, sc.seg_params)) for o, ns in parts}
+    for k, o in held_copies(sc, parts, counts):
+        pls[o] += sc.tied_copies[k].local_params
+    return list(pls.items())
+
+
+def held_copies(sc: StageCoeffs, parts: StateMix, counts: Sequence[int]) -> list[tuple[int, StateOption]]:
+    """``(index in sc.tied_copies, option of the blocks holding it)`` of each tied copy the stage holds."""
+    return [(k, next(o for o, ns in parts if any(ns[h] for h in c.holders)))
+            for k, c in enumerate(sc.tied_copies) if tied_copy_params((c,), counts)]
+
+
 def evaluate_stage(sc: StageCoeffs, chunk_counts: Sequence[Sequence[int]], chunk_ckpts: Sequence[Sequence[int]],
                    option: StateOption | StateMix, *, dp: int,
                    chunk_offs: Sequence[Sequence[int]] | None = None,
@@ -255,7 +272,7 @@ def evaluate_stage(sc: StageCoeffs, chunk_counts: Sequence[Sequence[int]], chunk
                          f"the checkpointed ones {list(map(list, chunk_ckpts))}")
     ckoffs = [sum(row[g] for row in chunk_ckoffs) for g in range(G)]
     host_act += sum(w * x for w, x in zip(ckoffs, stage_host_checkpoint(sc))) if any(ckoffs) else 0.0
-    pls = [(o, sum(n * p for n, p in zip(ns, sc.seg_params))) for o, ns in parts]  # local parameters per part
+    pls = part_params(sc, parts, counts)
     pl = sum(x for _, x in pls)
     alpha, beta = sc.sync[option]
     post = alpha + beta * pl if dp > 1 and pl > 0 else 0.0
@@ -267,8 +284,10 @@ def evaluate_stage(sc: StageCoeffs, chunk_counts: Sequence[Sequence[int]], chunk
     sp, sg, so = (sum(sc.state_split[o][i] * x for o, x in pls) for i in range(3))
     freed = sg if sc.grads_freed[option] else 0.0
     buffers = per_param(sc.buffer_beta) + sc.working_bytes[option]
+    copies = held_copies(sc, parts, counts)
     cells = []
-    for c in sc.cells:
+    for ci, c in enumerate(sc.cells):
+        tied_s = sum(sc.tied_sync[ci][k][o] for k, o in copies)  # every step, whatever the dp degree
         off_s = offload_s(c, offs) + checkpoint_offload_s(c, ckoffs)
         compute = (sum(n * x for n, x in zip(counts, c.seg_time)) + sum(k * x for k, x in zip(ckpts, c.seg_recompute))
                    + off_s)
@@ -304,7 +323,7 @@ def evaluate_stage(sc: StageCoeffs, chunk_counts: Sequence[Sequence[int]], chunk
         cells.append(CellEval(
             cell=c, compute_s=compute - comm - off_s + amp_s, comm_s=comm + c.p2p, dp_exposed_s=exposed - amp_s,
             fetch_s=fetch,
-            time_s=time_s, chunk_time_s=chunk_time, exposed_sync_s=sync_s,
+            time_s=time_s, chunk_time_s=chunk_time, exposed_sync_s=sync_s + tied_s,
             opt_s=per_param(c.opt_beta) + max(0.0, per_param(c.opt_overlap) - backward),
             memory_bytes=max(states - freed + act, states) + buffers,
             states_bytes=states, params_bytes=sp, grads_bytes=grads_held, optimizer_bytes=so,

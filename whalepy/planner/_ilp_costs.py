@@ -97,6 +97,10 @@ def add_tail_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
             if dp > 1:
                 for x, a in post.items():
                     d[x] = d.get(x, 0.0) + a
+            for k, per in enumerate(v.tied[s] if v.tied else ()):  # tied copies' gradient all-reduce
+                for o, x in per.items():
+                    if sc.tied_sync[ci][k][o]:
+                        d[x] = d.get(x, 0.0) + sc.tied_sync[ci][k][o]
             d[xv] = -1.0
             _add(prob, d, 0.0, LE, f"tail_opt_{s}_{ci}")
             # the per-step tail: reductions (all 0 without replicas) and measured DTensor optimizer overhead

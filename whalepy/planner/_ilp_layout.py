@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from whalepy.planner._coeffs import (
     CandidateCoeffs,
+    TiedCopyCoeff,
     stage_checkpoint_offloadable,
     stage_offloadable,
 )
@@ -111,11 +112,14 @@ def add_checkpoint_offload_constraints(prob: _Model, cc: CandidateCoeffs, v: _Va
 
 
 def add_state_option_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
+    v.tied = [[] for _ in cc.stages]
     for s, sc in enumerate(cc.stages):
         if sc.families:
             _add_mixed_options(prob, cc, v, s)
             continue
-        pmax = sum(seg.length * p for seg, p in zip(cc.segments, sc.seg_params)) / _BILLION
+        copies = _tied_copy_vars(prob, cc, v, s)
+        pmax = (sum(seg.length * p for seg, p in zip(cc.segments, sc.seg_params))
+                + sum(c.local_params for _, c in copies)) / _BILLION
         _add(prob, {v.y[s][o]: 1.0 for o in sc.options}, -1.0, EQ, f"one_option_{s}")
         for i, o in enumerate(sc.options):
             _add(prob, {v.Q[s][o]: 1.0, v.y[s][o]: -pmax}, 0.0, LE, f"option_params_{s}_{i}")
@@ -123,7 +127,32 @@ def add_state_option_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) ->
         const = 0.0
         for g in range(len(cc.segments)):
             const += _acc(d, v.n[s][g], -sc.seg_params[g] / _BILLION)
+        for k, (x, c) in enumerate(copies):
+            d[x] = -c.local_params / _BILLION
+            # held with option o: t >= u + y_o - 1 (continuous, pushed down by the costs it carries)
+            per = {}
+            for i, o in enumerate(sc.options):
+                t = per[o] = _var(prob, f"tied_copy_on_{s}_{k}_{i}", lowBound=0)
+                _add(prob, {t: 1.0, x: -1.0, v.y[s][o]: -1.0}, 1.0, GE, f"tied_copy_on_{s}_{k}_{i}")
+            v.tied[s].append(per)
         _add(prob, d, const, EQ, f"option_params_sum_{s}")
+
+
+def _tied_copy_vars(prob: _Model, cc: CandidateCoeffs, v: _Vars, s: int) -> list[tuple[_Var, TiedCopyCoeff]]:
+    """Per tied parameter (:attr:`StageCoeffs.tied_copies`), a binary ``u`` that is 1 when stage ``s``
+    holds a copy: ``L_h u >= n[s][h] - L_h n[s][owner]`` for each holding segment ``h`` (the owner's
+    segment is one block, so ``n[s][owner]`` is 0 or 1). A copy only adds memory and per-parameter
+    time, so the solver sets ``u`` to 0 wherever the rows allow it."""
+    out = []
+    for i, c in enumerate(cc.stages[s].tied_copies):
+        u = _var(prob, f"tied_copy_{s}_{i}", cat="Binary")
+        for h in c.holders:
+            L = float(cc.segments[h].length)
+            d: dict = {u: L}
+            const = _acc(d, v.n[s][h], -1.0) + _acc(d, v.n[s][c.owner], L)
+            _add(prob, d, const, GE, f"tied_copy_{s}_{i}_{h}")
+        out.append((u, c))
+    return out
 
 
 def _add_mixed_options(prob: _Model, cc: CandidateCoeffs, v: _Vars, s: int) -> None:
@@ -134,6 +163,7 @@ def _add_mixed_options(prob: _Model, cc: CandidateCoeffs, v: _Vars, s: int) -> N
     with ``sum_o Nb = n_s[g]`` and at least one block per chosen option, the blocks of
     :attr:`StageCoeffs.tied_segments` all with one option; and each option's parameters ``Q_o = sum_g p_g Nb[s][o][g]``."""
     sc = cc.stages[s]
+    copies = _tied_copy_vars(prob, cc, v, s)
     _add(prob, {z: 1.0 for z, _ in v.fam[s]}, -1.0, EQ, f"one_family_{s}")
     for i, (z, f) in enumerate(v.fam[s]):
         if len(f) == 1:
@@ -147,6 +177,7 @@ def _add_mixed_options(prob: _Model, cc: CandidateCoeffs, v: _Vars, s: int) -> N
                 d = {v.y[s][p]: -1.0 for p in f if not p.beside_offload}
                 _add(prob, {**d, v.y[s][o]: 1.0}, 0.0, LE, f"beside_offload_{s}_{sc.options.index(o)}")
     nb: dict[StateOption, dict[int, _Var]] = {}
+    v.tied[s] = [{} for _ in copies]
     for i, o in enumerate(sc.options):
         nb[o] = {}
         for g, seg in enumerate(cc.segments):
@@ -154,6 +185,14 @@ def _add_mixed_options(prob: _Model, cc: CandidateCoeffs, v: _Vars, s: int) -> N
             _add(prob, {x: 1.0, v.y[s][o]: -float(seg.length)}, 0.0, LE, f"option_blocks_{s}_{g}_{i}")
         d = {x: sc.seg_params[g] / _BILLION for g, x in nb[o].items() if sc.seg_params[g]}
         d[v.Q[s][o]] = -1.0
+        for k, (u, c) in enumerate(copies):
+            # the copy is in this option's parameters when the stage holds it and the option a holder:
+            # w >= u + Nb[o][h] / L_h - 1, binary (the holders take one option, tied_segments)
+            w = v.tied[s][k][o] = _var(prob, f"tied_copy_{s}_{i}_{k}", cat="Binary")
+            for h in c.holders:
+                L = float(cc.segments[h].length)
+                _add(prob, {w: L, u: -L, nb[o][h]: -1.0}, L, GE, f"tied_copy_option_{s}_{i}_{k}_{h}")
+            d[w] = c.local_params / _BILLION
         _add(prob, d, 0.0, EQ, f"option_params_{s}_{i}")
         # a chosen option keeps at least one block (else a mix could claim an offloading part it lacks)
         _add(prob, {**{x: 1.0 for x in nb[o].values()}, v.y[s][o]: -1.0}, 0.0, GE, f"option_used_{s}_{i}")
@@ -196,3 +235,35 @@ def add_option_block_variables(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> N
                 d: dict = {v.Nb[j][o][g]: 1.0 for o in sc.options}
                 const = _acc(d, v.nj[j][g], -1.0)
                 _add(prob, d, const, EQ, f"option_blocks_sum_{j}_{g}")
+
+
+def add_chunk_symmetry_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars,
+                                   allowed_stages: dict[int, tuple[int, int]]) -> None:
+    """Symmetry breaking across the chunks of one stage (interleaved 1F1B): chunks ``k`` and ``k + 1``
+    of stage ``s`` (virtual stages ``j = s + k S`` and ``j + S``) are interchangeable when every virtual
+    stage from ``j`` to ``j + S`` can only hold blocks of one repeated segment (virtual stage ``i`` holds
+    positions within ``[i, N - J + i]``: each is non-empty) and the chunks' sends cost the same on every
+    cell. Then exchanging the two chunks' blocks, checkpoints, host copies and per-option blocks moves
+    only the boundaries between them, keeps every other virtual stage's blocks, and leaves every row of
+    the ILP satisfied with the same objective (the stage's rows sum over its chunks; the chunk rows,
+    ``A >= inflight kept_k`` and ``Tc >= chunk_k``, are the same for both but for ``chunk_p2p[k]``).
+    So some optimum has the chunks' blocks of that segment non-increasing, ``E[j+1] - E[j] >=
+    E[j+S+1] - E[j+S]``: imposing it removes the mirrored copies of every solution from the
+    branch-and-bound tree, not the optimum. Not with annotation pins (they tie blocks to positions)."""
+    cand = cc.candidate
+    S, V, J, N = cand.num_stages, cand.virtual_stages, cand.num_virtual, cc.num_blocks
+    if V < 2 or allowed_stages:
+        return
+    for s, sc in enumerate(cc.stages):
+        for k in range(V - 1):
+            j = s + k * S
+            if any(c.chunk_p2p[k] != c.chunk_p2p[k + 1] for c in sc.cells):
+                continue
+            lo, hi = j, N - J + j + S  # positions virtual stages j..j+S may hold
+            g = next((g for g, seg in enumerate(cc.segments)
+                      if seg.start <= lo and hi < seg.start + seg.length), None)
+            if g is None:
+                continue
+            d: dict = {}
+            const = _acc(d, v.nj[j][g], 1.0) + _acc(d, v.nj[j + S][g], -1.0)
+            _add(prob, d, const, GE, f"chunk_symmetry_{s}_{k}")

@@ -49,6 +49,9 @@ class _Vars:
     charged on ``z``."""
     w: list[dict[int, _Var]] = field(default_factory=list)
     """Checkpointed blocks of segment g in virtual stage j whose input is in host memory (where allowed)."""
+    tied: list[list[dict[StateOption, _Var]]] = field(default_factory=list)
+    """Per stage, per tied copy (:attr:`StageCoeffs.tied_copies`), per option: 1 when the stage holds the
+    copy with its holding blocks on that option (0 or more otherwise; only costs grow with it)."""
     Ts: list[_Var] = field(default_factory=list)
     """Per stage, its own time per micro-batch (``T`` is at least each): only in the tie-break's model
     (:func:`polish_candidate`); empty otherwise, where the stage rows bound ``T`` directly."""

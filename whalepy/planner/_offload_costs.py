@@ -23,7 +23,8 @@ from whalepy.cost_models.offload import (
 )
 from whalepy.ir.plan import Tier, ZeroStage
 from whalepy.ir.types import OptimizerImpl
-from whalepy.planner._cost_context import stage_model_states, tp_splits
+from whalepy.ir.rules import tp_local_params
+from whalepy.planner._cost_context import stage_model_states
 from whalepy.planner.runtime_costs import lowering_kind
 from whalepy.planner.space import Candidate, GroupView, StateOption
 
@@ -106,8 +107,8 @@ def stage_prefetch(ctx: CostContext, cand: Candidate, st: StageEval, cell: CellE
     mb, t, d = cell.cell.micro_batch, cand.tp, cand.dp
     prof = ctx.profile
     times = [ctx.block_time(i, g.device.name, t, mb) for i in blocks]
-    hops = [fetch_hops(rates, MASTER_PARAM_BYTES * prof.blocks[i].num_params
-                       / (t if tp_splits(prof.blocks[i], t) else 1) / d, from_nvme=o.param_tier is Tier.NVME)
+    hops = [fetch_hops(rates, MASTER_PARAM_BYTES * tp_local_params(prof.blocks[i], t) / d,
+                       from_nvme=o.param_tier is Tier.NVME)
             for i in blocks]
     fwd = [f for f, _ in times]
     depth, exposed = choose_prefetch_depth(compute_s=fwd, hops_s=hops)

@@ -34,6 +34,9 @@ from whalepy.planner.costing import (
     tp_splits,
 )
 from whalepy.planner._tiling_costs import block_tiles
+from whalepy.planner._evaluation import part_params
+from whalepy.planner._coeffs import tied_copy_params
+from whalepy.ir.rules import tp_local_params
 from whalepy.planner._offload_costs import stage_prefetch
 from whalepy.planner.search import SearchResult
 from whalepy.planner.ilp import ILPResult
@@ -145,7 +148,8 @@ def build_plan(ev: Evaluation, *, ctx: CostContext, global_batch: int, result: S
                            memory_bytes=int(tight.memory_bytes), capacity_bytes=int(tight.cell.capacity),
                            **memory_breakdown(tight), tp_comm_s=worst.tp_s, p2p_s=worst.p2p_s,
                            dp_comm_s=worst.dp_exposed_s,
-                           **_held_state_bytes(ctx, cand, st, option_of, depths),
+                           **_held_state_bytes(ctx, cand, st, option_of, depths,
+                                               _tied_copies(cc.stages[s], st, option_of, seg_of)),
                            **_buffer_items(cc.stages[s], st, tight),
                            **_chunk_phase_times(worst, st))))
     rank_types = tuple(d.device.name for d in hw.cluster.rank_devices())
@@ -206,7 +210,7 @@ def _buffer_items(sc, st, tight) -> dict[str, int]:  # type: ignore[no-untyped-d
     """StageCost's items inside ``buffer_bytes`` and ``activation_bytes`` (the tightest cell): the
     :attr:`~whalepy.planner.costing.StageCoeffs.buffer_split` parts over the stage's local parameters,
     FSDP2's working set, the micro-batches in flight and the loss's bytes."""
-    pls = [(o, sum(n * p for n, p in zip(ns, sc.seg_params))) for o, ns in st.parts]
+    pls = part_params(sc, st.parts, st.counts)
     gathered, accum, autocast = (sum(sc.buffer_split[o][i] * x for o, x in pls) if sc.buffer_split else 0.0
                                  for i in range(3))
     at_act = tight.activation_bytes > 0
@@ -215,14 +219,24 @@ def _buffer_items(sc, st, tight) -> dict[str, int]:  # type: ignore[no-untyped-d
             "inflight_microbatches": tight.cell.inflight, "loss_bytes": round(tight.cell.loss_bytes) if at_act else 0}
 
 
+def _tied_copies(sc, st, option_of: dict[int, StateOption], seg_of: list[int]) -> list[tuple[float, StateOption]]:  # type: ignore[no-untyped-def]
+    """``(local parameters, option)`` of each tied-weight copy the stage holds (:func:`part_params`'s
+    rule), with the option of the blocks holding it."""
+    out = []
+    for c in sc.tied_copies:
+        if tied_copy_params((c,), st.counts):
+            out.append((c.local_params, next(o for i, o in option_of.items() if seg_of[i] in c.holders)))
+    return out
+
+
 def _held_state_bytes(ctx: CostContext, cand: Candidate, st, option_of: dict[int, StateOption],  # type: ignore[no-untyped-def]
-                      depths: dict[StateOption, int]) -> dict[str, int]:
+                      depths: dict[StateOption, int], copies: list[tuple[float, StateOption]]) -> dict[str, int]:
     """StageCost's model-state fields: what a device of the stage holds between uses, by place, for its
-    blocks' tiers (:func:`~whalepy.planner.costing.stage_held_bytes`: the disk tier's one staging pool,
-    sized by its largest block and the prefetch depth of its NVMe parameters, as the runtime sizes it)."""
+    blocks' tiers and the tied-weight ``copies`` it holds (:func:`~whalepy.planner.costing.stage_held_bytes`:
+    the disk tier's one staging pool, sized by its largest block and the prefetch depth of its NVMe
+    parameters, as the runtime sizes it)."""
     prof = ctx.profile
-    local = [(prof.blocks[i].num_params / (cand.tp if cand.tp > 1 and tp_splits(prof.blocks[i], cand.tp) else 1), o)
-             for i, o in option_of.items()]
+    local = [(tp_local_params(prof.blocks[i], cand.tp), o) for i, o in option_of.items()] + copies
     # the pool reads ahead by the depth of the NVMe parameters (one for the stage), else one block
     disk = [d for o, d in depths.items() if o.param_tier is Tier.NVME]
     held = stage_held_bytes(ctx, cand, st.option.zero, local, prefetch_depth=max(disk, default=1))

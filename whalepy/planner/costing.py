@@ -72,7 +72,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from whalepy.cost_models.communication import CommGroup
+from whalepy.cost_models.communication import Collective, CommGroup
 from whalepy.cost_models.compute import precision_bytes
 from whalepy.cost_models.memory import (
     AUTOCAST_WEIGHT_COPY_BYTES,
@@ -118,6 +118,8 @@ from whalepy.planner._cost_context import (  # noqa: F401
     tp_splits,
 )
 from whalepy.planner._cells import _cell
+from whalepy.ir.rules import tied_copy_local_params, tp_local_params
+from whalepy.planner._coeffs import TiedCopyCoeff
 
 
 def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...],
@@ -128,7 +130,8 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
     ranks = build_layout(cand, hw)
     S, t, d = cand.num_stages, cand.tp, cand.dp
     stages = []
-    seg_params = [seg.block.num_params / (t if tp_splits(seg.block, t) else 1) for seg in segments]
+    seg_params = [tp_local_params(seg.block, t) for seg in segments]
+    copies = tied_copy_coeffs(segments, t) if S > 1 else ()
     mixing = mixed_tiers and cand.virtual_stages == 1
     # Stages whose replicas run on the same groups over equal data-parallel links have the same options
     # and per-option coefficients (only in-flight micro-batches, sends and the loss differ from stage to
@@ -168,12 +171,51 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
                                   mem_beta=mem_beta, cpu_beta=cpu_beta, nvme_beta=nvme_beta,
                                   working_bytes=working, state_split=split, grads_freed=freed,
                                   buffer_beta=buffer_beta, buffer_split=buffer_split, host_fixed=host_fixed,
-                                  dp_ranks=dp_ranks, families=families,
+                                  dp_ranks=dp_ranks, families=families, tied_copies=copies,
+                                  tied_sync=tied_sync_coeffs(ctx, cand, copies, s, cells, ranks, allowed),
                                   tied_segments=tuple(g for g, seg in enumerate(segments) if seg.block.shares_params)))
     return CandidateCoeffs(candidate=cand, segments=segments, stages=stages, ranks=ranks,
                            nodes=_node_shares(hw, ranks) if any(o.off_device for st in stages for o in st.options)
                            or any(stage_offloadable(st) or stage_checkpoint_offloadable(st) for st in stages)
                            else (), bubble=cand.bubble_coefficient)
+
+
+def tied_copy_coeffs(segments: tuple[Segment, ...], tp: int) -> tuple[TiedCopyCoeff, ...]:
+    """The tied parameters of the model (:attr:`~whalepy.ir.profile.BlockProfile.tied_copies`) as
+    :class:`TiedCopyCoeff`: per parameter, the segment of the block counting it and the segments of
+    the blocks holding a copy, at TP degree ``tp``."""
+    seg_of = {b.name: seg.index for seg in segments for b in seg.blocks}
+    found: dict[tuple[str, str], tuple[int, set[int], float]] = {}
+    for seg in segments:
+        for b in seg.blocks:
+            for c in b.tied_copies:
+                owner = seg_of[c.owner]
+                if segments[owner].length != 1:
+                    raise ValueError(f"tied parameter {c.parameter}: its block {c.owner} is one of "
+                                     f"{segments[owner].length} identical blocks; the planner needs it alone")
+                _, holders, p = found.setdefault((c.owner, c.parameter),
+                                                 (owner, set(), tied_copy_local_params(c, b, tp)))
+                holders.add(seg.index)
+    return tuple(TiedCopyCoeff(owner=o, holders=tuple(sorted(h)), local_params=p) for o, h, p in found.values())
+
+
+def tied_sync_coeffs(ctx: CostContext, cand: Candidate, copies: tuple[TiedCopyCoeff, ...], s: int,
+                     cells: list, ranks, options: tuple[StateOption, ...]):  # type: ignore[no-untyped-def]
+    """:attr:`StageCoeffs.tied_sync` of stage ``s``: the all-reduce of each copy's gradient (fp32, FSDP2's
+    shard of it where the option lowers to FSDP2) between this stage's rank and the first stage's (the
+    embedding's: the last stage's for stage 0), the replica's pipeline ranks of one TP index; every TP
+    rank syncs its own shard at once over links of the same kind."""
+    if not copies:
+        return ()
+    S, d = cand.num_stages, cand.dp
+    out = []
+    for c in cells:
+        r = c.replicas[0]
+        group = ctx.hw.comm((ranks[s][r][0], ranks[0 if s else S - 1][r][0]))
+        out.append(tuple({o: ctx.collective(Collective.ALL_REDUCE, MASTER_GRAD_BYTES * k.local_params
+                                            / (d if lowering_kind(o, cand) == LoweringKind.FSDP else 1), group)
+                          for o in options} for k in copies))
+    return tuple(out)
 
 
 def _stage_options(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...],  # type: ignore[no-untyped-def]

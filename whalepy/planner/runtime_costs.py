@@ -19,7 +19,8 @@ from whalepy.cost_models.memory import (
     estimate_fixed_device_bytes,
     estimate_usable_device_bytes,
 )
-from whalepy.ir.rules import LoweringKind, choose_lowering_kind, offloads_to_host
+from whalepy.ir.rules import LoweringKind, choose_lowering_kind, offloads_to_host, tp_splits
+from whalepy.ir.types import TPStyle
 from whalepy.errors import InfeasibleError
 from whalepy.planner.margin import MemoryMargin
 from whalepy.planner.space import Candidate, GroupView, Segment, StateOption
@@ -113,15 +114,22 @@ def dp_payload_bytes_per_param(collective: Collective, precision: str) -> float:
 
 
 def dp_step_payload_bytes(kind: str, *, zero3: bool, num_params: float, num_microbatches: int,
-                          precision: str) -> dict[Collective, float]:
-    """Payload bytes of one rank's data-parallel collectives in one training step without pipeline
-    stages (``num_params`` parameters on this rank, ``num_microbatches`` micro-batches accumulated by
-    whalepy's own loop), by collective, as the runtime issues them:
+                          precision: str, pipelined: bool = False) -> dict[Collective, float]:
+    """Payload bytes of one rank's data-parallel collectives in one training step (``num_params``
+    parameters on this rank, ``num_microbatches`` micro-batches accumulated by whalepy's own loop, or
+    run by a pipeline schedule where ``pipelined``), by collective, as the runtime issues them:
 
     - FSDP2: every unit is all-gathered before its forward in every micro-batch (FSDP2 reshards after
       backward) and, under ZeRO-3 (``reshard_after_forward=True``), again before its backward; the root
       unit too (FSDP2 reshards it after forward as well, counted on torch 2.13). The gradients are
       reduce-scattered once, in the last micro-batch (``set_requires_gradient_sync``);
+    - FSDP2 under a pipeline schedule: the stage keeps its parameters gathered after each backward
+      (``set_reshard_after_backward(False)``) until the step's ``REDUCE_GRAD``. Below ZeRO-3 that is one
+      all-gather per step. Under ZeRO-3 a forward reshards, so a unit is gathered by every forward that
+      follows a forward (or starts the step) and by every backward that follows a forward: for any order
+      of one chunk's ``M`` forwards and ``M`` backwards (GPipe, 1F1B, interleaved) that is ``M + 1``
+      all-gathers (a run of forwards costs one gather per forward, the backward after it one more, the
+      forward after a backward none). One reduce-scatter per step, as without stages;
     - DDP: one all-reduce of the gradients, in the last micro-batch (``no_sync`` before); the
       bucketing splits it into calls but adds no bytes;
     - DDP + ZeroRedundancyOptimizer: that all-reduce, and each rank's updated partition broadcast
@@ -135,7 +143,10 @@ def dp_step_payload_bytes(kind: str, *, zero3: bool, num_params: float, num_micr
     b = functools.partial(dp_payload_bytes_per_param, precision=precision)
     P = num_params
     if kind == LoweringKind.FSDP:
-        gathers = num_microbatches * (2 if zero3 else 1)
+        if pipelined:
+            gathers = num_microbatches + 1 if zero3 else 1
+        else:
+            gathers = num_microbatches * (2 if zero3 else 1)
         return {Collective.ALL_GATHER: gathers * b(Collective.ALL_GATHER) * P,
                 Collective.REDUCE_SCATTER: b(Collective.REDUCE_SCATTER) * P}
     if kind == LoweringKind.DDP:
@@ -143,6 +154,105 @@ def dp_step_payload_bytes(kind: str, *, zero3: bool, num_params: float, num_micr
     if kind == LoweringKind.ZERO1:
         return {Collective.ALL_REDUCE: b(Collective.ALL_REDUCE) * P, Collective.BROADCAST: b(Collective.BROADCAST) * P}
     return {}
+
+
+def chunk_neighbours(stage: int, num_stages: int, virtual_stages: int) -> list[list[int]]:
+    """Per chunk ``k`` of physical stage ``stage`` (virtual stage ``stage + k * num_stages``), the
+    physical stages of its neighbouring virtual stages held by other ranks: each of them gets one
+    point-to-point send per micro-batch from this chunk (activations forward to the next, gradients
+    backward to the previous) and sends one to it."""
+    J = num_stages * virtual_stages
+    out = []
+    for k in range(virtual_stages):
+        j = stage + k * num_stages
+        out.append([nj % num_stages for nj in (j + 1, j - 1) if 0 <= nj < J and nj % num_stages != stage])
+    return out
+
+
+def boundary_bytes(output_bytes: list[float], profile_dtype: str, precision: str) -> float:
+    """Bytes of one message between pipeline stages for the profile's batch, as the cost model charges
+    it: the largest output of a block that is not the last (``output_bytes``: every block's, in model
+    order; the profile measures them in its own dtype ``profile_dtype``), in the training precision
+    (stages send their floating-point outputs in the compute dtype)."""
+    import torch
+
+    nonfinal = list(output_bytes[:-1]) or [0.0]
+    scale = precision_bytes(precision) / (torch.finfo(getattr(torch, profile_dtype)).bits // 8)
+    return float(max(nonfinal)) * scale
+
+
+def pipeline_step_payload_bytes(message_bytes: float, *, stage: int, num_stages: int, virtual_stages: int,
+                                num_microbatches: int) -> dict[Collective, float]:
+    """Point-to-point payload of one training step on a rank of physical stage ``stage``, in
+    :class:`~whalepy.tools.comm_count.CollectiveCounter`'s convention (a rank's sends and its receives
+    each counted): per micro-batch and per neighbour of each of its chunks (:func:`chunk_neighbours`),
+    one message of ``message_bytes`` (the cost model's boundary, :func:`boundary_bytes`, for one
+    micro-batch) sent and one received. The planner charges the time of the sends (``_cells``)."""
+    links = sum(len(n) for n in chunk_neighbours(stage, num_stages, virtual_stages))
+    if not links:
+        return {}
+    return {Collective.SEND_RECV: 2.0 * num_microbatches * links * message_bytes}
+
+
+def tp_backward_bytes(block) -> float:  # type: ignore[no-untyped-def]
+    """Bytes a tensor-parallel block all-reduces in its backward (``tp_comm_backward_bytes``, the
+    column-parallel modules' input gradients); profiles that do not record it (synthetic models) are
+    charged their forward's bytes again, Megatron's one all-reduce per row-parallel one."""
+    recorded = block.tp_comm_backward_bytes
+    return float(block.tp_comm_bytes if recorded is None else recorded)
+
+
+def tp_step_payload_bytes(blocks, *, tp: int, micro_batch: float, profile_batch: float, num_microbatches: int,
+                          byte_scale: float, loss_parallel: bool = False) -> dict[Collective, float] | None:  # type: ignore[no-untyped-def]
+    """Payload bytes of one rank's tensor-parallel collectives in one training step over ``blocks`` (the
+    :class:`~whalepy.BlockProfile` s of its stage), each micro-batch of ``micro_batch`` samples (the
+    profile measured ``profile_batch``; ``byte_scale``: the training precision's bytes per the
+    profile's), by the rules the runtime applies (``runtime/tensor_parallel.py``) to a block that
+    splits (:func:`~whalepy.ir.rules.tp_splits`; a block that runs whole issues none):
+
+    - forward, an all-reduce of every ROWWISE module's and VOCAB embedding's output
+      (``BlockProfile.tp_comm_bytes``);
+    - backward, an all-reduce of the input gradient of the COLWISE modules (their input is replicated
+      over the group, so each rank holds a partial sum): one per input that sibling linears share
+      (separate q, k and v projections: one, as Megatron's ``f``), one per fused or Conv1D projection
+      (:func:`tp_backward_bytes`);
+    - a COLWISE module that ends a sharded region (an LM head: no ROWWISE module reads it) gathers its
+      output forward (``tp_gather_bytes``, the logits), unless ``loss_parallel``.
+
+    Not counted: a fused projection's replicated bias (HF GPT-2's ``c_attn``, ``3 h`` values per layer)
+    and a fused ``nn.Linear`` weight, which the runtime keeps whole and slices, all-reducing their
+    gradients every micro-batch. None under sequence parallelism (SEQUENCE rules: reduce-scatters and
+    all-gathers in place of the all-reduces, not modelled here)."""
+    if tp == 1:
+        return {}
+    scale = micro_batch / profile_batch * byte_scale * num_microbatches
+    out = {Collective.ALL_REDUCE: 0.0, Collective.ALL_GATHER: 0.0}
+    for b in blocks:
+        if not tp_splits(b, tp):
+            continue
+        if any(r.style is TPStyle.SEQUENCE for r in b.tp_rules):
+            return None
+        out[Collective.ALL_REDUCE] += (b.tp_comm_bytes + tp_backward_bytes(b)) * scale
+        if not loss_parallel:
+            out[Collective.ALL_GATHER] += b.tp_gather_bytes * scale
+    return {k: v for k, v in out.items() if v}
+
+
+def tied_step_payload_bytes(stage_blocks, all_blocks, *, tp: int, dp: int, sharded: bool) -> dict[Collective, float]:  # type: ignore[no-untyped-def]
+    """Payload bytes of the all-reduce that sums a tied weight's gradient over the pipeline stages
+    holding a copy (``runtime/tied.py``, Megatron-LM's embedding group), once per step, on a rank whose
+    stage (all its chunks: ``stage_blocks``) holds a block sharing a parameter (``shared_param_numel``)
+    while a block sharing one sits on another stage: the rank's local gradient, in fp32, split by TP
+    where its block splits and by the ``dp`` replicas where FSDP2 shards it (``sharded``). A weight
+    shared by blocks of one rank only is summed without communication. The blocks sharing a weight
+    are taken to share the same one (a tied embedding and head: every model here)."""
+    mine = {b.name for b in stage_blocks}
+    sharing = [b for b in stage_blocks if b.shared_param_numel]
+    if not sharing or all(b.name in mine for b in all_blocks if b.shared_param_numel):
+        return {}
+    b = sharing[0]
+    local = b.shared_param_numel / (tp if tp_splits(b, tp) else 1) / (dp if sharded else 1)
+    return {Collective.ALL_REDUCE: local * MASTER_GRAD_BYTES}
 
 
 @dataclass(frozen=True, slots=True)

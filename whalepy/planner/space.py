@@ -26,9 +26,10 @@ from whalepy.ir.profile import BlockAnnotations, BlockProfile, ModelProfile
 @dataclass(frozen=True, slots=True)
 class Segment:
     """Consecutive blocks the planner treats as interchangeable: a run of one ``repeat_group`` with
-    equal annotations and equal parameter counts, or a single block. The ILP counts blocks per stage
-    per segment. (Layers tied by ``whalepy.pseudo_to_real`` share one repeat group, but the shared
-    parameters are attributed to the first layer only, so that layer is a segment of its own.)"""
+    equal annotations, equal parameter counts (split and whole under TP) and the same tied copies, or a
+    single block. The ILP counts blocks per stage per segment. (Layers tied by ``whalepy.pseudo_to_real``
+    share one repeat group, but the shared parameters are attributed to the first layer only, so that
+    layer is a segment of its own.)"""
 
     index: int
     start: int
@@ -51,7 +52,8 @@ def build_segments(profile: ModelProfile) -> tuple[Segment, ...]:
         prev = segs[-1][-1] if segs else None
         if (prev is not None and b.repeat_group is not None and prev.repeat_group == b.repeat_group
                 and _same_annotations(prev.annotations, b.annotations)
-                and (prev.num_params, prev.param_bytes) == (b.num_params, b.param_bytes)):
+                and (prev.num_params, prev.param_bytes, prev.tp_whole_params, prev.tied_copies)
+                == (b.num_params, b.param_bytes, b.tp_whole_params, b.tied_copies)):
             segs[-1].append(b)
         else:
             segs.append([b])

@@ -12,6 +12,10 @@ Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Mode
 - forward FLOPs: ``2 * b * s * (matmul parameters)`` for the GEMMs plus ``4 * b * s^2 * h`` for the
   attention scores and the weighted sum; with ``f = 4h``: ``24bsh^2 + 4bs^2h``. Backward is twice that.
 - activation bytes saved for backward: ``sbh(34 + 5as/h)`` (Korthikanti et al., no recompute).
+- what tensor parallelism leaves whole on every rank (``tp_whole_params``): of a layer's ``9h``, the
+  two norms' weights and biases and the two row-parallel biases, ``6h``; the learned positions of the
+  embedding; the final norm of the head. A tied head holds a copy of the embedding table
+  (``tied_copies``), split like it.
 - tensor-parallel traffic: two all-reduces of the ``[s, b, h]`` 16-bit output per forward (attention
   and MLP row-parallel outputs): ``tp_comm_bytes = 2 * 2sbh``.
 - embedding and head use the vocabulary padded to a multiple of 128 (Megatron-LM's
@@ -31,7 +35,8 @@ from __future__ import annotations
 import hashlib
 
 from whalepy.ir.plan import TPRule, TPStyle
-from whalepy.ir.profile import AttentionShape, BlockAnnotations, BlockKernels, BlockKind, BlockProfile, GemmShape, ModelProfile
+from whalepy.ir.profile import (AttentionShape, BlockAnnotations, BlockKernels, BlockKind, BlockProfile, GemmShape,
+                                ModelProfile, TiedCopy)
 
 _BF16 = 2
 _TOKEN_ID_BYTES = 8  # int64 token ids
@@ -105,6 +110,7 @@ def transformer_profile(
                     fwd=float(b * s * h), input_bytes=_TOKEN_ID_BYTES * b * s, output_bytes=hidden_bytes,
                     tp_rules=(TPRule(module="embed", style=TPStyle.VOCAB),),
                     tp_comm_bytes=hidden_bytes, tp_degrees=_pow2_divisors(V),
+                    tp_whole_params=s * h if learned_positions else 0,
                     # memory-centric tiling splits the embeddings' rows (whalepy.ir.tiling); a tied one
                     # is not tiled (its block shares a parameter with the head)
                     linear_params=0 if tied_embeddings else embed_params,
@@ -122,7 +128,7 @@ def transformer_profile(
                       TPRule(module=f"{p}.ln_2", style=TPStyle.SEQUENCE))
         blocks.append(block(1 + i, p, BlockKind.LAYER, params=layer_params, act=layer_act,
                             fwd=float(layer_fwd), input_bytes=hidden_bytes, output_bytes=hidden_bytes,
-                            repeat_group=1, tp_rules=rules, tp_comm_bytes=2 * hidden_bytes,
+                            repeat_group=1, tp_rules=rules, tp_comm_bytes=2 * hidden_bytes, tp_whole_params=6 * h,
                             tp_degrees=layer_tp, kernels=layer_kernels,
                             linear_params=attn_matmul + mlp_matmul,
                             largest_linear_params=max(h * f, h * h + 2 * h * h * kv // a),
@@ -132,7 +138,9 @@ def transformer_profile(
     blocks.append(block(1 + num_layers, "head", BlockKind.HEAD, params=head_params, act=logits_bytes,
                         fwd=float(head_fwd), input_bytes=hidden_bytes, output_bytes=4 * b,
                         tp_rules=(TPRule(module="head", style=TPStyle.COLWISE),),
-                        tp_comm_bytes=4 * b * s, tp_degrees=_pow2_divisors(V),
+                        tp_comm_bytes=4 * b * s, tp_degrees=_pow2_divisors(V), tp_whole_params=2 * h,
+                        tied_copies=(TiedCopy(owner="embed", parameter="embed.weight", num_params=V * h, tp_split=True),)
+                        if tied_embeddings else (),
                         linear_params=0 if tied_embeddings else V * h,
                         largest_linear_params=0 if tied_embeddings else V * h,
                         num_linears=0 if tied_embeddings else 1,

@@ -1,4 +1,5 @@
-"""Durable files for the disk tier: atomic writes, a step manifest, directory and free-space checks.
+"""Durable files for the disk tier: atomic writes, a step manifest, directory checks (free space:
+:mod:`whalepy.runtime.disk_space`).
 
 Every file the ``nvme`` tier writes goes through :func:`atomic_write`: the bytes go to a temporary name
 in the same directory, are ``fsync``-ed, and the temporary file is renamed over the final name
@@ -13,16 +14,16 @@ generation is removed (:func:`remove_files`), so between steps the disk holds on
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 from whalepy.errors import WhalepyError
+from whalepy.runtime.disk_space import disk_full_error, is_disk_full
+from whalepy.runtime.launch_errors import remove_at_exit
 
-__all__ = ["MANIFEST", "TMP_SUFFIX", "atomic_write", "check_free_space", "prepare_dir", "read_manifest",
+__all__ = ["MANIFEST", "TMP_SUFFIX", "atomic_write", "prepare_dir", "read_manifest",
            "remove_files", "remove_temporaries", "write_manifest"]
 
 MANIFEST = "manifest.json"
@@ -41,14 +42,21 @@ def _fsync_dir(directory: Path) -> None:
 
 def atomic_write(path: Path, data: memoryview | bytes, *, fsync: bool = True) -> None:
     """Write ``data`` to ``path`` atomically: temporary name, ``fsync``, rename, ``fsync`` of the
-    directory (``fsync=False`` skips both syncs: still never torn for readers, not crash-safe)."""
+    directory (``fsync=False`` skips both syncs: still never torn for readers, not crash-safe). A full
+    file system is a :class:`~whalepy.errors.DiskSpaceError` naming ``path``, the temporary file removed."""
     view = memoryview(data).cast("B")
     tmp = path.with_name(path.name + TMP_SUFFIX)
-    with open(tmp, "wb", buffering=0) as f:
-        for start in range(0, len(view), _CHUNK):
-            f.write(view[start:start + _CHUNK])
-        if fsync:
-            os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb", buffering=0) as f:
+            for start in range(0, len(view), _CHUNK):
+                f.write(view[start:start + _CHUNK])
+            if fsync:
+                os.fsync(f.fileno())
+    except OSError as e:
+        if not is_disk_full(e):
+            raise
+        tmp.unlink(missing_ok=True)  # the partial file gives its space back at once
+        raise disk_full_error(path, e, len(view)) from None
     os.replace(tmp, path)
     if fsync:
         _fsync_dir(path.parent)
@@ -101,17 +109,5 @@ def prepare_dir(path: Path, *, user_dir: str | os.PathLike[str] | None = None, k
             "blocks with an 'nvme' tier are kept in files there. Pass parallelize(..., nvme_dir=...) a "
             "writable directory on the node's NVMe drive") from None
     if not keep:
-        atexit.register(shutil.rmtree, path, ignore_errors=True)
+        remove_at_exit(path)  # at exit, also when a whalepy error ends the launch with os._exit
     return path
-
-
-def check_free_space(directory: Path, needed: float, *, user_dir: str | os.PathLike[str] | None = None) -> None:
-    """:class:`WhalepyError` when the file system of ``directory`` has less than ``needed`` bytes free
-    (checked before training starts, so a full disk is not found in the middle of a step)."""
-    free = shutil.disk_usage(directory).free
-    if needed > free:
-        shown = os.fspath(user_dir) if user_dir is not None else os.fspath(directory)
-        raise WhalepyError(
-            f"nvme_dir {shown!r} has {free / 2**30:.2f} GiB free but this rank's disk tier needs "
-            f"{needed / 2**30:.2f} GiB (its files at their peak, while a step writes); free space there or pass "
-            "parallelize(..., nvme_dir=...) a larger drive")

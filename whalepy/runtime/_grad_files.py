@@ -7,8 +7,10 @@ parameter already has a ``.grad``, adds it into that tensor in place
 gradient, in anonymous host memory. So before a block's backward, :meth:`GradFiles.attach` gives every
 parameter of the block without a gradient a ``.grad`` DTensor whose local tensor is a view of a
 **shared** file mapping (``torch.from_file(..., shared=True)``): dirty pages go to the file through the
-page cache, not to anonymous memory. The file is zero without writing zeros: created, ``os.ftruncate``-d
-to its size (a sparse file reads as zeros) and mapped, then unlinked at once, so its disk space is
+page cache, not to anonymous memory. The file is zero without writing zeros: created, its blocks
+allocated with ``os.posix_fallocate`` (they read as zeros; a full disk is a
+:class:`~whalepy.errors.DiskSpaceError` here rather than a ``SIGBUS`` when a write into a hole of a
+sparse file finds no block) and mapped, then unlinked at once, so its disk space is
 freed when the last view of the mapping goes (after the block's optimizer step, :meth:`GradFiles.drop`,
 or at ``zero_grad(set_to_none=True)``) and a crash leaves no gradient file behind.
 
@@ -29,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from whalepy.runtime.disk_space import disk_full_error, is_disk_full
 
 __all__ = ["GradFiles"]
 
@@ -90,9 +94,16 @@ class GradFiles:
         path = self.directory / f"b{index:04d}.grad{next(self._count)}.bin"
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, nbytes)  # a sparse file: reads as zeros, no zeros written
-        finally:
+            # blocks allocated now, reading as zeros (no zeros written where the file system supports
+            # it): a full disk is an error here, not a SIGBUS when FSDP2 writes into a hole
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError as e:
             os.close(fd)
+            os.unlink(path)
+            if is_disk_full(e):
+                raise disk_full_error(path, e, nbytes) from None
+            raise
+        os.close(fd)
         try:
             buf = torch.from_file(os.fspath(path), shared=True, size=nbytes, dtype=torch.uint8)
         finally:

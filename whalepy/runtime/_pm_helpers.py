@@ -26,9 +26,24 @@ LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
 def _checked_loss(loss_fn: LossFn) -> LossFn:
     """``loss_fn`` whose result is checked to be a scalar before anything differentiates it."""
-    def checked(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+    return CheckedLoss(loss_fn)
+
+
+class CheckedLoss:
+    """``loss_fn`` whose result is checked to be a scalar before anything differentiates it; while
+    ``observer`` is set (the closed loop's sampled step, :mod:`whalepy.runtime._block_timing`), it is told
+    when the loss starts and what it returned, so the loss is timed as the last block's."""
+
+    def __init__(self, loss_fn: LossFn) -> None:
+        self.loss_fn = loss_fn
+        self.observer: Any = None
+
+    def __call__(self, outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+        observer = self.observer
+        if observer is not None:
+            observer.loss_started()
         try:
-            loss = loss_fn(outputs, targets)
+            loss = self.loss_fn(outputs, targets)
         except (ValueError, RuntimeError, IndexError, TypeError) as e:
             if isinstance(e, WhalepyError):
                 raise
@@ -41,9 +56,9 @@ def _checked_loss(loss_fn: LossFn) -> LossFn:
                                 f"{shape}, targets {tuple(targets.shape)}); give targets that fit the model's "
                                 "outputs (e.g. the same sequence length as the inputs)") from e
         check_scalar_loss(loss)
+        if observer is not None:
+            observer.loss_done(loss)
         return loss
-
-    return checked
 
 
 def _check_reduce_every_microbatch(plan: Plan) -> None:

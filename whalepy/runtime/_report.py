@@ -9,8 +9,11 @@
 - the plan check (closed loop): after :data:`PLAN_CHECK_WARMUP` warm-up steps, the next
   :data:`PLAN_CHECK_STEPS` steps are timed (device synchronised at both ends, the slowest rank's) and,
   on a GPU, the allocator's peak is read; the ratios to the plan's predictions are logged once on rank
-  0, with a warning when the step time is more than :data:`OFF_PLAN_TOLERANCE` off.
-  :meth:`~whalepy.ParallelModel.measured_profile` returns what was seen (:class:`ObservedStep`).
+  0, with a warning when the step time is more than :data:`OFF_PLAN_TOLERANCE` off. The step after
+  them, :data:`SAMPLED_STEP`, runs with per-block timing hooks (:mod:`whalepy.runtime._block_timing`):
+  per stage its compute, optimizer step and the rest are logged once next to the plan's, and
+  :meth:`~whalepy.ParallelModel.measured_profile` returns the profile with the block times merged in
+  (:attr:`~whalepy.ParallelModel.observed`: the :class:`ObservedStep` with them).
 - compiled blocks (``plan.compile``): the first step compiles them; its time is logged once on rank 0,
   apart, and the reported step times start after it (:attr:`StepReporter.first_step_s`).
 
@@ -23,13 +26,14 @@ plan's per-device estimate and the prediction is not shown next to it).
 
 from __future__ import annotations
 
+import itertools
 import os
 import resource
 import sys
 from collections.abc import Sequence
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -38,6 +42,7 @@ import torch.distributed as dist
 from whalepy.log import info_once, is_rank0, logger, warn_once
 from whalepy.ir.plan_text import block_tiers, compress_names, compress_ranks, stage_lowering
 from whalepy.ir.plan import Plan, Tier
+from whalepy.runtime._block_timing import BlockTimer, StepTiming, build_step_timing, gather_records
 
 __all__ = ["ObservedStep", "StepReporter", "plan_log_lines"]
 
@@ -54,6 +59,12 @@ OFF_PLAN_TOLERANCE = 0.15
 """Relative step-time difference from the plan above which the plan check warns (issue 21: a plan that
 runs more than 15% off its prediction says so, once)."""
 
+_SERIAL = itertools.count()
+"""Numbers the reporters of a process: the keys of their once-only lines (an ``id`` may be reused)."""
+
+SAMPLED_STEP = PLAN_CHECK_WARMUP + PLAN_CHECK_STEPS + 1
+"""The step timed per block (after the plan check, so that the hooks' cost stays out of its times)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class ObservedStep:
@@ -68,6 +79,8 @@ class ObservedStep:
     """Largest allocator peak over the ranks (GPU); None on CPU, whose resident set is no tensor peak."""
     predicted_peak_bytes: int
     """The plan's largest per-device memory."""
+    timing: StepTiming | None = None
+    """Per block and per stage, what step :data:`SAMPLED_STEP` measured (None until it ran)."""
 
     @property
     def step_ratio(self) -> float:
@@ -149,7 +162,8 @@ class StepReporter:
     the last report."""
 
     def __init__(self, plan: Plan, device: torch.device, log_every: int | None, *,
-                 progress: bool | None = None, sinks: Sequence[Any] = (), total_steps: int | None = None) -> None:
+                 progress: bool | None = None, sinks: Sequence[Any] = (), total_steps: int | None = None,
+                 timer: BlockTimer | None = None) -> None:
         self.plan = plan
         self.device = device
         self.log_every = log_every
@@ -169,6 +183,10 @@ class StepReporter:
         self._progress: Any = None
         self.first_step_s: float | None = None
         """Wall seconds of the first step when the plan compiles its blocks (compile included)."""
+        self.timer = timer
+        self._serial = next(_SERIAL)
+        self.timing: StepTiming | None = None
+        """What the sampled step measured (also in :attr:`observed`)."""
         want = progress if progress is not None else sys.stderr.isatty()
         if log_every is not None and want and is_rank0():
             self._progress = _rich_progress()
@@ -194,6 +212,8 @@ class StepReporter:
         if self._window_start is None:
             _synchronize(self.device)
             self._window_start = time.perf_counter()
+        if self.timer is not None and self.steps == SAMPLED_STEP - 1:
+            self.timer.start()
 
     def step_done(self, loss: torch.Tensor, tokens: int | None, extra: dict[str, Any] | None = None) -> None:
         extra = extra or {}
@@ -204,6 +224,8 @@ class StepReporter:
             self._first_step_apart()
         if self.steps == PLAN_CHECK_WARMUP + PLAN_CHECK_STEPS and self._check_start is not None:
             self._check_plan()
+        if self.timer is not None and self.timer.active:
+            self._sampled_step()
         if self._progress is not None:
             self._progress[0].update(self._progress[1], advance=1)
         if self.log_every is None or self.steps % self.log_every:
@@ -284,11 +306,20 @@ class StepReporter:
         line = (f"whalepy: plan check over steps {PLAN_CHECK_WARMUP + 1}-{self.steps}: {_secs(o.step_s)}/step vs "
                 f"plan {_secs(o.predicted_step_s)} ({o.step_ratio:.2f}x){mem}")
         if abs(o.step_ratio - 1) > OFF_PLAN_TOLERANCE:
-            warn_once(f"plan-check-{id(self)}", "%s: more than %d%% off the prediction; re-plan from what was measured "
-                      "(whalepy.plan(..., measure=True) on this device type, or calibrate it)", line,
-                      int(100 * OFF_PLAN_TOLERANCE))
+            warn_once(f"plan-check-{self._serial}", "%s: more than %d%% off the prediction; re-plan from what this run "
+                      "measures: after step %d, whalepy.plan(model, cluster, profile=pm.measured_profile(), "
+                      "global_batch=...)", line, int(100 * OFF_PLAN_TOLERANCE), SAMPLED_STEP)
         else:
-            info_once(f"plan-check-{id(self)}", "%s", line)
+            info_once(f"plan-check-{self._serial}", "%s", line)
+
+    def _sampled_step(self) -> None:
+        """Step :data:`SAMPLED_STEP`'s per-block times, every rank's (a collective: every rank calls it)."""
+        assert self.timer is not None
+        timing = build_step_timing(gather_records(self.timer.finish()), self.plan, self.timer.profile, self.steps)
+        self.timing = timing
+        if self.observed is not None:
+            self.observed = replace(self.observed, timing=timing)
+        info_once(f"sampled-step-{self._serial}", "%s", "\n".join(_timing_lines(timing)))
 
     def format(self, rec: dict[str, float]) -> str:
         c = self.plan.cost
@@ -323,6 +354,17 @@ class StepReporter:
         if self._progress is not None:
             self._progress[0].stop()
             self._progress = None
+
+
+def _timing_lines(timing: StepTiming) -> list[str]:
+    """One line per stage of the sampled step: measured next to the plan's."""
+    lines = [f"whalepy: step {timing.step} timed per block (hooks on), per stage measured vs plan:"]
+    for s in timing.stages:
+        opt = f", optimizer {_secs(s.optimizer_s)}" if s.optimizer_s is not None else ""
+        lines.append(f"whalepy:   stage {s.stage}: step {_secs(s.step_s)}, compute {_secs(s.compute_s)} "
+                     f"(plan {_secs(s.predicted_compute_s)}){opt}, exposed communication + bubble + host "
+                     f"{_secs(max(s.rest_s, 0.0))} (plan, optimizer included: {_secs(s.predicted_rest_s)})")
+    return lines
 
 
 def _rich_progress() -> Any:

@@ -39,7 +39,7 @@ from torch.export.graph_signature import (
 from whalepy.errors import CaptureError
 from whalepy.models.hf_compat import export_compat
 
-__all__ = ["retarget_device", "split_stages", "tied_parameters"]
+__all__ = ["TensorSpec", "retarget_device", "split_stages", "stage_io", "tied_parameters"]
 
 _BLOCK = "whalepy.block"
 _CONST_PREFIX = "_whalepy_constants"
@@ -73,7 +73,66 @@ def split_stages(
         stage.whalepy_stage_index = k
         stage.whalepy_blocks = stage_blocks[k]
         stage.whalepy_input_shapes = shapes  # the shapes the graph is specialised to
+    ios = stage_io(stages)
+    for k, stage in enumerate(stages):
+        stage.whalepy_io = None if ios is None else ios[k]  # what it receives and sends per micro-batch
     return stages
+
+
+TensorSpec = tuple[tuple[int, ...], torch.dtype, bool]
+"""``(shape, dtype, requires_grad)`` of a tensor a stage receives or sends."""
+
+
+def stage_io(stages: Sequence[fx.GraphModule]) -> list[tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]] | None:
+    """Per stage, ``(inputs, outputs)``: the tensors it takes and returns for the micro-batch it was
+    traced with, each with whether it requires a gradient in training; None where that cannot be
+    worked out (the stages then have their shapes inferred by torch on the first step).
+
+    The stages are run one after the other on fake tensors (``FakeTensorMode``: shapes and dtypes,
+    no data, no state of the model touched): stage ``k + 1`` gets stage ``k``'s outputs, those that
+    require a gradient requiring one, and autograd itself says which outputs require a gradient (a
+    hidden state does; a rotary table computed from buffers does not). A data-flow guess over the graph
+    got this wrong where a block's output has no recorded value (Falcon's first stage: its hidden state
+    was said to need no gradient, and the backward stopped). Stage ``k``'s outputs are stage ``k + 1``'s
+    inputs, in order."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.func import functional_call
+
+    import logging
+
+    quiet = logging.getLogger("torch._subclasses.fake_tensor")  # it logs an op without a fake kernel as an
+    level = quiet.level                                          # error; here that only means: fall back
+    quiet.setLevel(logging.CRITICAL)
+    try:
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        out: list[tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]] = []
+        received: list[bool] | None = None
+        with mode, torch.enable_grad():
+            for stage in stages:
+                state = {k: mode.from_tensor(v) for k, v in
+                         [*stage.named_parameters(remove_duplicate=False), *stage.named_buffers(remove_duplicate=False)]}
+                placeholders = [n for n in stage.graph.nodes if n.op == "placeholder"]
+                args, ins = [], []
+                for i, n in enumerate(placeholders):
+                    val = n.meta["val"]
+                    grad = bool(received[i]) if received is not None and i < len(received) else False
+                    grad = grad and val.is_floating_point()
+                    t = torch.empty(tuple(val.shape), dtype=val.dtype, device=val.device)
+                    args.append(t.requires_grad_(True) if grad else t)
+                    ins.append((tuple(val.shape), val.dtype, grad))
+                result = functional_call(stage, state, tuple(args))
+                leaves = [x for x in pytree.tree_leaves(result) if isinstance(x, torch.Tensor)]
+                outs = tuple((tuple(x.shape), x.dtype, bool(x.requires_grad) and x.is_floating_point())
+                             for x in leaves)
+                received = [o[2] for o in outs]
+                out.append((tuple(ins), outs))
+        return out
+    except Exception as e:  # noqa: BLE001 - torch infers the shapes on the first step instead
+        logging.getLogger("whalepy.runtime").debug("stage shapes left to torch's inference: %s: %s",
+                                                   type(e).__name__, e)
+        return None
+    finally:
+        quiet.setLevel(level)
 
 
 def retarget_device(stage: fx.GraphModule, device: torch.device | str) -> None:

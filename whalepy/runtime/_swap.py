@@ -30,7 +30,9 @@ tests exercise this path.
 
 :meth:`SwapEngine.commit` queues the manifest after a step's writes (one thread: in order), so the
 manifest always names a complete generation, and after the manifest the removal of the generation it
-supersedes: one generation at rest, two only while a step writes. The pool holds ``prefetch_depth + 2`` slots (the block in
+supersedes: one generation at rest, two only while a step writes. A write that finds the file system
+full (:class:`~whalepy.errors.DiskSpaceError`) stops what was queued after it (no manifest names an
+incomplete generation) and, when the main thread meets it, :meth:`SwapEngine.abort` removes the files. The pool holds ``prefetch_depth + 2`` slots (the block in
 use, ``prefetch_depth`` ahead, one being written back), each the size of the largest block's items:
 that is the staging memory :func:`whalepy.cost_models.memory.estimate_model_state_bytes` charges.
 """
@@ -47,6 +49,7 @@ from typing import Any
 
 import torch
 
+from whalepy.errors import DiskSpaceError
 from whalepy.ir.rules import staging_slots
 from whalepy.runtime._durable import atomic_write, read_manifest, remove_files, remove_temporaries, write_manifest
 
@@ -153,6 +156,11 @@ class SwapEngine:
         self._allocated = 0
         self._clock = 0
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="whalepy-nvme")
+        self._commits: list[Future] = []  # the manifests and removals queued since last checked
+        self._write_error: BaseException | None = None  # set by the I/O thread (:meth:`_submit_write`)
+        self.aborted = False
+        """A write found the file system full: the I/O thread is stopped and the files removed
+        (:meth:`abort`); the tier cannot be used further."""
         remove_temporaries(self.directory)
 
     # -- layout ----------------------------------------------------------------------------------
@@ -176,7 +184,11 @@ class SwapEngine:
             return
         data = _flat_of(item, item.views[0].tensor)
         path = self._file(block, item, block.parity)
-        atomic_write(path, _bytes_of(data), fsync=self.fsync)
+        try:
+            atomic_write(path, _bytes_of(data), fsync=self.fsync)
+        except DiskSpaceError:
+            self.abort()
+            raise
         self._map(block, item, block.parity)
         self._layout(block)
 
@@ -260,7 +272,7 @@ class SwapEngine:
 
     def prefetch(self, index: int, kinds: Iterable[str] = ("param",), protect: set[int] = frozenset()) -> None:
         """Start reading the block's ``kinds`` items into a staging slot (no-op when they are there)."""
-        block = self.blocks[index]
+        block = self._live_block(index)
         self._settle_block(block, wait=False)
         items = [it for it in self._items(block, kinds) if it.name not in block.loaded]
         if not items:
@@ -291,7 +303,7 @@ class SwapEngine:
                     it.on_device = _to_device(it, _storage_tensor(it), non_blocking=False)
             return
         if block.reading is not None:
-            block.reading.result()
+            self._result(block.reading)
             block.reading = None
         storage = block.slot.untyped_storage()
         for it in self._items(block, kinds):
@@ -308,7 +320,7 @@ class SwapEngine:
         flats = {it.name: _flat_of(it, it.views[0].tensor) for it in block.items}
         for pending in (block.writing, block.reading):
             if pending is not None:
-                pending.result()
+                self._result(pending)
         block.writing = block.reading = None
         if block.slot is None:
             # a buffer of its own, not one from the pool: making room there would send another block
@@ -369,7 +381,7 @@ class SwapEngine:
                 return
             self.capture(index)  # stepped on its mappings (no buffer was free): keep those values
         if block.reading is not None:
-            block.reading.result()
+            self._result(block.reading)
             block.reading = None
         if not dirty:
             for it in block.items:
@@ -388,18 +400,19 @@ class SwapEngine:
                 flat.as_strided(v.size, v.stride, flat.storage_offset() + v.offset).copy_(it.on_device)
                 it.on_device = None
         paths = [(it, self._file(block, it, parity)) for it in block.items]
-        block.writing = self._io.submit(_write_from, block.slot, paths, self.fsync)
+        block.writing = self._submit_write(_write_from, block.slot, paths, self.fsync)
         block.parity = parity
 
     def settle(self, wait: bool = False) -> None:
         """Move blocks whose write-back finished onto their new mappings and free their slots."""
+        self._check_commits(wait=wait)
         for b in self.blocks:
             self._settle_block(b, wait=wait)
 
     def _settle_block(self, block: _Block, *, wait: bool) -> None:
         if block.writing is None or (not wait and not block.writing.done()):
             return
-        block.writing.result()
+        self._result(block.writing)
         block.writing = None
         for it in block.items:
             self._map(block, it, block.parity)
@@ -415,13 +428,70 @@ class SwapEngine:
                                "items": {it.name: [str(it.dtype), it.numel, list(it.views[0].size),
                                                   list(it.views[0].stride)] for it in b.items}}
                               for b in self.blocks]}
-        self._io.submit(write_manifest, self.directory, content, fsync=self.fsync)
+        self._check_commits(wait=False)
+        self._commits.append(self._submit_write(write_manifest, self.directory, content, fsync=self.fsync))
         stale = [self._file(b, it, 1 - b.parity) for b in self.blocks for it in b.items]
-        self._io.submit(remove_files, self.directory, stale, fsync=self.fsync)
+        self._commits.append(self._submit_write(remove_files, self.directory, stale, fsync=self.fsync))
 
     def drain(self) -> None:
         """Wait for every queued read, write, manifest and removal (the I/O thread runs them in order)."""
-        self._io.submit(lambda: None).result()
+        self._live_block(None)
+        self._result(self._io.submit(lambda: None))
+        self._check_commits(wait=True)
+
+    def _submit_write(self, fn: Any, *args: Any, **kwargs: Any) -> Future:
+        """Queue a write, manifest or removal on the I/O thread; once one of them has failed, the ones
+        queued after it fail with the same error without running: a manifest never names a generation
+        whose files were not all written."""
+        self._live_block(None)
+
+        def run() -> Any:
+            if self._write_error is not None:
+                raise self._write_error
+            try:
+                return fn(*args, **kwargs)
+            except BaseException as e:
+                self._write_error = e
+                raise
+        return self._io.submit(run)
+
+    def _live_block(self, index: int | None) -> Any:
+        """Block ``index`` (None: nothing), or a :class:`DiskSpaceError` once the tier was aborted."""
+        if self.aborted:
+            raise DiskSpaceError(f"the disk tier under {os.fspath(self.directory)!r} stopped when its file system "
+                                 "was full (the error before this one); its files are gone, so training cannot go "
+                                 "on: free space there and start again")
+        return None if index is None else self.blocks[index]
+
+    def _result(self, future: Future) -> Any:
+        """``future.result()``; a full file system (:class:`DiskSpaceError`, raised by the write in the I/O
+        thread) aborts the tier first (:meth:`abort`)."""
+        try:
+            return future.result()
+        except DiskSpaceError:
+            self.abort()
+            raise
+
+    def _check_commits(self, *, wait: bool) -> None:
+        """Raise what a queued manifest write or removal raised (nothing else waits for them)."""
+        while self._commits and (wait or self._commits[0].done()):
+            self._result(self._commits.pop(0))
+
+    def abort(self) -> None:
+        """After a write found the file system full: stop the I/O thread (queued work is cancelled) and
+        remove the files, so a full disk is not left fuller; with ``keep`` only the temporary files (the
+        last committed step stays for a restart, which removes the uncommitted generation)."""
+        if self.aborted:
+            return
+        self.aborted = True
+        self._io.shutdown(wait=True, cancel_futures=True)
+        self._commits.clear()  # what was pending failed with this error, or never ran: said once
+        for b in self.blocks:
+            b.reading = b.writing = None
+        if self.keep:
+            remove_temporaries(self.directory)
+        else:
+            shutil.rmtree(self.directory, ignore_errors=True)
 
     def flush(self) -> None:
         """Wait for every queued read and write, settle, and give every slot back."""
@@ -431,7 +501,9 @@ class SwapEngine:
             self.release(b.index)
 
     def close(self) -> None:
-        """Finish the I/O; remove the files unless ``keep``."""
+        """Finish the I/O; remove the files unless ``keep`` (after :meth:`abort`: nothing left to do)."""
+        if self.aborted:
+            return
         try:
             self.flush()
         finally:

@@ -10,7 +10,8 @@ hook) sets a ``sys.excepthook`` that, for an uncaught :class:`~whalepy.WhalepyEr
    ``init_process_group`` set up, which outlives any one rank);
 2. prints ``whalepy: error (rank R): <message>`` only if it is the first failure of the job;
 3. exits the process with code 1 at once (``os._exit``: no waiting on peers in ``destroy_process_group``
-   or in atexit handlers).
+   or in atexit handlers), after removing the directories registered with :func:`remove_at_exit` (the
+   disk tier's files, which an atexit handler would otherwise have removed).
 
 A peer blocked in a collective then sees its connection close; its own exception, raised after the store
 already records a failure, is the consequence of that failure and exits quietly with code 1. Any other
@@ -27,9 +28,20 @@ from typing import Any
 
 from whalepy.errors import WhalepyError
 
-__all__ = ["install_error_hook", "report_failure"]
+__all__ = ["install_error_hook", "remove_at_exit", "report_failure"]
 
 _KEY = "whalepy/failures"
+_REMOVE: list[str] = []
+
+
+def remove_at_exit(path: str | os.PathLike[str]) -> None:
+    """Remove the directory ``path`` when the interpreter exits, and also when this hook ends the process
+    with ``os._exit`` (which skips atexit handlers)."""
+    import atexit
+    import shutil
+
+    _REMOVE.append(os.fspath(path))
+    atexit.register(shutil.rmtree, os.fspath(path), ignore_errors=True)
 
 
 def _store() -> Any:
@@ -76,6 +88,10 @@ def _failed_before() -> bool:
 
 
 def _exit(code: int) -> None:
+    import shutil
+
+    for path in _REMOVE:
+        shutil.rmtree(path, ignore_errors=True)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from whalepy.runtime.collective_ops import collective_payload
+
 log = logging.getLogger("whalepy.measure")
 
 __all__ = ["FSDP_DEGREE", "fake_world", "measure_lowered"]
@@ -58,16 +60,6 @@ def fake_world(world: int, rank: int = 0) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-_FUNCTIONAL = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
-               "reduce_scatter_tensor": "reduce_scatter"}
-"""``_c10d_functional`` operators (DTensor's redistributions issue these) -> the cost model's collective."""
-
-_C10D = {"_allgather_base_": ("all_gather", 0), "allgather_into_tensor_coalesced_": ("all_gather", 0),
-         "_reduce_scatter_base_": ("reduce_scatter", 1), "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1)}
-"""``c10d`` operators FSDP2 issues -> (the cost model's collective, the argument holding its payload: the
-gathered output, the whole input to reduce-scatter)."""
-
-
 class _BlockCollectives:
     """Counts the collectives one step issues, per (block, phase, kind): the calls and the payload bytes
     in the cost model's convention (all-reduce the tensor, all-gather the gathered output,
@@ -88,18 +80,8 @@ class _BlockCollectives:
 
         class _Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-                ns, _, op = str(func.name()).partition("::")
-                op = op.split(".")[0]
-                kind, nbytes = None, 0
-                if ns == "_c10d_functional" and op in _FUNCTIONAL and args and isinstance(args[0], torch.Tensor):
-                    kind, nbytes = _FUNCTIONAL[op], args[0].numel() * args[0].element_size()
-                    if kind == "all_gather":
-                        nbytes *= int(args[1])  # group size: the gathered output
-                elif ns == "c10d" and op in _C10D:
-                    kind, arg = _C10D[op]
-                    x = args[arg] if len(args) > arg else None
-                    xs = x if isinstance(x, (list, tuple)) else [x]
-                    nbytes = sum(t.numel() * t.element_size() for t in xs if isinstance(t, torch.Tensor))
+                got = collective_payload(func, args, strict=False)
+                kind, nbytes = (got[0].value, got[1]) if got is not None else (None, 0)
                 events = owner.clock.events
                 if kind is not None and events and events[-1][1] is not None:
                     row = owner.rows.setdefault((owner.names[events[-1][1]], events[-1][2], kind), [0.0, 0.0])

@@ -35,7 +35,9 @@ recorded in the manifest. Files are written atomically under the other generatio
 manifest as commit point; once the manifest is durable the superseded generation is removed, so the
 disk holds one generation between steps and two only while a step writes (docs/runtime.md, "Disk
 tier"; the peak: :func:`whalepy.ir.rules.disk_tier_file_bytes`). The directory is removed at exit
-unless ``keep``.
+unless ``keep``. Before anything is written, the peak files of every rank on the file system are
+summed against its free space (:mod:`whalepy.runtime.disk_space`); a disk found full later is a
+:class:`~whalepy.errors.DiskSpaceError`, and the files go with it (:meth:`SwapEngine.abort`).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from whalepy.errors import DiskSpaceError
 from whalepy.runtime._durable import prepare_dir
 from whalepy.runtime._torch_compat import fsdp_param_groups
 from whalepy.runtime._grad_files import GradFiles
@@ -195,7 +198,11 @@ class NvmeTier:
     def _post_forward(self, i: int) -> Any:
         def on_grad(grad: torch.Tensor) -> None:
             self._use(i, forward=False)
-            self.grads.attach(i)  # before FSDP2's post-backward reduces into the block's gradients
+            try:
+                self.grads.attach(i)  # before FSDP2's post-backward reduces into the block's gradients
+            except DiskSpaceError:
+                self.engine.abort()  # the files go: a full disk is not left fuller
+                raise
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if not torch.is_grad_enabled():
@@ -386,17 +393,18 @@ def build_nvme_tier(optimizer: torch.optim.Optimizer, blocks: Sequence[tuple[Any
                     *, rank: int, nvme_dir: str | os.PathLike[str] | None, keep: bool = False, pin: bool = False,
                     planned_file_bytes: float = 0.0) -> NvmeTier:
     """The disk tier of this rank for ``blocks`` (``(BlockPlan, wrapped root, block modules)`` in model
-    order, after FSDP2 and materialisation): checks the directory and its free space before anything
-    is written, homes the blocks' parameter shards (``param_tier = nvme``) and optimizer states
-    (``optimizer_tier = nvme``) in files and, with ``keep``, resumes the last committed step there."""
+    order, after FSDP2 and materialisation): checks, before anything is created or written, that the
+    files of every rank on this file system fit at their peak (collective:
+    :func:`~whalepy.runtime.disk_space.check_disk_tier_space`, which ranks without a disk tier call with
+    0 bytes), then the directory, homes the blocks' parameter shards (``param_tier = nvme``) and optimizer
+    states (``optimizer_tier = nvme``) in files and, with ``keep``, resumes the last committed step there."""
     from whalepy.ir.rules import disk_tier_file_bytes, stage_tiers_error
     from whalepy.errors import WhalepyError
     from whalepy.cost_models.memory import ADAM_STATE_BYTES_PER_PARAM, MASTER_GRAD_BYTES, MASTER_PARAM_BYTES
     from whalepy.ir.plan import Tier
-    from whalepy.runtime._durable import check_free_space
     from whalepy.runtime.data_parallel import fsdp_units
+    from whalepy.runtime.disk_space import check_disk_tier_space
 
-    directory = prepare_nvme_dir(default_nvme_dir(nvme_dir, rank, stable=keep), user_dir=nvme_dir, keep=keep)
     seen: set[int] = set()
     layout = []
     need = grads = 0.0
@@ -411,10 +419,11 @@ def build_nvme_tier(optimizer: torch.optim.Optimizer, blocks: Sequence[tuple[Any
         grads += MASTER_GRAD_BYTES * sum(fp.sharded_size.numel() for fp in fsdp_params)
         layout.append((bp, params, fsdp_params, units))
     peak = disk_tier_file_bytes(need, grads).peak
-    check_free_space(directory, max(peak, planned_file_bytes), user_dir=nvme_dir)
     reason = stage_tiers_error(bp for bp, _, _ in blocks)
     if reason is not None:  # a Plan refuses it when made; blocks handed over directly are checked here
         raise WhalepyError(reason)
+    check_disk_tier_space(nvme_dir, max(peak, planned_file_bytes), rank=rank)
+    directory = prepare_nvme_dir(default_nvme_dir(nvme_dir, rank, stable=keep), user_dir=nvme_dir, keep=keep)
     depth = next((bp.prefetch_depth for bp, _, fps, _ in layout if fps), 1)
     tier = NvmeTier(optimizer, directory, prefetch_depth=depth, pin=pin, keep=keep)
     resuming = keep and (tier.engine.last_manifest(directory) or {}).get("step", 0) >= 1

@@ -18,6 +18,7 @@ from whalepy.runtime.optimizer_impl import optimizer_factory_for
 from whalepy.runtime._amp import AmpContext
 from whalepy.runtime._joint_step import JointStep
 from whalepy.runtime.data_parallel import build_optimizer, cast_sharded_params, compute_dtype
+from whalepy.runtime.disk_space import check_disk_tier_space, plan_has_disk_tier
 from whalepy.runtime.held import offloaded_params
 from whalepy.runtime.host_optimizer import HostOptimizer, fused_variant
 from whalepy.runtime.mesh import RankMeshes
@@ -72,7 +73,7 @@ def build_optimizers(parts: Sequence[StagePart], plan: Plan, meshes: RankMeshes,
         # FSDP2 keeps these shards in host memory and the optimizer steps them there: its fused CPU
         # kernel, as the host optimizer does (cost_models/offload.py prices both at its rate)
         optimizer = fused_variant(optimizer)
-    nvme = build_disk_tier(parts, optimizer, meshes, ctx)
+    nvme = build_disk_tier(parts, plan, optimizer, meshes, ctx)
     amp = AmpContext(plan.precision, meshes.device)
     # fp16, or ZeRO-Offload stepping after backward anywhere in the plan: every rank steps its
     # optimizers as one, with gradients on the same devices for the scaler (see _joint_step.py)
@@ -84,14 +85,17 @@ def build_optimizers(parts: Sequence[StagePart], plan: Plan, meshes: RankMeshes,
     return Optimizers(optimizer, host, nvme, amp, joint)
 
 
-def build_disk_tier(parts: Sequence[StagePart], optimizer: Any, meshes: RankMeshes,
+def build_disk_tier(parts: Sequence[StagePart], plan: Plan, optimizer: Any, meshes: RankMeshes,
                     ctx: LowerContext) -> NvmeTier | None:
     """Needs: the parts after TP / FSDP2 and materialising, and the device optimizer. Gives: the disk
-    tier of the blocks with an ``nvme`` tier (its files hold this rank's shards), or None."""
+    tier of the blocks with an ``nvme`` tier (its files hold this rank's shards), or None. Collective
+    when the plan has a disk tier anywhere: every rank's files are summed per file system first."""
     nvme_blocks: list[tuple[Any, nn.Module, list[nn.Module]]] = [
         (b, part.module, mods) for part in parts for b, mods in part.blocks
         if Tier.NVME in (b.optimizer_tier, b.param_tier)]
     if not nvme_blocks:
+        if plan_has_disk_tier(plan):  # this rank writes nothing, but its peers' check gathers from it
+            check_disk_tier_space(ctx.nvme_dir, 0.0, rank=meshes.rank)
         return None
     nvme = build_nvme_tier(optimizer, nvme_blocks, rank=meshes.rank, nvme_dir=ctx.nvme_dir,
                            keep=ctx.nvme_keep, pin=ctx.device_type == "cuda",

@@ -27,7 +27,7 @@ from torch import nn
 
 from whalepy.errors import ArgumentError, LaunchError, PlanError, WhalepyError
 from whalepy.frontend.checks import check_token_ids
-from whalepy.ir.plan import Plan, Tier
+from whalepy.ir.plan import Plan
 from whalepy.runtime._amp import AmpContext
 from whalepy.runtime._joint_step import JointStep, host_grad_params
 from whalepy.runtime._pm_helpers import (  # noqa: F401 - _checked_loss: tests import it from here
@@ -48,7 +48,8 @@ from whalepy.runtime._pm_setup import (
     _init_process_group,
     _plan_once,
 )
-from whalepy.runtime._report import StepReporter
+from whalepy.runtime._block_timing import build_block_timer, merge_measured
+from whalepy.runtime._report import ObservedStep, StepReporter
 from whalepy.runtime._train_state import check_loader, job_state, job_template, restore_job_state
 from whalepy.runtime.checkpointing import (
     gather_full_state_dict,
@@ -59,6 +60,7 @@ from whalepy.runtime.checkpointing import (
     set_train_state,
 )
 from whalepy.runtime.data import ShardedBatchSampler, dataset_length, local_share, take_local
+from whalepy.runtime.disk_space import check_plan_disk_space, stage_has_disk_tier
 from whalepy.runtime.host_optimizer import HostOptimizer
 from whalepy.runtime.launch_errors import install_error_hook
 from whalepy.runtime.lower import lower, share_scale
@@ -231,8 +233,9 @@ def parallelize(
     _check_plan_cluster(plan, cluster_spec)
     check_tiles(plan)  # memory-centric tiling only where it is lowered, before profiling
     mine = next(st for st in plan.stages if rank in st.all_ranks)  # the disk tier's space, before any lowering
-    if any(Tier.NVME in (b.param_tier, b.optimizer_tier) for b in mine.blocks):
-        check_nvme_dir(nvme_dir, nvme_keep, on_node=True, needed_bytes=mine.cost.nvme_state_bytes)
+    if stage_has_disk_tier(mine):
+        check_nvme_dir(nvme_dir, nvme_keep, on_node=True)
+    check_plan_disk_space(plan, rank, nvme_dir)  # collective: the files of every rank on a file system, summed
     _check_device(plan, cluster_spec, rank)
     if plan.model_fingerprint != "unchecked":
         profile = profile if profile is not None else _profile_or_none(model, example_inputs, plan)
@@ -318,7 +321,9 @@ class ParallelModel:
         self.schedule = lowered.schedule
         # contributions to the reported loss: one rank per replica (last stage, TP index 0)
         self._reports_loss = m.stage.index == plan.pp_degree - 1 and m.tp_index == 0
-        self.reporter = StepReporter(plan, m.device, ctx.log_every, sinks=ctx.metrics, total_steps=ctx.total_steps)
+        self.reporter = StepReporter(plan, m.device, ctx.log_every, sinks=ctx.metrics, total_steps=ctx.total_steps,
+                                     timer=build_block_timer(lowered, plan, ctx))
+        self._profile = ctx.profile  # what measured_profile() merges this run's block times into
         self.step = 0
         """Optimizer steps taken (restored by :meth:`load`)."""
         opts = [self.optimizer] + (self.host_optimizer.optimizers if self.host_optimizer is not None else [])
@@ -580,8 +585,24 @@ class ParallelModel:
             self.step = self.reporter.steps = step
 
     def measured_profile(self) -> Any:
-        """What the plan check saw (:class:`whalepy.runtime._report.ObservedStep`: mean step time of
-        steps 3-5 and the allocator's peak, next to the plan's predictions), or None before step 5."""
+        """The model profile the run was lowered with (a copy), with the block times and optimizer rate
+        this run measured on its sampled step merged in as measured costs
+        (:class:`~whalepy.ir.measured.MeasuredCosts`, for rank 0's device type; complete on every rank):
+        ``whalepy.plan(model, cluster, profile=pm.measured_profile(), global_batch=...)`` re-plans from
+        them. None before that step (:data:`~whalepy.runtime._report.SAMPLED_STEP`, the 6th) has run."""
+        timing = self.reporter.timing
+        if timing is None:
+            return None
+        if timing.measured is None or self._profile is None:
+            raise WhalepyError("measured_profile(): this run has no model profile to key its block times by (the "
+                               "plan's fingerprint is 'unchecked'); pass profile=whalepy.profile(model, "
+                               "example_inputs) to whalepy.parallelize")
+        return merge_measured(self._profile, timing.measured)
+
+    @property
+    def observed(self) -> ObservedStep | None:
+        """What the plan check measured against the plan's predictions (steps 3-5), with the sampled
+        step's per-block and per-stage times (``timing``) once it has run; None before step 5."""
         return self.reporter.observed
 
     def close(self) -> None:

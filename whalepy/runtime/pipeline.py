@@ -85,9 +85,11 @@ def build_pipeline_schedule(
     ``stage_indices[i]`` is the global index of ``stage_modules[i]``. Stages are laid out round-robin:
     with ``P`` ranks in ``group``, group rank ``r`` holds stages ``r, r + P, r + 2P, ...`` (one stage
     for GPipe and 1F1B, ``num_stages / P`` for interleaved 1F1B). Stage input and output shapes are
-    inferred by PyTorch on the first step from the micro-batches themselves (its runtime shape
-    inference, which exchanges metadata between neighbours once), so a rank never needs the modules of
-    other stages; ``example_microbatch`` is checked against the shapes the stages were split for.
+    the ones the stages were split for (``whalepy_io``, given to ``PipelineStage`` as ``input_args`` /
+    ``output_args``: torch's static mode, no metadata exchanged between neighbours); modules without
+    them have their shapes inferred by PyTorch on the first step (its runtime shape inference, which
+    exchanges metadata between neighbours once); ``example_microbatch`` is checked against the shapes
+    the stages were split for.
     ``loss_fn`` is applied per micro-batch, unscaled (see the module docstring and
     :func:`microbatch_mean_loss`); ``None`` builds a forward-only schedule. Glue ops that create
     tensors are retargeted to ``device`` (:func:`retarget_device`); parameters are not moved here.
@@ -115,7 +117,8 @@ def build_pipeline_schedule(
             # transposed or expanded output between stages: whalepy's T5 passes its position bias on)
             module.register_forward_hook(lambda _m, _args, out: _contiguous(out))
     stages = [
-        _stage_class(PipelineStage)(module, index, num_stages, device, group=group)
+        _stage_class(PipelineStage)(module, index, num_stages, device, group=group,
+                                    **_static_io(module, index, num_stages, compute_dtype))
         for module, index in zip(stage_modules, stage_indices)
     ]
     for st in stages:  # which group rank holds each stage (the plan's order, not the group's rank order)
@@ -161,6 +164,34 @@ def run_pipeline_step(
     if getattr(getattr(schedule, "_loss_fn", None), "sums_to_batch_mean", False):
         return total
     return total / len(losses)
+
+
+def _static_io(module: nn.Module, index: int, num_stages: int, compute_dtype: torch.dtype | None) -> dict[str, Any]:
+    """``input_args`` / ``output_args`` of ``PipelineStage`` (meta tensors) from the shapes the stage was
+    split for (``whalepy_io``, :func:`~whalepy.runtime._stage_split.stage_io`), floating-point values
+    between stages in ``compute_dtype``: with every stage's shapes given, torch's schedule skips its
+    first-step metadata exchange (objects sent between neighbours), so a step runs where no objects
+    travel (``whalepy check``'s fake process group) and the cluster's first step sends no metadata.
+    A module split otherwise (no ``whalepy_io``), or a torch without that static mode (2.11): shapes
+    inferred by torch on the first step."""
+    from torch.distributed.pipelining import PipelineStage
+
+    io = getattr(module, "whalepy_io", None)
+    if io is None or not hasattr(PipelineStage, "_warmup_forward_vote"):
+        # torch before its static metadata mode (2.11 validates given outputs against the real ones,
+        # whose dtype mixed precision may change on the last stage): shapes inferred on the first step
+        return {}
+    inputs, outputs = io
+
+    def meta(specs: Any, cast: bool) -> tuple[torch.Tensor, ...]:
+        out = []
+        for shape, dtype, grad in specs:
+            low = cast and compute_dtype is not None and dtype.is_floating_point
+            t = torch.empty(shape, dtype=compute_dtype if low else dtype, device="meta")
+            out.append(t.requires_grad_(True) if grad and t.is_floating_point() else t)
+        return tuple(out)
+
+    return {"input_args": meta(inputs, cast=index > 0), "output_args": meta(outputs, cast=index < num_stages - 1)}
 
 
 def _stage_class(base: type) -> type:

@@ -3,7 +3,10 @@
 Every collective of a ``torch.distributed`` process group, whoever issues it (FSDP2's all-gathers and
 reduce-scatters, DDP's C++ reducer, ``ZeroRedundancyOptimizer``'s broadcasts, functional collectives),
 reaches the ProcessGroup through a ``c10d`` operator of the dispatcher (``c10d::allreduce_``,
-``c10d::_allgather_base_``, ...). :class:`CollectiveCounter` is a ``TorchDispatchMode`` that sees those
+``c10d::_allgather_base_``, ...), or, for functional collectives (DTensor's redistributions under
+tensor parallelism), through a ``_c10d_functional`` operator (``all_reduce``,
+``all_gather_into_tensor``, ...; on a fake process group or under a ``FakeTensorMode`` these never
+reach a ProcessGroup). :class:`CollectiveCounter` is a ``TorchDispatchMode`` that sees both kinds of
 operators and adds up their payload in the size convention of
 :mod:`whalepy.cost_models.communication`: all-reduce and broadcast the tensor, all-gather the gathered
 output, reduce-scatter the whole input, all-to-all one rank's send buffer, send / recv the message.
@@ -19,40 +22,12 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from whalepy.cost_models.communication import Collective
+from whalepy.runtime.collective_ops import collective_payload
 
 __all__ = ["CollectiveCounter"]
-
-
-def _nbytes(x: Any) -> int:
-    if isinstance(x, torch.Tensor):
-        return x.numel() * x.element_size()
-    if isinstance(x, (list, tuple)):
-        return sum(_nbytes(t) for t in x)
-    return 0
-
-
-# c10d operator -> (collective, index of the argument whose bytes are the payload)
-_C10D: dict[str, tuple[Collective, int]] = {
-    "allreduce_": (Collective.ALL_REDUCE, 0),
-    "allreduce_coalesced_": (Collective.ALL_REDUCE, 0),
-    "allgather_": (Collective.ALL_GATHER, 0),
-    "_allgather_base_": (Collective.ALL_GATHER, 0),
-    "allgather_coalesced_": (Collective.ALL_GATHER, 0),
-    "allgather_into_tensor_coalesced_": (Collective.ALL_GATHER, 0),
-    "reduce_scatter_": (Collective.REDUCE_SCATTER, 1),
-    "_reduce_scatter_base_": (Collective.REDUCE_SCATTER, 1),
-    "reduce_scatter_tensor_coalesced_": (Collective.REDUCE_SCATTER, 1),
-    "broadcast_": (Collective.BROADCAST, 0),
-    "alltoall_": (Collective.ALL_TO_ALL, 1),
-    "alltoall_base_": (Collective.ALL_TO_ALL, 1),
-    "send": (Collective.SEND_RECV, 0),
-    "recv_": (Collective.SEND_RECV, 0),
-}
-_NO_PAYLOAD = {"barrier", "monitored_barrier_"}
 
 
 class CollectiveCounter(TorchDispatchMode):
@@ -71,12 +46,8 @@ class CollectiveCounter(TorchDispatchMode):
         self.calls.clear()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func.namespace == "c10d":
-            name = func._opname
-            if name in _C10D:
-                kind, index = _C10D[name]
-                self.bytes[kind] += _nbytes(args[index])
-                self.calls[kind] += 1
-            elif name not in _NO_PAYLOAD:
-                raise NotImplementedError(f"CollectiveCounter does not know the c10d operator {name!r}")
+        got = collective_payload(func, args)
+        if got is not None:
+            self.bytes[got[0]] += got[1]
+            self.calls[got[0]] += 1
         return func(*args, **(kwargs or {}))

@@ -4,10 +4,11 @@ Multi-Trillion Parameter Pretraining", 2021).
 Phase 1, *pseudo*: :func:`pseudo_to_real` ties the parameters of every layer of one ``ModuleList`` /
 ``Sequential`` to the first layer's, so the model holds one set of layer weights (and its optimizer
 one set of states) while it still runs all its layers. Nothing else changes: the profile attributes a
-shared parameter to the first block that reads it (counted once), the planner charges it once, and the
-runtime keeps one ``Parameter`` per process; a pipeline stage that holds tied layers holds one copy,
-whose gradient is summed over the stages holding copies (the tied-weights mechanism of
-``ParallelModel``), so every copy takes the same step.
+shared parameter to the first block that reads it (counted once; the other layers list it as a tied
+copy), and the runtime keeps one ``Parameter`` per process; a pipeline stage that holds tied layers
+holds one copy, whose gradient is summed over the stages holding copies (the tied-weights mechanism of
+``ParallelModel``), so every copy takes the same step. The planner charges each stage the copies it
+holds and their gradient all-reduce (docs/cost_model.md, "Local parameters under TP, and tied copies").
 
 Phase 2, *real*: :func:`delink` unties the layers into per-layer parameters equal to the shared
 weights, each with a copy of the shared optimizer state, and (for a :class:`ParallelModel`) re-plans

@@ -27,15 +27,19 @@ process, one rank at a time, as that rank would:
 3. **Against the prediction**: the held bytes per place must equal the plan's
    ``StageCost.model_state_bytes`` (device), ``host_state_bytes`` and ``nvme_state_bytes`` exactly.
 
-4. **Collectives** (plans without pipeline stages): one training step runs on the fake tensors under
-   :class:`whalepy.tools.comm_count.CollectiveCounter` (the counter of ``study zero --measure``), its
-   payload by kind compared with the cost model's (``dp_step_payload_bytes`` plus the loss report)
-   within :data:`COLLECTIVE_RTOL` where every collective is data parallelism (TP 1); under TP the
-   bytes are reported, not compared (the plan predicts TP communication as time only).
+4. **Collectives**: one training step runs on the fake tensors under
+   :class:`whalepy.tools.comm_count.CollectiveCounter` (the counter of ``study zero --measure``; it
+   sees DTensor's functional collectives too), pipelined steps included: the runtime builds every
+   pipeline stage with its input and output shapes (``PipelineStage(input_args=, output_args=)``), so
+   torch's schedule exchanges no metadata objects, which the fake process group could not carry, and
+   the check answers torch's first-step vote on those shapes as the cluster would (:func:`_static_vote`).
+   Its payload by kind is compared within :data:`COLLECTIVE_RTOL` with the cost model's
+   (:func:`predicted_collectives`): data parallelism (``dp_step_payload_bytes``), tensor parallelism
+   (``tp_step_payload_bytes``), the sends and receives between stages
+   (``pipeline_step_payload_bytes``), a tied weight's gradient sum over stages
+   (``tied_step_payload_bytes``) and the loss report. Sequence parallelism has no byte model yet: its
+   bytes are reported, not compared.
 
-Not done here (said in each report): the collectives of a step with pipeline stages. The fake process
-group carries no objects, and the pipeline schedule's first step exchanges stage metadata as objects
-(``recv_object_list``), so such a step cannot run there; counting it needs a schedule given its shapes.
 The disk tier writes real files and is not dry-run (a rank with ``nvme`` blocks reports the
 lowering error).
 """
@@ -98,10 +102,10 @@ class RankReport:
     """As ``held``, storage bytes (FSDP2's padded shards): what the allocator would hand out."""
     collectives: dict[str, int] | None = None
     """Payload bytes of one training step's collectives by kind (``comm_count.CollectiveCounter``'s
-    convention); None where no step ran (pipeline stages, docstring)."""
+    convention); None where no step ran (no optimizer)."""
     predicted_collectives: dict[str, float] | None = None
-    """The cost model's payload of that step (data parallelism and the loss report; plans without TP
-    or pipeline stages, whose collectives are all of that kind)."""
+    """The cost model's payload of that step (:func:`predicted_collectives`); None under sequence
+    parallelism."""
     error: str | None = None
     seconds: float = 0.0
 
@@ -151,13 +155,13 @@ class RankReport:
             alloc = {p: sum(self.allocated[k][p] for k in self.allocated) for p in ("device", "host", "files")}
             out.append("  allocated with FSDP2's shard padding: " + ", ".join(f"{p} {alloc[p]:,}" for p in alloc))
         if self.collectives is None:
-            out.append("  collectives of one step: not run (pipeline stages: see the module docstring)")
+            out.append("  collectives of one step: not run (no optimizer to step)")
         else:
             pred = self.predicted_collectives
             out.append("  collectives of one step: " + ", ".join(
                 f"{k} {v:,}" + (f" (plan {pred.get(k, 0):,.0f})" if pred is not None else "")
                 for k, v in sorted(self.collectives.items()))
-                + ("" if pred is not None else " (no byte prediction under TP)"))
+                + ("" if pred is not None else " (no byte prediction under sequence parallelism)"))
         out += [f"  MISMATCH {m}" for m in self.mismatches]
         return out
 
@@ -284,8 +288,36 @@ def _fake_world(rank: int, world: int) -> Iterator[None]:
     if dist.is_initialized():
         raise WhalepyError("whalepy check lowers ranks on its own fake process group; run it outside a "
                            "torch.distributed job")
-    with fake_world(world, rank):
-        yield
+    try:
+        with fake_world(world, rank):
+            yield
+    finally:
+        _forget_meshes()
+
+
+def _forget_meshes() -> None:
+    """Clear DTensor's sharding-propagation and redistribution caches: they key on meshes, and the next
+    rank's meshes compare equal to this one's (same layout) while their process groups are new, so a
+    cached result would name a group of the destroyed world ("Could not resolve the process group")."""
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    clear = getattr(getattr(_redistribute, "_gen_transform_infos", None), "cache_clear", None)
+    if clear is not None:
+        clear()
+
+
+def _mean_of_output(output: Any, _target: Any) -> Any:
+    """The check's loss: the mean of the model's first floating-point output (logits; an HF output
+    object's too), whatever the targets (the values are fake)."""
+    import torch
+    import torch.utils._pytree as pytree
+
+    if hasattr(output, "to_tuple"):  # HF ModelOutput
+        output = output.to_tuple()
+    first = next(t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point())
+    return first.float().mean()
 
 
 def _group_ranks(mesh: Any) -> tuple[int, ...]:
@@ -321,11 +353,11 @@ def lower_rank(plan: Any, build: Callable[[], tuple[Any, tuple]], layout: RankLa
         try:
             with dry_run(mode):
                 pm = parallelize(model, cluster, example_inputs=tuple(inputs), plan=plan, profile=profile,
-                                 global_batch=plan.global_batch, loss_fn=lambda y, t: y.float().mean(),
+                                 global_batch=plan.global_batch, loss_fn=_mean_of_output,
                                  optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4))
             report.meshes = {"dp": _group_ranks(pm.meshes.dp_mesh), "tp": _group_ranks(pm.meshes.tp_mesh),
                              "pp": tuple(torch.distributed.get_process_group_ranks(pm.meshes.pp_group))}
-            if plan.pp_degree == 1 and pm.optimizer is not None:  # a whole step runs on fake tensors
+            if pm.optimizer is not None:  # a whole step runs on fake tensors
                 at_step: list[tuple[Any, Any]] = []
                 step = pm.optimizer.step
 
@@ -334,7 +366,9 @@ def lower_rank(plan: Any, build: Callable[[], tuple[Any, tuple]], layout: RankLa
                     return step(*a, **k)
 
                 pm.optimizer.step = measured
-                report.collectives, report.predicted_collectives = _one_step(pm, plan, inputs, profile)
+                if pm.schedule is not None:
+                    _static_vote(pm.schedule)
+                report.collectives, report.predicted_collectives = _one_step(pm, plan, inputs, profile, mode)
                 pm.optimizer.step = step
                 # the states the step made (what every later step holds), the gradients it stepped with
                 # (dropped after it)
@@ -352,14 +386,45 @@ def lower_rank(plan: Any, build: Callable[[], tuple[Any, tuple]], layout: RankLa
     return report
 
 
-def _one_step(pm: Any, plan: Any, inputs: Sequence[Any], profile: Any) -> tuple[dict[str, int], dict[str, float] | None]:
+def _static_vote(schedule: Any) -> None:
+    """Give this rank's pipeline stages the outcome of torch's first-step vote on metadata (torch 2.13:
+    each stage votes static where its shapes were given, and the product travels to the last stage and
+    back) without the exchange: on the fake process group a received tensor stays zeros, which reads as
+    a vote for runtime shape inference, whose objects cannot travel there. Every stage the runtime
+    builds has its shapes (``whalepy_io``), so on the cluster the vote is static; a stage of this rank
+    without them is a lowering error here."""
+    stages = list(getattr(schedule, "_stages", None) or [schedule._stage])
+    for st in stages:
+        user = getattr(st, "_user_meta", None)
+        if user is None:  # torch without the vote (2.11): no metadata vote to answer
+            continue
+        if not user.is_complete_for_forward():
+            raise WhalepyError(f"pipeline stage {st.stage_index} was built without its input and output shapes, so "
+                               "torch would infer them by exchanging objects, which the fake process group cannot "
+                               "carry")
+        st._warmup_forward_vote = lambda _has_backward, received_acc=None: _STATIC
+        st._warmup_backward_result = lambda received_result=None: _STATIC
+
+
+class _StaticVote:
+    """The vote's result as the schedule reads it (``.item() == 1``: static), no tensor: the step runs in
+    a ``FakeTensorMode``, where a tensor's value cannot be read."""
+
+    @staticmethod
+    def item() -> int:
+        return 1
+
+
+_STATIC = _StaticVote()
+
+
+def _one_step(pm: Any, plan: Any, inputs: Sequence[Any], profile: Any, mode: Any) -> tuple[dict[str, int], dict[str, float] | None]:
     """One training step of the global batch (the example inputs repeated; the loss ignores targets)
-    under ``CollectiveCounter``, and the cost model's payload for it (data parallelism plus the loss
-    report) when every collective is of that kind (TP 1)."""
+    under ``CollectiveCounter`` (inside ``mode``: what the step allocates is fake), and the cost model's
+    payload for it (:func:`predicted_collectives`)."""
     import torch
 
     from whalepy.tools.comm_count import CollectiveCounter
-    from whalepy.planner.runtime_costs import LOSS_REPORT_BYTES, dp_step_payload_bytes
 
     B = plan.global_batch
     inputs = [torch.zeros(x.shape, dtype=x.dtype) if isinstance(x, torch.Tensor) and x.is_meta else x
@@ -367,21 +432,69 @@ def _one_step(pm: Any, plan: Any, inputs: Sequence[Any], profile: Any) -> tuple[
     batch = tuple(x.repeat(-(-B // x.shape[0]), *([1] * (x.dim() - 1)))[:B] if isinstance(x, torch.Tensor) else x
                   for x in inputs)
     counter = CollectiveCounter()
-    with counter:
+    with mode, counter:  # buffers the step makes (pipeline receives) fake too: no memory
         pm.train_step(batch if len(batch) > 1 else batch[0], torch.zeros(B))
     got = {c.value: int(n) for c, n in counter.bytes.items()}
-    stage = pm.meshes.stage
-    if stage.tp_degree > 1:
+    if profile is None:
         return got, None
-    params = sum(b.num_params for b in (profile.blocks if profile is not None else ())
-                 if b.name in stage.block_names)
-    if not params:
-        return got, None
-    want = dp_step_payload_bytes(pm.dp_kind.value, zero3=stage.zero_stage == 3, num_params=params,
-                                 num_microbatches=plan.num_microbatches, precision=plan.precision.value)
-    out = {c.value: float(n) for c, n in want.items()}
+    return got, predicted_collectives(plan, profile, pm.meshes.stage.index, pm.meshes.replica, pm.dp_kind.value,
+                                      loss_parallel=getattr(pm, "loss_parallel", False))
+
+
+def predicted_collectives(plan: Any, profile: Any, stage: int, replica: int, dp_kind: str, *,
+                          loss_parallel: bool = False) -> dict[str, float] | None:
+    """The cost model's payload bytes, by kind, of one training step on a rank of ``stage`` and
+    ``replica``: data parallelism (``dp_step_payload_bytes``), tensor parallelism
+    (``tp_step_payload_bytes``), the pipeline's sends and receives (``pipeline_step_payload_bytes``)
+    and the loss report. None where the model has no byte count (sequence parallelism)."""
+    from whalepy.planner.runtime_costs import (
+        LOSS_REPORT_BYTES,
+        boundary_bytes,
+        dp_step_payload_bytes,
+        pipeline_step_payload_bytes,
+        tied_step_payload_bytes,
+        tp_step_payload_bytes,
+    )
+    import torch
+
+    from whalepy.cost_models.compute import precision_bytes
+    from whalepy.ir.rules import LoweringKind, tied_copy_local_params, tp_local_params
+
+    st = plan.stages[stage]
+    names = set(st.block_names)
+    blocks = [b for b in profile.blocks if b.name in names]
+    tp, M, precision = st.tp_degree, plan.num_microbatches, plan.precision.value
+    micro_batch = plan.batch_shares[replica] / M
+    byte_scale = precision_bytes(precision) / (torch.finfo(getattr(torch, profile.dtype)).bits // 8)
+    out: dict[str, float] = {}
+
+    def add(part: dict[Any, float]) -> None:
+        for kind, n in part.items():
+            out[kind.value] = out.get(kind.value, 0.0) + n
+
+    tp_part = tp_step_payload_bytes(blocks, tp=tp, micro_batch=micro_batch, profile_batch=profile.batch_size,
+                                    num_microbatches=M, byte_scale=byte_scale, loss_parallel=loss_parallel)
+    if tp_part is None:
+        return None
+    add(tp_part)
+    params = sum(tp_local_params(b, tp) for b in blocks)
+    # a tied weight's copy a block of this stage holds without its owner (GPT-2's head holds wte): FSDP2
+    # gathers and reduces it with the stage's own parameters (the memory model charges it the same way)
+    held = {c.parameter: tied_copy_local_params(c, b, tp) for b in blocks for c in getattr(b, "tied_copies", ())
+            if c.owner not in names}
+    params += sum(held.values())
+    if plan.dp_degree > 1 and params:
+        add(dp_step_payload_bytes(dp_kind, zero3=st.zero_stage == 3, num_params=params, num_microbatches=M,
+                                  precision=precision, pipelined=plan.pp_degree > 1))
+    if plan.pp_degree > 1:
+        message = boundary_bytes([b.output_bytes for b in profile.blocks], profile.dtype, precision) \
+            * micro_batch / profile.batch_size
+        add(pipeline_step_payload_bytes(message, stage=stage, num_stages=plan.pp_degree,
+                                        virtual_stages=plan.virtual_stages, num_microbatches=M))
+        add(tied_step_payload_bytes(blocks, profile.blocks, tp=tp, dp=plan.dp_degree,
+                                    sharded=dp_kind == LoweringKind.FSDP))
     out["all_reduce"] = out.get("all_reduce", 0.0) + LOSS_REPORT_BYTES
-    return got, out
+    return out
 
 
 def _first_step_states(pm: Any) -> None:
