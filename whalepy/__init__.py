@@ -24,10 +24,13 @@ from whalepy.errors import (
 
 __version__ = "0.1.0"
 
+from whalepy.ir.extensions import register_block_compiler as _register_block_compiler  # noqa: E402
 from whalepy.ir.extensions import register_lowered_measure as _register_lowered_measure  # noqa: E402
 
-# measured planning also times blocks as the runtime lowers them (whalepy/runtime/measure_lowered.py)
+# measured planning also times blocks as the runtime lowers them (whalepy/runtime/measure_lowered.py) and
+# compiles them as it does (whalepy/runtime/compile_blocks.py)
 _register_lowered_measure(lambda: importlib.import_module("whalepy.runtime.measure_lowered").measure_lowered)
+_register_block_compiler(lambda: importlib.import_module("whalepy.runtime.compile_blocks").compile_blocks)
 
 if "RANK" in _os.environ and "WORLD_SIZE" in _os.environ:
     # under torchrun / whalepy run: a whalepy error anywhere in the script is one line, printed once

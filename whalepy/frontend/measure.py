@@ -395,9 +395,12 @@ def _compiled_in_process(model: nn.Module, example_inputs: Any, profile: Any, bl
 
     import torch._dynamo
 
-    from whalepy.runtime.compile_blocks import compile_blocks
+    from whalepy.ir.extensions import block_compiler
 
+    compile_blocks = block_compiler()
     out: dict[str, dict] = {}
+    if compile_blocks is None:
+        return out
     last = profile.blocks[-1].index
     work = _materialized(model, dev)
     work.train()

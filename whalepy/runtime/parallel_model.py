@@ -202,11 +202,9 @@ def parallelize(
         def solve() -> Plan:
             if profile is not None and (getattr(profile, "measured", None) is not None or not options.get("measure")):
                 # the caller's profile (measured with profile(..., measure=True), or captured once) is what
-                # the plan is made from, as whalepy.plan_from_profile would: it is not captured again
-                from whalepy.planner import plan_from_profile
-
-                return plan_from_profile(profile, cluster_spec, global_batch=global_batch,
-                                         **{k: v for k, v in options.items() if k != "measure"})
+                # the plan is made from (whalepy.plan(profile=...)): the model is not captured again
+                return make_plan_(model, cluster_spec, global_batch=global_batch, profile=profile,
+                                  **{k: v for k, v in options.items() if k != "measure"})
             return make_plan_(model, cluster_spec, example_inputs=example_inputs, global_batch=global_batch,
                               **options)
 
