@@ -100,8 +100,9 @@ def test_a_loss_fn_that_fails_is_one_line(loss_fn, needles) -> None:
 
 
 def test_parallelize_refuses_the_profile_of_another_model(monkeypatch) -> None:
-    """It plans from the given profile when no plan is given: another model's (a layer more; the same model
-    in bf16) is refused by its fingerprint before any planning."""
+    """parallelize plans from the given profile when no plan is given (through whalepy.plan(profile=...)):
+    another model's (a layer more; the same model in bf16) is refused by its fingerprint before any
+    planning, by both."""
     from bad_input_cases import three_layer_model_and_inputs
 
     import whalepy.planner as planner
@@ -114,6 +115,8 @@ def test_parallelize_refuses_the_profile_of_another_model(monkeypatch) -> None:
                                                  profile=prof),
                      ArgumentError, "parallelize(profile=...)", f"(fingerprint {prof.fingerprint})",
                      "pass whalepy.profile(model, example_inputs) of this model")
+        assert_clear(lambda: whalepy.plan(tiny(), cluster4(), global_batch=8, profile=prof), ArgumentError,
+                     "whalepy.plan(profile=...)", f"(fingerprint {prof.fingerprint})")
 
 
 def test_a_tp_degree_no_block_divides_is_said(caplog) -> None:

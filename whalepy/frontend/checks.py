@@ -224,3 +224,21 @@ def check_nvme_dir(nvme_dir: Any, keep: Any, *, on_node: bool, where: str = "wha
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ArgumentError(f"{where}: {shown} is not writable ({os.fspath(existing)!r} does not let this user "
                             "create files); pass a writable directory on the node's NVMe drive")
+
+
+def check_profile_of_model(profile: Any, model: Any, where: str) -> None:
+    """``plan(model, profile=...)`` / ``parallelize(profile=...)``: the profile is this model's (module
+    paths, parameter shapes and dtypes: the fingerprint). A plan made from another model's profile would
+    place blocks this model lacks or miss ones it has; refused before planning, and cheap (no capture)."""
+    import torch
+
+    if profile is None or not isinstance(model, torch.nn.Module):
+        return
+    from whalepy.passes.profile import model_fingerprint
+
+    theirs, ours = getattr(profile, "fingerprint", None), model_fingerprint(model)
+    if theirs != ours:
+        raise ArgumentError(f"{where}: the profile is of model {getattr(profile, 'model_name', '?')!r} "
+                            f"(fingerprint {theirs}), the model given has fingerprint {ours}: their module paths, "
+                            "parameter shapes or dtypes differ; pass whalepy.profile(model, example_inputs) of this "
+                            "model, or leave profile out")

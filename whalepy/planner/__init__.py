@@ -260,6 +260,9 @@ def plan(model: Any, cluster: ClusterSpec, *, example_inputs: Any = None, global
         if options.get("measure"):
             raise ArgumentError("whalepy.plan(profile=..., measure=True): the profile is not captured again, so "
                                 "nothing is measured; drop measure=True, or drop profile= to measure the model")
+        from whalepy.frontend.checks import check_profile_of_model
+
+        check_profile_of_model(profile, model, "whalepy.plan(profile=...)")
         return plan_from_profile(profile, cluster, global_batch=global_batch, **options)
     if example_inputs is None:
         raise ArgumentError("whalepy.plan(): example_inputs is None; pass the model's inputs for one sample to "

@@ -171,19 +171,3 @@ def _plan_once(solve: Callable[[], Plan]) -> Plan:
 
         raise getattr(errors, payload[0], WhalepyError)(f"planning on rank 0 failed: {payload[1]}")
     return Plan.from_json(payload[0])
-
-
-def check_profile_of_model(profile: Any, model: Any) -> None:
-    """``parallelize(profile=...)``: the profile is this model's (module paths, parameter shapes and dtypes:
-    the fingerprint). A plan made from another model's profile would place blocks this model lacks or miss
-    ones it has; refused before planning, and cheap (no capture)."""
-    if profile is None:
-        return
-    from whalepy.passes.profile import model_fingerprint
-
-    theirs, ours = getattr(profile, "fingerprint", None), model_fingerprint(model)
-    if theirs != ours:
-        raise ArgumentError(f"parallelize(profile=...): the profile is of model {getattr(profile, 'model_name', '?')!r} "
-                            f"(fingerprint {theirs}), the model given has fingerprint {ours}: their module paths, "
-                            "parameter shapes or dtypes differ; pass whalepy.profile(model, example_inputs) of this "
-                            "model, or leave profile out")

@@ -47,7 +47,6 @@ from whalepy.runtime._pm_setup import (
     _check_training_options,
     _init_process_group,
     _plan_once,
-    check_profile_of_model,
 )
 from whalepy.runtime._block_timing import build_block_timer, merge_measured
 from whalepy.runtime._report import ObservedStep, StepReporter
@@ -156,7 +155,8 @@ def parallelize(
     to each optimizer this rank builds and stepped after every optimizer step; its state, the step count,
     RNG states and a loader's position go into :meth:`ParallelModel.save` (docs/training.md).
     """
-    from whalepy.frontend.checks import as_cluster, check_example_inputs, check_nvme_dir, check_positive_int
+    from whalepy.frontend.checks import (as_cluster, check_example_inputs, check_nvme_dir, check_positive_int,
+                                         check_profile_of_model)
 
     launched = is_distributed_launch()
     if launched:
@@ -171,7 +171,7 @@ def parallelize(
     check_job_options(lr_scheduler, total_steps, metrics)
     _check_lowering_options(loss_parallel=loss_parallel, sync_initial_weights=sync_initial_weights, seed=seed,
                             init_fn=init_fn, profile=profile, checkpoint=checkpoint)
-    check_profile_of_model(profile, model)
+    check_profile_of_model(profile, model, "parallelize(profile=...)")
     check_nvme_dir(nvme_dir, nvme_keep, on_node=launched and nvme_dir is not None)
     check_positive_int(global_batch, "global_batch", "whalepy.parallelize()")
     check_example_inputs(model, example_inputs, "whalepy.parallelize()")
