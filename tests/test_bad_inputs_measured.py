@@ -119,6 +119,10 @@ def test_parallelize_refuses_the_profile_of_another_model(monkeypatch) -> None:
                      "whalepy.plan(profile=...)", f"(fingerprint {prof.fingerprint})")
 
 
+def test_a_precision_name_in_any_case_is_taken() -> None:
+    assert _measure(precision=" BF16")().measured.times  # as PlannerOptions(precision=...) takes it
+
+
 def test_a_tp_degree_no_block_divides_is_said(caplog) -> None:
     prof = _measure(tp_degrees=(1, 3))()
     assert prof.measured is not None and all(k[1] == 1 for rows in prof.measured.times.values() for k in rows)

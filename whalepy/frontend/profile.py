@@ -49,6 +49,8 @@ def profile(model: Any, example_inputs: Any, *, measure: bool = False, **kwargs:
     if measure:  # before the capture: a bad option or a meta-device model fails in a moment
         from whalepy.frontend.measure_checks import check_measurable_model, check_measure_options
 
+        if isinstance(mopts.get("precision"), str):  # names in any case, as the planner takes them
+            mopts["precision"] = mopts["precision"].strip().lower()
         check_measure_options(**mopts)
         check_measurable_model(model, "whalepy.profile(measure=True)")
     try:
