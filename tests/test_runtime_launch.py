@@ -31,7 +31,10 @@ def _attempt(kind: str) -> str:
         plan = make_case_plan(Case("dp4", dp=4))
     elif kind == "model":
         plan = dataclasses.replace(plan, model_fingerprint="fp-of-another-model")
-        profile = types.SimpleNamespace(fingerprint="fp-of-this-model")
+        from whalepy.passes import model_fingerprint
+
+        # this model's fingerprint (parallelize refuses a profile of another model before the launch checks)
+        profile = types.SimpleNamespace(fingerprint=model_fingerprint(model))
     elif kind == "device":
         spec = ClusterSpec.local(2)  # two CPU ranks
         plan = make_plan(["transformer.h.0"], dp=2, global_batch=8, device_type="A100")
