@@ -89,6 +89,13 @@ class Meter:
     def peak(self) -> float:
         return torch.cuda.max_memory_allocated(self.device) if self.cuda else float("nan")
 
+    def say_held(self, what: str) -> None:
+        """Say what is still allocated before a run: every byte of it is in that run's peak (the H200 run of
+        2026-11-26 carried 5.28 GiB of the first model's parameters into every later peak)."""
+        held = torch.cuda.memory_allocated(self.device) if self.cuda else 0
+        if held > 2**26:
+            print(f"{what}: {held / GIB:.2f} GiB still allocated before the run; its peak includes them", flush=True)
+
 
 def batches(vocab: int, seq: int, batch: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
@@ -295,15 +302,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{world} x {name}, torch {torch.__version__}, global batch {args.batch}, "
               f"{args.steps} timed steps after {args.warmup} warm-up")
     for name in (("gpt", "llama") if args.model == "both" else (args.model,)):
+        meter.say_held(f"{name} whalepy")
         w_times, w_peaks, plan = run_whalepy(name, args, cluster, meter)
         _free()
         if args.only_whalepy:
             p_times, p_peaks = w_times, w_peaks
         else:
+            meter.say_held(f"{name} plain loop")
             p_times, p_peaks, _ = run_plain(name, args, plan, device, meter)
             _free()
         tuned = None
         if args.tuned and not args.only_whalepy:
+            meter.say_held(f"{name} tuned loop")
             tuned = run_plain(name, args, plan, device, meter, tuned=True)
             _free()
         if rank == 0:

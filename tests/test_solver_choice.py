@@ -51,3 +51,19 @@ def test_fallback_note_and_no_solver_message(monkeypatch):
     assert "\n" not in str(e.value)
     with pytest.raises(PlanError, match=r"solver='cbc'.*pip install highspy"):
         ilp.choose_solver("cbc")
+
+
+def test_importing_the_planner_keeps_no_caller_alive():
+    """PuLP keeps each solver it failed to load as an exception with its traceback; that traceback held
+    (through ``f_back``) the frame whose import first loaded PuLP, so the first ``parallelize`` of a
+    process kept its model, on the GPU, alive after the ParallelModel was gone (5.28 GiB in every later
+    peak of the H200 run). A fresh interpreter: the import happens inside a function."""
+    import subprocess
+    import sys
+
+    code = ("import gc, weakref\nclass Held: pass\n"
+            "def first_plan():\n    held = Held()\n    import whalepy.planner\n    return weakref.ref(held)\n"
+            "ref = first_plan()\ngc.collect()\nprint('ALIVE' if ref() is not None else 'FREED')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().endswith("FREED"), r.stdout[-400:]

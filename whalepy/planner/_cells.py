@@ -14,7 +14,7 @@ from whalepy.cost_models.offload import host_capacity_per_gpu, nvme_capacity_per
 from whalepy.ir.plan import ZeroStage
 from whalepy.ir.rules import LoweringKind, offloads_to_host
 from whalepy.planner._coeffs import CellCoeffs
-from whalepy.planner._cost_context import LOSS_BACKWARD_FP32_TENSORS, LOSS_LOGPROB_BYTES, CostContext, _pair_link
+from whalepy.planner._cost_context import CostContext, _pair_link, loss_peak_bytes
 from whalepy.planner._offload_costs import (
     activation_offload_coefficients,
     checkpoint_offload_coefficients,
@@ -66,7 +66,7 @@ def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: i
     if s == S - 1 and ctx.profile.blocks:
         out = ctx.profile.blocks[-1].output_bytes * ratio
         elem = torch.finfo(getattr(torch, ctx.profile.dtype)).bits // 8
-        loss_bytes = out * ctx.byte_scale + LOSS_BACKWARD_FP32_TENSORS * out / elem * LOSS_LOGPROB_BYTES
+        loss_bytes = loss_peak_bytes(out * ctx.byte_scale, elem * ctx.byte_scale, output_held=S > 1)
     # the group's capacities depend only on which parallel axes are in use: the same for every cell of
     # the group in every candidate with them (computed once; 55k calls on Llama-70B on four GPU types)
     ckey = ("capacities", g.index, t > 1, d > 1, S > 1)

@@ -62,8 +62,8 @@ class CellCoeffs:
     tail_edge: dict[StateOption, float]
     """Per option: the last block's gradient reduction, exposed after the last backward."""
     loss_bytes: float
-    """Last stage only: the model's output (logits) and the loss's fp32 log-probabilities, alive from
-    the end of the forward into the loss's backward (:data:`LOSS_LOGPROB_BYTES`)."""
+    """Last stage only: the loss's fp32 tensors of the logits' size in its backward, and the logits where
+    a pipeline keeps them (:func:`~whalepy.planner._cost_context.loss_peak_bytes`)."""
     seg_amp_saved: dict[StateOption, list[float]]
     """Per option and segment: bytes one block keeps for backward under autocast beyond its 16-bit
     figure (:meth:`CostContext.autocast_saved_extra`: fp32 tensors autocast keeps, cast copies), zero

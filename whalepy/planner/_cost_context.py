@@ -45,14 +45,30 @@ fraction applies Korthikanti's split to it."""
 LOSS_LOGPROB_BYTES = 4
 """Bytes per output element cross-entropy keeps for backward: its log-softmax, in fp32 (autocast runs
 ``cross_entropy`` / ``log_softmax`` in fp32). The profile captures the model, not the user's loss, so
-the last stage is charged its output plus ``LOSS_BACKWARD_FP32_TENSORS`` of these."""
+the last stage is charged ``LOSS_BACKWARD_FP32_TENSORS`` of these (:func:`loss_peak_bytes`)."""
 
 LOSS_BACKWARD_FP32_TENSORS = 3
 """fp32 tensors of the logits' size alive at once in the loss's backward, the step's activation peak
 (every block's activations are still held): the saved log-probabilities, the zero-filled gradient
 ``nll_loss_backward`` scatters into, and the input gradient ``log_softmax_backward_data`` writes
-(PyTorch's ``aten/src/ATen/native/LossNLL.cpp``, ``SoftMax.cpp``); the model's own 16-bit (or fp32)
-output is held too."""
+(PyTorch's ``aten/src/ATen/native/LossNLL.cpp``, ``SoftMax.cpp``)."""
+
+
+def loss_peak_bytes(output_bytes: float, elem_bytes: float, *, output_held: bool) -> float:
+    """Bytes the loss adds to the last stage's activation peak, for a model output (the logits) of
+    ``output_bytes`` in elements of ``elem_bytes``: ``LOSS_BACKWARD_FP32_TENSORS`` fp32 tensors of its
+    size, in the loss's backward (the peak of the two single-GPU H200 runs, found with a byte-exact
+    fake-tensor replay of their steps: docs/cost_model.md, "Validation: one H200").
+
+    The output itself is not alive then unless something keeps it (``output_held``): nothing saves it
+    for backward (the linear that makes it saves its input; ``.float()``'s backward needs no input;
+    ``log_softmax`` saves its result, ``SoftMax.cpp``), and the runtime's step drops it when ``loss_fn``
+    returns (``ParallelModel._accumulate``). A pipeline's last stage keeps its outputs
+    (``torch.distributed.pipelining``'s ``output_chunks``, ``save_forward_output``), so it is charged
+    there. The forward's end (the output, its fp32 copy and the log-probabilities: 10 bytes per element
+    at 16 bits, 8 at fp32) is below the backward's 12."""
+    fp32 = LOSS_BACKWARD_FP32_TENSORS * output_bytes / elem_bytes * LOSS_LOGPROB_BYTES
+    return fp32 + (output_bytes if output_held else 0.0)
 
 
 def has_sequence_rules(profile: ModelProfile) -> bool:

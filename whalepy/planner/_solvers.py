@@ -5,12 +5,36 @@ in one call (highspy) or converted to PuLP for CBC."""
 from __future__ import annotations
 
 import math
+import sys
 import tempfile
 import warnings
 
 import pulp
 
 from whalepy.errors import PlanError
+
+
+def _drop_import_tracebacks(package: str) -> None:
+    """Drop the tracebacks of the exceptions ``package`` keeps from its own import.
+
+    PuLP keeps the exception of each solver it failed to load as a class attribute (``err`` of
+    ``pulp.apis.copt_api.COPT_DLL``, ``pulp.apis.cplex_api.CPLEX_PY``, ...). Its traceback holds the frame
+    that caught it, and a frame holds its caller (``f_back``) up to the frame whose ``import`` loaded the
+    package first: ``whalepy.parallelize`` (which imports the planner on its first call), with the model
+    it moved to the GPU. That model then outlived its ``ParallelModel`` for the rest of the process (the
+    H200 run of 2026-11-26: 5.28 GiB, the first model's fp32 parameters, in every later peak; docs/
+    cost_model.md, "Validation: one H200"). The exceptions and their messages stay."""
+    for name, mod in list(sys.modules.items()):
+        if mod is None or not (name == package or name.startswith(package + ".")):
+            continue
+        for obj in list(vars(mod).values()):
+            err = getattr(obj, "err", None) if isinstance(obj, type) else None
+            while isinstance(err, BaseException) and err.__traceback__ is not None:
+                err.__traceback__ = None
+                err = err.__context__
+
+
+_drop_import_tracebacks("pulp")
 
 # Linear forms are ``(dict[_Var, float], constant)``. The model is built in plain Python (``_Model``) and
 # handed to HiGHS as arrays in one call (or converted to PuLP for CBC): PuLP's model building and its
