@@ -226,13 +226,25 @@ def check_nvme_dir(nvme_dir: Any, keep: Any, *, on_node: bool, where: str = "wha
                             "create files); pass a writable directory on the node's NVMe drive")
 
 
+def _lowered(model: Any) -> bool:
+    """The model was rewritten by ``parallelize`` on this rank (FSDP2 units, DTensor parameters): its class
+    names and shapes are the runtime's, so its fingerprint is not the captured model's. The closed loop
+    re-plans such a model from ``pm.measured_profile()`` (docs/runtime.md); the plan was checked against
+    the model before lowering."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(m, FSDPModule) for m in model.modules()) or any(
+        isinstance(q, DTensor) for q in model.parameters())
+
+
 def check_profile_of_model(profile: Any, model: Any, where: str) -> None:
     """``plan(model, profile=...)`` / ``parallelize(profile=...)``: the profile is this model's (module
     paths, parameter shapes and dtypes: the fingerprint). A plan made from another model's profile would
     place blocks this model lacks or miss ones it has; refused before planning, and cheap (no capture)."""
     import torch
 
-    if profile is None or not isinstance(model, torch.nn.Module):
+    if profile is None or not isinstance(model, torch.nn.Module) or _lowered(model):
         return
     from whalepy.passes.profile import model_fingerprint
 
