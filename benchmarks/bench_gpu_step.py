@@ -113,15 +113,10 @@ def run_whalepy(name: str, args: argparse.Namespace, cluster: Any, meter: Meter)
     data = batches(vocab, seq, args.batch, args.warmup + args.steps)
     prof = None
     if args.measure and args.dump:  # what plan(measure=True) measures, kept: the tables and the plan go to --dump
-        import functools
+        from whalepy.planner import planning_profile
 
-        from whalepy.frontend.measure import micro_batch_sizes
-        from whalepy.planner import resolve_compile
-
-        prof = whalepy.profile(model, (data[0][0][:1],), measure=True, micro_batches=micro_batch_sizes(args.batch),
-                               tp_degrees=(1,), precision="bf16" if torch.cuda.is_available() else "fp32",
-                               optimizer=functools.partial(torch.optim.AdamW, fused=torch.cuda.is_available() or None),
-                               compile=resolve_compile(cluster, "auto"))
+        prof = planning_profile(model, cluster, example_inputs=(data[0][0][:1],), global_batch=args.batch,
+                                measure=True, time_limit_s=args.plan_time_limit)
         os.makedirs(args.dump, exist_ok=True)
         with open(os.path.join(args.dump, f"{name}_measured.json"), "w") as f:
             json.dump(prof.measured.to_dict(), f, indent=1)

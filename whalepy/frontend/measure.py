@@ -235,6 +235,13 @@ def _warm_up(model: nn.Module, inputs: Any, clock: BlockClock, loss_fn: Callable
         prev = t
 
 
+def _timed_steps(model: nn.Module, inputs: Any, clock: BlockClock, loss_fn: Callable, autocast: Any, last: int,
+                 repeats: int) -> dict[tuple[int, str], float]:
+    """Per (block index, phase) the median seconds of ``repeats`` steps after warm-up."""
+    _warm_up(model, inputs, clock, loss_fn, autocast, last)
+    return _median_times([_one_step(model, inputs, clock, loss_fn, autocast, last) for _ in range(repeats)])
+
+
 def _median_times(runs: list[dict[tuple[int, str], float]]) -> dict[tuple[int, str], float]:
     keys = set().union(*runs) if runs else set()
     return {k: statistics.median(r.get(k, 0.0) for r in runs) for k in keys}
@@ -333,9 +340,7 @@ def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device
             try:
                 for mb in mbs:
                     inputs = _resize(example_inputs, mb, dev)
-                    _warm_up(work, inputs, clock, loss_fn, autocast, last)
-                    med = _median_times([_one_step(work, inputs, clock, loss_fn, autocast, last)
-                                         for _ in range(repeats)])
+                    med = _timed_steps(work, inputs, clock, loss_fn, autocast, last, repeats)
                     for i in blocks:
                         b = profile.blocks[i]
                         if tp > 1 and not tp_splits(b, tp):
@@ -412,8 +417,7 @@ def _compiled_in_process(model: nn.Module, example_inputs: Any, profile: Any, bl
         for mb in mbs:
             torch._dynamo.reset()
             inputs = _resize(example_inputs, mb, dev)
-            _warm_up(work, inputs, clock, loss_fn, autocast, last)
-            med = _median_times([_one_step(work, inputs, clock, loss_fn, autocast, last) for _ in range(repeats)])
+            med = _timed_steps(work, inputs, clock, loss_fn, autocast, last, repeats)
             for i in blocks:
                 out.setdefault(sigs[i], {})[(precision, 1, float(mb))] = (med.get((i, "f"), 0.0), med.get((i, "b"), 0.0))
     except Exception as e:  # noqa: BLE001 - then the eager times stand in (the planner says so)
@@ -508,8 +512,7 @@ def _run_lowered(work: nn.Module, inputs: tuple, *, names: dict[str, tuple[str, 
         last = max(by_index)
         clock = BlockClock(root, by_index, sync)
         try:
-            _warm_up(root, x, clock, loss, ctx, last)
-            return _median_times([_one_step(root, x, clock, loss, ctx, last) for _ in range(repeats)])
+            return _timed_steps(root, x, clock, loss, ctx, last, repeats)
         finally:
             clock.remove()
 

@@ -251,8 +251,6 @@ def plan(model: Any, cluster: ClusterSpec, *, example_inputs: Any = None, global
     the model's for its device type); the model is then not captured again and ``example_inputs`` is
     not needed. Raises :class:`~whalepy.InfeasibleError` when nothing fits, saying what runs short and
     what to relax."""
-    from whalepy.frontend.checks import as_cluster, check_example_inputs, check_model
-
     if profile is not None:
         if not isinstance(profile, ModelProfile):
             raise ArgumentError(f"whalepy.plan(profile=...) takes a whalepy.ModelProfile, got {type(profile).__name__} "
@@ -264,6 +262,22 @@ def plan(model: Any, cluster: ClusterSpec, *, example_inputs: Any = None, global
 
         check_profile_of_model(profile, model, "whalepy.plan(profile=...)")
         return plan_from_profile(profile, cluster, global_batch=global_batch, **options)
+    prof, progress = _planning_profile(model, cluster, example_inputs, global_batch, options)
+    return plan_from_profile(prof, cluster, global_batch=global_batch, **{**options, "progress": progress})
+
+
+def planning_profile(model: Any, cluster: ClusterSpec, *, example_inputs: Any, global_batch: int,
+                     **options: Any) -> ModelProfile:
+    """The profile :func:`plan` makes and plans from (the same checks, capture and, with ``measure=True``,
+    the blocks timed on the local device as that plan times them): to keep or inspect, e.g. its
+    ``measured`` tables, and plan from with ``plan(model, cluster, profile=..., ...)``."""
+    return _planning_profile(model, cluster, example_inputs, global_batch, options)[0]
+
+
+def _planning_profile(model: Any, cluster: ClusterSpec, example_inputs: Any, global_batch: int,
+                      options: dict[str, Any]) -> tuple[ModelProfile, Callable[[str], None]]:
+    from whalepy.frontend.checks import as_cluster, check_example_inputs, check_model
+
     if example_inputs is None:
         raise ArgumentError("whalepy.plan(): example_inputs is None; pass the model's inputs for one sample to "
                             "capture it, e.g. example_inputs=(torch.zeros(1, 1024, dtype=torch.long),), or "
@@ -288,7 +302,7 @@ def plan(model: Any, cluster: ClusterSpec, *, example_inputs: Any = None, global
     progress(f"captured {len(prof.blocks)} blocks in {prof.capture_time_s:.2f} s ({prof.capture_method})")
     if opts.measure:
         prof = _measured(model, example_inputs, prof, cluster, global_batch, opts, progress)
-    return plan_from_profile(prof, cluster, global_batch=global_batch, **{**options, "progress": progress})
+    return prof, progress
 
 
 def plan_from_profile(profile: ModelProfile, cluster: ClusterSpec, *, global_batch: int, **options: Any) -> Plan:
@@ -513,4 +527,4 @@ def homogeneous_baseline(profile: ModelProfile, cluster: ClusterSpec, *, global_
                       notes=notes)
 
 
-__all__ = ["PlannerOptions", "plan", "plan_from_profile", "homogeneous_baseline", "SOLVERS"]
+__all__ = ["PlannerOptions", "plan", "plan_from_profile", "planning_profile", "homogeneous_baseline", "SOLVERS"]
