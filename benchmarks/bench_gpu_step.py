@@ -112,6 +112,7 @@ def run_whalepy(name: str, args: argparse.Namespace, cluster: Any, meter: Meter)
     model, vocab, seq = build(name, args.smoke)
     data = batches(vocab, seq, args.batch, args.warmup + args.steps)
     prof = None
+    t0 = time.perf_counter()
     if args.measure and args.dump:  # what plan(measure=True) measures, kept: the tables and the plan go to --dump
         from whalepy.planner import planning_profile
 
@@ -120,10 +121,16 @@ def run_whalepy(name: str, args: argparse.Namespace, cluster: Any, meter: Meter)
         os.makedirs(args.dump, exist_ok=True)
         with open(os.path.join(args.dump, f"{name}_measured.json"), "w") as f:
             json.dump(prof.measured.to_dict(), f, indent=1)
+    t_plan = time.perf_counter()
     pm = whalepy.parallelize(model, cluster, example_inputs=(data[0][0][:1],), loss_fn=loss_fn,
                              optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4), global_batch=args.batch,
                              time_limit_s=args.plan_time_limit, measure=args.measure and prof is None,
                              **({"profile": prof} if prof is not None else {}))
+    if dist.get_rank() == 0:  # where the bench's time goes (measuring, planning, lowering), and what the plan says
+        print(f"{name}: measured {t_plan - t0:.1f} s, planned and lowered {time.perf_counter() - t_plan:.1f} s"
+              f"{' (measured planning)' if args.measure else ''}", flush=True)
+        for note in pm.plan.notes:
+            print(f"{name}: plan note: {note}", flush=True)
     if args.dump:
         pm.plan.save(os.path.join(args.dump, f"{name}_plan.json"))
     del model
@@ -139,6 +146,13 @@ def run_whalepy(name: str, args: argparse.Namespace, cluster: Any, meter: Meter)
             times.append(dt)
             peaks.append(meter.peak())
     plan = pm.plan
+    try:  # the block times the run itself measured on its 6th step, next to what the planner measured
+        seen = pm.measured_profile() if args.dump else None
+    except whalepy.WhalepyError:
+        seen = None
+    if seen is not None and seen.measured is not None and dist.get_rank() == 0:
+        with open(os.path.join(args.dump, f"{name}_run_measured.json"), "w") as f:
+            json.dump(seen.measured.to_dict(), f, indent=1)
     del pm
     return times, peaks, plan
 

@@ -6,7 +6,8 @@
 # kernels (bench_cpu_adamw.py, into env.txt: the rate the offload predictions rest on), and the
 # whalepy vs plain-PyTorch benchmark (bench_gpu_step.py). Logs and JSON go to $OUT (default
 # /tmp/whalepy-gpu-out), at most 8 files a call, as the device tool returns: env.txt, summary.txt,
-# cuda_tiers.log, offload.log, offload.json, offload_large.log, offload_large.json, gpu_step.log.
+# cuda_tiers.log, offload.log, offload_large.log, gpu_step.log, calibrate.log, and results.tgz (every JSON
+# file and --dump folder: offload.json, offload_large.json, profile.json, the plans and measured tables).
 # docs/benchmarks.md, "A GPU session", says how to run it.
 #
 #     bash benchmarks/gpu_session.sh                 # first call: adamw tiers offload offload_large
@@ -86,10 +87,15 @@ for part in "${parts[@]}"; do
         adamw) { echo "== bench_cpu_adamw.py ($(nproc) threads)"; timeout 60 "$PY" benchmarks/bench_cpu_adamw.py \
             --threads "$(nproc)" --params 1e8; } >>"$OUT/env.txt" 2>&1; note "adamw: exit $? -> env.txt" ;;
         step) run_part step "${STEP_S:-300}" gpu_step.log "$PY" benchmarks/bench_gpu_step.py ${STEP_ARGS:---model gpt --plan-time-limit 20} ;;
-        calibrate) run_part calibrate "${CALIBRATE_S:-120}" calibrate.log "$PY" -m whalepy.cli calibrate \
+        calibrate) run_part calibrate "${CALIBRATE_S:-120}" calibrate.log "$PY" -m whalepy.tools.cli calibrate \
             --out "$OUT/profile.json" ;;
         *) note "unknown part $part (adamw, tiers, offload, offload_large, step, calibrate)"; failed=$((failed + 1)) ;;
     esac
 done
 note "total: $(( $(date +%s) - start )) s; parts failed or not run: $failed"
+# the device tool returns at most 8 files: the logs and summary stay, the JSON and --dump folders go in one archive
+extra=$(cd "$OUT" && ls -d -- *.json */ 2>/dev/null)
+if [ -n "$extra" ]; then
+    (cd "$OUT" && tar czf results.tgz $extra && rm -rf $extra) && echo "JSON and dumps: $OUT/results.tgz"
+fi
 [ "$failed" -eq 0 ]
