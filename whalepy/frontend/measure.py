@@ -45,7 +45,7 @@ from whalepy.errors import WhalepyError
 from whalepy.frontend.measure_checks import checked_loss
 from whalepy.ir.measured import MeasuredCosts, block_signature
 
-__all__ = ["BlockClock", "apply_measured_activations", "measure_costs", "micro_batch_sizes"]
+__all__ = ["BlockClock", "apply_measured_activations", "block_parameters", "measure_costs", "micro_batch_sizes"]
 
 
 # ---------------------------------------------------------------------------------------------- inputs
@@ -316,6 +316,7 @@ def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device
     updates: dict[str, float] = {}
     acts: dict[str, dict[str, float]] = {}
     names: dict[str, str] = {}
+    optimizer_step: tuple[float, int] | None = None
     last = profile.blocks[-1].index
     with _maybe_truncated(model, truncate=True):
         present = dict(model.named_modules())
@@ -351,14 +352,14 @@ def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device
             finally:
                 clock.remove()
             if tp == 1:
-                named = dict(work.named_modules())
-                for i, paths in blocks.items():
-                    sig = sigs[i]
-                    if sig in updates:
-                        continue
-                    params = list(dict.fromkeys(p for path in paths for p in named[path].parameters()
-                                                if p.requires_grad))
-                    updates[sig] = _time_optimizer(params, optimizer, sync, repeats)
+                owned = block_parameters(work, blocks)
+                for i in sorted(blocks):
+                    if sigs[i] not in updates:
+                        updates[sigs[i]] = _time_optimizer(owned[i], optimizer, sync, repeats)
+                # the step as the runtime runs it: one optimizer over every block's parameters
+                every = [p for i in sorted(blocks) for p in owned[i]]
+                if every:
+                    optimizer_step = (_time_optimizer(every, optimizer, sync, repeats), sum(p.numel() for p in every))
                 inputs = _resize(example_inputs, mbs[-1], dev)
                 with autocast():
                     trace = trace_memory(work, (inputs,) if isinstance(inputs, dict) else inputs,
@@ -386,7 +387,26 @@ def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device
                          source=f"whalepy measure on {reported}, torch {torch.__version__}",
                          optimizer=_optimizer_name(optimizer), times=times, updates=updates,
                          activation_bytes=acts, names=names, wrapped=wrapped, wrapped_updates=wrapped_updates,
-                         compiled=compiled, tp_collectives=tp_colls, fsdp_units=units)
+                         compiled=compiled, tp_collectives=tp_colls, fsdp_units=units,
+                         optimizer_step=optimizer_step)
+
+
+def block_parameters(root: nn.Module, blocks: dict[int, tuple[str, ...]]) -> dict[int, list[nn.Parameter]]:
+    """``block index -> the trainable parameters it owns`` under ``root``: a parameter two blocks hold (a
+    tied embedding and LM head) belongs to the first of them in block order only, so that an optimizer
+    timed per block, or over all of them, steps it once, as the runtime's one optimizer does."""
+    named = dict(root.named_modules())
+    seen: set[int] = set()
+    out: dict[int, list[nn.Parameter]] = {}
+    for i in sorted(blocks):
+        own = []
+        for path in blocks[i]:
+            for p in (named[path].parameters() if path in named else ()):
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    own.append(p)
+        out[i] = own
+    return out
 
 
 def _compiled_in_process(model: nn.Module, example_inputs: Any, profile: Any, blocks: dict[int, tuple[str, ...]],

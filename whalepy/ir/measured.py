@@ -95,6 +95,13 @@ class MeasuredCosts:
     """``sig -> tp -> phase ("f" / "b") -> kind -> (calls, bytes per sample)``: the collectives the block
     issues under tensor parallelism as the runtime lowers it (DTensor's redistributions), counted on the
     fake process group; the planner charges these calls instead of one modelled all-reduce per phase."""
+    optimizer_step: tuple[float, int] | None = None
+    """``(seconds, parameters)`` of one optimizer step over every measured block's parameters together
+    (a parameter shared by two blocks, a tied embedding, once), as the runtime steps a stage: one
+    optimizer over all of them. :attr:`updates` are each block's step alone, which also carries the
+    per-step launch and host work once per block (on an H200, fused AdamW: 0.63 ms for one GPT-1.4B
+    layer alone against 0.41 ms as its share of the whole step), so their sum over-charges the step;
+    :meth:`optimizer_s_per_param` takes this instead where it was measured."""
     fsdp_units: dict[str, int] = field(default_factory=dict)
     """``sig -> FSDP2 units``: the all-gathers the block's forward issues under FSDP2 (one per
     ``fully_shard`` unit: HF's embedding block is two, token and position tables), counted on the fake
@@ -137,8 +144,11 @@ class MeasuredCosts:
                             micro_batch)
 
     def optimizer_s_per_param(self, blocks: Iterable[tuple[str, int]]) -> float | None:
-        """Seconds per parameter of the optimizer step over ``(sig, num_params)`` blocks, from their
-        measured updates; None unless every block with parameters was measured."""
+        """Seconds per parameter of the optimizer step over ``(sig, num_params)`` blocks: of the step over
+        all measured parameters together (:attr:`optimizer_step`) where it was measured, else from the
+        blocks' measured updates (None unless every block with parameters was measured)."""
+        if self.optimizer_step is not None and self.optimizer_step[1] > 0:
+            return self.optimizer_step[0] / self.optimizer_step[1]
         t = n = 0.0
         for sig, params in blocks:
             if params == 0:
@@ -160,11 +170,15 @@ class MeasuredCosts:
                        source=other.source or self.source, optimizer=other.optimizer or self.optimizer,
                        times=times, updates={**self.updates, **other.updates}, activation_bytes=acts,
                        names={**self.names, **other.names}, wrapped=wrapped, wrapped_updates=wups,
-                       compiled=compiled, tp_collectives=tpc, fsdp_units=units)
+                       compiled=compiled, tp_collectives=tpc, fsdp_units=units,
+                       optimizer_step=other.optimizer_step if other.updates or other.optimizer_step
+                       else self.optimizer_step)
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": MEASURED_FORMAT, "device_type": self.device_type, "device_name": self.device_name,
                 "threads": self.threads, "source": self.source, "optimizer": self.optimizer,
+                **({"optimizer_step": {"seconds": self.optimizer_step[0], "params": self.optimizer_step[1]}}
+                   if self.optimizer_step is not None else {}),
                 "blocks": {s: {"name": self.names.get(s, ""), "update_s": self.updates.get(s),
                                "activation_bytes_per_sample": self.activation_bytes.get(s, {}),
                                "times": [{"precision": p, "tp": d, "micro_batch": mb, "forward_s": f, "backward_s": b}
@@ -213,10 +227,12 @@ class MeasuredCosts:
                 if e.get("activation_bytes_per_sample"):  # a run's times come without: none, not {} (round trip)
                     acts[sig] = {p: float(v) for p, v in e["activation_bytes_per_sample"].items()}
                 names[sig] = e.get("name", "")
+            step = d.get("optimizer_step")  # files written before it was measured have none
+            step = (float(step["seconds"]), int(step["params"])) if step is not None else None
             return cls(device_type=d["device_type"], device_name=d.get("device_name", ""), threads=d.get("threads"),
                        source=d.get("source", ""), optimizer=d.get("optimizer", ""), times=times, updates=updates,
                        activation_bytes=acts, names=names, wrapped=wrapped, wrapped_updates=wups,
-                       compiled=compiled, tp_collectives=tpc, fsdp_units=units)
+                       compiled=compiled, tp_collectives=tpc, fsdp_units=units, optimizer_step=step)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise WhalepyError(f"{where}: not a whalepy measured-costs table ({type(e).__name__}: {e}); measure "
                                "again with whalepy calibrate --model") from None

@@ -178,7 +178,7 @@ def measure_lowered(model: nn.Module, example_inputs: tuple, blocks: dict[str, t
         log.warning("whalepy measure: the truncated model's blocks differ from the profile's; not timed as lowered")
         return None
 
-    from whalepy.frontend.measure import local_device_type
+    from whalepy.frontend.measure import block_parameters, local_device_type
 
     gpu = local_device_type(device)[0].name  # this GPU's catalog type: the runtime checks the plan's type against it
     for label, world, tp, zero in configs:
@@ -222,13 +222,9 @@ def measure_lowered(model: nn.Module, example_inputs: tuple, blocks: dict[str, t
                         int(example_inputs[0].shape[0]))
                 key = f"tp/{tp}" if label == "tp" else f"fsdp/{world}"
                 if label != "plain" and key not in out["updates"]:
-                    named = dict(root.named_modules())
-                    ups = {}
-                    for n in names:
-                        params = list(dict.fromkeys(p for path in by_index[index[n]] if path in named
-                                                    for p in named[path].parameters() if p.requires_grad))
-                        ups[n] = time_optimizer(params, optimizer)
-                    out["updates"][key] = ups
+                    # shared parameters once, in their first block: as the plain updates they are compared with
+                    owned = block_parameters(root, {index[n]: by_index[index[n]] for n in names})
+                    out["updates"][key] = {n: time_optimizer(owned[index[n]], optimizer) for n in names}
                 pm.close()
                 del pm, work, root
         except Exception as e:  # noqa: BLE001 - a wrapper that cannot be measured keeps the modelled cost
