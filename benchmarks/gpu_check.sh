@@ -13,10 +13,11 @@
 #
 # Setup (carried wheels in .whl/ or an installed environment, the project installed editable) is
 # gpu_session.sh's. Each part has its own limit (seconds: TIERS_S 40, STEP_S 250, OFFLOAD_S 80,
-# OFFLOAD_LARGE_S 90, CALIBRATE_S 60; an H200, 2026-11-27: 19, >200, 56, 80 s) and no part runs past TOTAL_S (default 470 s from the start), so
-# the whole call ends inside 8 minutes even when a part hangs. One summary: $OUT/summary.txt (OUT
+# OFFLOAD_LARGE_S 90, CALIBRATE_S 60; on an H200, 2026-11-27, they took 19, 201, 56, 80 and 27 s) and no
+# part runs past TOTAL_S (default 470 s from the start), so the whole call ends inside 8 minutes even
+# when a part hangs. One summary: $OUT/summary.txt (OUT
 # defaults to /tmp/whalepy-gpu-out), one line per part with its exit code and time, then the total;
-# exit 0 only when every part passed. docs/benchmarks.md, "A GPU session", says how to run it and
+# exit 0 only when every part passed; the JSON files and dump/ come back packed in results.tgz. docs/benchmarks.md, "A GPU session", says how to run it and
 # where its figures go.
 #
 #     bash benchmarks/gpu_check.sh

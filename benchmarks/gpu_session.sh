@@ -80,7 +80,7 @@ run_part() {  # name, limit (s), log file, command...
 
 for part in "${parts[@]}"; do
     case "$part" in
-        tiers) run_part tiers "${TIERS_S:-150}" cuda_tiers.log "$PY" -m pytest -q -rA -p no:cacheprovider tests/test_cuda_tiers.py ;;
+        tiers) run_part tiers "${TIERS_S:-150}" cuda_tiers.log "$PY" -m pytest -q -rA -p no:cacheprovider tests/test_cuda_tiers.py tests/test_cuda_measure.py ;;
         offload) run_part offload "${OFFLOAD_S:-180}" offload.log "$PY" benchmarks/bench_gpu_offload.py --json "$OUT/offload.json" ;;
         offload_large) run_part offload_large "${OFFLOAD_LARGE_S:-180}" offload_large.log "$PY" benchmarks/bench_gpu_offload.py \
             --batch 32 --json "$OUT/offload_large.json" ;;

@@ -165,9 +165,16 @@ def localize_tp(model: nn.Module, rules: Iterable[Any], tp: int) -> None:
 class BlockClock:
     """Module hooks that cut one forward + backward into per-block intervals (module docstring)."""
 
-    def __init__(self, model: nn.Module, blocks: dict[int, tuple[str, ...]], sync: Callable[[], None]) -> None:
+    def __init__(self, model: nn.Module, blocks: dict[int, tuple[str, ...]], sync: Callable[[], None],
+                 device: torch.device | None = None) -> None:
         self.sync = sync
-        self.events: list[tuple[float, int | None, str]] = []
+        self.cuda = device is not None and device.type == "cuda"
+        """On a GPU the marks are CUDA events on the current stream, synchronised once when the step's
+        intervals are read: a host synchronisation at every block boundary would stall the launch
+        queue the runtime's step keeps full (on an H200 a GPT-1.4B's compiled blocks, timed with a
+        synchronisation at each boundary, summed to 76.5 ms; the step without them ran its forward and
+        backward in about 72)."""
+        self.events: list[tuple[Any, int | None, str]] = []
         self.handles = []
         named = dict(model.named_modules())
         for idx, paths in blocks.items():
@@ -181,15 +188,23 @@ class BlockClock:
     def mark(self, block: int | None, phase: str) -> None:
         if self.events and self.events[-1][1] == block and self.events[-1][2] == phase:
             return
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.events.append((ev, block, phase))
+            return
         self.sync()
         self.events.append((time.perf_counter(), block, phase))
 
     def intervals(self) -> dict[tuple[int, str], float]:
         """Seconds per (block, phase) between consecutive marks; marks with block None close a phase."""
         out: dict[tuple[int, str], float] = {}
+        if self.cuda and self.events:
+            self.events[-1][0].synchronize()
         for (t0, b, p), (t1, _, _) in zip(self.events, self.events[1:]):
             if b is not None:
-                out[(b, p)] = out.get((b, p), 0.0) + t1 - t0
+                dt = t0.elapsed_time(t1) / 1e3 if self.cuda else t1 - t0
+                out[(b, p)] = out.get((b, p), 0.0) + dt
         return out
 
     def remove(self) -> None:
@@ -337,7 +352,7 @@ def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device
             if tp > 1:
                 localize_tp(work, [r for b in ruled for r in b.tp_rules], tp)
             work.train()
-            clock = BlockClock(work, blocks, sync)
+            clock = BlockClock(work, blocks, sync, dev)
             try:
                 for mb in mbs:
                     inputs = _resize(example_inputs, mb, dev)
@@ -432,7 +447,7 @@ def _compiled_in_process(model: nn.Module, example_inputs: Any, profile: Any, bl
     named = dict(work.named_modules())
     stats = compile_blocks([(profile.blocks[i].name, [named[p] for p in paths if p in named])
                             for i, paths in sorted(blocks.items())])
-    clock = BlockClock(work, blocks, sync)
+    clock = BlockClock(work, blocks, sync, dev)
     try:
         for mb in mbs:
             torch._dynamo.reset()
@@ -530,7 +545,7 @@ def _run_lowered(work: nn.Module, inputs: tuple, *, names: dict[str, tuple[str, 
                   ctx: Any) -> dict[tuple[int, str], float]:
         x = _resize(inputs, mb, dev)
         last = max(by_index)
-        clock = BlockClock(root, by_index, sync)
+        clock = BlockClock(root, by_index, sync, dev)
         try:
             return _timed_steps(root, x, clock, loss, ctx, last, repeats)
         finally:

@@ -263,9 +263,13 @@ def _stage_options(ctx: CostContext, cand: Candidate, segments: tuple[Segment, .
         accumulate = (MASTER_GRAD_BYTES - st.grads if fsdp and cand.num_microbatches > 1 and not o.reduce_each
                       else 0.0)
         autocast = AUTOCAST_WEIGHT_COPY_BYTES if uses_autocast(kind, ctx.precision) else 0.0
-        # DDP's gradient buckets are views of the gradients (gradient_as_bucket_view=True): no copy
-        buffer_beta[o] = gathered + max(0.0, accumulate) + autocast
-        buffer_split[o] = (gathered, max(0.0, accumulate), autocast)
+        # DDP's gradients are views of its persistent buckets after a synchronised backward
+        # (gradient_as_bucket_view=True: grads_at_activation_peak), but the micro-batches it runs
+        # under no_sync (all but the last) accumulate into gradients autograd allocates beside them
+        bucket = (st.grads if kind in (LoweringKind.DDP, LoweringKind.ZERO1) and cand.num_microbatches > 1
+                  else 0.0)
+        buffer_beta[o] = gathered + max(0.0, accumulate) + autocast + bucket
+        buffer_split[o] = (gathered, max(0.0, accumulate) + bucket, autocast)
     dp_comm = ctx.dp_block_comm(segments, tuple(seg_params), dp_group)
     return (allowed, sync, mem_beta, cpu_beta, nvme_beta, working, buffer_beta, split, freed, host_fixed,
             tile_extra, dp_comm, buffer_split)

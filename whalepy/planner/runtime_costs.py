@@ -75,9 +75,14 @@ def grads_at_activation_peak(kind: str, cand: Candidate) -> bool:
     """Whether gradients are held while the activations peak (the end of a forward). The runtime frees
     them after every step (``zero_grad(set_to_none=True)``), so with one micro-batch and no pipeline they
     are only created as backward frees activations; they are held through the forward when micro-batches
-    accumulate into them and when a pipeline interleaves forwards and backwards. (DDP's persistent
-    gradient buckets are a buffer, charged whatever this says.)"""
-    del kind  # the same for every lowering
+    accumulate into them and when a pipeline interleaves forwards and backwards. Under DDP (and ZeRO-1,
+    DDP with ``ZeroRedundancyOptimizer``) they are always held: with ``gradient_as_bucket_view=True``
+    they are views of the reducer's gradient buckets, which the reducer allocates once and keeps through
+    ``set_to_none`` (traced on the CPU: ``gpt-wide`` DDP's peak was one gradient copy over the
+    prediction that freed them, benchmarks/bench_predict_cpu.py). The separate gradients autograd
+    accumulates under ``no_sync`` beside those buckets are a buffer (``costing``'s ``bucket``)."""
+    if kind in (LoweringKind.DDP, LoweringKind.ZERO1):
+        return True
     return cand.num_microbatches > 1 or cand.num_stages > 1
 
 

@@ -1,0 +1,54 @@
+"""Measured planning's block clock on a CUDA GPU (skipped without CUDA; benchmarks/gpu_session.sh's
+``tiers`` part runs it on one). On a GPU the clock marks block boundaries with CUDA events and
+synchronises once per step (whalepy.frontend.measure.BlockClock): a host synchronisation at every
+boundary stalled the launch queue the runtime keeps full. Checked here: every block's forward and
+backward gets a positive interval, and their sum is the step as it runs without the clock (within
+10%: the loss and the host work between steps fall outside the marks or inside them)."""
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="CUDA block clock: no CUDA device here (benchmarks/gpu_session.sh runs it on a GPU)")
+
+
+def test_event_clock_times_the_step_as_it_runs_without_it():
+    from whalepy.frontend.measure import BlockClock, _one_step, default_loss
+    from whalepy.models import GPT, GPTConfig
+
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=1024, block_size=256, num_layers=8, num_heads=8, hidden_size=512)).to(dev)
+    x = torch.randint(0, 1024, (4, 256), device=dev)
+    blocks = {0: ("transformer.wte", "transformer.wpe")} | {
+        i + 1: (f"transformer.h.{i}",) for i in range(8)} | {9: ("transformer.ln_f", "lm_head")}
+    sync = torch.cuda.synchronize
+
+    def plain_step() -> float:
+        sync()
+        t0 = time.perf_counter()
+        default_loss(model(x), (x,)).backward()
+        sync()
+        for p in model.parameters():
+            p.grad = None
+        return time.perf_counter() - t0
+
+    for _ in range(5):
+        plain_step()
+    plain = statistics.median(plain_step() for _ in range(9))
+    clock = BlockClock(model, blocks, sync, dev)
+    try:
+        for _ in range(3):
+            _one_step(model, (x,), clock, default_loss, contextlib.nullcontext, 9)
+        runs = [_one_step(model, (x,), clock, default_loss, contextlib.nullcontext, 9) for _ in range(9)]
+    finally:
+        clock.remove()
+    for k in [(i, p) for i in blocks for p in "fb"]:
+        assert all(r.get(k, 0.0) > 0 for r in runs), f"block {k} got no interval"
+    timed = statistics.median(sum(r.values()) for r in runs)
+    assert timed == pytest.approx(plain, rel=0.1), f"event clock {timed * 1e3:.2f} ms, step {plain * 1e3:.2f} ms"
