@@ -170,10 +170,11 @@ class BlockClock:
         self.sync = sync
         self.cuda = device is not None and device.type == "cuda"
         """On a GPU the marks are CUDA events on the current stream, synchronised once when the step's
-        intervals are read: a host synchronisation at every block boundary would stall the launch
-        queue the runtime's step keeps full (on an H200 a GPT-1.4B's compiled blocks, timed with a
-        synchronisation at each boundary, summed to 76.5 ms; the step without them ran its forward and
-        backward in about 72)."""
+        intervals are read, as the runtime's own block timing does (runtime/_block_timing.py): a host
+        synchronisation at every block boundary drains the launch queue the step keeps full. (On an
+        H200 the difference was small: a GPT-1.4B's compiled blocks summed to 76.5 ms synchronised,
+        75.3 ms in the run's event-timed step. Both carry the hooks' own cost: the step without hooks
+        ran its forward and backward in about 72 ms, which this clock does not remove.)"""
         self.events: list[tuple[Any, int | None, str]] = []
         self.handles = []
         named = dict(model.named_modules())
