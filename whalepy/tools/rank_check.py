@@ -547,12 +547,15 @@ def check_ranks(plan_json: dict[str, Any], build: Callable[[], tuple[Any, tuple]
     plan = Plan.from_dict(plan_json) if hasattr(Plan, "from_dict") else _plan_of(plan_json)
     chosen = select_ranks(layouts, ranks)
     say(f"{len(layouts)} ranks in {len(roles(layouts))} roles; lowering {len(chosen)}")
+    from whalepy.runtime.pipeline import reuse_traces
+
     out = []
-    for lay, n in chosen:
-        rep = lower_rank(plan, build, lay, profile=profile, cluster=cluster)
-        rep.role_size = n
-        say(f"rank {lay.rank}: {'ok' if rep.ok else 'MISMATCH'} ({rep.seconds:.1f} s)")
-        out.append(rep)
+    with reuse_traces():  # every rank splits the same model the same way: traced once (175B: 14 s a rank)
+        for lay, n in chosen:
+            rep = lower_rank(plan, build, lay, profile=profile, cluster=cluster)
+            rep.role_size = n
+            say(f"rank {lay.rank}: {'ok' if rep.ok else 'MISMATCH'} ({rep.seconds:.1f} s)")
+            out.append(rep)
     return out
 
 
