@@ -11,7 +11,9 @@ check`` calls once per rank (the model on the meta device) and the profile and c
   (the layout of Narayanan et al., SC'21, Table 1);
 - ``llama70b``: Llama-2 70B's shape (whalepy.models.llama, no transformers) on 32 A100 + 32 L40S
   (``examples/clusters/mixed_a100_l40s_70b.yaml``), pp 4 x dp 4 x tp 4, ZeRO-3, uneven stages (26 / 22 /
-  18 / 16 blocks at full depth) and uneven batch shares (A100 replicas 40, L40S replicas 24), bf16;
+  18 / 16 blocks at full depth), per-block tiers (4 of stage 0's layers and 2 of stage 1's keep their
+  parameters and optimizer states in host memory at full depth, 1 and 1 when shallower: the tier pair
+  ``(cpu, cpu)`` beside ``(gpu, gpu)``) and uneven batch shares (A100 replicas 40, L40S replicas 24), bf16;
 - ``interleaved``: the GPT-3 shape, pp 4 x 2 virtual stages x dp 32 x tp 8 on the same 1,024 A100,
   ZeRO-3: the tied embedding and head on the first and the last virtual stage.
 """
@@ -91,7 +93,8 @@ def case(name: str, layers: int | None = None) -> Case:
         L = 80 if layers is None else layers
         cluster = ClusterSpec.load(CLUSTERS / "mixed_a100_l40s_70b.yaml")
         config = ParallelConfig(pp=4, dp=4, tp=4, zero_stage=3, num_microbatches=4, layout="replicas",
-                                boundaries=_uneven(L + 2), batch_shares=(40, 40, 24, 24))
+                                boundaries=_uneven(L + 2), batch_shares=(40, 40, 24, 24),
+                                host_blocks=(max(1, L // 20), max(1, L // 40), 0, 0))
         batch = 128
         kind, build = "llama", functools.partial(llama70b_model, L)
     else:

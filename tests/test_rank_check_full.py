@@ -96,11 +96,17 @@ def test_gpt3_175b_on_1024_a100_every_role_lowers():
 
 def test_llama_70b_on_32_a100_and_32_l40s_every_role_lowers():
     """(b) pp 4 x dp 4 x tp 4, ZeRO-3, uneven stages and batch shares (40 on the A100 replicas, 24 on the
-    L40S ones): 8 roles (each stage on each device type), model states exact, the data- and
+    L40S ones), one layer of each of the first two stages with its states in host memory: 8 roles
+    (each stage on each device type), model states exact on the device and on the host, the data- and
     tensor-parallel collectives within 1%, the pipeline's messages the hidden states exactly."""
+    from whalepy.ir.plan import Tier
+
     c, reports = _lower("llama70b", 6)
     sizes = [len(s.blocks) for s in c.plan.stages]
     assert sizes == [3, 2, 2, 1] and c.plan.batch_shares == (40, 40, 24, 24)
+    on_host = [sum(b.param_tier is Tier.CPU and b.optimizer_tier is Tier.CPU for b in s.blocks) for s in c.plan.stages]
+    assert on_host == [1, 1, 0, 0]
+    assert [rep.held_by_place["host"] > 0 for rep in reports] == [s < 2 for s in (r.layout.stage for r in reports)]
     assert sorted((r.layout.stage, r.layout.device_type) for r in reports) == sorted(
         (s, t) for s in range(4) for t in ("A100-80GB", "L40S"))
     h, seq, head_dim, M = 8192, 4096, 128, c.plan.num_microbatches
