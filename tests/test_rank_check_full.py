@@ -5,7 +5,8 @@ grouped-query attention), one whole training step on fake tensors.
 
 The depth is cut (8 and 6 decoder layers, not 96 and 80) so that the three plans lower in CI time: a
 rank's lowering costs about its blocks times the micro-batches (a 175B stage of 14 layers and 12
-micro-batches: 30-45 s here), and depth repeats the same layer. Everything else is the full plan: the
+micro-batches: 9-20 s here, the first rank of a check 10 s more for the export of the whole model), and
+depth repeats the same layer. Everything else is the full plan: the
 1,024- and 64-rank worlds and their meshes, widths, micro-batches, batch shares, device types.
 ``benchmarks/bench_rank_check.py`` lowers the same plans at full depth (docs/benchmarks.md).
 

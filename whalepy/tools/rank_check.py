@@ -19,7 +19,9 @@ process, one rank at a time, as that rank would:
    size the plan's, this process as that rank: every ``DeviceMesh`` and process group is made as on
    the cluster, no collective moves data) with the model on the meta device and its shards
    materialised as ``FakeTensor`` s (:func:`whalepy.runtime.materialize.dry_run`: shapes, dtypes and
-   devices, no memory). Its optimizer then takes one step on zero gradients (fake too), so the
+   devices, no memory); the ranks of one check share the pipeline split's trace of the model
+   (:func:`whalepy.runtime.pipeline.reuse_traces`: every rank splits the same model the same way, and
+   the export of a 175B model is 10 s). Its optimizer then takes one step on zero gradients (fake too), so the
    optimizer states exist; the parameter, gradient and optimizer bytes it holds per place (device,
    host, files) are counted by :func:`whalepy.runtime.held.held_state_bytes`, the same function
    the multi-process tests compare with the memory model (elements, not FSDP2's padded storage,
