@@ -97,7 +97,10 @@ def reuse_traces() -> Iterator[None]:
     first call's export and stage shapes (:func:`stage_io`) and builds its stages from them around its
     own modules. ``whalepy check`` lowers one rank after another, each with a fresh copy of the same
     model, and every rank of a cluster traces the same graph: the trace of a 175B model (10 s) and its
-    fake run of every stage (4 s) are then paid once per check, not once per rank."""
+    fake run of every stage (4 s) are then paid once per check, not once per rank. The key is the
+    structure, not the code: values a module keeps outside its parameters, buffers and ``repr`` (a rotary
+    base in a config) are not in it, so use it where the models are copies of one model (``whalepy
+    check``'s ``build()``)."""
     token = _TRACES.set({})
     try:
         yield
