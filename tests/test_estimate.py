@@ -52,6 +52,9 @@ def test_more_stages_more_bubble_and_checkpointing_costs_time() -> None:
     (dict(dp=8, num_microbatches=3), "micro-batches"),
     (dict(dp=8, colour="red"), "unknown config"),
     (dict(dp=1, tp=8, pp=1, checkpoint=(1, 2)), "checkpoint"),
+    (dict(dp=4, pp=2, zero_stage=3, num_microbatches=2, host_blocks=(1,)), "host_blocks"),
+    (dict(dp=4, pp=2, zero_stage=3, num_microbatches=2, host_blocks=(4, 0)), "leaves none on the device"),
+    (dict(dp=4, pp=2, zero_stage=3, num_microbatches=2, host_blocks=(1, 0), offload="cpu"), "no offload"),
 ])
 def test_invalid_configs_are_explained(bad, match) -> None:  # type: ignore[no-untyped-def]
     prof = transformer_profile(num_layers=4, hidden=512, seq_len=256, vocab=8000, num_heads=8)
@@ -78,3 +81,29 @@ def test_zero_offload_config_is_the_gpu_cpu_pair() -> None:
     assert zo.model_state_bytes == pytest.approx(2 * P / d, rel=1e-3)
     assert zo.host_state_bytes == pytest.approx(16 * P / d, rel=1e-3) == cpu.host_state_bytes
     assert cpu.model_state_bytes == 0
+
+
+def test_host_blocks_mix_tiers_inside_a_stage() -> None:
+    """``host_blocks``: per stage that many of its layers keep parameters and optimizer states on the host
+    (``(cpu, cpu)``) beside the others' on the device (the planner's granular tiers); each stage's
+    predicted bytes are the memory model's for its blocks' tiers, and a host block costs time."""
+    from whalepy.cost_models.memory import estimate_stage_model_state_bytes
+    from whalepy.ir.plan import Tier
+
+    prof = transformer_profile(num_layers=6, hidden=512, seq_len=256, vocab=8000, num_heads=8)
+    base = dict(dp=4, pp=2, zero_stage=3, num_microbatches=2, boundaries=(4, 4))
+    plain = estimate_from_profile(prof, a100(1), base, global_batch=16)
+    est = estimate_from_profile(prof, a100(1), {**base, "host_blocks": (2, 0)}, global_batch=16)
+    first, second = est.plan.stages
+    tiers = [(b.param_tier, b.optimizer_tier) for b in first.blocks]
+    assert tiers.count((Tier.CPU, Tier.CPU)) == 2 and tiers.count((Tier.GPU, Tier.GPU)) == 2
+    assert {(b.param_tier, b.optimizer_tier) for b in second.blocks} == {(Tier.GPU, Tier.GPU)}
+    for st in est.plan.stages:
+        held = estimate_stage_model_state_bytes(
+            blocks=[(pb.num_params, b.param_tier, b.optimizer_tier) for b in st.blocks
+                    for pb in prof.blocks if pb.name == b.name],
+            zero_stage=st.zero_stage, dp_degree=4, precision=est.plan.precision.value)
+        assert st.cost.model_state_bytes == pytest.approx(held.resident, rel=1e-9)
+        assert st.cost.host_state_bytes == pytest.approx(held.cpu, rel=1e-9)
+    assert first.cost.host_state_bytes > 0 == second.cost.host_state_bytes
+    assert est.step_time_s > plain.step_time_s

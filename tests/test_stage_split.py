@@ -292,3 +292,35 @@ def test_stage_io_says_which_tensors_between_stages_need_a_gradient():
     sent = stages[0](x)
     assert [t.requires_grad for t in sent] == [o[2] for o in outs0]
     assert [tuple(t.shape) for t in sent] == [o[0] for o in outs0]
+
+
+def test_reused_traces_build_each_models_own_stages(monkeypatch):
+    """Inside ``reuse_traces()`` a second model of the same structure is not exported again (``whalepy
+    check`` lowers rank after rank with fresh copies): its stages hold its own parameters and compute
+    what it computes, with the first call's stage shapes; a model of another structure (one more layer,
+    another GELU) or other stage blocks is traced anew."""
+    from whalepy.runtime import _stage_split
+    from whalepy.runtime.pipeline import reuse_traces
+
+    exports = []
+    real = _stage_split._export
+    monkeypatch.setattr(_stage_split, "_export", lambda *a: exports.append(a[0]) or real(*a))
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    first, blocks = build_model("gpt", seed=0)
+    layout = stage_paths(blocks, LAYOUTS["3"])
+    with reuse_traces():
+        split_stages(first, (ids,), None, layout)
+        second, _ = build_model("gpt", seed=1)
+        stages = split_stages(second, (ids,), None, layout)
+        assert exports == [first]
+        own = {id(p) for p in second.parameters()}
+        assert {id(p) for s in stages for p in s.parameters()} == own
+        torch.testing.assert_close(run_chain(stages, ids), second(ids), rtol=0, atol=1e-6)
+        assert stages[1].whalepy_io is not None
+        other = GPT(GPTConfig(vocab_size=VOCAB, block_size=16, num_layers=LAYERS, num_heads=4, hidden_size=32,
+                              gelu_approximate="tanh"))
+        split_stages(other, (ids,), None, layout)
+        split_stages(second, (ids,), None, stage_paths(blocks, LAYOUTS["2"]))
+        assert exports == [first, other, second]
+    split_stages(second, (ids,), None, layout)  # outside the context: traced again
+    assert len(exports) == 4

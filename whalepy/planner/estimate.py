@@ -62,6 +62,10 @@ class ParallelConfig:
     layout: str | None = None
     """Mixed clusters: ``"replicas"`` (each replica on one group) or ``"stages"`` (each stage on one
     group, in cluster order); default: replicas when every group holds whole pipelines."""
+    host_blocks: tuple[int, ...] | None = None
+    """Granular tiers (M6-10T's per-layer offloading; the planner's ``mixed_tiers``): per stage, how many
+    of its repeated blocks keep their parameters and optimizer states in host memory (the tier pair
+    ``(cpu, cpu)``) beside the others' on the device; 0 for none. One chunk per stage, no ``offload``."""
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "num_microbatches", "virtual_stages"):
@@ -116,6 +120,16 @@ class ParallelConfig:
                             "memory; set checkpoint too")
         if self.layout not in (None, "replicas", "stages"):
             raise PlanError(f"layout must be 'replicas' or 'stages', got {self.layout!r}")
+        if self.host_blocks is not None:
+            hb = tuple(self.host_blocks) if isinstance(self.host_blocks, (tuple, list)) else None
+            if hb is None or len(hb) != self.pp or not all(
+                    isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in hb):
+                raise PlanError(f"ParallelConfig.host_blocks={self.host_blocks!r}: give {self.pp} counts of blocks "
+                                "(one per stage, 0 for none), e.g. host_blocks=(0, 2)")
+            if self.virtual_stages != 1 or self.offload is not None:
+                raise PlanError("ParallelConfig.host_blocks needs one chunk per stage (virtual_stages=1) and no "
+                                "offload (the other blocks stay on the device)")
+            object.__setattr__(self, "host_blocks", hb)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -388,13 +402,18 @@ def estimate_from_profile(profile: ModelProfile, cluster: ClusterSpec, config: P
     make_options({"optimizer_impl": optimizer_impl, "compile": compile})  # checked as planner options
     ctx = CostContext(profile, hw, precision=precision, optimizer_impl=resolve_optimizer_impl(cluster, optimizer_impl),
                       compile=resolve_compile(cluster, compile), memory_margin=margin)
-    cc = build_coefficients(ctx, cand, build_segments(profile), (option,))
+    host = dataclasses.replace(option, optimizer_tier=Tier.CPU, param_tier=Tier.CPU) \
+        if cfg.host_blocks is not None and any(cfg.host_blocks) else None
+    cc = build_coefficients(ctx, cand, build_segments(profile), (option,) if host is None else (option, host),
+                            mixed_tiers=host is not None)
     for sc in cc.stages:
-        if option not in sc.options:
-            fix = ("cpu_memory_gb: <GiB per node>" if tier is Tier.CPU
+        wanted = [option] + ([host] if host is not None and cfg.host_blocks[sc.index] else [])  # type: ignore[index]
+        lacking = next((o.optimizer_tier for o in wanted if o not in sc.options), None)
+        if lacking is not None:
+            fix = ("cpu_memory_gb: <GiB per node>" if lacking is Tier.CPU
                    else "nvme: {capacity_tb: ..., read_gbs: ..., write_gbs: ...}")
-            raise PlanError(f"offload to {tier.value} is not possible on stage {sc.index}: its group has no "
-                            f"{'host memory (cpu_memory_gb)' if tier is Tier.CPU else 'NVMe'} in the cluster spec; "
+            raise PlanError(f"offload to {lacking.value} is not possible on stage {sc.index}: its group has no "
+                            f"{'host memory (cpu_memory_gb)' if lacking is Tier.CPU else 'NVMe'} in the cluster spec; "
                             f"add {fix} to the group, or estimate without offload")
     if cfg.boundaries is not None:
         sizes = list(cfg.boundaries)
@@ -433,7 +452,7 @@ def estimate_from_profile(profile: ModelProfile, cluster: ClusterSpec, config: P
                 ckoffs[s + k * cfg.pp] = row
         if any(c.seg_ckoff is None for sc in cc.stages for c in sc.cells):
             raise PlanError("checkpoint_offload=True needs host memory: give cpu_memory_gb in the cluster spec")
-    ev = evaluate(cc, sizes, ckpts, [option] * cfg.pp, None, ckoffs)
+    ev = evaluate(cc, sizes, ckpts, _stage_options(cc, counts, option, host, cfg.host_blocks), None, ckoffs)
     reason = ""
     if not ev.fits:
         worst = max((c for st in ev.stages for c in st.cells), key=lambda c: c.memory_bytes / c.cell.capacity)
@@ -457,6 +476,29 @@ def estimate_from_profile(profile: ModelProfile, cluster: ClusterSpec, config: P
                     comm_s=M * busiest.comm_s, bubble_s=ev.bubble_s, tail_s=ev.X,
                     samples_per_s=global_batch / ev.step_time_s, stages=stages, feasible=ev.fits, reason=reason,
                     plan=plan)
+
+
+def _stage_options(cc: Any, counts: Any, option: Any, host: Any, host_blocks: tuple[int, ...] | None) -> list[Any]:
+    """Each stage's state option, or its mix with ``host`` (``host_blocks``: that many of the stage's
+    repeated blocks, those of its longest segment, on the host)."""
+    out: list[Any] = []
+    for sc, row in zip(cc.stages, counts):
+        n = host_blocks[sc.index] if host is not None and host_blocks is not None else 0
+        if not n:
+            out.append(option)
+            continue
+        g = max(range(len(row)), key=lambda i: (row[i], i))
+        if n >= sum(row) or n > row[g]:
+            raise PlanError(f"ParallelConfig.host_blocks: stage {sc.index} has {sum(row)} blocks, {row[g]} of them "
+                            f"repeated; {n} on the host leaves none on the device or takes blocks of another "
+                            "kind: give fewer")
+        on_host = tuple(n if i == g else 0 for i in range(len(row)))
+        mix = ((option, tuple(c - h for c, h in zip(row, on_host))), (host, on_host))
+        if not any(set(o for o, _ in mix) <= set(f) for f in sc.families):
+            raise PlanError(f"ParallelConfig.host_blocks: stage {sc.index} cannot keep blocks on the device and on "
+                            f"the host side by side under {option} (whalepy.ir.rules.mixed_tiers_error)")
+        out.append(mix)
+    return out
 
 
 def _stage_estimate(st: Any) -> StageEstimate:

@@ -19,9 +19,11 @@ its stages hold traced copies of the submodules. whalepy instead:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -39,7 +41,7 @@ from torch.export.graph_signature import (
 from whalepy.errors import CaptureError
 from whalepy.models.hf_compat import export_compat
 
-__all__ = ["TensorSpec", "retarget_device", "split_stages", "stage_io", "tied_parameters"]
+__all__ = ["TensorSpec", "retarget_device", "reuse_traces", "split_stages", "stage_io", "tied_parameters"]
 
 _BLOCK = "whalepy.block"
 _CONST_PREFIX = "_whalepy_constants"
@@ -56,7 +58,11 @@ def split_stages(
     stage_blocks = [tuple(s) for s in stage_blocks]
     _check_stage_blocks(model, stage_blocks)
     block_stage = {p: k for k, paths in enumerate(stage_blocks) for p in paths}
-    ep = _export(model, tuple(example_args), dict(example_kwargs or {}), tuple(block_stage))
+    traces = _TRACES.get()
+    key = None if traces is None else _trace_key(model, example_args, example_kwargs, stage_blocks)
+    cached = None if traces is None else traces.get(key)
+    ep = cached[0] if cached is not None else \
+        _export(model, tuple(example_args), dict(example_kwargs or {}), tuple(block_stage))
     graph, attrs = _collapse_blocks(ep, model, block_stage)
     stage_of, free = _assign_stages(graph, attrs, block_stage, len(stage_blocks))
     stages = [
@@ -73,10 +79,46 @@ def split_stages(
         stage.whalepy_stage_index = k
         stage.whalepy_blocks = stage_blocks[k]
         stage.whalepy_input_shapes = shapes  # the shapes the graph is specialised to
-    ios = stage_io(stages)
+    ios = cached[1] if cached is not None else stage_io(stages)
+    if traces is not None:
+        traces[key] = (ep, ios)
     for k, stage in enumerate(stages):
         stage.whalepy_io = None if ios is None else ios[k]  # what it receives and sends per micro-batch
     return stages
+
+
+_TRACES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("whalepy_split_traces", default=None)
+
+
+@contextlib.contextmanager
+def reuse_traces() -> Iterator[None]:
+    """Inside this context, :func:`split_stages` traces a model once per structure: a later call for a
+    model of the same class tree, parameter and buffer shapes, example inputs and stage blocks reuses the
+    first call's export and stage shapes (:func:`stage_io`) and builds its stages from them around its
+    own modules. ``whalepy check`` lowers one rank after another, each with a fresh copy of the same
+    model, and every rank of a cluster traces the same graph: the trace of a 175B model (10 s) and its
+    fake run of every stage (4 s) are then paid once per check, not once per rank. The key is the
+    structure, not the code: values a module keeps outside its parameters, buffers and ``repr`` (a rotary
+    base in a config) are not in it, so use it where the models are copies of one model (``whalepy
+    check``'s ``build()``)."""
+    token = _TRACES.set({})
+    try:
+        yield
+    finally:
+        _TRACES.reset(token)
+
+
+def _trace_key(model: nn.Module, args: tuple, kwargs: dict | None, stage_blocks: Sequence[tuple[str, ...]]) -> tuple:
+    """What the export and the stage shapes depend on: the module tree (``repr``: classes and their
+    settings), every parameter's and buffer's name, shape and dtype, the inputs' shapes, dtypes and
+    constants, and the stage blocks."""
+    def leaf(x: Any) -> Any:
+        return (tuple(x.shape), x.dtype, x.device.type) if isinstance(x, torch.Tensor) else repr(x)
+
+    state = tuple((n, tuple(t.shape), t.dtype) for n, t in
+                  [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)])
+    return (type(model).__qualname__, repr(model), state, tuple(leaf(x) for x in pytree.tree_leaves((args, kwargs or {}))),
+            str(pytree.tree_structure((args, kwargs or {}))), tuple(stage_blocks))
 
 
 TensorSpec = tuple[tuple[int, ...], torch.dtype, bool]

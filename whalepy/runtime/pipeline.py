@@ -25,7 +25,7 @@ from torch import nn
 
 from whalepy.errors import LaunchError
 from whalepy.ir.plan import Schedule
-from whalepy.runtime._stage_split import retarget_device, split_stages, tied_parameters
+from whalepy.runtime._stage_split import retarget_device, reuse_traces, split_stages, tied_parameters
 from whalepy.runtime._torch_compat import match_pipeline_mode
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "build_pipeline_schedule",
     "microbatch_mean_loss",
     "retarget_device",
+    "reuse_traces",
     "run_pipeline_step",
     "split_stages",
     "tied_parameters",
