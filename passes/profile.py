@@ -10,7 +10,9 @@ where, ``flops`` and ``memory`` for the per-node rules). Two rules decide the re
   add up to ``sum(p.numel() for p in model.parameters())`` exactly.
 - **Block inputs and outputs.** ``input_bytes`` sums the distinct tensors a block reads from other
   blocks or from the model's inputs (not parameters or buffers); ``output_bytes`` the distinct
-  tensors it produces that a later block or the graph output reads.
+  tensors it produces that a later block or the graph output reads, except those that depend on no
+  input and no parameter (a causal mask, rotary tables from buffers), which a pipeline stage
+  recomputes instead of receiving.
 """
 
 from __future__ import annotations
@@ -384,6 +386,16 @@ def _block_sums(gm: fx.GraphModule, n: int) -> list[dict[str, Any]]:
     sums = [{"fwd": 0.0, "bwd": 0.0, "bytes": 0.0, "saved": 0, "in": 0, "out": 0, "paths": {}}
             for _ in range(n)]
     read: list[set[fx.Node]] = [set() for _ in range(n)]
+    # values that depend on no input and no parameter (masks, position ids, rotary tables computed
+    # from buffers) cross no stage boundary: the pipeline's stage split recomputes them in each stage
+    # that needs them (runtime/_stage_split.py, "free" glue), so they are no block's output
+    bound: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "get_attr"):  # get_attr: the symbolic-trace capture's parameters
+            if "whalepy.input" in node.meta or "whalepy.param" in node.meta:
+                bound.add(node)
+        elif any(a in bound for a in node.all_input_nodes):
+            bound.add(node)
     for node in gm.graph.nodes:
         b = node.meta.get("whalepy.block")
         if b is None:
@@ -401,7 +413,7 @@ def _block_sums(gm: fx.GraphModule, n: int) -> list[dict[str, Any]]:
             if external and a not in read[b]:
                 read[b].add(a)
                 s["in"] += nbytes(a.meta.get("val"))
-        if any(u.op == "output" or u.meta.get("whalepy.block", b) != b for u in node.users):
+        if node in bound and any(u.op == "output" or u.meta.get("whalepy.block", b) != b for u in node.users):
             s["out"] += nbytes(meta.get("val"))
     return sums
 
