@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-VOCAB, SEQ, HIDDEN, LAYERS, HEADS, BATCH = 2048, 128, 128, 4, 4, 4
+VOCAB, SEQ, HIDDEN, LAYERS, HEADS, BATCH = 1024, 64, 64, 2, 4, 4
 
 
 def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
