@@ -1,5 +1,6 @@
 """Predicted peak memory of a measured plan (``whalepy.plan(..., measure=True)``) against the peak its run
-holds, with the blocks compiled (``compile=True``) and eager, bf16, one CPU process (docs/benchmarks.md).
+holds, with the blocks compiled (``compile=True``) and eager, bf16, one micro-batch (as the H200 runs of
+docs/benchmarks.md), one CPU process.
 
     python benchmarks/bench_compiled_memory_cpu.py [--backend inductor]
 
@@ -39,7 +40,8 @@ def main() -> None:
     for compiled in (True, False):
         model, x = cases.build()
         plans.append(whalepy.plan(model, whalepy.ClusterSpec.local(1), global_batch=cases.BATCH, example_inputs=(x,),
-                                  measure=True, compile=compiled, precision="bf16", time_limit_s=20))
+                                  measure=True, compile=compiled, precision="bf16", time_limit_s=20,
+                                  max_microbatches=1))
     rows = run_distributed(_run, 1, plans, args.backend, timeout=3000)[0]
     for p, (pred, peak) in zip(plans, rows):
         c = p.stages[0].cost
