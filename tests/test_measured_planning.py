@@ -75,9 +75,23 @@ def test_identical_blocks_share_one_measurement(measured):
                 f, b = m.times[sig][("fp32", tp, mb)]
                 assert f > 0 and b > 0
         assert m.updates[sig] > 0
-    # the layer's saved activations are measured and replace the estimate
-    per = m.activation_bytes[layers[0]]["fp32"]
+    # the layer's saved activations are measured at each size and replace the estimate: the bytes per sample
+    # of the line through the two largest sizes (what does not grow with the batch is charged apart)
+    for sig in set(sigs):  # the warm-up trace and the per-size count agree at the largest size
+        assert m.saved[sig][("fp32", False, 4.0)] == pytest.approx(m.activation_bytes[sig]["fp32"] * 4)
+    fixed, per = m.saved_fit(layers[0], "fp32")
+    assert per > 0 and fixed >= 0
     assert measured.blocks[1].activation_bytes == round(per * measured.batch_size)
+    # a table written before the per-size counts (no ``saved``) still gives its per-sample bytes
+    from dataclasses import replace
+
+    from whalepy.frontend.measure import apply_measured_activations
+
+    old = MeasuredCosts.from_dict({**m.to_dict(), "blocks": {s: {k: v for k, v in e.items() if k != "saved"}
+                                                             for s, e in m.to_dict()["blocks"].items()}})
+    assert not old.saved and old.activation_bytes == m.activation_bytes
+    legacy = apply_measured_activations(replace(measured, measured=None), old, "fp32")
+    assert legacy.blocks[1].activation_bytes == round(m.activation_bytes[layers[0]]["fp32"] * measured.batch_size)
 
 
 def test_planner_uses_measured_times_and_says_so(measured, runs, tmp_path, monkeypatch):
@@ -293,6 +307,9 @@ def test_compiled_blocks_are_measured_when_the_plan_compiles(monkeypatch, tmp_pa
     sigs = {block_signature(prof, b) for b in prof.blocks}
     assert set(m.compiled) == sigs and all(m.compiled[s][("fp32", 1, 2.0)][0] > 0 for s in sigs)
     assert all(("fp32", "fsdp_reshard/compiled", 2.0) in m.wrapped[s] for s in sigs)
+    # what the compiled blocks save for backward, counted in the lowered plain (compiled) run, beside the eager
+    assert all(("fp32", True, 2.0) in m.saved[s] and ("fp32", False, 2.0) in m.saved[s] for s in sigs)
+    assert any(m.saved[s][("fp32", True, 2.0)] > 0 for s in sigs)
     cluster = ClusterSpec.local(1)
     eager = CostContext(prof, Hardware(cluster), precision="fp32")
     compiled = CostContext(prof, Hardware(cluster), precision="fp32", compile=True)
@@ -314,12 +331,13 @@ def test_compiled_blocks_are_measured_when_the_plan_compiles(monkeypatch, tmp_pa
     # where the lowered timing cannot run, the compiled blocks are timed in this process instead
     from whalepy.frontend import measure as measure_mod
 
-    monkeypatch.setattr(measure_mod, "_measure_as_lowered", lambda *a, **k: ({}, {}, {}, {}, {}))
+    monkeypatch.setattr(measure_mod, "_measure_as_lowered", lambda *a, **k: ({}, {}, {}, {}, {}, {}))
     alone = whalepy.profile(model, (x,), measure=True, micro_batches=(1, 2), tp_degrees=(1,), repeats=1,
                             compile=True).measured
     assert set(alone.compiled) == sigs and not alone.wrapped
     assert all(set(alone.compiled[s]) == {("fp32", 1, 1.0), ("fp32", 1, 2.0)} for s in sigs)
     assert all(f > 0 and b > 0 for s in sigs for f, b in alone.compiled[s].values())
+    assert all({k for k in alone.saved[s] if k[1]} == {("fp32", True, 1.0), ("fp32", True, 2.0)} for s in sigs)
 
 
 def test_inside_a_distributed_job_the_lowered_timing_runs_in_another_process():

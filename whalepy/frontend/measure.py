@@ -233,6 +233,57 @@ def _one_step(model: nn.Module, inputs: Any, clock: BlockClock, loss_fn: Callabl
     return clock.intervals()
 
 
+def saved_per_block(model: nn.Module, inputs: Any, blocks: dict[int, tuple[str, ...]], loss_fn: Callable,
+                    autocast: Any) -> dict[int, int]:
+    """Bytes each block's forward saves for backward in one forward + backward of ``model`` (block index
+    -> bytes): distinct storages given to ``saved_tensors_hooks`` while the block's modules run,
+    parameters and views of them excluded, as :func:`whalepy.frontend.trace.trace_memory` counts them.
+    Unlike that trace it runs no ``TorchDispatchMode``, under which ``torch.compile`` runs its code
+    eagerly: a compiled block saves through its ``CompiledFunction``'s ``ctx.save_for_backward``, which the
+    hooks see (with no recompilation), so this counts what the compiled blocks themselves keep."""
+    import warnings
+
+    current: list[int | None] = [None]
+    named = dict(model.named_modules())
+    handles = []
+    for idx, paths in blocks.items():
+        for path in paths:
+            mod = named.get(path)
+            if mod is not None:
+                handles.append(mod.register_forward_pre_hook(lambda m, a, i=idx: current.__setitem__(0, i)))
+                handles.append(mod.register_forward_hook(lambda m, a, o: current.__setitem__(0, None)))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters() if p.device.type != "meta"}
+    seen: set[int] = set()
+    out: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if current[0] is None or isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+            return t
+        local = getattr(t, "_local_tensor", t)  # a DTensor saves its local shard
+        st = local.untyped_storage()
+        ptr = st.data_ptr()
+        if ptr not in params and ptr not in seen:  # saved tensors live until backward: no address reuse
+            seen.add(ptr)
+            out[current[0]] = out.get(current[0], 0) + st.nbytes()
+        return t
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            with autocast():
+                out_ = _call(model, inputs)
+                current[0] = None
+                loss = checked_loss(loss_fn, out_, inputs)
+            del out_
+            loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
+        for p in model.parameters():
+            p.grad = None
+    return out
+
+
 WARMUP_STEPS = (2, 6)
 """Least and most warm-up steps before timing a shape: the first steps of a new shape (and of a fresh
 process: kernel selection, allocator growth, lazy initialisation) run slower than the steady state the
@@ -331,6 +382,7 @@ def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device
     times: dict[str, dict[tuple[str, int, float], tuple[float, float]]] = {}
     updates: dict[str, float] = {}
     acts: dict[str, dict[str, float]] = {}
+    saved: dict[str, dict[tuple[str, bool, float], float]] = {}
     names: dict[str, str] = {}
     optimizer_step: tuple[float, int] | None = None
     last = profile.blocks[-1].index
@@ -365,6 +417,10 @@ def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device
                         times.setdefault(sigs[i], {})[(precision, tp, float(mb))] = (
                             med.get((i, "f"), 0.0), med.get((i, "b"), 0.0))
                         names.setdefault(sigs[i], b.name)
+                    if tp == 1:  # what each block saves for backward at this size (split by MeasuredCosts.saved_fit)
+                        got = saved_per_block(work, inputs, blocks, loss_fn, autocast)
+                        for i in blocks:
+                            saved.setdefault(sigs[i], {})[(precision, False, float(mb))] = float(got.get(i, 0))
             finally:
                 clock.remove()
             if tp == 1:
@@ -388,23 +444,26 @@ def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device
                         if name in trace.activation_bytes:
                             acts.setdefault(sigs[i], {})[precision] = trace.activation_bytes[name] / mbs[-1]
             del work
-        wrapped, wrapped_updates, compiled, tp_colls, units = {}, {}, {}, {}, {}
+        wrapped, wrapped_updates, compiled, tp_colls, units, saved_c = {}, {}, {}, {}, {}, {}
         if lowered:
-            wrapped, wrapped_updates, compiled, tp_colls, units = _measure_as_lowered(
+            wrapped, wrapped_updates, compiled, tp_colls, units, saved_c = _measure_as_lowered(
                 model, example_inputs, profile, blocks, sigs, times, dev=dev, precision=precision, mbs=mbs,
                 tp_degrees=tp_degrees, repeats=repeats, loss_fn=loss_fn, optimizer=optimizer, compile=compile)
         if compile and not any(k[1] == 1 for rows in compiled.values() for k in rows):
             # the lowered timing could not run (said in the log): the compiled blocks timed here, whole
-            compiled = {**compiled, **_compiled_in_process(model, example_inputs, profile, blocks, sigs, dev=dev,
-                                                           precision=precision, mbs=mbs, repeats=repeats,
-                                                           loss_fn=loss_fn, autocast=autocast, sync=sync)}
+            alone, saved_c = _compiled_in_process(model, example_inputs, profile, blocks, sigs, dev=dev,
+                                                  precision=precision, mbs=mbs, repeats=repeats, loss_fn=loss_fn,
+                                                  autocast=autocast, sync=sync)
+            compiled = {**compiled, **alone}
+        for sig, rows in saved_c.items():
+            saved.setdefault(sig, {}).update(rows)
     return MeasuredCosts(device_type=device_type or row.name, device_name=reported,
                          threads=torch.get_num_threads() if dev.type == "cpu" else None,
                          source=f"whalepy measure on {reported}, torch {torch.__version__}",
                          optimizer=_optimizer_name(optimizer), times=times, updates=updates,
                          activation_bytes=acts, names=names, wrapped=wrapped, wrapped_updates=wrapped_updates,
                          compiled=compiled, tp_collectives=tp_colls, fsdp_units=units,
-                         optimizer_step=optimizer_step)
+                         optimizer_step=optimizer_step, saved=saved)
 
 
 def block_parameters(root: nn.Module, blocks: dict[int, tuple[str, ...]]) -> dict[int, list[nn.Parameter]]:
@@ -427,11 +486,12 @@ def block_parameters(root: nn.Module, blocks: dict[int, tuple[str, ...]]) -> dic
 
 def _compiled_in_process(model: nn.Module, example_inputs: Any, profile: Any, blocks: dict[int, tuple[str, ...]],
                          sigs: dict[int, str], *, dev: torch.device, precision: str, mbs: list[int], repeats: int,
-                         loss_fn: Callable, autocast: Any, sync: Callable[[], None]) -> dict:
+                         loss_fn: Callable, autocast: Any, sync: Callable[[], None]) -> tuple[dict, dict]:
     """``sig -> (precision, 1, micro_batch) -> (forward_s, backward_s)`` of the blocks compiled as the
     runtime compiles them (``runtime.compile_blocks``), timed in this process without the runtime's
-    wrappers: what stands in when the lowered timing could not run. Each micro-batch size is compiled on
-    its own (static shapes, as the runtime's one size is). Empty if the compiler fails here."""
+    wrappers: what stands in when the lowered timing could not run; and ``sig -> (precision, True,
+    micro_batch) -> bytes`` they save for backward (:func:`saved_per_block`). Each micro-batch size is
+    compiled on its own (static shapes, as the runtime's one size is). Empty if the compiler fails here."""
     import logging
 
     import torch._dynamo
@@ -440,8 +500,9 @@ def _compiled_in_process(model: nn.Module, example_inputs: Any, profile: Any, bl
 
     compile_blocks = block_compiler()
     out: dict[str, dict] = {}
+    saved: dict[str, dict] = {}
     if compile_blocks is None:
-        return out
+        return out, saved
     last = profile.blocks[-1].index
     work = _materialized(model, dev)
     work.train()
@@ -454,29 +515,32 @@ def _compiled_in_process(model: nn.Module, example_inputs: Any, profile: Any, bl
             torch._dynamo.reset()
             inputs = _resize(example_inputs, mb, dev)
             med = _timed_steps(work, inputs, clock, loss_fn, autocast, last, repeats)
+            kept = saved_per_block(work, inputs, blocks, loss_fn, autocast)
             for i in blocks:
                 out.setdefault(sigs[i], {})[(precision, 1, float(mb))] = (med.get((i, "f"), 0.0), med.get((i, "b"), 0.0))
+                saved.setdefault(sigs[i], {})[(precision, True, float(mb))] = float(kept.get(i, 0))
     except Exception as e:  # noqa: BLE001 - then the eager times stand in (the planner says so)
         logging.getLogger("whalepy.measure").warning("whalepy measure: the compiled blocks could not be timed "
                                                      "(%s: %s)", type(e).__name__, str(e).splitlines()[0][:200])
-        return {}
+        return {}, {}
     finally:
         clock.remove()
     if stats.fell_back:
         logging.getLogger("whalepy.measure").warning("whalepy measure: %d block(s) ran eagerly when timed compiled "
                                                      "(torch.compile failed: the runtime falls back the same way)",
                                                      len(stats.fell_back))
-    return out
+    return out, saved
 
 
 def _measure_as_lowered(model: nn.Module, example_inputs: Any, profile: Any, blocks: dict[int, tuple[str, ...]],
                         sigs: dict[int, str], times: dict, *, dev: torch.device, precision: str, mbs: list[int],
                         tp_degrees: Iterable[int], repeats: int, loss_fn: Callable, optimizer: Callable,
-                        compile: bool = False) -> tuple[dict, dict, dict, dict, dict]:
+                        compile: bool = False) -> tuple[dict, dict, dict, dict, dict, dict]:
     """The blocks as the runtime lowers them (``whalepy.runtime.measure_lowered``): FSDP2 wrappers'
     times and DTensor optimizer steps recorded apart, TP times replacing the sharded-shape ones (with
     ``compile``: the compiled blocks' times in a table of their own, the third returned) and the TP
-    collectives each block issues (the fourth) and its FSDP2 units (the fifth). Inside a
+    collectives each block issues (the fourth), its FSDP2 units (the fifth) and (with ``compile``) the
+    bytes the compiled blocks save for backward (the sixth, ``MeasuredCosts.saved``'s rows). Inside a
     ``torch.distributed`` job this runs in another process (:func:`_lowered_in_subprocess`)."""
     import torch.distributed as dist
 
@@ -484,7 +548,7 @@ def _measure_as_lowered(model: nn.Module, example_inputs: Any, profile: Any, blo
 
     fn = lowered_measure()
     if fn is None or isinstance(example_inputs, dict):
-        return {}, {}, {}, {}, {}
+        return {}, {}, {}, {}, {}, {}
     from whalepy.ir.rules import tp_splits
 
     names = {profile.blocks[i].name: paths for i, paths in sorted(blocks.items())}
@@ -499,7 +563,7 @@ def _measure_as_lowered(model: nn.Module, example_inputs: Any, profile: Any, blo
     else:
         got = _run_lowered(work, _resize(example_inputs, mbs[-1], dev), **job)
     if not got:
-        return {}, {}, {}, {}, {}
+        return {}, {}, {}, {}, {}, {}
     wrapped: dict[str, dict] = {}
     for (wrapper, mb), row in got["wrapped"].items():
         for name, t in row.items():
@@ -524,7 +588,11 @@ def _measure_as_lowered(model: nn.Module, example_inputs: Any, profile: Any, blo
             if name in sig_of and tp_splits(by_name[name], tp):
                 tpc.setdefault(sig_of[name], {})[int(tp)] = phases
     units = {sig_of[n]: u for n, u in got.get("fsdp_units", {}).items() if n in sig_of and u > 0}
-    return wrapped, ups, compiled, tpc, units
+    saved: dict[str, dict] = {}
+    for mb, row in got.get("saved", {}).items():
+        for name, n in row.items():
+            saved.setdefault(sig_of[name], {})[(precision, True, float(mb))] = float(n)
+    return wrapped, ups, compiled, tpc, units, saved
 
 
 def _run_lowered(work: nn.Module, inputs: tuple, *, names: dict[str, tuple[str, ...]], rules: list, device: str,
@@ -555,9 +623,13 @@ def _run_lowered(work: nn.Module, inputs: tuple, *, names: dict[str, tuple[str, 
     def time_opt(params: list, opt: Callable) -> float:
         return _time_optimizer(params, opt, sync, repeats)
 
+    def count_saved(root: nn.Module, mb: int, by_index: dict[int, tuple[str, ...]], loss: Callable,
+                    ctx: Any) -> dict[int, int]:
+        return saved_per_block(root, _resize(inputs, mb, dev), by_index, loss, ctx)
+
     return fn(work, _resize(inputs, mbs[-1], dev), names, device=dev, precision=precision, micro_batches=mbs,
               tp_rules=rules, tp_degrees=tp_degrees, repeats=repeats, loss_fn=loss_fn, optimizer=optimizer,
-              time_step=time_step, time_optimizer=time_opt, compile=compile)
+              time_step=time_step, time_optimizer=time_opt, compile=compile, count_saved=count_saved)
 
 
 def _default_optimizer(params: list) -> torch.optim.Optimizer:
@@ -658,16 +730,25 @@ def _optimizer_name(optimizer: Callable) -> str:
     return f"{type(opt).__name__} {kind}"
 
 
-def apply_measured_activations(profile: Any, measured: MeasuredCosts, precision: str) -> Any:
+def apply_measured_activations(profile: Any, measured: MeasuredCosts, precision: str, *, compiled: bool = False) -> Any:
     """``profile`` with the activation bytes of blocks whose signature was measured replaced by the
     measurement (bytes per sample x the profile's batch, rescaled from the measured precision to the
-    profile's dtype as :func:`whalepy.frontend.trace.apply_memory_trace` does)."""
+    profile's dtype as :func:`whalepy.frontend.trace.apply_memory_trace` does).
+
+    The bytes per sample are :meth:`MeasuredCosts.saved_fit`'s (``compiled``: the compiled blocks', where
+    they were measured; the plan compiles them): the part of what a block saves that does not grow with
+    the micro-batch (autocast's 16-bit weight copies) is left out here, and the planner charges it per
+    parameter (``CostContext.autocast_copy_bytes``) where the runtime keeps it. A table without
+    :attr:`MeasuredCosts.saved` (written before) gives its ``activation_bytes``, copies included."""
     from whalepy.cost_models.compute import precision_bytes
 
     scale = (torch.finfo(getattr(torch, profile.dtype)).bits // 8) / precision_bytes(precision)
     blocks = []
     for b in profile.blocks:
-        per = measured.activation_bytes.get(block_signature(profile, b), {}).get(precision)
+        sig = block_signature(profile, b)
+        fit = (measured.saved_fit(sig, precision, compiled=True) if compiled else None) \
+            or measured.saved_fit(sig, precision)
+        per = fit[1] if fit is not None else measured.activation_bytes.get(sig, {}).get(precision)
         blocks.append(b if per is None else replace(b, activation_bytes=int(round(per * profile.batch_size * scale))))
     return replace(profile, blocks=tuple(blocks))
 

@@ -67,4 +67,5 @@ def profile(model: Any, example_inputs: Any, *, measure: bool = False, **kwargs:
     from whalepy.frontend.measure import apply_measured_activations, measure_costs
 
     measured = measure_costs(model, example_inputs, prof, **mopts)
-    return replace(apply_measured_activations(prof, measured, mopts.get("precision", "fp32")), measured=measured)
+    return replace(apply_measured_activations(prof, measured, mopts.get("precision", "fp32"),
+                                              compiled=bool(mopts.get("compile", False))), measured=measured)

@@ -246,6 +246,12 @@ def trace_memory(target: Any, inputs: Any, targets: Any = None, *,
     _check_trace_args(target, inputs, loss_fn, optimizer, blocks, parallel)
     _check_targets(target, inputs, targets, parallel)
     if parallel:
+        if getattr(target.plan, "compile", False):
+            from whalepy.log import warn_once
+
+            warn_once("trace-compiled", "whalepy.trace_memory: the plan compiles its blocks, but torch.compile runs "
+                      "them eagerly under the trace's TorchDispatchMode: this trace is of the eager blocks (what "
+                      "the compiled ones save: whalepy.plan(..., measure=True), docs/profiling.md)")
         fingerprint = str(getattr(target.plan, "model_fingerprint", "") or "")
         roots = target.module if isinstance(target.module, list) else [target.module]
         mapping = blocks if blocks is not None else getattr(target, "block_modules", {})

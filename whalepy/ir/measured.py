@@ -65,7 +65,9 @@ class MeasuredCosts:
 
     ``times[sig][(precision, tp, micro_batch)] = (forward_s, backward_s)``; ``updates[sig]`` the
     optimizer step over the block's parameters (tp 1, unsharded); ``activation_bytes[sig]`` the bytes
-    its forward saves per sample (tp 1, in the precision measured)."""
+    its forward saves per sample (tp 1, in the precision measured); ``saved[sig]`` the bytes one
+    micro-batch's forward saves, per micro-batch size, eager and compiled (:meth:`saved_fit` splits them
+    into a part per sample and a part per micro-batch, the weights' casts)."""
 
     device_type: str
     """Catalog device type the times are for (``"CPU"``, ``"H100-SXM"``)."""
@@ -109,6 +111,27 @@ class MeasuredCosts:
     wrapped_updates: dict[str, dict[str, float]] = field(default_factory=dict)
     """``sig -> "fsdp/D" or "tp/D" -> seconds``: the optimizer step over the block's parameters as the
     runtime holds them (DTensor shards of degree ``D``), same fake process group."""
+    saved: dict[str, dict[tuple[str, bool, float], float]] = field(default_factory=dict)
+    """``sig -> (precision, compiled, micro_batch) -> bytes``: what one micro-batch's forward of the block
+    saves for backward (``saved_tensors_hooks``: distinct storages, parameters excluded; tp 1), eager
+    (``compiled`` False) and with the block compiled as the runtime compiles it (True: AOTAutograd's
+    partitioner saves other tensors than eager autograd, recomputing cheap element-wise ops and casts).
+    Tables written before it was measured have none: :attr:`activation_bytes` stands in."""
+
+    def saved_fit(self, sig: str, precision: str, *, compiled: bool = False) -> tuple[float, float] | None:
+        """``(bytes per micro-batch, bytes per sample)`` the block saves for backward (:attr:`saved`): the
+        line through the two largest micro-batch sizes measured, its part per micro-batch (what does not
+        grow with the batch: under autocast the 16-bit copies of the weights) at least 0; with one size
+        measured, all of it per sample. None where the block was not measured so."""
+        rows = sorted((mb, b) for (p, c, mb), b in self.saved.get(sig, {}).items() if p == precision and c == compiled)
+        if not rows:
+            return None
+        m2, b2 = rows[-1]
+        if len(rows) == 1:
+            return 0.0, b2 / m2
+        m1, b1 = rows[-2]
+        fixed = max(b2 - m2 * (b2 - b1) / (m2 - m1), 0.0)
+        return fixed, max(b2 - fixed, 0.0) / m2
 
     def wrapper_overhead(self, sig: str, precision: str, wrapper: str, micro_batch: float, *, compiled: bool = False
                          ) -> tuple[float, float] | None:
@@ -162,15 +185,16 @@ class MeasuredCosts:
         """``self`` with ``other``'s entries added (``other`` wins where both measured)."""
         if other.device_type != self.device_type:
             raise WhalepyError(f"cannot merge measurements of {other.device_type} into {self.device_type}")
-        times, acts, wrapped, compiled, tpc, wups = (
+        times, acts, wrapped, compiled, tpc, wups, saved = (
             _merge_nested(getattr(self, f), getattr(other, f))
-            for f in ("times", "activation_bytes", "wrapped", "compiled", "tp_collectives", "wrapped_updates"))
+            for f in ("times", "activation_bytes", "wrapped", "compiled", "tp_collectives", "wrapped_updates",
+                      "saved"))
         units = {**self.fsdp_units, **other.fsdp_units}
         return replace(self, device_name=other.device_name or self.device_name, threads=other.threads,
                        source=other.source or self.source, optimizer=other.optimizer or self.optimizer,
                        times=times, updates={**self.updates, **other.updates}, activation_bytes=acts,
                        names={**self.names, **other.names}, wrapped=wrapped, wrapped_updates=wups,
-                       compiled=compiled, tp_collectives=tpc, fsdp_units=units,
+                       compiled=compiled, tp_collectives=tpc, fsdp_units=units, saved=saved,
                        optimizer_step=other.optimizer_step if other.updates or other.optimizer_step
                        else self.optimizer_step)
 
@@ -190,13 +214,15 @@ class MeasuredCosts:
                                "compiled": [{"precision": p, "tp": d, "micro_batch": mb, "forward_s": f,
                                              "backward_s": b}
                                             for (p, d, mb), (f, b) in sorted(self.compiled.get(s, {}).items())],
+                               "saved": [{"precision": p, "compiled": c, "micro_batch": mb, "bytes": n}
+                                         for (p, c, mb), n in sorted(self.saved.get(s, {}).items())],
                                "fsdp_units": self.fsdp_units.get(s),
                                "tp_collectives": {str(tp): {ph: {k: list(v) for k, v in sorted(kinds.items())}
                                                             for ph, kinds in sorted(phases.items())}
                                                   for tp, phases in sorted(self.tp_collectives.get(s, {}).items())}}
                            for s in sorted(set(self.times) | set(self.updates) | set(self.activation_bytes)
                                            | set(self.wrapped) | set(self.wrapped_updates) | set(self.compiled)
-                                           | set(self.tp_collectives) | set(self.fsdp_units))}}
+                                           | set(self.tp_collectives) | set(self.fsdp_units) | set(self.saved))}}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], *, where: str = "measured costs") -> MeasuredCosts:
@@ -204,8 +230,11 @@ class MeasuredCosts:
             raise WhalepyError(f"{where}: measured-costs format {d.get('format')!r} is not supported (this whalepy "
                                f"reads format {MEASURED_FORMAT}); measure again with whalepy calibrate --model")
         try:
-            times, updates, acts, names, wrapped, wups, compiled, tpc, units = {}, {}, {}, {}, {}, {}, {}, {}, {}
+            times, updates, acts, names, wrapped, wups, compiled, tpc, units, saved = ({} for _ in range(10))
             for sig, e in d.get("blocks", {}).items():
+                if e.get("saved"):  # tables written before it was measured have none
+                    saved[sig] = {(r["precision"], bool(r["compiled"]), float(r["micro_batch"])): float(r["bytes"])
+                                  for r in e["saved"]}
                 if e.get("fsdp_units") is not None:
                     units[sig] = int(e["fsdp_units"])
                 if e.get("tp_collectives"):
@@ -232,7 +261,8 @@ class MeasuredCosts:
             return cls(device_type=d["device_type"], device_name=d.get("device_name", ""), threads=d.get("threads"),
                        source=d.get("source", ""), optimizer=d.get("optimizer", ""), times=times, updates=updates,
                        activation_bytes=acts, names=names, wrapped=wrapped, wrapped_updates=wups,
-                       compiled=compiled, tp_collectives=tpc, fsdp_units=units, optimizer_step=step)
+                       compiled=compiled, tp_collectives=tpc, fsdp_units=units, optimizer_step=step,
+                       saved=saved)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise WhalepyError(f"{where}: not a whalepy measured-costs table ({type(e).__name__}: {e}); measure "
                                "again with whalepy calibrate --model") from None

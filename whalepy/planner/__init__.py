@@ -369,7 +369,8 @@ def _measured(model: Any, example_inputs: Any, prof: ModelProfile, cluster: Clus
         logging.getLogger("whalepy.measure").warning(
             "whalepy measure: the plan compiles its blocks but the compiled blocks could not be timed (the log "
             "above says why); their eager times stand in, so the compiled step will run faster than predicted")
-    return replace(apply_measured_activations(prof, measured, opts.precision or "fp32"), measured=measured)
+    return replace(apply_measured_activations(prof, measured, opts.precision or "fp32", compiled=bool(opts.compile)),
+                   measured=measured)
 
 
 def _measured_optimizer(impl: str) -> Callable[[list], Any] | None:

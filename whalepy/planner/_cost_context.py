@@ -358,10 +358,58 @@ class CostContext:
         plain = sum(estimate_kernels_time(b.kernels, **kw))  # type: ignore[arg-type]
         return max(0.0, sum(estimate_kernels_time(b.kernels, autocast=True, **kw)) - plain)  # type: ignore[arg-type]
 
+    def _saved_fit(self, block_index: int) -> tuple[float, float] | None:
+        """``MeasuredCosts.saved_fit`` of the block from the profile's own measurement (whose per-sample
+        part ``apply_measured_activations`` put in the block's ``activation_bytes``) in this plan's
+        precision: the compiled blocks' where the plan compiles and they were measured; None if not."""
+        own = self.profile.measured
+        if own is None or self.precision == "fp32":
+            return None
+        key = ("saved_fit", block_index)
+        if key not in self._cache:
+            from whalepy.ir.measured import block_signature
+
+            sig = block_signature(self.profile, self.profile.blocks[block_index])
+            self._cache[key] = ((own.saved_fit(sig, self.precision, compiled=True) if self.compile else None)
+                                or own.saved_fit(sig, self.precision))
+        return self._cache[key]  # type: ignore[return-value]
+
+    def autocast_copy_bytes(self, device_name: str) -> float:
+        """Bytes per parameter autocast's 16-bit weight copies take while a micro-batch's activations are
+        held (DDP and one device, ``runtime_costs.uses_autocast``): ``AUTOCAST_WEIGHT_COPY_BYTES``, or on
+        the device type the profile was measured on, with every block's saved bytes measured at two
+        micro-batch sizes or more, what the blocks save whatever the micro-batch size
+        (``MeasuredCosts.saved_fit``), over their parameters. Compiled blocks may keep fewer (the
+        partitioner recomputes a cast in backward rather than save it) or more."""
+        from whalepy.cost_models.memory import AUTOCAST_WEIGHT_COPY_BYTES
+
+        own = self.profile.measured
+        if own is None or own.device_type != device_name:
+            return float(AUTOCAST_WEIGHT_COPY_BYTES)
+        key = ("autocast_copy", device_name)
+        if key not in self._cache:
+            from whalepy.ir.measured import block_signature
+
+            fixed = params = 0.0
+            for i, b in enumerate(self.profile.blocks):
+                sig = block_signature(self.profile, b)
+                compiled = self.compile and own.saved_fit(sig, self.precision, compiled=True) is not None
+                sizes = {mb for p, c, mb in own.saved.get(sig, {}) if p == self.precision and c == compiled}
+                fit = self._saved_fit(i)
+                if fit is None or len(sizes) < 2:  # one size: the copies stay in the bytes per sample
+                    params = 0.0
+                    break
+                fixed, params = fixed + fit[0], params + b.num_params
+            self._cache[key] = fixed / params if params else float(AUTOCAST_WEIGHT_COPY_BYTES)
+        return self._cache[key]  # type: ignore[return-value]
+
     def autocast_saved_extra(self, block_index: int, micro_batch: float) -> float:
         """Bytes one block keeps for backward under autocast beyond its 16-bit figure (fp32 tensors where
         autocast keeps them, a cast copy per 16-bit op of an fp32 input; ``whalepy.passes.autocast``);
-        its 16-bit input (the fp32 residual's extra half) where the block has no such record."""
+        its 16-bit input (the fp32 residual's extra half) where the block has no such record. 0 where the
+        block's saved bytes were measured under autocast (``_saved_fit``: they hold these already)."""
+        if self._saved_fit(block_index) is not None:
+            return 0.0
         b = self.profile.blocks[block_index]
         ratio = micro_batch / self.profile.batch_size
         if b.kernels is None or b.kernels.amp is None:

@@ -75,7 +75,6 @@ from collections.abc import Sequence
 from whalepy.cost_models.communication import Collective, CommGroup
 from whalepy.cost_models.compute import precision_bytes
 from whalepy.cost_models.memory import (
-    AUTOCAST_WEIGHT_COPY_BYTES,
     MASTER_GRAD_BYTES,
     ModelStateBytes,
     estimate_fsdp_working_bytes,
@@ -262,7 +261,9 @@ def _stage_options(ctx: CostContext, cand: Candidate, segments: tuple[Segment, .
         # (none when every micro-batch's gradients are reduce-scattered into the sharded ones)
         accumulate = (MASTER_GRAD_BYTES - st.grads if fsdp and cand.num_microbatches > 1 and not o.reduce_each
                       else 0.0)
-        autocast = AUTOCAST_WEIGHT_COPY_BYTES if uses_autocast(kind, ctx.precision) else 0.0
+        # per parameter: the measured blocks' own where measured (CostContext.autocast_copy_bytes)
+        autocast = (max(ctx.autocast_copy_bytes(hw.groups[g].device.name) for g in groups_here)
+                    if uses_autocast(kind, ctx.precision) else 0.0)
         # DDP's gradients are views of its persistent buckets after a synchronised backward
         # (gradient_as_bucket_view=True: grads_at_activation_peak), but the micro-batches it runs
         # under no_sync (all but the last) accumulate into gradients autograd allocates beside them

@@ -138,7 +138,8 @@ def measure_lowered(model: nn.Module, example_inputs: tuple, blocks: dict[str, t
                     tp_degrees: Iterable[int], repeats: int, loss_fn: Callable,
                     optimizer: Callable[[list], torch.optim.Optimizer],
                     time_step: Callable[..., dict[tuple[int, str], float]],
-                    time_optimizer: Callable[..., float], compile: bool = False) -> dict[str, Any] | None:
+                    time_optimizer: Callable[..., float], compile: bool = False,
+                    count_saved: Callable[..., dict[int, int]] | None = None) -> dict[str, Any] | None:
     """Time ``model`` (already truncated, on ``device``) lowered under each wrapper (module docstring).
 
     ``blocks``: block name -> module paths in ``model``; ``time_step(module, inputs, blocks_by_index,
@@ -147,11 +148,14 @@ def measure_lowered(model: nn.Module, example_inputs: tuple, blocks: dict[str, t
 
     ``compile``: lower with ``Plan.compile`` (each block's modules compiled as the runtime compiles them,
     ``runtime.compile_blocks``), and also time the plain (one-rank) lowering, which then is the compiled
-    blocks' own time (``"plain"``).
+    blocks' own time (``"plain"``); there ``count_saved(module, mb, blocks_by_index, loss_fn, autocast)``
+    (block index -> bytes, ``frontend.measure.saved_per_block``) counts, per size, what the compiled
+    blocks save for backward (``"saved"``), one more forward and backward of the compiled code.
 
     Returns ``{"wrapped": {(wrapper, mb): {name: (f, b)}}, "tp": {(tp, mb): {name: (f, b)}},
-    "updates": {key: {name: s}}, "plain": {mb: {name: (f, b)}}, "tp_collectives": {tp: {name: {phase:
-    {kind: (calls, bytes per sample)}}}}}`` or None inside a distributed job."""
+    "updates": {key: {name: s}}, "plain": {mb: {name: (f, b)}}, "saved": {mb: {name: bytes}},
+    "tp_collectives": {tp: {name: {phase: {kind: (calls, bytes per sample)}}}}}`` or None inside a
+    distributed job."""
     import torch.distributed as dist
 
     from whalepy.runtime.mesh import make_plan
@@ -167,7 +171,7 @@ def measure_lowered(model: nn.Module, example_inputs: tuple, blocks: dict[str, t
     configs = [("plain", 1, 1, 0)] if compile else []
     configs += [("fsdp", FSDP_DEGREE, 1, 2), ("fsdp_reshard", FSDP_DEGREE, 1, 3)]
     configs += [("tp", t, t, 0) for t in sorted({int(t) for t in tp_degrees}) if t > 1 and rules]
-    out: dict[str, Any] = {"wrapped": {}, "tp": {}, "updates": {}, "plain": {}, "tp_collectives": {},
+    out: dict[str, Any] = {"wrapped": {}, "tp": {}, "updates": {}, "plain": {}, "saved": {}, "tp_collectives": {},
                            "fsdp_units": {}}
     from whalepy.frontend.profile import profile as capture
     from whalepy.hardware.cluster import ClusterSpec
@@ -208,6 +212,9 @@ def measure_lowered(model: nn.Module, example_inputs: tuple, blocks: dict[str, t
                     row = {n: (med.get((index[n], "f"), 0.0), med.get((index[n], "b"), 0.0)) for n in names}
                     if label == "plain":
                         out["plain"][mb] = row
+                        if count_saved is not None:  # the compiled blocks as they are now (this size's code)
+                            kept = count_saved(root, mb, by_index, loss_fn, autocast)
+                            out["saved"][mb] = {n: int(kept.get(index[n], 0)) for n in names}
                     elif label == "tp":
                         out["tp"][(tp, mb)] = row
                     else:
