@@ -6,6 +6,8 @@ communication and autocast copies."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from whalepy.cost_models.communication import estimate_p2p_time, overlap_loss
@@ -28,21 +30,21 @@ def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: i
           share: int, reps: tuple[int, ...], ranks, allowed: tuple[StateOption, ...],  # type: ignore[no-untyped-def]
           dp_comm: DPComm, tile_extra: dict[StateOption, list[float]] | None = None,
           memo: tuple[dict, tuple] | None = None) -> CellCoeffs:  # type: ignore[type-arg]
-    """``memo``: ``(dict, stage key)`` shared by the stages of one candidate; cells of the same group,
-    share and TP group on stages of the same key get the same per-option coefficients (one computation,
-    the same objects)."""
+    """``memo``: ``(dict, stage key)`` shared by the stages of one candidate and by the candidates that
+    differ from it only in which group runs which cell (``costing._shared_memo``); cells of the same
+    group, share and TP group on stages of the same key get the same per-block and per-option
+    coefficients (one computation, the same objects). What depends on the stage's position (its sends,
+    micro-batches in flight, the loss) is computed per cell."""
     hw, t, d, M = ctx.hw, cand.tp, cand.dp, cand.num_microbatches
     S, v = cand.num_stages, cand.virtual_stages
     mb = share / M
     ratio = mb / ctx.profile.batch_size
     rep = reps[0]
     tp_group = hw.comm(ranks[s][rep]) if t > 1 else None
-    seg_time, seg_re, seg_fwd, seg_bwd, seg_comm, seg_saved, seg_input = (
-        list(x) for x in ctx.segment_costs(segments, g.device.name, t, mb, tp_group))
     # point-to-point sends of this physical stage's chunks
     chunk_p2p = []
     nbytes = ctx.boundary_bytes * ratio
-    for neighbours in chunk_neighbours(s, S, v):
+    for neighbours in _neighbours(s, S, v):
         p2p = 0.0
         for ns in neighbours:
             link = _pair_link(hw.comm((ranks[s][rep][0], ranks[ns][rep][0])))
@@ -53,15 +55,16 @@ def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: i
                                      virtual_stages=v)
     mkey = memo and (memo[1], g.index, share, tp_group)
     if memo is not None and mkey in memo[0]:
-        (opt_beta, opt_overlap, fetch_beta, seg_exposed, edge, seg_tail, tail_edge, seg_amp_saved,
-         seg_autocast) = memo[0][mkey]
+        per_block, per_option = memo[0][mkey]
     else:
-        (opt_beta, opt_overlap, fetch_beta, seg_exposed, edge, seg_tail, tail_edge, seg_amp_saved,
-         seg_autocast) = _cell_options(ctx, cand, segments, g, allowed, dp_comm, tile_extra, seg_fwd, seg_bwd,
-                                       seg_input, mb)
+        per_block = tuple(list(x) for x in ctx.segment_costs(segments, g.device.name, t, mb, tp_group))
+        per_option = _cell_options(ctx, cand, segments, g, allowed, dp_comm, tile_extra, per_block[2],
+                                   per_block[3], per_block[6], mb)
         if memo is not None:
-            memo[0][mkey] = (opt_beta, opt_overlap, fetch_beta, seg_exposed, edge, seg_tail, tail_edge,
-                             seg_amp_saved, seg_autocast)
+            memo[0][mkey] = (per_block, per_option)
+    seg_time, seg_re, seg_fwd, seg_bwd, seg_comm, seg_saved, seg_input = per_block
+    (opt_beta, opt_overlap, fetch_beta, seg_exposed, edge, seg_tail, tail_edge, seg_amp_saved,
+     seg_autocast) = per_option
     loss_bytes = 0.0
     if s == S - 1 and ctx.profile.blocks:
         out = ctx.profile.blocks[-1].output_bytes * ratio
@@ -76,12 +79,17 @@ def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: i
                             host_capacity_per_gpu(g.cpu_memory_bytes, g.gpus_per_node),
                             nvme_capacity_per_gpu(g.nvme_capacity_bytes, g.gpus_per_node))
     capacity, margin, cpu_cap, nvme_cap = ctx._cache[ckey]  # type: ignore[misc]
-    hkey = ("host copies", g.index, tuple(seg_saved), tuple(seg_input), inflight, v)
-    if hkey not in ctx._cache:  # the same for every stage and candidate with these bytes in flight
-        ctx._cache[hkey] = (
-            activation_offload_coefficients(g, saved=seg_saved, inflight=inflight, virtual_stages=v),
-            checkpoint_offload_coefficients(g, inputs=seg_input, inflight=inflight, virtual_stages=v))
-    (seg_offload, seg_host), (seg_ckoff, seg_ckhost) = ctx._cache[hkey]  # type: ignore[misc]
+    host = memo[0].get((mkey, inflight)) if memo is not None else None
+    if host is None:
+        hkey = ("host copies", g.index, tuple(seg_saved), tuple(seg_input), inflight, v)
+        if hkey not in ctx._cache:  # the same for every stage and candidate with these bytes in flight
+            ctx._cache[hkey] = (
+                activation_offload_coefficients(g, saved=seg_saved, inflight=inflight, virtual_stages=v),
+                checkpoint_offload_coefficients(g, inputs=seg_input, inflight=inflight, virtual_stages=v))
+        host = ctx._cache[hkey]
+        if memo is not None:
+            memo[0][(mkey, inflight)] = host
+    (seg_offload, seg_host), (seg_ckoff, seg_ckhost) = host  # type: ignore[misc]
     return CellCoeffs(group=g, share=share, micro_batch=mb, replicas=reps,
                       capacity=capacity, cpu_capacity=cpu_cap, margin=margin,
                       nvme_capacity=nvme_cap, seg_time=seg_time, seg_recompute=seg_re, seg_fwd=seg_fwd,
@@ -92,6 +100,12 @@ def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: i
                       seg_amp_saved=seg_amp_saved, seg_autocast=seg_autocast, loss_bytes=loss_bytes,
                       seg_offload=seg_offload,
                       seg_host=seg_host, seg_ckoff=seg_ckoff, seg_ckhost=seg_ckhost)
+
+
+@functools.lru_cache(maxsize=None)
+def _neighbours(stage: int, num_stages: int, virtual_stages: int) -> tuple[tuple[int, ...], ...]:
+    """:func:`chunk_neighbours`, cached (the same few stage counts for every candidate)."""
+    return tuple(tuple(n) for n in chunk_neighbours(stage, num_stages, virtual_stages))
 
 
 def _cell_options(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], g: GroupView,  # type: ignore[no-untyped-def]

@@ -130,14 +130,13 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
     S, t, d = cand.num_stages, cand.tp, cand.dp
     stages = []
     seg_params = [tp_local_params(seg.block, t) for seg in segments]
-    copies = tied_copy_coeffs(segments, t) if S > 1 else ()
+    copies = ctx._cached("tied copies", segments, (t,), lambda: tied_copy_coeffs(segments, t)) if S > 1 else ()
+    tied_segments = tuple(g for g, seg in enumerate(segments) if seg.block.shares_params)
     mixing = mixed_tiers and cand.virtual_stages == 1
     # Stages whose replicas run on the same groups over equal data-parallel links have the same options
     # and per-option coefficients (only in-flight micro-batches, sends and the loss differ from stage to
-    # stage): computed once per candidate. CommGroup is a value (link speeds, ranks per node), not ranks.
-    per_options: dict[tuple, tuple] = {}  # type: ignore[type-arg]
-    per_cell: dict[tuple, tuple] = {}  # type: ignore[type-arg]
-    pruned: dict[tuple, tuple] = {}  # type: ignore[type-arg]
+    # stage): computed once. CommGroup is a value (link speeds, ranks per node), not ranks.
+    per_options, per_cell, pruned = _shared_memo(ctx, cand, segments, options, mixing)
     for s in range(S):
         dp_ranks = tuple(ranks[s][r][0] for r in range(d))
         dp_group = _shared_nic(hw.comm(dp_ranks), t) if d > 1 else None
@@ -172,11 +171,26 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
                                   buffer_beta=buffer_beta, buffer_split=buffer_split, host_fixed=host_fixed,
                                   dp_ranks=dp_ranks, families=families, tied_copies=copies,
                                   tied_sync=tied_sync_coeffs(ctx, cand, copies, s, cells, ranks, allowed),
-                                  tied_segments=tuple(g for g, seg in enumerate(segments) if seg.block.shares_params)))
+                                  tied_segments=tied_segments))
     return CandidateCoeffs(candidate=cand, segments=segments, stages=stages, ranks=ranks,
                            nodes=_node_shares(hw, ranks) if any(o.off_device for st in stages for o in st.options)
                            or any(stage_offloadable(st) or stage_checkpoint_offloadable(st) for st in stages)
                            else (), bubble=cand.bubble_coefficient)
+
+
+def _shared_memo(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...],
+                 options: tuple[StateOption, ...], mixing: bool) -> tuple[dict, dict, dict]:  # type: ignore[type-arg]
+    """The memos of :func:`build_coefficients` (a stage's options, a cell's per-option coefficients, the
+    undominated options), shared by every candidate that differs from ``cand`` only in which group runs
+    which cell (``cell_groups``): nothing they hold reads it but through their keys (the stage's groups
+    and data-parallel link, the cell's group, share and TP link). On four GPU types the orders of the
+    groups made 2,738 candidates whose coefficients were built one by one (docs/benchmarks.md)."""
+    key = ("stage memo", id(segments), options, mixing, dataclasses.replace(cand, cell_groups=()))
+    hit = ctx._cache.get(key)
+    if hit is None:
+        ctx._kept[id(segments)] = segments  # the id stays this tuple's while the cache lives
+        hit = ctx._cache[key] = ({}, {}, {})
+    return hit  # type: ignore[return-value]
 
 
 def tied_copy_coeffs(segments: tuple[Segment, ...], tp: int) -> tuple[TiedCopyCoeff, ...]:
