@@ -155,16 +155,29 @@ def run_pipeline_step(
     args = tuple(inputs) if rank_stage_is_first else ()
     match_pipeline_mode(schedule, train)  # torch 2.11: eval before the first training step
     run = schedule.step if train else schedule.eval
+    # the merged outputs are not used (the loss is): without this the last stage keeps every
+    # micro-batch's output (the logits) until the step ends, not only the micro-batches in flight
+    keep = {"return_outputs": False} if train and _takes_return_outputs(schedule) else {}
     if rank_stage_is_last:
-        run(*args, target=targets, losses=losses)
+        run(*args, target=targets, losses=losses, **keep)
     else:
-        run(*args)
+        run(*args, **keep)
     if not rank_stage_is_last or not losses:
         return None
     total = torch.stack([loss.detach() for loss in losses]).sum()
     if getattr(getattr(schedule, "_loss_fn", None), "sums_to_batch_mean", False):
         return total
     return total / len(losses)
+
+
+def _takes_return_outputs(schedule: Any) -> bool:
+    """Whether this torch's ``schedule.step`` has ``return_outputs`` (torch 2.8 and later)."""
+    import inspect
+
+    try:
+        return "return_outputs" in inspect.signature(schedule.step).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _static_io(module: nn.Module, index: int, num_stages: int, compute_dtype: torch.dtype | None) -> dict[str, Any]:
