@@ -66,8 +66,9 @@ def loss_peak_bytes(output_bytes: float, elem_bytes: float, *, output_held: bool
     returns (``ParallelModel._accumulate``). A pipeline's last stage keeps the output of the micro-batch
     in its backward (``torch.distributed.pipelining``'s ``fwd_cache``, which the stage's backward reads),
     so it is charged there; the runtime steps the schedule with ``return_outputs=False``, so the outputs
-    of the micro-batches done are not kept to the step's end (``output_chunks``; runtime/pipeline.py). The forward's end (the output, its fp32 copy and the log-probabilities: 10 bytes per element
-    at 16 bits, 8 at fp32) is below the backward's 12."""
+    of the micro-batches done are not kept to the step's end (``output_chunks``; runtime/pipeline.py).
+    The forward's end (the output, its fp32 copy and the log-probabilities: 10 bytes per element at 16
+    bits, 8 at fp32) is below the backward's 12."""
     fp32 = LOSS_BACKWARD_FP32_TENSORS * output_bytes / elem_bytes * LOSS_LOGPROB_BYTES
     return fp32 + (output_bytes if output_held else 0.0)
 

@@ -24,10 +24,15 @@ training step (the previous stage gets its input gradients through them) and not
 ``ParallelModel.evaluate`` before the first ``train_step`` on 2 gloo ranks hung). torch 2.13 rebuilds
 the buffers when the mode changes (``_PipelineSchedule._initialize_pp_stages``); on a torch without it,
 this sets the existing buffers' flag for the coming call.
+
+``pipeline_step_options``: ``schedule.step(..., return_outputs=False)`` (torch 2.8 and later) keeps no
+micro-batch's output for a merged return value; without it the last stage holds every micro-batch's
+output (the logits) until the step ends. On a torch without the keyword, nothing.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 _NOT_DECODABLE = "is unable to be interpreted into a corresponding shard_order"
@@ -83,3 +88,14 @@ def match_pipeline_mode(schedule: Any, train: bool) -> None:
                 buffer = getattr(info, "buffer", None)  # the first stage's placeholders have none
                 if buffer is not None and buffer.requires_grad != train:
                     buffer.requires_grad_(train)
+
+
+def pipeline_step_options(schedule: Any, train: bool) -> dict[str, Any]:
+    """Keywords for ``schedule.step`` that keep no output the caller does not use (module docstring)."""
+    if not train:
+        return {}
+    try:
+        takes = "return_outputs" in inspect.signature(schedule.step).parameters
+    except (TypeError, ValueError):
+        takes = False
+    return {"return_outputs": False} if takes else {}

@@ -26,7 +26,7 @@ from torch import nn
 from whalepy.errors import LaunchError
 from whalepy.ir.plan import Schedule
 from whalepy.runtime._stage_split import retarget_device, reuse_traces, split_stages, tied_parameters
-from whalepy.runtime._torch_compat import match_pipeline_mode
+from whalepy.runtime._torch_compat import match_pipeline_mode, pipeline_step_options
 
 __all__ = [
     "MicrobatchMeanLoss",
@@ -157,7 +157,7 @@ def run_pipeline_step(
     run = schedule.step if train else schedule.eval
     # the merged outputs are not used (the loss is): without this the last stage keeps every
     # micro-batch's output (the logits) until the step ends, not only the micro-batches in flight
-    keep = {"return_outputs": False} if train and _takes_return_outputs(schedule) else {}
+    keep = pipeline_step_options(schedule, train)
     if rank_stage_is_last:
         run(*args, target=targets, losses=losses, **keep)
     else:
@@ -168,16 +168,6 @@ def run_pipeline_step(
     if getattr(getattr(schedule, "_loss_fn", None), "sums_to_batch_mean", False):
         return total
     return total / len(losses)
-
-
-def _takes_return_outputs(schedule: Any) -> bool:
-    """Whether this torch's ``schedule.step`` has ``return_outputs`` (torch 2.8 and later)."""
-    import inspect
-
-    try:
-        return "return_outputs" in inspect.signature(schedule.step).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 def _static_io(module: nn.Module, index: int, num_stages: int, compute_dtype: torch.dtype | None) -> dict[str, Any]:
