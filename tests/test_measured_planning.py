@@ -4,6 +4,7 @@ file; an imported per-layer table drives a plan."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -143,6 +144,38 @@ def test_parallelize_plans_from_the_measured_profile_it_is_given(measured, tmp_p
     fresh = whalepy.parallelize(model, cluster, example_inputs=(x,), loss_fn=lambda o, t: o.mean(),
                                 optimizer=lambda ps: torch.optim.AdamW(ps), global_batch=4, time_limit_s=20).plan
     assert not any("measured for" in n for n in fresh.notes)
+
+
+def test_the_block_clock_adds_nothing_to_the_autograd_graph_and_cuts_every_block():
+    """The clock marks a block's backward with tensor hooks on its outputs, not full backward hooks
+    (which wrap every input and output in an autograd function of their own: 2% of a small GPT's step
+    on a CPU, about 4% on an H200, carried into the measured block times). The graph the timed step
+    runs is the model's own, and every block still gets a forward and a backward interval."""
+    from whalepy.frontend.measure import BlockClock, _one_step, default_loss
+
+    model, x, _ = build()
+    prof = whalepy.profile(model, (x,))
+    blocks = {b.index: b.modules for b in prof.blocks}
+
+    def nodes() -> int:
+        seen, todo = set(), [default_loss(model(x), (x,)).grad_fn]
+        while todo:
+            fn = todo.pop()
+            if fn is None or fn in seen:
+                continue
+            seen.add(fn)
+            todo += [f for f, _ in fn.next_functions]
+        return len(seen)
+
+    plain = nodes()
+    clock = BlockClock(model, blocks, lambda: None)
+    try:
+        assert nodes() == plain
+        got = _one_step(model, (x,), clock, default_loss, contextlib.nullcontext, max(blocks))
+    finally:
+        clock.remove()
+    assert set(got) == {(i, p) for i in blocks for p in ("f", "b")}
+    assert all(t > 0 for t in got.values())
 
 
 def test_the_optimizer_step_is_timed_as_the_runtime_steps_it_with_tied_weights_once():

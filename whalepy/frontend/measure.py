@@ -9,7 +9,8 @@ down while the model runs):
 - forward and backward seconds of one micro-batch, at each micro-batch size and tensor-parallel
   degree asked for, in the plan's precision (``torch.autocast`` for bf16/fp16, as the runtime does it).
   A block's time is read between module hooks: forward from the pre-hook of its first module to the
-  next block's, backward from the backward pre-hook of its last module to the previous block's; the
+  next block's, backward from the gradient of its last module's output (a tensor hook: no autograd
+  function of its own, so the graph timed is the model's) to the previous block's; the
   loss (``loss_fn``; by default cross-entropy of logits against token ids, else the mean square of the
   output) is charged to the last block. Recomputation runs the forward again and is charged its time.
 - tensor parallelism without extra devices: the block is timed with **TP-sharded weight shapes on one
@@ -70,6 +71,18 @@ def _resize(example_inputs: Any, mb: int, device: torch.device) -> Any:
 
 def _call(model: nn.Module, inputs: Any) -> Any:
     return model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    """The tensors of a module's output (a tensor, or nested tuples, lists and dicts of them, or a
+    ModelOutput-like mapping)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in _tensors(o)]
+    return []
 
 
 def _first_tensor(out: Any) -> torch.Tensor:
@@ -173,8 +186,9 @@ class BlockClock:
         intervals are read, as the runtime's own block timing does (runtime/_block_timing.py): a host
         synchronisation at every block boundary drains the launch queue the step keeps full. (On an
         H200 the difference was small: a GPT-1.4B's compiled blocks summed to 76.5 ms synchronised,
-        75.3 ms in the run's event-timed step. Both carry the hooks' own cost: the step without hooks
-        ran its forward and backward in about 72 ms, which this clock does not remove.)"""
+        75.3 ms in the run's event-timed step. Both carried the hooks' own cost then: the step without hooks
+        ran its forward and backward in about 72 ms; the backward marks were full backward pre-hooks,
+        which add an autograd function per module call, and are tensor hooks now, :meth:`_on_outputs`.)"""
         self.events: list[tuple[Any, int | None, str]] = []
         self.handles = []
         named = dict(model.named_modules())
@@ -184,7 +198,20 @@ class BlockClock:
                 if mod is None:
                     continue
                 self.handles.append(mod.register_forward_pre_hook(lambda m, a, i=idx: self.mark(i, "f")))
-                self.handles.append(mod.register_full_backward_pre_hook(lambda m, g, i=idx: self.mark(i, "b")))
+                # first among the forward hooks, so that the output's tensor hook runs before FSDP2's
+                # (its pre-backward all-gather is then inside the block's backward, as it runs there)
+                self.handles.append(mod.register_forward_hook(lambda m, a, out, i=idx: self._on_outputs(i, out),
+                                                              prepend=True))
+
+    def _on_outputs(self, block: int, out: Any) -> None:
+        """The block's backward starts when the gradient of one of its module's outputs is complete: a
+        hook on each output tensor. (A full backward pre-hook marks the same moment but wraps every
+        input and output in an extra autograd function: 2% of a small GPT's step on a CPU,
+        benchmarks/bench_block_clock.py, about 4% on an H200, which the measured blocks then carried;
+        tensor hooks cost a Python call each.)"""
+        for t in _tensors(out):
+            if t.requires_grad:
+                t.register_hook(lambda g, i=block: self.mark(i, "b"))
 
     def mark(self, block: int | None, phase: str) -> None:
         if self.events and self.events[-1][1] == block and self.events[-1][2] == phase:
