@@ -401,7 +401,7 @@ def replica_state_bytes(plan: Any, profile: Any, stage: int, replica: int) -> di
     if profile is None or replica == 0 or plan.dp_degree == 1:
         return out
     from whalepy.cost_models.memory import estimate_stage_model_state_bytes
-    from whalepy.ir.rules import tied_copy_local_params, tied_copy_row_excess, fsdp_row_excess, tp_local_params
+    from whalepy.ir.rules import fsdp_row_excess, tied_copy_local_params, tied_copy_row_excess, tp_local_params
 
     st = plan.stages[stage]
     tp, dp = st.tp_degree, plan.dp_degree
