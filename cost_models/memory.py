@@ -94,6 +94,7 @@ def estimate_model_state_bytes(
     prefetch_depth: int = 1,
     num_blocks: int | None = None,
     stage_offloads: bool = False,
+    row_excess: float = 0.0,
 ) -> ModelStateBytes:
     """Model-state bytes per device that whalepy's runtime holds for ``num_params`` (P) local parameters
     (this rank's, after tensor and pipeline parallelism) on ``dp_degree`` (d) replicas.
@@ -136,6 +137,13 @@ def estimate_model_state_bytes(
     ``stage_offloads``: another block of the stage offloads through the host, so the stage is lowered
     to FSDP2 whatever these tiers are (:func:`estimate_stage_model_state_bytes`, a stage of blocks with
     different tiers).
+
+    ``row_excess``: under FSDP2, the replica's shards are not ``P / d`` but ``(P + row_excess) / d``
+    elements (:func:`whalepy.ir.rules.fsdp_row_excess`: FSDP2 splits each parameter's first dimension
+    with ``torch.chunk``, so the first replica holds ``ceil(rows / d)`` rows of a parameter whose rows
+    ``d`` does not divide, the last ones fewer). Every sharded figure above (parameter, gradient and
+    optimizer shards, on whichever tier) uses that count; the whole-parameter figures (the working set,
+    DDP's replicas) do not. Ignored by the other lowerings.
     """
     from whalepy.ir.rules import (
         LoweringKind,
@@ -157,8 +165,9 @@ def estimate_model_state_bytes(
     kind = choose_lowering_kind(zero_stage, dp_degree, tp=tp_degree, pp=pp_degree, offload=offload)
     psi, d, k = num_params, dp_degree, optimizer_bytes_per_param
     low = precision_bytes(precision)
+    shard = psi + row_excess if kind is LoweringKind.FSDP else psi  # elements times d of the shards
     if kind is LoweringKind.FSDP:
-        params, grads, optimizer = MASTER_PARAM_BYTES * psi / d, MASTER_GRAD_BYTES * psi / d, k * psi / d
+        params, grads, optimizer = MASTER_PARAM_BYTES * shard / d, MASTER_GRAD_BYTES * shard / d, k * shard / d
         gathered = zero_stage >= ZeroStage.PARAMETERS
         working = working_param_bytes if gathered else low * psi
     else:
@@ -169,8 +178,8 @@ def estimate_model_state_bytes(
     if steps_on_host(param_tier, optimizer_tier):
         # the device shard stays, in the compute dtype; its fp32 master copy, gradient and optimizer
         # states are on the host
-        return ModelStateBytes(params=min(low, MASTER_PARAM_BYTES) * psi / d, grads=0.0, optimizer=0.0,
-                               working_params=working, cpu=MASTER_PARAM_BYTES * psi / d + grads + optimizer)
+        return ModelStateBytes(params=min(low, MASTER_PARAM_BYTES) * shard / d, grads=0.0, optimizer=0.0,
+                               working_params=working, cpu=MASTER_PARAM_BYTES * shard / d + grads + optimizer)
     if param_tier is Tier.NVME:  # parameter and gradient shards in files
         nvme, file_grads, params, grads = params, grads, 0.0, 0.0
     elif uses_cpu_offload_policy(param_tier, optimizer_tier):
@@ -207,7 +216,7 @@ def _disk_block_bytes(kind: object, param_tier: Tier, optimizer_tier: Tier, bloc
 
 def estimate_stage_model_state_bytes(
     *,
-    blocks: Sequence[tuple[float, Tier | str, Tier | str]],
+    blocks: Sequence[tuple[float, Tier | str, Tier | str] | tuple[float, Tier | str, Tier | str, float]],
     zero_stage: ZeroStage | int,
     dp_degree: int,
     tp_degree: int = 1,
@@ -219,7 +228,8 @@ def estimate_stage_model_state_bytes(
 ) -> ModelStateBytes:
     """Model-state bytes per device of a stage whose blocks may have different tiers (granular
     offloading, as M6-10T's): ``blocks`` gives each block's ``(local parameters, param_tier,
-    optimizer_tier)``.
+    optimizer_tier)``, or ``(..., row_excess)`` (:func:`estimate_model_state_bytes`: FSDP2's uneven
+    first dimensions, this replica's).
 
     Each group of blocks with the same tiers holds what :func:`estimate_model_state_bytes` says for its
     parameters, in the lowering of the whole stage (FSDP2 as soon as one block offloads through the host,
@@ -233,21 +243,23 @@ def estimate_stage_model_state_bytes(
     from whalepy.ir.rules import choose_lowering_kind, offloads_to_host, staging_slots
 
     zero_stage = ZeroStage(zero_stage)
-    pairs = [(float(n), Tier(p), Tier(o)) for n, p, o in blocks]
+    pairs = [(float(b[0]), Tier(b[1]), Tier(b[2])) for b in blocks]
+    excess = [float(b[3]) if len(b) > 3 else 0.0 for b in blocks]  # type: ignore[misc]
     offload = any(offloads_to_host(p, o) for _, p, o in pairs)
     common = dict(zero_stage=zero_stage, dp_degree=dp_degree, tp_degree=tp_degree, pp_degree=pp_degree,
                   precision=precision, optimizer_bytes_per_param=optimizer_bytes_per_param,
                   stage_offloads=offload)
-    groups: dict[tuple[Tier, Tier], float] = {}
-    for n, p, o in pairs:
-        groups[(p, o)] = groups.get((p, o), 0.0) + n
+    groups: dict[tuple[Tier, Tier], tuple[float, float]] = {}
+    for (n, p, o), e in zip(pairs, excess):
+        n0, e0 = groups.get((p, o), (0.0, 0.0))
+        groups[(p, o)] = (n0 + n, e0 + e)
     # the stage-wide working set of the lowering (ZeRO-3's gathered block): what a stage of no
     # parameters would hold with it
     total = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "cpu": 0.0, "nvme": 0.0, "nvme_between_steps": 0.0,
              "working_params": estimate_model_state_bytes(num_params=0.0, working_param_bytes=working_param_bytes,
                                                           **common).working_params}
-    for (p, o), n in groups.items():
-        part = estimate_model_state_bytes(num_params=n, param_tier=p, optimizer_tier=o, **common)
+    for (p, o), (n, e) in groups.items():
+        part = estimate_model_state_bytes(num_params=n, param_tier=p, optimizer_tier=o, row_excess=e, **common)
         for key in total:
             total[key] += getattr(part, key)
     disk = [(n, p, o) for n, p, o in pairs if Tier.NVME in (p, o)]

@@ -44,7 +44,7 @@ from whalepy.passes.tp_patterns import BlockTP, check_split_degrees, find_tp_pat
 from whalepy.passes.truncate import TruncatedRun, graph_signature, plan_truncation, rename, truncated
 from whalepy.ir.plan import TPRule, TPStyle
 from whalepy.ir.profile import BlockAnnotations, BlockKind, BlockProfile, ModelProfile, TiedCopy
-from whalepy.ir.rules import is_conv1d, tp_shards_parameter
+from whalepy.ir.rules import is_conv1d, tp_shard_dim
 
 
 def analysis_passes(
@@ -126,6 +126,7 @@ def build_profile(
             owner.setdefault(i, b.spec.name)
     first = {id(p): (n, p.numel()) for n, p in model.named_parameters()}
     sizes = {i: k for i, (_, k) in first.items()}
+    row_of = {id(p): _rows(p, sharded) for p in model.parameters()}
     for b in raw:
         spec, tp, fig = b.spec, b.tp, b.fig
         merged = merge_block_annotations(
@@ -142,6 +143,7 @@ def build_profile(
             output_bytes=int(fig["out"]), tp_rules=tp.rules, tp_whole=tp.whole, tp_comm_bytes=int(tp.comm_bytes),
             tp_comm_backward_bytes=int(tp.backward_comm_bytes), tp_gather_bytes=int(tp.gather_bytes),
             tp_whole_params=sum(sizes[i] for i in b.owned if i not in sharded),
+            param_rows=tuple(sorted(row_of[i] for i in b.owned)),
             tied_copies=_tied_copies(model, spec, owner, sharded, first),
             tp_degrees=degrees, annotations=merged, kernels=fig["kernels"],
             linear_params=lin_sum, largest_linear_params=lin_max, num_linears=lin_n,
@@ -302,23 +304,31 @@ def _sequence_parallel_region(raw: list[_Raw]) -> None:
                                         *entry.tp.rules))
 
 
-def _tp_sharded(model: torch.nn.Module, rules: list[TPRule]) -> set[int]:
+def _tp_sharded(model: torch.nn.Module, rules: list[TPRule]) -> dict[int, int]:
     """``id`` of every parameter a tensor-parallel rule shards (:func:`tp_shards_parameter`, as the
-    runtime applies the rules); a parameter tied to a sharded one is sharded with it (the runtime
-    re-ties the copies, ``tensor_parallel._retie``)."""
+    runtime applies the rules), with the dimension it shards (:func:`tp_shard_dim`); a parameter tied to
+    a sharded one is sharded with it (the runtime re-ties the copies, ``tensor_parallel._retie``)."""
     modules = dict(model.named_modules())
-    out: set[int] = set()
+    out: dict[int, int] = {}
     for r in rules:
         m = modules.get(r.module)
         if m is None:
             continue
+        kind = "conv1d" if is_conv1d(m) else "embedding" if isinstance(m, torch.nn.Embedding) else "linear"
         for field, p in m.named_parameters(recurse=False):
-            if tp_shards_parameter(r.style, field, parts=r.parts, conv1d=is_conv1d(m)):
-                out.add(id(p))
+            dim = tp_shard_dim(r.style, field, kind=kind, parts=r.parts)
+            if dim is not None:
+                out[id(p)] = dim
     return out
 
 
-def _tied_copies(model: torch.nn.Module, spec: BlockSpec, owner: dict[int, str], sharded: set[int],
+def _rows(p: torch.Tensor, sharded: dict[int, int]) -> tuple[int, int, int]:
+    """``(rows, elements, tp)`` of a parameter (:attr:`~whalepy.ir.profile.BlockProfile.param_rows`)."""
+    dim = sharded.get(id(p))
+    return (p.shape[0] if p.dim() else 1, p.numel(), 0 if dim is None else 1 if dim == 0 else 2)
+
+
+def _tied_copies(model: torch.nn.Module, spec: BlockSpec, owner: dict[int, str], sharded: dict[int, int],
                  first: dict[int, tuple[str, int]]) -> tuple[TiedCopy, ...]:
     """The parameters of ``spec``'s modules that another block counts (:attr:`BlockProfile.tied_copies`);
     ``first``: each parameter's first name and size."""
@@ -329,7 +339,7 @@ def _tied_copies(model: torch.nn.Module, spec: BlockSpec, owner: dict[int, str],
             o = owner.get(id(p))
             if o is not None and o != spec.name and id(p) not in out:
                 out[id(p)] = TiedCopy(owner=o, parameter=first[id(p)][0], num_params=first[id(p)][1],
-                                      tp_split=id(p) in sharded)
+                                      tp_split=id(p) in sharded, rows=_rows(p, sharded))
     return tuple(out.values())
 
 

@@ -122,6 +122,10 @@ class TiedCopy:
     tp_split: bool = False
     """Tensor parallelism shards the copy (a rule of the holding block names its module with a style
     that shards it, :func:`whalepy.ir.rules.tp_shards_parameter`)."""
+    rows: tuple[int, ...] = ()
+    """The parameter's ``(rows, elements, tp)`` as in :attr:`BlockProfile.param_rows`, where the holding
+    block's rule shards it (FSDP2 splits the copy's first dimension too); empty: unknown (profiles made
+    before this field), charged as ``num_params / dp``."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -160,6 +164,16 @@ class BlockProfile:
     biases of row-parallel linears and of fused projections, position embeddings, modules without a
     rule); the rest are split by the TP degree (:func:`whalepy.ir.rules.tp_local_params`). 0 (profiles
     made before this field): all of them split."""
+    param_rows: tuple[tuple[int, int, int], ...] = ()
+    """Per parameter the block owns (those :attr:`num_params` counts, sorted), ``(rows, elements, tp)``:
+    its first dimension, its elements and how tensor parallelism splits it where the block runs split
+    (:func:`whalepy.ir.rules.tp_splits`): ``0`` whole on every TP rank, ``1`` along its first dimension
+    (column-parallel linear weights and biases, a vocabulary-parallel embedding), ``2`` along another
+    (row-parallel linear weights). FSDP2 splits each parameter's (TP-local) first dimension with
+    ``torch.chunk``: replica ``r`` of ``dp`` holds rows ``[r c, (r + 1) c)``, ``c = ceil(rows / dp)``, so
+    the first replica holds more than ``1 / dp`` of a parameter whose rows ``dp`` does not divide
+    (:func:`whalepy.ir.rules.fsdp_row_excess`). Empty: unknown (profiles made before this field,
+    synthetic ones), charged as ``num_params / dp``."""
     tied_copies: tuple[TiedCopy, ...] = ()
     """Parameters the block's modules hold that the profile counts in another block (a tied weight:
     HF GPT-2's ``lm_head`` holds ``wte.weight``, counted in the embedding's block). A pipeline stage

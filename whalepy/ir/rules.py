@@ -25,7 +25,8 @@ Tensor parallelism: :func:`tp_splits`: whether a block is split across a TP grou
 runs whole on every rank of it (the planner's costs, the plan it writes and the plan check all ask it);
 :func:`tp_shards_parameter`: which parameters of a ruled module the runtime shards (the rest stay whole
 on every TP rank); :func:`tp_local_params`: a block's parameters per TP rank, what the memory model and
-the data-parallel traffic charge.
+the data-parallel traffic charge. FSDP2's uneven first dimensions: :func:`fsdp_rows` (a replica's rows),
+:func:`fsdp_row_excess` (what a replica holds beyond an even ``1 / dp`` share of a block).
 
 Memory-centric tiling: :func:`tiling_error` (``BlockPlan.tiles``). Gradient reduction every
 micro-batch: :func:`reduce_every_microbatch_error` (``StagePlan.reduce_every_microbatch``).
@@ -51,6 +52,10 @@ __all__ = [
     "tp_shards_parameter",
     "tp_splits",
     "tied_copy_local_params",
+    "fsdp_rows",
+    "fsdp_row_excess",
+    "tied_copy_row_excess",
+    "tp_shard_dim",
     "LoweringKind",
     "check_pipeline",
     "check_state_option",
@@ -443,6 +448,61 @@ def tp_shards_parameter(style: TPStyle, field: str, *, parts: int = 1, conv1d: b
     if style in (TPStyle.ROWWISE, TPStyle.VOCAB):
         return field == "weight"
     return False
+
+
+def tp_shard_dim(style: TPStyle, field: str, *, kind: str = "linear", parts: int = 1) -> int | None:
+    """The dimension of parameter ``field`` (``"weight"``, ``"bias"``) of a module ruled ``style`` that
+    the runtime (``whalepy.runtime.tensor_parallel``) shards across the TP group, or None where it stays
+    whole (:func:`tp_shards_parameter`). ``kind``: ``"linear"`` (``nn.Linear``, weight ``[out, in]``),
+    ``"conv1d"`` (HF ``Conv1D``, weight ``[in, out]``) or ``"embedding"`` (``[vocab, width]``).
+
+    Column-parallel shards the output features (a linear's dim 0, a Conv1D's dim 1, a fused Conv1D's
+    strided dim 1) and a bias's dim 0; row-parallel shards the input features (a linear's dim 1, a
+    Conv1D's dim 0); a vocabulary-parallel embedding its rows (dim 0). FSDP2 then splits the TP-local
+    tensor's first dimension (checked by lowering: tests/test_rank_check.py)."""
+    if not tp_shards_parameter(style, field, parts=parts, conv1d=kind == "conv1d"):
+        return None
+    if field != "weight":
+        return 0
+    out_dim = 1 if kind in ("conv1d", "embedding") else 0
+    return out_dim if style is TPStyle.COLWISE else 1 - out_dim
+
+
+def fsdp_rows(rows: int, dp: int, replica: int = 0) -> int:
+    """Rows of a first dimension of ``rows`` that FSDP2 gives replica ``replica`` of ``dp``: it splits
+    with ``torch.chunk``, ``c = ceil(rows / dp)`` rows each in order, so the last replicas get fewer
+    (or none) where ``dp`` does not divide ``rows``."""
+    per = -(-rows // dp)
+    return max(0, min(per, rows - replica * per))
+
+
+def _row_excess(rows: int, numel: int, code: int, split: bool, tp: int, dp: int, replica: int) -> int:
+    if split and code:
+        numel //= tp
+        rows = rows // tp if code == 1 else rows
+    if rows <= 0 or dp == 1:
+        return 0
+    return dp * fsdp_rows(rows, dp, replica) * (numel // rows) - numel
+
+
+def fsdp_row_excess(block: Any, tp: int, dp: int, replica: int = 0) -> int:
+    """Elements replica ``replica`` of ``dp`` holds of ``block``'s parameters under FSDP2, times ``dp``,
+    beyond the block's local parameters (:func:`tp_local_params`): ``sum_p dp * fsdp_rows(rows_p) *
+    (elements per row) - elements_p`` over its :attr:`~whalepy.ir.profile.BlockProfile.param_rows` at TP
+    degree ``tp`` (TP-local first dimensions). So the replica holds ``(tp_local_params + excess) / dp``
+    elements: 0 where ``dp`` divides every first dimension (or the rows are unknown), positive for the
+    first replica, negative for the last ones; summed over the replicas, 0."""
+    split = tp_splits(block, tp)
+    return sum(_row_excess(r, n, c, split, tp, dp, replica) for r, n, c in getattr(block, "param_rows", ()))
+
+
+def tied_copy_row_excess(copy: Any, holder: Any, tp: int, dp: int, replica: int = 0) -> int:
+    """:func:`fsdp_row_excess` of a tied copy (:class:`~whalepy.ir.profile.TiedCopy`) block ``holder``
+    keeps: its rows split by ``tp`` where the holder's rule shards them."""
+    if not getattr(copy, "rows", ()):
+        return 0
+    r, n, c = copy.rows
+    return _row_excess(r, n, c, copy.tp_split and tp_splits(holder, tp), tp, dp, replica)
 
 
 def tp_local_params(block: Any, tp: int) -> float:

@@ -99,6 +99,9 @@ class TiedCopyCoeff:
     owner: int
     holders: tuple[int, ...]
     local_params: float
+    row_excess: float = 0.0
+    """:func:`~whalepy.ir.rules.tied_copy_row_excess` of the copy on the first replica (FSDP2's uneven
+    rows, charged where the holders' option lowers to FSDP2)."""
 
 
 def tied_copy_params(copies: Sequence[TiedCopyCoeff], counts: Sequence[int]) -> float:
@@ -151,6 +154,14 @@ class StageCoeffs:
     tied_segments: tuple[int, ...] = ()
     """Segments whose blocks share parameters (:attr:`~whalepy.ir.profile.BlockProfile.shares_params`):
     in a mix, all of the stage's such blocks take one option (FSDP2 keeps tied weights in one unit)."""
+    seg_excess: tuple[float, ...] = ()
+    """Per segment, :func:`~whalepy.ir.rules.fsdp_row_excess` of one block on the first replica (the one
+    that holds most where ``dp`` does not divide a parameter's first dimension); empty where every
+    block's is 0. Charged as parameters, in the model-state coefficients (:attr:`mem_beta`,
+    :attr:`cpu_beta`, :attr:`nvme_beta`, :attr:`state_split`) of the options in :attr:`row_options`."""
+    row_options: frozenset[StateOption] = frozenset()
+    """The options whose lowering is FSDP2 (the ones that split first dimensions): where
+    :attr:`seg_excess` is charged."""
     families: tuple[tuple[StateOption, ...], ...] = ()
     """Groups of two or more of :attr:`options` whose blocks may share this stage, each block keeping
     its states where its option says (granular tiers, M6-10T; :data:`~whalepy.planner.space.StateMix`):

@@ -25,7 +25,7 @@ from whalepy.planner.space import MAX_OPTIONS_PER_STAGE, StateMix, StateOption
 if TYPE_CHECKING:
     from whalepy.planner._bound import Choices
 
-__all__ = ["held_copies", "part_params", "CellEval", "Evaluation", "StageEval", "checkpoint_offload_s", "chunk_busy_s", "chunk_counts_from_sizes", "counts_from_boundaries", "evaluate", "evaluate_stage", "lower_bound", "memory_breakdown", "offload_s", "split_stage_checkpoints", "step_time"]
+__all__ = ["held_copies", "part_params", "part_state_params", "CellEval", "Evaluation", "StageEval", "checkpoint_offload_s", "chunk_busy_s", "chunk_counts_from_sizes", "counts_from_boundaries", "evaluate", "evaluate_stage", "lower_bound", "memory_breakdown", "offload_s", "split_stage_checkpoints", "step_time"]
 
 
 @dataclass(slots=True)
@@ -226,6 +226,21 @@ def part_params(sc: StageCoeffs, parts: StateMix, counts: Sequence[int]) -> list
     return list(pls.items())
 
 
+def part_state_params(sc: StageCoeffs, parts: StateMix, counts: Sequence[int],
+                      pls: list[tuple[StateOption, float]] | None = None) -> list[tuple[StateOption, float]]:
+    """:func:`part_params` as the model states count them: under FSDP2 (:attr:`StageCoeffs.row_options`)
+    the first replica's shards hold the blocks' and copies' :attr:`StageCoeffs.seg_excess` /
+    ``row_excess`` beyond the even split, charged like parameters (``(P + excess) / dp``)."""
+    pls = part_params(sc, parts, counts) if pls is None else pls
+    if not sc.row_options:
+        return pls
+    extra = {o: sum(n * e for n, e in zip(ns, sc.seg_excess)) for o, ns in parts if o in sc.row_options}
+    for k, o in held_copies(sc, parts, counts):
+        if o in extra:
+            extra[o] += sc.tied_copies[k].row_excess
+    return [(o, x + extra.get(o, 0.0)) for o, x in pls]
+
+
 def held_copies(sc: StageCoeffs, parts: StateMix, counts: Sequence[int]) -> list[tuple[int, StateOption]]:
     """``(index in sc.tied_copies, option of the blocks holding it)`` of each tied copy the stage holds."""
     return [(k, next(o for o, ns in parts if any(ns[h] for h in c.holders)))
@@ -280,8 +295,13 @@ def evaluate_stage(sc: StageCoeffs, chunk_counts: Sequence[Sequence[int]], chunk
     def per_param(coef: dict[StateOption, float]) -> float:
         return sum(coef[o] * x for o, x in pls)
 
-    states = per_param(sc.mem_beta)
-    sp, sg, so = (sum(sc.state_split[o][i] * x for o, x in pls) for i in range(3))
+    sls = part_state_params(sc, parts, counts, pls)
+
+    def per_state(coef: dict[StateOption, float]) -> float:  # the model states: FSDP2's rows as split
+        return sum(coef[o] * x for o, x in sls)
+
+    states = per_state(sc.mem_beta)
+    sp, sg, so = (sum(sc.state_split[o][i] * x for o, x in sls) for i in range(3))
     freed = sg if sc.grads_freed[option] else 0.0
     buffers = per_param(sc.buffer_beta) + sc.working_bytes[option]
     copies = held_copies(sc, parts, counts)
@@ -328,8 +348,8 @@ def evaluate_stage(sc: StageCoeffs, chunk_counts: Sequence[Sequence[int]], chunk
             memory_bytes=max(states - freed + act, states) + buffers,
             states_bytes=states, params_bytes=sp, grads_bytes=grads_held, optimizer_bytes=so,
             buffer_bytes=buffers, activation_bytes=act if at_act else 0.0, tp_s=comm,
-            cpu_bytes=per_param(sc.cpu_beta) + sum(sc.host_fixed.get(o, 0.0) for o, _ in parts) + host_act,
-            nvme_bytes=per_param(sc.nvme_beta)))
+            cpu_bytes=per_state(sc.cpu_beta) + sum(sc.host_fixed.get(o, 0.0) for o, _ in parts) + host_act,
+            nvme_bytes=per_state(sc.nvme_beta)))
     return StageEval(index=sc.index, counts=tuple(counts), checkpoints=tuple(ckpts), option=option,
                      local_params=pl, sync_s=max(c.exposed_sync_s for c in cells), cells=cells,
                      chunk_counts=tuple(tuple(r) for r in chunk_counts),

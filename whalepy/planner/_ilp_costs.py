@@ -120,6 +120,25 @@ def add_tail_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
                 _add(prob, dl, const, LE, f"tail_offload_{s}_{ci}")
 
 
+def _row_terms(d: dict, v: _Vars, s: int, sc, S: int, V: int, coef: dict, scale: float = 1.0) -> None:  # type: ignore[no-untyped-def, type-arg]
+    """Add to ``d`` FSDP2's uneven rows on stage ``s`` (:attr:`StageCoeffs.seg_excess`, the tied copies'
+    ``row_excess``), charged like parameters at ``coef[o]`` bytes each for the options that split rows
+    (:attr:`StageCoeffs.row_options`), in GiB times ``scale``: ``sum_o coef_o (sum_{j of s} sum_g
+    Nb[j][o][g] excess_g + sum_k held_k,o excess_k)`` (nothing where no row is uneven)."""
+    for o in sc.row_options:
+        a = coef[o] * scale / GIB
+        if not a:
+            continue
+        for k in range(V):
+            for g, x in v.Nb[s + k * S].get(o, {}).items():
+                if sc.seg_excess and sc.seg_excess[g]:
+                    d[x] = d.get(x, 0.0) + a * sc.seg_excess[g]
+        for k, per in enumerate(v.tied[s] if v.tied else ()):
+            x, e = per.get(o), sc.tied_copies[k].row_excess
+            if x is not None and e:
+                d[x] = d.get(x, 0.0) + a * e
+
+
 def add_memory_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
     S, V = cc.candidate.num_stages, cc.candidate.virtual_stages
     G = len(cc.segments)
@@ -129,6 +148,10 @@ def add_memory_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
         states = {v.Q[s][o]: (sc.mem_beta[o] + sc.buffer_beta[o]
                               - (sc.state_split[o][1] if sc.grads_freed[o] else 0.0)) * _BILLION / GIB
                   for o in sc.options}
+        if sc.row_options:  # the first replica's shards of uneven first dimensions
+            _row_terms(full, v, s, sc, S, V, sc.mem_beta)
+            _row_terms(states, v, s, sc, S, V, {o: sc.mem_beta[o] - (sc.state_split[o][1] if sc.grads_freed[o]
+                                                                     else 0.0) for o in sc.options})
         for x, a in _once(v, s, sc.working_bytes, 1.0 / GIB).items():
             states[x] = states.get(x, 0.0) + a
             full[x] = full.get(x, 0.0) + a
@@ -225,6 +248,8 @@ def add_node_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
                 for o in sc.options:
                     if k and beta[o]:
                         d[v.Q[s][o]] = k * beta[o] * _BILLION / GIB
+                if k and sc.row_options:  # every rank charged the first replica's uneven rows
+                    _row_terms(d, v, s, sc, cc.candidate.num_stages, cc.candidate.virtual_stages, beta, k)
                     if kind == "host_memory" and k and sc.host_fixed.get(o):  # staging buffers
                         d[v.y[s][o]] = d.get(v.y[s][o], 0.0) + k * sc.host_fixed[o] / GIB
                 # offloaded activations and checkpointed inputs in host memory, per rank

@@ -216,13 +216,16 @@ def add_option_block_variables(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> N
     option, ``sum_g Nb exposed_og``, in the time and tail constraints, with a tight LP relaxation (the
     older big-M constraint per option, relaxed by the whole model's exposure when the option was not
     chosen, left HiGHS at its time limit on interleaved candidates). Only for segments some option
-    exposes communication on, and only on stages with such an option."""
+    exposes communication on, and only on stages with such an option; and for segments whose blocks
+    FSDP2 splits unevenly (:attr:`StageCoeffs.seg_excess`: the memory rows charge their excess per
+    option)."""
     S = cc.candidate.num_stages
     for s, sc in enumerate(cc.stages):
         if sc.families:  # whole blocks per option already (_add_mixed_options)
             continue
         active = [g for g in range(len(cc.segments))
-                  if any(c.seg_exposed[o][g] or c.seg_tail[o][g] for c in sc.cells for o in sc.options)]
+                  if any(c.seg_exposed[o][g] or c.seg_tail[o][g] for c in sc.cells for o in sc.options)
+                  or (sc.row_options and sc.seg_excess and sc.seg_excess[g])]
         if not active:
             continue
         for j in range(s, cc.candidate.num_virtual, S):

@@ -36,7 +36,7 @@ from whalepy.planner.costing import (
 from whalepy.planner._tiling_costs import block_tiles
 from whalepy.planner._evaluation import part_params
 from whalepy.planner._coeffs import tied_copy_params
-from whalepy.ir.rules import tp_local_params
+from whalepy.ir.rules import fsdp_row_excess, tp_local_params
 from whalepy.planner._offload_costs import stage_prefetch
 from whalepy.planner.search import SearchResult
 from whalepy.planner.ilp import ILPResult
@@ -220,23 +220,26 @@ def _buffer_items(sc, st, tight) -> dict[str, int]:  # type: ignore[no-untyped-d
 
 
 def _tied_copies(sc, st, option_of: dict[int, StateOption], seg_of: list[int]) -> list[tuple[float, StateOption]]:  # type: ignore[no-untyped-def]
-    """``(local parameters, option)`` of each tied-weight copy the stage holds (:func:`part_params`'s
-    rule), with the option of the blocks holding it."""
+    """``(local parameters, option, row excess)`` of each tied-weight copy the stage holds
+    (:func:`part_params`'s rule), with the option of the blocks holding it."""
     out = []
     for c in sc.tied_copies:
         if tied_copy_params((c,), st.counts):
-            out.append((c.local_params, next(o for i, o in option_of.items() if seg_of[i] in c.holders)))
+            out.append((c.local_params, next(o for i, o in option_of.items() if seg_of[i] in c.holders),
+                        c.row_excess))
     return out
 
 
 def _held_state_bytes(ctx: CostContext, cand: Candidate, st, option_of: dict[int, StateOption],  # type: ignore[no-untyped-def]
-                      depths: dict[StateOption, int], copies: list[tuple[float, StateOption]]) -> dict[str, int]:
+                      depths: dict[StateOption, int], copies: list[tuple[float, StateOption, float]]) -> dict[str, int]:
     """StageCost's model-state fields: what a device of the stage holds between uses, by place, for its
     blocks' tiers and the tied-weight ``copies`` it holds (:func:`~whalepy.planner.costing.stage_held_bytes`:
     the disk tier's one staging pool, sized by its largest block and the prefetch depth of its NVMe
-    parameters, as the runtime sizes it)."""
+    parameters, as the runtime sizes it). The first replica's: FSDP2's shards of uneven first
+    dimensions are largest there (:func:`~whalepy.ir.rules.fsdp_row_excess`)."""
     prof = ctx.profile
-    local = [(tp_local_params(prof.blocks[i], cand.tp), o) for i, o in option_of.items()] + copies
+    local = [(tp_local_params(prof.blocks[i], cand.tp), o, fsdp_row_excess(prof.blocks[i], cand.tp, cand.dp))
+             for i, o in option_of.items()] + copies
     # the pool reads ahead by the depth of the NVMe parameters (one for the stage), else one block
     disk = [d for o, d in depths.items() if o.param_tier is Tier.NVME]
     held = stage_held_bytes(ctx, cand, st.option.zero, local, prefetch_depth=max(disk, default=1))

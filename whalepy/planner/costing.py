@@ -117,7 +117,7 @@ from whalepy.planner._cost_context import (  # noqa: F401
     tp_splits,
 )
 from whalepy.planner._cells import _cell
-from whalepy.ir.rules import tied_copy_local_params, tp_local_params
+from whalepy.ir.rules import fsdp_row_excess, tied_copy_local_params, tied_copy_row_excess, tp_local_params
 from whalepy.planner._coeffs import TiedCopyCoeff
 
 
@@ -130,7 +130,8 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
     S, t, d = cand.num_stages, cand.tp, cand.dp
     stages = []
     seg_params = [tp_local_params(seg.block, t) for seg in segments]
-    copies = ctx._cached("tied copies", segments, (t,), lambda: tied_copy_coeffs(segments, t)) if S > 1 else ()
+    seg_excess = ctx._cached("row excess", segments, (t, d), lambda: row_excess_coeffs(segments, t, d))
+    copies = ctx._cached("tied copies", segments, (t, d), lambda: tied_copy_coeffs(segments, t, d)) if S > 1 else ()
     tied_segments = tuple(g for g, seg in enumerate(segments) if seg.block.shares_params)
     mixing = mixed_tiers and cand.virtual_stages == 1
     # Stages whose replicas run on the same groups over equal data-parallel links have the same options
@@ -160,8 +161,11 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
             # an option only a mix may use is kept out of the pruning (it cannot stand in for one that
             # stands alone) and dropped where no family takes it
             beside = tuple(o for o in allowed if o.beside_offload)
+            uneven = bool(seg_excess) or any(c.row_excess for c in copies)
             kept = _undominated(tuple(o for o in allowed if not o.beside_offload), sync, mem_beta, cpu_beta,
-                                nvme_beta, working, buffer_beta, cells, host_fixed) + beside
+                                nvme_beta, working, buffer_beta, cells, host_fixed,
+                                rows=(lambda o: lowering_kind(o, cand) == LoweringKind.FSDP) if uneven else None
+                                ) + beside
             families = _families(kept, cand, sync, working, freed, cells) if mixing else ()
             pruned[ukey] = (tuple(o for o in kept if not o.beside_offload or any(o in f for f in families)), families)
         allowed, families = pruned[ukey]
@@ -171,7 +175,10 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
                                   buffer_beta=buffer_beta, buffer_split=buffer_split, host_fixed=host_fixed,
                                   dp_ranks=dp_ranks, families=families, tied_copies=copies,
                                   tied_sync=tied_sync_coeffs(ctx, cand, copies, s, cells, ranks, allowed),
-                                  tied_segments=tied_segments))
+                                  tied_segments=tied_segments, seg_excess=seg_excess,
+                                  row_options=frozenset(o for o in allowed
+                                                        if lowering_kind(o, cand) == LoweringKind.FSDP)
+                                  if seg_excess or any(c.row_excess for c in copies) else frozenset()))
     return CandidateCoeffs(candidate=cand, segments=segments, stages=stages, ranks=ranks,
                            nodes=_node_shares(hw, ranks) if any(o.off_device for st in stages for o in st.options)
                            or any(stage_offloadable(st) or stage_checkpoint_offloadable(st) for st in stages)
@@ -193,12 +200,20 @@ def _shared_memo(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...
     return hit  # type: ignore[return-value]
 
 
-def tied_copy_coeffs(segments: tuple[Segment, ...], tp: int) -> tuple[TiedCopyCoeff, ...]:
+def row_excess_coeffs(segments: tuple[Segment, ...], tp: int, dp: int) -> tuple[float, ...]:
+    """:attr:`StageCoeffs.seg_excess`: per segment, the first replica's
+    :func:`~whalepy.ir.rules.fsdp_row_excess` of one block at ``tp`` x ``dp``; empty where all are 0
+    (then the coefficients and the ILP are those of an even split)."""
+    out = tuple(float(fsdp_row_excess(seg.block, tp, dp)) for seg in segments)
+    return out if any(out) else ()
+
+
+def tied_copy_coeffs(segments: tuple[Segment, ...], tp: int, dp: int = 1) -> tuple[TiedCopyCoeff, ...]:
     """The tied parameters of the model (:attr:`~whalepy.ir.profile.BlockProfile.tied_copies`) as
     :class:`TiedCopyCoeff`: per parameter, the segment of the block counting it and the segments of
-    the blocks holding a copy, at TP degree ``tp``."""
+    the blocks holding a copy, at TP degree ``tp`` (and its first replica's row excess at ``dp``)."""
     seg_of = {b.name: seg.index for seg in segments for b in seg.blocks}
-    found: dict[tuple[str, str], tuple[int, set[int], float]] = {}
+    found: dict[tuple[str, str], tuple[int, set[int], float, float]] = {}
     for seg in segments:
         for b in seg.blocks:
             for c in b.tied_copies:
@@ -206,10 +221,12 @@ def tied_copy_coeffs(segments: tuple[Segment, ...], tp: int) -> tuple[TiedCopyCo
                 if segments[owner].length != 1:
                     raise ValueError(f"tied parameter {c.parameter}: its block {c.owner} is one of "
                                      f"{segments[owner].length} identical blocks; the planner needs it alone")
-                _, holders, p = found.setdefault((c.owner, c.parameter),
-                                                 (owner, set(), tied_copy_local_params(c, b, tp)))
+                _, holders, p, e = found.setdefault((c.owner, c.parameter),
+                                                    (owner, set(), tied_copy_local_params(c, b, tp),
+                                                     float(tied_copy_row_excess(c, b, tp, dp))))
                 holders.add(seg.index)
-    return tuple(TiedCopyCoeff(owner=o, holders=tuple(sorted(h)), local_params=p) for o, h, p in found.values())
+    return tuple(TiedCopyCoeff(owner=o, holders=tuple(sorted(h)), local_params=p, row_excess=e)
+                 for o, h, p, e in found.values())
 
 
 def tied_sync_coeffs(ctx: CostContext, cand: Candidate, copies: tuple[TiedCopyCoeff, ...], s: int,
@@ -366,23 +383,29 @@ def _build_node_shares(hw: Hardware, ranks) -> tuple[NodeShare, ...]:  # type: i
 
 
 def stage_held_bytes(ctx: CostContext, cand: Candidate, zero: ZeroStage,
-                     blocks: Sequence[tuple[float, StateOption]], prefetch_depth: int = 1) -> ModelStateBytes:
+                     blocks: Sequence[tuple[float, StateOption] | tuple[float, StateOption, float]],
+                     prefetch_depth: int = 1) -> ModelStateBytes:
     """What a device of a stage of ``cand`` holds between uses, by place, for its blocks' ``(local
-    parameters, option)``: :func:`estimate_stage_model_state_bytes` (one lowering for the stage, one
-    staging pool for its disk-tier blocks, ``prefetch_depth`` ahead); one option: as
-    :func:`stage_model_states`."""
+    parameters, option)`` or ``(local parameters, option, row excess)`` (FSDP2's uneven first dimensions
+    on this replica, :func:`~whalepy.ir.rules.fsdp_row_excess`): :func:`estimate_stage_model_state_bytes`
+    (one lowering for the stage, one staging pool for its disk-tier blocks, ``prefetch_depth`` ahead);
+    one option: as :func:`stage_model_states`."""
     return estimate_stage_model_state_bytes(
-        blocks=[(n, o.param_tier, o.optimizer_tier) for n, o in blocks], zero_stage=zero, dp_degree=cand.dp,
+        blocks=[(b[0], b[1].param_tier, b[1].optimizer_tier, b[2] if len(b) > 2 else 0.0)  # type: ignore[misc]
+                for b in blocks], zero_stage=zero, dp_degree=cand.dp,
         tp_degree=cand.tp, pp_degree=cand.num_stages, precision=ctx.precision, prefetch_depth=prefetch_depth)
 
 
-def _undominated(options, sync, mem, cpu, nvme, working, buffers, cells, host_fixed):  # type: ignore[no-untyped-def]
+def _undominated(options, sync, mem, cpu, nvme, working, buffers, cells, host_fixed, rows=None):  # type: ignore[no-untyped-def]
     """Drop state options another option beats or ties on every coefficient (memory, host memory,
     NVMe, working set, post-step communication, exposed communication per block, optimizer step,
     fetches): every cost is monotone in them, so a dominated option is never strictly better. E.g.
-    ZeRO-1 beats ZeRO-0 when both lower to FSDP2 and cost the same time."""
+    ZeRO-1 beats ZeRO-0 when both lower to FSDP2 and cost the same time. ``rows(o)``: the option is
+    charged FSDP2's uneven rows (:attr:`StageCoeffs.seg_excess`), at its model-state coefficients."""
     def vec(o):  # type: ignore[no-untyped-def]
         v = [mem[o] + buffers[o], working[o], cpu[o], nvme[o], host_fixed[o], *sync[o]]
+        if rows is not None:
+            v += [mem[o], cpu[o], nvme[o]] if rows(o) else [0.0, 0.0, 0.0]
         for c in cells:
             v += [c.opt_beta[o], c.fetch_beta[o], c.edge[o], c.tail_edge[o], *c.seg_amp_saved[o],
                   *c.seg_exposed[o], *c.seg_tail[o]]

@@ -52,8 +52,8 @@ def build_segments(profile: ModelProfile) -> tuple[Segment, ...]:
         prev = segs[-1][-1] if segs else None
         if (prev is not None and b.repeat_group is not None and prev.repeat_group == b.repeat_group
                 and _same_annotations(prev.annotations, b.annotations)
-                and (prev.num_params, prev.param_bytes, prev.tp_whole_params, prev.tied_copies)
-                == (b.num_params, b.param_bytes, b.tp_whole_params, b.tied_copies)):
+                and (prev.num_params, prev.param_bytes, prev.tp_whole_params, prev.tied_copies, prev.param_rows)
+                == (b.num_params, b.param_bytes, b.tp_whole_params, b.tied_copies, b.param_rows)):
             segs[-1].append(b)
         else:
             segs.append([b])

@@ -27,7 +27,10 @@ process, one rank at a time, as that rank would:
    the multi-process tests compare with the memory model (elements, not FSDP2's padded storage,
    which the report gives beside them).
 3. **Against the prediction**: the held bytes per place must equal the plan's
-   ``StageCost.model_state_bytes`` (device), ``host_state_bytes`` and ``nvme_state_bytes`` exactly.
+   ``StageCost.model_state_bytes`` (device), ``host_state_bytes`` and ``nvme_state_bytes`` exactly. Those
+   are the first replica's; FSDP2 gives the other replicas fewer rows of a parameter whose first
+   dimension the dp degree does not divide, and each rank is compared with its own replica's bytes
+   (:func:`replica_state_bytes`).
 
 4. **Collectives**: one training step runs on the fake tensors under
    :class:`whalepy.tools.comm_count.CollectiveCounter` (the counter of ``study zero --measure``; it
@@ -342,10 +345,7 @@ def lower_rank(plan: Any, build: Callable[[], tuple[Any, tuple]], layout: RankLa
     from whalepy.runtime.materialize import dry_run, has_meta_tensors
 
     t0 = time.perf_counter()
-    cost = plan.stages[layout.stage].cost
-    report = RankReport(layout=layout, predicted={"device": int(cost.model_state_bytes),
-                                                  "host": int(cost.host_state_bytes),
-                                                  "files": int(cost.nvme_state_bytes)})
+    report = RankReport(layout=layout, predicted=replica_state_bytes(plan, profile, layout.stage, layout.replica))
     model, inputs = build()
     if not has_meta_tensors(model):
         raise WhalepyError("whalepy check lowers the model on the meta device: build it under "
@@ -386,6 +386,46 @@ def lower_rank(plan: Any, build: Callable[[], tuple[Any, tuple]], layout: RankLa
             report.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def replica_state_bytes(plan: Any, profile: Any, stage: int, replica: int) -> dict[str, int]:
+    """``{place: bytes}`` of model states a rank of ``stage`` and data-parallel ``replica`` holds, as the
+    cost model predicts it. The plan's ``StageCost`` is the first replica's (FSDP2 splits each
+    parameter's first dimension with ``torch.chunk``: the first replica holds the most, and must fit);
+    replica ``r``'s differs by its rows (:func:`whalepy.ir.rules.fsdp_row_excess`), computed with the
+    same function the plan's figures come from (``estimate_stage_model_state_bytes``) for both replicas.
+    Without a profile (no rows known): the plan's figures."""
+    cost = plan.stages[stage].cost
+    out = {"device": int(cost.model_state_bytes), "host": int(cost.host_state_bytes),
+           "files": int(cost.nvme_state_bytes)}
+    if profile is None or replica == 0 or plan.dp_degree == 1:
+        return out
+    from whalepy.cost_models.memory import estimate_stage_model_state_bytes
+    from whalepy.ir.rules import fsdp_row_excess, tied_copy_local_params, tied_copy_row_excess, tp_local_params
+
+    st = plan.stages[stage]
+    tp, dp = st.tp_degree, plan.dp_degree
+    by_name = {b.name: b for b in profile.blocks}
+    names = set(st.block_names)
+
+    def held(r: int) -> Any:
+        blocks = []
+        copies: dict[str, tuple[float, Any, Any, float]] = {}
+        for bp in st.blocks:
+            b = by_name[bp.name]
+            blocks.append((tp_local_params(b, tp), bp.param_tier, bp.optimizer_tier, fsdp_row_excess(b, tp, dp, r)))
+            for c in getattr(b, "tied_copies", ()):
+                if c.owner not in names:  # a copy of a tied weight (the memory model's rule, build.py)
+                    copies.setdefault(c.parameter, (tied_copy_local_params(c, b, tp), bp.param_tier,
+                                                    bp.optimizer_tier, tied_copy_row_excess(c, b, tp, dp, r)))
+        return estimate_stage_model_state_bytes(
+            blocks=blocks + list(copies.values()), zero_stage=st.zero_stage, dp_degree=dp, tp_degree=tp,
+            pp_degree=plan.pp_degree, precision=plan.precision.value)
+
+    first, this = held(0), held(replica)
+    for place, attr in (("device", "resident"), ("host", "cpu"), ("files", "nvme")):
+        out[place] += round(getattr(this, attr) - getattr(first, attr))
+    return out
 
 
 def _static_vote(schedule: Any) -> None:
