@@ -248,10 +248,10 @@ def add_node_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
                 for o in sc.options:
                     if k and beta[o]:
                         d[v.Q[s][o]] = k * beta[o] * _BILLION / GIB
-                if k and sc.row_options:  # every rank charged the first replica's uneven rows
-                    _row_terms(d, v, s, sc, cc.candidate.num_stages, cc.candidate.virtual_stages, beta, k)
                     if kind == "host_memory" and k and sc.host_fixed.get(o):  # staging buffers
                         d[v.y[s][o]] = d.get(v.y[s][o], 0.0) + k * sc.host_fixed[o] / GIB
+                if k and sc.row_options:  # every rank charged the first replica's uneven rows
+                    _row_terms(d, v, s, sc, cc.candidate.num_stages, cc.candidate.virtual_stages, beta, k)
                 # offloaded activations and checkpointed inputs in host memory, per rank
                 for xs, per_rank in ((v.o, stage_host_activation), (v.w, stage_host_checkpoint)):
                     chunks = [xs[s + kk * cc.candidate.num_stages] for kk in range(cc.candidate.virtual_stages)
