@@ -195,13 +195,13 @@ def _fixed(n: Sequence[int], c: CellCoeffs, sc: StageCoeffs, w: _Priced):  # typ
 
 
 def _relaxed_floor(n: Sequence[int], c: CellCoeffs, sc: StageCoeffs, ways: list[_Priced], v: int,
-                   form) -> tuple[float, float]:  # type: ignore[no-untyped-def]
-    """At most :func:`_floor`'s ``(A, X)``: blocks freed in fractions, the chunks' activations as their
-    mean, the chunk time from the stage's; both non-decreasing in every ``n[g]`` (a further block needs
+                   form) -> float:  # type: ignore[no-untyped-def]
+    """At most every ``A + X`` of :func:`_floor`: blocks freed in fractions, the chunks' activations as
+    their mean, the chunk time from the stage's; non-decreasing in every ``n[g]`` (a further block needs
     at most its own bytes freed and adds to every other term)."""
     base = sum(k * x for k, x in zip(n, c.seg_time))
     p2p_min = min(c.chunk_p2p) if v > 1 and c.chunk_p2p else c.p2p
-    best_a, best_x = math.inf, math.inf
+    best = math.inf
     for w in ways:
         fixed = _fixed(n, c, sc, w)
         if fixed is None:
@@ -224,9 +224,8 @@ def _relaxed_floor(n: Sequence[int], c: CellCoeffs, sc: StageCoeffs, ways: list[
             Tc = max(lead / v, whole + w.edge) + p2p_min
         else:
             Tc = lead + c.p2p
-        best_a = min(best_a, form.value(lead + c.p2p, Tc, 0.0))
-        best_x = min(best_x, form.x * X)
-    return best_a, best_x
+        best = min(best, form.value(lead + c.p2p, Tc, X))
+    return best
 
 
 @functools.lru_cache(maxsize=8192)
@@ -251,23 +250,25 @@ def _split_iter(n: tuple[int, ...], v: int) -> Iterator[list[tuple[int, ...]]]:
 
 
 def _floor(n: tuple[int, ...], c: CellCoeffs, sc: StageCoeffs, ways: list[_Priced], v: int, form,  # type: ignore[no-untyped-def]
-           memo: dict, limit: float) -> tuple[float, float] | None:  # type: ignore[type-arg]
-    """``(A, X)``: the least ``t T_s + tc Tc_s`` and the least ``x X_s`` of the stage running ``n``
-    (module docstring), each over every way of running it; where ``A + X`` reaches ``limit``, ``A``
-    need not be exact (at least ``limit - X`` is returned). None where a chunk's choices are too many
-    to list."""
+           memo: dict, limit: float) -> list[tuple[float, float]] | None:  # type: ignore[type-arg]
+    """Per way of keeping the states, ``(A, X)``: the least ``t T_s + tc Tc_s`` (over the chunk splits,
+    checkpoints and host copies) and ``x X_s`` of the stage running ``n`` (module docstring); those
+    with ``A + X`` below ``limit``, Pareto-filtered. None where a chunk's choices are too many to list."""
     p2p_min = min(c.chunk_p2p) if v > 1 and c.chunk_p2p else c.p2p
-    fixed = [(w, _fixed(n, c, sc, w)) for w in ways]
-    fixed = [(w, f) for w, f in fixed if f is not None]
-    best_x = min((form.x * f[2] for _, f in fixed), default=math.inf)
-    best = math.inf
-    for w, (pl, room, _) in fixed:
+    out: list[tuple[float, float]] = []
+    for w in ways:
+        fixed = _fixed(n, c, sc, w)
+        if fixed is None:
+            continue
+        pl, room, X = fixed
+        X *= form.x
         fetch = w.fetch * pl
+        best = limit - X
         for chunks in _splits(n, v):
             busy0 = [sum(k * (x + e) for k, x, e in zip(m, c.seg_time, w.exposed)) + w.edge for m in chunks]
             lead0 = max(sum(busy0), fetch)
             cheap = form.value(lead0 + c.p2p, (max(max(busy0), fetch / v) + p2p_min) if v > 1 else lead0 + c.p2p, 0.0)
-            if cheap >= min(best, limit - best_x):
+            if cheap >= best:
                 continue
             busy = busy0
             if c.inflight > 0:
@@ -294,15 +295,24 @@ def _floor(n: tuple[int, ...], c: CellCoeffs, sc: StageCoeffs, ways: list[_Price
             lead = max(sum(busy), fetch)
             Tc = (max(max(busy), fetch / v) + p2p_min) if v > 1 else lead + c.p2p
             best = min(best, form.value(lead + c.p2p, Tc, 0.0))
-    return best, best_x
+        if best + X < limit:
+            _add(out, (best, X))
+    return out
 
 
-def _add(pairs: list[tuple[float, float]], a: float, x: float) -> None:
-    """Keep ``(a, x)`` in ``pairs`` unless one there is at most it in both; drop those it beats."""
+def _add(pairs: list[tuple[float, float]], p: tuple[float, float]) -> None:
+    """Keep ``p`` in ``pairs`` unless one there is at most it in both parts; drop those it beats."""
+    a, x = p
     if any(pa <= a and px <= x for pa, px in pairs):
         return
     pairs[:] = [(pa, px) for pa, px in pairs if not (a <= pa and x <= px)]
-    pairs.append((a, x))
+    pairs.append(p)
+
+
+_ASKED: dict[tuple, tuple] = {}  # type: ignore[type-arg]
+"""The last answers, by candidate (held, so that its ``id`` is not reused) and pipeline: the search asks
+a candidate set aside by its first look again before its full ILP, mostly with the same cutoff."""
+_ASKED_MAX = 64
 
 
 def stage_dp_bound(cc: CandidateCoeffs, cells: Sequence[CellCoeffs], cutoff: float | None = None,
@@ -310,7 +320,24 @@ def stage_dp_bound(cc: CandidateCoeffs, cells: Sequence[CellCoeffs], cutoff: flo
     """The least over the splits of the blocks into the stages of the slowest stage's floor (module
     docstring), a step time no plan of this pipeline beats; None where not computed (no state options
     in ``cc``, too many segments or choices). ``cutoff``: only whether the bound reaches it matters;
-    floors at or above it are not combined, and ``cutoff`` is returned where every split has one."""
+    floors at or above it are not combined, and ``cutoff`` is returned where every split has one.
+
+    Below its cutoff the answer is exact, so an answer for a cutoff serves every lower one: ``value``
+    if below it, else the cutoff (the search's cutoffs only fall)."""
+    key = (id(cc), tuple(id(c) for c in cells), choices)
+    seen = _ASKED.get(key)
+    if seen is not None and seen[0] is cc and cutoff is not None and seen[1] is not None and cutoff <= seen[1]:
+        value = seen[2]
+        return value if value is None or value < cutoff else cutoff
+    value = _stage_dp_bound(cc, cells, cutoff, choices)
+    if len(_ASKED) >= _ASKED_MAX:
+        _ASKED.pop(next(iter(_ASKED)))
+    _ASKED[key] = (cc, cutoff, value)
+    return value
+
+
+def _stage_dp_bound(cc: CandidateCoeffs, cells: Sequence[CellCoeffs], cutoff: float | None,
+                    choices: Choices) -> float | None:
     cand = cc.candidate
     S, v = len(cells), cand.virtual_stages
     lengths = tuple(seg.length for seg in cc.segments)
@@ -332,35 +359,36 @@ def stage_dp_bound(cc: CandidateCoeffs, cells: Sequence[CellCoeffs], cutoff: flo
         ways = [_Priced(sc, c, members, cand.dp, choices) for members in groups]
         memo: dict = {}  # type: ignore[type-arg]
         low: dict[tuple[int, ...], float] = {}
-        floors: dict[tuple[int, ...], tuple[float, float]] = {}
+        floors: dict[tuple[int, ...], list[tuple[float, float]]] = {}
         for n in vectors:
             # the relaxed floor rises with every n[g]: above a vector at the limit, every one is
             below = [tuple(k - (h == g) for h, k in enumerate(n)) for g in range(G) if n[g]]
             if any(sum(b) >= v and low.get(b, math.inf) >= limit for b in below):
                 continue
-            low[n] = sum(_relaxed_floor(n, c, sc, ways, v, form))
+            low[n] = _relaxed_floor(n, c, sc, ways, v, form)
             if low[n] >= limit:
                 continue
             f = _floor(n, c, sc, ways, v, form, memo, limit)
             if f is None:
                 return None
-            if f[0] + f[1] < limit:
+            if f:
                 floors[n] = f
         nxt: dict[tuple[int, ...], list[tuple[float, float]]] = {}
         last = s == S - 1
         # the model's first block runs on the first stage (its first chunk), its last block on the last
         must = [g for g, here in ((first, s == 0), (final, last)) if here]
         for used, pairs in reach.items():
-            for n, (fa, fx) in floors.items():
+            for n, ways_n in floors.items():
                 if any(not n[g] for g in must):
                     continue
                 total = tuple(a + b for a, b in zip(used, n))
                 if any(x > L for x, L in zip(total, lengths)) or (last and total != lengths):
                     continue
                 for pa, px in pairs:
-                    a, x = max(pa, fa), max(px, fx)
-                    if a + x < limit:
-                        _add(nxt.setdefault(total, []), a, x)
+                    for fa, fx in ways_n:
+                        a, x = max(pa, fa), max(px, fx)
+                        if a + x < limit:
+                            _add(nxt.setdefault(total, []), (a, x))
         reach = nxt
         if not reach:
             return cutoff
