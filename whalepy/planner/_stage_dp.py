@@ -4,13 +4,16 @@ per segment it may run, combined by a dynamic program over the stages.
 
 For a pipeline of the candidate (``cells[s]``: its cell of stage ``s``), the step is ``t T + tc Tc + x X``
 with ``T``, ``Tc``, ``X`` the largest over the stages of their time per micro-batch, chunk time and tail
-(:class:`~whalepy.planner.space.StepForm`, all weights non-negative), so it is at least ``f_s = t T_s +
-tc Tc_s + x X_s`` of every single stage: ``step >= max_s f_s``. For each stage and each vector ``n`` of
-blocks per segment, :func:`_floor` gives a value at most ``f_s`` of every plan that gives the stage
-those blocks, whatever its chunks, checkpoints, host copies and state option; the least over the ways
-of splitting the blocks, ``min over (n_0 .. n_S-1 with sum_s n_s = L) of max_s floor_s(n_s)``, is then
-a bound of every plan (the stages' blocks need not be contiguous here: a relaxation). Where a stage
-cannot hold ``n`` at all, its floor is infinite.
+(:class:`~whalepy.planner.space.StepForm`, all weights non-negative), so it is at least ``max_s A_s +
+max_s x X_s`` with ``A_s = t T_s + tc Tc_s``. For each stage, each vector ``n`` of blocks per segment
+and each way of keeping its states, :func:`_floor` gives a pair ``(A, X)`` at most ``(A_s, x X_s)`` of
+every plan that gives the stage those blocks that way, whatever its chunks, checkpoints and host
+copies (the pairs of a stage's ways, less those another beats in both). The dynamic program runs over
+the stages with, per number of blocks given so far, the pairs (largest ``A``, largest ``X``) no other
+beats in both; the least ``A + X`` over the pairs that give every block, ``min over (n_0 .. n_S-1 with
+sum_s n_s = L) of max_s A + max_s X``, is a bound of every plan. The model's first block is on the
+first stage and its last on the last; otherwise the stages' blocks need not be contiguous here (a
+relaxation). Where a stage cannot hold ``n`` at all, it has no pair.
 
 The floor of one stage, read off :func:`~whalepy.planner._evaluation.evaluate_stage`'s terms, each
 dropped term non-negative:
@@ -32,12 +35,14 @@ dropped term non-negative:
   and copies and its first block's gathers; ``X_s >=`` the per-block and last-block reductions, the
   post-step all-gather and the optimizer step (its part hidden behind the last backward dropped).
 
-Each floor is first bounded by its linear relaxation (fractional blocks freed, one chunk of the mean:
-:func:`_relaxed_floor`, non-decreasing in every ``n_g``), so with a cutoff the tables skip every ``n``
-above one already at the cutoff, and compute the whole-block floor only below it. Where the vectors are
-too many to tabulate (:data:`MAX_STATES`), or a chunk's choices too many to list, nothing is said
+With a cutoff (what the search asks: does the bound reach the incumbent less the MIP gap?), pairs at or
+above it are dropped, and each stage's floor is first bounded by its linear relaxation (fractional
+blocks freed, one chunk of the mean: :func:`_relaxed_floor`, non-decreasing in every ``n_g``), so the
+tables skip every ``n`` above one already at the cutoff and price whole blocks only below it. Below
+the cutoff the answer is exact, so it serves every lower cutoff too (:data:`_ASKED`). Where the vectors
+are too many to tabulate (:data:`MAX_STATES`), or a chunk's choices too many to list, nothing is said
 (None). ``tests/test_planner_stage_dp.py`` checks the bound against the best plan of random candidates
-(brute force) and the search's plans with and without it.
+(brute force), with and without a cutoff.
 """
 
 from __future__ import annotations
@@ -231,8 +236,9 @@ def _relaxed_floor(n: Sequence[int], c: CellCoeffs, sc: StageCoeffs, ways: list[
 @functools.lru_cache(maxsize=8192)
 def _splits(n: tuple[int, ...], v: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
     """Every split of ``n`` into ``v`` non-empty chunks, up to their order (the floor does not depend
-    on it): chunks in non-increasing order."""
-    return tuple(tuple(x) for x in _split_iter(n, v))
+    on it): chunks in non-increasing order; the most even first (the least chunk time comes early, and
+    :func:`_floor` skips the splits that cannot beat it)."""
+    return tuple(sorted((tuple(x) for x in _split_iter(n, v)), key=lambda ch: max(map(sum, ch))))
 
 
 def _split_iter(n: tuple[int, ...], v: int) -> Iterator[list[tuple[int, ...]]]:
