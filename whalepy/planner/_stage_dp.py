@@ -271,7 +271,12 @@ def _floor(n: tuple[int, ...], c: CellCoeffs, sc: StageCoeffs, ways: list[_Price
         fetch = w.fetch * pl
         best = limit - X
         for chunks in _splits(n, v):
-            busy0 = [sum(k * (x + e) for k, x, e in zip(m, c.seg_time, w.exposed)) + w.edge for m in chunks]
+            busy0 = []
+            for m in chunks:  # a chunk's blocks, exposed communication and first gathers, per way
+                b = memo.get((id(w), "busy", m))
+                if b is None:
+                    b = memo[(id(w), "busy", m)] = sum(k * (x + e) for k, x, e in zip(m, c.seg_time, w.exposed)) + w.edge
+                busy0.append(b)
             lead0 = max(sum(busy0), fetch)
             cheap = form.value(lead0 + c.p2p, (max(max(busy0), fetch / v) + p2p_min) if v > 1 else lead0 + c.p2p, 0.0)
             if cheap >= best:
@@ -365,14 +370,25 @@ def _stage_dp_bound(cc: CandidateCoeffs, cells: Sequence[CellCoeffs], cutoff: fl
         ways = [_Priced(sc, c, members, cand.dp, choices) for members in groups]
         memo: dict = {}  # type: ignore[type-arg]
         low: dict[tuple[int, ...], float] = {}
+        last = s == S - 1
+        # the model's first block runs on the first stage (its first chunk), its last block on the last
+        must = [g for g, here in ((first, s == 0), (final, last)) if here]
+        # the stages after this one hold at least v blocks each
+        most = sum(lengths) - v * (S - 1 - s)
+        if last:  # the last stage takes what is left
+            wanted = {tuple(L - u for L, u in zip(lengths, used)) for used in reach}
+            todo = [n for n in vectors if n in wanted]
+        else:
+            todo = [n for n in vectors if sum(n) <= most]
         floors: dict[tuple[int, ...], list[tuple[float, float]]] = {}
-        for n in vectors:
-            # the relaxed floor rises with every n[g]: above a vector at the limit, every one is
+        for n in todo:
+            # the relaxed floor rises with every n[g]: above a vector at the limit, every one is (every
+            # vector below one in ``todo`` is in it, before it, except on the last stage)
             below = [tuple(k - (h == g) for h, k in enumerate(n)) for g in range(G) if n[g]]
-            if any(sum(b) >= v and low.get(b, math.inf) >= limit for b in below):
+            if not last and any(sum(b) >= v and low.get(b, math.inf) >= limit for b in below):
                 continue
             low[n] = _relaxed_floor(n, c, sc, ways, v, form)
-            if low[n] >= limit:
+            if low[n] >= limit or any(not n[g] for g in must):
                 continue
             f = _floor(n, c, sc, ways, v, form, memo, limit)
             if f is None:
@@ -380,15 +396,19 @@ def _stage_dp_bound(cc: CandidateCoeffs, cells: Sequence[CellCoeffs], cutoff: fl
             if f:
                 floors[n] = f
         nxt: dict[tuple[int, ...], list[tuple[float, float]]] = {}
-        last = s == S - 1
-        # the model's first block runs on the first stage (its first chunk), its last block on the last
-        must = [g for g, here in ((first, s == 0), (final, last)) if here]
+        items = list(floors.items())
         for used, pairs in reach.items():
-            for n, ways_n in floors.items():
-                if any(not n[g] for g in must):
+            room = [L - u for L, u in zip(lengths, used)]
+            if last:
+                ways_n = floors.get(tuple(room))
+                candidates = [] if ways_n is None else [(tuple(room), ways_n)]
+            else:
+                candidates = items
+            for n, ways_n in candidates:
+                if any(k > r for k, r in zip(n, room)):
                     continue
                 total = tuple(a + b for a, b in zip(used, n))
-                if any(x > L for x, L in zip(total, lengths)) or (last and total != lengths):
+                if sum(total) > most:
                     continue
                 for pa, px in pairs:
                     for fa, fx in ways_n:
