@@ -504,8 +504,13 @@ def lower_bound(cc: CandidateCoeffs, *, memory: bool = True, whole_blocks: bool 
        ``cutoff`` (the incumbent less the MIP gap): it only asks whether the bound reaches that, which
        HiGHS answers at its first solution below it, or with a proof that there is none (the bound is
        then ``cutoff``).
+    8. Stage by stage (``whole_blocks=True`` with a ``cutoff``, interleaved candidates, where step 7 does
+       not reach it): :func:`~whalepy.planner._stage_dp.stage_dp_bound`, a table per stage of the least
+       it adds to the step per vector of blocks, in whole checkpoints, chunks and one state option,
+       combined over the stages by a dynamic program (its module docstring has the argument).
     """
     from whalepy.planner._bound import ALL_CHOICES, integer_step_bound, relaxed_stage_time
+    from whalepy.planner._stage_dp import stage_dp_bound
 
     choices = choices or ALL_CHOICES
     cand = cc.candidate
@@ -535,5 +540,12 @@ def lower_bound(cc: CandidateCoeffs, *, memory: bool = True, whole_blocks: bool 
         if whole_blocks:
             pipeline = [cell_of[r] for cell_of in cells]
             whole_step = max(whole_step, integer_step_bound(cc, pipeline, cutoff, choices) or 0.0)
+            # 8. whole checkpoints, one state option per stage, stage by stage (planner/_stage_dp.py): asked
+            # only of interleaved candidates (whose ILPs cost the most) where the MIP does not reach the
+            # cutoff (a table per stage, costlier than most MIPs)
+            if cutoff is not None and whole_step < cutoff and v > 1:
+                whole_step = max(whole_step, stage_dp_bound(cc, pipeline, cutoff, choices) or 0.0)
+            if cutoff is not None and whole_step >= cutoff:
+                break
     Tc = T if v == 1 else max(T / v, B)
     return max(cc.candidate.step_form.value(T, Tc, 0.0), whole_step)
