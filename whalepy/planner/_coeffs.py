@@ -151,6 +151,15 @@ class StageCoeffs:
     tied_segments: tuple[int, ...] = ()
     """Segments whose blocks share parameters (:attr:`~whalepy.ir.profile.BlockProfile.shares_params`):
     in a mix, all of the stage's such blocks take one option (FSDP2 keeps tied weights in one unit)."""
+    grads_after_forwards: dict[StateOption, bool] = field(default_factory=dict)
+    """Per option: every micro-batch's forward runs before the gradients exist (GPipe,
+    :func:`~whalepy.planner.runtime_costs.grads_after_forwards`): besides the activation peak without
+    gradients, the stage peaks after the first micro-batch's backward with every gradient and
+    ``inflight - 1`` micro-batches' activations (plus the recomputed block and the loss)."""
+    host_grads: dict[StateOption, float] = field(default_factory=dict)
+    """Per option, host bytes per local parameter of gradients the step frees and the backward makes
+    again (FSDP2's ``CPUOffloadPolicy`` gradient shards; :attr:`ModelStateBytes.cpu_grads`): part of
+    ``cpu_beta``, not yet there at the device's activation peak when the gradients are freed."""
     families: tuple[tuple[StateOption, ...], ...] = ()
     """Groups of two or more of :attr:`options` whose blocks may share this stage, each block keeping
     its states where its option says (granular tiers, M6-10T; :data:`~whalepy.planner.space.StateMix`):

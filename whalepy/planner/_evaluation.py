@@ -61,6 +61,9 @@ class CellEval:
     nvme_bytes: float
 
     tp_s: float = 0.0
+    cpu_grads_bytes: float = 0.0
+    """Of ``cpu_bytes``, host gradients the backward makes after the device's peak (the plan's
+    :attr:`~whalepy.ir.plan.StageCost.cpu_grads_bytes`)."""
     """Per micro-batch: exposed tensor-parallel collectives."""
 
     @property
@@ -89,7 +92,7 @@ def memory_breakdown(c: CellEval) -> dict[str, int]:
                 optimizer_bytes=int(c.optimizer_bytes), activation_bytes=int(c.activation_bytes),
                 buffer_bytes=int(c.buffer_bytes), reserve_bytes=int(c.reserve_bytes),
                 margin_bytes=int(c.cell.margin),
-                cpu_bytes=int(c.cpu_bytes), nvme_bytes=int(c.nvme_bytes))
+                cpu_bytes=int(c.cpu_bytes), cpu_grads_bytes=int(c.cpu_grads_bytes), nvme_bytes=int(c.nvme_bytes))
 
 
 @dataclass(slots=True)
@@ -313,9 +316,16 @@ def evaluate_stage(sc: StageCoeffs, chunk_counts: Sequence[Sequence[int]], chunk
         # recomputed or fetched back in backward, one block at a time
         peak = max((a for k, o, a in zip(ckpts, offs, saved) if k + o > 0), default=0.0)
         act = c.inflight * max(kept) + peak + c.loss_bytes
-        # the peak: end of forward (activations, gradients not yet created if freed) or end of backward
-        at_act = states - freed + buffers + act >= states + buffers
+        # GPipe: after the first micro-batch's backward, every gradient and the other micro-batches'
+        # activations (their recomputed block and loss backward still to come)
+        rest = ((c.inflight - 1) * max(kept) + peak + c.loss_bytes
+                if sc.grads_after_forwards.get(option) and c.inflight > 1 else 0.0)
+        # the peak: end of forward (activations, gradients not yet created if freed), GPipe's first
+        # backward, or end of backward
+        at_act = states - freed + buffers + act >= states + buffers + rest
         grads_held = sg if (not freed or not at_act) else 0.0
+        # host gradients (CPUOffloadPolicy) are made in backward like the device's
+        host_grads = per_param(sc.host_grads) if sc.host_grads and sc.grads_freed[option] and at_act else 0.0
         # per-step work after the last backward: the data-parallel reductions (none without replicas: their
         # group is None and every such term 0) and the measured DTensor optimizer overhead (TP alone too)
         sync_s = (sum(n * x for o, ns in parts for n, x in zip(ns, c.seg_tail[o])) + c.tail_edge[option]
@@ -325,9 +335,10 @@ def evaluate_stage(sc: StageCoeffs, chunk_counts: Sequence[Sequence[int]], chunk
             fetch_s=fetch,
             time_s=time_s, chunk_time_s=chunk_time, exposed_sync_s=sync_s + tied_s,
             opt_s=per_param(c.opt_beta) + max(0.0, per_param(c.opt_overlap) - backward),
-            memory_bytes=max(states - freed + act, states) + buffers,
+            memory_bytes=max(states - freed + act, states + rest) + buffers,
             states_bytes=states, params_bytes=sp, grads_bytes=grads_held, optimizer_bytes=so,
-            buffer_bytes=buffers, activation_bytes=act if at_act else 0.0, tp_s=comm,
+            buffer_bytes=buffers, activation_bytes=act if at_act else rest, tp_s=comm,
+            cpu_grads_bytes=host_grads,
             cpu_bytes=per_param(sc.cpu_beta) + sum(sc.host_fixed.get(o, 0.0) for o, _ in parts) + host_act,
             nvme_bytes=per_param(sc.nvme_beta)))
     return StageEval(index=sc.index, counts=tuple(counts), checkpoints=tuple(ckpts), option=option,

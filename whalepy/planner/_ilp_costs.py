@@ -199,7 +199,21 @@ def add_memory_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
             if P is not None:
                 d[P] = 1.0
             if V == 1:
-                const = _acc(d, kept(s), 1.0)
+                ks = kept(s)
+                const = _acc(d, ks, 1.0)
+                if cell.inflight > 1 and any(sc.grads_after_forwards.get(o) for o in sc.options):
+                    # GPipe, after the first micro-batch's backward: every gradient, the other
+                    # micro-batches' activations, their recomputed block and loss backward
+                    d2 = {v.Q[s][o]: (sc.mem_beta[o] + sc.buffer_beta[o]
+                                      - (sc.state_split[o][1] if sc.grads_freed[o]
+                                         and not sc.grads_after_forwards.get(o) else 0.0)) * _BILLION / GIB
+                          for o in sc.options}
+                    for x, a in _once(v, s, sc.working_bytes, 1.0 / GIB).items():
+                        d2[x] = d2.get(x, 0.0) + a
+                    if P is not None:
+                        d2[P] = 1.0
+                    const2 = _acc(d2, ks, (cell.inflight - 1) / cell.inflight)
+                    _add(prob, d2, const2 + loss - cell.capacity / GIB, LE, f"memory_gpipe_{s}_{ci}")
             else:
                 A = _var(prob, f"A_{s}_{ci}", lowBound=0)
                 for k in range(V):

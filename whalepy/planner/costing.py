@@ -87,6 +87,7 @@ from whalepy.ir.plan import Tier, ZeroStage
 from whalepy.planner.space import Candidate, GroupView, Hardware, Segment, StateOption, build_layout
 from whalepy.planner._tiling_costs import tiled_options, tiling_latency_s, unit_params
 from whalepy.planner.runtime_costs import (
+    grads_after_forwards,
     grads_at_activation_peak,
     lowering_kind,
     post_step_affine,
@@ -146,7 +147,7 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
             per_options[skey] = _stage_options(ctx, cand, segments, options, groups_here, dp_group, seg_params,
                                                mixing)
         allowed, sync, mem_beta, cpu_beta, nvme_beta, working, buffer_beta, split, freed, host_fixed, tile_extra, \
-            dp_comm, buffer_split = per_options[skey]
+            dp_comm, buffer_split, after, host_grads = per_options[skey]
         # cells: replicas of this stage with the same group and share cost the same
         keyed: dict[tuple[int, int], list[int]] = {}
         for r in range(d):
@@ -168,6 +169,7 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
         stages.append(StageCoeffs(index=s, cells=cells, seg_params=seg_params, options=allowed, sync=sync,
                                   mem_beta=mem_beta, cpu_beta=cpu_beta, nvme_beta=nvme_beta,
                                   working_bytes=working, state_split=split, grads_freed=freed,
+                                  grads_after_forwards=after, host_grads=host_grads,
                                   buffer_beta=buffer_beta, buffer_split=buffer_split, host_fixed=host_fixed,
                                   dp_ranks=dp_ranks, families=families, tied_copies=copies,
                                   tied_sync=tied_sync_coeffs(ctx, cand, copies, s, cells, ranks, allowed),
@@ -239,6 +241,8 @@ def _stage_options(ctx: CostContext, cand: Candidate, segments: tuple[Segment, .
     hw, t = ctx.hw, cand.tp
     allowed = tuple(o for o in options if all(_tier_ok(hw.groups[g], o) for g in groups_here))
     sync, mem_beta, cpu_beta, nvme_beta, working, buffer_beta, split, freed = {}, {}, {}, {}, {}, {}, {}, {}
+    after: dict[StateOption, bool] = {}
+    host_grads: dict[StateOption, float] = {}
     buffer_split: dict[StateOption, tuple[float, float, float]] = {}
     host_fixed: dict[StateOption, float] = {}
     low = precision_bytes(ctx.precision)
@@ -262,6 +266,8 @@ def _stage_options(ctx: CostContext, cand: Candidate, segments: tuple[Segment, .
         host_fixed[o] = stage_model_states(ctx, cand, o, 1.0, largest_block_params=max(seg_params)).cpu - st.cpu
         split[o] = (st.params, st.grads, st.optimizer)
         freed[o] = not grads_at_activation_peak(kind, cand)
+        after[o] = grads_after_forwards(kind, cand)
+        host_grads[o] = st.cpu_grads
         fsdp = kind == LoweringKind.FSDP
         zero3 = o.zero is ZeroStage.PARAMETERS
         unit = max(seg_params) if o.tiles == 1 else max(unit_params(b, o.tiles) for b in stage_blocks)
@@ -287,7 +293,7 @@ def _stage_options(ctx: CostContext, cand: Candidate, segments: tuple[Segment, .
         buffer_split[o] = (gathered, max(0.0, accumulate) + bucket, autocast)
     dp_comm = ctx.dp_block_comm(segments, tuple(seg_params), dp_group)
     return (allowed, sync, mem_beta, cpu_beta, nvme_beta, working, buffer_beta, split, freed, host_fixed,
-            tile_extra, dp_comm, buffer_split)
+            tile_extra, dp_comm, buffer_split, after, host_grads)
 
 
 def _families(options, cand, sync, working, freed, cells) -> tuple[tuple[StateOption, ...], ...]:  # type: ignore[no-untyped-def]
