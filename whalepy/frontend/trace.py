@@ -132,6 +132,9 @@ class _Tracker(TorchDispatchMode):
         self.block: str | None = None
         self.events: list[TraceEvent] = []
         self.freed: set[int] = set()
+        # a tensor viewing each storage, by address: FSDP2 frees and re-allocates its unsharded
+        # parameters' storages in place (``untyped_storage().resize_``), which no operator shows
+        self.viewers: dict[int, weakref.ref] = {}
 
     def _release(self, ptr: int) -> None:
         self.refs[ptr] -= 1
@@ -152,11 +155,30 @@ class _Tracker(TorchDispatchMode):
             self.refs[ptr] = 0
             self.sizes[ptr] = n
             self.live += n
+        elif self.sizes[ptr] != n:  # a storage resized in place, or a new one at a resized one's address
+            self.live += n - self.sizes[ptr]
+            self.sizes[ptr] = n
         self.refs[ptr] += 1
         weakref.finalize(t, self._release, ptr)
+        self.viewers[ptr] = weakref.ref(t)
+
+    def _resized(self) -> None:
+        """Count the storages resized in place (FSDP2's ``resize_(0)`` of the unsharded parameters after
+        their use, and back) since the last operator: a tensor viewing one shows its size now."""
+        for ptr, ref in list(self.viewers.items()):
+            t = ref()
+            if t is None or ptr not in self.sizes:
+                del self.viewers[ptr]
+                continue
+            st = _plain(t).untyped_storage()
+            n = st.nbytes() if st.data_ptr() == ptr else 0
+            if n != self.sizes[ptr]:
+                self.live += n - self.sizes[ptr]
+                self.sizes[ptr] = n
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        self._resized()
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self._follow(t)

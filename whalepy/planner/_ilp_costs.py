@@ -132,6 +132,10 @@ def add_memory_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
         for x, a in _once(v, s, sc.working_bytes, 1.0 / GIB).items():
             states[x] = states.get(x, 0.0) + a
             full[x] = full.get(x, 0.0) + a
+        # at the loss's backward the running block's gradient buffer is not allocated yet
+        for x, a in _once(v, s, sc.working_grad, -1.0 / GIB).items():
+            states[x] = states.get(x, 0.0) + a
+        block_any = any(sc.block_grad.get(o) for o in sc.options)
         freed_any = any(sc.grads_freed[o] for o in sc.options)
         for ci, cell in enumerate(sc.cells):
             k_in = cell.inflight / GIB
@@ -196,6 +200,7 @@ def add_memory_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
 
             d = dict(states)
             loss = cell.loss_bytes / GIB
+            held = cell.loss_held_bytes / GIB  # GPipe's last stage: the other micro-batches' outputs
             if P is not None:
                 d[P] = 1.0
             if V == 1:
@@ -213,7 +218,8 @@ def add_memory_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
                     if P is not None:
                         d2[P] = 1.0
                     const2 = _acc(d2, ks, (cell.inflight - 1) / cell.inflight)
-                    _add(prob, d2, const2 + loss - cell.capacity / GIB, LE, f"memory_gpipe_{s}_{ci}")
+                    const2 += loss + held * (cell.inflight - 2) / (cell.inflight - 1)
+                    _add(prob, d2, const2 - cell.capacity / GIB, LE, f"memory_gpipe_{s}_{ci}")
             else:
                 A = _var(prob, f"A_{s}_{ci}", lowBound=0)
                 for k in range(V):
@@ -222,7 +228,12 @@ def add_memory_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
                     _add(prob, kd, kc, LE, f"activations_{s}_{ci}_{k}")
                 d[A] = 1.0
                 const = 0.0
-            _add(prob, d, const + loss - cell.capacity / GIB, LE, f"memory_{s}_{ci}")
+            _add(prob, d, const + loss + held - cell.capacity / GIB, LE, f"memory_{s}_{ci}")
+            if block_any:  # the first block's backward: its gradients, the loss's tensors freed
+                d3 = dict(d)
+                for x, a in _once(v, s, sc.block_grad, 1.0 / GIB).items():
+                    d3[x] = d3.get(x, 0.0) + a
+                _add(prob, d3, const + held - cell.capacity / GIB, LE, f"memory_block_{s}_{ci}")
             if freed_any:  # the end of backward: every gradient, no activations
                 _add(prob, dict(full), -cell.capacity / GIB, LE, f"memory_states_{s}_{ci}")
 

@@ -147,7 +147,7 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
             per_options[skey] = _stage_options(ctx, cand, segments, options, groups_here, dp_group, seg_params,
                                                mixing)
         allowed, sync, mem_beta, cpu_beta, nvme_beta, working, buffer_beta, split, freed, host_fixed, tile_extra, \
-            dp_comm, buffer_split, after, host_grads = per_options[skey]
+            dp_comm, buffer_split, after, host_grads, wgrad, bgrad = per_options[skey]
         # cells: replicas of this stage with the same group and share cost the same
         keyed: dict[tuple[int, int], list[int]] = {}
         for r in range(d):
@@ -161,15 +161,19 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
             # an option only a mix may use is kept out of the pruning (it cannot stand in for one that
             # stands alone) and dropped where no family takes it
             beside = tuple(o for o in allowed if o.beside_offload)
+            # the working set at the loss's backward (without the gradient buffer) and at the first
+            # block's backward (with the block's gradients) too
+            peaks = {o: (working[o], working[o] - wgrad[o], working[o] - wgrad[o] + bgrad[o]) for o in allowed}
             kept = _undominated(tuple(o for o in allowed if not o.beside_offload), sync, mem_beta, cpu_beta,
-                                nvme_beta, working, buffer_beta, cells, host_fixed) + beside
+                                nvme_beta, peaks, buffer_beta, cells, host_fixed) + beside
             families = _families(kept, cand, sync, working, freed, cells) if mixing else ()
             pruned[ukey] = (tuple(o for o in kept if not o.beside_offload or any(o in f for f in families)), families)
         allowed, families = pruned[ukey]
         stages.append(StageCoeffs(index=s, cells=cells, seg_params=seg_params, options=allowed, sync=sync,
                                   mem_beta=mem_beta, cpu_beta=cpu_beta, nvme_beta=nvme_beta,
                                   working_bytes=working, state_split=split, grads_freed=freed,
-                                  grads_after_forwards=after, host_grads=host_grads,
+                                  grads_after_forwards=after, host_grads=host_grads, working_grad=wgrad,
+                                  block_grad=bgrad,
                                   buffer_beta=buffer_beta, buffer_split=buffer_split, host_fixed=host_fixed,
                                   dp_ranks=dp_ranks, families=families, tied_copies=copies,
                                   tied_sync=tied_sync_coeffs(ctx, cand, copies, s, cells, ranks, allowed),
@@ -243,6 +247,8 @@ def _stage_options(ctx: CostContext, cand: Candidate, segments: tuple[Segment, .
     sync, mem_beta, cpu_beta, nvme_beta, working, buffer_beta, split, freed = {}, {}, {}, {}, {}, {}, {}, {}
     after: dict[StateOption, bool] = {}
     host_grads: dict[StateOption, float] = {}
+    wgrad: dict[StateOption, float] = {}
+    bgrad: dict[StateOption, float] = {}
     buffer_split: dict[StateOption, tuple[float, float, float]] = {}
     host_fixed: dict[StateOption, float] = {}
     low = precision_bytes(ctx.precision)
@@ -273,6 +279,12 @@ def _stage_options(ctx: CostContext, cand: Candidate, segments: tuple[Segment, .
         unit = max(seg_params) if o.tiles == 1 else max(unit_params(b, o.tiles) for b in stage_blocks)
         working[o] = (estimate_fsdp_working_bytes(block_params=unit, zero3=zero3, compute_bytes=low)
                       if fsdp else 0.0)
+        # the running block's gradients: FSDP2's unsharded buffer (part of its working set), or, where
+        # the gradients are freed at the activation peak, the block's own; neither exists at the loss's
+        # backward, both at the first block's backward (whose activations are still held)
+        wgrad[o] = (estimate_fsdp_working_bytes(block_params=unit, zero3=False, compute_bytes=low)
+                    if fsdp else 0.0)
+        bgrad[o] = wgrad[o] if fsdp else (MASTER_GRAD_BYTES * unit if freed[o] else 0.0)
         # below ZeRO-3 FSDP2 keeps the stage's parameters gathered, in the compute dtype, from
         # forward to backward (reshard_after_forward=False)
         gathered = low if fsdp and not zero3 else 0.0
@@ -293,7 +305,7 @@ def _stage_options(ctx: CostContext, cand: Candidate, segments: tuple[Segment, .
         buffer_split[o] = (gathered, max(0.0, accumulate) + bucket, autocast)
     dp_comm = ctx.dp_block_comm(segments, tuple(seg_params), dp_group)
     return (allowed, sync, mem_beta, cpu_beta, nvme_beta, working, buffer_beta, split, freed, host_fixed,
-            tile_extra, dp_comm, buffer_split, after, host_grads)
+            tile_extra, dp_comm, buffer_split, after, host_grads, wgrad, bgrad)
 
 
 def _families(options, cand, sync, working, freed, cells) -> tuple[tuple[StateOption, ...], ...]:  # type: ignore[no-untyped-def]
@@ -383,12 +395,12 @@ def stage_held_bytes(ctx: CostContext, cand: Candidate, zero: ZeroStage,
 
 
 def _undominated(options, sync, mem, cpu, nvme, working, buffers, cells, host_fixed):  # type: ignore[no-untyped-def]
-    """Drop state options another option beats or ties on every coefficient (memory, host memory,
+    """(``working``: per option, a tuple of working-set figures.) Drop state options another option beats or ties on every coefficient (memory, host memory,
     NVMe, working set, post-step communication, exposed communication per block, optimizer step,
     fetches): every cost is monotone in them, so a dominated option is never strictly better. E.g.
     ZeRO-1 beats ZeRO-0 when both lower to FSDP2 and cost the same time."""
     def vec(o):  # type: ignore[no-untyped-def]
-        v = [mem[o] + buffers[o], working[o], cpu[o], nvme[o], host_fixed[o], *sync[o]]
+        v = [mem[o] + buffers[o], *working[o], cpu[o], nvme[o], host_fixed[o], *sync[o]]
         for c in cells:
             v += [c.opt_beta[o], c.fetch_beta[o], c.edge[o], c.tail_edge[o], *c.seg_amp_saved[o],
                   *c.seg_exposed[o], *c.seg_tail[o]]
