@@ -61,15 +61,16 @@ class CellEval:
     nvme_bytes: float
 
     tp_s: float = 0.0
+    """Per micro-batch: exposed tensor-parallel collectives."""
     cpu_grads_bytes: float = 0.0
+    """Of ``cpu_bytes``, host gradients the backward makes after the device's peak (the plan's
+    :attr:`~whalepy.ir.plan.StageCost.cpu_grads_bytes`)."""
     working_held_bytes: float = 0.0
     """Of ``buffer_bytes``, FSDP2's working set at the peak (without the gradient buffer at the loss's
     backward)."""
     loss_held_bytes: float = 0.0
-    """Of ``activation_bytes``, the loss's tensors (none at a block's backward or the end of backward)."""
-    """Of ``cpu_bytes``, host gradients the backward makes after the device's peak (the plan's
-    :attr:`~whalepy.ir.plan.StageCost.cpu_grads_bytes`)."""
-    """Per micro-batch: exposed tensor-parallel collectives."""
+    """Of ``activation_bytes``, the loss's tensors (at a block's backward only the other micro-batches'
+    kept ones; none at the end of backward)."""
 
     @property
     def tail_s(self) -> float:

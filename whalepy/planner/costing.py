@@ -395,10 +395,11 @@ def stage_held_bytes(ctx: CostContext, cand: Candidate, zero: ZeroStage,
 
 
 def _undominated(options, sync, mem, cpu, nvme, working, buffers, cells, host_fixed):  # type: ignore[no-untyped-def]
-    """(``working``: per option, a tuple of working-set figures.) Drop state options another option beats or ties on every coefficient (memory, host memory,
+    """Drop state options another option beats or ties on every coefficient (memory, host memory,
     NVMe, working set, post-step communication, exposed communication per block, optimizer step,
     fetches): every cost is monotone in them, so a dominated option is never strictly better. E.g.
-    ZeRO-1 beats ZeRO-0 when both lower to FSDP2 and cost the same time."""
+    ZeRO-1 beats ZeRO-0 when both lower to FSDP2 and cost the same time. ``working``: per option, a
+    tuple of working-set figures (whole, at the loss's backward, at the first block's)."""
     def vec(o):  # type: ignore[no-untyped-def]
         v = [mem[o] + buffers[o], *working[o], cpu[o], nvme[o], host_fixed[o], *sync[o]]
         for c in cells:
