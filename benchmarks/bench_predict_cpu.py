@@ -210,8 +210,9 @@ def predict(prof, cluster):
         rank_mem = {}
         for st in est.plan.stages:
             for r in st.all_ranks:
-                # a CPU rank's "device" and "host" are the same memory: offloaded states count too
-                rank_mem[r] = st.cost.memory_bytes + st.cost.cpu_bytes
+                # a CPU rank's "device" and "host" are the same memory: offloaded states count too,
+                # less the host gradients the backward makes after the device's peak
+                rank_mem[r] = st.cost.memory_bytes + st.cost.cpu_bytes - st.cost.cpu_grads_bytes
         out.append((label, est.plan, est.step_time_s, rank_mem))
     return out
 

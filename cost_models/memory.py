@@ -49,6 +49,10 @@ class ModelStateBytes:
     low-precision parameters, autocast's cast copies), alive only while blocks run."""
     cpu: float = 0.0
     """States offloaded to host memory."""
+    cpu_grads: float = 0.0
+    """Of :attr:`cpu`, the gradient shards FSDP2's ``CPUOffloadPolicy`` reduce-scatters into during the
+    backward and the step frees (``zero_grad(set_to_none=True)``): on the host from the backward to the
+    step only. ZeRO-Offload's host gradient buffers are kept (not counted here)."""
     nvme: float = 0.0
     """States offloaded to NVMe: the disk tier's peak file bytes, while a step writes
     (:func:`whalepy.ir.rules.disk_tier_file_bytes`)."""
@@ -174,7 +178,7 @@ def estimate_model_state_bytes(
         params, grads = MASTER_PARAM_BYTES * psi, MASTER_GRAD_BYTES * psi
         optimizer = k * psi / d if kind is LoweringKind.ZERO1 else k * psi
         working = low * psi if low < MASTER_PARAM_BYTES else 0.0  # autocast's cast copies
-    cpu = nvme = file_grads = 0.0
+    cpu = nvme = file_grads = cpu_grads = 0.0
     if steps_on_host(param_tier, optimizer_tier):
         # the device shard stays, in the compute dtype; its fp32 master copy, gradient and optimizer
         # states are on the host
@@ -183,7 +187,7 @@ def estimate_model_state_bytes(
     if param_tier is Tier.NVME:  # parameter and gradient shards in files
         nvme, file_grads, params, grads = params, grads, 0.0, 0.0
     elif uses_cpu_offload_policy(param_tier, optimizer_tier):
-        cpu, params, grads = params + grads, 0.0, 0.0
+        cpu, cpu_grads, params, grads = params + grads, grads, 0.0, 0.0
     if optimizer_tier is Tier.CPU:
         cpu, optimizer = cpu + optimizer, 0.0
     elif optimizer_tier is Tier.NVME:
@@ -197,7 +201,7 @@ def estimate_model_state_bytes(
         cpu += staging_slots(prefetch_depth, num_blocks) * slot
         working += step_copy
     return ModelStateBytes(params=params, grads=grads, optimizer=optimizer, working_params=working,
-                           cpu=cpu, nvme=nvme, nvme_between_steps=rest)
+                           cpu=cpu, cpu_grads=cpu_grads, nvme=nvme, nvme_between_steps=rest)
 
 
 def _disk_block_bytes(kind: object, param_tier: Tier, optimizer_tier: Tier, block_params: float, d: int,
@@ -255,7 +259,8 @@ def estimate_stage_model_state_bytes(
         groups[(p, o)] = (n0 + n, e0 + e)
     # the stage-wide working set of the lowering (ZeRO-3's gathered block): what a stage of no
     # parameters would hold with it
-    total = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "cpu": 0.0, "nvme": 0.0, "nvme_between_steps": 0.0,
+    total = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "cpu": 0.0, "cpu_grads": 0.0, "nvme": 0.0,
+             "nvme_between_steps": 0.0,
              "working_params": estimate_model_state_bytes(num_params=0.0, working_param_bytes=working_param_bytes,
                                                           **common).working_params}
     for (p, o), (n, e) in groups.items():

@@ -132,31 +132,58 @@ class _Tracker(TorchDispatchMode):
         self.block: str | None = None
         self.events: list[TraceEvent] = []
         self.freed: set[int] = set()
+        # storages by identity (the StorageImpl, ``_cdata``), not address: FSDP2 frees and re-allocates
+        # its unsharded parameters' storages in place (``untyped_storage().resize_``), which no operator
+        # shows and which moves their address; a tensor viewing each one reads its size after every operator
+        self.viewers: dict[int, weakref.ref] = {}
+        self.addr: dict[int, int] = {}
 
-    def _release(self, ptr: int) -> None:
-        self.refs[ptr] -= 1
-        if self.refs[ptr] == 0:
-            del self.refs[ptr]
-            self.live -= self.sizes.pop(ptr)
-            self.freed.add(ptr)  # the allocator may hand the address out again
+    def _release(self, key: int) -> None:
+        self.refs[key] -= 1
+        if self.refs[key] == 0:
+            del self.refs[key]
+            self.live -= self.sizes.pop(key)
+            self.viewers.pop(key, None)
+            self.freed.add(self.addr.pop(key))  # the allocator may hand the address out again
 
     def _follow(self, t: torch.Tensor) -> None:
         try:
             st = _plain(t).untyped_storage()  # a DTensor output: the shard this rank holds
-            ptr, n = st.data_ptr(), st.nbytes()
+            key, ptr, n = st._cdata, st.data_ptr(), st.nbytes()
         except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, nested)
             return
         if n == 0 or ptr in self.known:
             return
-        if ptr not in self.refs:
-            self.refs[ptr] = 0
-            self.sizes[ptr] = n
+        if key not in self.refs:
+            self.refs[key] = 0
+            self.sizes[key] = n
             self.live += n
-        self.refs[ptr] += 1
-        weakref.finalize(t, self._release, ptr)
+        elif self.sizes[key] != n:  # resized in place since it was last seen
+            self.live += n - self.sizes[key]
+            self.sizes[key] = n
+        self.addr[key] = ptr
+        self.refs[key] += 1
+        weakref.finalize(t, self._release, key)
+        self.viewers[key] = weakref.ref(t)
+
+    def _resized(self) -> None:
+        """Count the storages resized in place (FSDP2's ``resize_(0)`` of the unsharded parameters after
+        their use, and back) since the last operator: a tensor viewing one shows its size now."""
+        for key, ref in list(self.viewers.items()):
+            t = ref()
+            if t is None:
+                del self.viewers[key]  # the next tensor followed on it stands in
+                continue
+            st = _plain(t).untyped_storage()
+            n = st.nbytes() if st._cdata == key else 0
+            if n != self.sizes[key]:
+                self.live += n - self.sizes[key]
+                self.sizes[key] = n
+                self.addr[key] = st.data_ptr()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        self._resized()
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self._follow(t)

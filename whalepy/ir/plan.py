@@ -161,6 +161,12 @@ class StageCost:
     + ``reserve_bytes`` + ``margin_bytes``."""
     cpu_bytes: int = 0
     """Host memory per GPU of offloaded states and activations."""
+    cpu_grads_bytes: int = 0
+    """Of ``cpu_bytes``, the gradient shards FSDP2's ``CPUOffloadPolicy`` reduces into the host during
+    the backward and the step frees, when the device's peak comes before them (its activation peak,
+    ``grads_bytes`` 0): the host holds ``cpu_bytes - cpu_grads_bytes`` at the device's peak, so a
+    rank whose device memory is the host's (a CPU run) peaks at ``memory_bytes + cpu_bytes -
+    cpu_grads_bytes``."""
     nvme_bytes: int = 0
     tp_comm_s: float = 0.0
     """Exposed tensor-parallel collectives per micro-batch."""

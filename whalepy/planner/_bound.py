@@ -172,7 +172,9 @@ def _state_terms(prob: _Model, cc: CandidateCoeffs, s: int, c: CellCoeffs, n: li
     device = {q[o]: (sc.mem_beta[o] + sc.buffer_beta[o]
                      - (sc.state_split[o][1] if sc.grads_freed[o] else 0.0)) * BILLION / GIB for o in opts}
     host = {q[o]: sc.cpu_beta[o] * BILLION / GIB for o in opts if sc.cpu_beta[o]}
-    const = min(sc.working_bytes[o] for o in opts) / GIB  # autocast's extras: none while checkpointed
+    # the activation peak: without the running block's gradient buffer; autocast's extras: none while
+    # checkpointed
+    const = min(sc.working_bytes[o] - sc.working_grad.get(o, 0.0) for o in opts) / GIB
     fetch = ({q[o]: c.fetch_beta[o] * BILLION for o in opts if c.fetch_beta[o]}, 0.0)
     exposed = ({n[g]: min(c.seg_exposed[o][g] for o in opts) for g in range(G)}, v * min(c.edge[o] for o in opts))
     tail: dict[_Var, float] = {q[o]: c.opt_beta[o] * BILLION for o in opts}

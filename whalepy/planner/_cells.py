@@ -15,8 +15,9 @@ from whalepy.cost_models.memory import inflight_microbatches
 from whalepy.cost_models.offload import host_capacity_per_gpu, nvme_capacity_per_gpu
 from whalepy.ir.plan import ZeroStage
 from whalepy.ir.rules import LoweringKind, offloads_to_host
+from whalepy.ir.types import Schedule
 from whalepy.planner._coeffs import CellCoeffs
-from whalepy.planner._cost_context import CostContext, _pair_link, loss_peak_bytes
+from whalepy.planner._cost_context import CostContext, _pair_link, loss_kept_bytes, loss_peak_bytes
 from whalepy.planner._offload_costs import (
     activation_offload_coefficients,
     checkpoint_offload_coefficients,
@@ -65,11 +66,15 @@ def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: i
     seg_time, seg_re, seg_fwd, seg_bwd, seg_comm, seg_saved, seg_input = per_block
     (opt_beta, opt_overlap, fetch_beta, seg_exposed, edge, seg_tail, tail_edge, seg_amp_saved,
      seg_autocast) = per_option
-    loss_bytes = 0.0
+    loss_bytes = loss_held = 0.0
     if s == S - 1 and ctx.profile.blocks:
         out = ctx.profile.blocks[-1].output_bytes * ratio
         elem = torch.finfo(getattr(torch, ctx.profile.dtype)).bits // 8
         loss_bytes = loss_peak_bytes(out * ctx.byte_scale, elem * ctx.byte_scale, output_held=S > 1)
+        if S > 1 and cand.schedule is Schedule.GPIPE:
+            # GPipe's last stage computes every micro-batch's loss in its forward: each one in flight
+            # keeps its output (fwd_cache) and log-probabilities until its backward
+            loss_held = (inflight - 1) * loss_kept_bytes(out * ctx.byte_scale, elem * ctx.byte_scale)
     # the group's capacities depend only on which parallel axes are in use: the same for every cell of
     # the group in every candidate with them (computed once; 55k calls on Llama-70B on four GPU types)
     ckey = ("capacities", g.index, t > 1, d > 1, S > 1)
@@ -98,6 +103,7 @@ def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: i
                       fetch_beta=fetch_beta,
                       seg_exposed=seg_exposed, edge=edge, seg_tail=seg_tail, tail_edge=tail_edge,
                       seg_amp_saved=seg_amp_saved, seg_autocast=seg_autocast, loss_bytes=loss_bytes,
+                      loss_held_bytes=loss_held,
                       seg_offload=seg_offload,
                       seg_host=seg_host, seg_ckoff=seg_ckoff, seg_ckhost=seg_ckhost)
 

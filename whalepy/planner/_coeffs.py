@@ -88,6 +88,10 @@ class CellCoeffs:
     """Per block: host bytes per rank of its checkpointed input over the micro-batches in flight."""
     margin: float = 0.0
     """Device bytes left unplanned (``PlannerOptions.memory_margin``), already taken from ``capacity``."""
+    loss_held_bytes: float = 0.0
+    """GPipe's last stage only: the outputs and log-probabilities of the micro-batches in flight besides
+    the one in its loss's backward (:func:`~whalepy.planner._cost_context.loss_kept_bytes`), held with
+    the activations."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +166,23 @@ class StageCoeffs:
     row_options: frozenset[StateOption] = frozenset()
     """The options whose lowering is FSDP2 (the ones that split first dimensions): where
     :attr:`seg_excess` is charged."""
+    grads_after_forwards: dict[StateOption, bool] = field(default_factory=dict)
+    """Per option: every micro-batch's forward runs before the gradients exist (GPipe,
+    :func:`~whalepy.planner.runtime_costs.grads_after_forwards`): besides the activation peak without
+    gradients, the stage peaks after the first micro-batch's backward with every gradient and
+    ``inflight - 1`` micro-batches' activations (plus the recomputed block and the loss)."""
+    working_grad: dict[StateOption, float] = field(default_factory=dict)
+    """Per option, of :attr:`working_bytes`, FSDP2's unsharded gradient buffer of the running block: not
+    yet allocated at the loss's backward, the activation peak (the peak is the larger of that without
+    it and the first block's backward with it, :attr:`block_grad`)."""
+    block_grad: dict[StateOption, float] = field(default_factory=dict)
+    """Per option, GPU bytes the first block's backward adds while every activation but the loss's is
+    still held: its gradients (FSDP2's buffer, :attr:`working_grad`; or, where the gradients are freed at
+    the activation peak, the block's own fp32 gradients, the largest block's); 0: none."""
+    host_grads: dict[StateOption, float] = field(default_factory=dict)
+    """Per option, host bytes per local parameter of gradients the step frees and the backward makes
+    again (FSDP2's ``CPUOffloadPolicy`` gradient shards; :attr:`ModelStateBytes.cpu_grads`): part of
+    ``cpu_beta``, not yet there at the device's activation peak when the gradients are freed."""
     families: tuple[tuple[StateOption, ...], ...] = ()
     """Groups of two or more of :attr:`options` whose blocks may share this stage, each block keeping
     its states where its option says (granular tiers, M6-10T; :data:`~whalepy.planner.space.StateMix`):

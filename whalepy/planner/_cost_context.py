@@ -73,6 +73,15 @@ def loss_peak_bytes(output_bytes: float, elem_bytes: float, *, output_held: bool
     return fp32 + (output_bytes if output_held else 0.0)
 
 
+def loss_kept_bytes(output_bytes: float, elem_bytes: float) -> float:
+    """Bytes a micro-batch whose loss is computed but whose backward has not started keeps on a
+    pipeline's last stage: its output (``fwd_cache``) and the loss's fp32 log-probabilities (saved by
+    ``log_softmax``). GPipe's last stage holds them for every micro-batch in flight but the one in its
+    loss's backward (:func:`loss_peak_bytes`): traced on 2 gloo ranks (tests/test_fsdp_memory.py), the
+    last stage's peak, the first loss backward, held the other micro-batch's two logit-sized tensors."""
+    return output_bytes + output_bytes / elem_bytes * LOSS_LOGPROB_BYTES
+
+
 def has_sequence_rules(profile: ModelProfile) -> bool:
     return any(r.style is TPStyle.SEQUENCE for b in profile.blocks for r in b.tp_rules)
 

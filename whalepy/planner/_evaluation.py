@@ -62,6 +62,15 @@ class CellEval:
 
     tp_s: float = 0.0
     """Per micro-batch: exposed tensor-parallel collectives."""
+    cpu_grads_bytes: float = 0.0
+    """Of ``cpu_bytes``, host gradients the backward makes after the device's peak (the plan's
+    :attr:`~whalepy.ir.plan.StageCost.cpu_grads_bytes`)."""
+    working_held_bytes: float = 0.0
+    """Of ``buffer_bytes``, FSDP2's working set at the peak (without the gradient buffer at the loss's
+    backward)."""
+    loss_held_bytes: float = 0.0
+    """Of ``activation_bytes``, the loss's tensors (at a block's backward only the other micro-batches'
+    kept ones; none at the end of backward)."""
 
     @property
     def tail_s(self) -> float:
@@ -89,7 +98,7 @@ def memory_breakdown(c: CellEval) -> dict[str, int]:
                 optimizer_bytes=int(c.optimizer_bytes), activation_bytes=int(c.activation_bytes),
                 buffer_bytes=int(c.buffer_bytes), reserve_bytes=int(c.reserve_bytes),
                 margin_bytes=int(c.cell.margin),
-                cpu_bytes=int(c.cpu_bytes), nvme_bytes=int(c.nvme_bytes))
+                cpu_bytes=int(c.cpu_bytes), cpu_grads_bytes=int(c.cpu_grads_bytes), nvme_bytes=int(c.nvme_bytes))
 
 
 @dataclass(slots=True)
@@ -332,10 +341,30 @@ def evaluate_stage(sc: StageCoeffs, chunk_counts: Sequence[Sequence[int]], chunk
                                                           c.chunk_p2p))
         # recomputed or fetched back in backward, one block at a time
         peak = max((a for k, o, a in zip(ckpts, offs, saved) if k + o > 0), default=0.0)
-        act = c.inflight * max(kept) + peak + c.loss_bytes
-        # the peak: end of forward (activations, gradients not yet created if freed) or end of backward
-        at_act = states - freed + buffers + act >= states + buffers
+        loss_act = c.loss_bytes + c.loss_held_bytes
+        act = c.inflight * max(kept) + peak + loss_act
+        # GPipe: after the first micro-batch's backward, every gradient and the other micro-batches'
+        # activations (their recomputed block and loss backward still to come)
+        gpipe = sc.grads_after_forwards.get(option) and c.inflight > 1
+        loss_rest = c.loss_bytes + c.loss_held_bytes * (c.inflight - 2) / (c.inflight - 1) if gpipe else 0.0
+        rest = (c.inflight - 1) * max(kept) + peak + loss_rest if gpipe else 0.0
+        # the peak: the loss's backward (activations, gradients not yet created if freed, nor the running
+        # block's gradient buffer), the first block's backward (its gradients, the loss's tensors freed),
+        # GPipe's first backward, or the end of backward
+        wg, bg = sc.working_grad.get(option, 0.0), sc.block_grad.get(option, 0.0)
+        at_loss = states - freed + buffers - wg + act
+        at_block = states - freed + buffers - wg + bg + act - c.loss_bytes if bg else float("-inf")
+        at_end = states + buffers + rest
+        top = max(at_loss, at_block, at_end)
+        at_act = top > at_end or at_loss == at_end  # ties: the activation peak (as before)
+        in_block = at_act and at_block > at_loss
         grads_held = sg if (not freed or not at_act) else 0.0
+        if in_block and not wg:  # the block's own gradients, where they are freed at the activation peak
+            grads_held += bg
+        # host gradients (CPUOffloadPolicy) are made in backward like the device's
+        host_grads = per_state(sc.host_grads) if sc.host_grads and sc.grads_freed[option] and at_act else 0.0
+        held_buffers = buffers - wg if at_act and not in_block else buffers
+        held_act = (act - c.loss_bytes if in_block else act) if at_act else rest
         # per-step work after the last backward: the data-parallel reductions (none without replicas: their
         # group is None and every such term 0) and the measured DTensor optimizer overhead (TP alone too)
         sync_s = (sum(n * x for o, ns in parts for n, x in zip(ns, c.seg_tail[o])) + c.tail_edge[option]
@@ -345,9 +374,11 @@ def evaluate_stage(sc: StageCoeffs, chunk_counts: Sequence[Sequence[int]], chunk
             fetch_s=fetch,
             time_s=time_s, chunk_time_s=chunk_time, exposed_sync_s=sync_s + tied_s,
             opt_s=per_param(c.opt_beta) + max(0.0, per_param(c.opt_overlap) - backward),
-            memory_bytes=max(states - freed + act, states) + buffers,
+            memory_bytes=top,
             states_bytes=states, params_bytes=sp, grads_bytes=grads_held, optimizer_bytes=so,
-            buffer_bytes=buffers, activation_bytes=act if at_act else 0.0, tp_s=comm,
+            buffer_bytes=held_buffers, activation_bytes=held_act, tp_s=comm,
+            cpu_grads_bytes=host_grads, working_held_bytes=sc.working_bytes[option] - (buffers - held_buffers),
+            loss_held_bytes=((c.loss_held_bytes if in_block else loss_act) if at_act else loss_rest),
             cpu_bytes=per_state(sc.cpu_beta) + sum(sc.host_fixed.get(o, 0.0) for o, _ in parts) + host_act,
             nvme_bytes=per_state(sc.nvme_beta)))
     return StageEval(index=sc.index, counts=tuple(counts), checkpoints=tuple(ckpts), option=option,

@@ -155,6 +155,10 @@ def add_memory_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
         for x, a in _once(v, s, sc.working_bytes, 1.0 / GIB).items():
             states[x] = states.get(x, 0.0) + a
             full[x] = full.get(x, 0.0) + a
+        # at the loss's backward the running block's gradient buffer is not allocated yet
+        for x, a in _once(v, s, sc.working_grad, -1.0 / GIB).items():
+            states[x] = states.get(x, 0.0) + a
+        block_any = any(sc.block_grad.get(o) for o in sc.options)
         freed_any = any(sc.grads_freed[o] for o in sc.options)
         for ci, cell in enumerate(sc.cells):
             k_in = cell.inflight / GIB
@@ -219,10 +223,30 @@ def add_memory_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
 
             d = dict(states)
             loss = cell.loss_bytes / GIB
+            held = cell.loss_held_bytes / GIB  # GPipe's last stage: the other micro-batches' outputs
             if P is not None:
                 d[P] = 1.0
             if V == 1:
-                const = _acc(d, kept(s), 1.0)
+                ks = kept(s)
+                const = _acc(d, ks, 1.0)
+                if cell.inflight > 1 and any(sc.grads_after_forwards.get(o) for o in sc.options):
+                    # GPipe, after the first micro-batch's backward: every gradient, the other
+                    # micro-batches' activations, their recomputed block and loss backward
+                    d2 = {v.Q[s][o]: (sc.mem_beta[o] + sc.buffer_beta[o]
+                                      - (sc.state_split[o][1] if sc.grads_freed[o]
+                                         and not sc.grads_after_forwards.get(o) else 0.0)) * _BILLION / GIB
+                          for o in sc.options}
+                    if sc.row_options:  # the first replica's shards of uneven first dimensions
+                        _row_terms(d2, v, s, sc, S, V, {o: sc.mem_beta[o] - (
+                            sc.state_split[o][1] if sc.grads_freed[o] and not sc.grads_after_forwards.get(o)
+                            else 0.0) for o in sc.options})
+                    for x, a in _once(v, s, sc.working_bytes, 1.0 / GIB).items():
+                        d2[x] = d2.get(x, 0.0) + a
+                    if P is not None:
+                        d2[P] = 1.0
+                    const2 = _acc(d2, ks, (cell.inflight - 1) / cell.inflight)
+                    const2 += loss + held * (cell.inflight - 2) / (cell.inflight - 1)
+                    _add(prob, d2, const2 - cell.capacity / GIB, LE, f"memory_gpipe_{s}_{ci}")
             else:
                 A = _var(prob, f"A_{s}_{ci}", lowBound=0)
                 for k in range(V):
@@ -231,7 +255,12 @@ def add_memory_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
                     _add(prob, kd, kc, LE, f"activations_{s}_{ci}_{k}")
                 d[A] = 1.0
                 const = 0.0
-            _add(prob, d, const + loss - cell.capacity / GIB, LE, f"memory_{s}_{ci}")
+            _add(prob, d, const + loss + held - cell.capacity / GIB, LE, f"memory_{s}_{ci}")
+            if block_any:  # the first block's backward: its gradients, the loss's tensors freed
+                d3 = dict(d)
+                for x, a in _once(v, s, sc.block_grad, 1.0 / GIB).items():
+                    d3[x] = d3.get(x, 0.0) + a
+                _add(prob, d3, const + held - cell.capacity / GIB, LE, f"memory_block_{s}_{ci}")
             if freed_any:  # the end of backward: every gradient, no activations
                 _add(prob, dict(full), -cell.capacity / GIB, LE, f"memory_states_{s}_{ci}")
 

@@ -213,10 +213,9 @@ def _buffer_items(sc, st, tight) -> dict[str, int]:  # type: ignore[no-untyped-d
     pls = part_params(sc, st.parts, st.counts)
     gathered, accum, autocast = (sum(sc.buffer_split[o][i] * x for o, x in pls) if sc.buffer_split else 0.0
                                  for i in range(3))
-    at_act = tight.activation_bytes > 0
-    return {"working_set_bytes": round(sc.working_bytes[st.option]), "gathered_params_bytes": round(gathered),
+    return {"working_set_bytes": round(tight.working_held_bytes), "gathered_params_bytes": round(gathered),
             "grad_accum_bytes": round(accum), "autocast_copy_bytes": round(autocast),
-            "inflight_microbatches": tight.cell.inflight, "loss_bytes": round(tight.cell.loss_bytes) if at_act else 0}
+            "inflight_microbatches": tight.cell.inflight, "loss_bytes": round(tight.loss_held_bytes)}
 
 
 def _tied_copies(sc, st, option_of: dict[int, StateOption], seg_of: list[int]) -> list[tuple[float, StateOption]]:  # type: ignore[no-untyped-def]

@@ -87,6 +87,7 @@ from whalepy.ir.plan import Tier, ZeroStage
 from whalepy.planner.space import Candidate, GroupView, Hardware, Segment, StateOption, build_layout
 from whalepy.planner._tiling_costs import tiled_options, tiling_latency_s, unit_params
 from whalepy.planner.runtime_costs import (
+    grads_after_forwards,
     grads_at_activation_peak,
     lowering_kind,
     post_step_affine,
@@ -147,7 +148,7 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
             per_options[skey] = _stage_options(ctx, cand, segments, options, groups_here, dp_group, seg_params,
                                                mixing)
         allowed, sync, mem_beta, cpu_beta, nvme_beta, working, buffer_beta, split, freed, host_fixed, tile_extra, \
-            dp_comm, buffer_split = per_options[skey]
+            dp_comm, buffer_split, after, host_grads, wgrad, bgrad = per_options[skey]
         # cells: replicas of this stage with the same group and share cost the same
         keyed: dict[tuple[int, int], list[int]] = {}
         for r in range(d):
@@ -162,8 +163,11 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
             # stands alone) and dropped where no family takes it
             beside = tuple(o for o in allowed if o.beside_offload)
             uneven = bool(seg_excess) or any(c.row_excess for c in copies)
+            # the working set at the loss's backward (without the gradient buffer) and at the first
+            # block's backward (with the block's gradients) too
+            peaks = {o: (working[o], working[o] - wgrad[o], working[o] - wgrad[o] + bgrad[o]) for o in allowed}
             kept = _undominated(tuple(o for o in allowed if not o.beside_offload), sync, mem_beta, cpu_beta,
-                                nvme_beta, working, buffer_beta, cells, host_fixed,
+                                nvme_beta, peaks, buffer_beta, cells, host_fixed,
                                 rows=(lambda o: lowering_kind(o, cand) == LoweringKind.FSDP) if uneven else None
                                 ) + beside
             families = _families(kept, cand, sync, working, freed, cells) if mixing else ()
@@ -172,6 +176,8 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
         stages.append(StageCoeffs(index=s, cells=cells, seg_params=seg_params, options=allowed, sync=sync,
                                   mem_beta=mem_beta, cpu_beta=cpu_beta, nvme_beta=nvme_beta,
                                   working_bytes=working, state_split=split, grads_freed=freed,
+                                  grads_after_forwards=after, host_grads=host_grads, working_grad=wgrad,
+                                  block_grad=bgrad,
                                   buffer_beta=buffer_beta, buffer_split=buffer_split, host_fixed=host_fixed,
                                   dp_ranks=dp_ranks, families=families, tied_copies=copies,
                                   tied_sync=tied_sync_coeffs(ctx, cand, copies, s, cells, ranks, allowed),
@@ -256,6 +262,10 @@ def _stage_options(ctx: CostContext, cand: Candidate, segments: tuple[Segment, .
     hw, t = ctx.hw, cand.tp
     allowed = tuple(o for o in options if all(_tier_ok(hw.groups[g], o) for g in groups_here))
     sync, mem_beta, cpu_beta, nvme_beta, working, buffer_beta, split, freed = {}, {}, {}, {}, {}, {}, {}, {}
+    after: dict[StateOption, bool] = {}
+    host_grads: dict[StateOption, float] = {}
+    wgrad: dict[StateOption, float] = {}
+    bgrad: dict[StateOption, float] = {}
     buffer_split: dict[StateOption, tuple[float, float, float]] = {}
     host_fixed: dict[StateOption, float] = {}
     low = precision_bytes(ctx.precision)
@@ -279,11 +289,19 @@ def _stage_options(ctx: CostContext, cand: Candidate, segments: tuple[Segment, .
         host_fixed[o] = stage_model_states(ctx, cand, o, 1.0, largest_block_params=max(seg_params)).cpu - st.cpu
         split[o] = (st.params, st.grads, st.optimizer)
         freed[o] = not grads_at_activation_peak(kind, cand)
+        after[o] = grads_after_forwards(kind, cand)
+        host_grads[o] = st.cpu_grads
         fsdp = kind == LoweringKind.FSDP
         zero3 = o.zero is ZeroStage.PARAMETERS
         unit = max(seg_params) if o.tiles == 1 else max(unit_params(b, o.tiles) for b in stage_blocks)
         working[o] = (estimate_fsdp_working_bytes(block_params=unit, zero3=zero3, compute_bytes=low)
                       if fsdp else 0.0)
+        # the running block's gradients: FSDP2's unsharded buffer (part of its working set), or, where
+        # the gradients are freed at the activation peak, the block's own; neither exists at the loss's
+        # backward, both at the first block's backward (whose activations are still held)
+        wgrad[o] = (estimate_fsdp_working_bytes(block_params=unit, zero3=False, compute_bytes=low)
+                    if fsdp else 0.0)
+        bgrad[o] = wgrad[o] if fsdp else (MASTER_GRAD_BYTES * unit if freed[o] else 0.0)
         # below ZeRO-3 FSDP2 keeps the stage's parameters gathered, in the compute dtype, from
         # forward to backward (reshard_after_forward=False)
         gathered = low if fsdp and not zero3 else 0.0
@@ -304,7 +322,7 @@ def _stage_options(ctx: CostContext, cand: Candidate, segments: tuple[Segment, .
         buffer_split[o] = (gathered, max(0.0, accumulate) + bucket, autocast)
     dp_comm = ctx.dp_block_comm(segments, tuple(seg_params), dp_group)
     return (allowed, sync, mem_beta, cpu_beta, nvme_beta, working, buffer_beta, split, freed, host_fixed,
-            tile_extra, dp_comm, buffer_split)
+            tile_extra, dp_comm, buffer_split, after, host_grads, wgrad, bgrad)
 
 
 def _families(options, cand, sync, working, freed, cells) -> tuple[tuple[StateOption, ...], ...]:  # type: ignore[no-untyped-def]
@@ -400,10 +418,12 @@ def _undominated(options, sync, mem, cpu, nvme, working, buffers, cells, host_fi
     """Drop state options another option beats or ties on every coefficient (memory, host memory,
     NVMe, working set, post-step communication, exposed communication per block, optimizer step,
     fetches): every cost is monotone in them, so a dominated option is never strictly better. E.g.
-    ZeRO-1 beats ZeRO-0 when both lower to FSDP2 and cost the same time. ``rows(o)``: the option is
-    charged FSDP2's uneven rows (:attr:`StageCoeffs.seg_excess`), at its model-state coefficients."""
+    ZeRO-1 beats ZeRO-0 when both lower to FSDP2 and cost the same time. ``working``: per option, a
+    tuple of working-set figures (whole, at the loss's backward, at the first block's). ``rows(o)``: the
+    option is charged FSDP2's uneven rows (:attr:`StageCoeffs.seg_excess`), at its model-state
+    coefficients."""
     def vec(o):  # type: ignore[no-untyped-def]
-        v = [mem[o] + buffers[o], working[o], cpu[o], nvme[o], host_fixed[o], *sync[o]]
+        v = [mem[o] + buffers[o], *working[o], cpu[o], nvme[o], host_fixed[o], *sync[o]]
         if rows is not None:
             v += [mem[o], cpu[o], nvme[o]] if rows(o) else [0.0, 0.0, 0.0]
         for c in cells:
