@@ -22,7 +22,9 @@ dropped term non-negative:
   family's options (:attr:`StageCoeffs.families`) is priced with the least of the family's
   coefficients, term by term (every mix of the family, and each of its options alone, costs at least
   that); tied weights' copies and their all-reduce are dropped;
-- device memory: ``max(states - freed + act, states) + buffers <= capacity`` with ``act = inflight *
+- device memory: ``states - freed + buffers - working_grad + act <= capacity`` (the loss's backward:
+  :attr:`StageCoeffs.working_grad` not yet allocated; the first block's backward is dropped) and
+  ``states + buffers <= capacity``, with ``act = inflight *
   max_k kept_k + peak + loss``: every chunk ``k`` of the stage (each split of ``n`` over its ``v``
   chunks is tried) keeps at most ``(room - peak) / inflight``, and where a chunk's blocks' saved
   activations exceed that, the least extra time per micro-batch that frees enough of them, in whole
@@ -73,7 +75,7 @@ class _Priced:
     """One way of keeping a stage's states, as the floor reads it: one option, or the least of a
     family's coefficients (per parameter, per block, per stage)."""
 
-    __slots__ = ("device", "net", "buffer", "working", "saved", "exposed", "edge", "fetch", "tail", "tail_edge",
+    __slots__ = ("device", "net", "buffer", "working", "working_loss", "saved", "exposed", "edge", "fetch", "tail", "tail_edge",
                  "tail_beta", "sync_alpha", "moves", "steps", "peak_min")
 
     def __init__(self, sc: StageCoeffs, c: CellCoeffs, members: Sequence, dp: int, choices: Choices) -> None:  # type: ignore[type-arg]
@@ -83,6 +85,10 @@ class _Priced:
         self.net = min(sc.mem_beta[o] - (sc.state_split[o][1] if freed_any else 0.0) for o in members)
         self.buffer = min(sc.buffer_beta[o] for o in members)
         self.working = min(sc.working_bytes[o] for o in members)
+        # at the loss's backward (the activation peak) FSDP2's gradient buffer of the running block is not
+        # allocated yet (StageCoeffs.working_grad); the first block's backward, with it, is not required
+        # here (dropping a constraint keeps the floor a floor)
+        self.working_loss = min(sc.working_bytes[o] - sc.working_grad.get(o, 0.0) for o in members)
         self.saved = [min(c.seg_saved[g] + c.seg_amp_saved[o][g] for o in members) for g in range(G)]
         self.exposed = [min(c.seg_exposed[o][g] for o in members) for g in range(G)]
         self.edge = min(c.edge[o] for o in members)
@@ -191,7 +197,7 @@ def _fixed(n: Sequence[int], c: CellCoeffs, sc: StageCoeffs, w: _Priced):  # typ
     cap = c.capacity * (1 + 1e-6)
     if w.device * pl + w.working > cap:
         return None
-    room = cap - (w.net * pl + w.buffer * pl + w.working + c.loss_bytes)
+    room = cap - (w.net * pl + w.buffer * pl + w.working_loss + c.loss_bytes)
     if room < 0:
         return None
     X = (sum(k * x for k, x in zip(n, w.tail)) + w.tail_edge + w.tail_beta * pl
