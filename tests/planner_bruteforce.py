@@ -17,6 +17,8 @@ import itertools
 import math
 import random
 
+import numpy as np
+
 from whalepy.cost_models.memory import estimate_device_bytes_for_usable
 from whalepy.ir.plan import Schedule
 from whalepy.planner import make_options, resolve_optimizer_impl
@@ -94,22 +96,55 @@ def candidate_optimum(cc, allow_checkpointing: bool = True,  # type: ignore[no-u
                       allow_activation_offload: bool = True,
                       allow_checkpoint_offload: bool = True) -> tuple[float, float]:
     """``(best feasible step time, best step time ignoring memory)`` of one candidate, by enumeration
-    (feasible: every device, and every node's host memory and NVMe)."""
+    (feasible: every device, and every node's host memory and NVMe).
+
+    Every combination of the stages' outcomes is costed: the stage with the most outcomes as one numpy
+    array per combination of the others (``step_time`` is a linear form, the same float operations on
+    an array), the others one by one. A stage's outcomes depend only on its own blocks per segment, so
+    they are enumerated once per distinct count, not once per split that repeats it."""
     cand = cc.candidate
     S, v = cand.num_stages, cand.virtual_stages
     best_fit, best_any = math.inf, math.inf
+    outcomes: dict[tuple[int, tuple[tuple[int, ...], ...]], list] = {}  # type: ignore[type-arg]
     for sizes in _splits(cc.num_blocks, cand.num_virtual):
         rows = chunk_counts_from_sizes(cc, sizes)
-        per_stage = [sorted(stage_outcomes(cc.stages[s], [rows[s + k * S] for k in range(v)], cand.dp,
-                                           allow_checkpointing, allow_activation_offload, bool(cc.nodes),
-                                           allow_checkpoint_offload))
-                     for s in range(S)]
-        for combo in itertools.product(*per_stage):
-            t = step_time(cc, max(c[0] for c in combo), max(c[1] for c in combo), max(c[2] for c in combo))
-            best_any = min(best_any, t)
-            if t < best_fit and all(c[3] for c in combo) and node_fits(cc, [c[4] for c in combo],
-                                                                        [c[5] for c in combo]):
-                best_fit = min(best_fit, t)
+        per_stage = []
+        for s in range(S):
+            key = (s, tuple(tuple(rows[s + k * S]) for k in range(v)))
+            if key not in outcomes:
+                outcomes[key] = sorted(stage_outcomes(cc.stages[s], [list(r) for r in key[1]], cand.dp,
+                                                      allow_checkpointing, allow_activation_offload,
+                                                      bool(cc.nodes), allow_checkpoint_offload))
+            per_stage.append(outcomes[key])
+        fit, any_ = _best_combination(cc, per_stage)
+        best_fit, best_any = min(best_fit, fit), min(best_any, any_)
+    return best_fit, best_any
+
+
+def _best_combination(cc, per_stage: list[list[tuple]]) -> tuple[float, float]:  # type: ignore[no-untyped-def, type-arg]
+    """``(best feasible, best ignoring memory)`` step time over every combination of one outcome per
+    stage (the widest stage vectorised, each combination of the others in turn)."""
+    best_fit, best_any = math.inf, math.inf
+    if any(not outs for outs in per_stage):
+        return best_fit, best_any
+    j = max(range(len(per_stage)), key=lambda s: len(per_stage[s]))
+    wide = np.array([o[:3] for o in per_stage[j]], dtype=np.float64)
+    wide_fits = np.array([o[3] for o in per_stage[j]], dtype=bool)
+    others = per_stage[:j] + per_stage[j + 1:]
+    for head in itertools.product(*others):
+        T = np.maximum(wide[:, 0], max((c[0] for c in head), default=-math.inf))
+        Tc = np.maximum(wide[:, 1], max((c[1] for c in head), default=-math.inf))
+        X = np.maximum(wide[:, 2], max((c[2] for c in head), default=-math.inf))
+        t = step_time(cc, T, Tc, X)
+        best_any = min(best_any, float(t.min()))
+        if not all(c[3] for c in head):
+            continue
+        ok = np.flatnonzero(wide_fits & (t < best_fit))
+        for i in ok[np.argsort(t[ok], kind="stable")]:
+            combo = list(head[:j]) + [per_stage[j][i]] + list(head[j:])
+            if node_fits(cc, [c[4] for c in combo], [c[5] for c in combo]):
+                best_fit = float(t[i])  # the smallest that fits every node
+                break
     return best_fit, best_any
 
 

@@ -2,8 +2,8 @@
 are found and marked), and the sample outputs in the docs are what the code prints now.
 
 Each page's examples run in a fresh directory where ``examples/`` and ``benchmarks/`` are the repo's,
-with this interpreter's ``python``, ``whalepy`` and ``torchrun`` first on PATH and HOME pointing into
-the directory (``whalepy calibrate`` writes under ``~/.cache``).
+with this interpreter's ``python``, ``whalepy`` and ``torchrun`` first on PATH, HOME pointing into
+the directory (``whalepy calibrate`` writes under ``~/.cache``) and one OpenMP thread per process.
 """
 
 from __future__ import annotations
@@ -60,6 +60,10 @@ def _env(workdir: Path) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env["PET_MASTER_PORT"] = str(_free_port())  # torchrun's --master-port, for examples that name none
     env.pop("WHALEPY_PLAN", None)
+    # one intra-op thread per example process, as torchrun gives each rank and tests/conftest.py this one:
+    # on the 2-core CI machine under load, two OpenMP threads wait on each other at every kernel
+    # (docs/profiling.md's examples: 63 s with two, 10 s with one); the examples print the same things
+    env["OMP_NUM_THREADS"] = "1"
     # a crash (SIGABRT, SIGSEGV) prints every thread's Python stack: what the failure message shows
     env["PYTHONFAULTHANDLER"] = "1"
     return env

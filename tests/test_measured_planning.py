@@ -24,6 +24,19 @@ from dist_harness import run_distributed
 from measured_cases import build, reference_losses, run_plans
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """This process measures and trains with one intra-op thread, as every gloo rank here does
+    (tests/dist_harness.py): on the shared 2-core CI machine under load, two OpenMP threads of this tiny
+    model wait on each other at every kernel (a step of ``build()``'s GPT took 0.3-1 s instead of 3 ms),
+    which was most of the ``measured`` fixture's time. What the tests check (every size and degree
+    measured, the plan made from those numbers, the runs' losses) does not depend on the thread count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def measured():
     model, x, _ = build()
