@@ -162,6 +162,19 @@ def outer_candidates(ctx: CostContext, global_batch: int, **options):  # type: i
     return out, opts
 
 
+def instance_space(inst):  # type: ignore[no-untyped-def]
+    """What the bound tests walk for one random instance: ``(options, cost context, outer candidates,
+    segments, state options)``, the context built as the planner builds it."""
+    opts = make_options(inst.options)
+    ctx = CostContext(inst.profile, Hardware(inst.cluster), precision=opts.precision,
+                      sequence_parallel=opts.sequence_parallel,  # the optimizer the planner charges
+                      optimizer_impl=resolve_optimizer_impl(inst.cluster, opts.optimizer_impl),
+                      memory_margin=opts.memory_margin)
+    cands, _ = outer_candidates(ctx, inst.global_batch, **inst.options)
+    return (opts, ctx, cands, build_segments(inst.profile),
+            build_state_options(opts.zero_stages, opts.allow_offload, opts.precision))
+
+
 def brute_force(profile, cluster_spec, global_batch: int, **options) -> float:  # type: ignore[no-untyped-def]
     """The fastest feasible step time over the whole space (``inf`` if nothing fits)."""
     opts = make_options(options)

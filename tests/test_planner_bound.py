@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from whalepy.hardware.cluster import resolve_precision
 from whalepy.errors import InfeasibleError
-from whalepy.planner import make_options, plan_from_profile, resolve_optimizer_impl
+from whalepy.planner import make_options, plan_from_profile
 from whalepy.planner._bound import Choices
 from whalepy.planner.costing import CostContext, build_coefficients, lower_bound
 from whalepy.planner.ilp import MIP_REL_GAP, solve_candidate
@@ -23,7 +23,7 @@ from whalepy.planner.search import allowed_stage_ranges, read_annotations
 from whalepy.planner.space import Hardware, build_segments, build_state_options
 from whalepy.planner.synthetic import gpt_profile, transformer_profile
 
-from planner_bruteforce import Instance, brute_force, candidate_optimum, outer_candidates, random_instance
+from planner_bruteforce import Instance, brute_force, candidate_optimum, instance_space, outer_candidates, random_instance
 from planner_fixtures import as_fp32_capture, cluster, group, tiny_device
 
 NUM_INSTANCES = 120
@@ -93,14 +93,7 @@ def _check_bounds(inst: Instance) -> tuple[int, int]:
     the best plan ignoring memory (its memory part). The whole-block part asked about a cutoff (what the
     search does) claims to reach it only when no plan that fits is below it. Returns the candidates
     checked and how many of them the memory part lifted."""
-    opts = make_options(inst.options)
-    ctx = CostContext(inst.profile, Hardware(inst.cluster), precision=opts.precision,
-                      sequence_parallel=opts.sequence_parallel,  # the optimizer the planner charges
-                      optimizer_impl=resolve_optimizer_impl(inst.cluster, opts.optimizer_impl),
-                      memory_margin=opts.memory_margin)
-    cands, _ = outer_candidates(ctx, inst.global_batch, **inst.options)
-    segments = build_segments(inst.profile)
-    options = build_state_options(opts.zero_stages, opts.allow_offload, opts.precision)
+    opts, ctx, cands, segments, options = instance_space(inst)
     lifted = 0
     for cand in cands:
         cc = build_coefficients(ctx, cand, segments, options)

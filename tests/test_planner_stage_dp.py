@@ -8,13 +8,11 @@ from __future__ import annotations
 import math
 import random
 
-from whalepy.planner import make_options, resolve_optimizer_impl
 from whalepy.planner._bound import Choices
 from whalepy.planner._stage_dp import stage_dp_bound
-from whalepy.planner.costing import CostContext, build_coefficients, lower_bound
-from whalepy.planner.space import Hardware, build_segments, build_state_options
+from whalepy.planner.costing import build_coefficients, lower_bound
 
-from planner_bruteforce import candidate_optimum, outer_candidates, random_instance
+from planner_bruteforce import candidate_optimum, instance_space, random_instance
 
 REL = 1e-9
 
@@ -28,14 +26,7 @@ def _pipelines(cc):  # type: ignore[no-untyped-def]
 def _check(seed: int, mixed: bool, fp32: bool) -> int:
     """Every candidate of one random instance; returns how many the bound puts above steps 1-6."""
     inst = random_instance(random.Random(1000 + seed), fp32_capture=fp32, mixed=mixed)
-    opts = make_options(inst.options)
-    ctx = CostContext(inst.profile, Hardware(inst.cluster), precision=opts.precision,
-                      sequence_parallel=opts.sequence_parallel,
-                      optimizer_impl=resolve_optimizer_impl(inst.cluster, opts.optimizer_impl),
-                      memory_margin=opts.memory_margin)
-    cands, _ = outer_candidates(ctx, inst.global_batch, **inst.options)
-    segments = build_segments(inst.profile)
-    options = build_state_options(opts.zero_stages, opts.allow_offload, opts.precision)
+    opts, ctx, cands, segments, options = instance_space(inst)
     above_steps_1_6 = 0
     for cand in cands:
         cc = build_coefficients(ctx, cand, segments, options)
