@@ -34,6 +34,9 @@ def _worker(rank: int, world_size: int, store_path: str, fn: Callable[..., Any],
         LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
         OMP_NUM_THREADS="1",
     )
+    import faulthandler
+
+    faulthandler.enable(all_threads=True)  # a rank killed by a signal (a native crash) prints its stacks
     try:
         import torch
         import torch.distributed as dist
