@@ -73,15 +73,18 @@ def _call(model: nn.Module, inputs: Any) -> Any:
     return model(**inputs) if isinstance(inputs, dict) else model(*inputs)
 
 
-def _tensors(out: Any) -> list[torch.Tensor]:
-    """The tensors of a module's output (a tensor, or nested tuples, lists and dicts of them, or a
-    ModelOutput-like mapping)."""
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, dict):
-        out = list(out.values())
-    if isinstance(out, (tuple, list)):
-        return [t for o in out for t in _tensors(o)]
+def grad_tensors(x: Any) -> list[torch.Tensor]:
+    """The tensors needing a gradient in a module's inputs or outputs (tuples, lists, dicts, HF outputs):
+    where the block clocks (here and the runtime's, ``runtime/_block_timing.py``) hook the backward."""
+    if isinstance(x, torch.Tensor):
+        return [x] if x.requires_grad else []
+    if isinstance(x, dict) or (hasattr(x, "values") and not isinstance(x, nn.Module)):
+        try:
+            x = list(x.values())
+        except TypeError:
+            return []
+    if isinstance(x, (tuple, list)):
+        return [t for v in x for t in grad_tensors(v)]
     return []
 
 
@@ -209,9 +212,8 @@ class BlockClock:
         input and output in an extra autograd function: 2% of a small GPT's step on a CPU,
         benchmarks/bench_block_clock.py, about 4% on an H200, which the measured blocks then carried;
         tensor hooks cost a Python call each.)"""
-        for t in _tensors(out):
-            if t.requires_grad:
-                t.register_hook(lambda g, i=block: self.mark(i, "b"))
+        for t in grad_tensors(out):
+            t.register_hook(lambda g, i=block: self.mark(i, "b"))
 
     def mark(self, block: int | None, phase: str) -> None:
         if self.events and self.events[-1][1] == block and self.events[-1][2] == phase:

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from whalepy.frontend.measure import grad_tensors
 from whalepy.ir.measured import MeasuredCosts, block_signature
 from whalepy.ir.plan import Plan
 from whalepy.ir.rules import tp_splits
@@ -101,20 +102,6 @@ class StepTiming:
 def _in_backward() -> bool:
     """Inside a backward pass of the autograd engine (a checkpointed block's recomputation)."""
     return torch._C._current_graph_task_id() != -1
-
-
-def _tensors(x: Any) -> list[torch.Tensor]:
-    """The tensors needing a gradient in a module's inputs or outputs (tuples, lists, dicts, HF outputs)."""
-    if isinstance(x, torch.Tensor):
-        return [x] if x.requires_grad else []
-    if isinstance(x, dict) or (hasattr(x, "values") and not isinstance(x, nn.Module)):
-        try:
-            x = list(x.values())
-        except TypeError:
-            return []
-    if isinstance(x, (tuple, list)):
-        return [t for v in x for t in _tensors(v)]
-    return []
 
 
 class BlockTimer:
@@ -190,7 +177,7 @@ class BlockTimer:
             self.mark(idx, "f")
             # the gradient of a module's input ends its backward (before FSDP2's post-backward, which
             # wrapped these inputs: its reduce-scatter stays outside)
-            inputs = _tensors(args) + _tensors(kwargs)
+            inputs = grad_tensors(args) + grad_tensors(kwargs)
             for t in inputs:
                 self.handles.append(t.register_hook(lambda g: self.close_backward()))
             if inputs or not first:
@@ -210,7 +197,7 @@ class BlockTimer:
                 self.mark(idx, "b")  # the recomputation is done: the block's backward resumes
                 return
             self.mark(None, "")
-            for t in _tensors(out):
+            for t in grad_tensors(out):
                 # the gradient of an output ends what ran after this module (a tensor hook, before
                 # FSDP2's gathering one) and starts this module's backward (a pre-hook on the node
                 # that made it: those run after all tensor hooks, so the gather stays outside)
