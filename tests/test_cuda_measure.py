@@ -1,9 +1,12 @@
 """Measured planning's block clock on a CUDA GPU (skipped without CUDA; benchmarks/gpu_session.sh's
 ``tiers`` part runs it on one). On a GPU the clock marks block boundaries with CUDA events and
 synchronises once per step (whalepy.frontend.measure.BlockClock): a host synchronisation at every
-boundary stalled the launch queue the runtime keeps full. Checked here: every block's forward and
-backward gets a positive interval, and their sum is the step as it runs without the clock (within
-10%: the loss and the host work between steps fall outside the marks or inside them)."""
+boundary stalled the launch queue the runtime keeps full. The hooks still cost host time, which a step
+bound by its kernel launches pays on the device too: this small GPT summed to 17.9 ms under the clock
+against 14.5 ms without it on an H200 (2026-11-27), so measured planning scales the clocked intervals
+to the plain step it times in alternation (``_timed_steps``). Checked here: every block's forward and
+backward gets a positive interval, and the measured blocks sum to the step as it runs without the clock
+(within 10%: the two are timed apart)."""
 from __future__ import annotations
 
 import contextlib
@@ -18,7 +21,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def test_event_clock_times_the_step_as_it_runs_without_it():
-    from whalepy.frontend.measure import BlockClock, _one_step, default_loss
+    from whalepy.frontend.measure import BlockClock, _one_step, _timed_steps, default_loss
     from whalepy.models import GPT, GPTConfig
 
     dev = torch.device("cuda")
@@ -46,9 +49,16 @@ def test_event_clock_times_the_step_as_it_runs_without_it():
         for _ in range(3):
             _one_step(model, (x,), clock, default_loss, contextlib.nullcontext, 9)
         runs = [_one_step(model, (x,), clock, default_loss, contextlib.nullcontext, 9) for _ in range(9)]
+        got = _timed_steps(model, (x,), clock, default_loss, contextlib.nullcontext, 9, repeats=9)
     finally:
         clock.remove()
+    after = statistics.median(plain_step() for _ in range(9))
     for k in [(i, p) for i in blocks for p in "fb"]:
         assert all(r.get(k, 0.0) > 0 for r in runs), f"block {k} got no interval"
-    timed = statistics.median(sum(r.values()) for r in runs)
-    assert timed == pytest.approx(plain, rel=0.1), f"event clock {timed * 1e3:.2f} ms, step {plain * 1e3:.2f} ms"
+        assert got.get(k, 0.0) > 0, f"block {k} got no measured time"
+    clocked = statistics.median(sum(r.values()) for r in runs)
+    step = (plain + after) / 2
+    print(f"clocked {clocked * 1e3:.2f} ms, measured blocks {sum(got.values()) * 1e3:.2f} ms, "
+          f"step without the clock {plain * 1e3:.2f} / {after * 1e3:.2f} ms")
+    assert sum(got.values()) == pytest.approx(step, rel=0.1), \
+        f"measured blocks {sum(got.values()) * 1e3:.2f} ms, step {step * 1e3:.2f} ms"
