@@ -125,5 +125,54 @@ def render() -> str:
     return "\n".join(lines)
 
 
+MEASURED_RUN = Path(__file__).resolve().parent / "data" / "h200_2026-11-27"
+"""``bench_gpu_step.py --model both --measure --dump`` on one H200 (2026-11-27, session 15, call 2 of
+docs/benchmarks.md's "One H200, session 15"): the tables measured planning timed there
+(``<model>_measured.json``), the plan it made (``<model>_plan.json``), the run's log
+(``call2_gpu_step.log``: the measured steps) and the other parts of that session's ``gpu_check.sh``."""
+
+
+def measured_run(name: str, log: str = "call2_gpu_step.log") -> dict:
+    """The run's median step (ms) and peak (GiB) for ``name``, read from its log's summary line."""
+    import re
+
+    text = (MEASURED_RUN / log).read_text()
+    at = text.index(f"{name}: plan pp=")
+    m = re.search(r"median ([0-9.]+) ms \(whalepy\).*?peak ([0-9.]+) vs", text[at:])
+    assert m is not None, f"no summary line for {name} in {log}"
+    return dict(step_ms=float(m.group(1)), peak_gib=float(m.group(2)))
+
+
+def replan_measured(name: str) -> dict:
+    """The plan of that run made again here, on the meta model, from the tables the H200 measured (no
+    GPU): predicted step and peak against the run's, and how many blocks the tables cover (a block's
+    signature is its graph: a different ``transformers`` traces Llama's layers differently)."""
+    from dataclasses import replace
+
+    from whalepy.frontend.measure import apply_measured_activations
+    from whalepy.ir.measured import MeasuredCosts, block_signature
+    from whalepy.planner import plan_from_profile
+
+    prof = model_profile(name)
+    table = MeasuredCosts.from_dict(json.loads((MEASURED_RUN / f"{name}_measured.json").read_text()))
+    covered = sum(block_signature(prof, b) in table.times for b in prof.blocks)
+    prof = replace(apply_measured_activations(prof, table, "bf16", compiled=True), measured=table)
+    plan = plan_from_profile(prof, cluster(), global_batch=BATCH, precision="bf16", compile=True,
+                             optimizer_impl="fused", time_limit_s=10)
+    run = measured_run(name)
+    return dict(model=name, covered=covered, blocks=len(prof.blocks), predicted_ms=1e3 * plan.cost.step_time_s,
+                predicted_gib=plan.stages[0].cost.memory_bytes / GIB, measured_ms=run["step_ms"],
+                measured_gib=run["peak_gib"], layout=(plan.pp_degree, plan.tp_degrees[0], plan.dp_degree))
+
+
 if __name__ == "__main__":
     print(render())
+    print()
+    print("Measured planning on the H200 (session 15), re-planned here from the tables measured there:")
+    print("| model | blocks measured | predicted ms | measured ms | error | predicted GiB | measured GiB | error |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name in ("gpt", "llama"):
+        r = replan_measured(name)
+        print(f"| {name} | {r['covered']} of {r['blocks']} | {r['predicted_ms']:.1f} | {r['measured_ms']:.1f} | "
+              f"{100 * (r['predicted_ms'] / r['measured_ms'] - 1):+.1f}% | {r['predicted_gib']:.2f} | "
+              f"{r['measured_gib']:.2f} | {100 * (r['predicted_gib'] / r['measured_gib'] - 1):+.1f}% |")
