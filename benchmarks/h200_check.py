@@ -70,9 +70,10 @@ def predict(name: str, vocab: int | None = None) -> dict:
     """The plan the runtime ran (one H200: no parallelism, one micro-batch of 4) estimated, and its
     per-component attribution (ms): the same kernel model the planner's block times use."""
     prof = model_profile(name, vocab)
-    # the measured run stepped torch's default AdamW (foreach), the factory's optimizer as given
+    # the measured run stepped torch's default AdamW (foreach), the factory's optimizer as given, and ran
+    # its blocks eagerly (whalepy at 8c21ad1, before compiled blocks were the default)
     est = estimate_from_profile(prof, cluster(), dict(dp=1), global_batch=BATCH, precision="bf16",
-                                optimizer_impl="as_given")
+                                optimizer_impl="as_given", compile=False)
     p = resolve_compute_profile(H200)
     ratio = BATCH / prof.batch_size
     comp = dict.fromkeys(("optimizer", "lm_head_gemms", "aligned_gemms", "attention", "casts", "loss",

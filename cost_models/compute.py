@@ -176,23 +176,41 @@ def gemm_aligned(k: float, n: float, precision: Precision | str = Precision.BF16
     return all(float(x).is_integer() and (int(x) * b) % GEMM_ALIGNMENT_BYTES == 0 for x in (k, n))
 
 
+INDUCTOR_PAD_MULTIPLIER = 1.1
+"""Inductor pads a misaligned 16-bit ``mm`` / ``addmm`` / ``bmm`` of a compiled graph (its
+``pad_mm`` pass, ``torch._inductor.config.shape_padding``, on by default on CUDA with Triton): each of
+``m``, ``k``, ``n`` that is not a multiple of 8 elements (4 for fp32) is padded with zeros up to the next
+one, the product runs aligned and the result is sliced back; it keeps the padding where its benchmark
+of both finds the original slower than the padded product times this factor (``shape_padding_multiplier``,
+default 1.1, torch/_inductor/fx_passes/pad_mm.py in torch 2.13). On one H200 (2026-11-27) the GPT's
+compiled head with its 50257-wide GEMMs ran forward + backward (with the loss) in 6.8 ms against 23.9
+ms eager (benchmarks/data/h200_2026-11-27/gpt_measured.json)."""
+
+
 def gemm_time(m: float, k: float, n: float, *, device: DeviceType, profile: ComputeProfile,
-              precision: Precision | str = Precision.BF16, batch: float = 1) -> float:
-    """Device seconds of ``[batch x] (m x k) @ (k x n)`` (module docstring: tiles in waves, roofline)."""
+              precision: Precision | str = Precision.BF16, batch: float = 1, padded: bool = False) -> float:
+    """Device seconds of ``[batch x] (m x k) @ (k x n)`` (module docstring: tiles in waves, roofline).
+    ``padded``: the product runs inside a compiled block, where a misaligned one is padded when that is
+    faster (:data:`INDUCTOR_PAD_MULTIPLIER`)."""
     if min(m, k, n, batch) <= 0:
         return 0.0
-    return _gemm_time(m, k, n, device, profile, Precision(precision), batch)
+    return _gemm_time(m, k, n, device, profile, Precision(precision), batch, padded)
 
 
 @functools.lru_cache(maxsize=65536)
 def _gemm_time(m: float, k: float, n: float, device: DeviceType, profile: ComputeProfile, precision: Precision,
-               batch: float) -> float:
+               batch: float, padded: bool = False) -> float:
     nbytes = batch * (m * k + k * n + m * n) * precision_bytes(precision)
     if device.vendor == "nvidia" and precision is not Precision.FP32 and not gemm_aligned(k, n, precision):
         # cuBLAS's fallback kernels (MISALIGNED_GEMM_EFFICIENCY); fp32 without TF32 (torch's default,
         # ``allow_tf32 = False``) runs on CUDA cores and has no such path
         math_s = batch * 2.0 * m * k * n / (peak_flops(device, precision) * MISALIGNED_GEMM_EFFICIENCY)
-        return max(math_s, nbytes / profile.memory_bandwidth)
+        fallback = max(math_s, nbytes / profile.memory_bandwidth)
+        if padded and all(float(x).is_integer() for x in (m, k, n)):
+            pad_s = _padded_gemm_time(m, k, n, device, profile, precision, batch)
+            if fallback > INDUCTOR_PAD_MULTIPLIER * pad_s:
+                return pad_s
+        return fallback
     peak = peak_flops(device, precision) * profile.gemm_efficiency
     work = 2.0 * (k + profile.gemm_k_overhead)
     sms = profile.num_sms
@@ -207,12 +225,29 @@ def _gemm_time(m: float, k: float, n: float, device: DeviceType, profile: Comput
     return max(math_s, nbytes / profile.memory_bandwidth)
 
 
+def _padded_gemm_time(m: float, k: float, n: float, device: DeviceType, profile: ComputeProfile,
+                      precision: Precision, batch: float) -> float:
+    """Inductor's padded product (:data:`INDUCTOR_PAD_MULTIPLIER`): the aligned GEMM of the padded
+    shape, plus a copy of each operand with a padded dimension (read it, write it padded); the result
+    is a sliced view."""
+    step = GEMM_ALIGNMENT_BYTES // precision_bytes(precision)
+    pm, pk, pn = (math.ceil(x / step) * step for x in (m, k, n))
+    copy = 0.0
+    if (pm, pk) != (m, k):
+        copy += m * k + pm * pk
+    if (pk, pn) != (k, n):
+        copy += k * n + pk * pn
+    return (_gemm_time(pm, pk, pn, device, profile, precision, batch)
+            + memory_bound_time(batch * copy * precision_bytes(precision), profile))
+
+
 def gemm_train_time(m: float, k: float, n: float, *, device: DeviceType, profile: ComputeProfile,
                     precision: Precision | str = Precision.BF16, batch: float = 1,
-                    grad_input: bool = True, grad_weight: bool = True) -> tuple[float, float]:
+                    grad_input: bool = True, grad_weight: bool = True, padded: bool = False) -> tuple[float, float]:
     """``(forward, backward)`` seconds: backward runs ``dX = dY W^T`` as ``(m x n) @ (n x k)`` and
-    ``dW = X^T dY`` as ``(k x m) @ (m x n)`` (batched GEMMs keep their batch)."""
-    kw = dict(device=device, profile=profile, precision=precision, batch=batch)
+    ``dW = X^T dY`` as ``(k x m) @ (m x n)`` (batched GEMMs keep their batch). ``padded``: in a
+    compiled block (:func:`gemm_time`)."""
+    kw = dict(device=device, profile=profile, precision=precision, batch=batch, padded=padded)
     fwd = gemm_time(m, k, n, **kw)  # type: ignore[arg-type]
     bwd = (gemm_time(m, n, k, **kw) if grad_input else 0.0) + (gemm_time(k, m, n, **kw) if grad_weight else 0.0)  # type: ignore[arg-type]
     return fwd, bwd
@@ -354,7 +389,7 @@ class KernelsTime:
 
 def kernels_time(kernels: Any, *, device: DeviceType, precision: Precision | str = Precision.BF16,
                  batch_ratio: float = 1.0, tp: int = 1, byte_scale: float = 1.0,
-                 profile: ComputeProfile | None = None, autocast: bool = False) -> KernelsTime:
+                 profile: ComputeProfile | None = None, autocast: bool = False, compiled: bool = False) -> KernelsTime:
     """Device seconds of one block by kind of kernel (see :func:`estimate_kernels_time`)."""
     prof = profile or resolve_compute_profile(device)
     acc = {"gemm": [0.0, 0.0], "gemm_misaligned": [0.0, 0.0], "attention": [0.0, 0.0], "memory": [0.0, 0.0],
@@ -372,7 +407,7 @@ def kernels_time(kernels: Any, *, device: DeviceType, precision: Precision | str
         elif tp > 1 and g.shard == "batch":
             batch = batch / tp
         f, b = gemm_train_time(m, k, n, device=device, profile=prof, precision=precision, batch=batch,
-                               grad_input=g.grad_input, grad_weight=g.grad_weight)
+                               grad_input=g.grad_input, grad_weight=g.grad_weight, padded=compiled)
         kind = acc["gemm"] if Precision(precision) is Precision.FP32 or gemm_aligned(k, n, precision) \
             else acc["gemm_misaligned"]
         kind[0] += f
@@ -406,7 +441,8 @@ def kernels_time(kernels: Any, *, device: DeviceType, precision: Precision | str
 
 def estimate_kernels_time(kernels: Any, *, device: DeviceType, precision: Precision | str = Precision.BF16,
                           batch_ratio: float = 1.0, tp: int = 1, byte_scale: float = 1.0,
-                          profile: ComputeProfile | None = None, autocast: bool = False) -> tuple[float, float]:
+                          profile: ComputeProfile | None = None, autocast: bool = False,
+                          compiled: bool = False) -> tuple[float, float]:
     """``(forward, backward)`` seconds of one block from its :class:`~whalepy.ir.profile.BlockKernels`.
 
     ``batch_ratio`` scales the recorded batch (micro-batch / profiled batch); ``tp > 1`` divides the
@@ -414,12 +450,15 @@ def estimate_kernels_time(kernels: Any, *, device: DeviceType, precision: Precis
     tensor-parallel); ``byte_scale`` converts memory-bound bytes from the profiled dtype to the
     training precision. ``autocast``: the block runs under ``torch.autocast`` over fp32 parameters (the
     runtime's DDP and single-device paths in 16-bit): memory-bound bytes in the dtypes autocast gives
-    each tensor, plus its casts (``whalepy.passes.autocast``). Each phase takes ``max(device time,
+    each tensor, plus its casts (``whalepy.passes.autocast``). ``compiled``: the block runs under
+    ``torch.compile`` (``Plan.compile``): its misaligned GEMMs are padded where that is faster
+    (:data:`INDUCTOR_PAD_MULTIPLIER`); the memory-bound kernels are still priced one by one, as eager
+    runs them (inductor's fusion of them is not modelled). Each phase takes ``max(device time,
     launches * launch_overhead_s)``.
     """
     prof = profile or resolve_compute_profile(device)
     t = kernels_time(kernels, device=device, precision=precision, batch_ratio=batch_ratio, tp=tp,
-                     byte_scale=byte_scale, profile=prof, autocast=autocast)
+                     byte_scale=byte_scale, profile=prof, autocast=autocast, compiled=compiled)
     amp = getattr(kernels, "amp", None)
     extra_f = amp.cast_launches_fwd if autocast and amp is not None else 0
     extra_b = amp.cast_launches_bwd if autocast and amp is not None else 0

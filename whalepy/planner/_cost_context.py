@@ -222,7 +222,7 @@ class CostContext:
         ratio = micro_batch / self.profile.batch_size
         if b.kernels is not None:
             fwd, bwd = estimate_kernels_time(b.kernels, device=device, precision=self.precision, batch_ratio=ratio,
-                                             tp=div, byte_scale=self.byte_scale)
+                                             tp=div, byte_scale=self.byte_scale, compiled=bool(self.compile))
             lf, lb = self.loss_time(block_index, device_name, micro_batch)
             return fwd + lf, bwd + lb
         act_bytes = max(0.0, b.bytes_moved - b.param_bytes) * ratio

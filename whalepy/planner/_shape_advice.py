@@ -8,6 +8,9 @@ the row strides of a ``(m x k) @ (k x n)`` product, ``k`` and ``n``, aligned. A 
 of a weight's forward and input-gradient products, and the ``k`` of its weight-gradient product
 ``X^T dY``: a misaligned one slows that third of the work. Each dimension is advised on alone: its gain
 is the block GEMMs' predicted time now minus with that one dimension changed (the others as they are).
+Where the plan compiles its blocks, inductor pads a misaligned product itself when that is faster
+(``cost_models/compute.py``, ``INDUCTOR_PAD_MULTIPLIER``): what is left to gain is the padding copies,
+and the advice is given only where that still reaches :data:`MIN_GAIN_FRACTION`.
 """
 
 from __future__ import annotations
@@ -91,7 +94,7 @@ def shape_notes(ctx: CostContext, *, tp: int, micro_batch: float, microbatches: 
                 worst = 0.0
                 for d in devices:
                     kw = dict(device=d, profile=resolve_compute_profile(d), precision=ctx.precision, batch=batch,
-                              grad_input=g.grad_input, grad_weight=g.grad_weight)
+                              grad_input=g.grad_input, grad_weight=g.grad_weight, padded=bool(ctx.compile))
                     now = sum(gemm_train_time(shape["m"], shape["k"], shape["n"], **kw))  # type: ignore[arg-type]
                     new = sum(gemm_train_time(padded["m"], padded["k"], padded["n"], **kw))  # type: ignore[arg-type]
                     worst = max(worst, now - new)
@@ -109,6 +112,8 @@ def shape_notes(ctx: CostContext, *, tp: int, micro_batch: float, microbatches: 
                   TOKENS: f"a micro-batch x sequence of {to} tokens (a multiple of {align})",
                   SEQUENCE: f"a sequence length of {to}"}.get(label, f"making it {to}")
         out.append(f"shape: {label}, {size}, is not a multiple of {align} ({GEMM_ALIGNMENT_BYTES}-byte rows in "
-                   f"{ctx.precision}; GEMM {pos} = {size} in {where}), so cuBLAS runs slower fallback kernels; "
+                   f"{ctx.precision}; GEMM {pos} = {size} in {where}), so "
+                   + ("the compiled blocks copy its operands padded (inductor's pad_mm) before each product; "
+                      if ctx.compile else "cuBLAS runs slower fallback kernels; ") +
                    f"{change} is predicted to save {gain * 1e3:.3g} ms per step ({100 * gain / step_s:.0f}%)")
     return out
