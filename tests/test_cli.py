@@ -88,8 +88,9 @@ def test_user_errors_are_one_line_with_exit_code_2(cluster_file, tmp_path, capsy
     assert "built-in models are" in err and "Traceback" not in err
     assert main(["show", str(tmp_path / "missing.json")]) == 2
     assert "no plan file" in capsys.readouterr().err
-    assert main(["estimate", "synthetic:gpt2", "--cluster", cluster_file, "--dp", "3"]) == 2
-    assert "world size" in capsys.readouterr().err
+    assert main(["estimate", "gpt2", "--cluster", cluster_file, "--dp", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "world size" in err and "captur" not in err  # refused before the model is captured
 
 
 def test_run_subcommand_is_registered_when_launch_exists() -> None:

@@ -320,8 +320,11 @@ def test_spec_is_not_mutated_by_parsing() -> None:
 def test_missing_spec_file_is_a_cluster_spec_error(tmp_path):
     with pytest.raises(ClusterSpecError, match=r"cannot read cluster spec .*nope\.yaml"):
         ClusterSpec.from_yaml(tmp_path / "nope.yaml")
-    with pytest.raises(ClusterSpecError, match=r"cannot read cluster spec .*nope\.json"):
+    with pytest.raises(ClusterSpecError, match=r"cannot read cluster spec .*nope\.json") as e:
         ClusterSpec.load(tmp_path / "nope.json")
+    # the examples it points to exist (the hint named whalepy/examples/clusters after the package re-layout)
+    shown = Path(str(e.value).split("(examples: ")[1].rstrip(")"))
+    assert shown.is_dir() and (shown / "cpu4.yaml").is_file()
 
 
 def test_a_measured_call_latency_is_charged_once_per_collective():

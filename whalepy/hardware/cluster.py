@@ -379,8 +379,14 @@ def _place_ranks(spec: ClusterSpec) -> tuple[RankDevice, ...]:
     return tuple(out)
 
 
+def _example_specs() -> str:
+    """Where example specs are: the source tree's ``examples/clusters`` (not in an installed wheel)."""
+    here = Path(__file__).resolve().parents[2] / "examples" / "clusters"
+    return str(here) if here.is_dir() else "examples/clusters in the whalepy repository; format in docs/cluster_spec.md"
+
+
 def _read_spec_file(path: str | os.PathLike[str]) -> str:
-    examples = Path(__file__).resolve().parent.parent / "examples" / "clusters"
+    examples = _example_specs()
     try:
         return Path(path).read_text(encoding="utf-8")
     except OSError as e:

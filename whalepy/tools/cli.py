@@ -143,15 +143,16 @@ def check_plan_cli(plan: Any, args: argparse.Namespace) -> None:
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    from whalepy.planner.estimate import ParallelConfig, estimate_from_profile
+    from whalepy.planner.estimate import ParallelConfig, check_config_on_cluster, estimate_from_profile
 
     progress = _err if not args.quiet else (lambda _m: None)
     cluster = _cluster(args.cluster)
     margin = _margin_value(args.memory_margin)  # before the capture
-    prof = _profile(args, progress)
     cfg = ParallelConfig(dp=args.dp, tp=args.tp, pp=args.pp, num_microbatches=args.microbatches,
                          schedule=args.schedule, zero_stage=args.zero, checkpoint=args.checkpoint,
                          offload=args.offload)
+    check_config_on_cluster(cfg, cluster, args.global_batch, args.precision)  # before the capture, too
+    prof = _profile(args, progress)
     est = estimate_from_profile(prof, cluster, cfg, global_batch=args.global_batch, precision=args.precision,
                                 **({} if margin is None else {"memory_margin": margin}), **_impl_options(args))
     print(est)
