@@ -95,6 +95,11 @@ def test_outside_a_launch_returns_plan_holder(monkeypatch, capsys):
     assert isinstance(pm, UnlaunchedModel) and pm.plan is plan
     with pytest.raises(LaunchError, match=r"torchrun --nproc-per-node 4 .*whalepy run -n 4"):
         pm.train_step(x, x)
+    for name in ("measured_profile", "close", "wait_for_save", "device"):  # the rest of ParallelModel's API too
+        with pytest.raises(LaunchError, match=rf"ParallelModel.{name} .*torchrun --nproc-per-node 4"):
+            getattr(pm, name)
+    with pytest.raises(AttributeError, match="no attribute 'nonsense'"):
+        pm.nonsense
     parallelize(gpt_model(), None, **kwargs)
     assert capsys.readouterr().err.count("torchrun --nproc-per-node 4") == 1
 

@@ -278,6 +278,14 @@ class UnlaunchedModel:
     state_dict = save = load = load_state_dict = evaluate = full_state_dict = train_step  # type: ignore[assignment]
     batch_sampler = local_batch = train_step  # type: ignore[assignment]
 
+    def __getattr__(self, name: str) -> Any:
+        """Any other part of :class:`ParallelModel` (``measured_profile``, ``close``, ``device``...) says how
+        to launch too, rather than an AttributeError naming this class."""
+        if not name.startswith("_") and hasattr(ParallelModel, name):
+            raise LaunchError(f"ParallelModel.{name} is not available: not inside a distributed launch: "
+                              f"{launch_hint(self.plan.world_size)}")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
 
 class ParallelModel:
     """This rank's part of the model, its optimizer and the step that trains them.
