@@ -31,11 +31,10 @@ import torch
 import torch.fx as fx
 
 from whalepy.errors import CaptureError
-from whalepy.models.hf_compat import export_compat
+from whalepy.models.hf_compat import export_compat, no_kv_cache
 
 _FIXES = (
-    "Usual fixes: for HuggingFace models set config.use_cache=False (a returned DynamicCache "
-    "breaks export) and pass the example inputs as a dict of keyword arguments, e.g. "
+    "Usual fixes: for HuggingFace models pass the example inputs as a dict of keyword arguments, e.g. "
     "{'input_ids': ids}; replace data-dependent Python control flow (if on tensor values) with "
     "torch.where / torch.cond; keep example inputs on the model's device (meta is fine)."
 )
@@ -66,7 +65,8 @@ def capture(
     try:
         if method == "symbolic_trace":
             raise _Skipped("symbolic_trace requested")
-        gm = _capture_export(model, args, kwargs)
+        with no_kv_cache(model):  # an HF model's KV cache output cannot be traced, and training never reads it
+            gm = _capture_export(model, args, kwargs)
         gm.meta["whalepy.capture_method"] = "export"
     except Exception as export_error:  # noqa: BLE001 - any tracer failure means: try the fallback
         if method == "export":
@@ -75,7 +75,8 @@ def capture(
                 f"{_short(export_error)}. {_FIXES}"
             ) from export_error
         try:
-            gm = _capture_symbolic(model, args, kwargs)
+            with no_kv_cache(model):
+                gm = _capture_symbolic(model, args, kwargs)
         except Exception as fx_error:  # noqa: BLE001
             if isinstance(export_error, _Skipped):
                 raise CaptureError(

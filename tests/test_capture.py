@@ -165,7 +165,7 @@ def test_capture_error_names_both_tracers_and_the_fixes() -> None:
         capture(DataDependent().to("meta"), (torch.ones(2, 4),))
     msg = str(info.value)
     assert "torch.export.export" in msg and "symbolic_trace" in msg
-    assert "use_cache=False" in msg and "dict of keyword arguments" in msg
+    assert "dict of keyword arguments" in msg and "torch.where" in msg  # (a KV cache is turned off by capture itself)
     assert info.value.__cause__ is not None
 
 

@@ -113,6 +113,32 @@ def test_chained_stages_match_eager_forward_and_backward(kind):
                                        msg=f"layout {name}: grad of {n}")
 
 
+def test_a_model_with_its_kv_cache_on_captures_and_splits_and_keeps_its_setting():
+    """HuggingFace configs default to ``use_cache=True``, and transformers 5.x then returns a
+    ``DynamicCache`` from a training forward, which ``torch.export`` cannot flatten: ``whalepy.profile``
+    and the stage split failed on such a model ("Found <class ...DynamicCache> in output"). Both now
+    trace with the cache off (``whalepy.models.hf_compat.no_kv_cache``) and leave the user's setting as
+    it was; the chained stages still compute the model's logits and gradients."""
+    import whalepy
+
+    model, blocks = build_model("llama")
+    model.config.use_cache = True
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    targets = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(2))
+    prof = whalepy.profile(model, {"input_ids": ids})
+    assert len(prof.blocks) >= LAYERS and model.config.use_cache is True
+    reference = copy.deepcopy(model)
+    ref_logits = logits_of(reference(ids))
+    loss_of(ref_logits, targets).backward()
+    stages = split_stages(model, (ids,), None, stage_paths(blocks, LAYOUTS["2"]))
+    assert model.config.use_cache is True
+    logits = run_chain(stages, ids)
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-6)
+    loss_of(logits, targets).backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, dict(reference.named_parameters())[n].grad, rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("kind", MODELS)
 def test_stages_own_the_models_parameters_under_original_names(kind):
     model, blocks = build_model(kind)

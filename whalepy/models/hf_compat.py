@@ -38,6 +38,34 @@ import torch.utils._pytree as pytree
 
 
 @contextlib.contextmanager
+def no_kv_cache(model: Any) -> Iterator[None]:
+    """HuggingFace models with ``config.use_cache=True`` (the default of their configs) return a
+    ``DynamicCache`` / ``EncoderDecoderCache`` from a training forward, which ``torch.export`` cannot
+    flatten ("Found <class 'transformers.cache_utils.DynamicCache'> in output") and a training step
+    never reads. Inside this context every config of ``model``'s modules says ``use_cache=False``; the
+    user's settings are restored after. (transformers 5.x builds the cache whenever ``use_cache`` is
+    set, in training mode too.)"""
+    changed = []
+    seen: set[int] = set()
+    for m in model.modules() if isinstance(model, torch.nn.Module) else ():
+        cfg = getattr(m, "config", None)
+        if cfg is None or id(cfg) in seen:
+            continue
+        seen.add(id(cfg))
+        if getattr(cfg, "use_cache", None) is True:
+            try:
+                cfg.use_cache = False
+            except Exception:  # noqa: BLE001 - a frozen or foreign config: left as it is
+                continue
+            changed.append(cfg)
+    try:
+        yield
+    finally:
+        for cfg in changed:
+            cfg.use_cache = True
+
+
+@contextlib.contextmanager
 def export_compat() -> Iterator[None]:
     """Context for a ``torch.export`` trace of a model that may be written for transformers 4.x."""
     add_model_output_key_paths()

@@ -39,7 +39,7 @@ from torch.export.graph_signature import (
 )
 
 from whalepy.errors import CaptureError
-from whalepy.models.hf_compat import export_compat
+from whalepy.models.hf_compat import export_compat, no_kv_cache
 
 __all__ = ["TensorSpec", "retarget_device", "reuse_traces", "split_stages", "stage_io", "tied_parameters"]
 
@@ -235,7 +235,7 @@ def _check_stage_blocks(model: nn.Module, stage_blocks: list[tuple[str, ...]]) -
 
 def _export(model: nn.Module, args: tuple, kwargs: dict, paths: tuple[str, ...]) -> Any:
     try:
-        with export_compat():  # models written for transformers 4.x (see whalepy.models.hf_compat)
+        with export_compat(), no_kv_cache(model):  # transformers 4.x models; HF's KV cache (whalepy.models.hf_compat)
             return torch.export.export(
                 model, args, kwargs, strict=False, preserve_module_call_signature=paths
             )
@@ -244,7 +244,7 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, paths: tuple[str, ...])
             f"torch.export could not trace {type(model).__name__} while preserving the call "
             f"signatures of its blocks ({len(paths)} modules): {type(e).__name__}: {e}. A block "
             "module must be called exactly once per forward, with tensors (or tuples/dicts of them) "
-            "and constants; models that return caches need use_cache=False."
+            "and constants."
         ) from e
 
 
