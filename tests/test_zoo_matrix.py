@@ -1,6 +1,7 @@
 """The Hugging Face zoo as a test matrix (issue 22; the worker and the SGD argument: tests/zoo_cases.py).
 
-Sixteen architectures, tiny configs built here from their ``Config`` classes (no downloads), each under
+Sixteen architectures, tiny configs built here from their ``Config`` classes (no downloads; the HF
+configs' own ``use_cache`` default, True, as a user's model has it), each under
 DP 2 x TP 2, PP 2 x DP 2, ZeRO-3 on 4 ranks, TP 2 x PP 2 and the planner's own plan for 4 CPU ranks,
 plus whalepy's GPT with GPT-2's 50257-token vocabulary under a planner-made plan whose TP stage holds that
 embedding (50257 does not divide by 2: the block runs whole, the plan check accepts it). Every case must

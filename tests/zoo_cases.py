@@ -47,7 +47,7 @@ LAYOUTS = ("dp2xtp2", "pp2xdp2", "zero3", "tp2xpp2", "planner")
 
 _DECODER_KW = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                   use_cache=False, tie_word_embeddings=False, attention_dropout=0.0)
+                   tie_word_embeddings=False, attention_dropout=0.0)
 
 
 def _hf(cls_name: str, cfg_name: str, **kw: Any) -> Callable[[], Any]:
@@ -65,12 +65,12 @@ def _causal(cls_name: str, cfg_name: str, **kw: Any) -> Callable[[], Any]:
     return _hf(cls_name, cfg_name, **{**_DECODER_KW, **kw})
 
 
-_NO_DROPOUT = dict(hidden_dropout=0.0, attention_dropout=0.0, use_cache=False)
+_NO_DROPOUT = dict(hidden_dropout=0.0, attention_dropout=0.0)
 _gpt2 = _hf("GPT2LMHeadModel", "GPT2Config", vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 _opt = _hf("OPTForCausalLM", "OPTConfig", vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
            num_attention_heads=4, max_position_embeddings=32, word_embed_proj_dim=32, dropout=0.0,
-           attention_dropout=0.0, use_cache=False)
+           attention_dropout=0.0)
 _falcon = _hf("FalconForCausalLM", "FalconConfig", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
               num_attention_heads=4, **_NO_DROPOUT)
 _gpt_neox = _hf("GPTNeoXForCausalLM", "GPTNeoXConfig", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
@@ -78,12 +78,12 @@ _gpt_neox = _hf("GPTNeoXForCausalLM", "GPTNeoXConfig", vocab_size=VOCAB, hidden_
                 tie_word_embeddings=False, **_NO_DROPOUT)
 _phi = _hf("PhiForCausalLM", "PhiConfig", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
            num_attention_heads=4, max_position_embeddings=32, resid_pdrop=0.0, embd_pdrop=0.0,
-           attention_dropout=0.0, use_cache=False)
+           attention_dropout=0.0)
 _bert = _hf("BertForMaskedLM", "BertConfig", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
             num_attention_heads=4, intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
             attention_probs_dropout_prob=0.0)
 _t5 = _hf("T5ForConditionalGeneration", "T5Config", vocab_size=VOCAB, d_model=32, d_ff=64, d_kv=8, num_layers=2,
-          num_decoder_layers=2, num_heads=4, dropout_rate=0.0, use_cache=False)
+          num_decoder_layers=2, num_heads=4, dropout_rate=0.0)
 _vit = _hf("ViTForImageClassification", "ViTConfig", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
            intermediate_size=64, image_size=16, patch_size=8, num_labels=VOCAB, hidden_dropout_prob=0.0,
            attention_probs_dropout_prob=0.0)
