@@ -473,7 +473,7 @@ long-lived objects, and at the default the collector ran 1,116 times in `whalepy
 examples/clusters/a100_128x8.yaml`, 7 of them full collections over every object: 0.9-1.0 s of its 7 s of
 CPU; at 10,000 it ran 74 times, none full, 0.3 s (docs/benchmarks.md, "The CLI's time (issue 26, session
 15)"). What waits longer to be collected is only garbage in reference cycles; the peak memory was the same
-(376 MB). Only the console script sets it: :func:`main` called in a caller's process leaves its collector
+(385 MB). Only the console script sets it: :func:`main` called in a caller's process leaves its collector
 alone."""
 
 
