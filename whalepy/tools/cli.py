@@ -468,9 +468,9 @@ def main(argv: list[str] | None = None) -> int:
 
 GC_YOUNG_THRESHOLD = 10_000
 """NAMED CONSTANT: the cyclic garbage collector's youngest-generation threshold in the ``whalepy`` process
-(:func:`entry`; CPython's default is 700). Importing torch and capturing a model leave millions of
-long-lived objects, and at the default the collector ran 1,116 times in `whalepy plan gpt3-175b --cluster
-examples/clusters/a100_128x8.yaml`, 7 of them full collections over every object: 0.9-1.0 s of its 7 s of
+(:func:`entry`; CPython's default is 700). Importing torch and capturing a model allocate many objects
+that live to the end, and at the default the collector ran 1,116 times in `whalepy plan gpt3-175b --cluster
+examples/clusters/a100_128x8.yaml`, 7 of them full collections over every object: 0.87-0.99 s of its 7 s of
 CPU; at 10,000 it ran 74 times, none full, 0.3 s (docs/benchmarks.md, "The CLI's time (issue 26, session
 15)"). What waits longer to be collected is only garbage in reference cycles; the peak memory was the same
 (385 MB). Only the console script sets it: :func:`main` called in a caller's process leaves its collector
