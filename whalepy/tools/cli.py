@@ -466,21 +466,22 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-GC_YOUNG_THRESHOLD = 10_000
-"""NAMED CONSTANT: the cyclic garbage collector's youngest-generation threshold in the ``whalepy`` process
-(:func:`entry`; CPython's default is 700). Importing torch and capturing a model allocate many objects
-that live to the end, and at the default the collector ran 1,116 times in `whalepy plan gpt3-175b --cluster
-examples/clusters/a100_128x8.yaml`, 7 of them full collections over every object: 0.87-0.99 s of its 7 s of
-CPU; at 10,000 it ran 74 times, none full, 0.3 s (docs/benchmarks.md, "The CLI's time (issue 26, session
-15)"). What waits longer to be collected is only garbage in reference cycles; the peak memory was the same
-(385 MB). Only the console script sets it: :func:`main` called in a caller's process leaves its collector
-alone."""
+GC_THRESHOLDS = (10_000, 100, 100)
+"""NAMED CONSTANT: the cyclic garbage collector's thresholds in the ``whalepy`` process (:func:`entry`;
+CPython's defaults are 700, 10, 10). Importing torch and capturing a model allocate many objects that
+live to the end, and at the defaults the collector ran 1,116 times in `whalepy plan gpt3-175b --cluster
+examples/clusters/a100_128x8.yaml`, 7 of them full collections over every object: 0.87-0.99 s of its 7 s
+of CPU; at (10,000, 10, 10) 74 times, none full, 0.35-0.38 s; at these, 74 times, the older generation
+examined less often, 0.14-0.16 s (docs/benchmarks.md, "The CLI's time (issue 26, session 15)"). What waits
+longer to be collected is only garbage in reference cycles: the peak memory grew by 4 MB (375 to 379 MB
+in process). Only the console script sets them: :func:`main` called in a caller's process leaves its
+collector alone."""
 
 
 def entry() -> NoReturn:
     """The ``whalepy`` console script (and ``python -m whalepy.tools.cli``): :func:`main` in a process of
-    its own, with the collector's :data:`GC_YOUNG_THRESHOLD`, ended by :func:`_exit_without_teardown`."""
-    gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
+    its own, with the collector's :data:`GC_THRESHOLDS`, ended by :func:`_exit_without_teardown`."""
+    gc.set_threshold(*GC_THRESHOLDS)
     _exit_without_teardown(main())
 
 
