@@ -50,9 +50,13 @@ def test_plan_builtin_gpt2_with_capture(cluster_file, tmp_path, capsys) -> None:
     assert text.out.startswith("Plan for gpt2 on ")  # the built-in's name, not its class's
 
 
+CONSOLE_SCRIPT = [sys.executable, "-m", "whalepy.tools.cli"]
+"""What the ``whalepy`` script runs (``tools.cli:entry``): ``main`` in a process of its own, which it ends
+without the interpreter's teardown."""
+
+
 def _whalepy(*args: str, stdout: int | None = subprocess.PIPE) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", "import sys; from whalepy.tools.cli import main; sys.exit(main())",
-                           *args], stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=300)
+    return subprocess.run([*CONSOLE_SCRIPT, *args], stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=300)
 
 
 def test_help_and_version_import_neither_torch_nor_the_planner() -> None:
@@ -72,14 +76,32 @@ def test_help_and_version_import_neither_torch_nor_the_planner() -> None:
 def test_output_into_a_closed_pipe_ends_quietly(cluster_file) -> None:  # type: ignore[no-untyped-def]
     """``whalepy plan ... | head -1``: the reader goes away. Here it closes the pipe before the first
     write, so the write fails every time (with ``head`` that depends on timing and output size)."""
-    cmd = [sys.executable, "-c", "import sys; from whalepy.tools.cli import main; sys.exit(main())", "plan",
-           "synthetic:gpt2", "--cluster", cluster_file, "--global-batch", "16", "--explain", "-q"]
+    cmd = [*CONSOLE_SCRIPT, "plan", "synthetic:gpt2", "--cluster", cluster_file, "--global-batch", "16", "--explain",
+           "-q"]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert p.stdout is not None and p.stderr is not None
     p.stdout.close()
     err = p.stderr.read().decode()
     assert p.wait(timeout=300) == 141, err  # 128 + SIGPIPE, as a shell reports it
     assert err == "", err  # no BrokenPipeError traceback, nor "Exception ignored ... flush"
+
+
+def test_console_script_prints_all_and_runs_atexit_handlers(cluster_file, capsys) -> None:  # type: ignore[no-untyped-def]
+    """The script ends with ``os._exit`` (no interpreter teardown): its output into a pipe is whole (the
+    same as ``main``'s in this process, but for the measured solve time), its exit code is main's, and
+    the ``atexit`` handlers (logging's flush, a user's) still run."""
+    args = ["plan", "synthetic:gpt2", "--cluster", cluster_file, "--global-batch", "16", "--explain", "-q"]
+    code = ("import atexit, sys; atexit.register(lambda: print('atexit ran', file=sys.stderr)); "
+            "from whalepy.tools.cli import entry; entry()")
+    r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stderr == "atexit ran\n", r.stderr
+    assert main(args) == 0
+    here = capsys.readouterr().out
+
+    def timeless(text: str) -> list[str]:
+        return [line for line in text.splitlines() if "solve time" not in line]
+
+    assert "step time" in here and timeless(r.stdout) == timeless(here)
 
 
 def test_user_errors_are_one_line_with_exit_code_2(cluster_file, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
