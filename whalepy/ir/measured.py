@@ -51,6 +51,9 @@ def _interpolate(rows: list[tuple[float, tuple[float, float]]], micro_batch: flo
     if len(rows) == 1:
         mb, (f, b) = rows[0]
         return f * micro_batch / mb, b * micro_batch / mb
+    for mb, t in rows:  # a measured size: its own times, not the segment's end point (t0 + (t1 - t0) can miss t1)
+        if mb == micro_batch:
+            return max(t[0], 0.0), max(t[1], 0.0)
     i = 1
     while i < len(rows) - 1 and rows[i][0] < micro_batch:
         i += 1
