@@ -147,7 +147,7 @@ def _cell_options(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ..
             if (fsdp or t > 1) and not offloads_to_host(o.param_tier, o.optimizer_tier):
                 seg_tail[o] = [x + ctx.update_overhead(seg.block.index, g.device.name, fsdp=fsdp, tp=t)
                                for x, seg in zip(seg_tail[o], segments)]
-        edge[o], tail_edge[o] = dp_edges(kind, z3, pipelined, dp_comm, o.reduce_each) if rows else (0.0, 0.0)
+        edge[o], tail_edge[o] = dp_edges(kind, z3, pipelined, dp_comm, o.reduce_each, loss) if rows else (0.0, 0.0)
         # what autocast keeps beside each block's 16-bit figure, per block: kept like the block's own
         # saved tensors (not while it is checkpointed or offloaded), counted on the stage's own blocks
         seg_amp_saved[o] = ([ctx.autocast_saved_extra(seg.block.index, micro_batch) for seg in segments]
