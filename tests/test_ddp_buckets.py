@@ -1,11 +1,14 @@
-"""DDP's gradient all-reduce as the cost model charges it: one call per 25 MiB bucket, not one per block.
+"""The calls of a step as the cost model charges them: DDP's gradient all-reduce, one call per 25 MiB
+bucket, not one per block; and the loss report, one all-reduce over every rank per step.
 
 The runtime wraps a stage in ``DistributedDataParallel`` with the default bucket caps
 (``runtime.data_parallel.wrap_ddp``); the reducer all-reduces each bucket in a call of its own. The
 planner charged one call per block (gpt-deep of ``bench_predict_cpu.py``: ten calls of 1.2-2.1 ms on
 gloo where DDP makes two), which put its DDP rows 20-26% slow. Here the calls DDP makes on 2 gloo ranks
 (the buckets it rebuilds after the first step, as ``_get_ddp_logging_data`` reports them) are compared
-with :func:`ddp_bucket_calls`, and the calls charged per step with the ones made."""
+with :func:`ddp_bucket_calls`, and the calls charged per step with the ones made. ``train_step`` ends
+with an all-reduce of the mean loss on every rank, which the model did not charge: counted on a
+pipeline step (no data parallelism, so it is the step's only collective) and charged once per step."""
 from __future__ import annotations
 
 import pytest
@@ -39,6 +42,37 @@ def test_bucket_caps_are_torchs_defaults() -> None:
     assert DDP_FIRST_BUCKET_BYTES == dist._DEFAULT_FIRST_BUCKET_BYTES
 
 
+def _tiny_gpt():
+    from whalepy.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=128, block_size=16, num_layers=2, num_heads=2, hidden_size=32))
+    x = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
+    return model, x
+
+
+def _loss(logits, y):
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def _pipeline_all_reduces(plan, cluster) -> int:
+    import whalepy
+    from whalepy.tools.comm_count import CollectiveCounter
+
+    model, x = _tiny_gpt()
+    pm = whalepy.parallelize(model, cluster, plan=plan, example_inputs=(x,), loss_fn=_loss,
+                             optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), global_batch=4)
+    pm.train_step((x,), x)
+    with CollectiveCounter() as counter:
+        pm.train_step((x,), x)
+    pm.close()
+    return counter.calls[Collective.ALL_REDUCE]
+
+
+def _rank(plan, cluster) -> tuple[list[int], int]:
+    return _ddp_buckets(), _pipeline_all_reduces(plan, cluster)
+
+
 def _ddp_buckets() -> list[int]:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -54,8 +88,42 @@ def _ddp_buckets() -> list[int]:
     return [int(s) for s in str(sizes).split(",")]
 
 
-def test_calls_charged_are_the_buckets_ddp_all_reduces() -> None:
-    buckets = run_distributed(_ddp_buckets, 2, timeout=300)[0]
+def _cluster(call_us: float):
+    from whalepy import ClusterSpec
+
+    return ClusterSpec.from_dict({"groups": [{"name": "cpu", "gpu": "CPU", "gpus_per_node": 2, "cpu_memory_gb": 8,
+                                              "intra_node": {"bandwidth_gbs": 1.0, "latency_us": 0,
+                                                             "call_latency_us": call_us}}]})
+
+
+@pytest.fixture(scope="module")
+def estimates():
+    import whalepy
+    from whalepy.planner.estimate import ParallelConfig, estimate_from_profile
+
+    model, x = _tiny_gpt()
+    prof = whalepy.profile(model, (x,))
+    layouts = {"PP2": dict(dp=1, pp=2, num_microbatches=2), "DP2": dict(dp=2)}
+    return {(k, call): estimate_from_profile(prof, _cluster(call), ParallelConfig(**cfg), global_batch=4)
+            for k, cfg in layouts.items() for call in (0.0, 2000.0)}
+
+
+def test_a_step_is_charged_its_calls(estimates) -> None:
+    """With a per-call cost only (2 ms) on top of a link, a pipeline step (sends pay no per-call cost)
+    is charged one call more: the loss report; a DP step two more for DDP's buckets (the tiny GPT's
+    gradients fit the first bucket and one more call is charged) plus their byte share, and the loss."""
+    pp = estimates[("PP2", 2000.0)].step_time_s - estimates[("PP2", 0.0)].step_time_s
+    assert pp == pytest.approx(2e-3, rel=1e-6)
+    dp = estimates[("DP2", 2000.0)].step_time_s - estimates[("DP2", 0.0)].step_time_s
+    grads = estimates[("DP2", 0.0)].plan.stages[0].cost.params_bytes  # fp32 gradients, as many bytes
+    assert dp == pytest.approx(2e-3 * (1 + DDP_EDGE_CALLS + grads / DDP_BUCKET_BYTES), rel=1e-3)
+
+
+def test_calls_charged_are_the_buckets_ddp_all_reduces(estimates) -> None:
+    buckets, reports = zip(*run_distributed(_rank, 2, estimates[("PP2", 0.0)].plan, _cluster(0.0), timeout=300))
+    # a pipeline step (no replicas) all-reduces on every rank once: the loss report the model charges
+    assert reports == (1, 1)
+    buckets = buckets[0]
     nbytes = LAYERS * (WIDTH * WIDTH + WIDTH) * 4
     assert sum(buckets) == nbytes
     assert len(buckets) == ddp_bucket_calls(nbytes) == 3

@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-from whalepy.cost_models.communication import estimate_p2p_time, overlap_loss
+from whalepy.cost_models.communication import Collective, estimate_p2p_time, overlap_loss
 from whalepy.cost_models.memory import inflight_microbatches
 from whalepy.cost_models.offload import host_capacity_per_gpu, nvme_capacity_per_gpu
 from whalepy.ir.plan import ZeroStage
@@ -23,7 +23,7 @@ from whalepy.planner._offload_costs import (
     checkpoint_offload_coefficients,
     offload_coefficients,
 )
-from whalepy.planner.runtime_costs import DPComm, chunk_neighbours, dp_edges, exposed_dp, lowering_kind, usable_device_bytes, uses_autocast
+from whalepy.planner.runtime_costs import LOSS_REPORT_BYTES, DPComm, chunk_neighbours, dp_edges, exposed_dp, lowering_kind, usable_device_bytes, uses_autocast
 from whalepy.planner.space import Candidate, GroupView, Segment, StateOption
 
 
@@ -66,6 +66,9 @@ def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: i
     seg_time, seg_re, seg_fwd, seg_bwd, seg_comm, seg_saved, seg_input = per_block
     (opt_beta, opt_overlap, fetch_beta, seg_exposed, edge, seg_tail, tail_edge, seg_amp_saved,
      seg_autocast) = per_option
+    report = loss_report_s(ctx, ranks)
+    if report:
+        tail_edge = {o: x + report for o, x in tail_edge.items()}
     loss_bytes = loss_held = 0.0
     if s == S - 1 and ctx.profile.blocks:
         out = ctx.profile.blocks[-1].output_bytes * ratio
@@ -106,6 +109,17 @@ def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: i
                       loss_held_bytes=loss_held,
                       seg_offload=seg_offload,
                       seg_host=seg_host, seg_ckoff=seg_ckoff, seg_ckhost=seg_ckhost)
+
+
+def loss_report_s(ctx: CostContext, ranks) -> float:  # type: ignore[no-untyped-def]
+    """The step's last collective, on every rank of the plan: ``ParallelModel.train_step`` all-reduces
+    the mean loss (:data:`LOSS_REPORT_BYTES`) after the optimizer step, one call that every step waits
+    for (on the CPU's gloo a call costs the link's measured per-call time, 1.2-2.1 ms in
+    ``bench_predict_cpu.py``; on NCCL its launch latency, microseconds). 0 on one rank."""
+    world = tuple(sorted({r for stage in ranks for replica in stage for r in replica}))
+    if len(world) < 2:
+        return 0.0
+    return ctx.collective(Collective.ALL_REDUCE, LOSS_REPORT_BYTES, ctx.hw.comm(world))
 
 
 @functools.lru_cache(maxsize=None)
