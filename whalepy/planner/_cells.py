@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-from whalepy.cost_models.communication import Collective, estimate_p2p_time, overlap_loss
+from whalepy.cost_models.communication import Algorithm, Collective, estimate_collective_time, estimate_p2p_time, overlap_loss
 from whalepy.cost_models.memory import inflight_microbatches
 from whalepy.cost_models.offload import host_capacity_per_gpu, nvme_capacity_per_gpu
 from whalepy.ir.plan import ZeroStage
@@ -115,11 +115,13 @@ def loss_report_s(ctx: CostContext, ranks) -> float:  # type: ignore[no-untyped-
     """The step's last collective, on every rank of the plan: ``ParallelModel.train_step`` all-reduces
     the mean loss (:data:`LOSS_REPORT_BYTES`) after the optimizer step, one call that every step waits
     for (on the CPU's gloo a call costs the link's measured per-call time, 1.2-2.1 ms in
-    ``bench_predict_cpu.py``; on NCCL its launch latency, microseconds). 0 on one rank."""
+    ``bench_predict_cpu.py``; on NCCL its launch latency and the latency terms). Across nodes as a tree
+    (``Algorithm.TREE``): NCCL's tuner picks its tree for an all-reduce this small, where a ring's
+    ``2(p - 1)`` latency steps would charge 1,024 A100 (128 nodes) 3 ms for 4 bytes. 0 on one rank."""
     world = tuple(sorted({r for stage in ranks for replica in stage for r in replica}))
     if len(world) < 2:
         return 0.0
-    return ctx.collective(Collective.ALL_REDUCE, LOSS_REPORT_BYTES, ctx.hw.comm(world))
+    return estimate_collective_time(Collective.ALL_REDUCE, LOSS_REPORT_BYTES, ctx.hw.comm(world), Algorithm.TREE)
 
 
 @functools.lru_cache(maxsize=None)
