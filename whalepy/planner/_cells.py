@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-from whalepy.cost_models.communication import estimate_p2p_time, overlap_loss
+from whalepy.cost_models.communication import Algorithm, Collective, estimate_collective_time, estimate_p2p_time, overlap_loss
 from whalepy.cost_models.memory import inflight_microbatches
 from whalepy.cost_models.offload import host_capacity_per_gpu, nvme_capacity_per_gpu
 from whalepy.ir.plan import ZeroStage
@@ -23,7 +23,7 @@ from whalepy.planner._offload_costs import (
     checkpoint_offload_coefficients,
     offload_coefficients,
 )
-from whalepy.planner.runtime_costs import DPComm, chunk_neighbours, dp_edges, exposed_dp, lowering_kind, usable_device_bytes, uses_autocast
+from whalepy.planner.runtime_costs import LOSS_REPORT_BYTES, DPComm, chunk_neighbours, dp_edges, exposed_dp, lowering_kind, usable_device_bytes, uses_autocast
 from whalepy.planner.space import Candidate, GroupView, Segment, StateOption
 
 
@@ -66,6 +66,9 @@ def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: i
     seg_time, seg_re, seg_fwd, seg_bwd, seg_comm, seg_saved, seg_input = per_block
     (opt_beta, opt_overlap, fetch_beta, seg_exposed, edge, seg_tail, tail_edge, seg_amp_saved,
      seg_autocast) = per_option
+    report = loss_report_s(ctx, ranks)
+    if report:
+        tail_edge = {o: x + report for o, x in tail_edge.items()}
     loss_bytes = loss_held = 0.0
     if s == S - 1 and ctx.profile.blocks:
         out = ctx.profile.blocks[-1].output_bytes * ratio
@@ -108,6 +111,19 @@ def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: i
                       seg_host=seg_host, seg_ckoff=seg_ckoff, seg_ckhost=seg_ckhost)
 
 
+def loss_report_s(ctx: CostContext, ranks) -> float:  # type: ignore[no-untyped-def]
+    """The step's last collective, on every rank of the plan: ``ParallelModel.train_step`` all-reduces
+    the mean loss (:data:`LOSS_REPORT_BYTES`) after the optimizer step, one call that every step waits
+    for (on the CPU's gloo a call costs the link's measured per-call time, 1.2-2.1 ms in
+    ``bench_predict_cpu.py``; on NCCL its launch latency and the latency terms). Across nodes as a tree
+    (``Algorithm.TREE``): NCCL's tuner picks its tree for an all-reduce this small, where a ring's
+    ``2(p - 1)`` latency steps would charge 1,024 A100 (128 nodes) 3 ms for 4 bytes. 0 on one rank."""
+    world = tuple(sorted({r for stage in ranks for replica in stage for r in replica}))
+    if len(world) < 2:
+        return 0.0
+    return estimate_collective_time(Collective.ALL_REDUCE, LOSS_REPORT_BYTES, ctx.hw.comm(world), Algorithm.TREE)
+
+
 @functools.lru_cache(maxsize=None)
 def _neighbours(stage: int, num_stages: int, virtual_stages: int) -> tuple[tuple[int, ...], ...]:
     """:func:`chunk_neighbours`, cached (the same few stage counts for every candidate)."""
@@ -147,7 +163,7 @@ def _cell_options(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ..
             if (fsdp or t > 1) and not offloads_to_host(o.param_tier, o.optimizer_tier):
                 seg_tail[o] = [x + ctx.update_overhead(seg.block.index, g.device.name, fsdp=fsdp, tp=t)
                                for x, seg in zip(seg_tail[o], segments)]
-        edge[o], tail_edge[o] = dp_edges(kind, z3, pipelined, dp_comm, o.reduce_each) if rows else (0.0, 0.0)
+        edge[o], tail_edge[o] = dp_edges(kind, z3, pipelined, dp_comm, o.reduce_each, loss) if rows else (0.0, 0.0)
         # what autocast keeps beside each block's 16-bit figure, per block: kept like the block's own
         # saved tensors (not while it is checkpointed or offloaded), counted on the stage's own blocks
         seg_amp_saved[o] = ([ctx.autocast_saved_extra(seg.block.index, micro_batch) for seg in segments]

@@ -27,9 +27,10 @@ after TP:
 - ``p2p``: one :func:`estimate_p2p_time` of the inter-stage activation per send (forward to the next
   (virtual) stage, gradient to the previous one), over the link the pair crosses;
 - ``sync`` per step: the gradient reduction of the last micro-batch not hidden by its backward (DDP
-  all-reduce per bucket, FSDP2 reduce-scatter per block; under pipelining all reduce-scatters after
-  the last backward) plus the last block's, plus ZeroRedundancyOptimizer's parameter all-gather after
-  the step. The ``tp`` DP groups of a stage share each node's NIC, so their inter-node bandwidth is
+  all-reduce by bucket: each block its bytes and its share of the 25 MiB buckets' calls, the step the
+  first and last buckets' calls; FSDP2 reduce-scatter per block; under pipelining all reduce-scatters
+  after the last backward) plus the last block's, plus ZeroRedundancyOptimizer's parameter all-gather
+  after the step, plus the loss report (``train_step``'s all-reduce of the loss on every rank). The ``tp`` DP groups of a stage share each node's NIC, so their inter-node bandwidth is
   divided by ``tp``;
 - ``opt``: the optimizer step on the GPU (:func:`~whalepy.cost_models.compute.adamw_step_time` of the
   implementation the runtime builds, ``foreach``: the profile's measured rate), or off it as :mod:`whalepy.cost_models.offload` prices each mode:

@@ -285,9 +285,13 @@ class DPComm:
     """All-gather of the block's parameters in the compute dtype."""
     reduce_scatter: tuple[float, ...]
     all_reduce: tuple[float, ...]
+    """DDP's all-reduce of the block's gradients: their bytes, and their share of the calls of the
+    25 MiB buckets they travel in (:func:`ddp_all_reduce_s`)."""
     rep: int
     """Segment of the stage's typical block (the longest segment): whose gather a chunk's first block
     exposes."""
+    all_reduce_call: float = 0.0
+    """Seconds of one all-reduce call beside its bytes (the link's per-call and latency terms)."""
 
 
 def build_dp_block_comm(collective: CollectiveFn, segments: tuple[Segment, ...], seg_params: list[float],
@@ -303,11 +307,46 @@ def build_dp_block_comm(collective: CollectiveFn, segments: tuple[Segment, ...],
 
     def times(kind: Collective) -> tuple[float, ...]:
         per = dp_payload_bytes_per_param(kind, precision)
-        if kind is Collective.ALL_REDUCE:  # DDP's buckets, not FSDP2's units
-            return tuple(collective(kind, per * p, group) for p in seg_params)
         return tuple(k * collective(kind, per * p / k, group) for p, k in zip(seg_params, calls))
 
-    return DPComm(times(Collective.ALL_GATHER), times(Collective.REDUCE_SCATTER), times(Collective.ALL_REDUCE), rep)
+    call, per_byte = affine_fit(lambda n: collective(Collective.ALL_REDUCE, n, group))
+    per = dp_payload_bytes_per_param(Collective.ALL_REDUCE, precision)
+    all_reduce = tuple(ddp_all_reduce_s(per * p, call, per_byte) for p in seg_params)
+    return DPComm(times(Collective.ALL_GATHER), times(Collective.REDUCE_SCATTER), all_reduce, rep, call)
+
+
+DDP_BUCKET_BYTES = 25 * 2**20
+"""``DistributedDataParallel``'s bucket capacity, which the runtime keeps (``bucket_cap_mb=None``: torch's
+``_DEFAULT_BUCKET_CAP_MB`` = 25, torch/nn/parallel/distributed.py; tests/test_ddp_buckets.py checks it)."""
+
+DDP_FIRST_BUCKET_BYTES = 2**20
+"""The capacity of DDP's first bucket (the gradients ready first) with the default caps
+(``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``, 1 MiB)."""
+
+DDP_EDGE_CALLS = 2
+"""All-reduce calls of a DDP step that the 25 MiB buckets do not amortise: the first bucket (capped at
+:data:`DDP_FIRST_BUCKET_BYTES`) and the last, partly filled one. A stage of ``P`` bytes makes
+``1 + ceil((P - first) / cap)`` calls (:func:`ddp_bucket_calls`); charging ``P / cap`` of them per byte
+and these two per step is at most one call too many (none for the gpt-deep stage of
+``bench_predict_cpu.py``, 6.9 MB in 2 buckets: 1.06 MB and 5.85 MB, as DDP reports them)."""
+
+
+def ddp_bucket_calls(nbytes: float) -> int:
+    """All-reduce calls DDP makes per step for ``nbytes`` of gradients (one per bucket, default caps;
+    parameters are not split across buckets, so a bucket may overflow by one parameter: not counted)."""
+    if nbytes <= 0:
+        return 0
+    rest = max(nbytes - DDP_FIRST_BUCKET_BYTES, 0.0)
+    return 1 + -int(-rest // DDP_BUCKET_BYTES)
+
+
+def ddp_all_reduce_s(nbytes: float, call_s: float, per_byte_s: float) -> float:
+    """Seconds charged to a block's ``nbytes`` of gradients in DDP's all-reduce: their bytes, and their
+    share of the 25 MiB buckets' calls (``call_s`` each). Before, each block was charged a call of its
+    own: ten calls for gpt-deep's 10 blocks where DDP makes two, 1.2-2.1 ms each on the CPU's gloo
+    (``bench_predict_cpu.py``'s in-step fit); the step's unamortised calls are
+    :data:`DDP_EDGE_CALLS` (:func:`dp_edges`)."""
+    return nbytes * (per_byte_s + call_s / DDP_BUCKET_BYTES)
 
 
 def post_step_affine(collective: CollectiveFn, kind: str, group: CommGroup | None, precision: str
@@ -337,9 +376,9 @@ def exposed_dp(kind: str, zero3: bool, pipelined: bool, fwd: float, bwd: float, 
       backward (``set_reshard_after_backward(False)``), so below ZeRO-3 each block is gathered once per
       step, beside the first forward, and under ZeRO-3 once per micro-batch beside the backward; all
       reduce-scatters run after the last backward (``PipelineStage``'s ``REDUCE_GRAD`` action), exposed;
-    - DDP (with or without ZeroRedundancyOptimizer): the gradient's all-reduce, bucketed (about one
-      block per 25 MiB bucket), beside the next block's backward in the last micro-batch (``no_sync``
-      before).
+    - DDP (with or without ZeroRedundancyOptimizer): the gradient's all-reduce, in 25 MiB buckets (each
+      block charged its bytes and its share of the buckets' calls, :func:`ddp_all_reduce_s`), beside
+      the next block's backward in the last micro-batch (``no_sync`` before).
 
     ``loss`` is the device's share of compute lost beside a collective (``overlap_loss``: 1 on CPU ranks,
     where nothing hides)."""
@@ -362,11 +401,15 @@ def exposed_dp(kind: str, zero3: bool, pipelined: bool, fwd: float, bwd: float, 
     return 0.0, 0.0
 
 
-def dp_edges(kind: str, zero3: bool, pipelined: bool, dp: DPComm, reduce_each: bool = False
-             ) -> tuple[float, float]:
+def dp_edges(kind: str, zero3: bool, pipelined: bool, dp: DPComm, reduce_each: bool = False,
+             loss: float = OVERLAP_COMPUTE_LOSS) -> tuple[float, float]:
     """``(per micro-batch, per step)`` collectives with nothing to hide behind: a chunk's first block's
-    gathers, and the last block's gradient reduction (see :func:`exposed_dp`)."""
-    ag, rs, ar = dp.all_gather[dp.rep], dp.reduce_scatter[dp.rep], dp.all_reduce[dp.rep]
+    gathers, and the last block's gradient reduction (see :func:`exposed_dp`). DDP's last bucket: the
+    calls its buckets do not amortise (:data:`DDP_EDGE_CALLS`), and the last block's bytes beyond the
+    ``loss`` share of them its row in :func:`exposed_dp` charged (on CPU ranks, ``loss`` 1, none: the
+    rows charge every byte once)."""
+    ag, rs = dp.all_gather[dp.rep], dp.reduce_scatter[dp.rep]
+    ar = DDP_EDGE_CALLS * dp.all_reduce_call + (1.0 - loss) * dp.all_reduce[dp.rep]
     if kind == LoweringKind.FSDP and not pipelined:
         if reduce_each:
             return ag * (2 if zero3 else 1) + rs, 0.0
