@@ -41,7 +41,8 @@ With a cutoff (what the search asks: does the bound reach the incumbent less the
 above it are dropped, and each stage's floor is first bounded by its linear relaxation (fractional
 blocks freed, one chunk of the mean: :func:`_relaxed_floor`, non-decreasing in every ``n_g``), so the
 tables skip every ``n`` above one already at the cutoff and price whole blocks only below it. Below
-the cutoff the answer is exact, so it serves every lower cutoff too (:data:`_ASKED`). Where the vectors
+the cutoff the answer is exact, so it serves every lower cutoff too (:data:`_ASKED`), and so does each
+stage's table (:data:`_TABLES`, kept across calls: the orders of the GPU groups repeat stages). Where the vectors
 are too many to tabulate (:data:`MAX_STATES`), or a chunk's choices too many to list, nothing is said
 (None). ``tests/test_planner_stage_dp.py`` checks the bound against the best plan of random candidates
 (brute force), with and without a cutoff.
