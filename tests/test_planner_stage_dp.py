@@ -56,3 +56,34 @@ def test_stage_bound_below_every_plan() -> None:
     bound is above steps 1-6 of the pruning bound on some of them (it says something)."""
     lifted = sum(_check(seed, seed % 2 == 1, seed % 3 == 0) for seed in range(12))
     assert lifted >= 50  # 118 on these instances
+
+
+def test_stage_tables_kept_across_calls_give_the_same_bound() -> None:
+    """The stage tables are kept across calls (``_stage_dp._TABLES``: candidates that differ in the order
+    of the GPU groups share stages); a table priced for a higher cutoff serves a lower one by filtering
+    its pairs. Asked first without a cutoff, then with lower ones, the bound equals the one computed
+    from empty tables, to the last bit."""
+    import whalepy.planner._stage_dp as sd
+
+    asked = 0
+    for seed in range(6):
+        inst = random_instance(random.Random(2000 + seed), fp32_capture=seed % 3 == 0, mixed=seed % 2 == 1)
+        _, ctx, cands, segments, options = instance_space(inst)
+        for cand in cands:
+            cc = build_coefficients(ctx, cand, segments, options)
+            for p in _pipelines(cc):
+                sd._TABLES.clear()
+                sd._ASKED.clear()
+                free = stage_dp_bound(cc, p)
+                if free is None:
+                    continue
+                for cut in (free * 1.5, free * (1 + 1e-6), free * 0.999, free * 0.9):
+                    sd._TABLES.clear()
+                    sd._ASKED.clear()
+                    cold = stage_dp_bound(build_coefficients(ctx, cand, segments, options), p, cut)
+                    sd._ASKED.clear()  # the tables filled by the calls above, not the last answer
+                    stage_dp_bound(build_coefficients(ctx, cand, segments, options), p)
+                    warm = stage_dp_bound(build_coefficients(ctx, cand, segments, options), p, cut)
+                    assert warm == cold, (warm, cold, cut, cand, inst)
+                    asked += 1
+    assert asked >= 20

@@ -20,12 +20,12 @@ from whalepy.planner._coeffs import (
     stage_host_checkpoint,
     tied_copy_params,
 )
-from whalepy.planner.space import MAX_OPTIONS_PER_STAGE, StateMix, StateOption
+from whalepy.planner.space import MAX_OPTIONS_PER_STAGE, Candidate, StateMix, StateOption
 
 if TYPE_CHECKING:
     from whalepy.planner._bound import Choices
 
-__all__ = ["held_copies", "part_params", "part_state_params", "CellEval", "Evaluation", "StageEval", "checkpoint_offload_s", "chunk_busy_s", "chunk_counts_from_sizes", "counts_from_boundaries", "evaluate", "evaluate_stage", "lower_bound", "memory_breakdown", "offload_s", "split_stage_checkpoints", "step_time"]
+__all__ = ["held_copies", "part_params", "part_state_params", "CellEval", "Evaluation", "StageEval", "checkpoint_offload_s", "chunk_busy_s", "chunk_counts_from_sizes", "compute_bound", "counts_from_boundaries", "evaluate", "evaluate_stage", "lower_bound", "memory_breakdown", "offload_s", "split_stage_checkpoints", "step_time"]
 
 
 @dataclass(slots=True)
@@ -552,16 +552,7 @@ def lower_bound(cc: CandidateCoeffs, *, memory: bool = True, whole_blocks: bool 
     cells = [{r: c for c in st.cells for r in c.replicas} for st in cc.stages]
     pipelines = {tuple(id(cell_of[r]) for cell_of in cells): r for r in range(cand.dp)}
     for r in pipelines.values():
-        w = [cell_of[r].seg_time for cell_of in cells]
-        whole = [sum(n * x for n, x in zip(lengths, row)) for row in w]
-        # 5. whole blocks: some stage holds ceil(L_g / S) of segment g's blocks, some chunk ceil(L_g / (S v))
-        block = max(math.ceil(n / S) * min(row[g] for row in w) for g, n in enumerate(lengths) if n > 0)
-        chunk = max(math.ceil(n / (S * v)) * min(row[g] for row in w) for g, n in enumerate(lengths) if n > 0)
-        if min(whole) <= 0.0:
-            frac = 0.0
-        else:
-            norm = sum(1.0 / x for x in whole)
-            frac = sum(n * min(row[g] / (x * norm) for row, x in zip(w, whole)) for g, n in enumerate(lengths))
+        frac, block, chunk = _compute_parts([cell_of[r].seg_time for cell_of in cells], lengths, S, v)
         # 6. memory: every stage's activations fit (recompute, offload), as a small LP (planner/_bound.py)
         relaxed = relaxed_stage_time(cc, [cell_of[r] for cell_of in cells], choices) if memory else None
         if relaxed is not None:
@@ -580,3 +571,31 @@ def lower_bound(cc: CandidateCoeffs, *, memory: bool = True, whole_blocks: bool 
                 break
     Tc = T if v == 1 else max(T / v, B)
     return max(cc.candidate.step_form.value(T, Tc, 0.0), whole_step)
+
+
+def _compute_parts(w: list[list[float]], lengths: list[int], S: int, v: int) -> tuple[float, float, float]:
+    """Steps 4 and 5 of :func:`lower_bound` for one pipeline (``w[s]``: its stage ``s``'s ``seg_time``):
+    ``(fractional partition, whole blocks per stage, whole blocks per chunk)``."""
+    whole = [sum(n * x for n, x in zip(lengths, row)) for row in w]
+    # 5. whole blocks: some stage holds ceil(L_g / S) of segment g's blocks, some chunk ceil(L_g / (S v))
+    block = max(math.ceil(n / S) * min(row[g] for row in w) for g, n in enumerate(lengths) if n > 0)
+    chunk = max(math.ceil(n / (S * v)) * min(row[g] for row in w) for g, n in enumerate(lengths) if n > 0)
+    if min(whole) <= 0.0:
+        frac = 0.0
+    else:
+        norm = sum(1.0 / x for x in whole)
+        frac = sum(n * min(row[g] / (x * norm) for row, x in zip(w, whole)) for g, n in enumerate(lengths))
+    return frac, block, chunk
+
+
+def compute_bound(cand: Candidate, lengths: list[int], pipelines: list[list[list[float]]]) -> float:
+    """Steps 1-5 of :func:`lower_bound` (``memory=False``) from each distinct pipeline's ``seg_time`` rows
+    alone (:func:`~whalepy.planner.costing.seg_time_rows`), without the candidate's coefficients: the
+    same arithmetic, so the same value to the last bit."""
+    S, v = cand.num_stages, cand.virtual_stages
+    T, B = 0.0, 0.0
+    for w in pipelines:
+        frac, block, chunk = _compute_parts(w, lengths, S, v)
+        T, B = max(T, frac, block), max(B, chunk)
+    Tc = T if v == 1 else max(T / v, B)
+    return cand.step_form.value(T, Tc, 0.0)

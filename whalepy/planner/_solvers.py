@@ -152,11 +152,12 @@ def _highs():  # type: ignore[no-untyped-def]
 
 def _solve_highs(prob: _Model, node_limit: int | None, cutoff: float | None,
                  rel_gap: float = MIP_REL_GAP, *, time_limit_s: float | None = None,
-                 first_solution: bool = False) -> tuple[str, float, float]:
+                 first_solution: bool = False, relaxed: bool = False) -> tuple[str, float, float]:
     """Solve with HiGHS in-process: ``(status, objective, mip gap)``, column values into ``varValue``.
     ``status``: ``optimal``, ``feasible`` (stopped with a solution), ``infeasible``, ``cutoff`` (nothing
     below ``cutoff``) or ``no solution``. ``first_solution``: stop at the first solution found (below
-    ``cutoff``, if given): for a question that one solution answers.
+    ``cutoff``, if given): for a question that one solution answers. ``relaxed``: the linear relaxation
+    (every column continuous), whose optimum is at most the MIP's.
 
     Limited by work, never by the clock unless ``time_limit_s`` is given (a user's limit): at most
     ``node_limit`` branch-and-bound nodes (``mip_max_nodes``; None: no limit), one thread, HiGHS's fixed
@@ -191,7 +192,7 @@ def _solve_highs(prob: _Model, node_limit: int | None, cutoff: float | None,
     lower = np.array([-inf if x.lowBound is None else x.lowBound for x in order], dtype=float)
     upper = np.array([inf if x.upBound is None else x.upBound for x in order], dtype=float)
     h.addCols(n, cost, lower, upper, 0, np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32), np.zeros(0))
-    ints = np.array([i for i, x in enumerate(order) if x.integer], dtype=np.int32)
+    ints = np.array([i for i, x in enumerate(order) if x.integer and not relaxed], dtype=np.int32)
     if len(ints):
         h.changeColsIntegrality(len(ints), ints, np.full(len(ints), highspy.HighsVarType.kInteger))
     lo, hi, starts, idx, val = [], [], [], [], []

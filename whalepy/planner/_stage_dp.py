@@ -41,7 +41,8 @@ With a cutoff (what the search asks: does the bound reach the incumbent less the
 above it are dropped, and each stage's floor is first bounded by its linear relaxation (fractional
 blocks freed, one chunk of the mean: :func:`_relaxed_floor`, non-decreasing in every ``n_g``), so the
 tables skip every ``n`` above one already at the cutoff and price whole blocks only below it. Below
-the cutoff the answer is exact, so it serves every lower cutoff too (:data:`_ASKED`). Where the vectors
+the cutoff the answer is exact, so it serves every lower cutoff too (:data:`_ASKED`), and so does each
+stage's table (:data:`_TABLES`, kept across calls: the orders of the GPU groups repeat stages). Where the vectors
 are too many to tabulate (:data:`MAX_STATES`), or a chunk's choices too many to list, nothing is said
 (None). ``tests/test_planner_stage_dp.py`` checks the bound against the best plan of random candidates
 (brute force), with and without a cutoff.
@@ -275,7 +276,11 @@ def _floor(n: tuple[int, ...], c: CellCoeffs, sc: StageCoeffs, ways: list[_Price
         pl, room, X = fixed
         X *= form.x
         fetch = w.fetch * pl
-        best = limit - X
+        # the least over the splits, of those whose pair could be below the limit: a split is skipped
+        # only where its cheap part already puts the pair at the limit (``cheap + X``, rounded as the
+        # pair's sum is) or above a split's found, so the pairs kept are exactly those of the least A
+        # below the limit, whatever the limit (what lets a table priced for one limit serve a lower one)
+        best = math.inf
         for chunks in _splits(n, v):
             busy0 = []
             for m in chunks:  # a chunk's blocks, exposed communication and first gathers, per way
@@ -285,7 +290,7 @@ def _floor(n: tuple[int, ...], c: CellCoeffs, sc: StageCoeffs, ways: list[_Price
                 busy0.append(b)
             lead0 = max(sum(busy0), fetch)
             cheap = form.value(lead0 + c.p2p, (max(max(busy0), fetch / v) + p2p_min) if v > 1 else lead0 + c.p2p, 0.0)
-            if cheap >= best:
+            if cheap >= best or cheap + X >= limit:
                 continue
             busy = busy0
             if c.inflight > 0:
@@ -320,10 +325,57 @@ def _floor(n: tuple[int, ...], c: CellCoeffs, sc: StageCoeffs, ways: list[_Price
 def _add(pairs: list[tuple[float, float]], p: tuple[float, float]) -> None:
     """Keep ``p`` in ``pairs`` unless one there is at most it in both parts; drop those it beats."""
     a, x = p
-    if any(pa <= a and px <= x for pa, px in pairs):
-        return
-    pairs[:] = [(pa, px) for pa, px in pairs if not (a <= pa and x <= px)]
+    beaten = False
+    for pa, px in pairs:  # a loop, not any(...): the dynamic program calls this 400k times on two GPU types
+        if pa <= a and px <= x:
+            return
+        if a <= pa and x <= px:
+            beaten = True
+    if beaten:
+        pairs[:] = [(pa, px) for pa, px in pairs if not (a <= pa and x <= px)]
     pairs.append(p)
+
+
+class _Table:
+    """What one stage's floors need and have found, kept across calls (:func:`_table`): its ways of
+    keeping states, the chunk memo of :func:`_floor`, the relaxed floor per vector and, per vector, the
+    pairs :func:`_floor` gave and the limit it gave them for (exact below it, so they serve every lower
+    limit: pairs of a higher limit filtered to those below the lower one are what it would give)."""
+
+    __slots__ = ("held", "ways", "memo", "lows", "floors")
+
+    def __init__(self, held: tuple, ways: list[_Priced]) -> None:  # type: ignore[type-arg]
+        self.held = held  # the cell and stage whose objects' ids key the table: kept alive with it
+        self.ways = ways
+        self.memo: dict = {}  # type: ignore[type-arg]
+        self.lows: dict[tuple[int, ...], float] = {}
+        self.floors: dict[tuple[int, ...], tuple[float, list[tuple[float, float]] | None]] = {}
+
+
+_TABLES: dict[tuple, _Table] = {}  # type: ignore[type-arg]
+"""Stage tables by what they read. The candidates that differ only in the order of the GPU groups (on
+four types, 2,738 of them) give many stages the same cell coefficients (shared objects: costing's
+``_shared_memo``) in the same position: 144 stage tables of 14 calls on Llama-70B on four types were 58
+distinct ones."""
+_TABLES_MAX = 256
+
+
+def _table(c: CellCoeffs, sc: StageCoeffs, groups: list, dp: int, choices: Choices, v: int, form) -> _Table:  # type: ignore[no-untyped-def, type-arg]
+    """The table of a stage whose floors read ``c``, ``sc`` (each coefficient by identity: the shared,
+    never-modified objects the coefficient builder hands out; each number by value) and the rest."""
+    key = (tuple(id(x) for x in (c.seg_time, c.seg_recompute, c.seg_saved, c.seg_input, c.seg_exposed,
+                                 c.seg_amp_saved, c.seg_tail, c.edge, c.tail_edge, c.fetch_beta, c.opt_beta,
+                                 c.seg_offload, c.seg_host, c.seg_ckoff, c.seg_ckhost, sc.mem_beta,
+                                 sc.buffer_beta, sc.state_split, sc.grads_freed, sc.working_bytes,
+                                 sc.working_grad, sc.sync)),
+           c.capacity, c.inflight, c.loss_bytes, c.p2p, tuple(c.chunk_p2p), tuple(sc.seg_params),
+           tuple(tuple(m) for m in groups), dp, choices, v, form)
+    table = _TABLES.get(key)
+    if table is None:
+        if len(_TABLES) >= _TABLES_MAX:
+            _TABLES.pop(next(iter(_TABLES)))
+        table = _TABLES[key] = _Table((c, sc), [_Priced(sc, c, members, dp, choices) for members in groups])
+    return table
 
 
 _ASKED: dict[tuple, tuple] = {}  # type: ignore[type-arg]
@@ -373,8 +425,8 @@ def _stage_dp_bound(cc: CandidateCoeffs, cells: Sequence[CellCoeffs], cutoff: fl
         sc = cc.stages[s]
         in_family = {o for f in sc.families for o in f} if v == 1 else set()
         groups = [(o,) for o in sc.options if o not in in_family] + (list(sc.families) if v == 1 else [])
-        ways = [_Priced(sc, c, members, cand.dp, choices) for members in groups]
-        memo: dict = {}  # type: ignore[type-arg]
+        table = _table(c, sc, groups, cand.dp, choices, v, form)
+        ways, memo, lows, known = table.ways, table.memo, table.lows, table.floors
         low: dict[tuple[int, ...], float] = {}
         last = s == S - 1
         # the model's first block runs on the first stage (its first chunk), its last block on the last
@@ -393,10 +445,18 @@ def _stage_dp_bound(cc: CandidateCoeffs, cells: Sequence[CellCoeffs], cutoff: fl
             below = [tuple(k - (h == g) for h, k in enumerate(n)) for g in range(G) if n[g]]
             if not last and any(sum(b) >= v and low.get(b, math.inf) >= limit for b in below):
                 continue
-            low[n] = _relaxed_floor(n, c, sc, ways, v, form)
+            if n not in lows:
+                lows[n] = _relaxed_floor(n, c, sc, ways, v, form)
+            low[n] = lows[n]
             if low[n] >= limit or any(not n[g] for g in must):
                 continue
-            f = _floor(n, c, sc, ways, v, form, memo, limit)
+            seen = known.get(n)
+            if seen is not None and seen[1] is not None and limit <= seen[0]:
+                # priced for a higher limit: exact below it, so its pairs below this one are the answer
+                f = [p for p in seen[1] if p[0] + p[1] < limit]
+            else:
+                f = _floor(n, c, sc, ways, v, form, memo, limit)
+                known[n] = (limit, f)
             if f is None:
                 return None
             if f:

@@ -45,8 +45,10 @@ from whalepy.planner.costing import (
     CostContext,
     Evaluation,
     build_coefficients,
+    compute_bound,
     evaluate,
     lower_bound,
+    seg_time_rows,
     tp_splits,
 )
 from whalepy.planner.exhaustive import solve_exhaustive
@@ -433,11 +435,11 @@ candidates and find incumbents: most ILPs of the benchmark cases settle at the r
 not settle in thousands of nodes either (docs/benchmarks.md)."""
 
 
-def _by_bound(bounded: list[tuple[float, int, Candidate]], light: list[CandidateCoeffs],
+def _by_bound(bounded: list[tuple[float, int, Candidate]], light: Callable[[int], CandidateCoeffs],
               incumbent: Callable[[], float], choices: Choices):  # type: ignore[no-untyped-def]
     """Candidates in order of their bound, ties by enumeration order: ``bounded`` holds compute bounds
     (:func:`lower_bound` with ``memory=False``); a candidate that comes up below the incumbent gets its
-    full bound (memory part included, from ``light``, its coefficients without state options) and, if
+    full bound (memory part included, from ``light(index)``, its coefficients without state options) and, if
     that is higher, goes back in line with it. Yields ``(bound, index, candidate)``; a candidate yielded
     with its compute bound is at or above the incumbent (pruned either way)."""
     heap = [(lb, i, False, c) for lb, i, c in bounded]
@@ -445,7 +447,7 @@ def _by_bound(bounded: list[tuple[float, int, Candidate]], light: list[Candidate
     while heap:
         lb, i, full, c = heapq.heappop(heap)
         if not full and lb < incumbent() * (1 - 1e-9):
-            whole = max(lb, lower_bound(light[i], choices=choices))
+            whole = max(lb, lower_bound(light(i), choices=choices))
             if whole > lb:
                 heapq.heappush(heap, (whole, i, True, c))
                 continue
@@ -482,10 +484,15 @@ def run_search(profile: ModelProfile, hw: Hardware, G: int, opts, *,  # type: ig
     # without the state options, which the bound does not read, and in full only for candidates solved.
     # Its memory part (a small LP, planner/_bound.py) is added lazily: only for a candidate that comes up
     # with its compute bound below the incumbent; one whose bound rises goes back in line (_by_bound).
-    light = [build_coefficients(ctx, c, segments, ()) for c in cands]
+    # The compute part is read off the cells' seg_time alone (seg_time_rows: no coefficients built), the
+    # light coefficients only for the candidates that come up below the incumbent (most never do).
+    def light(i: int) -> CandidateCoeffs:
+        return build_coefficients(ctx, cands[i], segments, ())
+
     # the bound relaxes the candidate's ILP, which has only the per-block choices the options allow
     choices = Choices(opts.allow_checkpointing, opts.allow_activation_offload, opts.allow_checkpoint_offload)
-    bounded = [(lower_bound(cc, memory=False), i, c) for i, (c, cc) in enumerate(zip(cands, light))]
+    lengths = [seg.length for seg in segments]
+    bounded = [(compute_bound(c, lengths, seg_time_rows(ctx, c, segments)), i, c) for i, c in enumerate(cands)]
     progress(f"{len(cands)} candidates; solving the promising ones with {solver}")
     solved: list[tuple[Candidate, ILPResult]] = []
     best: tuple[float, Evaluation, ILPResult] | None = None
