@@ -48,15 +48,65 @@ __all__ = ["apply_activation_checkpointing", "apply_activation_offload", "apply_
 Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer]
 
 
-def _check_optimizer(optimizer: Optimizers) -> None:
+def _zero1(optimizer: Optimizers) -> Any:
+    """The ``ZeroRedundancyOptimizer`` (ZeRO-1 on DDP) among ``optimizer``, or None."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    if any(isinstance(o, ZeroRedundancyOptimizer) for o in
-           (optimizer if isinstance(optimizer, Sequence) else [optimizer])):
-        raise WhalepyError(
-            "state_dict()/save() are not supported with ZeRO-1 lowered to ZeroRedundancyOptimizer; "
-            "use ZeRO stage 2 or 3 for this plan (same numerics) if you need checkpoints"
-        )
+    found = [o for o in (optimizer if isinstance(optimizer, Sequence) else [optimizer])
+             if isinstance(o, ZeroRedundancyOptimizer)]
+    if found and (isinstance(optimizer, Sequence) and len(optimizer) > 1):
+        raise WhalepyError("state_dict()/save(): a ZeroRedundancyOptimizer beside other optimizers is not "
+                           "supported; use one optimizer for the stage")
+    return found[0] if found else None
+
+
+def _gathered(zero: Any) -> torch.optim.Optimizer:
+    """A plain optimizer of ``zero``'s class over every parameter ``zero`` steps, holding each parameter's
+    state gathered from the rank that owns it (ZeRO-1 shards the optimizer state by parameter): what
+    ZeRO-0 would hold, so ``get_state_dict`` / ``set_state_dict`` write and read the same files as for
+    any other plan (a ZeRO-1 checkpoint loads under every plan and back). Every rank holds the whole
+    optimizer state while the state dict lives (ZeRO-0's memory, for the save or load only)."""
+    import torch.distributed as dist
+
+    group = zero.process_group
+    comm = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
+            else torch.device("cpu"))
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(g["params"])} for g in zero.param_groups]
+    full = zero._optim_constructor(groups, **zero._optim_defaults)
+    owner = zero._param_to_rank
+    mine = {i: {k: ((tuple(v.shape), v.dtype, v.device.type) if isinstance(v, torch.Tensor) else v)
+                for k, v in zero.optim.state.get(p, {}).items()}
+            for i, p in enumerate(zero._all_params) if owner[p] == zero.rank}
+    layouts: list[Any] = [None] * zero.world_size
+    dist.all_gather_object(layouts, mine, group=group)
+    for i, p in enumerate(zero._all_params):
+        r = owner[p]
+        layout = layouts[r].get(i)
+        if not layout:
+            continue
+        st = {}
+        for k, v in layout.items():
+            if not isinstance(v, tuple) or len(v) != 3 or not isinstance(v[1], torch.dtype):
+                st[k] = v
+                continue
+            shape, dtype, where = v
+            t = (zero.optim.state[p][k].to(comm) if r == zero.rank
+                 else torch.empty(shape, dtype=dtype, device=comm))
+            dist.broadcast(t, src=dist.get_global_rank(group, r), group=group)
+            st[k] = t.to(p.device if where != "cpu" else "cpu")
+        full.state[p] = st
+    return full
+
+
+def _scatter_back(full: torch.optim.Optimizer, zero: Any) -> None:
+    """After a load into :func:`_gathered`'s optimizer: each rank keeps the states of the parameters it
+    owns, and every group's hyper-parameters (learning rate, betas...) go to ``zero`` and its inner one."""
+    owner = zero._param_to_rank
+    for p in zero._all_params:
+        if owner[p] == zero.rank and p in full.state:
+            zero.optim.state[p] = full.state[p]
+    zero._sync_param_groups(full.param_groups, zero.param_groups)
+    zero._sync_param_groups(zero.param_groups, zero.optim.param_groups)
 
 
 def _is_strided(t: Any) -> bool:
@@ -83,7 +133,9 @@ def get_train_state(modules: Sequence[nn.Module], optimizer: Optimizers) -> dict
     DCP cannot describe ``_StridedShard`` chunks (fused projections under TP), so those tensors are
     gathered whole here; every rank of the group then holds the same full tensor and DCP writes it
     once. :func:`set_train_state` shards them back."""
-    _check_optimizer(optimizer)
+    zero = _zero1(optimizer)
+    if zero is not None:  # ZeRO-1 on DDP: the state each rank holds for its parameters, gathered
+        optimizer = _gathered(zero)
     model_sd, optim_sd = get_state_dict(list(modules) if len(modules) > 1 else modules[0], optimizer)
     state = {"model": model_sd, "optim": _masters_to_model(model_sd, optim_sd)}
     strided: list[bool] = []
@@ -200,7 +252,9 @@ def set_train_state(modules: Sequence[nn.Module], optimizer: Optimizers,
         raise ArgumentError(f"load_state_dict() takes what ParallelModel.state_dict() returned (a dict with 'model' "
                             f"and 'optim' entries), got {keys}; to load weights alone, use pm.load(path) or "
                             "parallelize(checkpoint=...)")
-    _check_optimizer(optimizer)
+    zero = _zero1(optimizer)
+    if zero is not None:  # ZeRO-1 on DDP: loaded whole, then each rank keeps its parameters' states
+        optimizer = _gathered(zero)
     target = list(modules) if len(modules) > 1 else modules[0]
     template_model, template_optim = get_state_dict(target, optimizer)
     template = {"model": template_model, "optim": template_optim}
@@ -217,6 +271,8 @@ def set_train_state(modules: Sequence[nn.Module], optimizer: Optimizers,
     for o, flags in zip(opts, kernels, strict=True):
         for g, f in zip(o.param_groups, flags, strict=True):
             g.update(f)
+    if zero is not None:
+        _scatter_back(opts[0], zero)
 
 
 def tied_aliases(modules: Sequence[nn.Module]) -> list[list[str]]:
