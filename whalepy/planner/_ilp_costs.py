@@ -139,22 +139,26 @@ def _row_terms(d: dict, v: _Vars, s: int, sc, S: int, V: int, coef: dict, scale:
                 d[x] = d.get(x, 0.0) + a * e
 
 
+def _held_states(v: _Vars, s: int, sc, S: int, V: int, without_grads) -> dict:  # type: ignore[no-untyped-def, type-arg]
+    """Stage ``s``'s model states, buffers and FSDP2 working set in GiB (per option variable, FSDP2's
+    uneven rows, the working set once), the gradients left out for the options where
+    ``without_grads(o)``: at that peak the runtime has not created them yet."""
+    grads = {o: sc.state_split[o][1] if without_grads(o) else 0.0 for o in sc.options}
+    d = {v.Q[s][o]: (sc.mem_beta[o] + sc.buffer_beta[o] - grads[o]) * _BILLION / GIB for o in sc.options}
+    if sc.row_options:  # the first replica's shards of uneven first dimensions
+        _row_terms(d, v, s, sc, S, V, {o: sc.mem_beta[o] - grads[o] for o in sc.options})
+    for x, a in _once(v, s, sc.working_bytes, 1.0 / GIB).items():
+        d[x] = d.get(x, 0.0) + a
+    return d
+
+
 def add_memory_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
     S, V = cc.candidate.num_stages, cc.candidate.virtual_stages
     G = len(cc.segments)
     for s, sc in enumerate(cc.stages):
-        full = {v.Q[s][o]: (sc.mem_beta[o] + sc.buffer_beta[o]) * _BILLION / GIB for o in sc.options}
+        full = _held_states(v, s, sc, S, V, lambda o: False)
         # at the activation peak, gradients the runtime has not created yet are not held
-        states = {v.Q[s][o]: (sc.mem_beta[o] + sc.buffer_beta[o]
-                              - (sc.state_split[o][1] if sc.grads_freed[o] else 0.0)) * _BILLION / GIB
-                  for o in sc.options}
-        if sc.row_options:  # the first replica's shards of uneven first dimensions
-            _row_terms(full, v, s, sc, S, V, sc.mem_beta)
-            _row_terms(states, v, s, sc, S, V, {o: sc.mem_beta[o] - (sc.state_split[o][1] if sc.grads_freed[o]
-                                                                     else 0.0) for o in sc.options})
-        for x, a in _once(v, s, sc.working_bytes, 1.0 / GIB).items():
-            states[x] = states.get(x, 0.0) + a
-            full[x] = full.get(x, 0.0) + a
+        states = _held_states(v, s, sc, S, V, lambda o, sc=sc: sc.grads_freed[o])
         # at the loss's backward the running block's gradient buffer is not allocated yet
         for x, a in _once(v, s, sc.working_grad, -1.0 / GIB).items():
             states[x] = states.get(x, 0.0) + a
@@ -232,16 +236,8 @@ def add_memory_constraints(prob: _Model, cc: CandidateCoeffs, v: _Vars) -> None:
                 if cell.inflight > 1 and any(sc.grads_after_forwards.get(o) for o in sc.options):
                     # GPipe, after the first micro-batch's backward: every gradient, the other
                     # micro-batches' activations, their recomputed block and loss backward
-                    d2 = {v.Q[s][o]: (sc.mem_beta[o] + sc.buffer_beta[o]
-                                      - (sc.state_split[o][1] if sc.grads_freed[o]
-                                         and not sc.grads_after_forwards.get(o) else 0.0)) * _BILLION / GIB
-                          for o in sc.options}
-                    if sc.row_options:  # the first replica's shards of uneven first dimensions
-                        _row_terms(d2, v, s, sc, S, V, {o: sc.mem_beta[o] - (
-                            sc.state_split[o][1] if sc.grads_freed[o] and not sc.grads_after_forwards.get(o)
-                            else 0.0) for o in sc.options})
-                    for x, a in _once(v, s, sc.working_bytes, 1.0 / GIB).items():
-                        d2[x] = d2.get(x, 0.0) + a
+                    d2 = _held_states(v, s, sc, S, V, lambda o, sc=sc: sc.grads_freed[o]
+                                      and not sc.grads_after_forwards.get(o))
                     if P is not None:
                         d2[P] = 1.0
                     const2 = _acc(d2, ks, (cell.inflight - 1) / cell.inflight)

@@ -135,6 +135,10 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
     seg_excess = ctx._cached("row excess", segments, (t, d), lambda: row_excess_coeffs(segments, t, d))
     copies = ctx._cached("tied copies", segments, (t, d), lambda: tied_copy_coeffs(segments, t, d)) if S > 1 else ()
     tied_segments = tuple(g for g, seg in enumerate(segments) if seg.block.shares_params)
+    uneven = bool(seg_excess) or any(c.row_excess for c in copies)  # FSDP2 splits some first dimension unevenly
+
+    def splits_rows(o: StateOption) -> bool:
+        return lowering_kind(o, cand) == LoweringKind.FSDP
     mixing = mixed_tiers and cand.virtual_stages == 1
     # Stages whose replicas run on the same groups over equal data-parallel links have the same options
     # and per-option coefficients (only in-flight micro-batches, sends and the loss differ from stage to
@@ -163,13 +167,12 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
             # an option only a mix may use is kept out of the pruning (it cannot stand in for one that
             # stands alone) and dropped where no family takes it
             beside = tuple(o for o in allowed if o.beside_offload)
-            uneven = bool(seg_excess) or any(c.row_excess for c in copies)
             # the working set at the loss's backward (without the gradient buffer) and at the first
             # block's backward (with the block's gradients) too
             peaks = {o: (working[o], working[o] - wgrad[o], working[o] - wgrad[o] + bgrad[o]) for o in allowed}
             kept = _undominated(tuple(o for o in allowed if not o.beside_offload), sync, mem_beta, cpu_beta,
                                 nvme_beta, peaks, buffer_beta, cells, host_fixed,
-                                rows=(lambda o: lowering_kind(o, cand) == LoweringKind.FSDP) if uneven else None
+                                rows=splits_rows if uneven else None
                                 ) + beside
             families = _families(kept, cand, sync, working, freed, cells) if mixing else ()
             pruned[ukey] = (tuple(o for o in kept if not o.beside_offload or any(o in f for f in families)), families)
@@ -183,9 +186,7 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
                                   dp_ranks=dp_ranks, families=families, tied_copies=copies,
                                   tied_sync=tied_sync_coeffs(ctx, cand, copies, s, cells, ranks, allowed),
                                   tied_segments=tied_segments, seg_excess=seg_excess,
-                                  row_options=frozenset(o for o in allowed
-                                                        if lowering_kind(o, cand) == LoweringKind.FSDP)
-                                  if seg_excess or any(c.row_excess for c in copies) else frozenset()))
+                                  row_options=frozenset(filter(splits_rows, allowed)) if uneven else frozenset()))
     return CandidateCoeffs(candidate=cand, segments=segments, stages=stages, ranks=ranks,
                            nodes=_node_shares(hw, ranks) if any(o.off_device for st in stages for o in st.options)
                            or any(stage_offloadable(st) or stage_checkpoint_offloadable(st) for st in stages)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -60,6 +60,14 @@ def _zero1(optimizer: Optimizers) -> Any:
     return found[0] if found else None
 
 
+class _TensorMeta(NamedTuple):
+    """A state tensor's layout, as the rank owning it tells the others (:func:`_gathered`)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device_type: str
+
+
 def _gathered(zero: Any) -> torch.optim.Optimizer:
     """A plain optimizer of ``zero``'s class over every parameter ``zero`` steps, holding each parameter's
     state gathered from the rank that owns it (ZeRO-1 shards the optimizer state by parameter): what
@@ -74,7 +82,7 @@ def _gathered(zero: Any) -> torch.optim.Optimizer:
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(g["params"])} for g in zero.param_groups]
     full = zero._optim_constructor(groups, **zero._optim_defaults)
     owner = zero._param_to_rank
-    mine = {i: {k: ((tuple(v.shape), v.dtype, v.device.type) if isinstance(v, torch.Tensor) else v)
+    mine = {i: {k: (_TensorMeta(tuple(v.shape), v.dtype, v.device.type) if isinstance(v, torch.Tensor) else v)
                 for k, v in zero.optim.state.get(p, {}).items()}
             for i, p in enumerate(zero._all_params) if owner[p] == zero.rank}
     layouts: list[Any] = [None] * zero.world_size
@@ -86,14 +94,13 @@ def _gathered(zero: Any) -> torch.optim.Optimizer:
             continue
         st = {}
         for k, v in layout.items():
-            if not isinstance(v, tuple) or len(v) != 3 or not isinstance(v[1], torch.dtype):
+            if not isinstance(v, _TensorMeta):
                 st[k] = v
                 continue
-            shape, dtype, where = v
             t = (zero.optim.state[p][k].to(comm) if r == zero.rank
-                 else torch.empty(shape, dtype=dtype, device=comm))
+                 else torch.empty(v.shape, dtype=v.dtype, device=comm))
             dist.broadcast(t, src=dist.get_global_rank(group, r), group=group)
-            st[k] = t.to(p.device if where != "cpu" else "cpu")
+            st[k] = t.to(p.device if v.device_type != "cpu" else "cpu")
         full.state[p] = st
     return full
 
