@@ -192,7 +192,9 @@ def measure(name, repeats=5):
     try:
         model, x, _ = build(name)
         t0 = time.perf_counter()
-        prof = whalepy.profile(model, (x,), measure=True, micro_batches=(1, 2, 4, 8), tp_degrees=(1, 2), repeats=repeats)
+        # device="cpu": the ranks' device; left out, a machine with a GPU would time the blocks there
+        prof = whalepy.profile(model, (x,), measure=True, device="cpu", micro_batches=(1, 2, 4, 8), tp_degrees=(1, 2),
+                               repeats=repeats)
         took = time.perf_counter() - t0
         import dataclasses
 

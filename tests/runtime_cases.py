@@ -98,6 +98,11 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
 
 
+def adamw_foreach(params):
+    """AdamW's multi-tensor step, torch's default on CUDA (the loop is the default on CPU)."""
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, foreach=True)
+
+
 def build_model(kind: str, num_layers: int = 2) -> torch.nn.Module:
     """``kind``: "gpt" (whalepy.models), "gpt_tied" (it with a tied embedding and head), "gpt_odd" (it
     with a vocabulary of :data:`ODD_VOCAB`), "gpt_pad" (it with a ``padding_idx``), "hf" (HF GPT-2, untied),
@@ -161,6 +166,7 @@ class Case:
     steps: int = 3
     num_layers: int = 2
     virtual_stages: int = 1
+    foreach: bool = False  # the optimizer's multi-tensor step (CUDA's default): adamw_foreach
     extra: dict = field(default_factory=dict)
 
 
@@ -190,7 +196,8 @@ def run_case(case: Case) -> dict[str, Any]:
     model = build_model(case.kind, case.num_layers)
     plan = make_case_plan(case)
     pm = parallelize(
-        model, None, example_inputs=(data[0][0][:2],), loss_fn=lm_loss, optimizer=adamw,
+        model, None, example_inputs=(data[0][0][:2],), loss_fn=lm_loss,
+        optimizer=adamw_foreach if case.foreach else adamw,
         global_batch=case.global_batch, plan=plan, profile=case_profile(case.kind, case.num_layers))
     losses = [pm.train_step(x, y).item() for x, y in data]
     params = full_params(pm)
@@ -224,7 +231,8 @@ def run_resume(first: Case, second: Case, path: str, split: int = 2) -> dict[str
     mid_losses, mid_params = reference_run(first.kind, data[:split], first.num_layers)
     pm = parallelize(
         build_model(first.kind, first.num_layers), None, example_inputs=(data[0][0][:2],),
-        loss_fn=lm_loss, optimizer=adamw, global_batch=first.global_batch, plan=make_case_plan(first),
+        loss_fn=lm_loss, optimizer=adamw_foreach if first.foreach else adamw, global_batch=first.global_batch,
+        plan=make_case_plan(first),
         profile=case_profile(first.kind, first.num_layers))
     losses = [pm.train_step(x, y).item() for x, y in data[:split]]
     pm.save(path)
@@ -235,8 +243,9 @@ def run_resume(first: Case, second: Case, path: str, split: int = 2) -> dict[str
         for p in other.parameters():
             p.normal_()
     pm2 = parallelize(
-        other, None, example_inputs=(data[0][0][:2],), loss_fn=lm_loss, optimizer=adamw,
-        global_batch=second.global_batch, plan=make_case_plan(second),
+        other, None, example_inputs=(data[0][0][:2],), loss_fn=lm_loss,
+        optimizer=adamw_foreach if second.foreach else adamw, global_batch=second.global_batch,
+        plan=make_case_plan(second),
         profile=case_profile(second.kind, second.num_layers))
     pm2.load(path)
     loaded = full_params(pm2)

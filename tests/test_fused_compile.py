@@ -132,6 +132,7 @@ def test_fused_and_compiled_layouts_match_one_process(tmp_path) -> None:
         _compiled("compiled tp2", tp=2),
         _compiled("compiled pp2 1f1b", pp=2, microbatches=2),
         _fused("fused dp2 zero1 (zero-redundancy optimizer)", dp=2, zero=1),
+        _fused("fused tp2 (DTensor shards and plain norms in one group)", tp=2),
         ("resume", _fused("fused dp2 zero3", dp=2, zero=3), Case("as given tp2", tp=2), str(tmp_path / "a")),
         ("resume", Case("as given dp2", dp=2), _fused("fused pp2", pp=2, microbatches=2), str(tmp_path / "b")),
     ]

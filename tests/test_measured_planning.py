@@ -141,6 +141,24 @@ def test_planner_uses_measured_times_and_says_so(measured, runs, tmp_path, monke
     assert seen0.step_s == seen1.step_s  # the slowest rank's time, on every rank
 
 
+def test_a_profile_measured_on_another_device_type_is_not_used_and_the_plan_says_so(measured, tmp_path,
+                                                                                      monkeypatch):
+    """A profile measured on one device type (here the CPU's tables relabelled, as a GPU host's default
+    would give) planning a cluster of another: the planner models every cost, as for an unmeasured
+    profile, and the plan's notes say the measurements went unused and how to measure the right ones."""
+    import dataclasses
+
+    monkeypatch.setenv("WHALEPY_DEVICE_PROFILES", str(tmp_path))
+    elsewhere = dataclasses.replace(measured, measured=dataclasses.replace(measured.measured, device_type="H200"))
+    got = plan_from_profile(elsewhere, ClusterSpec.local(2), global_batch=4, time_limit_s=20)
+    plain = plan_from_profile(dataclasses.replace(measured, measured=None), ClusterSpec.local(2), global_batch=4,
+                              time_limit_s=20)
+    assert got.cost.step_time_s == plain.cost.step_time_s
+    said = [n for n in got.notes if "measurements are of H200" in n]
+    assert len(said) == 1 and "(CPU)" in said[0] and "device=" in said[0], got.notes
+    assert not any(n.startswith("stage ") and "measured for" in n for n in got.notes)
+
+
 def test_parallelize_plans_from_the_measured_profile_it_is_given(measured, tmp_path, monkeypatch):
     """parallelize(profile=<a measured profile>) plans from that profile (as plan_from_profile does), not
     from a fresh capture that would drop its measured tables (it did: on an H200 the measured profile

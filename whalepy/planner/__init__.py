@@ -118,7 +118,8 @@ class PlannerOptions:
     where it has one for the device and dtype), ``"as_given"`` (the factory's optimizer exactly) or
     ``"auto"`` (default): ``fused`` where every group of the cluster runs on CUDA GPUs, else ``as_given``
     (the runtime still keeps the factory's optimizer where the fused step cannot take the parameters:
-    DTensor shards mixed with plain tensors, or DTensor shards under a class other than Adam / AdamW)."""
+    DTensor shards under a class other than Adam / AdamW; DTensor shards beside plain tensors, as tensor
+    parallelism without FSDP2 leaves norms, step as two groups: ``optimizer_impl.split_mixed_groups``)."""
     compile: bool | str = "auto"
     """Compile each block with ``torch.compile`` (regional compilation; ``Plan.compile``): True, False or
     ``"auto"`` (default): on where every group runs on CUDA GPUs and torch supports ``torch.compile`` on

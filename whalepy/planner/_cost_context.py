@@ -316,11 +316,18 @@ class CostContext:
 
     def cost_source_notes(self, plan) -> list[str]:  # type: ignore[no-untyped-def]
         """One line per stage of ``plan`` saying which of its costs were measured on its device types and
-        which modelled; empty when nothing of the cluster was measured."""
-        if not self.measured:
-            return []
-        index = {b.name: b.index for b in self.profile.blocks}
+        which modelled; empty when nothing was measured, one line when the profile was measured on a
+        device type the cluster does not have (its measurements unused)."""
         lines = []
+        own = self.profile.measured
+        if own is not None and own.device_type not in {g.device.name for g in self.hw.groups}:
+            types = ", ".join(dict.fromkeys(g.device.name for g in self.hw.groups))
+            lines.append(f"the profile's measurements are of {own.device_type}, a device type this cluster does "
+                         f"not have ({types}): none of them used (measure on the cluster's device: "
+                         "whalepy.profile(..., measure=True, device=...) on one of its machines)")
+        if not self.measured:
+            return lines
+        index = {b.name: b.index for b in self.profile.blocks}
         for st in plan.stages:
             parts = []
             for dev in dict.fromkeys(st.device_types):

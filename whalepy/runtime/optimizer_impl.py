@@ -24,6 +24,7 @@ CPU kernel: ``host_optimizer``).
 from __future__ import annotations
 
 import logging
+import types
 from collections.abc import Callable, Iterable
 
 import torch
@@ -33,7 +34,7 @@ from whalepy.ir.types import OptimizerImpl
 from whalepy.log import info_once
 from whalepy.runtime.host_optimizer import fused_variant
 
-__all__ = ["FUSED_KERNELS", "describe", "fused_supported", "optimizer_factory_for"]
+__all__ = ["FUSED_KERNELS", "describe", "fused_supported", "optimizer_factory_for", "split_mixed_groups"]
 
 log = logging.getLogger("whalepy.runtime")
 
@@ -75,16 +76,55 @@ def fused_supported(opt: torch.optim.Optimizer) -> str | None:
                 return f"no fused {type(opt).__name__} kernel on {p.device.type}"
             if not torch.is_floating_point(p):
                 return f"fused kernels need floating-point parameters, got {p.dtype}"
-            kinds.add(isinstance(p, DTensor))
-    # DTensor runs a fused step only over a list of DTensors, and has sharding rules for the fused Adam
-    # and AdamW kernels only (torch.distributed.tensor's pointwise ops): a mix of sharded and plain
-    # parameters (a block left whole beside FSDP2 / TP ones), or DTensor parameters under another class,
-    # steps as the factory built it
-    if kinds == {True, False}:
-        return "its parameters mix DTensor shards and plain tensors, which one fused step cannot take"
+            kinds.add(isinstance(p, DTensor))  # a group of both kinds steps as two (split_mixed_groups)
+    # DTensor has sharding rules for the fused Adam and AdamW kernels only (torch.distributed.tensor's
+    # pointwise ops): DTensor parameters under another class step as the factory built it
     if True in kinds and not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
         return f"DTensor has no sharding rule for the fused {type(opt).__name__} kernel"
     return None
+
+
+def split_mixed_groups(opt: torch.optim.Optimizer) -> bool:
+    """Make ``opt`` step each param group that holds both DTensor and plain parameters as two groups,
+    plain parameters first, with the group's own hyper-parameters; True when some group mixes them.
+
+    Tensor parallelism without data parallelism (no FSDP2, which makes every parameter a DTensor)
+    leaves the modules it does not shard (norms, a block left whole) with plain parameters beside the
+    sharded DTensor ones. torch's multi-tensor steps (``foreach``, its default on CUDA, and ``fused``)
+    group a param group's tensors by device and dtype only, so one list holds both kinds and DTensor
+    refuses the mixed ``_foreach_*`` call ("got mixed torch.Tensor and DTensor") at the first step.
+    The update of a parameter depends only on its own tensors and its group's options, so the split
+    groups compute the same step. They exist only during ``step``: ``param_groups`` (what schedulers
+    change and what ``state_dict`` and checkpoints hold) keep the user's structure, so checkpoints load
+    across plans that mix and plans that do not."""
+    from torch.distributed.tensor import DTensor
+
+    def mixed(g: dict) -> bool:
+        kinds = {isinstance(p, DTensor) for p in g["params"]}
+        return len(kinds) == 2
+
+    if not any(mixed(g) for g in opt.param_groups) or getattr(opt, "_whalepy_split_groups", False):
+        return False
+    inner = opt.step  # bound, with torch's hooks and profiling wrapper
+
+    def step(self: torch.optim.Optimizer, *args: object, **kwargs: object) -> object:
+        groups = self.param_groups
+        split: list[dict] = []
+        for g in groups:
+            if mixed(g):
+                split += [{**g, "params": [p for p in g["params"] if not isinstance(p, DTensor)]},
+                          {**g, "params": [p for p in g["params"] if isinstance(p, DTensor)]}]
+            else:
+                split.append(g)
+        self.param_groups = split
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            self.param_groups = groups
+
+    opt.step = types.MethodType(step, opt)  # type: ignore[method-assign]  # bound: LR schedulers wrap step.__func__
+    opt._whalepy_split_groups = True  # type: ignore[attr-defined]
+    return True
 
 
 def describe(opt: torch.optim.Optimizer) -> str:
@@ -114,6 +154,7 @@ def optimizer_factory_for(factory: OptimizerFactory, impl: OptimizerImpl | str) 
             if why is None:
                 opt = fused_variant(opt)
         if isinstance(opt, torch.optim.Optimizer):
+            split_mixed_groups(opt)
             _log_once(opt, impl, why)
         return opt
 

@@ -14,7 +14,7 @@ from torch import nn
 from whalepy.ir.plan import Plan, Tier
 from whalepy.ir.rules import LoweringKind, host_steps_after_backward, steps_on_host
 from whalepy.log import info_once
-from whalepy.runtime.optimizer_impl import optimizer_factory_for
+from whalepy.runtime.optimizer_impl import optimizer_factory_for, split_mixed_groups
 from whalepy.runtime._amp import AmpContext
 from whalepy.runtime._joint_step import JointStep
 from whalepy.runtime.data_parallel import build_optimizer, cast_sharded_params, compute_dtype
@@ -73,6 +73,7 @@ def build_optimizers(parts: Sequence[StagePart], plan: Plan, meshes: RankMeshes,
         # FSDP2 keeps these shards in host memory and the optimizer steps them there: its fused CPU
         # kernel, as the host optimizer does (cost_models/offload.py prices both at its rate)
         optimizer = fused_variant(optimizer)
+        split_mixed_groups(optimizer)
     nvme = build_disk_tier(parts, plan, optimizer, meshes, ctx)
     amp = AmpContext(plan.precision, meshes.device)
     # fp16, or ZeRO-Offload stepping after backward anywhere in the plan: every rank steps its
