@@ -161,6 +161,7 @@ NUMERICS_CASES = [
     dict(name="DP fp16", precision="fp16", dp=2),
     dict(name="ZeRO-3 fp16", precision="fp16", dp=2, zero=3),
     dict(name="PP fp16", precision="fp16", pp=2, microbatches=2, schedule="1f1b"),
+    dict(name="TP fp16", precision="fp16", tp=2),
     dict(name="ZeRO-3 fp32", precision="fp32", dp=2, zero=3),  # fp32 layouts: test_runtime_parallel etc.
     # ZeRO-Infinity under fp16: the scaler unscales the file-mapped gradients in place
     dict(name="ZeRO-3 fp16 nvme", precision="fp16", dp=2, zero=3, param_tier="nvme", optimizer_tier="nvme"),
@@ -203,6 +204,7 @@ def test_low_precision_layouts_match_single_process():
 RESUME_CASES = [
     dict(name="ZeRO-3 fp16", precision="fp16", dp=2, zero=3),
     dict(name="PP fp16", precision="fp16", pp=2, microbatches=2, schedule="1f1b"),
+    dict(name="TP fp16", precision="fp16", tp=2),
     # also loaded by a plan that steps on the device (its fp32 FSDP2 shards take the masters)
     dict(name="ZeRO-Offload z3 bf16", precision="bf16", dp=2, zero=3, extra={"optimizer_tier": "cpu"},
          load_into={"extra": {}}),
