@@ -404,6 +404,23 @@ def test_blocks_are_measured_as_the_runtime_lowers_them(measured, tmp_path, monk
             == estimate_from_profile(bare, cluster, ddp, global_batch=4).step_time_s)
 
 
+def test_tp_blocks_are_measured_under_a_multi_tensor_optimizer(caplog):
+    """A TP-2 block holds DTensor shards beside plain norm parameters; torch's multi-tensor AdamW (its
+    default on CUDA) refused that mix, so on a GPU the lowered TP measurement failed and the planner fell
+    back to the model (an H200, 2026-11-27). Stepped as the runtime steps it (optimizer_impl.
+    split_mixed_groups), the TP step and its optimizer update are measured."""
+    import logging
+
+    model, x, _ = build()
+    with caplog.at_level(logging.WARNING, logger="whalepy"):
+        prof = whalepy.profile(model, (x,), measure=True, device="cpu", micro_batches=(2,), tp_degrees=(1, 2),
+                               repeats=1, optimizer=lambda ps: torch.optim.AdamW(ps, foreach=True))
+    assert not [r for r in caplog.records if "could not be measured" in r.getMessage()], caplog.text
+    m = prof.measured
+    layer = next(b for b in prof.blocks if b.kind.value == "layer")
+    assert m.wrapped_updates[block_signature(prof, layer)]["tp/2"] > 0
+
+
 def test_compiled_blocks_are_measured_when_the_plan_compiles(monkeypatch, tmp_path):
     """measure(compile=True) times the blocks compiled as the runtime compiles them (Plan.compile:
     runtime.compile_blocks, here with the aot_eager backend: inductor's C++ build is minutes on CI), and a

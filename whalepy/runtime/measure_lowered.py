@@ -231,10 +231,25 @@ def measure_lowered(model: nn.Module, example_inputs: tuple, blocks: dict[str, t
                 if label != "plain" and key not in out["updates"]:
                     # shared parameters once, in their first block: as the plain updates they are compared with
                     owned = block_parameters(root, {index[n]: by_index[index[n]] for n in names})
-                    out["updates"][key] = {n: time_optimizer(owned[index[n]], optimizer) for n in names}
+                    # stepped as the runtime steps it: a group of DTensor shards and plain parameters as two
+                    out["updates"][key] = {n: time_optimizer(owned[index[n]], _split_groups(optimizer))
+                                           for n in names}
                 pm.close()
                 del pm, work, root
         except Exception as e:  # noqa: BLE001 - a wrapper that cannot be measured keeps the modelled cost
             log.warning("whalepy measure: %s (degree %d) could not be measured as lowered (%s: %s); the planner "
                         "models it", label, world, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
     return out
+
+
+def _split_groups(optimizer: Callable[[list], torch.optim.Optimizer]) -> Callable[[list], torch.optim.Optimizer]:
+    """``optimizer`` whose optimizers step a param group mixing DTensor and plain parameters as two
+    (:func:`whalepy.runtime.optimizer_impl.split_mixed_groups`, as the runtime builds them)."""
+    from whalepy.runtime.optimizer_impl import split_mixed_groups
+
+    def build(params: list) -> torch.optim.Optimizer:
+        opt = optimizer(params)
+        split_mixed_groups(opt)
+        return opt
+
+    return build
