@@ -51,6 +51,10 @@ def test_two_ranks_dp_tp_pp_zero_checkpointing():
         Case("hf tied dp2 zero3", kind="hf_tied", dp=2, zero=3),
         Case("llama tp2 (gqa)", kind="llama", tp=2),
         Case("llama pp2", kind="llama", pp=2, microbatches=2),
+        # torch's multi-tensor AdamW, its default on CUDA (the loop is the CPU's): every wrapper's lists
+        Case("gpt dp2 zero1 foreach", dp=2, zero=1, foreach=True),
+        Case("gpt dp2 zero3 foreach", dp=2, zero=3, foreach=True),
+        Case("hf tied pp2 foreach", kind="hf_tied", pp=2, microbatches=2, foreach=True),
     ]
     _check(run_distributed(run_cases, 2, cases, timeout=300))
 
@@ -87,7 +91,7 @@ def test_four_ranks_2d_layouts_and_resume(tmp_path):
         Case("gpt dp2 x tp2 zero3 checkpointing shares[3,5]", dp=2, tp=2, zero=3, checkpoint=True,
              shares=(3, 5)),
         Case("gpt pp2 x dp2 shares[2,6]", pp=2, dp=2, shares=(2, 6), microbatches=2),
-        Case("gpt tp2 x pp2", tp=2, pp=2, microbatches=2),
+        Case("gpt tp2 x pp2 foreach", tp=2, pp=2, microbatches=2, foreach=True),
         Case("hf dp2 x tp2", kind="hf", dp=2, tp=2),
         # a vocabulary TP 2 does not divide: embedding and head run whole on both TP ranks (the planner's
         # rule, ir.rules.tp_splits), their gradients equal there without a sync
