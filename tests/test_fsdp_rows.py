@@ -78,13 +78,20 @@ def _uneven(prof):  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("seed, binds", [(10, True), (15, False), (21, False), (26, True)])
-def test_ilp_charges_uneven_rows_as_its_evaluation(seed: int, binds: bool) -> None:
+def test_ilp_charges_uneven_rows_as_its_evaluation(seed: int, binds: bool, monkeypatch) -> None:
     """The ILP's memory and node rows charge the first replica's rows as :func:`evaluate` does: on the
     optimality test's instances with an embedding FSDP2 splits very unevenly, the ILP finds what the
     exhaustive search finds; on two of them the excess decides the plan (slower than with even rows),
-    and the plan's stage holding the embedding is charged more than its even share."""
+    and the plan's stage holding the embedding is charged more than its even share.
+
+    FSDP2's hook work (``runtime_costs.FSDP2_UNIT_HOST_S``, charged per unit and micro-batch on a GPU)
+    is left out here: with it these small instances rarely choose FSDP2 at all (none of seeds 0-139 has
+    a plan its uneven rows decide), and the rows' accounting is what is checked; the ILP charges the
+    hook work as the evaluation does on every instance of tests/test_planner_optimality.py."""
     from test_planner_optimality import _instance
-    from whalepy.planner import plan_from_profile
+    from whalepy.planner import plan_from_profile, runtime_costs
+
+    monkeypatch.setattr(runtime_costs, "FSDP2_UNIT_HOST_S", 0.0)
 
     even, c, gb = _instance(seed)
     prof = _uneven(even)

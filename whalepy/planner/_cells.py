@@ -153,12 +153,12 @@ def _cell_options(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ..
         if tile_extra and o in tile_extra:  # memory-centric tiling's extra collectives (exposed)
             seg_exposed[o] = [x + e for x, e in zip(seg_exposed[o], tile_extra[o])]
         seg_tail[o] = [r[1] for r in rows]
-        if ctx.measured:  # the wrapper's measured host work (FSDP2 hooks and copies, DTensor optimizer steps)
-            fsdp = kind == LoweringKind.FSDP
-            if fsdp:
-                wrapper = "fsdp_reshard" if z3 else "fsdp"
-                seg_exposed[o] = [x + ctx.wrapper_overhead(seg.block.index, g.device.name, wrapper, micro_batch)
-                                  for x, seg in zip(seg_exposed[o], segments)]
+        fsdp = kind == LoweringKind.FSDP
+        if fsdp:  # the wrapper's host work (FSDP2 hooks and copies): measured, or modelled on a GPU
+            wrapper = "fsdp_reshard" if z3 else "fsdp"
+            seg_exposed[o] = [x + ctx.wrapper_overhead(seg.block.index, g.device.name, wrapper, micro_batch)
+                              for x, seg in zip(seg_exposed[o], segments)]
+        if ctx.measured:
             # the device optimizer steps DTensor shards (a host-resident step is whalepy's fused CPU kernel)
             if (fsdp or t > 1) and not offloads_to_host(o.param_tier, o.optimizer_tier):
                 seg_tail[o] = [x + ctx.update_overhead(seg.block.index, g.device.name, fsdp=fsdp, tp=t)

@@ -268,16 +268,25 @@ class CostContext:
     def wrapper_overhead(self, block_index: int, device_name: str, wrapper: str, micro_batch: float) -> float:
         """Seconds per micro-batch (forward plus backward) the runtime's data-parallel ``wrapper``
         (``"fsdp"`` / ``"fsdp_reshard"``) adds to the block on ``device_name`` as measured on a fake
-        process group (``MeasuredCosts.wrapper_overhead``); 0 where not measured (the model has no
-        term for the wrapper's host work)."""
+        process group (``MeasuredCosts.wrapper_overhead``); where that was not measured, on a GPU
+        :data:`~whalepy.planner.runtime_costs.FSDP2_UNIT_HOST_S` per FSDP2 unit of the block (its hooks'
+        host work, measured on an H200), on a CPU device type 0 (its ranks are measured in the tests and
+        benchmarks that plan them)."""
         m = self.measured.get(device_name)
-        if m is None:
+        got = None
+        if m is not None:
+            sig = self.signatures[block_index]
+            got = m.wrapper_overhead(sig, self.precision, wrapper, micro_batch, compiled=True) if self.compile else None
+            if got is None:
+                got = m.wrapper_overhead(sig, self.precision, wrapper, micro_batch)
+        if got:
+            return sum(got)
+        device = next(g.device for g in self.hw.groups if g.device.name == device_name)
+        if getattr(device, "vendor", None) == "cpu":
             return 0.0
-        sig = self.signatures[block_index]
-        got = m.wrapper_overhead(sig, self.precision, wrapper, micro_batch, compiled=True) if self.compile else None
-        if got is None:
-            got = m.wrapper_overhead(sig, self.precision, wrapper, micro_batch)
-        return sum(got) if got else 0.0
+        from whalepy.planner.runtime_costs import FSDP2_UNIT_HOST_S
+
+        return FSDP2_UNIT_HOST_S * self.fsdp_units(block_index)
 
     def update_overhead(self, block_index: int, device_name: str, *, fsdp: bool, tp: int) -> float:
         """Seconds per step the optimizer spends on the block's parameters as DTensor shards beyond the
@@ -372,7 +381,7 @@ class CostContext:
             return 0.0  # a measured time already holds what the runtime ran, autocast's casts included
         device = next(g.device for g in self.hw.groups if g.device.name == device_name)
         kw = dict(device=device, precision=self.precision, batch_ratio=micro_batch / self.profile.batch_size,
-                  tp=div, byte_scale=self.byte_scale)
+                  tp=div, byte_scale=self.byte_scale, compiled=self.compile)
         plain = sum(estimate_kernels_time(b.kernels, **kw))  # type: ignore[arg-type]
         return max(0.0, sum(estimate_kernels_time(b.kernels, autocast=True, **kw)) - plain)  # type: ignore[arg-type]
 

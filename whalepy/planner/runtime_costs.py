@@ -315,6 +315,22 @@ def build_dp_block_comm(collective: CollectiveFn, segments: tuple[Segment, ...],
     return DPComm(times(Collective.ALL_GATHER), times(Collective.REDUCE_SCATTER), all_reduce, rep, call)
 
 
+FSDP2_UNIT_HOST_S = 1.64e-3
+"""Seconds FSDP2 adds to one of its units per micro-batch (forward and backward together) on a GPU
+where measured planning did not time the wrapper (``CostContext.wrapper_overhead``): the host work of
+its hooks (the all-gather's copy-in and copy-out, the reduce-scatter's ``chunk_cat`` and views, stream
+waits), which the device waits for when a block's kernels do not keep it busy longer. MEASURED: the
+median over the 36 rows of ``benchmarks/data/h200_2026-11-27/{gpt,llama}_measured.json`` (measured
+planning on one H200, torch 2.11, compiled blocks of 0.16-9 ms per phase, FSDP2 on a fake process
+group of 2, with and without resharding, micro-batches 1, 2 and 4: each row the wrapped block's forward
++ backward minus the plain compiled block's, per unit; GPT's embedding is two units): 0.94 ms in
+forward (quartiles 0.70-1.14) and 0.54 ms in backward (0.23-1.18). Host time, so it depends on the host
+and torch's version more than on the GPU; where the device's work per block outlasts it, it is partly
+hidden, so for large blocks this overstates it (by at most this much per unit and micro-batch). Without
+it the analytic planner chose, for GPT 1.42B on one H200, FSDP2 over one host-stepped block (predicted
+73.9 ms: FSDP2's bf16 parameters without autocast's casts) over the plain step (88.1 ms predicted, 81.5
+measured), and that plan ran 214 ms (docs/benchmarks.md, "One H200, session 16")."""
+
 DDP_BUCKET_BYTES = 25 * 2**20
 """``DistributedDataParallel``'s bucket capacity, which the runtime keeps (``bucket_cap_mb=None``: torch's
 ``_DEFAULT_BUCKET_CAP_MB`` = 25, torch/nn/parallel/distributed.py; tests/test_ddp_buckets.py checks it)."""
