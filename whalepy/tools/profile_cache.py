@@ -10,7 +10,7 @@ Safety: a file is used only when the key stored inside it equals this run's key 
 hash); anything else, or a file that does not read, is captured again and overwritten, with one line on
 stderr. Files are written whole (a temporary file renamed), so a run stopped mid-write leaves no partial
 file. Nothing is shipped or downloaded: the directory holds what this user's runs captured.
-``--no-cache`` neither reads nor writes it. docs/cli.md, "Stored profiles".
+``--no-cache`` neither reads nor writes it. docs/planner.md, "Stored profiles".
 """
 
 from __future__ import annotations
