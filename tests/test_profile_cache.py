@@ -70,6 +70,9 @@ def test_stored_profile_hit_miss_and_damage(store, tmp_path, capsys) -> None:  #
         err = capsys.readouterr().err
         assert "is damaged" in err and "capturing again" in err and "Traceback" not in err, err
         assert files[0].read_bytes() != damage  # replaced by a good entry
+    files[0].chmod(0o666)  # writable by others: not read (a pickle runs code as it loads)
+    assert main([*GPT2, "-q"]) == 0
+    assert "not yours alone" in capsys.readouterr().err and files[0].stat().st_mode & 0o777 == 0o600
     other = next(p for p in store.glob("*.pkl") if p != files[0])
     files[0].write_bytes(other.read_bytes())
     assert main([*GPT2, "-q"]) == 0

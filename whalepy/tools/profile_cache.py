@@ -7,7 +7,8 @@ not pickle) in :func:`cache_dir` and reads it back when every input is the same,
 same model imports neither ``torch.export`` nor torch itself (the planner does not need it).
 
 Safety: a file is used only when the key stored inside it equals this run's key (the file name is its
-hash); anything else, or a file that does not read, is captured again and overwritten, with one line on
+hash), and only when this user owns it and no one else may write it (a pickle runs code as it loads);
+anything else, or a file that does not read, is captured again and overwritten, with one line on
 stderr. Files are written whole (a temporary file renamed), so a run stopped mid-write leaves no partial
 file. Nothing is shipped or downloaded: the directory holds what this user's runs captured.
 ``--no-cache`` neither reads nor writes it. docs/planner.md, "Stored profiles".
@@ -112,7 +113,14 @@ def load_stored(key: str, note: Callable[[str], None]) -> StoredProfile | None:
 
     path = cache_path(key)
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            if hasattr(os, "getuid") and (st.st_uid != os.getuid() or st.st_mode & 0o022):
+                # a pickle runs code as it loads: only a file this user wrote and no one else can change
+                note(f"stored profile {path} is not yours alone (another owner, or writable by others); not "
+                     "reading it, capturing again and replacing it")
+                return None
+            data = f.read()
     except FileNotFoundError:
         return None
     except OSError as e:
