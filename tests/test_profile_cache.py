@@ -15,7 +15,8 @@ import pytest
 from whalepy.tools import profile_cache
 from whalepy.tools.cli import main
 
-CLUSTER = str(Path(__file__).resolve().parent.parent / "examples" / "clusters" / "h100_8x8.yaml")
+CLUSTERS = Path(__file__).resolve().parent.parent / "examples" / "clusters"
+CLUSTER = str(CLUSTERS / "h100_8x8.yaml")
 GPT2 = ["plan", "gpt2", "--cluster", CLUSTER, "--seq-len", "32", "--global-batch", "16"]
 
 
@@ -138,3 +139,7 @@ def test_default_batch_is_the_published_one_and_the_plan_says_so(store, capsys) 
     assert "global batch 512, " in capsys.readouterr().out  # given: nothing to say
     assert main(["estimate", "gpt2", "--cluster", CLUSTER, "--dp", "64", "-q"]) == 0
     assert "  global batch 512 (GPT-2's published batch; --global-batch to change)" in capsys.readouterr().out
+    big = str(CLUSTERS / "a100_128x8.yaml")  # 1,536 over 1,024 replicas: refused before the capture
+    assert main(["estimate", "gpt3-175b", "--cluster", big, "--dp", "1024", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "(1536 is the default: GPT-3's published batch; --global-batch to change)" in err, err

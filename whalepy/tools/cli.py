@@ -496,7 +496,10 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         return _quiet_broken_pipe()
     except WhalepyError as e:
-        _err(f"error: {e}")
+        source = getattr(args, "batch_source", None)
+        # an error about a batch the user did not give says where it came from
+        _err(f"error: {e}" + (f" ({args.global_batch} is the default: {source})"
+                               if source and "global batch" in str(e) else ""))
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         _err("interrupted")
