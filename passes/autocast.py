@@ -22,12 +22,12 @@ A dropout of probability 0 runs no kernel (``torch.dropout`` returns its input).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx as fx
 
+from whalepy.ir.profile import MemoryBound
 from whalepy.passes.shapes import (
     CREATION_OPS,
     NO_DATA_OPS,
@@ -60,38 +60,6 @@ _PASS_THROUGH = frozenset({"add", "sub"})
 """Ops whose backward launches no kernel of its own (the gradient flows to both inputs as is)."""
 
 LOW_BYTES = 2
-
-
-@dataclass(slots=True)
-class MemoryBound:
-    """A block's memory-bound traffic (module docstring), at the profile's batch."""
-
-    fwd: float = 0.0
-    """Forward bytes in the capture dtype."""
-    bwd: float = 0.0
-    """Backward bytes in the capture dtype."""
-    amp_fwd: float = 0.0
-    """Forward bytes under autocast (16-bit and fp32 tensors as autocast runs them), casts excluded."""
-    amp_bwd: float = 0.0
-    cast_act: float = 0.0
-    """Elements of activations autocast casts down (fp32 -> 16-bit) in the forward, per consuming op."""
-    cast_act_grad: float = 0.0
-    """Of those, elements whose gradient is cast back up (16-bit -> fp32) in the backward."""
-    cast_param: float = 0.0
-    """Elements of parameters autocast casts down, once per forward."""
-    cast_param_grad: float = 0.0
-    """Of those, elements whose gradient is cast up (trainable)."""
-    upcast_act: float = 0.0
-    """Elements of 16-bit activations an fp32 op upcasts in the forward (its gradient is cast down)."""
-    mixed_grad_casts: float = 0.0
-    """Elements of 16-bit inputs of mixed-dtype element-wise ops (fp32 residual + 16-bit branch): their
-    gradient is cast down in the backward."""
-    cast_launches_fwd: int = 0
-    cast_launches_bwd: int = 0
-    amp_saved: float = 0.0
-    """Activation bytes the block's backward keeps under autocast (``whalepy.passes.memory``'s rules,
-    each tensor in autocast's dtype; a 16-bit op's fp32 activation input is kept as the op's own cast
-    copy, one per consuming op)."""
 
 
 def _is_param(node: Any) -> bool:

@@ -44,7 +44,7 @@ def test_plan_show_estimate_synthetic(cluster_file, tmp_path, capsys) -> None:  
 def test_plan_builtin_gpt2_with_capture(cluster_file, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     out = tmp_path / "gpt2.json"
     assert main(["plan", "gpt2", "--cluster", cluster_file, "--global-batch", "64", "--seq-len", "128",
-                 "--out", str(out)]) == 0
+                 "--no-cache", "--out", str(out)]) == 0
     text = capsys.readouterr()
     assert "captured" in text.err and "samples/s" in text.out
     assert text.out.startswith("Plan for gpt2 on ")  # the built-in's name, not its class's

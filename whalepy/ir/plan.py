@@ -597,16 +597,18 @@ class Plan:
             )
 
     def __str__(self) -> str:
+        return self.summary()
+
+    def summary(self, *, batch_source: str | None = None) -> str:
+        """``str(plan)``; ``batch_source``: where the global batch came from, said beside it (``whalepy
+        plan`` without ``--global-batch``: "GPT-3's published batch; --global-batch to change")."""
         from whalepy.ir.plan_text import format_plan
 
-        text = format_plan(self)
+        text = format_plan(self, batch_source=batch_source)
         if self.costs_stale:
             text = (f"STALE COSTS: this plan was edited after its costs were computed; the figures below describe "
                     f"the plan before the edit. Re-run `whalepy plan` or `whalepy estimate`.\n{text}")
         return text
-
-    def summary(self) -> str:
-        return str(self)
 
     def explain(self) -> str:
         from whalepy.ir.plan_text import format_explanation

@@ -72,14 +72,17 @@ def format_rate(x: float) -> str:
     return f"{x:.3g}"
 
 
-def format_plan(plan: Plan) -> str:
+def format_plan(plan: Plan, *, batch_source: str | None = None) -> str:
+    """The plan as text; ``batch_source``: where its global batch came from, said beside it (the CLI's
+    default batch)."""
     c = plan.cost
     types = Counter(plan.rank_device_types)
     head = (f"Plan for {plan.model_name} on {plan.world_size} devices "
             f"({', '.join(f'{n} x{k}' for n, k in types.items())}): "
             f"pp={plan.pp_degree} dp={plan.dp_degree} tp={'/'.join(map(str, sorted(set(plan.tp_degrees))))}, "
             f"{plan.schedule.value}" + (f" v={plan.virtual_stages}" if plan.virtual_stages > 1 else "")
-            + f", {plan.num_microbatches} micro-batches, global batch {plan.global_batch}, "
+            + f", {plan.num_microbatches} micro-batches, global batch {plan.global_batch}"
+            + (f" ({batch_source})" if batch_source else "") + ", "
             f"{plan.precision.value}")
     shares = sorted(set(plan.batch_shares))
     lines = [head]

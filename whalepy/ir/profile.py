@@ -88,6 +88,40 @@ class AttentionShape:
     needs_grad: bool = True
 
 
+@dataclass(slots=True)
+class MemoryBound:
+    """A block's memory-bound traffic at the profile's batch, in the capture dtype and under ``torch.autocast``
+    (recorded by ``whalepy.passes.autocast``, whose docstring says how; data only, so that a stored profile
+    loads without torch)."""
+
+    fwd: float = 0.0
+    """Forward bytes in the capture dtype."""
+    bwd: float = 0.0
+    """Backward bytes in the capture dtype."""
+    amp_fwd: float = 0.0
+    """Forward bytes under autocast (16-bit and fp32 tensors as autocast runs them), casts excluded."""
+    amp_bwd: float = 0.0
+    cast_act: float = 0.0
+    """Elements of activations autocast casts down (fp32 -> 16-bit) in the forward, per consuming op."""
+    cast_act_grad: float = 0.0
+    """Of those, elements whose gradient is cast back up (16-bit -> fp32) in the backward."""
+    cast_param: float = 0.0
+    """Elements of parameters autocast casts down, once per forward."""
+    cast_param_grad: float = 0.0
+    """Of those, elements whose gradient is cast up (trainable)."""
+    upcast_act: float = 0.0
+    """Elements of 16-bit activations an fp32 op upcasts in the forward (its gradient is cast down)."""
+    mixed_grad_casts: float = 0.0
+    """Elements of 16-bit inputs of mixed-dtype element-wise ops (fp32 residual + 16-bit branch): their
+    gradient is cast down in the backward."""
+    cast_launches_fwd: int = 0
+    cast_launches_bwd: int = 0
+    amp_saved: float = 0.0
+    """Activation bytes the block's backward keeps under autocast (``whalepy.passes.memory``'s rules,
+    each tensor in autocast's dtype; a 16-bit op's fp32 activation input is kept as the op's own cast
+    copy, one per consuming op)."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class BlockKernels:
     """What a block's forward runs on the device, for the shape-dependent compute model
@@ -107,7 +141,7 @@ class BlockKernels:
     :data:`~whalepy.cost_models.compute.MEMORY_BOUND_BACKWARD_RATIO` times the forward's."""
     amp: Any = None
     """The same under ``torch.autocast`` over fp32 parameters, and autocast's casts: a
-    :class:`whalepy.passes.autocast.MemoryBound` (None: not recorded; the 16-bit figures are used)."""
+    :class:`MemoryBound` (None: not recorded; the 16-bit figures are used)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -13,6 +13,20 @@ from whalepy.errors import PlanError, enum_member
 GIB = 2**30
 """Bytes in a GiB: device and host memory sizes are read as GiB (cost_models/devices.py)."""
 
+FLOAT_DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+"""Bytes per element of the floating dtypes a profile is captured in, by torch's names (IEEE 754 binary64,
+binary32, binary16, and bfloat16's 16 bits), so that planning from a stored profile needs no torch."""
+
+
+def dtype_bytes(name: str) -> int:
+    """Bytes per element of the floating dtype ``name`` (``"bfloat16"``, as :attr:`ModelProfile.dtype`
+    holds it); torch's ``finfo`` for a name :data:`FLOAT_DTYPE_BYTES` does not list."""
+    if name in FLOAT_DTYPE_BYTES:
+        return FLOAT_DTYPE_BYTES[name]
+    import torch
+
+    return torch.finfo(getattr(torch, name)).bits // 8
+
 
 class Precision(str, enum.Enum):
     """Number format of the math; selects which peak of the device row applies."""

@@ -17,6 +17,7 @@ import).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from whalepy.errors import WhalepyError
@@ -78,6 +79,61 @@ T5_DEFAULT_SEQ_LEN = 512
 :mod:`whalepy.models.t5`; no transformers import): the input length of T5's and mT5's pre-training."""
 
 
+@dataclass(frozen=True, slots=True)
+class PublishedBatch:
+    """The global batch a model was trained with, as its paper gives it."""
+
+    sequences: int
+    """Samples (sequences) per optimizer step."""
+    seq_len: int
+    """Tokens per sequence the batch was published at; at another ``seq_len`` it does not apply."""
+    family: str
+    """What the plan text calls the model (``"GPT-3"``)."""
+    source: str
+    """The paper and the place in it."""
+
+
+PUBLISHED_BATCHES: dict[str, PublishedBatch] = {
+    # "a larger batchsize of 512 is used" with a 1,024-token context, for every GPT-2 size
+    "gpt2": PublishedBatch(512, 1024, "GPT-2", "Radford et al. 2019, Language Models are Unsupervised "
+                                               "Multitask Learners, section 2.3"),
+    "gpt2-xl": PublishedBatch(512, 1024, "GPT-2", "Radford et al. 2019, section 2.3"),
+    # 3.2M tokens of 2,048: 1,536 sequences (3,145,728 tokens)
+    "gpt3-175b": PublishedBatch(1536, 2048, "GPT-3", "Brown et al. 2020, Language Models are Few-Shot Learners, "
+                                                     "Table 2.1"),
+    # 4M tokens for every LLaMA size, 2,048-token context: 2,048 sequences (4,194,304 tokens)
+    "llama-7b": PublishedBatch(2048, 2048, "LLaMA", "Touvron et al. 2023, LLaMA: Open and Efficient Foundation "
+                                                    "Language Models, Table 2"),
+    # "All models are trained with a global batch-size of 4M tokens", 4,096-token context: 1,024 sequences
+    "llama-70b": PublishedBatch(1024, 4096, "Llama 2", "Touvron et al. 2023, Llama 2: Open Foundation and "
+                                                       "Fine-Tuned Chat Models, Table 1"),
+    # the released models: 2^11 sequences of 512 tokens for 1M steps
+    "t5-3b": PublishedBatch(2048, 512, "T5", "Raffel et al. 2020, Exploring the Limits of Transfer Learning "
+                                             "with a Unified Text-to-Text Transformer, section 3.7"),
+    # 256 sequences of 512 tokens (90% of the steps ran at 128 tokens)
+    "bert-large": PublishedBatch(256, 512, "BERT", "Devlin et al. 2019, BERT: Pre-training of Deep Bidirectional "
+                                                   "Transformers, appendix A.2"),
+    # "batches of 1024 length-1024 input sequences": at --seq-len 1024 (the built-ins default to 512)
+    **{f"mt5-{size}": PublishedBatch(1024, 1024, "mT5", "Xue et al. 2021, mT5: A Massively Multilingual "
+                                                       "Pre-trained Text-to-Text Transformer, section 3")
+       for size in ("base", "large", "xl", "xxl")},
+}
+"""Built-in models whose training batch is published, at that batch's sequence length. Not listed, as
+none is published per model: llama3-8b (the Llama 3 paper gives the 405B model's batch schedule only),
+t5-v1_1-xl / -xxl (T5 v1.1 has checkpoints, not a paper) and t5-tiny."""
+
+
+def published_batch(name: str, seq_len: int | None) -> PublishedBatch | None:
+    """The published batch of built-in model ``name`` planned at ``seq_len`` tokens (None: its default),
+    or None where none is published or it was published at another sequence length."""
+    key = name.strip().lower()
+    pub = PUBLISHED_BATCHES.get(key)
+    if pub is None:
+        return None
+    seq = seq_len if seq_len is not None else (MODELS[key][1] if key in MODELS else T5_DEFAULT_SEQ_LEN)
+    return pub if seq == pub.seq_len else None
+
+
 def build(name: str, *, batch: int = 1, seq_len: int | None = None) -> tuple[Any, Any]:
     """``(model on the meta device, example inputs)`` for a built-in model name."""
     import torch
@@ -128,4 +184,4 @@ def build(name: str, *, batch: int = 1, seq_len: int | None = None) -> tuple[Any
     return model, (ids,)
 
 
-__all__ = ["MODELS", "build"]
+__all__ = ["MODELS", "PUBLISHED_BATCHES", "PublishedBatch", "build", "published_batch"]

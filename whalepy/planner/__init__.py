@@ -425,13 +425,19 @@ def resolve_optimizer_impl(cluster: ClusterSpec, choice: str) -> str:
     return "fused" if _device_types(cluster) == {"cuda"} else "as_given"
 
 
-def resolve_compile(cluster: ClusterSpec, choice: bool | str) -> bool:
-    """``"auto"`` resolved for ``cluster`` (:attr:`PlannerOptions.compile`)."""
+def resolve_compile(cluster: ClusterSpec, choice: bool | str, *, dynamo_supported: bool | None = None) -> bool:
+    """``"auto"`` resolved for ``cluster`` (:attr:`PlannerOptions.compile`). ``dynamo_supported``: what
+    ``torch._dynamo.is_dynamo_supported()`` answered in this environment (the CLI's stored profiles keep
+    it), so that a caller without torch's import need not import it; None: asked here."""
     if choice != "auto":
         return bool(choice)
-    import torch._dynamo
+    if _device_types(cluster) != {"cuda"}:
+        return False
+    if dynamo_supported is None:
+        import torch._dynamo
 
-    return _device_types(cluster) == {"cuda"} and torch._dynamo.is_dynamo_supported()
+        dynamo_supported = torch._dynamo.is_dynamo_supported()
+    return dynamo_supported
 
 
 def _fields() -> list[str]:

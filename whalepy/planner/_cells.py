@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import functools
 
-import torch
-
 from whalepy.cost_models.communication import Algorithm, Collective, estimate_collective_time, estimate_p2p_time, overlap_loss
 from whalepy.cost_models.memory import inflight_microbatches
 from whalepy.cost_models.offload import host_capacity_per_gpu, nvme_capacity_per_gpu
 from whalepy.ir.plan import ZeroStage
 from whalepy.ir.rules import LoweringKind, offloads_to_host
-from whalepy.ir.types import Schedule
+from whalepy.ir.types import Schedule, dtype_bytes
 from whalepy.planner._coeffs import CellCoeffs
 from whalepy.planner._cost_context import CostContext, _pair_link, loss_kept_bytes, loss_peak_bytes
 from whalepy.planner._offload_costs import (
@@ -72,7 +70,7 @@ def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: i
     loss_bytes = loss_held = 0.0
     if s == S - 1 and ctx.profile.blocks:
         out = ctx.profile.blocks[-1].output_bytes * ratio
-        elem = torch.finfo(getattr(torch, ctx.profile.dtype)).bits // 8
+        elem = dtype_bytes(ctx.profile.dtype)
         loss_bytes = loss_peak_bytes(out * ctx.byte_scale, elem * ctx.byte_scale, output_held=S > 1)
         if S > 1 and cand.schedule is Schedule.GPIPE:
             # GPipe's last stage computes every micro-batch's loss in its forward: each one in flight

@@ -9,15 +9,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import torch
-
 from whalepy.ir.rules import tp_splits
 from whalepy.cost_models.communication import Collective, CommGroup, Link, estimate_collective_time
 from whalepy.cost_models.compute import estimate_block_time, estimate_kernels_time, loss_time, precision_bytes
 from whalepy.cost_models.device_profiles import resolve_compute_profile
 from whalepy.cost_models.memory import ModelStateBytes, estimate_model_state_bytes
 from whalepy.ir.plan import TPStyle
-from whalepy.ir.types import OptimizerImpl
+from whalepy.ir.types import OptimizerImpl, dtype_bytes
 from whalepy.planner.runtime_costs import DPComm, MemoryMargin, boundary_bytes, build_dp_block_comm, tp_backward_bytes
 from whalepy.planner.space import Candidate, GroupView, Hardware, Segment, StateOption
 from whalepy.ir.profile import BlockKind, BlockProfile, ModelProfile
@@ -122,7 +120,7 @@ class CostContext:
                                   else sequence_parallel)
         # Profiles measure bytes in the model's own dtype (often fp32 when built for planning); training
         # keeps activations, communicated tensors and weight reads in the training precision.
-        self.byte_scale = precision_bytes(precision) / (torch.finfo(getattr(torch, profile.dtype)).bits // 8)
+        self.byte_scale = precision_bytes(precision) / dtype_bytes(profile.dtype)
         self.block_time = functools.lru_cache(maxsize=None)(self._block_time)
         self.autocast_extra = functools.lru_cache(maxsize=None)(self._autocast_extra)
         self.collective = functools.lru_cache(maxsize=None)(self._collective)
@@ -365,7 +363,7 @@ class CostContext:
             return 0.0, 0.0
         b = self.profile.blocks[block_index]
         device = next(g.device for g in self.hw.groups if g.device.name == device_name)
-        elem = torch.finfo(getattr(torch, self.profile.dtype)).bits // 8
+        elem = dtype_bytes(self.profile.dtype)
         logits = b.output_bytes / elem * micro_batch / self.profile.batch_size
         return loss_time(logits, logits_bytes=precision_bytes(self.precision), profile=resolve_compute_profile(device))
 

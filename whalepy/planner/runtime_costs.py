@@ -20,7 +20,7 @@ from whalepy.cost_models.memory import (
     estimate_usable_device_bytes,
 )
 from whalepy.ir.rules import LoweringKind, choose_lowering_kind, offloads_to_host, tp_splits
-from whalepy.ir.types import Schedule, TPStyle
+from whalepy.ir.types import Schedule, TPStyle, dtype_bytes
 from whalepy.errors import InfeasibleError
 from whalepy.planner.margin import MemoryMargin
 from whalepy.planner.space import Candidate, GroupView, Segment, StateOption
@@ -196,10 +196,8 @@ def boundary_bytes(output_bytes: list[float], profile_dtype: str, precision: str
     it: the largest output of a block that is not the last (``output_bytes``: every block's, in model
     order; the profile measures them in its own dtype ``profile_dtype``), in the training precision
     (stages send their floating-point outputs in the compute dtype)."""
-    import torch
-
     nonfinal = list(output_bytes[:-1]) or [0.0]
-    scale = precision_bytes(precision) / (torch.finfo(getattr(torch, profile_dtype)).bits // 8)
+    scale = precision_bytes(precision) / dtype_bytes(profile_dtype)
     return float(max(nonfinal)) * scale
 
 

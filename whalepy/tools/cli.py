@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from whalepy.errors import WhalepyError
-from whalepy.tools.model_arg import load_model
+from whalepy.tools.model_arg import DEFAULT_SAMPLES_PER_DEVICE, default_global_batch, load_model, published_batches_text
 
 EXIT_USER_ERROR = 2
 EXIT_BROKEN_PIPE = 141
@@ -33,20 +33,37 @@ def _err(msg: str) -> None:
     print(f"[whalepy] {msg}", file=sys.stderr, flush=True)
 
 
-def _profile(args: argparse.Namespace, progress) -> Any:  # type: ignore[no-untyped-def]
-    from whalepy.frontend.profile import profile
+def _profile(args: argparse.Namespace, progress) -> tuple[Any, bool | None]:  # type: ignore[no-untyped-def]
+    """The model's profile, and what it learned of ``torch._dynamo.is_dynamo_supported()`` (None: nothing).
+    A built-in model's profile is read from the stored profiles when every input is the same
+    (:mod:`whalepy.tools.profile_cache`; ``--no-cache``: neither read nor written)."""
     from whalepy.ir.profile import ModelProfile
 
+    builtin = ":" not in args.model  # a plan of the built-in gpt3-175b is titled gpt3-175b, not by its class
+    key = None
+    if builtin and not getattr(args, "no_cache", False):
+        from whalepy.tools import profile_cache
+
+        key = profile_cache.cache_key(args.model, batch=1, seq_len=args.seq_len)
+        entry = profile_cache.load_stored(key, _err)
+        if entry is not None:
+            progress(f"read the stored profile of {args.model} ({profile_cache.cache_path(key)})")
+            return entry.profile, entry.dynamo_supported
     loaded = load_model(args.model, batch=1, seq_len=args.seq_len)
     if isinstance(loaded, ModelProfile):
-        return loaded
+        return loaded, None
+    from whalepy.frontend.profile import profile
+
     model, inputs = loaded
     progress(f"capturing {args.model}")
     t0 = time.perf_counter()
-    builtin = ":" not in args.model  # a plan of the built-in gpt3-175b is titled gpt3-175b, not by its class
     prof = profile(model, inputs, model_name=args.model.strip().lower() if builtin else None)
     progress(f"captured {len(prof.blocks)} blocks in {time.perf_counter() - t0:.2f} s")
-    return prof
+    if key is not None:
+        entry = profile_cache.store(key, prof, _err)
+        return prof, entry.dynamo_supported
+    dynamo = sys.modules.get("torch._dynamo")
+    return prof, (bool(dynamo.is_dynamo_supported()) if dynamo else None)
 
 
 def _cluster(path: str):  # type: ignore[no-untyped-def]
@@ -61,7 +78,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     progress = _err if not args.quiet else (lambda _m: None)
     cluster = _cluster(args.cluster)
     margin = _margin_value(args.memory_margin)  # before the capture
-    prof = _profile(args, progress)
+    prof, dynamo_supported = _profile(args, progress)
     opts: dict[str, Any] = dict(solver=args.solver, time_limit_s=args.time_limit, progress=progress,
                                 precision=args.precision)
     if args.ilp_node_limit is not None:
@@ -86,9 +103,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         opts["memory_margin"] = margin
     if args.baseline:
         opts["homogeneous_baseline"] = True
-    opts.update(_impl_options(args))
+    opts.update(_impl_options(args, cluster, dynamo_supported))
     plan = plan_from_profile(prof, cluster, global_batch=args.global_batch, **opts)
-    print(plan)
+    print(plan.summary(batch_source=getattr(args, "batch_source", None)))
     if args.explain:
         from whalepy.ir.profile_text import format_plan_tp_report
 
@@ -156,10 +173,13 @@ def cmd_estimate(args: argparse.Namespace) -> int:
                          schedule=args.schedule, zero_stage=args.zero, checkpoint=args.checkpoint,
                          offload=args.offload)
     check_config_on_cluster(cfg, cluster, args.global_batch, args.precision)  # before the capture, too
-    prof = _profile(args, progress)
+    prof, dynamo_supported = _profile(args, progress)
     est = estimate_from_profile(prof, cluster, cfg, global_batch=args.global_batch, precision=args.precision,
-                                **({} if margin is None else {"memory_margin": margin}), **_impl_options(args))
+                                **({} if margin is None else {"memory_margin": margin}),
+                                **_impl_options(args, cluster, dynamo_supported))
     print(est)
+    if getattr(args, "batch_source", None):
+        print(f"  global batch {args.global_batch} ({args.batch_source})")
     return 0 if est.feasible else 1
 
 
@@ -212,21 +232,33 @@ def _model_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("model", help="built-in name (gpt2, llama3-8b, ...), package.module:function returning "
                                   "(model, example_inputs), or synthetic:NAME")
     sp.add_argument("--cluster", required=True, help="cluster spec (YAML or JSON)")
-    sp.add_argument("--global-batch", type=int, default=None, help="samples per step (default 8 per device)")
+    sp.add_argument("--global-batch", type=int, default=None, help=(
+        "samples per step (default: a built-in model's published training batch at its published sequence length: "
+        + published_batches_text() + "; otherwise 8 per device, as for llama3-8b and t5-v1_1-*, which have none "
+        "published)"))
     sp.add_argument("--seq-len", type=int, default=None, help="tokens per sample (built-in models)")
     sp.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
     sp.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None,
                     help="training precision (default: bf16 where every device supports it, fp16 on "
                          "V100/T4-class GPUs, fp32 on CPU device types)")
+    sp.add_argument("--no-cache", action="store_true",
+                    help="capture a built-in model again, neither reading nor writing its stored profile "
+                         "(default: stored in ~/.cache/whalepy/profiles, or $WHALEPY_PROFILE_CACHE)")
 
 
 _COMPILE = {"auto": "auto", "on": True, "off": False}
 """``--compile``'s words and the ``PlannerOptions.compile`` values they give."""
 
 
-def _impl_options(args: argparse.Namespace) -> dict[str, Any]:
-    """``--optimizer-impl`` and ``--compile`` as ``PlannerOptions`` fields."""
-    return dict(optimizer_impl=args.optimizer_impl, compile=_COMPILE[args.compile])
+def _impl_options(args: argparse.Namespace, cluster: Any, dynamo_supported: bool | None) -> dict[str, Any]:
+    """``--optimizer-impl`` and ``--compile`` as ``PlannerOptions`` fields; ``--compile auto`` resolved here
+    where the profile step knows dynamo's answer (a stored profile: the planner then needs no torch)."""
+    compile_: bool | str = _COMPILE[args.compile]
+    if compile_ == "auto" and dynamo_supported is not None:
+        from whalepy.planner import resolve_compile
+
+        compile_ = resolve_compile(cluster, "auto", dynamo_supported=dynamo_supported)
+    return dict(optimizer_impl=args.optimizer_impl, compile=compile_)
 
 
 def _impl_args(sp: argparse.ArgumentParser) -> None:
@@ -453,14 +485,21 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "global_batch", "absent") is None:
             from whalepy.hardware.cluster import ClusterSpec
 
-            args.global_batch = 8 * ClusterSpec.load(args.cluster).world_size
+            world = ClusterSpec.load(args.cluster).world_size
+            if args.command in ("plan", "estimate"):
+                args.global_batch, args.batch_source = default_global_batch(args.model, args.seq_len, world)
+            else:
+                args.global_batch = DEFAULT_SAMPLES_PER_DEVICE * world
         code = int(args.func(args) or 0)
         sys.stdout.flush()
         return code
     except BrokenPipeError:
         return _quiet_broken_pipe()
     except WhalepyError as e:
-        _err(f"error: {e}")
+        source = getattr(args, "batch_source", None)
+        # an error about a batch the user did not give says where it came from
+        _err(f"error: {e}" + (f" ({args.global_batch} is the default: {source})"
+                               if source and "global batch" in str(e) else ""))
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         _err("interrupted")

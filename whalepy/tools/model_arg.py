@@ -26,6 +26,33 @@ def load_model(spec: str, *, batch: int, seq_len: int | None) -> tuple[Any, Any]
     return build(spec, batch=batch, seq_len=seq_len)
 
 
+DEFAULT_SAMPLES_PER_DEVICE = 8
+"""``--global-batch`` of a model without a published batch: samples per device."""
+
+
+def default_global_batch(model: str, seq_len: int | None, world_size: int) -> tuple[int, str]:
+    """``--global-batch`` when it is not given, and where it came from (said in the plan text): a built-in
+    model's published batch at its published sequence length (:data:`whalepy.models.zoo.PUBLISHED_BATCHES`),
+    else :data:`DEFAULT_SAMPLES_PER_DEVICE` per device."""
+    from whalepy.models.zoo import published_batch
+
+    pub = None if ":" in model else published_batch(model, seq_len)
+    if pub is not None:
+        return pub.sequences, f"{pub.family}'s published batch; --global-batch to change"
+    return DEFAULT_SAMPLES_PER_DEVICE * world_size, (f"{DEFAULT_SAMPLES_PER_DEVICE} per device; "
+                                                    "--global-batch to change")
+
+
+def published_batches_text() -> str:
+    """The published batches for ``--help``: ``gpt2, gpt2-xl 512 x 1024 tokens; ...``."""
+    from whalepy.models.zoo import PUBLISHED_BATCHES
+
+    names: dict[tuple[int, int], list[str]] = {}
+    for name, p in PUBLISHED_BATCHES.items():
+        names.setdefault((p.sequences, p.seq_len), []).append(name)
+    return "; ".join(f"{', '.join(n)} {b} x {s} tokens" for (b, s), n in names.items())
+
+
 def call_model_fn(spec: str, *, error: type[WhalepyError] = WhalepyError, flag: str = "") -> tuple[Any, Any]:
     """``package.module:function`` called with no arguments; it must return ``(model, example_inputs)``.
     Each way this fails (not importable, not a function, needs arguments, raises, returns something else)
