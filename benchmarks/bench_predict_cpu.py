@@ -12,15 +12,22 @@ checkpointing, CPU offload, gradient accumulation):
    layouts use, plain and as the runtime lowers them (FSDP2 and DTensor on a fake process group, which
    needs a process outside the gloo job), and rank 0 predicts each layout's step time and per-rank peak
    memory from that profile on the measured cluster (``estimate_from_profile``);
-3. both ranks train each layout with ``whalepy.parallelize(plan=...)`` for ``--warmup`` + ``--steps``
-   steps (mean step time of the timed steps, the slowest rank's), and one more step under
-   :func:`whalepy.trace_memory` gives each rank's peak tensor bytes (parameters, gradients, optimizer
-   states, activations, temporaries; the CPU has no allocator peak to read).
+3. both ranks build every layout (``whalepy.parallelize(plan=...)``) and run each through the closed
+   loop's sampled step (``SAMPLED_STEP``, timed per block: the measured components), then train them
+   side by side: ``--rounds`` rounds, each every layout for ``--steps`` timed steps (the slowest rank's),
+   the order reversed every other round, so that a machine whose speed drifts over minutes slows every
+   layout alike rather than the rows trained last; a layout's step time is the median over its rounds.
+   After each round both ranks time the drift reference (:func:`reference_s`, also timed with the
+   profile): the drift is printed, never applied to a prediction;
+4. one more step under :func:`whalepy.trace_memory` gives each rank's peak tensor bytes (parameters,
+   gradients, optimizer states, activations, temporaries; the CPU has no allocator peak to read).
 
-Printed: one row per layout, the median and largest |error| of step time and memory, and the
-Spearman rank correlation of predicted vs measured step times.
+Printed: one row per layout (with each round's time), the drift reference, the prediction's components
+(compute, exposed communication, optimizer, bubble) next to the sampled step's (compute, optimizer, the
+rest), the median and largest |error| of step time and memory, and the Spearman rank correlation of
+predicted vs measured step times.
 
-    python benchmarks/bench_predict_cpu.py [--steps 6] [--warmup 2] [--models gpt-deep,gpt-wide]
+    python benchmarks/bench_predict_cpu.py [--steps 2] [--rounds 4] [--models gpt-deep,gpt-wide]
 """
 
 from __future__ import annotations
@@ -196,7 +203,8 @@ def measure(name, repeats=5):
         took = time.perf_counter() - t0
         import dataclasses
 
-        return dataclasses.replace(prof, graph=None), took  # the graph does not pickle to the ranks
+        # the graph does not pickle to the ranks; the drift reference is timed right after the blocks
+        return dataclasses.replace(prof, graph=None), took, reference_s(name)
     finally:
         torch.set_num_threads(threads)
 
@@ -213,20 +221,75 @@ def predict(prof, cluster):
                 # a CPU rank's "device" and "host" are the same memory: offloaded states count too,
                 # less the host gradients the backward makes after the device's peak
                 rank_mem[r] = st.cost.memory_bytes + st.cost.cpu_bytes - st.cost.cpu_grads_bytes
-        out.append((label, est.plan, est.step_time_s, rank_mem))
+        out.append((label, est.plan, est.step_time_s, rank_mem, predicted_parts(est)))
     return out
 
 
-def train(name, plan, cluster, steps, warmup):
+def predicted_parts(est):
+    """The prediction's components per step (the busiest stage's): compute, exposed communication (TP,
+    p2p, FSDP2's exposed gathers, the gradient sync and post-step gathers, the loss report), the
+    optimizer step and the pipeline bubble; they add up to the step time."""
+    M = est.config.num_microbatches
+    busiest = max(est.stages, key=lambda s: s.time_per_microbatch_s)
+    sync = busiest.comm.sync_s
+    return {"compute": est.compute_s, "comm": est.comm_s + M * busiest.comm.dp_s + sync,
+            "optimizer": max(est.tail_s - sync, 0.0), "bubble": est.bubble_s}
+
+
+def measured_parts(pm):
+    """What the closed loop's sampled step (``pm.observed.timing``, step ``SAMPLED_STEP`` timed per block)
+    measured, the slowest stage's: its compute, optimizer step and the rest (exposed communication, bubble
+    and host work, which the hooks cannot tell apart)."""
+    timing = pm.observed.timing if pm.observed is not None else None
+    if timing is None or not timing.stages:
+        return None
+    s = max(timing.stages, key=lambda s: s.step_s)
+    return {"step": s.step_s, "compute": s.compute_s, "optimizer": s.optimizer_s or 0.0, "rest": max(s.rest_s, 0.0)}
+
+
+def reference_s(name, reps=5):
+    """The drift reference: one plain forward and backward of the whole model at micro-batch 4 (the
+    per-rank batch of the DP2 layouts) on one thread, the median of ``reps``. Timed once with the profile
+    (alone) and on each rank after each round (both ranks at once, as they compute in a step): the ratio
+    says how fast this machine ran the same work then. Reported, never applied to a prediction."""
+    model, x, y = build(name)
+    x, y = x[: GLOBAL_BATCH // 2], y[: GLOBAL_BATCH // 2]
+    ts = []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        loss_fn(model(x), y).backward()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts[1:])
+
+
+def _barrier_ref(name):
     import torch.distributed as dist
+
+    dist.barrier()
+    t = torch.tensor([reference_s(name)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def build_run(name, plan, cluster):
+    """One layout lowered and warmed up to and through the closed loop's sampled step (its per-stage
+    timing): every layout stays built while the rounds run, so a round costs only its timed steps."""
+    from whalepy.runtime._report import SAMPLED_STEP
 
     import whalepy
 
     model, x, y = build(name)
     pm = whalepy.parallelize(model, cluster, plan=plan, example_inputs=(x,), loss_fn=loss_fn,
                              optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), global_batch=GLOBAL_BATCH)
-    for _ in range(warmup):
+    for _ in range(SAMPLED_STEP):
         pm.train_step((x,), y)
+    return pm, x, y
+
+
+def timed_steps(pm, x, y, steps):
+    """``steps`` timed steps, each the slowest rank's (a barrier before each)."""
+    import torch.distributed as dist
+
     ts = []
     for _ in range(steps):
         dist.barrier()
@@ -235,23 +298,25 @@ def train(name, plan, cluster, steps, warmup):
         t = torch.tensor([time.perf_counter() - t0])
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         ts.append(float(t))
-    peak = whalepy.trace_memory(pm, (x,), y).peak_bytes
-    close = getattr(pm, "close", None)
-    if close is not None:
-        close()
-    return statistics.median(ts), peak
+    return ts
 
 
-def worker(names, profiles, steps, warmup):
+def worker(names, profiles, steps, rounds):
+    """Predict every layout, build them all, then train them side by side: ``rounds`` rounds, each every
+    layout for ``steps`` timed steps (in model order, then reversed in the next round, so that a drift
+    over the run falls on every layout alike); a layout's step time is the median over its rounds of the
+    round's median. After each round each rank times the drift reference (:func:`reference_s`)."""
     import torch.distributed as dist
+
+    import whalepy
 
     rank = dist.get_rank()
     link = measure_link()
     cluster = cluster_for(link)
-    rows = []
+    runs = []
     for name in names:
         box = [None]
-        prof, took = profiles[name]
+        prof = profiles[name][0]
         if rank == 0:
             try:
                 box = [predict(prof, cluster)]
@@ -262,21 +327,32 @@ def worker(names, profiles, steps, warmup):
         dist.broadcast_object_list(box, src=0)
         if isinstance(box[0], str):
             raise RuntimeError(f"rank 0 failed to predict {name}:\n{box[0]}")
-        preds = box[0]
-        for label, plan, pred_s, rank_mem in preds:
-            step_s, peak = train(name, plan, cluster, steps, warmup)
-            peaks = [None] * dist.get_world_size()
-            dist.all_gather_object(peaks, peak)
-            err_mem = max(abs(rank_mem[r] / peaks[r] - 1) for r in range(len(peaks)))
-            worst = max(range(len(peaks)), key=lambda r: abs(rank_mem[r] / peaks[r] - 1))
-            rows.append(dict(model=name, layout=label, pred_s=pred_s, meas_s=step_s, pred_mem=rank_mem[worst],
-                             meas_mem=peaks[worst], err_mem=rank_mem[worst] / peaks[worst] - 1, measure_s=took))
-            if rank == 0:
-                r = rows[-1]
-                print(f"  {name:9s} {label:24s} predicted {1e3 * pred_s:7.1f} ms measured {1e3 * step_s:7.1f} ms "
-                      f"({100 * (pred_s / step_s - 1):+.0f}%), memory {r['pred_mem'] / 2**20:6.1f} vs "
-                      f"{r['meas_mem'] / 2**20:6.1f} MiB ({100 * r['err_mem']:+.0f}%)", file=sys.stderr, flush=True)
-    return {"link": link, "rows": rows}
+        for label, plan, pred_s, rank_mem, parts in box[0]:
+            pm, x, y = build_run(name, plan, cluster)
+            runs.append(dict(model=name, layout=label, pred_s=pred_s, rank_mem=rank_mem, pred_parts=parts,
+                             pm=pm, x=x, y=y, meas_parts=measured_parts(pm), rounds=[]))
+    drift = []
+    for r in range(rounds):
+        for run in (runs if r % 2 == 0 else runs[::-1]):
+            run["rounds"].append(statistics.median(timed_steps(run["pm"], run["x"], run["y"], steps)))
+        drift.append({name: _barrier_ref(name) for name in names})
+        if rank == 0:
+            print(f"  round {r + 1}: reference " + ", ".join(f"{n} {1e3 * t:.1f} ms" for n, t in drift[-1].items()),
+                  file=sys.stderr, flush=True)
+    rows = []
+    for run in runs:
+        pm = run.pop("pm")
+        x, y = run.pop("x"), run.pop("y")
+        peak = whalepy.trace_memory(pm, (x,), y).peak_bytes
+        pm.close()
+        peaks = [None] * dist.get_world_size()
+        dist.all_gather_object(peaks, peak)
+        rank_mem = run.pop("rank_mem")
+        worst = max(range(len(peaks)), key=lambda r: abs(rank_mem[r] / peaks[r] - 1))
+        rows.append(dict(run, meas_s=statistics.median(run["rounds"]), pred_mem=rank_mem[worst],
+                         meas_mem=peaks[worst], err_mem=rank_mem[worst] / peaks[worst] - 1,
+                         measure_s=profiles[run["model"]][1]))
+    return {"link": link, "rows": rows, "drift": drift}
 
 
 def spearman(a, b):
@@ -299,12 +375,16 @@ def spearman(a, b):
     return cov / (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
 
 
+def _ms(x):
+    return f"{1e3 * x:.1f}"
+
+
 def main() -> None:
     from dist_harness import run_distributed
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=2, help="timed steps of each layout per round")
+    ap.add_argument("--rounds", type=int, default=4, help="rounds over all layouts (median per layout)")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--repeats", type=int, default=5, help="timed steps per measured block shape (median)")
     args = ap.parse_args()
@@ -313,11 +393,11 @@ def main() -> None:
         load_before = f.read().split()[:3]
     t0 = time.perf_counter()
     profiles = {name: measure(name, args.repeats) for name in names}
-    out = run_distributed(worker, 2, names, profiles, args.steps, args.warmup, timeout=3000)[0]
+    out = run_distributed(worker, 2, names, profiles, args.steps, args.rounds, timeout=3000)[0]
     with open("/proc/loadavg") as f:
         load_after = f.read().split()[:3]
-    link, rows = out["link"], out["rows"]
-    print(f"command: python benchmarks/bench_predict_cpu.py --steps {args.steps} --warmup {args.warmup} "
+    link, rows, drift = out["link"], out["rows"], out["drift"]
+    print(f"command: python benchmarks/bench_predict_cpu.py --steps {args.steps} --rounds {args.rounds} "
           f"--models {args.models} --repeats {args.repeats}")
     print(f"load (1/5/15 min) before {' '.join(load_before)}, after {' '.join(load_after)}; "
           f"{os.cpu_count()} cores; torch {torch.__version__}; wall {time.perf_counter() - t0:.0f} s")
@@ -329,12 +409,30 @@ def main() -> None:
           "before compute, beyond the compute):",
           "; ".join(f"{n >> 10} KiB {1e3 * i:.2f} / {1e3 * s:.2f} / {1e3 * g:.2f} / {1e3 * o:.2f}"
                     for n, i, s, g, o in link["rows"]))
-    print("\n| model | layout | predicted ms | measured ms | error | predicted MiB | measured MiB | error |")
+    print("\ndrift reference (one plain forward + backward of the model at micro-batch 4, one thread; with the "
+          "profile: this process alone; after each round: both ranks at once, the slower), ms:")
+    for name in names:
+        ref = profiles[name][2]
+        print(f"  {name}: profile {_ms(ref)}; rounds " + ", ".join(
+            f"{_ms(d[name])} ({d[name] / ref:.2f}x)" for d in drift))
+    print("\n| model | layout | predicted ms | measured ms (rounds) | error | predicted MiB | measured MiB | error |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['model']} | {r['layout']} | {1e3 * r['pred_s']:.1f} | {1e3 * r['meas_s']:.1f} | "
-              f"{100 * (r['pred_s'] / r['meas_s'] - 1):+.1f}% | {r['pred_mem'] / 2**20:.1f} | "
-              f"{r['meas_mem'] / 2**20:.1f} | {100 * r['err_mem']:+.1f}% |")
+        print(f"| {r['model']} | {r['layout']} | {_ms(r['pred_s'])} | {_ms(r['meas_s'])} "
+              f"({'/'.join(_ms(t) for t in r['rounds'])}) | {100 * (r['pred_s'] / r['meas_s'] - 1):+.1f}% | "
+              f"{r['pred_mem'] / 2**20:.1f} | {r['meas_mem'] / 2**20:.1f} | {100 * r['err_mem']:+.1f}% |")
+    print("\nComponents, ms per step (predicted: compute / exposed comm / optimizer / bubble; measured in the "
+          "closed loop's sampled step, hooks on, the slowest stage: step / compute / optimizer / rest = "
+          "exposed comm + bubble + host):")
+    print("\n| model | layout | pred compute | pred comm | pred opt | pred bubble | meas step | meas compute | "
+          "meas opt | meas rest |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        p, m = r["pred_parts"], r["meas_parts"]
+        meas = (" | ".join(_ms(m[k]) for k in ("step", "compute", "optimizer", "rest")) if m is not None
+                else "- | - | - | -")
+        print(f"| {r['model']} | {r['layout']} | {_ms(p['compute'])} | {_ms(p['comm'])} | {_ms(p['optimizer'])} | "
+              f"{_ms(p['bubble'])} | {meas} |")
     errs = [abs(r["pred_s"] / r["meas_s"] - 1) for r in rows]
     mems = [abs(r["err_mem"]) for r in rows]
     print(f"\nstep time |error|: median {100 * statistics.median(errs):.1f}%, max {100 * max(errs):.1f}%; "
