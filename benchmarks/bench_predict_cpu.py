@@ -17,8 +17,10 @@ checkpointing, CPU offload, gradient accumulation):
    side by side: ``--rounds`` rounds, each every layout for ``--steps`` timed steps (the slowest rank's),
    the order reversed every other round, so that a machine whose speed drifts over minutes slows every
    layout alike rather than the rows trained last; a layout's step time is the median over its rounds.
-   After each round both ranks time the drift reference (:func:`reference_s`, also timed with the
-   profile): the drift is printed, never applied to a prediction;
+   Before the first round and after each, both ranks time the drift reference (:func:`reference_s`, also
+   timed with the profile): the drift is printed, never applied to a prediction. Around each layout's
+   steps in a round the CPU time other processes used and the ranks' waits for a core are measured and
+   printed (:func:`disturbance`);
 4. one more step under :func:`whalepy.trace_memory` gives each rank's peak tensor bytes (parameters,
    gradients, optimizer states, activations, temporaries; the CPU has no allocator peak to read).
 
@@ -123,6 +125,8 @@ def measure_link(sizes=(1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22), repeats=15
       before the compute and waits after it (FSDP2's prefetch, DDP's buckets): its excess over the compute
       alone is what overlap hides (none on CPU, ``cost_models.communication.CPU_OVERLAP_LOSS``), and it
       joins the all-reduce rows of the fit, as a step issues most of its collectives that way.
+      A fourth, printed and not fitted, is a pipeline's: after the compute rank 0 sends ``n/2`` bytes to
+      rank 1 and receives them back (an activation forward, its gradient back), per message.
 
     The in-step fit is the link given to the cluster spec: the planner charges what the step sees."""
     import torch.distributed as dist
@@ -146,7 +150,7 @@ def measure_link(sizes=(1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22), repeats=15
         comp = statistics.median(per_iter(burst) for _ in range(runs))
         return max(statistics.median(per_iter(lambda: (burst(), fn())) for _ in range(runs)) - comp, 1e-6), comp
 
-    idle, ar, ag, overlapped = [], [], [], []
+    idle, ar, ag, overlapped, p2p = [], [], [], [], []
     for n in sizes:
         t = torch.ones(n // 4)
         half = torch.ones(n // 8)
@@ -167,6 +171,18 @@ def measure_link(sizes=(1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22), repeats=15
             w.wait()
 
         asy = statistics.median(per_iter(async_pair) for _ in range(runs))
+        rank = dist.get_rank()
+
+        def exchange():  # a pipeline's two messages: an activation forward, a gradient back
+            if rank == 0:
+                dist.send(half, 1)
+                dist.recv(half, 1)
+            else:
+                dist.recv(half, 0)
+                dist.send(half, 0)
+
+        s_p2p, _ = in_step(exchange)
+        p2p.append((n // 2, s_p2p / 2))
         ar.append((n, s_ar))
         ag.append((n, s_ag))
         overlapped.append((n, max(asy - comp, 0.0)))
@@ -176,7 +192,8 @@ def measure_link(sizes=(1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22), repeats=15
     idle_lat, idle_bw = _fit(idle)
     return {"latency_s": lat, "bandwidth": bw, "call_latency_s": call, "idle_latency_s": idle_lat,
             "idle_bandwidth": idle_bw,
-            "rows": [(n, i, s, g, o) for (n, i), (_, s), (_, g), (_, o) in zip(idle, ar, ag, overlapped)]}
+            "rows": [(n, i, s, g, o) for (n, i), (_, s), (_, g), (_, o) in zip(idle, ar, ag, overlapped)],
+            "p2p": p2p}
 
 
 def cluster_for(link):
@@ -271,6 +288,52 @@ def _barrier_ref(name):
     return float(t)
 
 
+def _busy_jiffies():
+    with open("/proc/stat") as f:
+        cols = [int(v) for v in f.readline().split()[1:]]
+    return sum(cols) - cols[3] - cols[4]  # all but idle and iowait
+
+
+def _own_cpu_s():
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _run_delay_s():
+    """Seconds this thread has waited runnable for a CPU (``/proc/thread-self/schedstat``, second field)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+def disturbance(fn):
+    """Run ``fn`` (a collective step of both ranks) and return ``(its result, others, wait)``, the same on
+    every rank: ``others`` the cores other processes used meanwhile (the machine's busy CPU time from
+    ``/proc/stat`` less both ranks' own from ``getrusage``, all their threads, gloo's included, over the
+    wall time: they also fill the cores a rank leaves idle, a pipeline's bubble); ``wait`` the largest
+    fraction of the wall time a rank's main thread waited runnable for a core (its scheduler run delay:
+    another process or the rank's own gloo threads held them). Printed beside each figure; no figure is
+    left out or scaled by them."""
+    import torch.distributed as dist
+
+    hz = os.sysconf("SC_CLK_TCK")
+    dist.barrier()
+    j0, c0, w0, t0 = _busy_jiffies(), _own_cpu_s(), _run_delay_s(), time.perf_counter()
+    out = fn()
+    own, busy, wait = _own_cpu_s() - c0, (_busy_jiffies() - j0) / hz, _run_delay_s() - w0
+    wall = time.perf_counter() - t0
+    v = torch.tensor([own, busy, wait], dtype=torch.float64)
+    mine = v.clone()
+    dist.all_reduce(v[:1])  # both ranks' own CPU time
+    dist.all_reduce(mine[2:], op=dist.ReduceOp.MAX)  # the longer wait
+    dist.broadcast(v[1:2], src=0)  # the machine's busy time, rank 0's reading
+    return out, max(float(v[1] - v[0]), 0.0) / wall, float(mine[2]) / wall
+
+
 def build_run(name, plan, cluster):
     """One layout lowered and warmed up to and through the closed loop's sampled step (its per-stage
     timing): every layout stays built while the rounds run, so a round costs only its timed steps."""
@@ -305,7 +368,8 @@ def worker(names, profiles, steps, rounds):
     """Predict every layout, build them all, then train them side by side: ``rounds`` rounds, each every
     layout for ``steps`` timed steps (in model order, then reversed in the next round, so that a drift
     over the run falls on every layout alike); a layout's step time is the median over its rounds of the
-    round's median. After each round each rank times the drift reference (:func:`reference_s`)."""
+    round's median. Before the first round and after each
+    round both ranks time the drift reference (:func:`reference_s`)."""
     import torch.distributed as dist
 
     import whalepy
@@ -328,13 +392,14 @@ def worker(names, profiles, steps, rounds):
         if isinstance(box[0], str):
             raise RuntimeError(f"rank 0 failed to predict {name}:\n{box[0]}")
         for label, plan, pred_s, rank_mem, parts in box[0]:
-            pm, x, y = build_run(name, plan, cluster)
+            (pm, x, y), others, wait = disturbance(lambda: build_run(name, plan, cluster))
             runs.append(dict(model=name, layout=label, pred_s=pred_s, rank_mem=rank_mem, pred_parts=parts,
-                             pm=pm, x=x, y=y, meas_parts=measured_parts(pm), rounds=[]))
-    drift = []
+                             pm=pm, x=x, y=y, meas_parts=measured_parts(pm), build_disturbance=(others, wait), rounds=[]))
+    drift = [{name: _barrier_ref(name) for name in names}]  # before round 1, then after each round
     for r in range(rounds):
         for run in (runs if r % 2 == 0 else runs[::-1]):
-            run["rounds"].append(statistics.median(timed_steps(run["pm"], run["x"], run["y"], steps)))
+            ts, others, wait = disturbance(lambda run=run: timed_steps(run["pm"], run["x"], run["y"], steps))
+            run["rounds"].append((statistics.median(ts), others, wait))
         drift.append({name: _barrier_ref(name) for name in names})
         if rank == 0:
             print(f"  round {r + 1}: reference " + ", ".join(f"{n} {1e3 * t:.1f} ms" for n, t in drift[-1].items()),
@@ -349,7 +414,7 @@ def worker(names, profiles, steps, rounds):
         dist.all_gather_object(peaks, peak)
         rank_mem = run.pop("rank_mem")
         worst = max(range(len(peaks)), key=lambda r: abs(rank_mem[r] / peaks[r] - 1))
-        rows.append(dict(run, meas_s=statistics.median(run["rounds"]), pred_mem=rank_mem[worst],
+        rows.append(dict(run, meas_s=statistics.median(t for t, _, _ in run["rounds"]), pred_mem=rank_mem[worst],
                          meas_mem=peaks[worst], err_mem=rank_mem[worst] / peaks[worst] - 1,
                          measure_s=profiles[run["model"]][1]))
     return {"link": link, "rows": rows, "drift": drift}
@@ -377,6 +442,10 @@ def spearman(a, b):
 
 def _ms(x):
     return f"{1e3 * x:.1f}"
+
+
+def _round(t, others, wait):
+    return f"{_ms(t)} [{others:.2f} {100 * wait:.0f}%]"
 
 
 def main() -> None:
@@ -409,30 +478,35 @@ def main() -> None:
           "before compute, beyond the compute):",
           "; ".join(f"{n >> 10} KiB {1e3 * i:.2f} / {1e3 * s:.2f} / {1e3 * g:.2f} / {1e3 * o:.2f}"
                     for n, i, s, g, o in link["rows"]))
+    print("ms per pipeline message after compute (send / recv between the ranks, beyond the compute; not given to "
+          "the cluster spec, whose sends pay a + n/B):",
+          "; ".join(f"{n >> 10} KiB {1e3 * t:.2f}" for n, t in link["p2p"]))
     print("\ndrift reference (one plain forward + backward of the model at micro-batch 4, one thread; with the "
-          "profile: this process alone; after each round: both ranks at once, the slower), ms:")
+          "profile: this process alone; before round 1 and after each round: both ranks at once, the slower), ms:")
     for name in names:
         ref = profiles[name][2]
         print(f"  {name}: profile {_ms(ref)}; rounds " + ", ".join(
             f"{_ms(d[name])} ({d[name] / ref:.2f}x)" for d in drift))
+    print("a row's measured step is the median over its rounds; each round: ms [cores other processes used, "
+          "largest share of the time a rank's main thread waited for a core] (disturbance())")
     print("\n| model | layout | predicted ms | measured ms (rounds) | error | predicted MiB | measured MiB | error |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['model']} | {r['layout']} | {_ms(r['pred_s'])} | {_ms(r['meas_s'])} "
-              f"({'/'.join(_ms(t) for t in r['rounds'])}) | {100 * (r['pred_s'] / r['meas_s'] - 1):+.1f}% | "
+              f"({' / '.join(_round(*x) for x in r['rounds'])}) | {100 * (r['pred_s'] / r['meas_s'] - 1):+.1f}% | "
               f"{r['pred_mem'] / 2**20:.1f} | {r['meas_mem'] / 2**20:.1f} | {100 * r['err_mem']:+.1f}% |")
     print("\nComponents, ms per step (predicted: compute / exposed comm / optimizer / bubble; measured in the "
           "closed loop's sampled step, hooks on, the slowest stage: step / compute / optimizer / rest = "
           "exposed comm + bubble + host):")
     print("\n| model | layout | pred compute | pred comm | pred opt | pred bubble | meas step | meas compute | "
-          "meas opt | meas rest |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "meas opt | meas rest | others' cores, wait |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         p, m = r["pred_parts"], r["meas_parts"]
         meas = (" | ".join(_ms(m[k]) for k in ("step", "compute", "optimizer", "rest")) if m is not None
                 else "- | - | - | -")
         print(f"| {r['model']} | {r['layout']} | {_ms(p['compute'])} | {_ms(p['comm'])} | {_ms(p['optimizer'])} | "
-              f"{_ms(p['bubble'])} | {meas} |")
+              f"{_ms(p['bubble'])} | {meas} | {r['build_disturbance'][0]:.2f}, {100 * r['build_disturbance'][1]:.0f}% |")
     errs = [abs(r["pred_s"] / r["meas_s"] - 1) for r in rows]
     mems = [abs(r["err_mem"]) for r in rows]
     print(f"\nstep time |error|: median {100 * statistics.median(errs):.1f}%, max {100 * max(errs):.1f}%; "
