@@ -29,7 +29,7 @@ Printed: one row per layout (with each round's time), the drift reference, the p
 rest), the median and largest |error| of step time and memory, and the Spearman rank correlation of
 predicted vs measured step times.
 
-    python benchmarks/bench_predict_cpu.py [--steps 2] [--rounds 4] [--models gpt-deep,gpt-wide]
+    python benchmarks/bench_predict_cpu.py [--steps 2] [--rounds 5] [--models gpt-deep,gpt-wide]
 """
 
 from __future__ import annotations
@@ -453,7 +453,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=2, help="timed steps of each layout per round")
-    ap.add_argument("--rounds", type=int, default=4, help="rounds over all layouts (median per layout)")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds over all layouts (median per layout)")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--repeats", type=int, default=5, help="timed steps per measured block shape (median)")
     args = ap.parse_args()
