@@ -20,7 +20,8 @@ checkpointing, CPU offload, gradient accumulation):
    Before the first round and after each, both ranks time the drift reference (:func:`reference_s`, also
    timed with the profile): the drift is printed, never applied to a prediction. Around each layout's
    steps in a round the CPU time other processes used and the ranks' waits for a core are measured and
-   printed (:func:`disturbance`);
+   printed (:func:`disturbance`); a round whose wait passed :data:`WAIT_MAX` (another process held a
+   core) is left out of that layout's median;
 4. one more step under :func:`whalepy.trace_memory` gives each rank's peak tensor bytes (parameters,
    gradients, optimizer states, activations, temporaries; the CPU has no allocator peak to read).
 
@@ -254,14 +255,24 @@ def predicted_parts(est):
 
 
 def measured_parts(pm):
-    """What the closed loop's sampled step (``pm.observed.timing``, step ``SAMPLED_STEP`` timed per block)
-    measured, the slowest stage's: its compute, optimizer step and the rest (exposed communication, bubble
-    and host work, which the hooks cannot tell apart)."""
+    """What the last step timed per block measured (``pm.observed.timing``: the closed loop's sampled step,
+    ``SAMPLED_STEP``, then the first step of each round, :func:`sample_next_step`), the slowest stage's:
+    its compute, optimizer step and the rest (exposed communication, bubble and host work, which the
+    hooks cannot tell apart). A row's components are the median over the build's sample and the rounds'."""
     timing = pm.observed.timing if pm.observed is not None else None
     if timing is None or not timing.stages:
         return None
     s = max(timing.stages, key=lambda s: s.step_s)
     return {"step": s.step_s, "compute": s.compute_s, "optimizer": s.optimizer_s or 0.0, "rest": max(s.rest_s, 0.0)}
+
+
+def sample_next_step(pm):
+    """Time the next step per block, as the closed loop's sampled step does (its ``BlockTimer``, restarted;
+    the step's ``pm.observed.timing`` replaces the last one). The hooks cost about 1% of a step (docs/
+    benchmarks.md, "The block clock's own cost"), so the sampled step stays among the timed ones."""
+    timer = getattr(getattr(pm, "reporter", None), "timer", None)
+    if timer is not None:
+        timer.start()
 
 
 def reference_s(name, reps=5):
@@ -286,6 +297,15 @@ def _barrier_ref(name):
     t = torch.tensor([reference_s(name)])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
+
+
+WAIT_MAX = 0.25
+"""A round in which a rank's main thread waited for a core more than this share of the time
+(:func:`disturbance`) is left out of the layout's median (all its rounds are kept, and the row marked,
+when every round was so). Why 0.25: in session 16's runs on this 2-core machine the rounds other work
+did not reach waited 3-21% (the ranks' own gloo threads), those in which another engineer's job held a
+core 31-56% (and the drift reference ran 2.2-2.4x the profile's): docs/benchmarks.md, "Session 16: step
+time". It selects measurements; no prediction is scaled by it."""
 
 
 def _busy_jiffies():
@@ -316,8 +336,8 @@ def disturbance(fn):
     ``/proc/stat`` less both ranks' own from ``getrusage``, all their threads, gloo's included, over the
     wall time: they also fill the cores a rank leaves idle, a pipeline's bubble); ``wait`` the largest
     fraction of the wall time a rank's main thread waited runnable for a core (its scheduler run delay:
-    another process or the rank's own gloo threads held them). Printed beside each figure; no figure is
-    left out or scaled by them."""
+    another process or the rank's own gloo threads held them). Printed beside each figure; ``wait``
+    decides which rounds a row's median takes (:data:`WAIT_MAX`); no figure is scaled by them."""
     import torch.distributed as dist
 
     hz = os.sysconf("SC_CLK_TCK")
@@ -349,13 +369,16 @@ def build_run(name, plan, cluster):
     return pm, x, y
 
 
-def timed_steps(pm, x, y, steps):
-    """``steps`` timed steps, each the slowest rank's (a barrier before each)."""
+def timed_steps(pm, x, y, steps, sample_first=False):
+    """``steps`` timed steps, each the slowest rank's (a barrier before each); ``sample_first``: the first
+    one timed per block too (:func:`sample_next_step`, its hooks set after the barrier)."""
     import torch.distributed as dist
 
     ts = []
-    for _ in range(steps):
+    for i in range(steps):
         dist.barrier()
+        if sample_first and i == 0:
+            sample_next_step(pm)
         t0 = time.perf_counter()
         pm.train_step((x,), y)
         t = torch.tensor([time.perf_counter() - t0])
@@ -364,46 +387,65 @@ def timed_steps(pm, x, y, steps):
     return ts
 
 
+def _predicted(rank, name, prof, cluster):
+    """Rank 0's :func:`predict` of ``name``'s layouts on ``cluster``, broadcast to every rank."""
+    import torch.distributed as dist
+
+    box = [None]
+    if rank == 0:
+        try:
+            box = [predict(prof, cluster)]
+        except Exception:  # noqa: BLE001 - rank 1 must not wait forever for the plans
+            import traceback
+
+            box = [traceback.format_exc()]
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], str):
+        raise RuntimeError(f"rank 0 failed to predict {name}:\n{box[0]}")
+    return box[0]
+
+
 def worker(names, profiles, steps, rounds):
     """Predict every layout, build them all, then train them side by side: ``rounds`` rounds, each every
     layout for ``steps`` timed steps (in model order, then reversed in the next round, so that a drift
-    over the run falls on every layout alike); a layout's step time is the median over its rounds of the
-    round's median. Before the first round and after each
-    round both ranks time the drift reference (:func:`reference_s`)."""
+    over the run falls on every layout alike); a layout's step time is the median of the rounds' medians,
+    over its rounds not disturbed by another process (:data:`WAIT_MAX`). Before the first round and after
+    each round both ranks time the drift reference (:func:`reference_s`). The gloo link is measured before
+    the first round, after the middle one and after the last; the predictions are made from the median of
+    each of its figures (the layouts, forced, are built from the first)."""
     import torch.distributed as dist
 
     import whalepy
 
     rank = dist.get_rank()
-    link = measure_link()
-    cluster = cluster_for(link)
+    links = [measure_link()]
+    cluster = cluster_for(links[0])
     runs = []
     for name in names:
-        box = [None]
-        prof = profiles[name][0]
-        if rank == 0:
-            try:
-                box = [predict(prof, cluster)]
-            except Exception:  # noqa: BLE001 - rank 1 must not wait forever for the plans
-                import traceback
-
-                box = [traceback.format_exc()]
-        dist.broadcast_object_list(box, src=0)
-        if isinstance(box[0], str):
-            raise RuntimeError(f"rank 0 failed to predict {name}:\n{box[0]}")
-        for label, plan, pred_s, rank_mem, parts in box[0]:
+        for label, plan, _, _, _ in _predicted(rank, name, profiles[name][0], cluster):
             (pm, x, y), others, wait = disturbance(lambda: build_run(name, plan, cluster))
-            runs.append(dict(model=name, layout=label, pred_s=pred_s, rank_mem=rank_mem, pred_parts=parts,
-                             pm=pm, x=x, y=y, meas_parts=measured_parts(pm), build_disturbance=(others, wait), rounds=[]))
+            runs.append(dict(model=name, layout=label, pm=pm, x=x, y=y, parts=[(measured_parts(pm), wait)],
+                             build_disturbance=(others, wait), rounds=[]))
     drift = [{name: _barrier_ref(name) for name in names}]  # before round 1, then after each round
     for r in range(rounds):
         for run in (runs if r % 2 == 0 else runs[::-1]):
-            ts, others, wait = disturbance(lambda run=run: timed_steps(run["pm"], run["x"], run["y"], steps))
+            ts, others, wait = disturbance(lambda run=run: timed_steps(run["pm"], run["x"], run["y"], steps,
+                                                                       sample_first=True))
             run["rounds"].append((statistics.median(ts), others, wait))
+            run["parts"].append((measured_parts(run["pm"]), wait))
         drift.append({name: _barrier_ref(name) for name in names})
         if rank == 0:
             print(f"  round {r + 1}: reference " + ", ".join(f"{n} {1e3 * t:.1f} ms" for n, t in drift[-1].items()),
                   file=sys.stderr, flush=True)
+        if r in (rounds // 2, rounds - 1):  # the link too, side by side: in the middle and at the end
+            links.append(measure_link())
+    # the prediction from the link each of whose figures is the median of its measurements
+    link = dict(links[0], **{k: statistics.median(lk[k] for lk in links)
+                             for k in ("latency_s", "bandwidth", "call_latency_s")})
+    preds = {(name, label): (pred_s, rank_mem, parts) for name in names
+             for label, _, pred_s, rank_mem, parts in _predicted(rank, name, profiles[name][0], cluster_for(link))}
+    for run in runs:
+        run["pred_s"], run["rank_mem"], run["pred_parts"] = preds[(run["model"], run["layout"])]
     rows = []
     for run in runs:
         pm = run.pop("pm")
@@ -414,10 +456,16 @@ def worker(names, profiles, steps, rounds):
         dist.all_gather_object(peaks, peak)
         rank_mem = run.pop("rank_mem")
         worst = max(range(len(peaks)), key=lambda r: abs(rank_mem[r] / peaks[r] - 1))
-        rows.append(dict(run, meas_s=statistics.median(t for t, _, _ in run["rounds"]), pred_mem=rank_mem[worst],
+        parts = [p for p, w in run["parts"] if p is not None and w <= WAIT_MAX] or [
+            p for p, _ in run["parts"] if p is not None]
+        del run["parts"]
+        run["meas_parts"] = ({k: statistics.median(p[k] for p in parts) for k in parts[0]} if parts else None)
+        kept = [t for t, _, wait in run["rounds"] if wait <= WAIT_MAX]
+        run["all_disturbed"] = not kept
+        rows.append(dict(run, meas_s=statistics.median(kept or [t for t, _, _ in run["rounds"]]), pred_mem=rank_mem[worst],
                          meas_mem=peaks[worst], err_mem=rank_mem[worst] / peaks[worst] - 1,
                          measure_s=profiles[run["model"]][1]))
-    return {"link": link, "rows": rows, "drift": drift}
+    return {"link": link, "links": links, "rows": rows, "drift": drift}
 
 
 def spearman(a, b):
@@ -445,7 +493,7 @@ def _ms(x):
 
 
 def _round(t, others, wait):
-    return f"{_ms(t)} [{others:.2f} {100 * wait:.0f}%]"
+    return f"{_ms(t)} [{others:.2f} {100 * wait:.0f}%]" + ("*" if wait > WAIT_MAX else "")
 
 
 def main() -> None:
@@ -470,34 +518,42 @@ def main() -> None:
           f"--models {args.models} --repeats {args.repeats}")
     print(f"load (1/5/15 min) before {' '.join(load_before)}, after {' '.join(load_after)}; "
           f"{os.cpu_count()} cores; torch {torch.__version__}; wall {time.perf_counter() - t0:.0f} s")
-    print(f"gloo all-reduce fit, idle: latency {link['idle_latency_s'] * 1e6:.1f} us per step, bandwidth "
-          f"{link['idle_bandwidth'] / 1e9:.2f} GB/s; in a step (given to the cluster spec): per call "
-          f"{link['call_latency_s'] * 1e6:.1f} us, latency {link['latency_s'] * 1e6:.1f} us per step, bandwidth "
-          f"{link['bandwidth'] / 1e9:.2f} GB/s")
-    print("ms by size (all-reduce idle / all-reduce after compute / all-gather after compute / all-reduce issued "
-          "before compute, beyond the compute):",
-          "; ".join(f"{n >> 10} KiB {1e3 * i:.2f} / {1e3 * s:.2f} / {1e3 * g:.2f} / {1e3 * o:.2f}"
-                    for n, i, s, g, o in link["rows"]))
-    print("ms per pipeline message after compute (send / recv between the ranks, beyond the compute; not given to "
-          "the cluster spec, whose sends pay a + n/B):",
-          "; ".join(f"{n >> 10} KiB {1e3 * t:.2f}" for n, t in link["p2p"]))
+    print("gloo in a step, given to the cluster spec (before the first round / after the middle one / after the "
+          "last -> the median of each figure, which the predictions use): per call "
+          + " / ".join(f"{lk['call_latency_s'] * 1e6:.0f}" for lk in out["links"])
+          + f" -> {link['call_latency_s'] * 1e6:.0f} us, latency per step "
+          + " / ".join(f"{lk['latency_s'] * 1e6:.0f}" for lk in out["links"])
+          + f" -> {link['latency_s'] * 1e6:.0f} us, bandwidth "
+          + " / ".join(f"{lk['bandwidth'] / 1e9:.2f}" for lk in out["links"])
+          + f" -> {link['bandwidth'] / 1e9:.2f} GB/s")
+    print(f"gloo all-reduce fit, idle (the first measurement): latency {link['idle_latency_s'] * 1e6:.1f} us per "
+          f"step, bandwidth {link['idle_bandwidth'] / 1e9:.2f} GB/s")
+    for i, lk in enumerate(out["links"]):
+        print(f"measurement {i + 1}, ms by size (all-reduce idle / all-reduce after compute / all-gather after "
+              "compute / all-reduce issued before compute, beyond the compute):",
+              "; ".join(f"{n >> 10} KiB {1e3 * a:.2f} / {1e3 * b:.2f} / {1e3 * g:.2f} / {1e3 * o:.2f}"
+                        for n, a, b, g, o in lk["rows"]))
+        print(f"measurement {i + 1}, ms per pipeline message after compute (send / recv between the ranks, beyond "
+              "the compute; not given to the cluster spec, whose sends pay a + n/B):",
+              "; ".join(f"{n >> 10} KiB {1e3 * t:.2f}" for n, t in lk["p2p"]))
     print("\ndrift reference (one plain forward + backward of the model at micro-batch 4, one thread; with the "
           "profile: this process alone; before round 1 and after each round: both ranks at once, the slower), ms:")
     for name in names:
         ref = profiles[name][2]
         print(f"  {name}: profile {_ms(ref)}; rounds " + ", ".join(
             f"{_ms(d[name])} ({d[name] / ref:.2f}x)" for d in drift))
-    print("a row's measured step is the median over its rounds; each round: ms [cores other processes used, "
-          "largest share of the time a rank's main thread waited for a core] (disturbance())")
+    print(f"a row's measured step is the median over its rounds in which no rank's main thread waited for a core "
+          f"more than {WAIT_MAX:.0%} of the time (WAIT_MAX; * a round left out; ! every round was, all kept); each "
+          "round: ms [cores other processes used, that longest wait] (disturbance())")
     print("\n| model | layout | predicted ms | measured ms (rounds) | error | predicted MiB | measured MiB | error |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['model']} | {r['layout']} | {_ms(r['pred_s'])} | {_ms(r['meas_s'])} "
+        print(f"| {r['model']} | {r['layout']} | {_ms(r['pred_s'])} | {_ms(r['meas_s'])}{'!' * r['all_disturbed']} "
               f"({' / '.join(_round(*x) for x in r['rounds'])}) | {100 * (r['pred_s'] / r['meas_s'] - 1):+.1f}% | "
               f"{r['pred_mem'] / 2**20:.1f} | {r['meas_mem'] / 2**20:.1f} | {100 * r['err_mem']:+.1f}% |")
-    print("\nComponents, ms per step (predicted: compute / exposed comm / optimizer / bubble; measured in the "
-          "closed loop's sampled step, hooks on, the slowest stage: step / compute / optimizer / rest = "
-          "exposed comm + bubble + host):")
+    print("\nComponents, ms per step (predicted: compute / exposed comm / optimizer / bubble; measured per block "
+          "in the closed loop's sampled step and the first step of each round, the median, the slowest stage: "
+          "step / compute / optimizer / rest = exposed comm + bubble + host; the build phase's disturbance):")
     print("\n| model | layout | pred compute | pred comm | pred opt | pred bubble | meas step | meas compute | "
           "meas opt | meas rest | others' cores, wait |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
