@@ -304,7 +304,7 @@ WAIT_MAX = 0.25
 (:func:`disturbance`) is left out of the layout's median (all its rounds are kept, and the row marked,
 when every round was so). Why 0.25: in session 16's runs on this 2-core machine the rounds other work
 did not reach waited 3-21% (the ranks' own gloo threads), those in which another engineer's job held a
-core 31-56% (and the drift reference ran 2.2-2.4x the profile's): docs/benchmarks.md, "Session 16: step
+core 30-56% (and the drift reference ran 2.2-2.5x the profile's): docs/benchmarks.md, "Session 16: step
 time". It selects measurements; no prediction is scaled by it."""
 
 
