@@ -120,6 +120,11 @@ class CommGroup:
     inter: Link
     launch_latency: float = 0.0
     """Fixed seconds per collective call (:data:`NCCL_LAUNCH_LATENCY_S` for NCCL groups)."""
+    reduce_scatter_as_all_reduce: bool = False
+    """The backend runs a reduce-scatter as an all-reduce of the whole input (gloo, CPU ranks: torch's
+    ``ProcessGroupGloo::reduce_scatter_tensor_coalesced``, which ``_reduce_scatter_base`` calls, clones
+    the input, all-reduces the clone and copies this rank's chunk out), so it costs an all-reduce of its
+    input bytes, not a ring reduce-scatter's half of one."""
 
     @property
     def size(self) -> int:
@@ -223,9 +228,12 @@ def estimate_collective_time(
     - broadcast: inter broadcast among one rank per node (whole NIC) + intra broadcast;
     - send/recv: one message across nodes over the inter link.
 
-    ``group.launch_latency`` is added once to every collective that moves data (not to send/recv).
+    ``group.launch_latency`` is added once to every collective that moves data (not to send/recv). Where
+    ``group.reduce_scatter_as_all_reduce`` (gloo), a reduce-scatter of ``n`` input bytes is timed as the
+    all-reduce of ``n`` bytes the backend runs.
     """
     collective, algorithm = _check_algorithm(collective, algorithm)
+    collective = _as_run(collective, group)
     _check_bytes(nbytes)
     r, m = group.ranks_per_node, group.num_nodes
     if r < 1 or m < 1:
@@ -288,7 +296,7 @@ def estimate_collective_link_bytes(collective: Collective | str, nbytes: float, 
     - broadcast: ``n`` on each level that has more than one participant (the node's leader rank forwards
       it over the network); send/recv: ``n`` across nodes when the group spans nodes.
     """
-    collective = Collective(collective)
+    collective = _as_run(Collective(collective), group)
     _check_bytes(nbytes)
     r, m, n = group.ranks_per_node, group.num_nodes, nbytes
     if n == 0 or group.size == 1:
@@ -304,6 +312,13 @@ def estimate_collective_link_bytes(collective: Collective | str, nbytes: float, 
     if collective is Collective.ALL_TO_ALL:
         return (r - 1) * n / (r * m), (m - 1) / m * n
     return n, n  # broadcast
+
+
+def _as_run(collective: Collective, group: CommGroup) -> Collective:
+    """The collective the backend runs for ``collective`` (:attr:`CommGroup.reduce_scatter_as_all_reduce`)."""
+    if collective is Collective.REDUCE_SCATTER and group.reduce_scatter_as_all_reduce:
+        return Collective.ALL_REDUCE
+    return collective
 
 
 def _check_bytes(nbytes: float) -> None:

@@ -333,11 +333,11 @@ class ClusterSpec:
         # a measured per-call cost where the spec gives one; else NCCL's fixed per-call cost, and CPU
         # groups (gloo) carry theirs in the nominal SHM latency
         given = [g.call_latency for g in groups if g.call_latency is not None]
-        launch = max(given) if given else (0.0 if all(g.device.vendor == "cpu" for g in groups)
-                                           else NCCL_LAUNCH_LATENCY_S)
+        gloo = all(g.device.vendor == "cpu" for g in groups)  # CPU ranks communicate over gloo
+        launch = max(given) if given else (0.0 if gloo else NCCL_LAUNCH_LATENCY_S)
         return CommGroup(ranks_per_node=max(per_node.values()), num_nodes=len(per_node), intra=intra,
                          inter=Link(bandwidth=bandwidth, latency=latency, efficiency=efficiency),
-                         launch_latency=launch)
+                         launch_latency=launch, reduce_scatter_as_all_reduce=gloo)
 
     def fingerprint(self) -> str:
         """Stable 16-hex-digit hash of :meth:`to_dict` (what a plan records to match its cluster)."""
