@@ -215,7 +215,11 @@ def integer_step_bound(cc: CandidateCoeffs, cells: Sequence[CellCoeffs], cutoff:
     tc = prob.var("tc", 0.0, None, "Continuous") if v > 1 else t
     x = prob.var("x", 0.0, None, "Continuous")
     prob.objective = cc.candidate.step_form.terms(t, tc, x)
-    n = [[prob.var(f"n_{s}_{g}", 0.0, float(lengths[g]), "Integer") for g in range(G)] for s in range(S)]
+    # the model's first block runs on the first stage (its first chunk), its last block on the last stage
+    first = min(cc.segments, key=lambda seg: seg.start).index
+    final = max(cc.segments, key=lambda seg: seg.start).index
+    n = [[prob.var(f"n_{s}_{g}", float((s == 0 and g == first) or (s == S - 1 and g == final)), float(lengths[g]),
+                   "Integer") for g in range(G)] for s in range(S)]
     for g in range(G):
         prob.rows.append(({n[s][g]: 1.0 for s in range(S)}, -float(lengths[g]), EQ, f"blocks_{g}"))
     for s, c in enumerate(cells):
