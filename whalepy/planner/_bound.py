@@ -198,7 +198,8 @@ def integer_step_bound(cc: CandidateCoeffs, cells: Sequence[CellCoeffs], cutoff:
                        choices: Choices = ALL_CHOICES) -> float | None:
     """A step time no plan of one pipeline beats, with whole blocks: a small MIP, ``min M t + (S - 1) tc +
     x`` (``tc = t`` for ``v = 1``) over integer blocks per stage and segment ``n[s][g]`` (``sum_s = L_g``,
-    at least ``v`` per stage), continuous recompute and host copies (those ``choices`` allows) under the
+    at least ``v`` per stage, the model's first block on the first stage and its last on the last, as in
+    every plan), continuous recompute and host copies (those ``choices`` allows) under the
     stage's device and host memory (the rows of :func:`relaxed_stage_time`), with ``t >= compute_s +
     p2p_s``, ``v tc >= compute_s + p2p_s`` and, the largest chunk holding at least ``u[s][g] >= n[s][g]
     / v`` (integer) blocks of segment ``g``, ``tc >= u[s][g] seg_time_g + min_k chunk_p2p_k``. Where
