@@ -198,7 +198,8 @@ def integer_step_bound(cc: CandidateCoeffs, cells: Sequence[CellCoeffs], cutoff:
                        choices: Choices = ALL_CHOICES) -> float | None:
     """A step time no plan of one pipeline beats, with whole blocks: a small MIP, ``min M t + (S - 1) tc +
     x`` (``tc = t`` for ``v = 1``) over integer blocks per stage and segment ``n[s][g]`` (``sum_s = L_g``,
-    at least ``v`` per stage), continuous recompute and host copies (those ``choices`` allows) under the
+    at least ``v`` per stage, the model's first block on the first stage and its last on the last, as in
+    every plan), continuous recompute and host copies (those ``choices`` allows) under the
     stage's device and host memory (the rows of :func:`relaxed_stage_time`), with ``t >= compute_s +
     p2p_s``, ``v tc >= compute_s + p2p_s`` and, the largest chunk holding at least ``u[s][g] >= n[s][g]
     / v`` (integer) blocks of segment ``g``, ``tc >= u[s][g] seg_time_g + min_k chunk_p2p_k``. Where
@@ -215,7 +216,11 @@ def integer_step_bound(cc: CandidateCoeffs, cells: Sequence[CellCoeffs], cutoff:
     tc = prob.var("tc", 0.0, None, "Continuous") if v > 1 else t
     x = prob.var("x", 0.0, None, "Continuous")
     prob.objective = cc.candidate.step_form.terms(t, tc, x)
-    n = [[prob.var(f"n_{s}_{g}", 0.0, float(lengths[g]), "Integer") for g in range(G)] for s in range(S)]
+    # the model's first block runs on the first stage (its first chunk), its last block on the last stage
+    first = min(cc.segments, key=lambda seg: seg.start).index
+    final = max(cc.segments, key=lambda seg: seg.start).index
+    n = [[prob.var(f"n_{s}_{g}", float((s == 0 and g == first) or (s == S - 1 and g == final)), float(lengths[g]),
+                   "Integer") for g in range(G)] for s in range(S)]
     for g in range(G):
         prob.rows.append(({n[s][g]: 1.0 for s in range(S)}, -float(lengths[g]), EQ, f"blocks_{g}"))
     for s, c in enumerate(cells):

@@ -150,6 +150,10 @@ def _highs():  # type: ignore[no-untyped-def]
     return h
 
 
+def _name_of(x: _Var) -> str:
+    return x.name
+
+
 def _solve_highs(prob: _Model, node_limit: int | None, cutoff: float | None,
                  rel_gap: float = MIP_REL_GAP, *, time_limit_s: float | None = None,
                  first_solution: bool = False, relaxed: bool = False) -> tuple[str, float, float]:
@@ -183,27 +187,33 @@ def _solve_highs(prob: _Model, node_limit: int | None, cutoff: float | None,
     # columns: the variables that appear, sorted by name, as PuLP handed them to HiGHS (the same model
     # gives the same optimum among the many ties of identical layers)
     used = set(prob.objective)
-    for d, _const, _sense, _name in prob.rows:
-        used.update(d)
-    order = sorted(used, key=lambda x: x.name)
+    for row in prob.rows:
+        used.update(row[0])
+    order = sorted(used, key=_name_of)
     cols = {x: i for i, x in enumerate(order)}
     n = len(order)
-    cost = np.array([prob.objective.get(x, 0.0) for x in order], dtype=float)
-    lower = np.array([-inf if x.lowBound is None else x.lowBound for x in order], dtype=float)
-    upper = np.array([inf if x.upBound is None else x.upBound for x in order], dtype=float)
+    objective = prob.objective
+    cost = np.fromiter((objective.get(x, 0.0) for x in order), dtype=float, count=n)
+    lower = np.fromiter((-inf if x.lowBound is None else x.lowBound for x in order), dtype=float, count=n)
+    upper = np.fromiter((inf if x.upBound is None else x.upBound for x in order), dtype=float, count=n)
     h.addCols(n, cost, lower, upper, 0, np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32), np.zeros(0))
     ints = np.array([i for i, x in enumerate(order) if x.integer and not relaxed], dtype=np.int32)
     if len(ints):
         h.changeColsIntegrality(len(ints), ints, np.full(len(ints), highspy.HighsVarType.kInteger))
     lo, hi, starts, idx, val = [], [], [], [], []
+    column = cols.__getitem__
     for d, const, sense, _name in prob.rows:
         lo.append(-const if sense != LE else -inf)
         hi.append(-const if sense != GE else inf)
         starts.append(len(idx))
-        for x, a in d.items():
-            if a != 0:
-                idx.append(cols[x])
-                val.append(a)
+        if 0 in d.values():  # zero coefficients are left out of the matrix
+            for x, a in d.items():
+                if a != 0:
+                    idx.append(cols[x])
+                    val.append(a)
+        else:
+            idx.extend(map(column, d))
+            val.extend(d.values())
     h.addRows(len(lo), np.array(lo, dtype=float), np.array(hi, dtype=float), len(idx),
               np.array(starts, dtype=np.int32), np.array(idx, dtype=np.int32), np.array(val, dtype=float))
     h.run()

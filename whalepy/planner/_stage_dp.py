@@ -268,6 +268,8 @@ def _floor(n: tuple[int, ...], c: CellCoeffs, sc: StageCoeffs, ways: list[_Price
     checkpoints and host copies) and ``x X_s`` of the stage running ``n`` (module docstring); those
     with ``A + X`` below ``limit``, Pareto-filtered. None where a chunk's choices are too many to list."""
     p2p_min = min(c.chunk_p2p) if v > 1 and c.chunk_p2p else c.p2p
+    p2p, inflight, seg_time = c.p2p, c.inflight, c.seg_time
+    ft, ftc = form.t, form.tc  # form.value(T, Tc, 0.0), spelled out: the hot loop of the bound
     out: list[tuple[float, float]] = []
     for w in ways:
         fixed = _fixed(n, c, sc, w)
@@ -276,47 +278,52 @@ def _floor(n: tuple[int, ...], c: CellCoeffs, sc: StageCoeffs, ways: list[_Price
         pl, room, X = fixed
         X *= form.x
         fetch = w.fetch * pl
+        # per chunk (its blocks per segment): its blocks' time, exposed communication and first
+        # gathers, and its saved activations; the same chunks recur across the splits and vectors
+        parts = memo.get((id(w), "chunk"))
+        if parts is None:
+            parts = memo[(id(w), "chunk")] = {}
         # the least over the splits, of those whose pair could be below the limit: a split is skipped
         # only where its cheap part already puts the pair at the limit (``cheap + X``, rounded as the
         # pair's sum is) or above a split's found, so the pairs kept are exactly those of the least A
         # below the limit, whatever the limit (what lets a table priced for one limit serve a lower one)
         best = math.inf
         for chunks in _splits(n, v):
-            busy0 = []
-            for m in chunks:  # a chunk's blocks, exposed communication and first gathers, per way
-                b = memo.get((id(w), "busy", m))
-                if b is None:
-                    b = memo[(id(w), "busy", m)] = sum(k * (x + e) for k, x, e in zip(m, c.seg_time, w.exposed)) + w.edge
-                busy0.append(b)
+            busy0, kept = [], []
+            for m in chunks:
+                part = parts.get(m)
+                if part is None:
+                    part = parts[m] = (sum(k * (x + e) for k, x, e in zip(m, seg_time, w.exposed)) + w.edge,
+                                       sum(k * a for k, a in zip(m, w.saved)))
+                busy0.append(part[0])
+                kept.append(part[1])
             lead0 = max(sum(busy0), fetch)
-            cheap = form.value(lead0 + c.p2p, (max(max(busy0), fetch / v) + p2p_min) if v > 1 else lead0 + c.p2p, 0.0)
+            cheap = ft * (lead0 + p2p) + ftc * ((max(max(busy0), fetch / v) + p2p_min) if v > 1 else lead0 + p2p)
             if cheap >= best or cheap + X >= limit:
                 continue
             busy = busy0
-            if c.inflight > 0:
-                kept = [sum(k * a for k, a in zip(m, w.saved)) for m in chunks]
-                if max(kept) * c.inflight > room * (1 + 1e-9):
-                    # something is freed: the recomputed (or fetched back) block's bytes are at the peak
-                    allowed = (room - w.peak_min) / c.inflight
-                    busy = list(busy0)
-                    for k, m in enumerate(chunks):
-                        need = kept[k] - allowed
-                        if need <= 1e-9 * room:
-                            continue
-                        front = _frontier(w, m, memo)
-                        if front is None:
-                            return None
-                        freed, cost = front
-                        j = bisect.bisect_left(freed, need * (1 - 1e-9))
-                        if j == len(freed):
-                            busy = None
-                            break
-                        busy[k] += cost[j]
-                    if busy is None:
+            if inflight > 0 and max(kept) * inflight > room * (1 + 1e-9):
+                # something is freed: the recomputed (or fetched back) block's bytes are at the peak
+                allowed = (room - w.peak_min) / inflight
+                busy = list(busy0)
+                for k, m in enumerate(chunks):
+                    need = kept[k] - allowed
+                    if need <= 1e-9 * room:
                         continue
+                    front = _frontier(w, m, memo)
+                    if front is None:
+                        return None
+                    freed, cost = front
+                    j = bisect.bisect_left(freed, need * (1 - 1e-9))
+                    if j == len(freed):
+                        busy = None
+                        break
+                    busy[k] += cost[j]
+                if busy is None:
+                    continue
             lead = max(sum(busy), fetch)
-            Tc = (max(max(busy), fetch / v) + p2p_min) if v > 1 else lead + c.p2p
-            best = min(best, form.value(lead + c.p2p, Tc, 0.0))
+            Tc = (max(max(busy), fetch / v) + p2p_min) if v > 1 else lead + p2p
+            best = min(best, ft * (lead + p2p) + ftc * Tc)
         if best + X < limit:
             _add(out, (best, X))
     return out
@@ -462,25 +469,28 @@ def _stage_dp_bound(cc: CandidateCoeffs, cells: Sequence[CellCoeffs], cutoff: fl
             if f:
                 floors[n] = f
         nxt: dict[tuple[int, ...], list[tuple[float, float]]] = {}
-        items = list(floors.items())
+        items = [(n, sum(n), f) for n, f in floors.items()]
         for used, pairs in reach.items():
-            room = [L - u for L, u in zip(lengths, used)]
+            room = tuple(L - u for L, u in zip(lengths, used))
             if last:
-                ways_n = floors.get(tuple(room))
-                candidates = [] if ways_n is None else [(tuple(room), ways_n)]
+                ways_n = floors.get(room)
+                candidates = [] if ways_n is None else [(room, sum(room), ways_n)]
             else:
                 candidates = items
-            for n, ways_n in candidates:
-                if any(k > r for k, r in zip(n, room)):
+            spare = most - sum(used)
+            for n, size, ways_n in candidates:
+                if size > spare or any(map(int.__gt__, n, room)):
                     continue
                 total = tuple(a + b for a, b in zip(used, n))
-                if sum(total) > most:
-                    continue
+                into = None
                 for pa, px in pairs:
                     for fa, fx in ways_n:
-                        a, x = max(pa, fa), max(px, fx)
+                        a = pa if pa > fa else fa
+                        x = px if px > fx else fx
                         if a + x < limit:
-                            _add(nxt.setdefault(total, []), (a, x))
+                            if into is None:
+                                into = nxt.setdefault(total, [])
+                            _add(into, (a, x))
         reach = nxt
         if not reach:
             return cutoff

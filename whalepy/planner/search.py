@@ -508,6 +508,7 @@ def run_search(profile: ModelProfile, hw: Hardware, G: int, opts, *,  # type: ig
     deferred: list[tuple[float, int, Candidate]] = []
     first_look: dict[int, ILPResult] = {}
     first_cc: dict[int, CandidateCoeffs] = {}
+    asked: dict[int, float] = {}  # candidate -> the cutoff its whole-block bound was last asked about
     def incumbent() -> float:
         return best[0] if best is not None else math.inf
 
@@ -536,12 +537,14 @@ def run_search(profile: ModelProfile, hw: Hardware, G: int, opts, *,  # type: ig
                 continue
             cc = first_cc.pop(idx, None) or build_coefficients(ctx, cand, segments, options,
                                                                mixed_tiers=opts.mixed_tiers)
-            if best is not None and (pass_no == 0 or best[2] is not first_look.get(idx)):
+            cut = None if best is None else best[0] * (1 - MIP_REL_GAP)
+            if cut is not None and (pass_no == 0 or best[2] is not first_look.get(idx)) and asked.get(idx) != cut:
                 # before its ILP (and, set aside by its first look, before the full one): does the bound
                 # with whole blocks and state options (a small MIP, step 7 of lower_bound) reach the ILP's
                 # own cutoff? Where it does, the ILP could only say the same ("no better than the
-                # incumbent"), at more work. ``lb`` already holds the memory part (step 6, _by_bound)
-                cut = best[0] * (1 - MIP_REL_GAP)
+                # incumbent"), at more work. ``lb`` already holds the memory part (step 6, _by_bound) and,
+                # asked before its first look at the same cutoff, this answer (the same coefficients: the same)
+                asked[idx] = cut
                 lb = max(lb, lower_bound(cc, memory=False, whole_blocks=True, cutoff=cut, choices=choices))
                 proven[idx] = max(proven[idx], lb)
                 if lb >= cut:
