@@ -154,7 +154,7 @@ def _cell_options(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ..
         fsdp = kind == LoweringKind.FSDP
         if fsdp:  # the wrapper's host work (FSDP2 hooks and copies): measured, or modelled on a GPU
             wrapper = "fsdp_reshard" if z3 else "fsdp"
-            seg_exposed[o] = [x + ctx.wrapper_overhead(seg.block.index, g.device.name, wrapper, micro_batch)
+            seg_exposed[o] = [x + ctx.wrapper_overhead(seg.block.index, g.device.name, wrapper, micro_batch, t)
                               for x, seg in zip(seg_exposed[o], segments)]
         if ctx.measured:
             # the device optimizer steps DTensor shards (a host-resident step is whalepy's fused CPU kernel)

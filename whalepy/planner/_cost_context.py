@@ -263,13 +263,15 @@ class CostContext:
                 total += n * self.collective(Collective(kind), per_sample * micro_batch / n, group)
         return total
 
-    def wrapper_overhead(self, block_index: int, device_name: str, wrapper: str, micro_batch: float) -> float:
+    def wrapper_overhead(self, block_index: int, device_name: str, wrapper: str, micro_batch: float,
+                         tp: int = 1) -> float:
         """Seconds per micro-batch (forward plus backward) the runtime's data-parallel ``wrapper``
         (``"fsdp"`` / ``"fsdp_reshard"``) adds to the block on ``device_name`` as measured on a fake
         process group (``MeasuredCosts.wrapper_overhead``); where that was not measured, on a GPU
         :data:`~whalepy.planner.runtime_costs.FSDP2_UNIT_HOST_S` per FSDP2 unit of the block (its hooks'
-        host work, measured on an H200), on a CPU device type 0 (its ranks are measured in the tests and
-        benchmarks that plan them)."""
+        host work, measured on an H200) while the block's modelled forward + backward at TP degree ``tp``
+        is within :data:`~whalepy.planner.runtime_costs.FSDP2_HOST_MEASURED_MAX_S`, on a CPU device type
+        0 (its ranks are measured in the tests and benchmarks that plan them)."""
         m = self.measured.get(device_name)
         got = None
         if m is not None:
@@ -282,8 +284,11 @@ class CostContext:
         device = next(g.device for g in self.hw.groups if g.device.name == device_name)
         if getattr(device, "vendor", None) == "cpu":
             return 0.0
-        from whalepy.planner.runtime_costs import FSDP2_UNIT_HOST_S
+        from whalepy.planner.runtime_costs import FSDP2_HOST_MEASURED_MAX_S, FSDP2_UNIT_HOST_S
 
+        div = tp if tp_splits(self.profile.blocks[block_index], tp) else 1
+        if sum(self.block_time(block_index, device_name, div, micro_batch)) > FSDP2_HOST_MEASURED_MAX_S:
+            return 0.0  # beyond the measured blocks: the host runs ahead of a long block (runtime_costs)
         return FSDP2_UNIT_HOST_S * self.fsdp_units(block_index)
 
     def update_overhead(self, block_index: int, device_name: str, *, fsdp: bool, tp: int) -> float:

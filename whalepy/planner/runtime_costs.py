@@ -323,11 +323,19 @@ planning on one H200, torch 2.11, compiled blocks of 0.16-9 ms per phase, FSDP2 
 group of 2, with and without resharding, micro-batches 1, 2 and 4: each row the wrapped block's forward
 + backward minus the plain compiled block's, per unit; GPT's embedding is two units): 0.94 ms in
 forward (quartiles 0.70-1.14) and 0.54 ms in backward (0.23-1.18). Host time, so it depends on the host
-and torch's version more than on the GPU; where the device's work per block outlasts it, it is partly
-hidden, so for large blocks this overstates it (by at most this much per unit and micro-batch). Without
+and torch's version more than on the GPU. Charged only where the block's modelled forward + backward
+per micro-batch is within :data:`FSDP2_HOST_MEASURED_MAX_S`, the range measured: beyond it nothing was
+measured, and FSDP2 issues each unit's all-gather and launches its kernels without waiting for the
+device, so a long block's kernels keep the device busy while the host does the next unit's hook work
+(the host runs ahead). Without
 it the analytic planner chose, for GPT 1.42B on one H200, FSDP2 over one host-stepped block (predicted
 73.9 ms: FSDP2's bf16 parameters without autocast's casts) over the plain step (88.1 ms predicted, 81.5
 measured), and that plan ran 214 ms (docs/benchmarks.md, "One H200, session 16")."""
+
+FSDP2_HOST_MEASURED_MAX_S = 15.7e-3
+"""The longest block (forward + backward per micro-batch) among the measurements behind
+:data:`FSDP2_UNIT_HOST_S`: Llama 1.2B's compiled head at micro-batch 4 on the H200, 6.71 + 8.96 ms.
+Longer blocks are not charged the hook work (the reason there)."""
 
 DDP_BUCKET_BYTES = 25 * 2**20
 """``DistributedDataParallel``'s bucket capacity, which the runtime keeps (``bucket_cap_mb=None``: torch's
