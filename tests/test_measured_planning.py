@@ -5,6 +5,7 @@ file; an imported per-layer table drives a plan."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 
 import pytest
@@ -139,6 +140,31 @@ def test_planner_uses_measured_times_and_says_so(measured, runs, tmp_path, monke
     (_, _, _, seen0, _), _ = runs["ranks"][0]
     (_, _, _, seen1, _), _ = runs["ranks"][1]
     assert seen0.step_s == seen1.step_s  # the slowest rank's time, on every rank
+
+
+def test_recomputation_is_measured_and_charged(measured, tmp_path, monkeypatch):
+    """measure=True times the model with every block checkpointed as the runtime checkpoints them against
+    the plain step; what that adds per second of the blocks' forward (the checkpoint's own work beside a
+    second forward: on this CPU 1.2-1.7x) is what the planner charges a checkpointed block's recompute,
+    in place of its forward once more; the table round-trips through its JSON."""
+    from whalepy.ir.measured import MeasuredCosts
+
+    monkeypatch.setenv("WHALEPY_DEVICE_PROFILES", str(tmp_path))
+    ratios = measured.measured.recompute_ratio["fp32"]
+    assert set(ratios) <= {1.0, 2.0, 4.0} and ratios and all(r > 0 for r in ratios.values())
+    assert MeasuredCosts.from_dict(measured.measured.to_dict()).recompute_ratio == measured.measured.recompute_ratio
+    ctx = CostContext(measured, Hardware(ClusterSpec.local(2)), precision="fp32")
+    layer = next(b for b in measured.blocks if b.kind.value == "layer")
+    from whalepy.planner.space import Segment
+
+    mb = max(ratios)
+    costs = ctx.segment_costs((Segment(index=0, start=layer.index, blocks=(layer,)),), "CPU", 1, mb, None)
+    fwd = ctx.block_time(layer.index, "CPU", 1, mb)[0]
+    assert costs[1][0] == pytest.approx(fwd * ratios[mb], rel=1e-12)
+    bare = CostContext(dataclasses.replace(measured, measured=dataclasses.replace(measured.measured, recompute_ratio={})),
+                       Hardware(ClusterSpec.local(2)), precision="fp32")
+    seg = (Segment(index=0, start=layer.index, blocks=(layer,)),)
+    assert bare.segment_costs(seg, "CPU", 1, mb, None)[1][0] == pytest.approx(fwd, rel=1e-12)
 
 
 def test_a_profile_measured_on_another_device_type_is_not_used_and_the_plan_says_so(measured, tmp_path,

@@ -455,6 +455,7 @@ def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device
     saved: dict[str, dict[tuple[str, bool, float], float]] = {}
     names: dict[str, str] = {}
     optimizer_step: tuple[float, int] | None = None
+    recompute_ratio: dict[str, dict[float, float]] = {}
     last = profile.blocks[-1].index
     with _maybe_truncated(model, truncate=True):
         present = dict(model.named_modules())
@@ -494,6 +495,11 @@ def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device
             finally:
                 clock.remove()
             if tp == 1:
+                ratios = _recompute_ratios(model, work, blocks, example_inputs, mbs, dev=dev, precision=precision,
+                                           times=times, sigs=sigs, loss_fn=loss_fn, autocast=autocast, sync=sync,
+                                           repeats=repeats)
+                if ratios:
+                    recompute_ratio[precision] = ratios
                 owned = block_parameters(work, blocks)
                 for i in sorted(blocks):
                     if sigs[i] not in updates:
@@ -533,7 +539,45 @@ def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device
                          optimizer=_optimizer_name(optimizer), times=times, updates=updates,
                          activation_bytes=acts, names=names, wrapped=wrapped, wrapped_updates=wrapped_updates,
                          compiled=compiled, tp_collectives=tp_colls, fsdp_units=units,
-                         optimizer_step=optimizer_step, saved=saved)
+                         optimizer_step=optimizer_step, saved=saved, recompute_ratio=recompute_ratio)
+
+
+def _recompute_ratios(model: nn.Module, work: nn.Module, blocks: dict[int, tuple[str, ...]], example_inputs: Any,
+                      mbs: list[int], *, dev: torch.device, precision: str, times: dict, sigs: dict[int, str],
+                      loss_fn: Callable, autocast: Any, sync: Callable[[], None], repeats: int) -> dict[float, float]:
+    """``micro_batch -> ratio``: the seconds a step with every block checkpointed takes beyond the plain
+    step, per second of the blocks' measured forward (:attr:`MeasuredCosts.recompute_ratio`). The blocks
+    are checkpointed as the runtime checkpoints them (``torch.distributed._composable.checkpoint``,
+    non-reentrant: ``whalepy.runtime._activations``) on a copy; the two models' steps are timed in
+    alternation, ``max(repeats, 3)`` each after two warm-up steps, medians. A size whose forward is not
+    measured, or whose checkpointed step is not slower, gets no ratio."""
+    from torch.distributed._composable import checkpoint
+
+    ck = _materialized(model, dev)
+    named = dict(ck.named_modules())
+    for paths in blocks.values():
+        for path in paths:
+            if path in named:
+                checkpoint(named[path], use_reentrant=False)
+    ck.train()
+    out: dict[float, float] = {}
+    for mb in mbs:
+        fwd = sum(times.get(sigs[i], {}).get((precision, 1, float(mb)), (0.0, 0.0))[0] for i in blocks)
+        if fwd <= 0:
+            continue
+        inputs = _resize(example_inputs, mb, dev)
+        for _ in range(2):
+            _plain_step(work, inputs, loss_fn, autocast, sync)
+            _plain_step(ck, inputs, loss_fn, autocast, sync)
+        plain, checked = [], []
+        for _ in range(max(repeats, 3)):
+            plain.append(_plain_step(work, inputs, loss_fn, autocast, sync))
+            checked.append(_plain_step(ck, inputs, loss_fn, autocast, sync))
+        extra = statistics.median(checked) - statistics.median(plain)
+        if extra > 0:
+            out[float(mb)] = extra / fwd
+    del ck
+    return out
 
 
 def block_parameters(root: nn.Module, blocks: dict[int, tuple[str, ...]]) -> dict[int, list[nn.Parameter]]:

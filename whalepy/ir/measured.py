@@ -107,6 +107,13 @@ class MeasuredCosts:
     per-step launch and host work once per block (on an H200, fused AdamW: 0.63 ms for one GPT-1.4B
     layer alone against 0.41 ms as its share of the whole step), so their sum over-charges the step;
     :meth:`optimizer_s_per_param` takes this instead where it was measured."""
+    recompute_ratio: dict[str, dict[float, float]] = field(default_factory=dict)
+    """``precision -> micro_batch -> ratio``: what recomputing a checkpointed block costs in backward per
+    second of its forward, measured on the whole model (every block checkpointed as the runtime
+    checkpoints them, against the plain step, timed in alternation): the checkpoint's own work (its
+    saved-tensor hooks, the forward re-run with autograd recording) beyond a plain forward. On this
+    machine's CPU a GPT's layers recomputed in 1.6x their forward. Where not measured the planner
+    charges 1.0 (the forward again)."""
     fsdp_units: dict[str, int] = field(default_factory=dict)
     """``sig -> FSDP2 units``: the all-gathers the block's forward issues under FSDP2 (one per
     ``fully_shard`` unit: HF's embedding block is two, token and position tables), counted on the fake
@@ -158,6 +165,19 @@ class MeasuredCosts:
             return None
         return max(t - self.updates[sig] / int(key.rpartition("/")[2]), 0.0)
 
+    def recompute_ratio_at(self, precision: str, micro_batch: float) -> float | None:
+        """:attr:`recompute_ratio` at ``micro_batch``: piecewise linear between the measured sizes, the
+        nearest one's beyond them; None if not measured in ``precision``."""
+        rows = sorted(self.recompute_ratio.get(precision, {}).items())
+        if not rows:
+            return None
+        if micro_batch <= rows[0][0]:
+            return rows[0][1]
+        for (m0, r0), (m1, r1) in zip(rows, rows[1:]):
+            if micro_batch <= m1:
+                return r0 + (micro_batch - m0) / (m1 - m0) * (r1 - r0)
+        return rows[-1][1]
+
     def block_time(self, sig: str, precision: str, tp: int, micro_batch: float, *, compiled: bool = False
                    ) -> tuple[float, float] | None:
         """Forward and backward seconds at ``micro_batch``: piecewise linear between the measured sizes,
@@ -193,7 +213,10 @@ class MeasuredCosts:
             for f in ("times", "activation_bytes", "wrapped", "compiled", "tp_collectives", "wrapped_updates",
                       "saved"))
         units = {**self.fsdp_units, **other.fsdp_units}
+        ratios = {p: {**self.recompute_ratio.get(p, {}), **other.recompute_ratio.get(p, {})}
+                  for p in set(self.recompute_ratio) | set(other.recompute_ratio)}
         return replace(self, device_name=other.device_name or self.device_name, threads=other.threads,
+                       recompute_ratio=ratios,
                        source=other.source or self.source, optimizer=other.optimizer or self.optimizer,
                        times=times, updates={**self.updates, **other.updates}, activation_bytes=acts,
                        names={**self.names, **other.names}, wrapped=wrapped, wrapped_updates=wups,
@@ -206,6 +229,9 @@ class MeasuredCosts:
                 "threads": self.threads, "source": self.source, "optimizer": self.optimizer,
                 **({"optimizer_step": {"seconds": self.optimizer_step[0], "params": self.optimizer_step[1]}}
                    if self.optimizer_step is not None else {}),
+                **({"recompute_ratio": [{"precision": p, "micro_batch": mb, "ratio": r}
+                                        for p, rows in sorted(self.recompute_ratio.items())
+                                        for mb, r in sorted(rows.items())]} if self.recompute_ratio else {}),
                 "blocks": {s: {"name": self.names.get(s, ""), "update_s": self.updates.get(s),
                                "activation_bytes_per_sample": self.activation_bytes.get(s, {}),
                                "times": [{"precision": p, "tp": d, "micro_batch": mb, "forward_s": f, "backward_s": b}
@@ -261,11 +287,14 @@ class MeasuredCosts:
                 names[sig] = e.get("name", "")
             step = d.get("optimizer_step")  # files written before it was measured have none
             step = (float(step["seconds"]), int(step["params"])) if step is not None else None
+            ratios: dict[str, dict[float, float]] = {}
+            for r in d.get("recompute_ratio", []):  # files written before it was measured have none
+                ratios.setdefault(str(r["precision"]), {})[float(r["micro_batch"])] = float(r["ratio"])
             return cls(device_type=d["device_type"], device_name=d.get("device_name", ""), threads=d.get("threads"),
                        source=d.get("source", ""), optimizer=d.get("optimizer", ""), times=times, updates=updates,
                        activation_bytes=acts, names=names, wrapped=wrapped, wrapped_updates=wups,
                        compiled=compiled, tp_collectives=tpc, fsdp_units=units, optimizer_step=step,
-                       saved=saved)
+                       saved=saved, recompute_ratio=ratios)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise WhalepyError(f"{where}: not a whalepy measured-costs table ({type(e).__name__}: {e}); measure "
                                "again with whalepy calibrate --model") from None

@@ -199,7 +199,8 @@ class CostContext:
                         ar_f += self.collective(Collective.ALL_GATHER, b.tp_gather_bytes * scale, tp_group)
                     if tp_backward_bytes(b):
                         ar_b = self.collective(Collective.ALL_REDUCE, tp_backward_bytes(b) * scale, tp_group)
-            rows.append((fwd + bwd + ar_f + ar_b, fwd + ar_f, fwd, bwd + ar_b, ar_f + ar_b,
+            rows.append((fwd + bwd + ar_f + ar_b, (fwd + ar_f) * self.recompute_ratio(device_name, micro_batch),
+                         fwd, bwd + ar_b, ar_f + ar_b,
                          b.activation_bytes * ratio * self.byte_scale
                          * tp_activation_fraction(b, tp, self.sequence_parallel),
                          b.input_bytes * ratio * self.byte_scale))
@@ -262,6 +263,14 @@ class CostContext:
                 n = int(round(calls))
                 total += n * self.collective(Collective(kind), per_sample * micro_batch / n, group)
         return total
+
+    def recompute_ratio(self, device_name: str, micro_batch: float) -> float:
+        """Seconds a checkpointed block's recompute takes per second of its forward on ``device_name``:
+        measured (``MeasuredCosts.recompute_ratio``, the whole model checkpointed against the plain step),
+        else 1.0 (its forward again)."""
+        m = self.measured.get(device_name)
+        got = m.recompute_ratio_at(self.precision, micro_batch) if m is not None else None
+        return 1.0 if got is None else got
 
     def wrapper_overhead(self, block_index: int, device_name: str, wrapper: str, micro_batch: float,
                          tp: int = 1) -> float:
