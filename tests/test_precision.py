@@ -204,7 +204,6 @@ def test_low_precision_layouts_match_single_process():
 RESUME_CASES = [
     dict(name="ZeRO-3 fp16", precision="fp16", dp=2, zero=3),
     dict(name="PP fp16", precision="fp16", pp=2, microbatches=2, schedule="1f1b"),
-    dict(name="TP fp16", precision="fp16", tp=2),
     # also loaded by a plan that steps on the device (its fp32 FSDP2 shards take the masters)
     dict(name="ZeRO-Offload z3 bf16", precision="bf16", dp=2, zero=3, extra={"optimizer_tier": "cpu"},
          load_into={"extra": {}}),

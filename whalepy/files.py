@@ -87,11 +87,15 @@ def atomic_path(path: Pathish, *, inputs: Iterable[Pathish | None] = (), what: s
 
 
 def write_file(path: Pathish, data: str | bytes, *, inputs: Iterable[Pathish | None] = (),
-               what: str = "output", fsync: bool = False) -> Path:
+               what: str = "output", fsync: bool = False, mode: int | None = None) -> Path:
     """Write ``data`` (text as UTF-8) to ``path`` atomically, after :func:`check_output`; ``fsync``
-    also makes it durable before the rename."""
+    also makes it durable before the rename; ``mode``: the file's permission bits (e.g. ``0o600``, a
+    file only its owner may read), set on the temporary file before anything is written to it."""
     with atomic_path(path, inputs=inputs, what=what) as tmp:
-        with open(tmp, "wb") as f:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        with (os.fdopen(os.open(tmp, flags, mode), "wb") if mode is not None else open(tmp, "wb")) as f:
+            if mode is not None:
+                os.fchmod(f.fileno(), mode)  # the umask may have cleared bits of it; the exact bits asked
             f.write(data.encode("utf-8") if isinstance(data, str) else data)
             if fsync:
                 f.flush()

@@ -21,10 +21,12 @@ import json
 import os
 import pickle
 import sys
-import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
+
+from whalepy.errors import WhalepyError
+from whalepy.files import write_file
 
 CACHE_FORMAT = 1
 """The stored entry's layout; raised when :class:`StoredProfile` or the pickled classes change in a way
@@ -147,16 +149,11 @@ def store(key: str, profile: Any, note: Callable[[str], None]) -> StoredProfile:
     path = cache_path(key)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".pkl")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                pickle.dump(entry, f, protocol=pickle.HIGHEST_PROTOCOL)
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
-    except OSError as e:
-        note(f"could not store the profile in {path.parent} ({e.strerror or e}); the next run captures again "
+        # only its owner may read or write it: a pickle runs code as it loads (load_stored checks the same)
+        write_file(path, pickle.dumps(entry, protocol=pickle.HIGHEST_PROTOCOL), what="stored profile", mode=0o600)
+    except (OSError, WhalepyError) as e:
+        why = (e.strerror or e) if isinstance(e, OSError) else e
+        note(f"could not store the profile in {path.parent} ({why}); the next run captures again "
              f"(set {CACHE_DIR_ENV} to a writable directory, or pass --no-cache)")
     return entry
 
