@@ -419,27 +419,12 @@ def kernels_time(kernels: Any, *, device: DeviceType, precision: Precision | str
         acc["attention"][0] += f
         acc["attention"][1] += b
     amp = getattr(kernels, "amp", None)
-    if autocast and amp is not None and compiled:
-        # inductor fuses autocast's activation casts and fp32 islands into the pointwise and reduction
-        # kernels around them (a cast is one more pointwise op of the fused kernel; its tensor stays in
-        # registers): the memory-bound bytes are the 16-bit figure, and what stays a kernel of its own is
-        # a parameter's cast, which feeds a GEMM (an extern kernel inductor does not fuse into). On one
-        # H200 the compiled step's bf16 copy kernels took 6.7 ms for either model (GPT 1.42B, Llama
-        # 1.2B: 5.3 and 4.6 GB of fp32 parameters read, 16-bit written, forward and backward; docs/
-        # benchmarks.md "One H200, session 16"), and its fused kernels 9.6 and 8.9 ms
-        bw = prof.memory_bandwidth
-        _, fd, fu = bandwidth_fractions(prof)
-        cast = 4 + precision_bytes(precision)
-        fwd_bytes = kernels.memory_bytes * batch_ratio * byte_scale / tp
-        bwd_bytes = (MEMORY_BOUND_BACKWARD_RATIO * kernels.memory_bytes if kernels.memory_bytes_bwd is None
-                     else kernels.memory_bytes_bwd) * batch_ratio * byte_scale / tp
-        acc["memory"] = [memory_bound_time(fwd_bytes, prof), memory_bound_time(bwd_bytes, prof)]
-        acc["casts"] = [cast * amp.cast_param / (bw * fd), cast * amp.cast_param_grad / (bw * fu)]
-    elif autocast and amp is not None:
+    if autocast and amp is not None:
         bw = prof.memory_bandwidth
         _, fd, fu = bandwidth_fractions(prof)
         down, up = bw * fd, bw * fu
         cast = 4 + precision_bytes(precision)  # bytes per element of one cast (read fp32, write 16-bit)
+    if autocast and amp is not None and not compiled:
         acc["memory"] = [memory_bound_time(amp.amp_fwd * batch_ratio / tp, prof),
                          memory_bound_time(amp.amp_bwd * batch_ratio / tp, prof)]
         acc["casts"] = [cast * (amp.cast_param / down + (amp.cast_act * batch_ratio / down
@@ -452,6 +437,15 @@ def kernels_time(kernels: Any, *, device: DeviceType, precision: Precision | str
         bwd_bytes = (MEMORY_BOUND_BACKWARD_RATIO * kernels.memory_bytes if kernels.memory_bytes_bwd is None
                      else kernels.memory_bytes_bwd) * batch_ratio * byte_scale / tp
         acc["memory"] = [memory_bound_time(fwd_bytes, prof), memory_bound_time(bwd_bytes, prof)]
+        if autocast and amp is not None:
+            # compiled: inductor fuses autocast's activation casts and fp32 islands into the pointwise and
+            # reduction kernels around them (a cast is one more pointwise op of the fused kernel; its tensor
+            # stays in registers), so the memory-bound bytes are the 16-bit figure above, and what stays a
+            # kernel of its own is a parameter's cast, which feeds a GEMM (an extern kernel inductor does
+            # not fuse into). On one H200 the compiled step's bf16 copy kernels took 6.7 ms for either model
+            # (GPT 1.42B, Llama 1.2B: 5.3 and 4.6 GB of fp32 parameters read, 16-bit written, forward and
+            # backward; docs/benchmarks.md "One H200, session 16"), and its fused kernels 9.6 and 8.9 ms
+            acc["casts"] = [cast * amp.cast_param / down, cast * amp.cast_param_grad / up]
     return KernelsTime(**{k: (v[0], v[1]) for k, v in acc.items()})
 
 

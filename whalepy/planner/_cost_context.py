@@ -16,7 +16,15 @@ from whalepy.cost_models.device_profiles import resolve_compute_profile
 from whalepy.cost_models.memory import ModelStateBytes, estimate_model_state_bytes
 from whalepy.ir.plan import TPStyle
 from whalepy.ir.types import OptimizerImpl, dtype_bytes
-from whalepy.planner.runtime_costs import DPComm, MemoryMargin, boundary_bytes, build_dp_block_comm, tp_backward_bytes
+from whalepy.planner.runtime_costs import (
+    FSDP2_HOST_MEASURED_MAX_S,
+    FSDP2_UNIT_HOST_S,
+    DPComm,
+    MemoryMargin,
+    boundary_bytes,
+    build_dp_block_comm,
+    tp_backward_bytes,
+)
 from whalepy.planner.space import Candidate, GroupView, Hardware, Segment, StateOption
 from whalepy.ir.profile import BlockKind, BlockProfile, ModelProfile
 
@@ -293,8 +301,6 @@ class CostContext:
         device = next(g.device for g in self.hw.groups if g.device.name == device_name)
         if getattr(device, "vendor", None) == "cpu":
             return 0.0
-        from whalepy.planner.runtime_costs import FSDP2_HOST_MEASURED_MAX_S, FSDP2_UNIT_HOST_S
-
         div = tp if tp_splits(self.profile.blocks[block_index], tp) else 1
         if sum(self.block_time(block_index, device_name, div, micro_batch)) > FSDP2_HOST_MEASURED_MAX_S:
             return 0.0  # beyond the measured blocks: the host runs ahead of a long block (runtime_costs)

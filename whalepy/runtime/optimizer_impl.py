@@ -154,7 +154,6 @@ def optimizer_factory_for(factory: OptimizerFactory, impl: OptimizerImpl | str) 
             if why is None:
                 opt = fused_variant(opt)
         if isinstance(opt, torch.optim.Optimizer):
-            split_mixed_groups(opt)
             _log_once(opt, impl, why)
         return opt
 

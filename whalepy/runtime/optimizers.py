@@ -73,6 +73,7 @@ def build_optimizers(parts: Sequence[StagePart], plan: Plan, meshes: RankMeshes,
         # FSDP2 keeps these shards in host memory and the optimizer steps them there: its fused CPU
         # kernel, as the host optimizer does (cost_models/offload.py prices both at its rate)
         optimizer = fused_variant(optimizer)
+    if optimizer is not None:  # the optimizer that steps, after every rebuild above
         split_mixed_groups(optimizer)
     nvme = build_disk_tier(parts, plan, optimizer, meshes, ctx)
     amp = AmpContext(plan.precision, meshes.device)
