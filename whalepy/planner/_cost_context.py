@@ -16,15 +16,8 @@ from whalepy.cost_models.device_profiles import resolve_compute_profile
 from whalepy.cost_models.memory import ModelStateBytes, estimate_model_state_bytes
 from whalepy.ir.plan import TPStyle
 from whalepy.ir.types import OptimizerImpl, dtype_bytes
-from whalepy.planner.runtime_costs import (
-    FSDP2_HOST_MEASURED_MAX_S,
-    FSDP2_UNIT_HOST_S,
-    DPComm,
-    MemoryMargin,
-    boundary_bytes,
-    build_dp_block_comm,
-    tp_backward_bytes,
-)
+from whalepy.planner import runtime_costs
+from whalepy.planner.runtime_costs import DPComm, MemoryMargin, boundary_bytes, build_dp_block_comm, tp_backward_bytes
 from whalepy.planner.space import Candidate, GroupView, Hardware, Segment, StateOption
 from whalepy.ir.profile import BlockKind, BlockProfile, ModelProfile
 
@@ -302,9 +295,9 @@ class CostContext:
         if getattr(device, "vendor", None) == "cpu":
             return 0.0
         div = tp if tp_splits(self.profile.blocks[block_index], tp) else 1
-        if sum(self.block_time(block_index, device_name, div, micro_batch)) > FSDP2_HOST_MEASURED_MAX_S:
+        if sum(self.block_time(block_index, device_name, div, micro_batch)) > runtime_costs.FSDP2_HOST_MEASURED_MAX_S:
             return 0.0  # beyond the measured blocks: the host runs ahead of a long block (runtime_costs)
-        return FSDP2_UNIT_HOST_S * self.fsdp_units(block_index)
+        return runtime_costs.FSDP2_UNIT_HOST_S * self.fsdp_units(block_index)
 
     def update_overhead(self, block_index: int, device_name: str, *, fsdp: bool, tp: int) -> float:
         """Seconds per step the optimizer spends on the block's parameters as DTensor shards beyond the
