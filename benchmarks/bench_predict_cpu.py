@@ -112,7 +112,7 @@ def _fit_in_step(ar, ag):
     return 0.0, 0.0, 1e9
 
 
-def measure_link(sizes=(1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22), repeats=15, burst_gemms=6, runs=5):
+def measure_link(sizes=(1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22, 1 << 24), repeats=15, burst_gemms=6, runs=5):
     """Gloo collectives between the 2 ranks, measured two ways:
 
     - idle: an all-reduce alone, both ranks waiting for it (a barrier before each), fitted to the ring model;

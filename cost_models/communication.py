@@ -149,12 +149,16 @@ class Algorithm(str, enum.Enum):
     TREE = "tree"
 
 
-def estimate_p2p_time(nbytes: float, link: Link) -> float:
-    """One message of ``nbytes`` over ``link``: ``a + n / B``; nothing is sent for 0 bytes."""
+def estimate_p2p_time(nbytes: float, link: Link, call_latency: float = 0.0) -> float:
+    """One message of ``nbytes`` over ``link``: ``L + a + n / B``; nothing is sent for 0 bytes.
+
+    ``call_latency`` (``L``) is the fixed cost of one call on the pair's backend, the
+    :attr:`CommGroup.launch_latency` its collectives pay: a send is a call like them (gloo wakes its
+    threads for it and the receiver waits for both ranks to reach it; NCCL launches it as a kernel)."""
     _check_bytes(nbytes)
     if nbytes == 0:
         return 0.0
-    return link.latency + nbytes / link.achieved_bandwidth
+    return call_latency + link.latency + nbytes / link.achieved_bandwidth
 
 
 def estimate_flat_collective_time(
@@ -228,7 +232,7 @@ def estimate_collective_time(
     - broadcast: inter broadcast among one rank per node (whole NIC) + intra broadcast;
     - send/recv: one message across nodes over the inter link.
 
-    ``group.launch_latency`` is added once to every collective that moves data (not to send/recv). Where
+    ``group.launch_latency`` is added once to every call that moves data, a send/recv included. Where
     ``group.reduce_scatter_as_all_reduce`` (gloo), a reduce-scatter of ``n`` input bytes is timed as the
     all-reduce of ``n`` bytes the backend runs.
     """
@@ -240,8 +244,7 @@ def estimate_collective_time(
         raise ValueError(f"group needs ranks_per_node >= 1 and num_nodes >= 1, got {r} and {m}")
     if nbytes == 0 or group.size == 1:
         return 0.0
-    launch = 0.0 if collective is Collective.SEND_RECV else group.launch_latency
-    return launch + _hierarchical_time(collective, nbytes, group, algorithm)
+    return group.launch_latency + _hierarchical_time(collective, nbytes, group, algorithm)
 
 
 def _hierarchical_time(collective: Collective, nbytes: float, group: CommGroup, algorithm: Algorithm) -> float:

@@ -49,14 +49,19 @@ def test_link_efficiency_is_bus_bandwidth() -> None:
         Link(bandwidth=1e9, latency=0.0, efficiency=1.5)
 
 
-def test_launch_latency_once_per_collective_not_per_send() -> None:
+def test_launch_latency_once_per_call_sends_included() -> None:
     link = Link(bandwidth=100e9, latency=1e-6)
     g0 = CommGroup(ranks_per_node=4, num_nodes=2, intra=link, inter=link)
     g1 = CommGroup(ranks_per_node=4, num_nodes=2, intra=link, inter=link, launch_latency=NCCL_LAUNCH_LATENCY_S)
     for c in (Collective.ALL_REDUCE, Collective.ALL_GATHER, Collective.REDUCE_SCATTER):
         assert estimate_collective_time(c, 1 << 20, g1) - estimate_collective_time(c, 1 << 20, g0) == \
             pytest.approx(NCCL_LAUNCH_LATENCY_S)
-    assert estimate_collective_time(Collective.SEND_RECV, 1 << 20, g1) == estimate_p2p_time(1 << 20, link)
+    # a send is a call too: it pays the launch latency once, as the planner's pipeline messages do
+    assert estimate_collective_time(Collective.SEND_RECV, 1 << 20, g1) == \
+        pytest.approx(estimate_p2p_time(1 << 20, link) + NCCL_LAUNCH_LATENCY_S)
+    assert estimate_p2p_time(1 << 20, link, NCCL_LAUNCH_LATENCY_S) == \
+        pytest.approx(estimate_p2p_time(1 << 20, link) + NCCL_LAUNCH_LATENCY_S)
+    assert estimate_p2p_time(0, link, NCCL_LAUNCH_LATENCY_S) == 0.0
     assert estimate_collective_time(Collective.ALL_REDUCE, 0, g1) == 0.0
 
 

@@ -46,8 +46,8 @@ def _cell(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...], s: i
     for neighbours in _neighbours(s, S, v):
         p2p = 0.0
         for ns in neighbours:
-            link = _pair_link(hw.comm((ranks[s][rep][0], ranks[ns][rep][0])))
-            p2p += estimate_p2p_time(nbytes, link)
+            pair = hw.comm((ranks[s][rep][0], ranks[ns][rep][0]))
+            p2p += estimate_p2p_time(nbytes, _pair_link(pair), pair.launch_latency)
         chunk_p2p.append(p2p)
     p2p = sum(chunk_p2p)
     inflight = inflight_microbatches(cand.schedule, stage_index=s, num_stages=S, num_microbatches=M,
