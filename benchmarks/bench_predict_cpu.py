@@ -8,7 +8,8 @@ checkpointing, CPU offload, gradient accumulation):
    burst of compute; :func:`measure_link`), fitted to the ring model ``2(p-1)(a + n/(pB))`` (p = 2), and
    given to the cluster spec as ``intra_node: {bandwidth_gbs: B, latency_us: a}``;
 2. before the ranks start, this process measures the model's distinct blocks on its CPU
-   (``whalepy.profile(..., measure=True)``, one thread) at the micro-batch sizes and TP degrees the
+   (``whalepy.profile(..., measure=True, cpu_peers=1)``, one thread, beside one process running the model
+   on the other core as the other rank will) at the micro-batch sizes and TP degrees the
    layouts use, plain and as the runtime lowers them (FSDP2 and DTensor on a fake process group, which
    needs a process outside the gloo job), and rank 0 predicts each layout's step time and per-rank peak
    memory from that profile on the measured cluster (``estimate_from_profile``);
@@ -218,8 +219,10 @@ def measure(name, repeats=5):
         model, x, _ = build(name)
         t0 = time.perf_counter()
         # device="cpu": the ranks' device; left out, a machine with a GPU would time the blocks there
+        # cpu_peers=1: the blocks timed beside one other process running the model, as each rank computes
+        # beside the other on this machine's cores (they share its cache and memory bandwidth)
         prof = whalepy.profile(model, (x,), measure=True, device="cpu", micro_batches=(1, 2, 4, 8), tp_degrees=(1, 2),
-                               repeats=repeats)
+                               repeats=repeats, cpu_peers=1)
         took = time.perf_counter() - t0
         import dataclasses
 

@@ -46,7 +46,8 @@ from whalepy.errors import WhalepyError
 from whalepy.frontend.measure_checks import checked_loss
 from whalepy.ir.measured import MeasuredCosts, block_signature
 
-__all__ = ["BlockClock", "apply_measured_activations", "block_parameters", "measure_costs", "micro_batch_sizes"]
+__all__ = ["BlockClock", "apply_measured_activations", "block_parameters", "cpu_peers_running", "measure_costs",
+           "micro_batch_sizes"]
 
 
 # ---------------------------------------------------------------------------------------------- inputs
@@ -111,6 +112,79 @@ def default_loss(out: Any, inputs: Any) -> torch.Tensor:
             and tuple(y.shape[:-1]) == tuple(ids.shape)):
         return nn.functional.cross_entropy(y.reshape(-1, y.shape[-1]).float(), ids.reshape(-1) % y.shape[-1])
     return y.float().pow(2).mean()
+
+
+# ---------------------------------------------------------------------------------------- CPU peers
+
+PEER_START_TIMEOUT_S = 120.0
+"""Seconds a peer process of :func:`cpu_peers_running` may take to start (import torch, unpickle the
+model) and run its first step before the measurement is refused as unable to start them."""
+
+
+def _peer_main(model: nn.Module, inputs: Any, ready: Any, stop: Any) -> None:
+    """A peer of :func:`cpu_peers_running`: forward and backward of ``model`` on one thread until ``stop``."""
+    torch.set_num_threads(1)
+    model.train()
+    first = True
+    while not stop.is_set():
+        default_loss(_call(model, inputs), inputs).backward()
+        for prm in model.parameters():
+            prm.grad = None
+        if first:
+            ready.put(os.getpid())
+            first = False
+
+
+@contextlib.contextmanager
+def cpu_peers_running(model: nn.Module, inputs: Any, peers: int) -> Iterator[None]:
+    """While inside, ``peers`` other processes run ``model``'s forward and backward on ``inputs`` (one
+    intra-op thread each), as the other ranks of a node of CPU ranks do while a rank computes.
+
+    A CPU rank is one core of a socket whose other cores run the job's other ranks: they share its
+    last-level cache and memory bandwidth, and a block timed with those cores idle runs faster than in
+    the job (on the 2-core machine of ``benchmarks/bench_predict_cpu.py``: the blocks' sum 33.3-33.9 ms
+    alone, 35.6-35.7 ms beside one peer; docs/benchmarks.md, session 17). Measured planning on the CPU
+    with ``cpu_peers=n`` times the blocks beside ``n`` such peers (``n + 1`` ranks per node). The peers
+    are started with ``spawn`` (the model and inputs are pickled to them) and stopped on leaving."""
+    if peers <= 0:
+        yield
+        return
+    import queue
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    stop, ready = ctx.Event(), ctx.Queue()
+    procs: list[Any] = []
+    try:
+        for _ in range(peers):
+            proc = ctx.Process(target=_peer_main, args=(model, inputs, ready, stop), daemon=True)
+            try:
+                proc.start()
+            except Exception as e:  # noqa: BLE001 - pickling the user's model: said in one line
+                raise WhalepyError(f"measure: cpu_peers={peers} runs the model in {peers} other process(es) "
+                                   f"and it could not be sent to them ({type(e).__name__}: {str(e)[:120]}); "
+                                   "give cpu_peers=0, or a model that pickles") from None
+            procs.append(proc)
+        started, deadline = 0, time.monotonic() + PEER_START_TIMEOUT_S
+        while started < peers:
+            try:
+                ready.get(timeout=1.0)
+                started += 1
+            except queue.Empty:
+                dead = [p for p in procs if not p.is_alive()]
+                if dead or time.monotonic() > deadline:
+                    why = f"exit code {dead[0].exitcode}" if dead else f"not ready in {PEER_START_TIMEOUT_S:.0f} s"
+                    raise WhalepyError(f"measure: a peer process of cpu_peers={peers} failed to run the model "
+                                       f"({why}); give cpu_peers=0 to measure without them") from None
+        yield
+    finally:
+        stop.set()
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5)
 
 
 # ------------------------------------------------------------------------------------- tensor parallel
@@ -422,7 +496,8 @@ def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device
                   precision: str = "fp32", micro_batches: Iterable[int] | None = None,
                   tp_degrees: Iterable[int] = (1,), repeats: int = 3, loss_fn: Callable | None = None,
                   optimizer: Callable[[list], torch.optim.Optimizer] | None = None,
-                  device_type: str | None = None, lowered: bool = True, compile: bool = False) -> MeasuredCosts:
+                  device_type: str | None = None, lowered: bool = True, compile: bool = False,
+                  cpu_peers: int = 0) -> MeasuredCosts:
     """Time ``model``'s distinct blocks on ``device`` (module docstring) and return the table.
 
     ``micro_batches``: sizes to time (default the example inputs' batch); ``tp_degrees``: TP degrees
@@ -433,13 +508,15 @@ def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device
     recorded apart); not possible inside a ``torch.distributed`` job, which is said in the log.
     ``compile``: the lowered timings run with the blocks compiled as the runtime compiles them
     (``Plan.compile``), filed as :attr:`MeasuredCosts.compiled` and ``"<wrapper>/compiled"`` (the plain,
-    eager times are measured as well)."""
+    eager times are measured as well). ``cpu_peers`` (CPU only): time everything beside this many other
+    processes running the model, as the other ranks of a node of CPU ranks do (:func:`cpu_peers_running`).
+    """
     from whalepy.frontend.measure_checks import check_measurable_model, check_measure_options
     from whalepy.frontend.trace import trace_memory
 
     dev = check_measure_options(device=device, precision=precision, micro_batches=micro_batches,
                                 tp_degrees=tp_degrees, repeats=repeats, loss_fn=loss_fn, optimizer=optimizer,
-                                lowered=lowered, compile=compile, device_type=device_type)
+                                lowered=lowered, compile=compile, device_type=device_type, cpu_peers=cpu_peers)
     check_measurable_model(model)
     row, reported = local_device_type(dev)
     mbs = sorted({int(m) for m in (micro_batches or [_batch_of(example_inputs)])})
@@ -457,7 +534,8 @@ def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device
     optimizer_step: tuple[float, int] | None = None
     recompute_ratio: dict[str, dict[float, float]] = {}
     last = profile.blocks[-1].index
-    with _maybe_truncated(model, truncate=True):
+    peer_inputs = _resize(example_inputs, mbs[-1], torch.device("cpu")) if cpu_peers else None
+    with cpu_peers_running(model, peer_inputs, cpu_peers), _maybe_truncated(model, truncate=True):
         present = dict(model.named_modules())
         blocks = {b.index: tuple(p for p in b.modules if p in present) for b in profile.blocks}
         blocks = {i: ps for i, ps in blocks.items() if ps}
@@ -535,7 +613,8 @@ def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device
             saved.setdefault(sig, {}).update(rows)
     return MeasuredCosts(device_type=device_type or row.name, device_name=reported,
                          threads=torch.get_num_threads() if dev.type == "cpu" else None,
-                         source=f"whalepy measure on {reported}, torch {torch.__version__}",
+                         source=f"whalepy measure on {reported}, torch {torch.__version__}"
+                                + (f", beside {cpu_peers} busy peer process(es)" if cpu_peers else ""),
                          optimizer=_optimizer_name(optimizer), times=times, updates=updates,
                          activation_bytes=acts, names=names, wrapped=wrapped, wrapped_updates=wrapped_updates,
                          compiled=compiled, tp_collectives=tp_colls, fsdp_units=units,

@@ -9,6 +9,7 @@ reported as the user's function failing, not as a traceback from inside the timi
 from __future__ import annotations
 
 import numbers
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -47,7 +48,8 @@ def check_measurable_model(model: nn.Module, where: str = "measure=True") -> Non
 
 def check_measure_options(*, device: Any = None, precision: Any = "fp32", micro_batches: Any = None,
                           tp_degrees: Any = (1,), repeats: Any = 3, loss_fn: Any = None, optimizer: Any = None,
-                          lowered: Any = True, compile: Any = False, device_type: Any = None) -> torch.device:
+                          lowered: Any = True, compile: Any = False, device_type: Any = None,
+                          cpu_peers: Any = 0) -> torch.device:
     """Every option of :func:`whalepy.frontend.measure.measure_costs` by type and value; returns the device
     the blocks will run on. The optimizer factory is called once on a one-element parameter (cheap) so
     that a factory that fails, or builds no optimizer, is refused before the model is captured."""
@@ -69,6 +71,15 @@ def check_measure_options(*, device: Any = None, precision: Any = "fp32", micro_
     if device_type is not None and (not isinstance(device_type, str) or not device_type.strip()):
         raise ArgumentError(f"measure: device_type={device_type!r:.60}: give a device type name of the catalog, "
                             "e.g. 'H100-SXM', or leave it out for the local device's")
+    if isinstance(cpu_peers, bool) or not isinstance(cpu_peers, numbers.Integral) or cpu_peers < 0:
+        raise ArgumentError(f"measure: cpu_peers={cpu_peers!r:.60}: give the number of other ranks per node "
+                            "(a non-negative integer, e.g. 1 for two CPU ranks per node)")
+    if cpu_peers and dev.type != "cpu":
+        raise ArgumentError(f"measure: cpu_peers={cpu_peers} applies to measuring on the CPU (device={dev}); "
+                            "leave it out on a GPU, whose ranks do not share its compute")
+    if cpu_peers and cpu_peers + 1 > (os.cpu_count() or 1):
+        raise ArgumentError(f"measure: cpu_peers={cpu_peers} needs {cpu_peers + 1} cores and this machine has "
+                            f"{os.cpu_count()}; give at most cpu_peers={(os.cpu_count() or 1) - 1}")
     if loss_fn is not None and not callable(loss_fn):
         raise ArgumentError(f"measure: loss_fn={loss_fn!r:.60} is not callable; give a function (output, inputs) "
                             "-> scalar loss, e.g. loss_fn=lambda out, inputs: out.float().pow(2).mean()")

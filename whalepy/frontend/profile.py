@@ -24,7 +24,8 @@ def _check_profile_options(kwargs: dict[str, Any]) -> None:
             raise ArgumentError(f"whalepy.profile({name}={value!r:.60}): give True or False")
 
 
-MEASURE_OPTIONS = ("micro_batches", "tp_degrees", "precision", "loss_fn", "optimizer", "device", "repeats", "lowered", "compile")
+MEASURE_OPTIONS = ("micro_batches", "tp_degrees", "precision", "loss_fn", "optimizer", "device", "repeats", "lowered", "compile",
+                   "cpu_peers")
 """Options of ``whalepy.profile(..., measure=True)``, passed to :func:`whalepy.frontend.measure.measure_costs`."""
 
 

@@ -1,0 +1,67 @@
+"""Measured planning beside busy peers (``whalepy.profile(..., measure=True, cpu_peers=n)``): the blocks
+of a CPU rank are timed while ``n`` other processes run the model, as the node's other ranks do in the
+job. What is checked here is the mechanism (the peers run during the measurement, the table says so,
+they are gone afterwards, a model that cannot reach them is one clear error); how much the peers slow
+the blocks is measured in ``benchmarks/bench_predict_cpu.py`` (docs/benchmarks.md), not in a test."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import whalepy
+from whalepy import WhalepyError
+from whalepy.frontend.measure import cpu_peers_running
+
+from bad_input_cases import TOKENS, tiny
+
+
+def _peer_cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def test_peers_compute_while_inside_and_are_gone_after() -> None:
+    model = tiny()
+    with cpu_peers_running(model, (TOKENS,), 1):
+        (peer,) = multiprocessing.active_children()
+        before = _peer_cpu_seconds(peer.pid)
+        time.sleep(0.5)
+        busy = _peer_cpu_seconds(peer.pid) - before
+        assert peer.is_alive()
+    assert busy > 0.2, f"the peer used {busy:.2f} s of CPU in 0.5 s: it is not running the model"
+    assert not peer.is_alive() and not multiprocessing.active_children()
+
+
+def test_measured_profile_beside_a_peer() -> None:
+    prof = whalepy.profile(tiny(), (TOKENS,), measure=True, lowered=False, repeats=1, device="cpu", cpu_peers=1)
+    m = prof.measured
+    assert "beside 1 busy peer" in m.source
+    assert m.times and all(f > 0 and b > 0 for rows in m.times.values() for f, b in rows.values())
+    assert not multiprocessing.active_children()
+    # the same model measured without peers has the same table keys: only the conditions differ
+    alone = whalepy.profile(tiny(), (TOKENS,), measure=True, lowered=False, repeats=1, device="cpu")
+    assert alone.measured.times.keys() == m.times.keys() and "peer" not in alone.measured.source
+
+
+class _Unpicklable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = tiny()
+        self.hook = lambda x: x  # a lambda attribute: the model cannot be pickled to a spawned process
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.hook(self.inner(x))
+
+
+def test_a_model_that_cannot_reach_the_peers_is_one_error() -> None:
+    with pytest.raises(WhalepyError, match=r"cpu_peers=1 runs the model in 1 other process.*give cpu_peers=0"):
+        with cpu_peers_running(_Unpicklable(), (TOKENS,), 1):
+            pass
+    assert not multiprocessing.active_children()
