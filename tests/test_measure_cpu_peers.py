@@ -65,3 +65,30 @@ def test_a_model_that_cannot_reach_the_peers_is_one_error() -> None:
         with cpu_peers_running(_Unpicklable(), (TOKENS,), 1):
             pass
     assert not multiprocessing.active_children()
+
+
+def test_a_peer_whose_step_fails_says_why() -> None:
+    wrong = (torch.zeros(2, 3),)  # floats where the model embeds token ids: the peer's forward raises
+    with pytest.raises(WhalepyError, match=r"cpu_peers=1 failed to run the model \(RuntimeError: .*give cpu_peers=0"):
+        with cpu_peers_running(tiny(), wrong, 1):
+            pass
+    assert not multiprocessing.active_children()
+
+
+def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path) -> None:
+    """The peers start with ``spawn``, which imports the launching script again: without
+    ``if __name__ == "__main__":`` its peer dies before the model runs, and the error says so."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    script = tmp_path / "measure_script.py"
+    script.write_text(f"import sys\nsys.path.insert(0, {str(tests)!r})\nimport whalepy\n"
+                      "from bad_input_cases import TOKENS, tiny\n"
+                      "whalepy.profile(tiny(), (TOKENS,), measure=True, lowered=False, repeats=1, device='cpu', "
+                      "cpu_peers=1)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert "WhalepyError" in last and 'if __name__ == "__main__":' in last and "cpu_peers=0" in last, last

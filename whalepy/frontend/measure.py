@@ -126,13 +126,16 @@ def _peer_main(model: nn.Module, inputs: Any, ready: Any, stop: Any) -> None:
     torch.set_num_threads(1)
     model.train()
     first = True
-    while not stop.is_set():
-        default_loss(_call(model, inputs), inputs).backward()
-        for prm in model.parameters():
-            prm.grad = None
-        if first:
-            ready.put(os.getpid())
-            first = False
+    try:
+        while not stop.is_set():
+            default_loss(_call(model, inputs), inputs).backward()
+            for prm in model.parameters():
+                prm.grad = None
+            if first:
+                ready.put(None)
+                first = False
+    except Exception as e:  # noqa: BLE001 - said by the parent in one line
+        ready.put(f"{type(e).__name__}: {str(e).strip()[:160]}")
 
 
 @contextlib.contextmanager
@@ -168,15 +171,22 @@ def cpu_peers_running(model: nn.Module, inputs: Any, peers: int) -> Iterator[Non
             procs.append(proc)
         started, deadline = 0, time.monotonic() + PEER_START_TIMEOUT_S
         while started < peers:
+            why = None
             try:
-                ready.get(timeout=1.0)
-                started += 1
+                got = ready.get(timeout=1.0)
+                started += got is None
+                why = got
             except queue.Empty:
                 dead = [p for p in procs if not p.is_alive()]
-                if dead or time.monotonic() > deadline:
-                    why = f"exit code {dead[0].exitcode}" if dead else f"not ready in {PEER_START_TIMEOUT_S:.0f} s"
-                    raise WhalepyError(f"measure: a peer process of cpu_peers={peers} failed to run the model "
-                                       f"({why}); give cpu_peers=0 to measure without them") from None
+                if dead:  # died before running the model: most often a script without a main guard
+                    why = (f"exit code {dead[0].exitcode} before its first step; a script that measures with "
+                           "cpu_peers must call it under `if __name__ == \"__main__\":`, as the peers start "
+                           "with spawn and import the script")
+                elif time.monotonic() > deadline:
+                    why = f"not ready in {PEER_START_TIMEOUT_S:.0f} s"
+            if why is not None:
+                raise WhalepyError(f"measure: a peer process of cpu_peers={peers} failed to run the model "
+                                   f"({why}); give cpu_peers=0 to measure without them") from None
         yield
     finally:
         stop.set()
