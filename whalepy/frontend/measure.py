@@ -2,9 +2,10 @@
 
 ``whalepy.profile(model, example_inputs, measure=True)`` (and ``whalepy.plan(..., measure=True)``,
 ``whalepy calibrate --model MODULE:FN``) runs the model on this machine's device (a CUDA GPU, or the
-CPU) and records, per **distinct** block (blocks keyed by :func:`block_signature`, so a run of
-identical layers is timed on the first two members only: :mod:`whalepy.passes.truncate` cuts the run
-down while the model runs):
+CPU) and records, per **distinct** block (blocks keyed by :func:`block_signature`; on a GPU a run of
+identical layers is timed on the first two members only, :mod:`whalepy.passes.truncate` cutting the run
+down while the model runs; on the CPU the whole model runs, :data:`TRUNCATE_DEFAULT`, and the members'
+times are averaged):
 
 - forward and backward seconds of one micro-batch, at each micro-batch size and tensor-parallel
   degree asked for, in the plan's precision (``torch.autocast`` for bf16/fp16, as the runtime does it).
@@ -112,6 +113,32 @@ def default_loss(out: Any, inputs: Any) -> torch.Tensor:
             and tuple(y.shape[:-1]) == tuple(ids.shape)):
         return nn.functional.cross_entropy(y.reshape(-1, y.shape[-1]).float(), ids.reshape(-1) % y.shape[-1])
     return y.float().pow(2).mean()
+
+
+# ------------------------------------------------------------------------------------------ tables
+
+
+class _MeanRow(dict):  # type: ignore[type-arg]
+    """A table row (``key -> seconds``, ``(forward, backward)`` or bytes) in which a key assigned again keeps
+    the mean of every value assigned: the members of a run of identical blocks (one signature) each
+    report their time, and the signature's row is their mean, not the last member's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._count: dict[Any, int] = {}
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        n = self._count.get(key, 0)
+        if n:
+            old = dict.__getitem__(self, key)
+            value = (tuple((o * n + v) / (n + 1) for o, v in zip(old, value)) if isinstance(value, tuple)
+                     else (old * n + value) / (n + 1))
+        self._count[key] = n + 1
+        super().__setitem__(key, value)
+
+
+def _plain_rows(table: dict) -> dict:  # type: ignore[type-arg]
+    return {k: dict(v) for k, v in table.items()}
 
 
 # ---------------------------------------------------------------------------------------- CPU peers
@@ -468,6 +495,18 @@ def _median_times(runs: list[dict[tuple[int, str], float]]) -> dict[tuple[int, s
     return {k: statistics.median(r.get(k, 0.0) for r in runs) for k in keys}
 
 
+TRUNCATE_DEFAULT = {False: True, True: False}
+"""Whether measured planning truncates runs of identical blocks by default, keyed by "the device is the
+CPU". On a GPU a block streams its weights from device memory whatever ran before it, and a run cut to
+its first members times the same per block while taking a fraction of the time and memory. On the CPU
+it does not: a core's L2 (1 MiB here) keeps the weights of a short run between its forward and backward
+and not those of the whole model, so blocks of a truncated run time fast; on this 2-core machine
+``gpt-deep`` (8 blocks of 0.79 MB of weights) at micro-batch 2 summed to 18.1 ms from its truncated
+run against 19.6-19.9 ms timed in the whole model (-9%; head -24%), and the ranks' micro-batch-2 rows
+of ``bench_predict_cpu.py`` ran 15-35% above the truncated profile (docs/benchmarks.md, session 17).
+``truncate=True`` keeps the short run for a CPU model too large to time whole."""
+
+
 @contextlib.contextmanager
 def _maybe_truncated(model: nn.Module, truncate: bool) -> Iterator[None]:
     from whalepy.passes.truncate import plan_truncation, truncated
@@ -507,7 +546,7 @@ def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device
                   tp_degrees: Iterable[int] = (1,), repeats: int = 3, loss_fn: Callable | None = None,
                   optimizer: Callable[[list], torch.optim.Optimizer] | None = None,
                   device_type: str | None = None, lowered: bool = True, compile: bool = False,
-                  cpu_peers: int = 0) -> MeasuredCosts:
+                  cpu_peers: int = 0, truncate: bool | None = None) -> MeasuredCosts:
     """Time ``model``'s distinct blocks on ``device`` (module docstring) and return the table.
 
     ``micro_batches``: sizes to time (default the example inputs' batch); ``tp_degrees``: TP degrees
@@ -520,13 +559,17 @@ def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device
     (``Plan.compile``), filed as :attr:`MeasuredCosts.compiled` and ``"<wrapper>/compiled"`` (the plain,
     eager times are measured as well). ``cpu_peers`` (CPU only): time everything beside this many other
     processes running the model, as the other ranks of a node of CPU ranks do (:func:`cpu_peers_running`).
+    ``truncate``: time a run of identical blocks on its first members only (:mod:`whalepy.passes.truncate`);
+    default on a GPU, not on the CPU, where a block's time depends on what its neighbours leave in the
+    core's cache (:data:`TRUNCATE_DEFAULT`). Members of one signature timed apart are averaged.
     """
     from whalepy.frontend.measure_checks import check_measurable_model, check_measure_options
     from whalepy.frontend.trace import trace_memory
 
     dev = check_measure_options(device=device, precision=precision, micro_batches=micro_batches,
                                 tp_degrees=tp_degrees, repeats=repeats, loss_fn=loss_fn, optimizer=optimizer,
-                                lowered=lowered, compile=compile, device_type=device_type, cpu_peers=cpu_peers)
+                                lowered=lowered, compile=compile, device_type=device_type, cpu_peers=cpu_peers,
+                                truncate=truncate)
     check_measurable_model(model)
     row, reported = local_device_type(dev)
     mbs = sorted({int(m) for m in (micro_batches or [_batch_of(example_inputs)])})
@@ -545,7 +588,9 @@ def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device
     recompute_ratio: dict[str, dict[float, float]] = {}
     last = profile.blocks[-1].index
     peer_inputs = _resize(example_inputs, mbs[-1], torch.device("cpu")) if cpu_peers else None
-    with cpu_peers_running(model, peer_inputs, cpu_peers), _maybe_truncated(model, truncate=True):
+    if truncate is None:
+        truncate = TRUNCATE_DEFAULT[dev.type == "cpu"]
+    with cpu_peers_running(model, peer_inputs, cpu_peers), _maybe_truncated(model, truncate=truncate):
         present = dict(model.named_modules())
         blocks = {b.index: tuple(p for p in b.modules if p in present) for b in profile.blocks}
         blocks = {i: ps for i, ps in blocks.items() if ps}
@@ -573,13 +618,13 @@ def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device
                         b = profile.blocks[i]
                         if tp > 1 and not tp_splits(b, tp):
                             continue
-                        times.setdefault(sigs[i], {})[(precision, tp, float(mb))] = (
+                        times.setdefault(sigs[i], _MeanRow())[(precision, tp, float(mb))] = (
                             med.get((i, "f"), 0.0), med.get((i, "b"), 0.0))
                         names.setdefault(sigs[i], b.name)
                     if tp == 1:  # what each block saves for backward at this size (split by MeasuredCosts.saved_fit)
                         got = saved_per_block(work, inputs, blocks, loss_fn, autocast)
                         for i in blocks:
-                            saved.setdefault(sigs[i], {})[(precision, False, float(mb))] = float(got.get(i, 0))
+                            saved.setdefault(sigs[i], _MeanRow())[(precision, False, float(mb))] = float(got.get(i, 0))
             finally:
                 clock.remove()
             if tp == 1:
@@ -606,7 +651,7 @@ def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device
                     for i in blocks:
                         name = profile.blocks[i].name
                         if name in trace.activation_bytes:
-                            acts.setdefault(sigs[i], {})[precision] = trace.activation_bytes[name] / mbs[-1]
+                            acts.setdefault(sigs[i], _MeanRow())[precision] = trace.activation_bytes[name] / mbs[-1]
             del work
         wrapped, wrapped_updates, compiled, tp_colls, units, saved_c = {}, {}, {}, {}, {}, {}
         if lowered:
@@ -621,6 +666,8 @@ def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device
             compiled = {**compiled, **alone}
         for sig, rows in saved_c.items():
             saved.setdefault(sig, {}).update(rows)
+    times, updates, acts, saved = _plain_rows(times), dict(updates), _plain_rows(acts), _plain_rows(saved)
+    wrapped, wrapped_updates, compiled = _plain_rows(wrapped), _plain_rows(wrapped_updates), _plain_rows(compiled)
     return MeasuredCosts(device_type=device_type or row.name, device_name=reported,
                          threads=torch.get_num_threads() if dev.type == "cpu" else None,
                          source=f"whalepy measure on {reported}, torch {torch.__version__}"
@@ -720,8 +767,8 @@ def _compiled_in_process(model: nn.Module, example_inputs: Any, profile: Any, bl
             med = _timed_steps(work, inputs, clock, loss_fn, autocast, last, repeats)
             kept = saved_per_block(work, inputs, blocks, loss_fn, autocast)
             for i in blocks:
-                out.setdefault(sigs[i], {})[(precision, 1, float(mb))] = (med.get((i, "f"), 0.0), med.get((i, "b"), 0.0))
-                saved.setdefault(sigs[i], {})[(precision, True, float(mb))] = float(kept.get(i, 0))
+                out.setdefault(sigs[i], _MeanRow())[(precision, 1, float(mb))] = (med.get((i, "f"), 0.0), med.get((i, "b"), 0.0))
+                saved.setdefault(sigs[i], _MeanRow())[(precision, True, float(mb))] = float(kept.get(i, 0))
     except Exception as e:  # noqa: BLE001 - then the eager times stand in (the planner says so)
         logging.getLogger("whalepy.measure").warning("whalepy measure: the compiled blocks could not be timed "
                                                      "(%s: %s)", type(e).__name__, str(e).splitlines()[0][:200])
@@ -770,21 +817,27 @@ def _measure_as_lowered(model: nn.Module, example_inputs: Any, profile: Any, blo
     wrapped: dict[str, dict] = {}
     for (wrapper, mb), row in got["wrapped"].items():
         for name, t in row.items():
-            wrapped.setdefault(sig_of[name], {})[(precision, f"{wrapper}/compiled" if compile else wrapper,
+            wrapped.setdefault(sig_of[name], _MeanRow())[(precision, f"{wrapper}/compiled" if compile else wrapper,
                                                   float(mb))] = t
     by_name = {b.name: b for b in profile.blocks}
     compiled: dict[str, dict] = {}
+    lowered_tp: dict[str, dict] = {}  # the members' mean, then replacing the sharded-shape rows (not averaged in)
     for (tp, mb), row in got["tp"].items():
         for name, t in row.items():
             if tp_splits(by_name[name], tp):
-                (compiled if compile else times).setdefault(sig_of[name], {})[(precision, tp, float(mb))] = t
+                lowered_tp.setdefault(sig_of[name], _MeanRow())[(precision, tp, float(mb))] = t
+    target = compiled if compile else times
+    for sig, row in lowered_tp.items():
+        merged = _MeanRow()
+        dict.update(merged, {**target.get(sig, {}), **row})  # as assigned once: later rows average among themselves
+        target[sig] = merged
     for mb, row in got["plain"].items():
         for name, t in row.items():
-            compiled.setdefault(sig_of[name], {})[(precision, 1, float(mb))] = t
+            compiled.setdefault(sig_of[name], _MeanRow())[(precision, 1, float(mb))] = t
     ups: dict[str, dict] = {}
     for key, row in got["updates"].items():
         for name, t in row.items():
-            ups.setdefault(sig_of[name], {})[key] = t
+            ups.setdefault(sig_of[name], _MeanRow())[key] = t
     tpc: dict[str, dict] = {}
     for tp, per_block in got.get("tp_collectives", {}).items():
         for name, phases in per_block.items():
@@ -794,7 +847,7 @@ def _measure_as_lowered(model: nn.Module, example_inputs: Any, profile: Any, blo
     saved: dict[str, dict] = {}
     for mb, row in got.get("saved", {}).items():
         for name, n in row.items():
-            saved.setdefault(sig_of[name], {})[(precision, True, float(mb))] = float(n)
+            saved.setdefault(sig_of[name], _MeanRow())[(precision, True, float(mb))] = float(n)
     return wrapped, ups, compiled, tpc, units, saved
 
 

@@ -49,7 +49,7 @@ def check_measurable_model(model: nn.Module, where: str = "measure=True") -> Non
 def check_measure_options(*, device: Any = None, precision: Any = "fp32", micro_batches: Any = None,
                           tp_degrees: Any = (1,), repeats: Any = 3, loss_fn: Any = None, optimizer: Any = None,
                           lowered: Any = True, compile: Any = False, device_type: Any = None,
-                          cpu_peers: Any = 0) -> torch.device:
+                          cpu_peers: Any = 0, truncate: Any = None) -> torch.device:
     """Every option of :func:`whalepy.frontend.measure.measure_costs` by type and value; returns the device
     the blocks will run on. The optimizer factory is called once on a one-element parameter (cheap) so
     that a factory that fails, or builds no optimizer, is refused before the model is captured."""
@@ -71,6 +71,9 @@ def check_measure_options(*, device: Any = None, precision: Any = "fp32", micro_
     if device_type is not None and (not isinstance(device_type, str) or not device_type.strip()):
         raise ArgumentError(f"measure: device_type={device_type!r:.60}: give a device type name of the catalog, "
                             "e.g. 'H100-SXM', or leave it out for the local device's")
+    if truncate is not None and not isinstance(truncate, bool):
+        raise ArgumentError(f"measure: truncate={truncate!r:.60}: give True, False or leave it out (the default: "
+                            "truncated on a GPU, whole on the CPU)")
     if isinstance(cpu_peers, bool) or not isinstance(cpu_peers, numbers.Integral) or cpu_peers < 0:
         raise ArgumentError(f"measure: cpu_peers={cpu_peers!r:.60}: give the number of other ranks per node "
                             "(a non-negative integer, e.g. 1 for two CPU ranks per node)")

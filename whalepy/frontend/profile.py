@@ -25,7 +25,7 @@ def _check_profile_options(kwargs: dict[str, Any]) -> None:
 
 
 MEASURE_OPTIONS = ("micro_batches", "tp_degrees", "precision", "loss_fn", "optimizer", "device", "repeats", "lowered", "compile",
-                   "cpu_peers")
+                   "cpu_peers", "truncate")
 """Options of ``whalepy.profile(..., measure=True)``, passed to :func:`whalepy.frontend.measure.measure_costs`."""
 
 
