@@ -65,6 +65,7 @@ MEASURE_OPTIONS = [
      ("optimizer factory raised ValueError: Invalid learning rate: -1", "give a factory")),
     ("optimizer factory returns no optimizer", dict(optimizer=lambda ps: ps),
      ("returned a list, not a torch.optim.Optimizer",)),
+    ("truncate a string", dict(truncate="yes"), ("truncate='yes'", "True, False or leave it out")),
     ("cpu_peers negative", dict(cpu_peers=-1), ("cpu_peers=-1", "non-negative integer")),
     ("cpu_peers True", dict(cpu_peers=True), ("cpu_peers=True", "non-negative integer")),
     ("cpu_peers a string", dict(cpu_peers="1"), ("cpu_peers='1'",)),

@@ -92,3 +92,38 @@ def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path) -> None:
     assert done.returncode != 0
     last = done.stderr.strip().splitlines()[-1]
     assert "WhalepyError" in last and 'if __name__ == "__main__":' in last and "cpu_peers=0" in last, last
+
+
+def test_cpu_measures_the_whole_model_unless_told_to_truncate(monkeypatch) -> None:
+    """On the CPU a run of identical blocks is timed whole by default (a block's time depends on the cache
+    its neighbours leave: ``measure.TRUNCATE_DEFAULT``), truncated where asked; its members' times are
+    averaged into the signature's row."""
+    import contextlib
+
+    from whalepy.frontend import measure
+
+    seen: list[bool] = []
+    real = measure._maybe_truncated
+
+    @contextlib.contextmanager
+    def spy(model, truncate):  # type: ignore[no-untyped-def]
+        seen.append(truncate)
+        with real(model, truncate):
+            yield
+
+    monkeypatch.setattr(measure, "_maybe_truncated", spy)
+    for kw, want in (({}, False), ({"truncate": True}, True)):
+        prof = whalepy.profile(tiny(), (TOKENS,), measure=True, lowered=False, repeats=1, device="cpu", **kw)
+        assert seen[-1] is want and prof.measured.times
+
+
+def test_members_of_one_signature_are_averaged() -> None:
+    from whalepy.frontend.measure import _MeanRow
+
+    row = _MeanRow()
+    row["fb"] = (1.0, 3.0)
+    row["fb"] = (3.0, 5.0)
+    row["fb"] = (5.0, 7.0)
+    row["bytes"] = 10.0
+    row["bytes"] = 20.0
+    assert dict(row) == {"fb": (3.0, 5.0), "bytes": 15.0}
