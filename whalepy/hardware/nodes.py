@@ -183,9 +183,9 @@ class NodeGroup:
     """Ranks run on CPU (gloo) but take the role of ``device``: costs and memory limits are that
     GPU's. For testing plans for GPU clusters on a laptop or CI."""
     call_latency: float | None = None
-    """Fixed cost of one collective call besides its per-step latency, seconds, as measured (a spec's
-    ``intra_node: {call_latency_us: ...}``); ``None``: NCCL's ``baseLat`` on GPUs, nothing on CPU ranks
-    (``ClusterSpec.comm_group``)."""
+    """Fixed cost of one collective call (a pipeline's send too) besides its per-step latency, seconds, as
+    measured (a spec's ``intra_node: {call_latency_us: ...}``); ``None``: NCCL's ``baseLat`` on GPUs,
+    nothing on CPU ranks (``ClusterSpec.comm_group``)."""
 
     def __post_init__(self) -> None:
         where = f"group {self.name!r}: "
