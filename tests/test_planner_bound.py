@@ -17,7 +17,7 @@ from whalepy.hardware.cluster import resolve_precision
 from whalepy.errors import InfeasibleError
 from whalepy.planner import make_options, plan_from_profile
 from whalepy.planner._bound import Choices
-from whalepy.planner.costing import CostContext, build_coefficients, lower_bound
+from whalepy.planner.costing import CostContext, build_coefficients, compute_bound, lower_bound, seg_time_rows
 from whalepy.planner.ilp import MIP_REL_GAP, solve_candidate
 from whalepy.planner.search import allowed_stage_ranges, read_annotations
 from whalepy.planner.space import Hardware, build_segments, build_state_options
@@ -87,6 +87,16 @@ def test_planner_equals_brute_force(seed: int) -> None:
     _assert_optimal(inst, _planned(inst), MIP_REL_GAP)
 
 
+def _option_floor(ctx, cand, segments, options) -> float:  # type: ignore[no-untyped-def]
+    """The search's compute bound with the least time the state options add per block (FSDP2's hook
+    work, autocast's casts: ``seg_time_rows``), checked at least the bound without it."""
+    lengths = [seg.length for seg in segments]
+    plain, more = seg_time_rows(ctx, cand, segments, options)
+    floor = compute_bound(cand, lengths, more)
+    assert floor >= compute_bound(cand, lengths, plain)
+    return floor
+
+
 def _check_bounds(inst: Instance) -> tuple[int, int]:
     """``lower_bound <= cost`` for every candidate, with and without its whole-block part (step 7, a small
     MIP): against its best plan that fits, host copies of activations included where the bound is above
@@ -107,6 +117,10 @@ def _check_bounds(inst: Instance) -> tuple[int, int]:
         fit, any_ = candidate_optimum(cc, opts.allow_checkpointing, allow_activation_offload=False,
                                       allow_checkpoint_offload=False)
         assert whole <= fit * (1 + REL), (lb, whole, any_, fit, cand, inst)
+        # the compute part with the least time the state options add per block (what the search prunes
+        # by): below the best plan, memory ignored
+        floor = _option_floor(ctx, cand, segments, options)
+        assert floor <= any_ * (1 + REL), (floor, any_, cand, inst)
         if any(c.seg_offload is not None or c.seg_ckoff is not None for st in cc.stages for c in st.cells):
             # told that the ILP makes no host copies (the planner's options), steps 6-7 leave their
             # columns out: still below the best plan without them
@@ -154,7 +168,7 @@ def test_bound_below_cost_on_a_full_size_gpt() -> None:
     cons = read_annotations(prof, ctx.hw)
     cands, _ = outer_candidates(ctx, 8)
     segments, options = build_segments(prof), build_state_options(opts.zero_stages, opts.allow_offload, ctx.precision)
-    checked = tighter = 0
+    checked = tighter = floored = 0
     for cand in cands:
         cc = build_coefficients(ctx, cand, segments, options)
         res = solve_candidate(cc, allowed_stages=allowed_stage_ranges(cand, cons), allow_checkpointing=True,
@@ -164,11 +178,15 @@ def test_bound_below_cost_on_a_full_size_gpt() -> None:
         checked += 1
         # below the optimum, hence below what the ILP returns (within MIP_REL_GAP above it)
         assert lower_bound(cc) <= res.evaluation.step_time_s * (1 + REL), (cand, res.evaluation.step_time_s)
+        floor = _option_floor(ctx, cand, segments, options)
+        assert floor <= res.evaluation.step_time_s * (1 + REL), (cand, floor, res.evaluation.step_time_s)
+        floored += floor > lower_bound(build_coefficients(ctx, cand, segments, ()), memory=False) * (1 + 1e-6)
         whole = lower_bound(cc, whole_blocks=True)
         assert whole <= res.evaluation.step_time_s * (1 + REL), (cand, whole, res.evaluation.step_time_s)
         tighter += whole > lower_bound(cc) * (1 + 1e-6)
     assert checked >= 20
     assert tighter >= checked // 2  # the whole-block part (sends, tail, whole blocks) lifts most
+    assert floored > 0  # T4's short blocks pay FSDP2's hook work under every option that shards
 
 
 def test_candidates_set_aside_are_solved_in_full(monkeypatch) -> None:  # type: ignore[no-untyped-def]

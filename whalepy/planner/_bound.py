@@ -202,8 +202,9 @@ def integer_step_bound(cc: CandidateCoeffs, cells: Sequence[CellCoeffs], cutoff:
     every plan), continuous recompute and host copies (those ``choices`` allows) under the
     stage's device and host memory (the rows of :func:`relaxed_stage_time`), with ``t >= compute_s +
     p2p_s``, ``v tc >= compute_s + p2p_s`` and, the largest chunk holding at least ``u[s][g] >= n[s][g]
-    / v`` (integer) blocks of segment ``g``, ``tc >= u[s][g] seg_time_g + min_k chunk_p2p_k``. Where
-    ``cc`` has state options, their terms too (:func:`_state_terms`: states in memory, fetches, exposed
+    / v`` (integer) blocks of segment ``g``, ``tc >= u[s][g] (seg_time_g + min_o exposed_og) + min_o
+    edge_o + min_k chunk_p2p_k`` (the least over the stage's options, none without them). Where ``cc``
+    has state options, their terms too (:func:`_state_terms`: states in memory, fetches, exposed
     communication, ``x >=`` the tail); else ``x = 0``. None where HiGHS proves nothing.
 
     ``cutoff``: the question is only whether the bound reaches it. HiGHS then stops at the first
@@ -242,11 +243,17 @@ def integer_step_bound(cc: CandidateCoeffs, cells: Sequence[CellCoeffs], cutoff:
                 prob.rows.append(({**form, tc: -float(v)}, const, LE, f"chunks_{s}_{i}"))
         if v == 1:
             continue
+        # the largest chunk's blocks each pay their compute and the least exposed time over the options,
+        # the chunk its edge once (chunk_busy_s)
+        opts = cc.stages[s].options
+        least = [min((c.seg_exposed[o][g] for o in opts), default=0.0) for g in range(G)]
+        edge_least = min((c.edge[o] for o in opts), default=0.0)
         for g in range(G):
             if lengths[g] > 1 and c.seg_time[g] > 0:
                 u = prob.var(f"u_{s}_{g}", 0.0, float(lengths[g]), "Integer")
                 prob.rows.append(({n[s][g]: 1.0, u: -float(v)}, 0.0, LE, f"largest_chunk_{s}_{g}"))
-                prob.rows.append(({u: c.seg_time[g], tc: -1.0}, min(c.chunk_p2p), LE, f"chunk_{s}_{g}"))
+                prob.rows.append(({u: c.seg_time[g] + least[g], tc: -1.0}, min(c.chunk_p2p) + edge_least, LE,
+                                  f"chunk_{s}_{g}"))
     if cutoff is not None:
         # the MIP's optimum is at least its linear relaxation's: where that reaches the cutoff, so does the
         # MIP, whose answer would be the cutoff (below). The LP costs a third of the MIP's run on Llama-70B

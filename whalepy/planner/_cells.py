@@ -153,8 +153,7 @@ def _cell_options(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ..
         seg_tail[o] = [r[1] for r in rows]
         fsdp = kind == LoweringKind.FSDP
         if fsdp:  # the wrapper's host work (FSDP2 hooks and copies): measured, or modelled on a GPU
-            wrapper = "fsdp_reshard" if z3 else "fsdp"
-            seg_exposed[o] = [x + ctx.wrapper_overhead(seg.block.index, g.device.name, wrapper, micro_batch, t)
+            seg_exposed[o] = [x + _wrapper_s(ctx, seg, g.device.name, z3, micro_batch, t)
                               for x, seg in zip(seg_exposed[o], segments)]
         if ctx.measured:
             # the device optimizer steps DTensor shards (a host-resident step is whalepy's fused CPU kernel)
@@ -167,9 +166,56 @@ def _cell_options(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ..
         seg_amp_saved[o] = ([ctx.autocast_saved_extra(seg.block.index, micro_batch) for seg in segments]
                             if uses_autocast(kind, ctx.precision) else [0.0] * len(segments))
         if uses_autocast(kind, ctx.precision):  # autocast's fp32 tensors and casts, per block (compute)
-            extra = [ctx.autocast_extra(seg.block.index, g.device.name, t, micro_batch) for seg in segments]
+            extra = [_autocast_s(ctx, seg, g.device.name, micro_batch, t) for seg in segments]
             seg_exposed[o] = [x + e for x, e in zip(seg_exposed[o], extra)]
             seg_autocast[o] = extra
         else:
             seg_autocast[o] = [0.0] * len(segments)
     return opt_beta, opt_overlap, fetch_beta, seg_exposed, edge, seg_tail, tail_edge, seg_amp_saved, seg_autocast
+
+
+def _wrapper_s(ctx: CostContext, seg: Segment, device_name: str, z3: bool, micro_batch: float, t: int) -> float:
+    """Seconds per micro-batch FSDP2's wrapper adds to a block of ``seg`` (``CostContext.wrapper_overhead``;
+    resharding after forward under ZeRO-3)."""
+    return ctx.wrapper_overhead(seg.block.index, device_name, "fsdp_reshard" if z3 else "fsdp", micro_batch, t)
+
+
+def _autocast_s(ctx: CostContext, seg: Segment, device_name: str, micro_batch: float, t: int) -> float:
+    """Seconds per micro-batch autocast's fp32 tensors and casts add to a block of ``seg``."""
+    return ctx.autocast_extra(seg.block.index, device_name, t, micro_batch)
+
+
+def option_kinds(ctx: CostContext, cand: Candidate, options: tuple[StateOption, ...]) -> tuple[tuple[str, bool], ...]:
+    """The distinct ``(lowering kind, ZeRO-3)`` pairs of ``options`` in ``cand`` (what
+    :func:`least_option_time` prices): the same for every candidate with its degrees and stage count."""
+    key = ("option kinds", id(options), cand.dp, cand.tp, cand.num_stages)
+    if key not in ctx._cache:
+        ctx._kept[id(options)] = options  # the id stays this tuple's while the cache lives
+        ctx._cache[key] = tuple(sorted({(lowering_kind(o, cand), o.zero is ZeroStage.PARAMETERS) for o in options}))
+    return ctx._cache[key]  # type: ignore[return-value]
+
+
+def least_option_time(ctx: CostContext, segments: tuple[Segment, ...], kinds: tuple[tuple[str, bool], ...],
+                      device_name: str, micro_batch: float, t: int) -> tuple[float, ...]:
+    """Per segment, the least over the state options of ``kinds`` (:func:`option_kinds`) of the seconds
+    per micro-batch that a block's option adds to its time whatever else it exposes: FSDP2's wrapper work
+    where the option lowers to FSDP2, autocast's casts where it trains under autocast (the terms
+    :func:`_cell_options` adds to ``seg_exposed``, each non-negative beside the data-parallel
+    communication it adds too), at TP degree ``t``. Every plan on a device of ``device_name`` spends at
+    least this per block and micro-batch besides ``seg_time``: what the pruning bound's compute part adds
+    (``costing.seg_time_rows``); 0 without options."""
+    if not kinds:
+        return (0.0,) * len(segments)
+    key = ("least option time", id(segments), kinds, device_name, micro_batch, t)
+    if key not in ctx._cache:
+        ctx._kept[id(segments)] = segments  # the id stays this tuple's while the cache lives
+        rows = []
+        for kind, z3 in kinds:
+            if kind == LoweringKind.FSDP:
+                rows.append([_wrapper_s(ctx, seg, device_name, z3, micro_batch, t) for seg in segments])
+            elif uses_autocast(kind, ctx.precision):
+                rows.append([_autocast_s(ctx, seg, device_name, micro_batch, t) for seg in segments])
+            else:
+                rows.append([0.0] * len(segments))
+        ctx._cache[key] = tuple(min(col) for col in zip(*rows))
+    return ctx._cache[key]  # type: ignore[return-value]

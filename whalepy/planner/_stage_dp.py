@@ -183,6 +183,9 @@ def _frontier(w: _Priced, m: tuple[int, ...], memo: dict) -> tuple[list[float], 
         seg = _segment_frontier(w.moves[g], k)
         if seg is None:
             break
+        if len(acc) == 1 and acc[0] == (0.0, 0.0):  # the first segment freed: its frontier as it is
+            acc = list(seg)
+            continue
         freed, cost = _pareto([(f1 + f2, x1 + x2) for f1, x1 in acc for f2, x2 in seg])
         acc = list(zip(freed, cost))
     else:

@@ -118,7 +118,7 @@ from whalepy.planner._cost_context import (  # noqa: F401
     tp_activation_fraction,
     tp_splits,
 )
-from whalepy.planner._cells import _cell
+from whalepy.planner._cells import _cell, least_option_time, option_kinds
 from whalepy.ir.rules import fsdp_row_excess, tied_copy_local_params, tied_copy_row_excess, tp_local_params
 from whalepy.planner._coeffs import TiedCopyCoeff
 
@@ -193,27 +193,35 @@ def build_coefficients(ctx: CostContext, cand: Candidate, segments: tuple[Segmen
                            else (), bubble=cand.bubble_coefficient)
 
 
-def seg_time_rows(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...]) -> list[list[tuple[float, ...]]]:
+def seg_time_rows(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...],
+                  options: tuple[StateOption, ...] = ()) -> tuple[list[list[tuple[float, ...]]], list[list[tuple[float, ...]]]]:
     """Per distinct pipeline of ``cand`` (replicas whose stages run in the same cells), per stage, the
     ``CellCoeffs.seg_time`` :func:`build_coefficients` gives that cell: all that the compute part of the
     pruning bound reads (:func:`~whalepy.planner._evaluation.compute_bound`), without building the cells.
     The search bounds every candidate with it and builds coefficients only for those it looks at further
-    (on four GPU types, 2,738 candidates, most of them orders of the groups pruned by this part)."""
+    (on four GPU types, 2,738 candidates, most of them orders of the groups pruned by this part).
+    Returned twice: as is, and plus the least any of ``options`` adds to a block's time
+    (:func:`~whalepy.planner._cells.least_option_time`: FSDP2's hook work or autocast's casts, which
+    every plan's stage time counts beside its compute)."""
     hw, t, M = ctx.hw, cand.tp, cand.num_microbatches
     ranks = build_layout(cand, hw)
-    rows: dict[tuple, list[tuple[float, ...]]] = {}  # type: ignore[type-arg]
+    kinds = option_kinds(ctx, cand, options)
+    rows: dict[tuple, tuple[list[tuple[float, ...]], list[tuple[float, ...]]]] = {}  # type: ignore[type-arg]
     for r in range(cand.dp):
         key = tuple((cand.cell_groups[s][r], cand.batch_shares[r]) for s in range(cand.num_stages))
         if key in rows:
             continue
-        row = []
+        row, more = [], []
         for s, (g, share) in enumerate(key):
             # the cell's first replica, as build_coefficients keys its cells
             rep = next(q for q in range(cand.dp) if (cand.cell_groups[s][q], cand.batch_shares[q]) == (g, share))
             tp_group = hw.comm(ranks[s][rep]) if t > 1 else None
-            row.append(ctx.segment_costs(segments, hw.groups[g].device.name, t, share / M, tp_group)[0])
-        rows[key] = row
-    return list(rows.values())
+            name = hw.groups[g].device.name
+            row.append(ctx.segment_costs(segments, name, t, share / M, tp_group)[0])
+            least = least_option_time(ctx, segments, kinds, name, share / M, t)
+            more.append(tuple(x + y for x, y in zip(row[-1], least)))
+        rows[key] = (row, more)
+    return [a for a, _ in rows.values()], [b for _, b in rows.values()]
 
 
 def _shared_memo(ctx: CostContext, cand: Candidate, segments: tuple[Segment, ...],
