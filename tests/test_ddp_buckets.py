@@ -109,11 +109,14 @@ def estimates():
 
 
 def test_a_step_is_charged_its_calls(estimates) -> None:
-    """With a per-call cost only (2 ms) on top of a link, a pipeline step (sends pay no per-call cost)
-    is charged one call more: the loss report; a DP step two more for DDP's buckets (the tiny GPT's
-    gradients fit the first bucket and one more call is charged) plus their byte share, and the loss."""
+    """With a per-call cost only (2 ms) on top of a link, a pipeline step is charged the loss report's
+    call and a call per message on its critical path: each of its ``M + S - 1`` micro-batch slots (2
+    micro-batches, 2 stages) carries one send of the busiest stage; a DP step two more for DDP's buckets
+    (the tiny GPT's gradients fit the first bucket and one more call is charged) plus their byte share,
+    and the loss."""
     pp = estimates[("PP2", 2000.0)].step_time_s - estimates[("PP2", 0.0)].step_time_s
-    assert pp == pytest.approx(2e-3, rel=1e-6)
+    slots = 2 + 2 - 1
+    assert pp == pytest.approx(2e-3 * (1 + slots), rel=1e-6)
     dp = estimates[("DP2", 2000.0)].step_time_s - estimates[("DP2", 0.0)].step_time_s
     grads = estimates[("DP2", 0.0)].plan.stages[0].cost.params_bytes  # fp32 gradients, as many bytes
     assert dp == pytest.approx(2e-3 * (1 + DDP_EDGE_CALLS + grads / DDP_BUCKET_BYTES), rel=1e-3)

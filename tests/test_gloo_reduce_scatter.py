@@ -24,9 +24,10 @@ from whalepy.cost_models.communication import Collective, estimate_collective_ti
 
 from dist_harness import run_distributed
 
-SIZES = (4 << 20, 8 << 20)
-"""Input bytes timed on the 2 gloo ranks: 4 and 8 MiB, where gloo's all-reduce takes 3-8 ms on the
-2-core CI machine against about 0.3 ms for a call without bytes."""
+SIZES = (8 << 20, 16 << 20)
+"""Input bytes timed on the 2 gloo ranks: 8 and 16 MiB, where gloo's all-reduce takes 5-13 ms on the
+2-core CI machine against about 0.3 ms for a call without bytes (at 4 MiB, 2.8-5.7 ms, a run under
+other processes' load once timed the reduce-scatter at 0.78x the all-reduce)."""
 
 
 def _cpu_pair() -> ClusterSpec:
