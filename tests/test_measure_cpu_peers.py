@@ -96,7 +96,7 @@ def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path) -> None:
 
 def test_cpu_measures_the_whole_model_unless_told_to_truncate(monkeypatch) -> None:
     """On the CPU a run of identical blocks is timed whole by default (a block's time depends on the cache
-    its neighbours leave: ``measure.TRUNCATE_DEFAULT``), truncated where asked; its members' times are
+    its neighbours leave: ``measure.TRUNCATE_ON_CPU``), truncated where asked; its members' times are
     averaged into the signature's row."""
     import contextlib
 

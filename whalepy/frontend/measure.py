@@ -4,7 +4,7 @@
 ``whalepy calibrate --model MODULE:FN``) runs the model on this machine's device (a CUDA GPU, or the
 CPU) and records, per **distinct** block (blocks keyed by :func:`block_signature`; on a GPU a run of
 identical layers is timed on the first two members only, :mod:`whalepy.passes.truncate` cutting the run
-down while the model runs; on the CPU the whole model runs, :data:`TRUNCATE_DEFAULT`, and the members'
+down while the model runs; on the CPU the whole model runs, :data:`TRUNCATE_ON_CPU`, and the members'
 times are averaged):
 
 - forward and backward seconds of one micro-batch, at each micro-batch size and tensor-parallel
@@ -495,9 +495,9 @@ def _median_times(runs: list[dict[tuple[int, str], float]]) -> dict[tuple[int, s
     return {k: statistics.median(r.get(k, 0.0) for r in runs) for k in keys}
 
 
-TRUNCATE_DEFAULT = {False: True, True: False}
-"""Whether measured planning truncates runs of identical blocks by default, keyed by "the device is the
-CPU". On a GPU a block streams its weights from device memory whatever ran before it, and a run cut to
+TRUNCATE_ON_CPU = False
+"""Whether measured planning truncates runs of identical blocks by default on the CPU (on a GPU it
+does). On a GPU a block streams its weights from device memory whatever ran before it, and a run cut to
 its first members times the same per block while taking a fraction of the time and memory. On the CPU
 it does not: a core's L2 (1 MiB here) keeps the weights of a short run between its forward and backward
 and not those of the whole model, so blocks of a truncated run time fast; on this 2-core machine
@@ -561,7 +561,7 @@ def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device
     processes running the model, as the other ranks of a node of CPU ranks do (:func:`cpu_peers_running`).
     ``truncate``: time a run of identical blocks on its first members only (:mod:`whalepy.passes.truncate`);
     default on a GPU, not on the CPU, where a block's time depends on what its neighbours leave in the
-    core's cache (:data:`TRUNCATE_DEFAULT`). Members of one signature timed apart are averaged.
+    core's cache (:data:`TRUNCATE_ON_CPU`). Members of one signature timed apart are averaged.
     """
     from whalepy.frontend.measure_checks import check_measurable_model, check_measure_options
     from whalepy.frontend.trace import trace_memory
@@ -589,7 +589,7 @@ def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device
     last = profile.blocks[-1].index
     peer_inputs = _resize(example_inputs, mbs[-1], torch.device("cpu")) if cpu_peers else None
     if truncate is None:
-        truncate = TRUNCATE_DEFAULT[dev.type == "cpu"]
+        truncate = dev.type != "cpu" or TRUNCATE_ON_CPU
     with cpu_peers_running(model, peer_inputs, cpu_peers), _maybe_truncated(model, truncate=truncate):
         present = dict(model.named_modules())
         blocks = {b.index: tuple(p for p in b.modules if p in present) for b in profile.blocks}
@@ -666,7 +666,7 @@ def measure_costs(model: nn.Module, example_inputs: Any, profile: Any, *, device
             compiled = {**compiled, **alone}
         for sig, rows in saved_c.items():
             saved.setdefault(sig, {}).update(rows)
-    times, updates, acts, saved = _plain_rows(times), dict(updates), _plain_rows(acts), _plain_rows(saved)
+    times, acts, saved = _plain_rows(times), _plain_rows(acts), _plain_rows(saved)
     wrapped, wrapped_updates, compiled = _plain_rows(wrapped), _plain_rows(wrapped_updates), _plain_rows(compiled)
     return MeasuredCosts(device_type=device_type or row.name, device_name=reported,
                          threads=torch.get_num_threads() if dev.type == "cpu" else None,
